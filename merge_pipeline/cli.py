@@ -1,0 +1,149 @@
+"""``merge-pipeline merge | test | inspect``: verl's ``model_merger`` flags, plus our own.
+
+Every user error ends as one line on stderr (``error: <file>: <problem>``) and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from merge_pipeline.engine.outputs import DTYPE_CHOICES, MergeOptions
+from merge_pipeline.engine.progress import human_bytes
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats import BACKENDS
+
+log = logging.getLogger("merge_pipeline")
+
+EXIT_ERROR = 1
+EXIT_MISMATCH = 3
+
+
+def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="checkpoint format (default: detect)")
+    parser.add_argument("--local_dir", required=True, type=Path, help="role folder, e.g. checkpoints/global_step_100/actor")
+    parser.add_argument("--tie-word-embedding", action="store_true", help="tie lm_head to the embeddings (also read from config.json)")
+    parser.add_argument("--is-value-model", action="store_true", help="a critic / value model (also detected from the checkpoint)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow config.json to name remote-code classes")
+    parser.add_argument("--use_cpu_initialization", action="store_true", help="accepted for verl compatibility; merging always runs on CPU")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="output dtype (default auto: keep the stored dtype)")
+    parser.add_argument("--merge-lora", action="store_true", help="fold LoRA into the base weights instead of writing lora_adapter/")
+    parser.add_argument("--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="merge-pipeline", description="Merge sharded FSDP / Megatron checkpoints into Hugging Face folders.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    merge = commands.add_parser("merge", help="merge a checkpoint role folder into an HF folder")
+    _checkpoint_flags(merge)
+    merge.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, HF-style (default 5GB)")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing target once the new one is complete")
+    merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
+    merge.add_argument("--private", action="store_true", help="create the Hub repo private")
+    merge.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    merge.set_defaults(run=_run_merge)
+
+    test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
+    _checkpoint_flags(test)
+    test.add_argument("--test_hf_dir", required=True, type=Path, help="reference HF folder")
+    test.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bit-exact)")
+    test.set_defaults(run=_run_test)
+
+    inspect = commands.add_parser("inspect", help="describe a checkpoint without loading tensor data")
+    inspect.add_argument("local_dir", type=Path)
+    inspect.add_argument("--backend", choices=BACKENDS, default="auto")
+    inspect.add_argument("--trust-remote-code", action="store_true")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(run=_run_inspect)
+    return parser
+
+
+def _options(args: argparse.Namespace, **extra) -> MergeOptions:
+    if getattr(args, "use_cpu_initialization", False):
+        log.info("--use_cpu_initialization is accepted for verl compatibility and ignored: merging always runs on CPU")
+    return MergeOptions(
+        dtype=args.dtype,
+        merge_lora=args.merge_lora,
+        tie_word_embedding=args.tie_word_embedding,
+        is_value_model=args.is_value_model,
+        trust_remote_code=args.trust_remote_code,
+        verify_replicas=args.verify_replicas,
+        **extra,
+    )
+
+
+def _run_merge(args: argparse.Namespace) -> int:
+    from merge_pipeline.engine.merge import merge_checkpoint
+
+    options = _options(args, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    result = merge_checkpoint(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress)
+    print(f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.bytes_written)}) into {result.target_dir} in {result.seconds:.1f} s")
+    if args.hf_upload_path:
+        from merge_pipeline.hub import upload_folder_verified
+
+        url = upload_folder_verified(result.target_dir, args.hf_upload_path, private=args.private)
+        print(f"uploaded to {url}")
+    return 0
+
+
+def _run_test(args: argparse.Namespace) -> int:
+    from merge_pipeline.engine.merge import prepare
+    from merge_pipeline.engine.verify import compare_with_reference
+
+    plan, _, layout = prepare(args.local_dir, _options(args), args.backend)
+    with plan:
+        result = compare_with_reference(layout, args.test_hf_dir.absolute(), atol=args.atol)
+    for diff, name in result.worst:
+        print(f"  {diff:.3g}  {name}")
+    for name in result.missing:
+        print(f"missing from reference: {name}")
+    for name in result.unexpected:
+        print(f"only in reference: {name}")
+    for name, what in result.mismatched:
+        print(f"MISMATCH {name}: {what}")
+    if not result.ok:
+        print(f"FAILED: {len(result.mismatched)} mismatched, {len(result.missing)} missing, {len(result.unexpected)} unexpected of {result.compared} compared", file=sys.stderr)
+        return EXIT_MISMATCH
+    print(f"OK: {result.compared} tensors match {args.test_hf_dir}")
+    return 0
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from merge_pipeline.engine.inspect import describe
+
+    info = describe(args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            if key != "files":
+                print(f"{key:>20}: {value}")
+        print(f"{'files':>20}: {len(info['files'])} ({human_bytes(sum(f['size'] for f in info['files']))})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return args.run(args)
+    except (MergeError, OSError) as exc:
+        if args.verbose:
+            raise
+        # OSError (disk full, permission denied, ...): name the file, skip the traceback.
+        message = str(exc) if isinstance(exc, MergeError) else f"{exc.filename or ''}: {exc.strerror or exc}"
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted: nothing was published", file=sys.stderr)
+        return 130
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""``merge_manifest.json``: what went in, what decisions were made, and the sha256 of what came out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+MANIFEST = "merge_manifest.json"
+_LIBRARIES = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "megatron-core")
+
+
+def sha256_file(path: Path, block: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    found = {}
+    for name in ("merge_pipeline", *_LIBRARIES):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def file_sums(folder: Path) -> dict[str, dict[str, object]]:
+    """Size and sha256 of every file under ``folder`` except the manifest itself."""
+    return {
+        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def write_manifest(folder: Path, body: dict) -> dict:
+    manifest = {**body, "versions": library_versions(), "files": file_sums(folder)}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict:
+    return json.loads((folder / MANIFEST).read_text())

@@ -1,0 +1,150 @@
+"""The merge, start to end: plan -> validate -> stream weights -> assemble folder -> publish.
+
+The stages are separate functions so the Dagster assets and the torchrun launcher can run them
+one at a time; ``merge_checkpoint`` runs them all in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from merge_pipeline import __version__
+from merge_pipeline.engine.hf_config import ModelConfig, load_model_config
+from merge_pipeline.engine.hf_folder import copy_side_files, write_configs
+from merge_pipeline.engine.manifest import write_manifest
+from merge_pipeline.engine.outputs import MergeOptions, OutputLayout, ShardFile, plan_outputs
+from merge_pipeline.engine.plan import CheckpointPlan
+from merge_pipeline.engine.progress import ByteProgress, human_bytes
+from merge_pipeline.engine.publish import check_target, staged_output
+from merge_pipeline.engine.safetensors_writer import write_safetensors
+from merge_pipeline.formats import open_checkpoint
+
+log = logging.getLogger("merge_pipeline")
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class WriteReport:
+    files: list[dict] = field(default_factory=list)  # filename, bytes, tensors
+    seconds: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(f["bytes"] for f in self.files)
+
+    @property
+    def tensors(self) -> int:
+        return sum(f["tensors"] for f in self.files)
+
+
+@dataclass
+class MergeResult:
+    target_dir: Path
+    parameters: int
+    tensors: int
+    bytes_written: int
+    seconds: float
+    peak_rss_bytes: int
+    manifest: dict
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def prepare(local_dir: str | Path, options: MergeOptions, backend: str = "auto") -> tuple[CheckpointPlan, ModelConfig, OutputLayout]:
+    """Open and validate the checkpoint and decide every output file, reading no tensor data."""
+    plan = open_checkpoint(local_dir, backend, verify_replicas=options.verify_replicas, is_value_model=options.is_value_model, tie_word_embedding=options.tie_word_embedding, trust_remote_code=options.trust_remote_code)
+    try:
+        config = load_model_config(plan.hf_dir, trust_remote_code=options.trust_remote_code, role_dir=plan.role_dir)
+        layout = plan_outputs(plan, config, options)
+    except BaseException:
+        plan.close()
+        raise
+    return plan, config, layout
+
+
+def write_weights(layout: OutputLayout, out_dir: Path, *, files: list[ShardFile] | None = None, show_progress: bool = True) -> WriteReport:
+    """Stream the weight files (all, or the given subset) into ``out_dir``."""
+    files = layout.files if files is None else files
+    progress = ByteProgress(sum(f.nbytes for f in files), "writing weights", enabled=show_progress)
+    report = WriteReport()
+    try:
+        for shard in files:
+            path = out_dir / shard.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            size = write_safetensors(path, shard.tensors, progress)
+            report.files.append({"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors)})
+    finally:
+        progress.close()
+    report.seconds = time.monotonic() - progress.started
+    return report
+
+
+def write_index(layout: OutputLayout, out_dir: Path) -> None:
+    if not layout.sharded:
+        return
+    weight_map = {t.planned.name: shard.filename for shard in layout.shards for t in shard.tensors}
+    index = {"metadata": {"total_size": sum(s.nbytes for s in layout.shards)}, "weight_map": weight_map}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def finish_folder(plan: CheckpointPlan, config: ModelConfig, layout: OutputLayout, out_dir: Path, options: MergeOptions) -> dict:
+    """Index, configs and manifest: everything but the weights and the side files."""
+    write_index(layout, out_dir)
+    write_configs(config, layout, out_dir)
+    return write_manifest(out_dir, manifest_body(plan, layout, options))
+
+
+def manifest_body(plan: CheckpointPlan, layout: OutputLayout, options: MergeOptions) -> dict:
+    return {
+        "tool": {"name": "merge_pipeline", "version": __version__},
+        "source": {
+            "backend": plan.backend,
+            "role_dir": str(plan.role_dir),
+            "role": plan.role,
+            "layout": plan.layout,
+            "inputs": [{"path": str(f.path), "size": f.size} for f in plan.files],
+        },
+        "options": asdict(options),
+        "decisions": {
+            "config_dtype": str(layout.config_dtype).removeprefix("torch."),
+            "tensor_dtypes": _dtype_decisions(layout),
+            "tied_word_embeddings": layout.tied,
+            "dropped_tensors": layout.dropped,
+            "value_model": layout.is_value_model,
+            "lora": {"r": layout.lora.r, "lora_alpha": layout.lora.lora_alpha, "merged": options.merge_lora, "target_modules": layout.lora_targets} if layout.lora else None,
+        },
+        "parameters": plan.parameter_count,
+        "tensors": sum(len(f.tensors) for f in layout.files),
+    }
+
+
+def _dtype_decisions(layout: OutputLayout) -> dict[str, int]:
+    """Counts of ``source -> output`` dtype pairs, so a lossy cast is visible in the manifest."""
+    counts: dict[str, int] = {}
+    for f in layout.files:
+        for t in f.tensors:
+            key = f"{str(t.planned.dtype).removeprefix('torch.')} -> {str(t.dtype).removeprefix('torch.')}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: MergeOptions = MergeOptions(), *, backend: str = "auto", show_progress: bool = True) -> MergeResult:
+    started = time.monotonic()
+    target = Path(target_dir).absolute()
+    check_target(target, overwrite=options.overwrite)
+    plan, config, layout = prepare(local_dir, options, backend)
+    with plan, staged_output(target, overwrite=options.overwrite) as staging:
+        copy_side_files(config.path.parent, staging)
+        report = write_weights(layout, staging, show_progress=show_progress)
+        manifest = finish_folder(plan, config, layout, staging, options)
+    seconds = time.monotonic() - started
+    log.info("merged %s -> %s: %d tensors, %s in %.1f s", plan.role_dir, target, report.tensors, human_bytes(report.bytes), seconds)
+    return MergeResult(target, plan.parameter_count, report.tensors, report.bytes, seconds, peak_rss_bytes(), manifest)

@@ -1,0 +1,141 @@
+"""Decide what gets written: output names, dtypes, tied/critic/LoRA handling and the shard split."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from merge_pipeline.engine.hf_config import ModelConfig
+from merge_pipeline.engine.lora import has_lora_tensors, split_lora
+from merge_pipeline.engine.plan import CheckpointPlan, LoraInfo, PlannedTensor
+from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.errors import MergeError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+WEIGHTS_PATTERN = "model{suffix}.safetensors"
+ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """What the user asked for; the same fields back the CLI flags and the Dagster run config."""
+
+    dtype: str = "auto"  # auto = keep each tensor's stored dtype: never lose precision unasked
+    max_shard_size: str | int = "5GB"
+    merge_lora: bool = False
+    tie_word_embedding: bool = False  # force tying even if config.json does not say so
+    is_value_model: bool = False  # force the value-model (critic) layout
+    trust_remote_code: bool = False
+    verify_replicas: bool = False
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    filename: str
+    tensors: tuple[OutputTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class OutputLayout:
+    """The complete list of files and tensors to write, fixed before a byte is written."""
+
+    shards: list[ShardFile]
+    adapter: ShardFile | None
+    lora: LoraInfo | None
+    lora_targets: list[str]
+    tied: bool
+    is_value_model: bool
+    config_dtype: torch.dtype
+    dropped: list[str] = field(default_factory=list)  # e.g. a tied lm_head.weight
+
+    @property
+    def files(self) -> list[ShardFile]:
+        return self.shards + ([self.adapter] if self.adapter else [])
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.shards) > 1
+
+
+def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> OutputLayout:
+    if not plan.tensors:
+        raise MergeError(plan.role_dir, "checkpoint holds no tensors")
+    tensors = plan.tensors
+    adapter: list[PlannedTensor] = []
+    targets: list[str] = []
+    lora = plan.lora
+    if has_lora_tensors(tensors):
+        if lora is None:
+            raise MergeError(plan.role_dir / "lora_train_meta.json", "LoRA tensors in the checkpoint but no lora_train_meta.json with r and lora_alpha")
+        split = split_lora(tensors, lora, merge=options.merge_lora, where=plan.role_dir)
+        tensors, adapter, targets = split.base, split.adapter, split.target_modules
+    elif options.merge_lora:
+        raise MergeError(plan.role_dir, "--merge-lora given but the checkpoint has no LoRA tensors")
+
+    is_value_model = plan.is_value_model or options.is_value_model
+    if options.is_value_model and not plan.is_value_model and any(t.name.endswith("lm_head.weight") for t in tensors):
+        raise MergeError(plan.role_dir, "--is-value-model given but the checkpoint has lm_head.weight and no value head (score.*)")
+    tied = (options.tie_word_embedding or config.tie_word_embeddings) and not is_value_model
+    dropped = [t.name for t in tensors if tied and t.name == config.lm_head_name]
+    tensors = [t for t in tensors if t.name not in dropped]
+
+    requested = DTYPES.get(options.dtype)
+    model = [OutputTensor(t, _output_dtype(t, requested)) for t in tensors]
+    adapter_out = [OutputTensor(t, _output_dtype(t, requested)) for t in adapter]
+    return OutputLayout(
+        shards=_split_shards(model, options.max_shard_size),
+        adapter=ShardFile(ADAPTER_WEIGHTS, tuple(adapter_out)) if adapter_out else None,
+        lora=lora if adapter_out or options.merge_lora else None,
+        lora_targets=targets,
+        tied=tied,
+        is_value_model=is_value_model,
+        config_dtype=_dominant_dtype(model),
+        dropped=dropped,
+    )
+
+
+def _output_dtype(t: PlannedTensor, requested: torch.dtype | None) -> torch.dtype:
+    # Only floating tensors are cast; integer buffers keep their type.
+    if requested is None or not t.dtype.is_floating_point:
+        return t.dtype
+    return requested
+
+
+def _dominant_dtype(tensors: list[OutputTensor]) -> torch.dtype:
+    weight: Counter[torch.dtype] = Counter()
+    for t in tensors:
+        if t.dtype.is_floating_point:
+            weight[t.dtype] += t.planned.numel
+    return weight.most_common(1)[0][0] if weight else torch.float32
+
+
+def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> list[ShardFile]:
+    try:
+        split = split_state_dict_into_shards_factory(
+            {t.planned.name: t for t in tensors},
+            get_storage_size=lambda t: t.nbytes,
+            filename_pattern=WEIGHTS_PATTERN,
+            max_shard_size=max_shard_size,
+        )
+    except ValueError as exc:
+        raise MergeError(None, f"--max-shard-size {max_shard_size!r}: {exc}") from None
+    by_name = {t.planned.name: t for t in tensors}
+    return [ShardFile(filename, tuple(by_name[n] for n in names)) for filename, names in split.filename_to_tensors.items()]

@@ -1,0 +1,67 @@
+"""``test``: compare what a checkpoint merges to with a reference HF folder, tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from merge_pipeline.engine.merge import INDEX
+from merge_pipeline.engine.outputs import OutputLayout
+from merge_pipeline.errors import MergeError
+
+
+@dataclass
+class Comparison:
+    compared: int = 0
+    missing: list[str] = field(default_factory=list)  # in the checkpoint, not in the reference
+    unexpected: list[str] = field(default_factory=list)  # in the reference, not in the checkpoint
+    mismatched: list[tuple[str, str]] = field(default_factory=list)  # (name, what differs)
+    worst: list[tuple[float, str]] = field(default_factory=list)  # (max abs diff, name), largest first
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+
+def reference_files(reference_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of an HF folder (sharded or not)."""
+    index = reference_dir / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise MergeError(index, f"not a safetensors index ({exc})") from None
+        return {name: reference_dir / filename for name, filename in weight_map.items()}
+    single = reference_dir / "model.safetensors"
+    if not single.is_file():
+        raise MergeError(reference_dir, "no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def compare_with_reference(layout: OutputLayout, reference_dir: Path, *, atol: float = 0.0, worst: int = 5) -> Comparison:
+    files = reference_files(reference_dir)
+    result = Comparison()
+    ours = {t.planned.name: t for shard in layout.shards for t in shard.tensors}
+    result.missing = sorted(set(ours) - set(files))
+    result.unexpected = sorted(set(files) - set(ours))
+    diffs = []
+    for name in sorted(set(ours) & set(files)):
+        with safe_open(files[name], "pt") as f:
+            reference = f.get_tensor(name)
+        mine = ours[name].planned.load()
+        result.compared += 1
+        if tuple(reference.shape) != ours[name].planned.shape:
+            result.mismatched.append((name, f"shape {ours[name].planned.shape} vs reference {tuple(reference.shape)}"))
+            continue
+        mine = mine.to(reference.dtype)  # compare in the reference's dtype, as a merge to it would write
+        diff = (mine.double() - reference.double()).abs().max().item() if mine.numel() else 0.0
+        diffs.append((diff, name))
+        if diff > atol or (atol == 0 and not torch.equal(mine, reference)):
+            result.mismatched.append((name, f"max abs diff {diff:.3g}"))
+    result.worst = sorted(diffs, reverse=True)[:worst]
+    return result

@@ -1,0 +1,38 @@
+"""Format readers: each turns a role folder into a ``CheckpointPlan`` without loading tensor data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from merge_pipeline.engine.plan import CheckpointPlan
+from merge_pipeline.errors import MergeError
+
+BACKENDS = ("auto", "fsdp", "megatron")
+
+
+def detect_backend(role_dir: Path) -> str:
+    from merge_pipeline.formats.fsdp import is_fsdp_dir
+
+    if is_fsdp_dir(role_dir):
+        return "fsdp"
+    if (role_dir / "dist_ckpt").is_dir() or any((role_dir / "huggingface").glob("*.safetensors")):
+        return "megatron"
+    raise MergeError(role_dir, "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (dist_ckpt/)")
+
+
+def open_checkpoint(role_dir: str | Path, backend: str = "auto", *, verify_replicas: bool = False, is_value_model: bool = False, tie_word_embedding: bool = False, trust_remote_code: bool = False) -> CheckpointPlan:
+    """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``."""
+    role_dir = Path(role_dir).absolute()
+    if not role_dir.is_dir():
+        raise MergeError(role_dir, "not a directory" if role_dir.exists() else "does not exist")
+    if backend not in BACKENDS:
+        raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend == "auto":
+        backend = detect_backend(role_dir)
+    if backend == "fsdp":
+        from merge_pipeline.formats.fsdp import plan_fsdp
+
+        return plan_fsdp(role_dir, verify_replicas=verify_replicas)
+    from merge_pipeline.formats.megatron import plan_megatron
+
+    return plan_megatron(role_dir, is_value_model=is_value_model or None, tie_word_embedding=tie_word_embedding or None, trust_remote_code=trust_remote_code)

@@ -1,0 +1,244 @@
+"""Reader for verl FSDP role folders: ``model_world_size_{W}_rank_{r}.pt`` (+ ``fsdp_config.json``).
+
+Each rank file is a state dict of DTensors (or plain tensors for FSDP1 at world size 1). We trust
+the metadata the DTensors carry over file names: every shard's recorded mesh coordinate must match
+its file's rank, every rank must hold the same keys and global shapes, and each tensor's pieces
+must tile its global shape exactly. Nothing is written before all of that holds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from merge_pipeline.engine.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor, SourceFile, StoredBytes
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
+
+MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+FSDP_CONFIG = "fsdp_config.json"
+LORA_META = "lora_train_meta.json"
+
+
+def is_fsdp_dir(role_dir: Path) -> bool:
+    return any(MODEL_FILE.match(p.name) for p in role_dir.iterdir())
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MergeError(path, "file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MergeError(path, f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise MergeError(path, "expected a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's piece of one tensor: where it sits in the global tensor and where its bytes are."""
+
+    rank: int
+    file: SourceFile
+    stored: StoredTensor
+    offset: tuple[int, ...]  # position of the piece in the global tensor
+
+
+def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPlan:
+    world_size, fsdp_version = _world_size(role_dir)
+    paths = [role_dir / f"model_world_size_{world_size}_rank_{r}.pt" for r in range(world_size)]
+    files: list[SourceFile] = []
+    try:
+        states = []
+        for path in paths:
+            files.append(SourceFile(path))
+            states.append(load_meta_state_dict(path))
+        tensors, mesh = _plan_tensors(files, states, world_size, verify_replicas)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    lora = None
+    if (role_dir / LORA_META).exists():
+        meta = read_json(role_dir / LORA_META)
+        try:
+            lora = LoraInfo(r=int(meta["r"]), lora_alpha=int(meta["lora_alpha"]), task_type=str(meta.get("task_type", "CAUSAL_LM")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MergeError(role_dir / LORA_META, f"expected integer 'r' and 'lora_alpha' ({exc})") from None
+    names = {t.name for t in tensors}
+    return CheckpointPlan(
+        backend="fsdp",
+        role_dir=role_dir,
+        hf_dir=role_dir / "huggingface",
+        tensors=tensors,
+        files=files,
+        is_value_model=any(n.endswith("score.weight") for n in names) and not any(n.endswith("lm_head.weight") for n in names),
+        lora=lora,
+        layout={"world_size": world_size, "fsdp_version": fsdp_version, **mesh},
+    )
+
+
+def _world_size(role_dir: Path) -> tuple[int, int | None]:
+    """World size from fsdp_config.json when present, else from the file names; files must agree."""
+    found: dict[int, set[int]] = {}
+    for p in role_dir.iterdir():
+        if m := MODEL_FILE.match(p.name):
+            found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    if not found:
+        raise MergeError(role_dir, "no model_world_size_*_rank_*.pt files: not an FSDP checkpoint folder")
+    version = None
+    config_path = role_dir / FSDP_CONFIG
+    if config_path.exists():
+        config = read_json(config_path)
+        world_size = config.get("world_size")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise MergeError(config_path, f"'world_size' must be a positive integer, found {world_size!r}")
+        version = config.get("FSDP_version")
+        if world_size not in found:
+            raise MergeError(config_path, f"says world_size {world_size} but the rank files are for world size {sorted(found)}")
+    elif len(found) == 1:
+        world_size = next(iter(found))
+    else:
+        raise MergeError(role_dir, f"rank files for several world sizes {sorted(found)} and no {FSDP_CONFIG} to choose")
+    extra = sorted(f"model_world_size_{w}_rank_{r}.pt" for w, ranks in found.items() for r in ranks if w != world_size or r >= world_size)
+    if extra:
+        raise MergeError(role_dir / extra[0], f"unexpected rank file for world size {world_size}")
+    missing = sorted(set(range(world_size)) - found[world_size])
+    if missing:
+        raise MergeError(role_dir / f"model_world_size_{world_size}_rank_{missing[0]}.pt", f"missing ({len(missing)} of {world_size} rank files missing)")
+    return world_size, version
+
+
+def _plan_tensors(files, states, world_size, verify_replicas):
+    keys = list(states[0])
+    for f, state in zip(files, states):
+        if list(state) != keys:
+            diff = sorted(set(state) ^ set(keys))
+            raise MergeError(f.path, f"holds different keys than rank 0 (e.g. {diff[:3]})" if diff else "keys in a different order than rank 0")
+    mesh_info: dict[str, object] = {}
+    tensors = []
+    for name in keys:
+        planned, info = _plan_one(name, files, [s[name] for s in states], world_size, verify_replicas)
+        tensors.append(planned)
+        mesh_info = mesh_info or info
+    return tensors, mesh_info
+
+
+def _plan_one(name, files, values, world_size, verify_replicas):
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        raise MergeError(files[0].path, f"{name}: expected a tensor, found {type(first).__name__}")
+    if not isinstance(first, DTensor):
+        if world_size != 1:
+            raise MergeError(files[0].path, f"{name}: plain tensor in a world-size-{world_size} checkpoint (expected DTensor shards)")
+        stored = stored_tensor(files[0].path, name, first, files[0].size)
+        return _assemble(name, tuple(first.shape), first.dtype, [RankShard(0, files[0], stored, (0,) * first.dim())], verify_replicas), {"mesh_shape": [1]}
+
+    global_shape = tuple(first.shape)
+    shards: list[RankShard] = []
+    for rank, (f, value) in enumerate(zip(files, values)):
+        if not isinstance(value, DTensor):
+            raise MergeError(f.path, f"{name}: expected a DTensor shard, found {type(value).__name__}")
+        if tuple(value.shape) != global_shape or value.dtype != first.dtype:
+            raise MergeError(f.path, f"{name}: global shape/dtype {tuple(value.shape)}/{value.dtype} differs from rank 0's {global_shape}/{first.dtype}")
+        mesh = value.device_mesh
+        if mesh.size() != world_size:
+            raise MergeError(f.path, f"{name}: device mesh of {mesh.size()} ranks in a world-size-{world_size} checkpoint")
+        expected_coord = tuple(int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(mesh.shape)))
+        coord = mesh.get_coordinate()
+        if coord is None or tuple(coord) != expected_coord:
+            raise MergeError(f.path, f"{name}: shard was saved at mesh coordinate {coord}, but this file's rank {rank} is coordinate {expected_coord} (rank files swapped or renamed?)")
+        offset, local_shape = _local_region(global_shape, mesh.shape, value.placements, expected_coord, f.path, name)
+        local = value._local_tensor
+        if tuple(local.shape) != local_shape:
+            raise MergeError(f.path, f"{name}: local shard has shape {tuple(local.shape)}, expected {local_shape} for placements {value.placements}")
+        shards.append(RankShard(rank, f, stored_tensor(f.path, name, local, f.size), offset))
+    info = {"mesh_shape": list(first.device_mesh.shape), "mesh_dim_names": list(first.device_mesh.mesh_dim_names or ())}
+    info["placements"] = [str(p) for p in first.placements]
+    return _assemble(name, global_shape, first.dtype, shards, verify_replicas), info
+
+
+def _local_region(global_shape, mesh_shape, placements, coord, path, name):
+    """Offset and shape of this coordinate's piece: torch.chunk-style splits, applied per mesh dim."""
+    offset = [0] * len(global_shape)
+    size = list(global_shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:
+            raise MergeError(path, f"{name}: unsupported placement {placement} (only Shard(d) and Replicate)")
+        d = placement.dim
+        n, parts, index = size[d], mesh_shape[mesh_dim], coord[mesh_dim]
+        chunk = -(-n // parts)  # ceil: torch.chunk gives every piece this many rows but the last ones
+        start = min(index * chunk, n)
+        offset[d] += start
+        size[d] = max(0, min(chunk, n - start))
+    return tuple(offset), tuple(size)
+
+
+def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replicas) -> PlannedTensor:
+    """Pick one shard per distinct region, check the regions tile the tensor, choose how to read it."""
+    regions: dict[tuple, list[RankShard]] = {}
+    for s in shards:
+        regions.setdefault((s.offset, tuple(s.stored.meta.shape)), []).append(s)
+    if verify_replicas:
+        for group in regions.values():
+            _check_replicas_equal(name, group)
+    pieces = [group[0] for (offset, shape), group in regions.items() if all(shape)]
+    if 0 in global_shape:
+        return PlannedTensor(name, global_shape, dtype, Computed(lambda: torch.empty(global_shape, dtype=dtype)))
+    split_dim = _split_dim(name, global_shape, pieces) if global_shape else 0
+    pieces.sort(key=lambda s: s.offset[split_dim] if global_shape else 0)
+    position, total = 0, (global_shape[split_dim] if global_shape else 1)
+    for s in pieces:
+        start = s.offset[split_dim] if global_shape else 0
+        if start != position:
+            raise MergeError(s.file.path, f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at row {position} of dim {split_dim})")
+        position += s.stored.meta.shape[split_dim] if global_shape else 1
+    if position != total:
+        raise MergeError(shards[0].file.path, f"{name}: shards cover {position} of {total} rows of dim {split_dim}")
+    return PlannedTensor(name, global_shape, dtype, _source(global_shape, dtype, pieces, split_dim))
+
+
+def _split_dim(name, global_shape, pieces: list[RankShard]) -> int:
+    """The one dim the pieces differ on (0 when the tensor is whole in one piece)."""
+    differing = {d for s in pieces for d in range(len(global_shape)) if s.stored.meta.shape[d] != global_shape[d]}
+    if len(differing) > 1:
+        raise MergeError(pieces[0].file.path, f"{name}: shards split on several dims {sorted(differing)}: unsupported layout")
+    return differing.pop() if differing else 0
+
+
+def _source(global_shape, dtype, pieces: list[RankShard], split_dim: int):
+    runs = [s.stored.byte_run(s.file) for s in pieces]
+    # Pieces split on dim 0 (or a leading run of size-1 dims) are consecutive row-major bytes.
+    if all(r is not None for r in runs) and all(d == 1 for d in global_shape[:split_dim]):
+        return StoredBytes(tuple(r for r in runs if r.length), dtype)
+
+    def concatenate() -> torch.Tensor:
+        return torch.cat([_read_piece(s) for s in pieces], dim=split_dim)
+
+    return Computed(concatenate)
+
+
+def _read_piece(s: RankShard) -> torch.Tensor:
+    meta = s.stored.meta
+    item = meta.element_size()
+    extent = (meta.storage_offset() + max(((n - 1) * st for n, st in zip(meta.shape, meta.stride())), default=0) + 1) * item
+    buffer = bytearray(extent)
+    s.file.read_into(memoryview(buffer), s.stored.storage_file_offset)
+    flat = torch.frombuffer(buffer, dtype=meta.dtype) if extent else torch.empty(0, dtype=meta.dtype)
+    return flat.as_strided(meta.shape, meta.stride(), meta.storage_offset()).clone()
+
+
+def _check_replicas_equal(name, group: list[RankShard]) -> None:
+    reference = _read_piece(group[0])
+    for s in group[1:]:
+        if not torch.equal(_read_piece(s).reshape(-1).view(torch.uint8), reference.reshape(-1).view(torch.uint8)):
+            raise MergeError(s.file.path, f"{name}: replica differs from rank {group[0].rank}'s copy of the same shard")

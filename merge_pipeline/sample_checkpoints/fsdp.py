@@ -1,0 +1,443 @@
+"""Real verl-style FSDP checkpoints, written by torch FSDP on CPU (gloo), one OS process per rank.
+
+The calling process builds the transformers model from a config with seeded random weights and
+saves them as the reference. Each rank process rebuilds a module tree with the same parameter
+names from that file, shards it with FSDP1 or FSDP2 and ``torch.save``s its ``state_dict()`` the
+way verl does. Rank processes never import transformers (seconds per rank on a small machine), so
+parent-only dependencies are imported inside the functions that need them.
+
+    python -m merge_pipeline.sample_checkpoints.fsdp OUT_ROLE_DIR [--world-size N ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_WORKER_MODULE = "merge_pipeline.sample_checkpoints.fsdp"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_CONFIGS = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpSpec:
+    """What to train and how to shard it. Hashable, so test fixtures can cache by spec."""
+
+    arch: str = "qwen2"  # "qwen2" | "llama"
+    world_size: int = 2
+    fsdp_version: int = 2  # 1 = FullyShardedDataParallel (SHARDED_STATE_DICT), 2 = fully_shard
+    mesh: tuple[int, ...] | None = None  # None: 1-D ("fsdp",); (R, F): 2-D HSDP ("ddp", "fsdp")
+    dtype: torch.dtype = torch.float32  # dtype of the stored weights
+    hidden_size: int = 64
+    num_layers: int = 2
+    vocab_size: int = 1003
+    intermediate_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    tie_word_embeddings: bool = False
+    critic: bool = False  # value model: token classification with one label
+    lora: tuple[int, int] | None = None  # (r, lora_alpha) on q/k/v/o projections
+    with_tokenizer: bool = True
+    with_generation_config: bool = True
+    with_optimizer: bool = True  # optim_* and extra_state_* files beside the model files
+    legacy_no_fsdp_config: bool = False  # older verl wrote no fsdp_config.json
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.arch not in _CONFIGS:
+            raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, not {self.arch!r}")
+        if self.fsdp_version not in (1, 2):
+            raise ValueError(f"fsdp_version must be 1 or 2, not {self.fsdp_version}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be positive, not {self.world_size}")
+        if self.mesh is not None and (len(self.mesh) != 2 or self.mesh[0] * self.mesh[1] != self.world_size):
+            raise ValueError(f"mesh must be (replicas, shards) with a product of {self.world_size}: {self.mesh}")
+        if self.dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {self.dtype}")
+        if self.critic and self.lora:
+            raise ValueError("LoRA on a critic is not supported")
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (self.world_size,) if self.mesh is None else tuple(self.mesh)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return ("fsdp",) if self.mesh is None else ("ddp", "fsdp")
+
+
+def write_fsdp_checkpoint(
+    role_dir: Path, spec: FsdpSpec, *, reference_dir: Path | None = None, timeout: float = 300
+) -> None:
+    """Write one verl FSDP role folder (e.g. ``global_step_3/actor``) into ``role_dir``.
+
+    With ``reference_dir``, also keep the unsharded weights the ranks were sharded from
+    (``model.safetensors``, tied tensors stored under each name) and the trained model's
+    ``config.json``. Raises RuntimeError with the failing rank's output if a rank fails, and
+    TimeoutError if the ranks take longer than ``timeout`` seconds; all ranks are killed then.
+    """
+    role_dir = Path(role_dir)
+    role_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fsdp-sample-") as scratch:
+        scratch = Path(scratch)
+        config = _causal_lm_config(spec)
+        job = _write_reference(spec, config, Path(reference_dir) if reference_dir is not None else scratch)
+        job.update(
+            role_dir=str(role_dir),
+            fsdp_version=spec.fsdp_version,
+            mesh_shape=spec.mesh_shape,
+            mesh_dim_names=spec.mesh_dim_names,
+            with_optimizer=spec.with_optimizer,
+        )
+        job_path = scratch / "job.json"
+        job_path.write_text(json.dumps(job))
+        with _launch_ranks(job_path, spec.world_size, scratch) as ranks:
+            _write_metadata(role_dir, spec, config)  # while the ranks start up
+            _wait(ranks, scratch, timeout)
+
+
+# --- calling process: model, reference, metadata ------------------------------------------------
+
+
+def _causal_lm_config(spec: FsdpSpec):
+    """The base model's config; verl saves it as ``huggingface/config.json`` for actors and critics."""
+    import transformers
+
+    from .tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID
+
+    config_class, architecture = _CONFIGS[spec.arch]
+    return getattr(transformers, config_class)(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        vocab_size=spec.vocab_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        max_position_embeddings=4096,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        architectures=[architecture],
+        dtype=spec.dtype,
+    )
+
+
+def _build_model(spec: FsdpSpec, config):
+    """The module verl would train, with seeded random weights in ``spec.dtype``, and its config."""
+    import copy
+
+    import peft
+    import transformers
+
+    if spec.critic:
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+        model = transformers.AutoModelForTokenClassification.from_config(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    trained_config = model.config
+    trained_config.architectures = [type(model).__name__]
+    trained_config.dtype = spec.dtype
+    if spec.lora:
+        r, alpha = spec.lora
+        lora = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=_LORA_TARGETS, task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, lora)
+    _randomize(model, spec.seed)
+    return model.to(spec.dtype), trained_config
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights with no structure a merge bug could hide behind: no ones, no zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        is_norm = "norm" in name.rsplit(".", 2)[-2]
+        param.copy_(1.0 + 0.1 * noise if is_norm else 0.05 * noise)
+
+
+def _write_reference(spec: FsdpSpec, config, out_dir: Path) -> dict:
+    """Save the unsharded weights and config to ``out_dir``; return what a rank needs to rebuild them."""
+    from safetensors.torch import save_file
+
+    model, trained_config = _build_model(spec, config)
+    state = model.state_dict(keep_vars=True)
+    first_name: dict[int, str] = {}
+    aliases = {}  # tied parameters: later name -> first name of the same Parameter
+    for name, param in state.items():
+        first = first_name.setdefault(id(param), name)
+        if first != name:
+            aliases[name] = first
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses shared storage, so a tied tensor is stored under each of its names.
+    tensors = {name: param.detach().clone() if name in aliases else param.detach() for name, param in state.items()}
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    trained_config.save_pretrained(out_dir)
+    return {
+        "weights": str(out_dir / "model.safetensors"),
+        "names": list(state),
+        "aliases": aliases,
+        "frozen": [name for name, param in state.items() if not param.requires_grad],
+    }
+
+
+def _write_metadata(role_dir: Path, spec: FsdpSpec, config) -> None:
+    """Everything verl writes beside the weight shards."""
+    from transformers import GenerationConfig
+
+    from .tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, write_tokenizer
+
+    if not spec.legacy_no_fsdp_config:
+        fsdp_config = {"FSDP_version": spec.fsdp_version, "world_size": spec.world_size}
+        (role_dir / "fsdp_config.json").write_text(json.dumps(fsdp_config, indent=4))
+    if spec.lora:
+        r, alpha = spec.lora
+        lora_meta = {"r": r, "lora_alpha": alpha, "task_type": "CAUSAL_LM"}
+        (role_dir / "lora_train_meta.json").write_text(json.dumps(lora_meta, indent=4))
+    hf_dir = role_dir / "huggingface"
+    config.save_pretrained(hf_dir)
+    if spec.with_generation_config:
+        generation = GenerationConfig(
+            eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, do_sample=True, temperature=0.7, top_p=0.8
+        )
+        generation.save_pretrained(hf_dir)
+    if spec.with_tokenizer:
+        write_tokenizer(hf_dir, vocab_size=spec.vocab_size)
+
+
+# --- calling process: rank processes ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _launch_ranks(job_path: Path, world_size: int, log_dir: Path):
+    """Start one process per rank; on leaving, kill whichever are still running."""
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",  # ranks share few cores; more threads only contend
+        "PYTHONWARNINGS": "ignore",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",  # gloo and c10d chatter
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    ranks: list[subprocess.Popen] = []
+    try:
+        for rank in range(world_size):
+            with open(_log_path(log_dir, rank), "wb") as log:
+                command = [sys.executable, "-m", _WORKER_MODULE, "--worker", str(job_path)]
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                ranks.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+        yield ranks
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+        for process in ranks:
+            process.wait()
+
+
+def _wait(ranks: list[subprocess.Popen], log_dir: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(process.poll() == 0 for process in ranks):
+        failed = [rank for rank, process in enumerate(ranks) if process.returncode not in (None, 0)]
+        if failed:
+            raise RuntimeError("\n".join(_rank_report(ranks, log_dir, rank) for rank in failed))
+        if time.monotonic() > deadline:
+            running = [rank for rank, process in enumerate(ranks) if process.returncode is None]
+            reports = "\n".join(_rank_report(ranks, log_dir, rank) for rank in running)
+            raise TimeoutError(f"FSDP ranks {running} still running after {timeout} s\n{reports}")
+        time.sleep(0.05)
+
+
+def _log_path(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank_{rank}.log"
+
+
+def _rank_report(ranks: list[subprocess.Popen], log_dir: Path, rank: int) -> str:
+    output = _log_path(log_dir, rank).read_text(errors="replace")[-4000:]
+    status = "running" if ranks[rank].returncode is None else f"exit code {ranks[rank].returncode}"
+    return f"FSDP rank {rank} of {len(ranks)} ({status}), output:\n{output}"
+
+
+# --- rank process -------------------------------------------------------------------------------
+
+
+class _Container(torch.nn.Module):
+    """Holds parameters under the checkpoint's names. Never called: saving needs no forward."""
+
+
+class _DecoderLayer(_Container):
+    """A ``...layers.<i>`` module: its own FSDP unit, as verl's wrap policy makes each decoder layer."""
+
+
+def _run_rank(job_path: Path) -> None:
+    import warnings
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.filterwarnings("ignore")  # FSDP1 deprecation and world-size-1 notices
+    job = json.loads(job_path.read_text())
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", tuple(job["mesh_shape"]), mesh_dim_names=tuple(job["mesh_dim_names"]))
+        model = _shard(_rebuild_module(job, load_file(job["weights"])), mesh, job["fsdp_version"])
+        role_dir = Path(job["role_dir"])
+        suffix = f"world_size_{dist.get_world_size()}_rank_{dist.get_rank()}.pt"
+        if job["with_optimizer"]:
+            _save_optimizer_state(model, role_dir, suffix)
+        torch.save(_model_state_dict(model, job["fsdp_version"]), role_dir / f"model_{suffix}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _rebuild_module(job: dict, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree whose ``state_dict()`` has exactly the reference's names, order and ties."""
+    frozen = set(job["frozen"])
+    modules: dict[str, torch.nn.Module] = {"": _Container()}
+
+    def module_at(path: str) -> torch.nn.Module:
+        if path not in modules:
+            parent, _, child = path.rpartition(".")
+            is_layer = parent.rpartition(".")[2] == "layers" and child.isdigit()
+            modules[path] = _DecoderLayer() if is_layer else _Container()
+            module_at(parent).add_module(child, modules[path])
+        return modules[path]
+
+    for name in job["names"]:
+        path, _, leaf = name.rpartition(".")
+        if name in job["aliases"]:
+            param = modules[""].get_parameter(job["aliases"][name])
+        else:
+            param = torch.nn.Parameter(weights[name], requires_grad=name not in frozen)
+        module_at(path).register_parameter(leaf, param)
+    return modules[""]
+
+
+def _shard(module: torch.nn.Module, mesh, fsdp_version: int) -> torch.nn.Module:
+    if fsdp_version == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in [m for m in module.modules() if isinstance(m, _DecoderLayer)]:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(module, mesh=mesh)
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        module,
+        auto_wrap_policy=ModuleWrapPolicy({_DecoderLayer}),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD if mesh.ndim == 2 else ShardingStrategy.FULL_SHARD,
+        device_mesh=mesh,  # with a mesh the sharded state dict holds DTensors, not ShardedTensors
+        device_id=torch.device("cpu"),  # both needed on CPU
+        sync_module_states=False,
+        use_orig_params=True,  # clean parameter names; frozen and trainable (LoRA) params may mix
+    )
+
+
+def _model_state_dict(model: torch.nn.Module, fsdp_version: int) -> dict:
+    if fsdp_version == 2:
+        return model.state_dict()
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        return model.state_dict()
+
+
+def _save_optimizer_state(model: torch.nn.Module, role_dir: Path, suffix: str) -> None:
+    """A real AdamW state and verl's extra state (lr scheduler, RNG states incl. numpy's).
+
+    One step with zero gradients at lr=0 fills the moments and leaves the weights bit for bit alone.
+    """
+    import random
+
+    import numpy as np
+
+    params = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    scheduler.step()
+    torch.save(optimizer.state_dict(), role_dir / f"optim_{suffix}")
+    rng = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    torch.save({"lr_scheduler": scheduler.state_dict(), "rng": rng}, role_dir / f"extra_state_{suffix}")
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = FsdpSpec()
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {_WORKER_MODULE}", description="Write a real verl-style FSDP checkpoint (CPU, gloo)."
+    )
+    parser.add_argument("role_dir", type=Path, help="role folder to write, e.g. ckpt/global_step_1/actor")
+    parser.add_argument("--world-size", type=int, default=defaults.world_size)
+    parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=defaults.fsdp_version)
+    parser.add_argument("--arch", choices=sorted(_CONFIGS), default=defaults.arch)
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
+    parser.add_argument("--num-attention-heads", type=int, default=defaults.num_attention_heads)
+    parser.add_argument("--num-key-value-heads", type=int, default=defaults.num_key_value_heads)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--tie-word-embeddings", action="store_true")
+    parser.add_argument("--critic", action="store_true")
+    parser.add_argument("--lora", type=int, nargs=2, metavar=("R", "ALPHA"))
+    parser.add_argument("--mesh", type=int, nargs=2, metavar=("R", "F"), help="2-D HSDP mesh (replicas, shards)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--reference-dir", type=Path, help="also write the unsharded weights and config here")
+    parser.add_argument("--timeout", type=float, default=300)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # internal: one rank, started by write_fsdp_checkpoint
+        _run_rank(Path(argv[1]))
+        return
+    args = _parser().parse_args(argv)
+    spec = FsdpSpec(
+        arch=args.arch,
+        world_size=args.world_size,
+        fsdp_version=args.fsdp_version,
+        mesh=tuple(args.mesh) if args.mesh else None,
+        dtype=_DTYPES[args.dtype],
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        intermediate_size=args.intermediate_size,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        tie_word_embeddings=args.tie_word_embeddings,
+        critic=args.critic,
+        lora=tuple(args.lora) if args.lora else None,
+        seed=args.seed,
+    )
+    write_fsdp_checkpoint(args.role_dir, spec, reference_dir=args.reference_dir, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with its test extras. Idempotent; safe to re-run.
+# torch is pinned to 2.13.0 in pyproject.toml: on this CPU machine pip takes that CPU wheel from
+# local disk, where a bare `torch` requirement would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e ".[test]"
