@@ -80,11 +80,15 @@ def _options(args: argparse.Namespace, **extra) -> MergeOptions:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
+    from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
     from merge_pipeline.engine.merge import merge_checkpoint
 
     options = _options(args, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    result = merge_checkpoint(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress)
-    print(f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.bytes_written)}) into {result.target_dir} in {result.seconds:.1f} s")
+    merge = merge_distributed if launched_by_torchrun() else merge_checkpoint
+    result = merge(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress)
+    if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
+        return 0
+    print(f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {result.target_dir} in {result.seconds:.1f} s")
     if args.hf_upload_path:
         from merge_pipeline.hub import upload_folder_verified
 

@@ -48,7 +48,7 @@ class MergeResult:
     target_dir: Path
     parameters: int
     tensors: int
-    bytes_written: int
+    tensor_bytes: int  # bytes of tensor data written (file sizes add the headers)
     seconds: float
     peak_rss_bytes: int
     manifest: dict
@@ -147,4 +147,4 @@ def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: Mer
         manifest = finish_folder(plan, config, layout, staging, options)
     seconds = time.monotonic() - started
     log.info("merged %s -> %s: %d tensors, %s in %.1f s", plan.role_dir, target, report.tensors, human_bytes(report.bytes), seconds)
-    return MergeResult(target, plan.parameter_count, report.tensors, report.bytes, seconds, peak_rss_bytes(), manifest)
+    return MergeResult(target, plan.parameter_count, report.tensors, layout.total_bytes, seconds, peak_rss_bytes(), manifest)

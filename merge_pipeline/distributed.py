@@ -1,0 +1,104 @@
+"""Merging under ``torchrun``: every rank writes whole output shards, rank 0 finishes and publishes.
+
+The shard split is decided by the same plan on every rank, so the result is byte-identical to a
+single-process merge. Ranks share a filesystem (one staging folder beside the target). A failure
+on any rank fails every rank with that rank's one-line error, and nothing is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from merge_pipeline.engine.hf_folder import copy_side_files
+from merge_pipeline.engine.merge import MergeResult, finish_folder, peak_rss_bytes, prepare, write_weights
+from merge_pipeline.engine.outputs import MergeOptions, ShardFile
+from merge_pipeline.engine.publish import staged_output, staging_path
+from merge_pipeline.errors import MergeError
+
+log = logging.getLogger("merge_pipeline")
+
+# Generous: a rank may spend a long time writing its shards between two collectives.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=6)
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def assign_shards(files: list[ShardFile], world_size: int) -> list[list[ShardFile]]:
+    """Balance bytes: biggest file first to the least-loaded rank (deterministic on every rank)."""
+    loads = [0] * world_size
+    assigned: list[list[ShardFile]] = [[] for _ in range(world_size)]
+    for f in sorted(files, key=lambda f: (-f.nbytes, f.filename)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        assigned[rank].append(f)
+        loads[rank] += f.nbytes
+    return assigned
+
+
+def _agree(error: str | None) -> None:
+    """Collective: every rank learns whether any rank failed; all raise the first failure."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise MergeError(None, message if rank == dist.get_rank() else f"rank {rank} failed: {message}")
+
+
+def _attempt(step) -> str | None:
+    try:
+        step()
+    except MergeError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{exc.filename or ''}: {exc.strerror or exc}"
+    return None
+
+
+def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: MergeOptions, *, backend: str = "auto", show_progress: bool = True) -> MergeResult | None:
+    """Run one rank's part of the merge; rank 0 returns the result, other ranks ``None``."""
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        return _merge_rank(local_dir, Path(target_dir).absolute(), options, backend, show_progress)
+    finally:
+        dist.destroy_process_group()
+
+
+def _merge_rank(local_dir, target: Path, options: MergeOptions, backend: str, show_progress: bool) -> MergeResult | None:
+    """The same sequence of collectives on every rank: prepared, staging ready, written, published."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lead = rank == 0
+    started = time.monotonic()
+    prepared: list = []
+    _agree(_attempt(lambda: prepared.extend(prepare(local_dir, options, backend))))
+    plan, config, layout = prepared
+    mine = assign_shards(layout.files, world)[rank]
+    staging = staging_path(target)
+    log.info("rank %d/%d writes %d of %d weight files", rank, world, len(mine), len(layout.files))
+    with plan, contextlib.ExitStack() as publishing:
+
+        def open_staging() -> None:
+            publishing.enter_context(staged_output(target, overwrite=options.overwrite))
+            copy_side_files(config.path.parent, staging)
+
+        _agree(_attempt(open_staging) if lead else None)
+        _agree(_attempt(lambda: write_weights(layout, staging, files=mine, show_progress=show_progress and lead)))
+        manifest: list[dict] = []
+
+        def finish_and_publish() -> None:
+            manifest.append(finish_folder(plan, config, layout, staging, options))
+            publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
+
+        _agree(_attempt(finish_and_publish) if lead else None)
+    if not lead:
+        return None
+    tensors = sum(len(f.tensors) for f in layout.files)
+    return MergeResult(target, plan.parameter_count, tensors, layout.total_bytes, time.monotonic() - started, peak_rss_bytes(), manifest[0])
