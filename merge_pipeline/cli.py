@@ -1,4 +1,4 @@
-"""``merge-pipeline merge | test | inspect``: verl's ``model_merger`` flags, plus our own.
+"""``merge-pipeline merge | test | inspect | upload``: verl's ``model_merger`` flags, plus our own.
 
 Every user error ends as one line on stderr (``error: <file>: <problem>``) and a non-zero exit.
 """
@@ -35,6 +35,12 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes")
 
 
+def _hub_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--private", action="store_true", help="create the Hub repo private")
+    parser.add_argument("--revision", help="Hub branch to commit to, created if missing (default main)")
+    parser.add_argument("--commit-message", help="Hub commit message (default names the checkpoint)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="merge-pipeline", description="Merge sharded FSDP / Megatron checkpoints into Hugging Face folders.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -46,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, HF-style (default 5GB)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing target once the new one is complete")
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
-    merge.add_argument("--private", action="store_true", help="create the Hub repo private")
+    _hub_flags(merge)
     merge.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     merge.set_defaults(run=_run_merge)
 
@@ -55,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--test_hf_dir", required=True, type=Path, help="reference HF folder")
     test.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bit-exact)")
     test.set_defaults(run=_run_test)
+
+    upload = commands.add_parser("upload", help="upload a merged folder to a Hub repo and verify it")
+    upload.add_argument("folder", type=Path, help="a folder written by `merge`")
+    upload.add_argument("repo_id", metavar="ORG/NAME")
+    _hub_flags(upload)
+    upload.set_defaults(run=_run_upload)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint without loading tensor data")
     inspect.add_argument("local_dir", type=Path)
@@ -90,10 +102,19 @@ def _run_merge(args: argparse.Namespace) -> int:
         return 0
     print(f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {result.target_dir} in {result.seconds:.1f} s")
     if args.hf_upload_path:
-        from merge_pipeline.hub import upload_folder_verified
+        return _upload(result.target_dir, args.hf_upload_path, args)
+    return 0
 
-        url = upload_folder_verified(result.target_dir, args.hf_upload_path, private=args.private)
-        print(f"uploaded to {url}")
+
+def _run_upload(args: argparse.Namespace) -> int:
+    return _upload(args.folder, args.repo_id, args)
+
+
+def _upload(folder: Path, repo_id: str, args: argparse.Namespace) -> int:
+    from merge_pipeline.hub import upload_folder_verified
+
+    upload = upload_folder_verified(folder, repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message)
+    print(f"uploaded to {upload.url}: {len(upload.sent)} of {upload.files} files sent, all verified ({upload.commit_url})")
     return 0
 
 

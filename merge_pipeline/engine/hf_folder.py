@@ -7,8 +7,6 @@ import logging
 import shutil
 from pathlib import Path
 
-from peft import LoraConfig
-
 from merge_pipeline.engine.hf_config import CONFIG, ModelConfig, output_config
 from merge_pipeline.engine.outputs import ADAPTER_DIR, OutputLayout
 
@@ -45,6 +43,8 @@ def write_configs(model: ModelConfig, layout: OutputLayout, out_dir: Path) -> No
     write_json(out_dir / CONFIG, config)
     if layout.adapter is None:
         return
+    from peft import LoraConfig  # imported only for LoRA runs: peft pulls in much of transformers (~1.5 s)
+
     adapter_dir = out_dir / ADAPTER_DIR
     adapter_dir.mkdir(exist_ok=True)
     lora = LoraConfig(

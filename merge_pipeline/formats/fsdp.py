@@ -230,7 +230,7 @@ def _source(global_shape, dtype, pieces: list[RankShard], split_dim: int):
 def _read_piece(s: RankShard) -> torch.Tensor:
     meta = s.stored.meta
     item = meta.element_size()
-    extent = (meta.storage_offset() + max(((n - 1) * st for n, st in zip(meta.shape, meta.stride())), default=0) + 1) * item
+    extent = (meta.storage_offset() + sum((n - 1) * st for n, st in zip(meta.shape, meta.stride())) + 1) * item
     buffer = bytearray(extent)
     s.file.read_into(memoryview(buffer), s.stored.storage_file_offset)
     flat = torch.frombuffer(buffer, dtype=meta.dtype) if extent else torch.empty(0, dtype=meta.dtype)

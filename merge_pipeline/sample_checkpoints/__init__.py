@@ -1,0 +1,1 @@
+"""Sample checkpoints written by the real training libraries, for tests, the demo and benchmarks."""

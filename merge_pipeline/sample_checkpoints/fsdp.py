@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,7 +155,9 @@ def _build_model(spec: FsdpSpec, config):
     if spec.lora:
         r, alpha = spec.lora
         lora = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=_LORA_TARGETS, task_type="CAUSAL_LM")
-        model = peft.get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft calls a transformers method deprecated in 5.x
+            warnings.simplefilter("ignore", FutureWarning)
+            model = peft.get_peft_model(model, lora)
     _randomize(model, spec.seed)
     return model.to(spec.dtype), trained_config
 
@@ -288,8 +291,6 @@ class _DecoderLayer(_Container):
 
 
 def _run_rank(job_path: Path) -> None:
-    import warnings
-
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,0 +1,20 @@
+"""Per-run merge options, set in the Launchpad (or a sensor's run config) for ``merged_state_dict``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import dagster as dg
+from pydantic import Field
+
+from merge_pipeline.engine.outputs import DTYPE_CHOICES, MergeOptions
+
+
+class MergeConfig(dg.Config):
+    dtype: Literal[DTYPE_CHOICES] = Field(default="auto", description="output dtype; auto keeps what the checkpoint stores (never loses precision unasked)")
+    max_shard_size: str = Field(default="5GB", description="largest safetensors shard, HF style (e.g. 5GB, 500MB)")
+    merge_lora: bool = Field(default=False, description="fold LoRA into the base weights instead of writing lora_adapter/")
+    overwrite: bool = Field(default=False, description="replace an existing merged folder, once the new one is complete")
+
+    def options(self) -> MergeOptions:
+        return MergeOptions(dtype=self.dtype, max_shard_size=self.max_shard_size, merge_lora=self.merge_lora, overwrite=self.overwrite)

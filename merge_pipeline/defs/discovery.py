@@ -1,0 +1,121 @@
+"""Find trainer checkpoints on disk and decide when one is complete. Plain filesystem work.
+
+A trainer root holds ``global_step_<N>/<role>/`` folders and ``latest_checkpointed_iteration.txt``,
+which verl writes last, after every role of step N is saved. Folders may vanish at any moment
+(the trainer's rotation deletes old steps): every listing and stat here tolerates that.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from merge_pipeline.defs.partitions import ROLES, STEP_DIR, CheckpointKey
+from merge_pipeline.errors import MergeError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MAX_DEPTH = 3  # a global_step_<N> folder sits at most this many levels below a watched root
+
+
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    key: CheckpointKey
+    role_dir: Path
+
+
+@dataclass(frozen=True)
+class Completeness:
+    complete: bool
+    reason: str  # one line a person reads in the UI
+    newest_change: float | None  # newest mtime under the role folder; None when it holds no file
+
+
+def find_checkpoints(root: Path, *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
+    """Every ``global_step_<N>/<role>`` folder at most three levels below ``root``.
+
+    The run name is the trainer folder's path relative to ``root``, or ``root``'s own name when the
+    steps sit directly in it. Hidden folders and the folders in ``skip`` are not entered.
+    """
+    root = root.absolute()
+    level = [root]
+    for _ in range(MAX_DEPTH):
+        deeper = []
+        for folder in level:
+            for entry in _subfolders(folder):
+                if entry.name.startswith(".") or entry in skip:
+                    continue
+                step = STEP_DIR.match(entry.name)
+                if not step:
+                    deeper.append(entry)
+                    continue
+                run_name = root.name if folder == root else folder.relative_to(root).as_posix()
+                for role in ROLES:
+                    if (entry / role).is_dir():
+                        yield FoundCheckpoint(CheckpointKey(run_name, int(step.group(1)), role), entry / role)
+        level = deeper
+
+
+def locate(key: CheckpointKey, roots: Sequence[Path]) -> Path:
+    """The role folder a partition key names: the inverse of ``find_checkpoints``, over all roots."""
+    candidates = [root / key.path for root in roots]
+    candidates += [root / key.path.relative_to(key.run_name) for root in roots if root.name == key.run_name]
+    found = sorted({c for c in candidates if c.is_dir()})
+    if not found:
+        raise MergeError(candidates[0] if candidates else None, "no such checkpoint folder under the checkpoint roots (deleted by the trainer's rotation?)")
+    if len(found) > 1:
+        raise MergeError(found[1], f"has the same partition key as {found[0]}: give the checkpoint roots distinct run folders")
+    return found[0]
+
+
+def completeness(role_dir: Path, step: int, settle_seconds: float, *, now: float | None = None) -> Completeness:
+    """Complete when the tracker beside ``global_step_<N>`` says >= N, or nothing under it changed for the settle time."""
+    newest = newest_change(role_dir)
+    if newest is None:
+        return Completeness(False, "no files yet", None)
+    latest = read_tracker(role_dir.parent.parent / TRACKER)
+    if latest is not None and latest >= step:
+        return Completeness(True, f"{TRACKER} says {latest} >= {step}", newest)
+    age = (time.time() if now is None else now) - newest
+    says = f"{TRACKER} says {latest}" if latest is not None else f"no {TRACKER}"
+    if age >= settle_seconds:
+        return Completeness(True, f"{says}; no file changed for {age:.0f} s (settle time {settle_seconds:g} s)", newest)
+    return Completeness(False, f"{says}; a file changed {age:.0f} s ago (settle time {settle_seconds:g} s)", newest)
+
+
+def read_tracker(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def newest_change(folder: Path) -> float | None:
+    """The newest mtime of any file or folder below ``folder`` (None when it holds no file)."""
+    newest, files = None, 0
+    for parent, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            try:
+                mtime = os.stat(os.path.join(parent, name)).st_mtime
+            except OSError:
+                continue
+            newest = mtime if newest is None else max(newest, mtime)
+        files += len(names)
+    return newest if files else None
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(Path(e.path) for e in entries if _is_dir(e))
+    except OSError:  # gone, or not readable: nothing to watch there
+        return []
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False

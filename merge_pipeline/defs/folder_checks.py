@@ -1,0 +1,74 @@
+"""Checks of a published HF folder, as plain functions: each returns the problems it found (none = pass)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import transformers
+
+from merge_pipeline.engine.manifest import file_sums, read_manifest
+from merge_pipeline.engine.merge import INDEX
+from merge_pipeline.engine.safetensors_writer import SAFETENSORS_DTYPES
+
+SINGLE_FILE = "model.safetensors"
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """A safetensors file's tensor entries (dtype, shape, data_offsets), read from its header alone."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_files(folder: Path) -> dict[str, dict[str, dict]]:
+    """file name -> its tensor entries, for the model weights (not a LoRA adapter's)."""
+    return {p.name: read_header(p) for p in sorted(folder.glob("model*.safetensors"))}
+
+
+def meta_load_problems(folder: Path) -> list[str]:
+    """Build the model class config.json names on the meta device from the folder: every weight must load as stored."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architecture = (config.architectures or [None])[0]
+    model_class = getattr(transformers, architecture or "", None)
+    if model_class is None:
+        return [f"config.json names architecture {architecture!r}, which transformers does not have"]
+    model, info = model_class.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
+    expected = model.state_dict()
+    problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
+    problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
+    problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
+    for name, entry in sorted((n, e) for tensors in weight_files(folder).values() for n, e in tensors.items()):
+        if name in expected and SAFETENSORS_DTYPES.get(expected[name].dtype) != entry["dtype"]:
+            problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
+    return problems
+
+
+def index_problems(folder: Path) -> list[str]:
+    """The index names every stored tensor, in the file that holds it, with the right total size."""
+    files = weight_files(folder)
+    if not (folder / INDEX).is_file():
+        return [] if list(files) == [SINGLE_FILE] else [f"no {INDEX}, and the weights are {sorted(files)} rather than one {SINGLE_FILE}"]
+    index = json.loads((folder / INDEX).read_text())
+    stored = {name: file for file, tensors in files.items() for name in tensors}
+    weight_map = index["weight_map"]
+    problems = [f"index maps {n} to {f}, which does not hold it" for n, f in sorted(weight_map.items()) if stored.get(n) != f]
+    problems += [f"{f} holds {n}, which the index does not map" for n, f in sorted(stored.items()) if n not in weight_map]
+    problems += [f"{f} is not referenced by the index" for f in sorted(set(files) - set(weight_map.values()))]
+    total = sum(e["data_offsets"][1] - e["data_offsets"][0] for tensors in files.values() for e in tensors.values())
+    if index["metadata"]["total_size"] != total:
+        problems.append(f"index total_size {index['metadata']['total_size']} != {total} bytes of tensor data")
+    return problems
+
+
+def manifest_problems(folder: Path) -> list[str]:
+    """Every file the manifest lists is there with its size and sha256, and no other file is."""
+    recorded = read_manifest(folder)["files"]
+    actual = file_sums(folder)
+    problems = [f"{name}: in the manifest, not in the folder" for name in sorted(set(recorded) - set(actual))]
+    problems += [f"{name}: in the folder, not in the manifest" for name in sorted(set(actual) - set(recorded))]
+    problems += [f"{name}: sha256 or size differs from the manifest" for name in sorted(set(actual) & set(recorded)) if actual[name] != recorded[name]]
+    return problems

@@ -1,0 +1,27 @@
+"""Turn engine facts into metadata a person reads in the Dagster UI."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+import dagster as dg
+
+
+def value(v: object) -> dg.MetadataValue:
+    """bool/int/float/str as themselves; lists and dicts as readable JSON."""
+    if isinstance(v, bool):
+        return dg.MetadataValue.bool(v)
+    if isinstance(v, int):
+        return dg.MetadataValue.int(v)
+    if isinstance(v, float):
+        return dg.MetadataValue.float(v)
+    if v is None or isinstance(v, str):
+        return dg.MetadataValue.text(str(v))
+    return dg.MetadataValue.text(json.dumps(v))
+
+
+def table(rows: Sequence[Mapping[str, object]], columns: Mapping[str, str]) -> dg.MetadataValue:
+    """A table; ``columns`` maps column name to type (string, int, float, bool)."""
+    schema = dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in columns.items()])
+    return dg.MetadataValue.table(records=[dg.TableRecord({c: row[c] for c in columns}) for row in rows], schema=schema)

@@ -1,0 +1,46 @@
+"""One dynamic partition per checkpoint role folder, keyed ``<run_name>/global_step_<N>/<role>``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import dagster as dg
+
+from merge_pipeline.errors import MergeError
+
+checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
+
+ROLES = ("actor", "critic")
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointKey:
+    """A partition key, parsed. ``run_name`` is the trainer folder's path below its watched root."""
+
+    run_name: str
+    step: int
+    role: str
+
+    def __str__(self) -> str:
+        return f"{self.run_name}/global_step_{self.step}/{self.role}"
+
+    @property
+    def path(self) -> PurePosixPath:
+        """Where this role folder sits below a root (and its merged folder below the output root)."""
+        return PurePosixPath(str(self))
+
+    @classmethod
+    def parse(cls, key: str) -> CheckpointKey:
+        parts = key.rsplit("/", 2)
+        if len(parts) == 3 and (step := STEP_DIR.match(parts[1])) and parts[2] in ROLES and _is_run_name(parts[0]):
+            return cls(parts[0], int(step.group(1)), parts[2])
+        raise MergeError(None, f"partition key {key!r} is not <run_name>/global_step_<N>/<{'|'.join(ROLES)}>")
+
+
+def _is_run_name(name: str) -> bool:
+    """A plain relative path: no empty, '.' or '..' parts, nothing a join could escape the root with."""
+    path = PurePosixPath(name)
+    return str(path) == name and bool(path.parts) and not path.is_absolute() and ".." not in path.parts

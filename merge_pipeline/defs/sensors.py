@@ -1,0 +1,55 @@
+"""``new_checkpoint_sensor``: one merge run per complete checkpoint role folder under the watched roots.
+
+Each tick lists the roots (a few directory listings, however many steps there are), skips every key
+the cursor already holds, and looks closer only at new folders: already merged -> remembered and
+skipped; complete -> a partition and a run (``run_key`` = partition key, so a run is never requested
+twice); partial -> left for a later tick. Keys whose folders the trainer deleted leave the cursor.
+"""
+
+
+import json
+import os
+
+import dagster as dg
+
+from merge_pipeline.defs.discovery import completeness
+from merge_pipeline.defs.jobs import merge_checkpoint_job
+from merge_pipeline.defs.partitions import checkpoint_partitions
+from merge_pipeline.defs.resources import MergeSettings
+
+SOURCE_TAG = "merge_pipeline/source"
+INTERVAL_SECONDS = int(os.environ.get("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS", "10"))
+
+
+@dg.sensor(
+    job=merge_checkpoint_job,
+    minimum_interval_seconds=INTERVAL_SECONDS,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Watches MERGE_PIPELINE_CHECKPOINT_ROOTS for complete global_step_<N>/<role> folders and merges each once.",
+)
+def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
+    seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
+    present, requests, waiting = set(), [], []
+    for found in settings.find_checkpoints():
+        key = str(found.key)
+        present.add(key)
+        if key in seen:
+            continue
+        if settings.target_dir(found.key).exists():
+            seen.add(key)  # merged before (by an earlier run, or by hand with the CLI)
+            continue
+        state = completeness(found.role_dir, found.key.step, settings.settle_seconds)
+        if not state.complete:
+            waiting.append(f"{key} ({state.reason})")
+            continue
+        seen.add(key)
+        requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
+    cursor = json.dumps(sorted(seen & present))
+    if not requests:
+        reason = f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}" if waiting else f"no new checkpoints ({len(present)} known)"
+        return dg.SensorResult(skip_reason=reason, cursor=cursor)
+    added = checkpoint_partitions.build_add_request([r.partition_key for r in requests])
+    return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=[added], cursor=cursor)
+
+
+defs = dg.Definitions(sensors=[new_checkpoint_sensor])

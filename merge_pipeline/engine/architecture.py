@@ -1,0 +1,85 @@
+"""The tensors a Hugging Face architecture expects, and a check of a plan against them.
+
+The model is built from config.json on the meta device (no memory, no weights), so the expected
+names and shapes come from transformers itself, for any backend. Names are the on-disk checkpoint
+names: transformers 5 fuses some weights in memory (MoE experts) and un-fuses them when saving,
+and we apply the same reversal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers.core_model_loading import revert_weight_conversion
+
+from merge_pipeline.engine.plan import PlannedTensor
+from merge_pipeline.errors import MergeError
+
+
+class ExpectedTensors(dict[str, tuple[int, ...]]):
+    """Name -> shape of every tensor the architecture holds.
+
+    ``optional`` are names that may be left out: a tied weight is one parameter under two names
+    (``lm_head.weight`` and ``model.embed_tokens.weight``), and a checkpoint may store either
+    or both.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tied_groups: list[set[str]]):
+        super().__init__(shapes)
+        self.tied_groups = tied_groups
+
+
+def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: bool) -> ExpectedTensors:
+    config_path = Path(config_dir) / "config.json"
+    try:
+        config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise MergeError(config_path, f"transformers cannot read it: {str(exc).splitlines()[0]}") from None
+    if value_model:
+        config.num_labels = 1
+    model_class = _model_class(config, config_path, value_model=value_model, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            model = model_class.from_config(config, trust_remote_code=trust_remote_code) if model_class.__name__.startswith("Auto") else model_class(config)
+    except Exception as exc:  # a config transformers accepts but cannot build from: name it, whatever the cause
+        raise MergeError(config_path, f"cannot build {getattr(model_class, '__name__', model_class)} from it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    state = model.state_dict(keep_vars=True)  # parameters themselves, so tied names share one object
+    groups: dict[int, set[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), set()).add(name)
+    shapes = {name: tuple(tensor.shape) for name, tensor in revert_weight_conversion(model, state).items()}
+    return ExpectedTensors(shapes, [g for g in groups.values() if len(g) > 1])
+
+
+def _model_class(config, config_path: Path, *, value_model: bool, trust_remote_code: bool):
+    """The class to build: the architecture config.json names, or an Auto class for value models
+    (verl's critic config still names the causal LM) and remote-code models."""
+    if value_model:
+        return AutoModelForTokenClassification
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and hasattr(transformers, architectures[0]):
+        return getattr(transformers, architectures[0])
+    if trust_remote_code or not architectures:
+        return AutoModelForCausalLM
+    raise MergeError(config_path, f"unsupported architecture {architectures[0]}: transformers has no such model (pass --trust-remote-code for a remote-code model)")
+
+
+def check_plan_against_architecture(plan_tensors: Iterable[PlannedTensor], expected: ExpectedTensors, config_path: Path) -> None:
+    """Every planned tensor must be one the architecture holds, with its shape, and every expected
+    tensor must be planned (a tied duplicate may be left out). One ``MergeError`` lists all problems."""
+    planned = {t.name: t.shape for t in plan_tensors}
+    optional = {name for group in expected.tied_groups if group & planned.keys() for name in group}
+    unexpected = sorted(set(planned) - set(expected))
+    missing = sorted(set(expected) - set(planned) - optional)
+    mismatched = [f"{name} {planned[name]} vs {expected[name]}" for name in sorted(set(planned) & set(expected)) if tuple(planned[name]) != tuple(expected[name])]
+    problems = []
+    for label, names in (("unexpected (no such tensor in the architecture)", unexpected), ("missing", missing), ("shape mismatch (checkpoint vs config)", mismatched)):
+        if names:
+            shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
+            problems.append(f"{len(names)} {label}: {shown}")
+    if problems:
+        raise MergeError(config_path, "checkpoint does not match the architecture: " + "; ".join(problems))

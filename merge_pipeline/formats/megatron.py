@@ -1,0 +1,369 @@
+"""Plan the merge of a Megatron-Core role folder from checkpoint metadata alone.
+
+verl writes ``<role>/dist_ckpt/`` (a torch.distributed.checkpoint folder, backend ``torch_dist``) and
+``<role>/huggingface/config.json``. The DCP ``.metadata`` gives every tensor's global shape and
+dtype and, per saved chunk, which ``.distcp`` file holds it at which offset. Each chunk is a
+``torch.save`` archive whose pickle we read onto the meta device to find where its raw bytes start.
+That is enough to describe every HF tensor as file ranges: no Megatron model, no process group, no
+GPU, and no tensor data read at planning time.
+
+When ``dist_ckpt/`` holds no model tensors (verl's default saves them as HF safetensors in
+``huggingface/``), the plan comes from those files instead (``formats/hf.py``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pickle
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from merge_pipeline.engine.hf_config import load_model_config
+from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.hf import plan_hf_safetensors
+from merge_pipeline.formats.megatron_names import KeyMapper, OutputSpec, Piece, model_shape
+from merge_pipeline.formats.torch_files import stored_tensor
+
+DIST_DIR = "dist_ckpt"
+# Tensors that are training state, not model weights.
+_NOT_MODEL = re.compile(r"^optimizer\.|\._extra_state")
+
+
+def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embedding: bool | None, trust_remote_code: bool) -> CheckpointPlan:
+    """Describe every HF tensor of a Megatron role folder; ``MergeError`` naming the file on bad input.
+
+    ``is_value_model`` / ``tie_word_embedding``: ``None`` means decide from the checkpoint
+    (``output_layer`` of one row) and from config.json (``tie_word_embeddings``).
+    ``trust_remote_code`` lets transformers read a remote-code config.
+    """
+    role_dir = Path(role_dir)
+    hf_dir = role_dir / "huggingface"
+    model_config = load_model_config(hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir)
+    config, config_path = model_config.raw, model_config.path
+    dist_dir = role_dir / DIST_DIR
+    if not dist_dir.is_dir():
+        return plan_hf_safetensors(role_dir, is_value_model=is_value_model)
+    _check_backend(dist_dir / "metadata.json")
+    metadata = read_dcp_metadata(dist_dir / ".metadata")
+    stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)}
+    if not stored:
+        # verl's default: dist_ckpt/ holds optimizer and RNG state only; the weights are HF files.
+        return plan_hf_safetensors(role_dir, is_value_model=is_value_model)
+
+    metadata_path = dist_dir / ".metadata"
+    shapes = {k: tuple(v.size) for k, v in stored.items()}
+    for key, shape in shapes.items():
+        if not shape:
+            raise MergeError(metadata_path, f"{key}: a scalar tensor is not a model weight")
+    text = config.get("text_config") or config
+    lm = "language_model." if "text_config" in config else ""
+    value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
+    tied = bool(text.get("tie_word_embeddings", False)) if tie_word_embedding is None else tie_word_embedding
+    if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
+        raise MergeError(metadata_path, f"no {lm}output_layer.weight and {config_path.name} does not tie word embeddings (pass --tie-word-embedding if they are tied)")
+    specs = KeyMapper(shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path).outputs()
+
+    files: dict[str, SourceFile] = {}
+    try:
+        tensors = {key: _locate(dist_dir, key, stored[key], metadata, files) for key in sorted({p.key for s in specs for p in s.pieces})}
+        planned = [_planned(spec, tensors) for spec in specs]
+        if value_model and f"{lm}output_layer.bias" not in shapes:
+            planned.append(_zero_score_bias(tensors[f"{lm}output_layer.weight"].dtype))
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    planned.sort(key=lambda t: _natural_key(t.name))
+    layout = _layout(dist_dir, tensors.values(), metadata, files, tied)
+    return CheckpointPlan("megatron", role_dir, hf_dir, planned, list(files.values()), is_value_model=value_model, layout=layout)
+
+
+# ---- metadata -------------------------------------------------------------------------------------
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` with only the classes torch writes there: a checkpoint file
+    must never be able to run code (torch's own reader uses plain ``pickle.load``)."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        if name in self._ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    if not path.is_file():
+        raise MergeError(path, "missing: a torch_dist checkpoint needs its .metadata file")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:  # any unpickling failure means the same thing: not readable metadata
+        raise MergeError(path, f"corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise MergeError(path, f"corrupt DCP metadata: expected a torch.distributed.checkpoint Metadata, found {type(metadata).__name__}")
+    return metadata
+
+
+def _check_backend(path: Path) -> None:
+    """megatron-core's metadata.json names the sharded backend; only torch_dist is a DCP folder."""
+    if not path.is_file():
+        raise MergeError(path, "missing: a Megatron dist checkpoint has a metadata.json naming its backend")
+    try:
+        backend = json.loads(path.read_text()).get("sharded_backend")
+    except (ValueError, AttributeError) as exc:
+        raise MergeError(path, f"not valid JSON metadata ({exc})") from None
+    if backend != "torch_dist":
+        raise MergeError(path, f"sharded_backend is {backend!r}; only 'torch_dist' checkpoints can be read (re-save with the torch_dist backend)")
+
+
+def _decide_value_model(output_shape: tuple[int, ...] | None, requested: bool | None, metadata_path: Path) -> bool:
+    one_row = output_shape is not None and output_shape[0] == 1
+    if requested is None:
+        return one_row
+    if requested and not one_row:
+        found = "no output_layer" if output_shape is None else f"output_layer.weight has {output_shape[0]} rows"
+        raise MergeError(metadata_path, f"value model requested but {found}; a value head has one row")
+    if not requested and one_row:
+        raise MergeError(metadata_path, "output_layer.weight has one row (a value head) but the merge was told this is not a value model")
+    return requested
+
+
+# ---- where each chunk's bytes are ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: ByteRun  # the chunk's row-major bytes
+
+
+@dataclass(frozen=True)
+class _StoredTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[_Chunk, ...]
+
+
+class _FileRange(io.RawIOBase):
+    """A read-only, seekable window onto part of an open file, for ``torch.load``."""
+
+    def __init__(self, file: SourceFile, offset: int, length: int):
+        super().__init__()
+        self.file, self.offset, self.length, self.position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = base + position
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.position))
+        if n:
+            self.file.read_into(memoryview(buffer)[:n], self.offset + self.position)
+        self.position += n
+        return n
+
+
+def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, metadata: Metadata, files: dict[str, SourceFile]) -> _StoredTensor:
+    metadata_path = dist_dir / ".metadata"
+    shape, dtype = tuple(meta.size), meta.properties.dtype
+    _check_tiling(key, shape, meta.chunks, metadata_path)
+    chunks = []
+    for chunk in meta.chunks:
+        info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        if info is None:
+            raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
+        if getattr(info, "transform_descriptors", None):
+            raise MergeError(metadata_path, f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)")
+        if info.relative_path not in files:
+            path = dist_dir / info.relative_path
+            if not path.is_file():
+                raise MergeError(path, f"missing: .metadata stores chunks of {key} in it")
+            files[info.relative_path] = SourceFile(path)
+        file = files[info.relative_path]
+        if info.offset + info.length > file.size:
+            raise MergeError(file.path, f"{key}: chunk ends at byte {info.offset + info.length} but the file has {file.size} bytes (truncated)")
+        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), _chunk_bytes(file, info.offset, info.length, key, tuple(chunk.sizes), dtype)))
+    return _StoredTensor(key, shape, dtype, tuple(chunks))
+
+
+def _chunk_bytes(file: SourceFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype) -> ByteRun:
+    """Find the raw bytes inside one chunk's ``torch.save`` archive (reads its pickle only)."""
+    try:
+        meta = torch.load(io.BufferedReader(_FileRange(file, offset, length)), map_location="meta", weights_only=True)
+    except Exception as exc:  # torch raises many types for a damaged archive
+        raise MergeError(file.path, f"{key}: unreadable chunk at byte {offset} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != sizes or meta.dtype != dtype:
+        found = f"{tuple(meta.shape)} {meta.dtype}" if isinstance(meta, torch.Tensor) else type(meta).__name__
+        raise MergeError(file.path, f"{key}: chunk at byte {offset} holds {found}, .metadata says {sizes} {dtype}")
+    run = stored_tensor(file.path, key, meta, length).byte_run(file)
+    if run is None:
+        raise MergeError(file.path, f"{key}: chunk at byte {offset} is not stored contiguously")
+    return ByteRun(file, offset + run.offset, run.length)
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: Path) -> None:
+    """The chunks must cover the global tensor exactly once: no gap (garbage bytes), no overlap."""
+    cuts = []
+    for d, n in enumerate(shape):
+        points = {0, n}
+        for c in chunks:
+            if c.offsets[d] < 0 or c.offsets[d] + c.sizes[d] > n:
+                raise MergeError(metadata_path, f"{key}: chunk at {tuple(c.offsets)} of size {tuple(c.sizes)} lies outside the tensor's shape {shape}")
+            points.update((c.offsets[d], c.offsets[d] + c.sizes[d]))
+        cuts.append(sorted(points))
+    cells: set[tuple[int, ...]] = set()
+    for c in chunks:
+        spans = [range(cut.index(c.offsets[d]), cut.index(c.offsets[d] + c.sizes[d])) for d, cut in enumerate(cuts)]
+        for cell in _product(spans):
+            if cell in cells:
+                raise MergeError(metadata_path, f"{key}: saved chunks overlap at {tuple(c.offsets)}")
+            cells.add(cell)
+    if len(cells) != math.prod(len(cut) - 1 for cut in cuts):
+        raise MergeError(metadata_path, f"{key}: saved chunks do not cover the whole tensor {shape}")
+
+
+def _product(spans: list[range]) -> Iterable[tuple[int, ...]]:
+    result: list[tuple[int, ...]] = [()]
+    for span in spans:
+        result = [r + (i,) for r in result for i in span]
+    return result
+
+
+# ---- HF tensors as file ranges -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The bytes one chunk contributes to a piece: rows ``rows`` (piece-relative), columns ``columns``."""
+
+    rows: tuple[int, int]
+    columns: tuple[slice, ...]  # over the dimensions after the row dimension
+    run: ByteRun
+
+
+def _parts(tensor: _StoredTensor, piece: Piece) -> list[_Part]:
+    k = len(piece.index)
+    lo, hi = piece.rows
+    parts = []
+    for chunk in tensor.chunks:
+        if any(not chunk.offsets[d] <= piece.index[d] < chunk.offsets[d] + chunk.sizes[d] for d in range(k)):
+            continue
+        start, stop = max(lo, chunk.offsets[k]), min(hi, chunk.offsets[k] + chunk.sizes[k])
+        if start >= stop:
+            continue
+        # In the chunk, dims before k are fixed and dims after k are the chunk's whole extent, so
+        # the selected rows are one contiguous byte range.
+        position = [piece.index[d] - chunk.offsets[d] for d in range(k)] + [start - chunk.offsets[k]] + [0] * (len(tensor.shape) - k - 1)
+        element = _flat_index(position, chunk.sizes)
+        row_elements = math.prod(chunk.sizes[k + 1 :])
+        item = tensor.dtype.itemsize
+        columns = tuple(slice(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d]) for d in range(k + 1, len(tensor.shape)))
+        run = ByteRun(chunk.data.file, chunk.data.offset + element * item, (stop - start) * row_elements * item)
+        parts.append(_Part((start - lo, stop - lo), columns, run))
+    parts.sort(key=lambda p: (p.rows[0], tuple(s.start for s in p.columns)))
+    return parts
+
+
+def _flat_index(position: list[int], sizes: tuple[int, ...]) -> int:
+    flat = 0
+    for p, n in zip(position, sizes):
+        flat = flat * n + p
+    return flat
+
+
+def _planned(spec: OutputSpec, tensors: dict[str, _StoredTensor]) -> PlannedTensor:
+    first = tensors[spec.pieces[0].key]
+    trailing = first.shape[len(spec.pieces[0].index) + 1 :]
+    shape = (sum(p.rows[1] - p.rows[0] for p in spec.pieces),) + trailing
+    pieces = [(p, tensors[p.key], _parts(tensors[p.key], p)) for p in spec.pieces]
+    whole_rows = all(s.start == 0 and s.stop == n for _, t, parts in pieces for part in parts for s, n in zip(part.columns, trailing))
+    if whole_rows:
+        return PlannedTensor(spec.name, shape, first.dtype, StoredBytes(tuple(part.run for _, _, parts in pieces for part in parts), first.dtype))
+    return PlannedTensor(spec.name, shape, first.dtype, Computed(lambda: _assemble(shape, first.dtype, pieces)))
+
+
+def _assemble(shape: tuple[int, ...], dtype: torch.dtype, pieces: list) -> torch.Tensor:
+    """Build a tensor whose rows are split by columns across chunks (row-parallel layers)."""
+    out = torch.empty(shape, dtype=dtype)
+    row = 0
+    for piece, _, parts in pieces:
+        for part in parts:
+            rows = part.rows[1] - part.rows[0]
+            buffer = bytearray(part.run.length)
+            part.run.file.read_into(memoryview(buffer), part.run.offset)
+            block = torch.frombuffer(buffer, dtype=dtype).view(rows, *(s.stop - s.start for s in part.columns))
+            out[(slice(row + part.rows[0], row + part.rows[1]), *part.columns)] = block
+        row += piece.rows[1] - piece.rows[0]
+    return out
+
+
+def _zero_score_bias(dtype: torch.dtype) -> PlannedTensor:
+    # verl's value head is a bias-free Linear; HF's token-classification ``score`` has a bias, and a
+    # zero bias computes exactly what the trained head computed.
+    return PlannedTensor("score.bias", (1,), dtype, Computed(lambda: torch.zeros(1, dtype=dtype)))
+
+
+def _natural_key(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _layout(dist_dir: Path, tensors: Iterable[_StoredTensor], metadata: Metadata, files: dict[str, SourceFile], tied: bool) -> dict:
+    """Facts for ``inspect`` and the manifest (language model only); parallel sizes from
+    transformer_config.json when present."""
+    tensors = [t for t in tensors if not t.key.startswith("vision_model.")]
+    parallel = {}
+    transformer_config = dist_dir.parent / "transformer_config.json"
+    if transformer_config.is_file():
+        try:
+            settings = json.loads(transformer_config.read_text())
+        except ValueError as exc:
+            raise MergeError(transformer_config, f"not valid JSON ({exc})") from None
+        names = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
+        parallel = {short: settings.get(long) for short, long in names.items()}
+    layers = {int(m[1]) for t in tensors for m in [re.search(r"decoder\.layers\.(\d+)\.", t.key)] if m}
+    stacked = [t.shape[0] for t in tensors if re.search(r"(^|\.)decoder\.layers\.[a-z]", t.key)]
+    return {
+        "sharded_backend": "torch_dist",
+        **parallel,
+        "num_layers": max(stacked + [max(layers) + 1 if layers else 0]),
+        "layer_keys": "per-layer" if layers else "stacked",
+        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in tensors}),
+        "stored_tensors": len(tensors),
+        "chunks": sum(len(t.chunks) for t in tensors),
+        "files": len(files),
+        "tie_word_embeddings": tied,
+    }

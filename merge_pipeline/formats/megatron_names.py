@@ -1,0 +1,380 @@
+"""Megatron-Core checkpoint keys -> Hugging Face tensor names, as row selections.
+
+Pure bookkeeping: given every tensor key of a dist checkpoint with its global shape and the model's
+``config.json``, say which rows of which stored tensors make up each HF tensor. No file is read here.
+
+Layouts (see FORMATS.md): layers are stacked on a leading axis (``decoder.layers.<param>`` [L, ...])
+or stored one key per layer (``decoder.layers.<i>.<param>``); experts likewise ([L, E, ...],
+[E, ...] or ``experts.<e>.``). Fused QKV rows are ``[q heads | k | v]`` per KV group; a gated fc1 is
+``[gate; up]`` or two keys ``_w`` (gate) and ``_v`` (up).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from merge_pipeline.errors import MergeError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``rows[0]:rows[1]`` of stored tensor ``key`` at fixed leading ``index`` (layer, expert).
+
+    The rows are counted on dimension ``len(index)``; every later dimension is taken whole.
+    """
+
+    key: str
+    index: tuple[int, ...]
+    rows: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One HF tensor: its pieces concatenated along the row dimension."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Where an HF architecture puts the parts that differ between model families."""
+
+    text_prefix: str = "model."  # embed_tokens, layers.<i>, norm
+    shared_experts: str = "shared_experts"  # Qwen2-MoE says "shared_expert"
+    vision_prefix: str | None = None  # vision-language models: the vision tower
+
+
+_VISION_LANGUAGE = Naming(text_prefix="model.language_model.", vision_prefix="model.visual.")
+
+ARCHITECTURES: dict[str, Naming] = {
+    "LlamaForCausalLM": Naming(),
+    "MistralForCausalLM": Naming(),
+    "Qwen2ForCausalLM": Naming(),
+    "Qwen3ForCausalLM": Naming(),
+    "Qwen2MoeForCausalLM": Naming(shared_experts="shared_expert"),
+    "Qwen3MoeForCausalLM": Naming(),
+    "DeepseekV3ForCausalLM": Naming(),
+    "Qwen2VLForConditionalGeneration": _VISION_LANGUAGE,
+    "Qwen2_5_VLForConditionalGeneration": _VISION_LANGUAGE,
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the conversions need, read from config.json."""
+
+    architecture: str
+    naming: Naming
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    vision_heads: int | None
+    value_model: bool
+
+
+def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
+    architectures = config.get("architectures") or []
+    if not architectures:
+        raise MergeError(config_path, "no 'architectures' entry: cannot tell which Hugging Face model this is")
+    architecture = architectures[0]
+    if architecture not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise MergeError(config_path, f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported})")
+    text = config.get("text_config") or config
+    try:
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MergeError(config_path, f"missing or invalid attention size {exc}") from None
+    vision = config.get("vision_config") or {}
+    vision_heads = vision.get("num_heads")
+    return ModelShape(architecture, ARCHITECTURES[architecture], heads, kv_heads, head_dim, vision_heads, value_model)
+
+
+# ---- how one stored parameter becomes HF tensors --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Copy:
+    name: str
+
+
+@dataclass(frozen=True)
+class _GateUp:
+    """A gated-MLP fc1: first half of the rows is the gate, second half the up projection."""
+
+    gate: str
+    up: str
+
+
+@dataclass(frozen=True)
+class _GroupedQKV:
+    """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g."""
+
+    prefix: str  # "self_attn." -> self_attn.q_proj / k_proj / v_proj
+
+
+@dataclass(frozen=True)
+class _VisionQKV:
+    """A vision tower's fused QKV: Megatron groups rows per head, HF wants [all q; all k; all v]."""
+
+    name: str
+
+
+# Per-layer modules of the language model. A linear's fused layer norm (``layer_norm_weight``) is the
+# norm in front of it: the second entry names that norm.
+_TEXT_LINEARS: dict[str, tuple[object, str | None]] = {
+    "self_attention.linear_qkv": (_GroupedQKV("self_attn."), "input_layernorm"),
+    "self_attention.linear_proj": (_Copy("self_attn.o_proj"), None),
+    "self_attention.linear_q_proj": (_Copy("self_attn.q_proj"), None),
+    "self_attention.linear_q_down_proj": (_Copy("self_attn.q_a_proj"), None),
+    "self_attention.linear_q_up_proj": (_Copy("self_attn.q_b_proj"), "self_attn.q_a_layernorm"),
+    "self_attention.linear_kv_down_proj": (_Copy("self_attn.kv_a_proj_with_mqa"), None),
+    "self_attention.linear_kv_up_proj": (_Copy("self_attn.kv_b_proj"), "self_attn.kv_a_layernorm"),
+    "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+    "mlp.linear_fc2": (_Copy("mlp.down_proj"), None),
+    "mlp.router": (_Copy("mlp.gate"), None),
+    "mlp.shared_experts.linear_fc1": (_GateUp("mlp.{shared}.gate_proj", "mlp.{shared}.up_proj"), None),
+    "mlp.shared_experts.linear_fc2": (_Copy("mlp.{shared}.down_proj"), None),
+    "mlp.experts.linear_fc1": (_GateUp("mlp.experts.{expert}.gate_proj", "mlp.experts.{expert}.up_proj"), None),
+    "mlp.experts.linear_fc2": (_Copy("mlp.experts.{expert}.down_proj"), None),
+    "input_layernorm": (_Copy("input_layernorm"), None),
+    "pre_mlp_layernorm": (_Copy("post_attention_layernorm"), None),
+    "self_attention.q_layernorm": (_Copy("self_attn.q_norm"), None),
+    "self_attention.k_layernorm": (_Copy("self_attn.k_norm"), None),
+    "self_attention.kv_layernorm": (_Copy("self_attn.kv_a_layernorm"), None),
+}
+
+# Attributes that are not weight/bias of the module itself.
+_SPECIAL_ATTRIBUTES = {
+    ("mlp.router", "expert_bias"): "mlp.gate.e_score_correction_bias",
+    ("mlp.shared_experts", "gate_weight"): "mlp.shared_expert_gate.weight",
+}
+
+# Multi-latent attention has no separate q/k norms: its q_layernorm normalises the compressed query.
+_MLA_RENAMES = {"self_attention.q_layernorm": _Copy("self_attn.q_a_layernorm")}
+
+_VISION_LINEARS: dict[str, tuple[object, str | None]] = {
+    "self_attention.linear_qkv": (_VisionQKV("attn.qkv"), "norm1"),
+    "self_attention.linear_proj": (_Copy("attn.proj"), None),
+    "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "norm2"),
+    "mlp.linear_fc2": (_Copy("mlp.down_proj"), None),
+}
+
+_VISION_GLOBALS = {
+    "patch_embed.proj": "patch_embed.proj",
+    "decoder.final_layernorm": "merger.ln_q",
+    "projection.encoder.linear_fc1": "merger.mlp.0",
+    "projection.encoder.linear_fc2": "merger.mlp.2",
+}
+
+_LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
+# Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1).
+_EXPERT_PARAM = re.compile(r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)")
+_ATTRIBUTE = re.compile(r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight)(?P<half>_[wv])?")
+
+
+@dataclass(frozen=True)
+class _LayerParam:
+    """One layer's (and one expert's) copy of a stored parameter."""
+
+    layer: int
+    expert: int | None
+    module: str  # e.g. "self_attention.linear_qkv", "mlp.experts.linear_fc1"
+    attr: str  # weight, bias, layer_norm_weight, expert_bias, ...
+    half: str  # "", "_w" (gate) or "_v" (up)
+    key: str
+    index: tuple[int, ...]
+    rows: int
+
+
+def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[_LayerParam] | None:
+    """Expand a ``decoder.layers...`` key into one entry per layer (and expert); None if unparsable."""
+    match = _LAYER_KEY.fullmatch(layer_key)
+    if match is None:
+        return None
+    param = match["param"]
+    expert_match = _EXPERT_PARAM.fullmatch(param)
+    expert: int | None = None
+    stacked_experts = False
+    if expert_match is not None:
+        param = "mlp.experts." + expert_match["rest"]
+        if expert_match["expert"] is not None:
+            expert = int(expert_match["expert"])
+        else:
+            stacked_experts = True
+    attribute = _ATTRIBUTE.fullmatch(param)
+    if attribute is None:
+        return None
+    module, attr, half = attribute["module"], attribute["attr"], attribute["half"] or ""
+    layers = [int(match["layer"])] if match["layer"] is not None else None
+    leading = (0 if layers else 1) + (1 if stacked_experts else 0)
+    if len(shape) <= leading:
+        return None
+
+    def expand() -> Iterator[_LayerParam]:
+        for layer_pos, layer in enumerate(layers or range(shape[0])):
+            layer_index = () if layers else (layer_pos,)
+            experts = range(shape[len(layer_index)]) if stacked_experts else [expert]
+            for e in experts:
+                index = layer_index + ((e,) if stacked_experts else ())
+                yield _LayerParam(layer, e, module, attr, half, key, index, shape[len(index)])
+
+    return expand()
+
+
+class KeyMapper:
+    """Turns the stored keys of one checkpoint into ``OutputSpec``s for one HF architecture."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], model: ModelShape, config_path: Path, metadata_path: Path):
+        self.shapes = shapes
+        self.model = model
+        self.config_path = config_path
+        self.metadata_path = metadata_path
+        self.is_mla = any(".linear_kv_down_proj." in k for k in shapes)
+
+    def outputs(self) -> list[OutputSpec]:
+        specs: list[OutputSpec] = []
+        unmapped: list[str] = []
+        for key, shape in self.shapes.items():
+            mapped = self._map_key(key, shape)
+            if mapped is None:
+                unmapped.append(key)
+            else:
+                specs.extend(mapped)
+        if unmapped:
+            shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
+            raise MergeError(self.metadata_path, f"{len(unmapped)} checkpoint tensor(s) have no Hugging Face name for {self.model.architecture}: {shown}")
+        seen: dict[str, str] = {}
+        for spec in specs:
+            first = spec.pieces[0].key
+            if spec.name in seen:
+                raise MergeError(self.metadata_path, f"both {seen[spec.name]} and {first} map to {spec.name}")
+            seen[spec.name] = first
+        return specs
+
+    # ---- dispatch by scope ----
+
+    def _map_key(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
+        naming = self.model.naming
+        if naming.vision_prefix is None:
+            return self._map_text(key, key, shape)
+        if key.startswith("language_model."):
+            return self._map_text(key, key.removeprefix("language_model."), shape)
+        if key.startswith("vision_model."):
+            return self._map_vision(key, key.removeprefix("vision_model."), shape)
+        return None
+
+    def _map_text(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
+        prefix = self.model.naming.text_prefix
+        globals_ = {
+            "embedding.word_embeddings.weight": f"{prefix}embed_tokens.weight",
+            "decoder.final_layernorm.weight": f"{prefix}norm.weight",
+            "output_layer.weight": "score.weight" if self.model.value_model else "lm_head.weight",
+        }
+        if self.model.value_model:
+            globals_["output_layer.bias"] = "score.bias"
+        if local in globals_:
+            return [_whole(globals_[local], key, shape)]
+        params = _layer_params(key, local, shape)
+        if params is None:
+            return None
+        out: list[OutputSpec] = []
+        for p in params:
+            mapped = self._map_text_layer(p)
+            if mapped is None:
+                return None
+            out.extend(mapped)
+        return out
+
+    def _map_vision(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
+        prefix = self.model.naming.vision_prefix
+        module, _, attr = local.rpartition(".")
+        if module in _VISION_GLOBALS and attr in ("weight", "bias"):
+            return [_whole(f"{prefix}{_VISION_GLOBALS[module]}.{attr}", key, shape)]
+        params = _layer_params(key, local, shape)
+        if params is None:
+            return None
+        out: list[OutputSpec] = []
+        for p in params:
+            mapped = self._convert(p, _VISION_LINEARS, f"{prefix}blocks.{p.layer}.")
+            if mapped is None:
+                return None
+            out.extend(mapped)
+        return out
+
+    # ---- one layer's parameter ----
+
+    def _map_text_layer(self, p: _LayerParam) -> list[OutputSpec] | None:
+        layer_prefix = f"{self.model.naming.text_prefix}layers.{p.layer}."
+        special = _SPECIAL_ATTRIBUTES.get((p.module, p.attr))
+        if special is not None:
+            return [OutputSpec(layer_prefix + special, (Piece(p.key, p.index, (0, p.rows)),))]
+        table = _TEXT_LINEARS
+        if self.is_mla and p.module in _MLA_RENAMES:
+            table = {**_TEXT_LINEARS, p.module: (_MLA_RENAMES[p.module], None)}
+        return self._convert(p, table, layer_prefix)
+
+    def _convert(self, p: _LayerParam, table: dict[str, tuple[object, str | None]], prefix: str) -> list[OutputSpec] | None:
+        entry = table.get(p.module)
+        if entry is None:
+            return None
+        conversion, fused_norm = entry
+        if p.attr.startswith("layer_norm_"):
+            if fused_norm is None or p.half:
+                return None
+            return [OutputSpec(f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", (Piece(p.key, p.index, (0, p.rows)),))]
+        if p.attr not in ("weight", "bias"):
+            return None
+        names = {"shared": self.model.naming.shared_experts, "expert": p.expert}
+        whole = (0, p.rows)
+        if isinstance(conversion, _Copy) and not p.half:
+            return [OutputSpec(f"{prefix}{conversion.name.format(**names)}.{p.attr}", (Piece(p.key, p.index, whole),))]
+        if isinstance(conversion, _GateUp):
+            gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (conversion.gate, conversion.up))
+            if p.half:
+                return [OutputSpec(gate if p.half == "_w" else up, (Piece(p.key, p.index, whole),))]
+            if p.rows % 2:
+                raise MergeError(self.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
+            half = p.rows // 2
+            return [OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)), OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),))]
+        if isinstance(conversion, _GroupedQKV) and not p.half:
+            return self._split_grouped_qkv(p, prefix + conversion.prefix)
+        if isinstance(conversion, _VisionQKV) and not p.half:
+            return [self._reorder_vision_qkv(p, f"{prefix}{conversion.name}.{p.attr}")]
+        return None
+
+    def _split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
+        m = self.model
+        if m.attention_heads % m.kv_heads:
+            raise MergeError(self.config_path, f"num_attention_heads {m.attention_heads} is not a multiple of num_key_value_heads {m.kv_heads}")
+        q_rows = m.attention_heads // m.kv_heads * m.head_dim
+        group_rows = q_rows + 2 * m.head_dim
+        if p.rows != m.kv_heads * group_rows:
+            raise MergeError(
+                self.config_path,
+                f"sizes disagree with the checkpoint: {p.key} has {p.rows} rows, but {m.attention_heads} heads, "
+                f"{m.kv_heads} KV heads and head_dim {m.head_dim} need {m.kv_heads * group_rows}",
+            )
+        starts = [g * group_rows for g in range(m.kv_heads)]
+        q = tuple(Piece(p.key, p.index, (s, s + q_rows)) for s in starts)
+        k = tuple(Piece(p.key, p.index, (s + q_rows, s + q_rows + m.head_dim)) for s in starts)
+        v = tuple(Piece(p.key, p.index, (s + q_rows + m.head_dim, s + group_rows)) for s in starts)
+        return [OutputSpec(f"{prefix}{n}_proj.{p.attr}", pieces) for n, pieces in (("q", q), ("k", k), ("v", v))]
+
+    def _reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
+        heads = self.model.vision_heads
+        if not heads or p.rows % (3 * heads):
+            raise MergeError(self.config_path, f"sizes disagree with the checkpoint: {p.key} has {p.rows} rows, not 3 x vision_config.num_heads ({heads}) x head_dim")
+        head_dim = p.rows // (3 * heads)
+        pieces = tuple(Piece(p.key, p.index, ((3 * h + part) * head_dim, (3 * h + part + 1) * head_dim)) for part in range(3) for h in range(heads))
+        return OutputSpec(name, pieces)
+
+
+def _whole(name: str, key: str, shape: tuple[int, ...]) -> OutputSpec:
+    return OutputSpec(name, (Piece(key, (), (0, shape[0])),))

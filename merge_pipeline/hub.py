@@ -1,0 +1,322 @@
+"""Publish a merged folder to a Hugging Face Hub, then prove that the Hub holds what was merged.
+
+Every step is idempotent, so a failed attempt is simply made again, and a re-run after a failure
+resumes where the last one stopped:
+
+1. check the folder against its ``merge_manifest.json``: a folder changed since the merge is refused;
+2. create the repo, and the branch for a revision, if missing;
+3. list the remote tree and skip every file already there (same size, and same sha256 for LFS files
+   or same git blob id for small ones); delete remote files the folder does not have, in the same
+   commit, so one revision never mixes two merges;
+4. one commit of what is missing plus the model card (README.md, built in memory: the merged folder
+   is never written to);
+5. list the tree of the resulting head commit and compare every file with the manifest.
+
+The endpoint comes from ``HF_ENDPOINT`` (read at call time), the token from ``HF_TOKEN`` or the
+stored login. Transient failures (5xx, 408, 429, dropped connections) are retried with backoff,
+per request by huggingface_hub and per attempt here (the client never retries a commit POST: a
+lost answer could duplicate it; step 3 of the next attempt sees whether it landed). Everything a
+user must fix becomes a one-line MergeError, and the token is never part of any message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_token
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub.hf_api import RepoFile
+
+from merge_pipeline import __version__
+from merge_pipeline.engine.manifest import MANIFEST, read_manifest
+from merge_pipeline.errors import MergeError
+from merge_pipeline.model_card import CARD, CheckpointName, render_card
+
+log = logging.getLogger("merge_pipeline")
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+_REGULAR_MAX = 10 << 20  # the Hub keeps larger files in LFS, so only smaller ones need a git blob id
+_HUB_FILES = {".gitattributes"}  # written by the Hub itself when it creates a repo
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_HUB_ERRORS = (HfHubHTTPError, httpx2.TransportError, HFValidationError)  # what a user can act on
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    first_wait_s: float = 2.0
+    max_wait_s: float = 30.0
+
+    def wait_s(self, failed_attempt: int) -> float:
+        return min(self.max_wait_s, self.first_wait_s * 2 ** (failed_attempt - 1))
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    repo_id: str
+    revision: str
+    url: str  # the revision's page
+    commit_url: str  # the verified head commit
+    files: int
+    bytes: int
+    sent: tuple[str, ...]  # files this call committed; empty when the Hub already had them all
+
+
+@dataclass(frozen=True)
+class _Local:
+    """One file to publish, with the sums the Hub's tree listing can be compared with."""
+
+    path: str
+    size: int
+    sha256: str
+    git_oid: str | None  # git blob id, for files small enough to be stored outside LFS
+    source: Path | bytes
+
+    def matches(self, remote: RepoFile | None) -> bool:
+        if remote is None or remote.size != self.size:
+            return False
+        if remote.lfs is not None:
+            return remote.lfs.sha256 == self.sha256
+        return remote.blob_id == self.git_oid
+
+
+def upload_folder_verified(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    retry: RetryPolicy = RetryPolicy(),
+) -> UploadResult:
+    """Upload a merged folder (plus its model card) to ``repo_id`` and verify it against the manifest."""
+    folder = Path(folder).absolute()
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    token = token or get_token()
+    if not _REPO_ID.fullmatch(repo_id):
+        raise MergeError(None, f"{repo_id!r} is not a Hub repo id: expected ORG/NAME")
+    if not token:
+        raise MergeError(None, f"no Hugging Face token for {endpoint}: set HF_TOKEN or run `hf auth login`")
+    if not (folder / MANIFEST).is_file():
+        raise MergeError(folder, f"has no {MANIFEST}: only folders written by `merge-pipeline merge` can be uploaded")
+    manifest = read_manifest(folder)
+    name = CheckpointName.from_role_dir(manifest["source"]["role_dir"], manifest["source"].get("role"))
+    card = render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"]).encode()
+    upload = _Upload(
+        api=HfApi(endpoint=endpoint, token=token, library_name="merge_pipeline", library_version=__version__),
+        repo_id=repo_id,
+        revision=revision or constants.DEFAULT_REVISION,
+        private=private,
+        message=commit_message or f"Upload {name} (merge_pipeline {__version__})",
+        files=_local_files(folder, manifest, card),
+    )
+    with _xet_only_where_spoken(endpoint):
+        try:
+            sent, head = _retrying(upload.attempt, retry)
+        except Exception as exc:
+            cause = _hub_cause(exc)
+            if not isinstance(cause, _HUB_ERRORS):
+                raise
+            raise MergeError(None, _redact(_explain(cause, repo_id, endpoint, folder), token)) from exc
+    page = f"{endpoint}/{repo_id}" + ("" if upload.revision == constants.DEFAULT_REVISION else f"/tree/{upload.revision}")
+    total = sum(f.size for f in upload.files.values())
+    log.info("hub: %s@%s verified: %d files (%d bytes) match %s", repo_id, upload.revision, len(upload.files), total, MANIFEST)
+    return UploadResult(repo_id, upload.revision, page, f"{endpoint}/{repo_id}/commit/{head}", len(upload.files), total, tuple(sent))
+
+
+@dataclass
+class _Upload:
+    api: HfApi
+    repo_id: str
+    revision: str
+    private: bool
+    message: str
+    files: dict[str, _Local]
+
+    def attempt(self) -> tuple[list[str], str]:
+        """Bring the revision to the folder's state; return what was sent and the verified head."""
+        self._ensure_repo()
+        remote = self._tree(self.revision)
+        send = [f for f in self.files.values() if not f.matches(remote.get(f.path))]
+        stale = sorted(set(remote) - set(self.files) - _HUB_FILES)
+        if send or stale:
+            log.info("hub: %s@%s: sending %d of %d files (%d bytes), deleting %d stale", self.repo_id, self.revision, len(send), len(self.files), sum(f.size for f in send), len(stale))
+            operations = [CommitOperationAdd(f.path, f.source) for f in send] + [CommitOperationDelete(p) for p in stale]
+            self.api.create_commit(self.repo_id, operations, commit_message=self.message, revision=self.revision)
+        else:
+            log.info("hub: %s@%s already holds all %d files", self.repo_id, self.revision, len(self.files))
+        head = self.api.repo_info(self.repo_id, revision=self.revision).sha
+        self._verify(head)
+        return [f.path for f in send], head
+
+    def _ensure_repo(self) -> None:
+        self.api.create_repo(self.repo_id, private=self.private, exist_ok=True)
+        try:
+            info = self.api.repo_info(self.repo_id)
+        except RepositoryNotFoundError:
+            # create_repo(exist_ok) also accepts a name taken by a repo of another type.
+            for other in ("dataset", "space"):
+                if self.api.repo_exists(self.repo_id, repo_type=other):
+                    raise MergeError(None, f"{self.repo_id} exists on {self.api.endpoint} as a {other} repo, not a model repo: choose another name") from None
+            raise
+        if self.private and not info.private:
+            log.warning("hub: %s already exists and is public: --private only applies to a new repo", self.repo_id)
+        if self.revision != constants.DEFAULT_REVISION:
+            self.api.create_branch(self.repo_id, branch=self.revision, exist_ok=True)
+
+    def _tree(self, revision: str) -> dict[str, RepoFile]:
+        entries = self.api.list_repo_tree(self.repo_id, recursive=True, revision=revision)
+        return {e.path: e for e in entries if isinstance(e, RepoFile)}
+
+    def _verify(self, head: str) -> None:
+        remote = self._tree(head)
+        problems = [_difference(f, remote.get(f.path)) for f in self.files.values() if not f.matches(remote.get(f.path))]
+        unexpected = sorted(set(remote) - set(self.files) - _HUB_FILES)
+        if unexpected:
+            problems.append(f"not in the folder: {', '.join(unexpected)}")
+        if problems:
+            raise MergeError(None, f"{self.repo_id}@{self.revision} (commit {head[:12]}) does not hold what was merged: {'; '.join(problems)}")
+
+
+def _difference(local: _Local, remote: RepoFile | None) -> str:
+    if remote is None:
+        return f"{local.path} is missing"
+    if remote.size != local.size:
+        return f"{local.path} has {remote.size} bytes, the manifest {local.size}"
+    if remote.lfs is not None:
+        return f"{local.path} has sha256 {remote.lfs.sha256}, the manifest {local.sha256}"
+    return f"{local.path} has git blob {remote.blob_id}, the manifest's bytes {local.git_oid}"
+
+
+def _local_files(folder: Path, manifest: dict, card: bytes) -> dict[str, _Local]:
+    """Every file to publish, each checked against the manifest; README.md is the model card."""
+    listed = manifest["files"]
+    on_disk = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    missing = sorted(set(listed) - set(on_disk))
+    extra = sorted(set(on_disk) - set(listed) - {MANIFEST})
+    if missing or extra:
+        what = [f"missing {', '.join(missing)}"] * bool(missing) + [f"not listed: {', '.join(extra)}"] * bool(extra)
+        raise MergeError(folder, f"does not match its {MANIFEST} ({'; '.join(what)}): merge again")
+    files = {}
+    for path, local in on_disk.items():
+        files[path] = _hash(path, local)
+        expected = listed.get(path)
+        if expected is not None and (files[path].size, files[path].sha256) != (expected["size"], expected["sha256"]):
+            raise MergeError(local, f"changed since the merge (sha256 {files[path].sha256}, {MANIFEST} says {expected['sha256']}): merge again")
+    files[CARD] = _hash(CARD, card)
+    return files
+
+
+def _hash(path: str, source: Path | bytes) -> _Local:
+    """sha256, and the git blob id for small files, in one read."""
+    size = len(source) if isinstance(source, bytes) else source.stat().st_size
+    sha256 = hashlib.sha256()
+    git = hashlib.sha1(b"blob %d\0" % size) if size <= _REGULAR_MAX else None
+    for chunk in _chunks(source):
+        sha256.update(chunk)
+        if git is not None:
+            git.update(chunk)
+    return _Local(path, size, sha256.hexdigest(), git.hexdigest() if git else None, source)
+
+
+def _chunks(source: Path | bytes, block: int = 8 << 20):
+    if isinstance(source, bytes):
+        yield source
+        return
+    with open(source, "rb") as f:
+        while chunk := f.read(block):
+            yield chunk
+
+
+def _retrying(attempt, policy: RetryPolicy):
+    for number in range(1, policy.attempts + 1):
+        try:
+            return attempt()
+        except Exception as exc:
+            cause = _hub_cause(exc)
+            if number == policy.attempts or not _transient(cause):
+                raise
+            wait = policy.wait_s(number)
+            log.warning("hub: attempt %d of %d failed (%s); retrying in %.3g s", number, policy.attempts, _describe(cause), wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _hub_cause(exc: BaseException) -> BaseException:
+    """The Hub's answer or the network failure behind ``exc`` (huggingface_hub wraps some of them)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, _HUB_ERRORS):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, HfHubHTTPError):
+        return exc.response is not None and exc.response.status_code in _TRANSIENT_STATUS
+    return isinstance(exc, httpx2.TransportError)
+
+
+def _describe(exc: BaseException) -> str:
+    request = _request_of(exc)
+    where = f" on {request.method} {request.url.path}" if request is not None else ""
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return f"HTTP {exc.response.status_code}{where}"
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _request_of(exc: BaseException):
+    with contextlib.suppress(AttributeError, RuntimeError):  # httpx raises RuntimeError when unset
+        return exc.response.request if isinstance(exc, HfHubHTTPError) else exc.request
+    return None
+
+
+def _explain(exc: BaseException, repo_id: str, endpoint: str, folder: Path) -> str:
+    """One line a user can act on, for an error the retries could not (or must not) get past."""
+    resume = f"resume with `merge-pipeline upload {folder} {repo_id}` (files already on the Hub are not sent again)"
+    if isinstance(exc, HFValidationError):
+        return f"{repo_id!r} is not a valid Hub repo id: {exc}"
+    status = exc.response.status_code if isinstance(exc, HfHubHTTPError) and exc.response is not None else None
+    if isinstance(exc, RepositoryNotFoundError) or status == 404:
+        return f"{repo_id}: not found at {endpoint} ({_describe(exc)}): check HF_ENDPOINT, the repo name, and that the token can see it"
+    if status == 401:
+        return f"{endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"
+    if status == 403:
+        server = f": {exc.server_message}" if exc.server_message else ""
+        return f"{repo_id}: the token may not write there (403 Forbidden{server}): use a token with write access to {repo_id.split('/')[0]}"
+    if status is None:
+        return f"{repo_id}: cannot reach {endpoint} ({_describe(exc)}): {resume}"
+    return f"{repo_id}: the Hub at {endpoint} failed ({_describe(exc)}): {resume}"
+
+
+def _redact(message: str, token: str) -> str:
+    return message.replace(token, "hf_***")
+
+
+@contextlib.contextmanager
+def _xet_only_where_spoken(endpoint: str):
+    """Use Xet transfers only with huggingface.co (or when HF_HUB_DISABLE_XET says otherwise).
+
+    huggingface_hub reads HF_HUB_DISABLE_XET once, at import, and then uploads through Xet even to a
+    private Hub or mirror that only speaks LFS; the endpoint is known only now, so decide now.
+    """
+    setting = os.environ.get("HF_HUB_DISABLE_XET")
+    disable = setting.strip().upper() in {"1", "ON", "YES", "TRUE"} if setting is not None else endpoint != DEFAULT_ENDPOINT
+    saved = constants.HF_HUB_DISABLE_XET
+    constants.HF_HUB_DISABLE_XET = disable
+    try:
+        yield
+    finally:
+        constants.HF_HUB_DISABLE_XET = saved

@@ -1,0 +1,502 @@
+"""Sample Megatron-Core role folders laid out the way verl writes them, with reference weights.
+
+    <out>/<variant>/actor/dist_ckpt/          torch_dist DCP: metadata.json, common.pt, .metadata, *.distcp
+    <out>/<variant>/actor/transformer_config.json
+    <out>/<variant>/actor/huggingface/        config.json (+ tokenizer), or HF safetensors weights
+    <out>/<variant>/reference/                model.safetensors + config.json: what a merge must produce
+    <out>/<variant>/megatron_logits.pt        megatron-core's own forward on ``sample_tokens()``
+
+Most variants are written by megatron-core itself (``megatron_worker``, two ranks under torchrun, gloo,
+CPU). Layouts it cannot write on CPU are written with ``torch.distributed.checkpoint.save`` directly,
+with the key names and shapes of the real format: multi-latent attention (its core attention needs
+TransformerEngine), vision-language models, and the HF-safetensors layout.
+
+Every stored tensor gets values that depend only on its checkpoint key (``global_values``). The
+reference is built from those whole tensors by ``reference_weights``, a separate, deliberately
+plain transcription of the mapping in FORMATS.md, so a reader bug cannot hide in shared code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SIZES = dict(
+    layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128, experts=4, experts_per_token=2,
+    moe_ffn=32, shared_ffn=48, norm_eps=1e-6, rope_theta=10000.0, max_positions=64,
+)
+# DeepSeek-V3 (multi-latent attention): layer 0 dense, layer 1 MoE.
+MLA_SIZES = dict(layers=2, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, shared_experts=1)
+# Qwen2.5-VL vision tower.
+VISION_SIZES = dict(depth=2, hidden=32, heads=2, ffn=48, patch=14, temporal_patch=2, merge=2)
+
+_FAMILIES = {  # family -> (model_type, causal-LM architecture)
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+}
+_HANDMADE = {"deepseek_v3", "qwen2_5_vl"}  # megatron-core cannot write these on CPU
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    family: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    tied: bool = False
+    value_model: bool = False
+    per_layer_keys: bool = False  # singleton_local_shards: decoder.layers.<i>.…, fc1 as weight_w / weight_v
+    dtype: str = "float32"
+    logits: bool = False  # record megatron-core's forward pass (TP/EP only: PP needs a schedule)
+    hf_weights: bool = False  # verl's default: weights as HF safetensors, dist_ckpt without model tensors
+
+    @property
+    def handmade(self) -> bool:
+        return self.family in _HANDMADE or self.hf_weights
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family in ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family in ("qwen2", "qwen2_moe", "qwen2_5_vl")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3_moe"
+
+    @property
+    def num_layers(self) -> int:
+        return MLA_SIZES["layers"] if self.family == "deepseek_v3" else SIZES["layers"]
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("qwen2_tp2", "qwen2", tp=2, logits=True),
+        Variant("llama_tied_pp2", "llama", pp=2, tied=True, dtype="bfloat16"),
+        Variant("qwen2_moe_ep2", "qwen2_moe", ep=2, logits=True),
+        Variant("qwen3_moe_tp2_per_layer", "qwen3_moe", tp=2, per_layer_keys=True, logits=True),
+        Variant("qwen2_value", "qwen2", value_model=True),
+        Variant("deepseek_v3_mla", "deepseek_v3"),
+        Variant("qwen2_5_vl", "qwen2_5_vl"),
+        Variant("qwen2_hf_weights", "qwen2", hf_weights=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class MegatronSample:
+    variant: Variant
+    role_dir: Path
+    reference_dir: Path
+
+    @property
+    def logits_path(self) -> Path:
+        return self.role_dir.parent / "megatron_logits.pt"
+
+
+def global_values(key: str, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
+    """The whole tensor stored under ``key``: seeded by the key alone, so every rank agrees."""
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    values = torch.randn(tuple(shape), generator=generator)
+    values = 1.0 + 0.1 * values if re.search(r"norm", key) else 0.1 * values
+    return values.to(dtype)
+
+
+def sample_tokens() -> torch.Tensor:
+    return torch.tensor([3, 17, 42, 5, 99, 64, 7, 120, 33, 8, 71, 2])
+
+
+def write_megatron_samples(root: Path, variants: Iterable[Variant], *, timeout: float = 600) -> dict[str, MegatronSample]:
+    """Write each variant under ``root/<name>``; megatron-core variants share one torchrun job."""
+    variants = list(variants)
+    samples = {v.name: MegatronSample(v, root / v.name / "actor", root / v.name / "reference") for v in variants}
+    written = [v for v in variants if not v.handmade]
+    if written:
+        _run_megatron_job(root, written, timeout)
+    for v in variants:
+        sample = samples[v.name]
+        full = _handmade_weights(v) if v.handmade else _gathered_weights(root / v.name)
+        if v.handmade:
+            _write_handmade(sample, full)
+        config = _hf_config(v)
+        hf_dir = sample.role_dir / "huggingface"
+        config.save_pretrained(hf_dir)
+        if v.family == "qwen2":
+            from merge_pipeline.sample_checkpoints.tokenizer import write_tokenizer
+
+            write_tokenizer(hf_dir, vocab_size=SIZES["vocab"])
+        reference = reference_weights(full, v)
+        if v.hf_weights:
+            _write_hf_weights(hf_dir, reference)
+        _write_reference(sample.reference_dir, config, reference, v)
+    return samples
+
+
+# ---- megatron-core job ---------------------------------------------------------------------------
+
+
+def _run_megatron_job(root: Path, variants: list[Variant], timeout: float) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    job = {"timeout": int(timeout), "variants": [{"variant": dataclasses.asdict(v), "out_dir": str(root / v.name)} for v in variants]}
+    with tempfile.TemporaryDirectory() as scratch, socket.socket() as probe:
+        job_path = Path(scratch) / "job.json"
+        job_path.write_text(json.dumps(job))
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(port), "-m", "merge_pipeline.sample_checkpoints.megatron_worker", str(job_path),
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+        log_path = root / "megatron_job.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # A saver whose helper process died waits forever: kill the whole job.
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                raise TimeoutError(f"megatron-core job still running after {timeout} s; log: {log_path}") from None
+        if code != 0:
+            raise RuntimeError(f"megatron-core job failed (exit {code}):\n{log_path.read_text()[-4000:]}")
+
+
+def _gathered_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    """The union of what the ranks filled: the whole tensor of every checkpoint key."""
+    full: dict[str, torch.Tensor] = {}
+    for path in sorted(out_dir.glob("full_weights_rank*.pt")):
+        full.update(torch.load(path, weights_only=True))
+        path.unlink()
+    return full
+
+
+# ---- Hugging Face side ---------------------------------------------------------------------------
+
+
+def _hf_config(v: Variant):
+    from transformers import AutoConfig
+
+    model_type, architecture = _FAMILIES[v.family]
+    text = dict(
+        vocab_size=SIZES["vocab"], hidden_size=SIZES["hidden"], intermediate_size=SIZES["ffn"], num_hidden_layers=v.num_layers,
+        num_attention_heads=SIZES["heads"], num_key_value_heads=SIZES["kv_heads"], max_position_embeddings=SIZES["max_positions"],
+        rms_norm_eps=SIZES["norm_eps"], rope_parameters={"rope_type": "default", "rope_theta": SIZES["rope_theta"]},
+        tie_word_embeddings=v.tied, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    moe = dict(num_experts=SIZES["experts"], num_experts_per_tok=SIZES["experts_per_token"], moe_intermediate_size=SIZES["moe_ffn"])
+    if v.family == "qwen2_moe":
+        text.update(moe, shared_expert_intermediate_size=SIZES["shared_ffn"], norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+    elif v.family == "qwen3_moe":
+        text.update(moe, head_dim=SIZES["head_dim"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif v.family == "deepseek_v3":
+        text.update(
+            n_routed_experts=SIZES["experts"], num_experts_per_tok=SIZES["experts_per_token"], moe_intermediate_size=SIZES["moe_ffn"],
+            n_shared_experts=MLA_SIZES["shared_experts"], first_k_dense_replace=1, n_group=1, topk_group=1,
+            q_lora_rank=MLA_SIZES["q_lora_rank"], kv_lora_rank=MLA_SIZES["kv_lora_rank"], qk_nope_head_dim=MLA_SIZES["qk_nope"],
+            qk_rope_head_dim=MLA_SIZES["qk_rope"], v_head_dim=MLA_SIZES["v_head"], num_key_value_heads=SIZES["heads"],
+        )
+    if v.family == "qwen2_5_vl":
+        vs = VISION_SIZES
+        vision = dict(
+            depth=vs["depth"], hidden_size=vs["hidden"], num_heads=vs["heads"], intermediate_size=vs["ffn"], out_hidden_size=SIZES["hidden"],
+            patch_size=vs["patch"], temporal_patch_size=vs["temporal_patch"], spatial_merge_size=vs["merge"], fullatt_block_indexes=[vs["depth"] - 1],
+        )
+        config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=v.tied)
+    else:
+        config = AutoConfig.for_model(model_type, **text)
+    config.architectures = [architecture]
+    return config
+
+
+def _write_reference(out_dir: Path, config, weights: dict[str, torch.Tensor], v: Variant) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = config.__class__.from_dict(config.to_dict())
+    if v.value_model:
+        config.architectures = [config.architectures[0].replace("ForCausalLM", "ForTokenClassification")]
+        config.num_labels = 1
+    config.save_pretrained(out_dir)
+    save_file({k: t.contiguous() for k, t in weights.items()}, out_dir / "model.safetensors")
+
+
+def _write_hf_weights(hf_dir: Path, weights: dict[str, torch.Tensor]) -> None:
+    """verl's default Megatron layout: the weights as sharded HF safetensors with an index."""
+    from safetensors.torch import save_file
+
+    names = sorted(weights)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for i, part in enumerate(halves):
+        filename = f"model-{i + 1:05d}-of-{len(halves):05d}.safetensors"
+        save_file({k: weights[k].contiguous() for k in part}, hf_dir / filename)
+        weight_map.update({k: filename for k in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())}, "weight_map": weight_map}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# ---- hand-built dist checkpoints -----------------------------------------------------------------
+
+
+def _handmade_weights(v: Variant) -> dict[str, torch.Tensor]:
+    shapes = _handmade_shapes(v)
+    return {key: global_values(key, shape, getattr(torch, v.dtype)) for key, shape in shapes.items()}
+
+
+def _handmade_shapes(v: Variant) -> dict[str, tuple[int, ...]]:
+    s = SIZES
+    H, L, V = s["hidden"], v.num_layers, s["vocab"]
+    if v.family == "deepseek_v3":
+        return _mla_shapes()
+    lm = "language_model." if v.family == "qwen2_5_vl" else ""
+    qkv_rows = s["kv_heads"] * (s["heads"] // s["kv_heads"] + 2) * s["head_dim"]
+    shapes = {
+        f"{lm}embedding.word_embeddings.weight": (V, H),
+        f"{lm}decoder.layers.self_attention.linear_qkv.layer_norm_weight": (L, H),
+        f"{lm}decoder.layers.self_attention.linear_qkv.weight": (L, qkv_rows, H),
+        f"{lm}decoder.layers.self_attention.linear_qkv.bias": (L, qkv_rows),
+        f"{lm}decoder.layers.self_attention.linear_proj.weight": (L, H, s["heads"] * s["head_dim"]),
+        f"{lm}decoder.layers.mlp.linear_fc1.layer_norm_weight": (L, H),
+        f"{lm}decoder.layers.mlp.linear_fc1.weight": (L, 2 * s["ffn"], H),
+        f"{lm}decoder.layers.mlp.linear_fc2.weight": (L, H, s["ffn"]),
+        f"{lm}decoder.final_layernorm.weight": (H,),
+        f"{lm}output_layer.weight": (V, H),
+    }
+    if v.family == "qwen2_5_vl":
+        shapes.update(_vision_shapes())
+    return shapes
+
+
+def _mla_shapes() -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3 as the TransformerEngine spec saves it: one key per layer (dense and MoE layers
+    differ), fused q/kv norms, experts stacked within a layer, router expert bias."""
+    s, m = SIZES, MLA_SIZES
+    H, E = s["hidden"], s["experts"]
+    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (s["vocab"], H), "decoder.final_layernorm.weight": (H,), "output_layer.weight": (s["vocab"], H)}
+    for i in range(m["layers"]):
+        p = f"decoder.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "self_attention.linear_q_down_proj.weight": (m["q_lora_rank"], H),
+            p + "self_attention.linear_q_up_proj.layer_norm_weight": (m["q_lora_rank"],),
+            p + "self_attention.linear_q_up_proj.weight": (s["heads"] * (m["qk_nope"] + m["qk_rope"]), m["q_lora_rank"]),
+            p + "self_attention.linear_kv_down_proj.weight": (m["kv_lora_rank"] + m["qk_rope"], H),
+            p + "self_attention.linear_kv_up_proj.layer_norm_weight": (m["kv_lora_rank"],),
+            p + "self_attention.linear_kv_up_proj.weight": (s["heads"] * (m["qk_nope"] + m["v_head"]), m["kv_lora_rank"]),
+            p + "self_attention.linear_proj.weight": (H, s["heads"] * m["v_head"]),
+        })
+        if i == 0:
+            shapes.update({p + "mlp.linear_fc1.layer_norm_weight": (H,), p + "mlp.linear_fc1.weight": (2 * s["ffn"], H), p + "mlp.linear_fc2.weight": (H, s["ffn"])})
+        else:
+            shared = s["moe_ffn"] * m["shared_experts"]
+            shapes.update({
+                p + "pre_mlp_layernorm.weight": (H,),
+                p + "mlp.router.weight": (E, H),
+                p + "mlp.router.expert_bias": (E,),
+                p + "mlp.experts.experts.linear_fc1.weight": (E, 2 * s["moe_ffn"], H),
+                p + "mlp.experts.experts.linear_fc2.weight": (E, H, s["moe_ffn"]),
+                p + "mlp.shared_experts.linear_fc1.weight": (2 * shared, H),
+                p + "mlp.shared_experts.linear_fc2.weight": (H, shared),
+            })
+    return shapes
+
+
+def _vision_shapes() -> dict[str, tuple[int, ...]]:
+    """Qwen2.5-VL's vision tower as verl's Megatron model names it (mbridge layout)."""
+    vs = VISION_SIZES
+    L, H, F = vs["depth"], vs["hidden"], vs["ffn"]
+    merged = H * vs["merge"] ** 2
+    p = "vision_model.decoder.layers."
+    return {
+        "vision_model.patch_embed.proj.weight": (H, 3, vs["temporal_patch"], vs["patch"], vs["patch"]),
+        p + "self_attention.linear_qkv.layer_norm_weight": (L, H),
+        p + "self_attention.linear_qkv.weight": (L, 3 * H, H),
+        p + "self_attention.linear_qkv.bias": (L, 3 * H),
+        p + "self_attention.linear_proj.weight": (L, H, H),
+        p + "self_attention.linear_proj.bias": (L, H),
+        p + "mlp.linear_fc1.layer_norm_weight": (L, H),
+        p + "mlp.linear_fc1.weight": (L, 2 * F, H),
+        p + "mlp.linear_fc1.bias": (L, 2 * F),
+        p + "mlp.linear_fc2.weight": (L, H, F),
+        p + "mlp.linear_fc2.bias": (L, H),
+        "vision_model.decoder.final_layernorm.weight": (H,),
+        "vision_model.projection.encoder.linear_fc1.weight": (merged, merged),
+        "vision_model.projection.encoder.linear_fc1.bias": (merged,),
+        "vision_model.projection.encoder.linear_fc2.weight": (SIZES["hidden"], merged),
+        "vision_model.projection.encoder.linear_fc2.bias": (SIZES["hidden"],),
+    }
+
+
+def _write_handmade(sample: MegatronSample, full: dict[str, torch.Tensor]) -> None:
+    """A torch_dist folder as megatron-core lays it out, written by DCP without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    dist_dir = sample.role_dir / "dist_ckpt"
+    dist_dir.mkdir(parents=True, exist_ok=True)
+    if sample.variant.hf_weights:
+        # Optimizer state only: Adam moments under megatron's "optimizer.state." keys.
+        state = {f"optimizer.state.{kind}.{key}": torch.zeros_like(t, dtype=torch.float32) for key, t in full.items() for kind in ("exp_avg", "exp_avg_sq")}
+    else:
+        state = dict(full)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dist_dir)), no_dist=True)
+    torch.save({}, dist_dir / "common.pt")
+    backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+    (dist_dir / "metadata.json").write_text(json.dumps(backend))
+
+
+# ---- the reference: FORMATS.md's mapping, applied to whole tensors -------------------------------
+
+
+def reference_weights(full: dict[str, torch.Tensor], v: Variant) -> dict[str, torch.Tensor]:
+    """The HF state dict of the model in the checkpoint."""
+    if v.family == "qwen2_5_vl":
+        return {**_reference_text(full, v, "language_model.", "model.language_model."), **_reference_vision(full, "model.visual.")}
+    return _reference_text(full, v, "", "model.")
+
+
+def _reference_text(full: dict[str, torch.Tensor], v: Variant, src: str, dst: str) -> dict[str, torch.Tensor]:
+    def layer(i: int, *names: str) -> torch.Tensor | None:
+        """Layer i of a parameter, stacked ([L, ...]) or one key per layer; first spelling found."""
+        for name in names:
+            if f"{src}decoder.layers.{name}" in full:
+                return full[f"{src}decoder.layers.{name}"][i]
+            if f"{src}decoder.layers.{i}.{name}" in full:
+                return full[f"{src}decoder.layers.{i}.{name}"]
+        return None
+
+    out = {f"{dst}embed_tokens.weight": full[f"{src}embedding.word_embeddings.weight"], f"{dst}norm.weight": full[f"{src}decoder.final_layernorm.weight"]}
+    head = full.get(f"{src}output_layer.weight")
+    if v.value_model:
+        out["score.weight"] = head
+        out["score.bias"] = torch.zeros(1, dtype=head.dtype)
+    elif head is not None:
+        out["lm_head.weight"] = head
+    for i in range(v.num_layers):
+        p = f"{dst}layers.{i}."
+        out[p + "input_layernorm.weight"] = layer(i, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+        out[p + "post_attention_layernorm.weight"] = layer(i, "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+        out[p + "self_attn.o_proj.weight"] = layer(i, "self_attention.linear_proj.weight")
+        if v.family == "deepseek_v3":
+            out.update(_reference_mla(lambda name: layer(i, name), p))
+        else:
+            out.update(_reference_gqa(lambda name: layer(i, name), p, v))
+        out.update(_reference_mlp(lambda name: layer(i, name), full, f"{src}decoder.layers.", i, p, v))
+    return {k: t for k, t in out.items() if t is not None}
+
+
+def _reference_gqa(get: Callable[[str], torch.Tensor | None], p: str, v: Variant) -> dict[str, torch.Tensor]:
+    s = SIZES
+    groups, per_group, d = s["kv_heads"], s["heads"] // s["kv_heads"], s["head_dim"]
+    out = {}
+    for kind in ("weight", "bias") if v.qkv_bias else ("weight",):
+        qkv = get(f"self_attention.linear_qkv.{kind}")
+        grouped = qkv.reshape(groups, per_group + 2, d, *qkv.shape[1:])
+        out[p + f"self_attn.q_proj.{kind}"] = grouped[:, :per_group].reshape(groups * per_group * d, *qkv.shape[1:])
+        out[p + f"self_attn.k_proj.{kind}"] = grouped[:, per_group].reshape(groups * d, *qkv.shape[1:])
+        out[p + f"self_attn.v_proj.{kind}"] = grouped[:, per_group + 1].reshape(groups * d, *qkv.shape[1:])
+    if v.qk_norm:
+        out[p + "self_attn.q_norm.weight"] = get("self_attention.q_layernorm.weight")
+        out[p + "self_attn.k_norm.weight"] = get("self_attention.k_layernorm.weight")
+    return out
+
+
+def _reference_mla(get: Callable[[str], torch.Tensor | None], p: str) -> dict[str, torch.Tensor]:
+    a = "self_attention."
+    return {
+        p + "self_attn.q_a_proj.weight": get(a + "linear_q_down_proj.weight"),
+        p + "self_attn.q_a_layernorm.weight": get(a + "linear_q_up_proj.layer_norm_weight"),
+        p + "self_attn.q_b_proj.weight": get(a + "linear_q_up_proj.weight"),
+        p + "self_attn.kv_a_proj_with_mqa.weight": get(a + "linear_kv_down_proj.weight"),
+        p + "self_attn.kv_a_layernorm.weight": get(a + "linear_kv_up_proj.layer_norm_weight"),
+        p + "self_attn.kv_b_proj.weight": get(a + "linear_kv_up_proj.weight"),
+    }
+
+
+def _gate_up(get: Callable[[str], torch.Tensor | None], fc1: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    fused = get(f"{fc1}.weight")
+    if fused is not None:
+        gate, up = fused.chunk(2, dim=0)
+        return gate, up
+    gate = get(f"{fc1}.weight_w")
+    return None if gate is None else (gate, get(f"{fc1}.weight_v"))
+
+
+def _reference_mlp(get, full: dict[str, torch.Tensor], layers: str, i: int, p: str, v: Variant) -> dict[str, torch.Tensor]:
+    out = {}
+    dense = _gate_up(get, "mlp.linear_fc1")
+    if dense is not None:
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = dense
+        out[p + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
+        return out
+    out[p + "mlp.gate.weight"] = get("mlp.router.weight")
+    out[p + "mlp.gate.e_score_correction_bias"] = get("mlp.router.expert_bias")
+    shared_name = "shared_expert" if v.family == "qwen2_moe" else "shared_experts"
+    shared = _gate_up(get, "mlp.shared_experts.linear_fc1")
+    if shared is not None:
+        out[p + f"mlp.{shared_name}.gate_proj.weight"], out[p + f"mlp.{shared_name}.up_proj.weight"] = shared
+        out[p + f"mlp.{shared_name}.down_proj.weight"] = get("mlp.shared_experts.linear_fc2.weight")
+    gate_weight = get("mlp.shared_experts.gate_weight")
+    if gate_weight is not None:
+        out[p + "mlp.shared_expert_gate.weight"] = gate_weight
+    for e in range(SIZES["experts"]):
+
+        def expert(name: str, e: int = e) -> torch.Tensor | None:
+            # [L, E, ...] stacked, [E, ...] per layer, or one key per layer and expert.
+            stacked = get(f"mlp.experts.experts.{name}")
+            if stacked is not None:
+                return stacked[e]
+            return full.get(f"{layers}{i}.mlp.experts.experts.{e}.{name}")
+
+        out[p + f"mlp.experts.{e}.gate_proj.weight"], out[p + f"mlp.experts.{e}.up_proj.weight"] = _gate_up(expert, "linear_fc1")
+        out[p + f"mlp.experts.{e}.down_proj.weight"] = expert("linear_fc2.weight")
+    return out
+
+
+def _reference_vision(full: dict[str, torch.Tensor], dst: str) -> dict[str, torch.Tensor]:
+    vs = VISION_SIZES
+    src = "vision_model."
+    out = {
+        dst + "patch_embed.proj.weight": full[src + "patch_embed.proj.weight"],
+        dst + "merger.ln_q.weight": full[src + "decoder.final_layernorm.weight"],
+    }
+    for kind in ("weight", "bias"):
+        out[dst + f"merger.mlp.0.{kind}"] = full[src + f"projection.encoder.linear_fc1.{kind}"]
+        out[dst + f"merger.mlp.2.{kind}"] = full[src + f"projection.encoder.linear_fc2.{kind}"]
+    layers = src + "decoder.layers."
+    for i in range(vs["depth"]):
+        p = f"{dst}blocks.{i}."
+        out[p + "norm1.weight"] = full[layers + "self_attention.linear_qkv.layer_norm_weight"][i]
+        out[p + "norm2.weight"] = full[layers + "mlp.linear_fc1.layer_norm_weight"][i]
+        for kind in ("weight", "bias"):
+            qkv = full[layers + f"self_attention.linear_qkv.{kind}"][i]
+            # Megatron: rows per head [q_h; k_h; v_h]. HF: [all q; all k; all v].
+            per_head = qkv.reshape(vs["heads"], 3, -1, *qkv.shape[1:])
+            out[p + f"attn.qkv.{kind}"] = per_head.transpose(0, 1).reshape(qkv.shape)
+            out[p + f"attn.proj.{kind}"] = full[layers + f"self_attention.linear_proj.{kind}"][i]
+            gate, up = full[layers + f"mlp.linear_fc1.{kind}"][i].chunk(2, dim=0)
+            out[p + f"mlp.gate_proj.{kind}"], out[p + f"mlp.up_proj.{kind}"] = gate, up
+            out[p + f"mlp.down_proj.{kind}"] = full[layers + f"mlp.linear_fc2.{kind}"][i]
+    return out

@@ -1,0 +1,189 @@
+"""One rank of a megatron-core job that writes sample dist checkpoints on CPU (run by torchrun).
+
+For each requested variant: build a GPTModel with the local (non-TransformerEngine) layer spec, give
+every parameter values that depend only on its checkpoint key and global position (so all ranks and
+the reference agree, whatever the parallel layout), save it with ``dist_checkpointing.save`` like
+verl, and optionally run megatron-core's own forward pass to record logits.
+
+    torchrun --nproc_per_node 2 -m merge_pipeline.sample_checkpoints.megatron_worker JOB.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from merge_pipeline.sample_checkpoints.megatron import SIZES, Variant, global_values, sample_tokens
+
+
+def _patch_for_cpu() -> None:
+    # dist_checkpointing calls these around its save; there is no CUDA here.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _transformer_config(v: Variant):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = getattr(torch, v.dtype)
+    moe = {}
+    if v.is_moe:
+        moe = dict(
+            num_moe_experts=SIZES["experts"],
+            moe_router_topk=SIZES["experts_per_token"],
+            moe_ffn_hidden_size=SIZES["moe_ffn"],
+            moe_token_dispatcher_type="allgather",  # the only dispatcher that runs on CPU
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            # Qwen2-MoE: softmax over all experts, then top-k, no renormalisation.
+            moe_router_pre_softmax=v.family == "qwen2_moe",
+        )
+        if v.family == "qwen2_moe":
+            moe.update(moe_shared_expert_intermediate_size=SIZES["shared_ffn"], moe_shared_expert_gate=True)
+    return TransformerConfig(
+        num_layers=SIZES["layers"],
+        hidden_size=SIZES["hidden"],
+        num_attention_heads=SIZES["heads"],
+        num_query_groups=SIZES["kv_heads"],
+        kv_channels=SIZES["head_dim"],
+        ffn_hidden_size=SIZES["ffn"],
+        normalization="RMSNorm",
+        layernorm_epsilon=SIZES["norm_eps"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=v.qkv_bias,
+        qk_layernorm=v.qk_norm,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=v.tp,
+        pipeline_model_parallel_size=v.pp,
+        expert_model_parallel_size=v.ep,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **moe,
+    )
+
+
+def _build_model(v: Variant, config):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=SIZES["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=SIZES["vocab"],
+        max_sequence_length=SIZES["max_positions"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=v.tied,
+        position_embedding_type="rope",
+        rotary_base=SIZES["rope_theta"],
+        parallel_output=False,  # gather logits over TP ranks
+    )
+    if v.value_model and parallel_state.is_pipeline_last_stage():
+        # verl's critic replaces the LM head with a bias-free Linear of one output.
+        model.output_layer = torch.nn.Linear(SIZES["hidden"], 1, bias=False, dtype=config.params_dtype)
+    return model.eval()
+
+
+def _metadata(v: Variant) -> dict | None:
+    # singleton_local_shards: one key per layer (and per expert), gated fc1 as weight_w / weight_v.
+    return {"singleton_local_shards": True} if v.per_layer_keys else None
+
+
+def _fill(model, v: Variant) -> dict[str, torch.Tensor]:
+    """Set each local shard from the global tensor of its checkpoint key; return those globals."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    sharded = model.sharded_state_dict(metadata=_metadata(v))
+    apply_factories(sharded)
+    full: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for item in nested_values(sharded):
+            if not isinstance(item, ShardedTensor):
+                continue
+            if item.key not in full:
+                full[item.key] = global_values(item.key, item.global_shape, item.data.dtype)
+            local = full[item.key][item.global_slice()]
+            item.data.copy_(local.reshape(item.data.shape))
+    return full
+
+
+def _forward_logits(model, v: Variant, out_dir: Path) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    # Attention forks a CUDA RNG stream for dropout; dropout is off and there is no CUDA.
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+
+    tokens = sample_tokens().unsqueeze(0)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    # True = masked. Passing the mask avoids megatron's default causal mask, which is built on CUDA.
+    causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        logits = model(tokens, positions, causal)
+    if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_expert_model_parallel_rank() == 0:
+        torch.save(logits[0].float().clone(), out_dir / "megatron_logits.pt")
+
+
+def _write_variant(v: Variant, out_dir: Path) -> None:
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp, expert_model_parallel_size=v.ep)
+    try:
+        model = _build_model(v, _transformer_config(v))
+        full = _fill(model, v)
+        role_dir = out_dir / "actor"
+        dist_checkpointing.save(model.sharded_state_dict(metadata=_metadata(v)), str(role_dir / "dist_ckpt"))
+        torch.save(full, out_dir / f"full_weights_rank{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:
+            _write_transformer_config(model.config, role_dir / "transformer_config.json")
+        if v.logits:
+            _forward_logits(model, v, out_dir)
+        dist.barrier()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _write_transformer_config(config, path: Path) -> None:
+    """verl saves the TransformerConfig beside dist_ckpt/; its plain fields are what readers use."""
+    from dataclasses import fields
+
+    plain = {f.name: getattr(config, f.name) for f in fields(config) if isinstance(getattr(config, f.name), (bool, int, float, str, type(None)))}
+    path.write_text(json.dumps(plain, indent=2, sort_keys=True))
+
+
+def main(job_path: Path) -> None:
+    warnings.filterwarnings("ignore")
+    _patch_for_cpu()
+    job = json.loads(job_path.read_text())
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["timeout"]))
+    try:
+        for entry in job["variants"]:
+            out_dir = Path(entry["out_dir"])
+            if dist.get_rank() == 0:
+                (out_dir / "actor" / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            _write_variant(Variant(**entry["variant"]), out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # dist_checkpointing spawns a helper that re-imports this module
+    main(Path(sys.argv[1]))

@@ -1,0 +1,42 @@
+"""Small helpers shared by the engine and CLI tests."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from merge_pipeline.cli import main
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (relative path -> digest): 'untouched' made checkable."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def load_safetensors_dir(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every top-level ``*.safetensors`` file in ``folder``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                assert name not in tensors, f"{name} stored twice"
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run ``merge-pipeline`` in this process; returns (exit code, stdout, stderr)."""
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
