@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from merge_pipeline import __version__
+from merge_pipeline.engine.architecture import check_plan_against_architecture, expected_tensors
 from merge_pipeline.engine.hf_config import ModelConfig, load_model_config
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs
 from merge_pipeline.engine.manifest import write_manifest
@@ -55,6 +56,10 @@ class MergeResult:
 
 
 def peak_rss_bytes() -> int:
+    """This process's own peak RSS (VmHWM); ru_maxrss would carry over the parent's peak across exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -64,6 +69,10 @@ def prepare(local_dir: str | Path, options: MergeOptions, backend: str = "auto")
     try:
         config = load_model_config(plan.hf_dir, trust_remote_code=options.trust_remote_code, role_dir=plan.role_dir)
         layout = plan_outputs(plan, config, options)
+        # Key set and every shape against the architecture config.json describes: nothing a
+        # checkpoint holds is dropped silently, nothing the model needs is left out.
+        expected = expected_tensors(config.path.parent, value_model=layout.is_value_model, trust_remote_code=options.trust_remote_code)
+        check_plan_against_architecture([t.planned for shard in layout.shards for t in shard.tensors], expected, config.path)
     except BaseException:
         plan.close()
         raise

@@ -14,6 +14,7 @@ When ``dist_ckpt/`` holds no model tensors (verl's default saves them as HF safe
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import pickle
@@ -45,24 +46,20 @@ def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embed
     ``trust_remote_code`` lets transformers read a remote-code config.
     """
     role_dir = Path(role_dir)
-    hf_dir = role_dir / "huggingface"
-    model_config = load_model_config(hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir)
-    config, config_path = model_config.raw, model_config.path
+    model_config = load_model_config(role_dir / "huggingface", trust_remote_code=trust_remote_code, role_dir=role_dir)
     dist_dir = role_dir / DIST_DIR
-    if not dist_dir.is_dir():
-        return plan_hf_safetensors(role_dir, is_value_model=is_value_model)
-    _check_backend(dist_dir / "metadata.json")
-    metadata = read_dcp_metadata(dist_dir / ".metadata")
-    stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)}
+    metadata = _read_dist_checkpoint(dist_dir) if dist_dir.is_dir() else None
+    stored = _model_tensors(metadata, dist_dir / ".metadata") if metadata else {}
     if not stored:
         # verl's default: dist_ckpt/ holds optimizer and RNG state only; the weights are HF files.
         return plan_hf_safetensors(role_dir, is_value_model=is_value_model)
+    return _plan_dist_checkpoint(role_dir, metadata, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding)
 
+
+def _plan_dist_checkpoint(role_dir: Path, metadata: Metadata, stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, is_value_model: bool | None, tie_word_embedding: bool | None) -> CheckpointPlan:
+    dist_dir = role_dir / DIST_DIR
     metadata_path = dist_dir / ".metadata"
     shapes = {k: tuple(v.size) for k, v in stored.items()}
-    for key, shape in shapes.items():
-        if not shape:
-            raise MergeError(metadata_path, f"{key}: a scalar tensor is not a model weight")
     text = config.get("text_config") or config
     lm = "language_model." if "text_config" in config else ""
     value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
@@ -82,8 +79,8 @@ def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embed
             f.close()
         raise
     planned.sort(key=lambda t: _natural_key(t.name))
-    layout = _layout(dist_dir, tensors.values(), metadata, files, tied)
-    return CheckpointPlan("megatron", role_dir, hf_dir, planned, list(files.values()), is_value_model=value_model, layout=layout)
+    layout = _layout(dist_dir, tensors.values(), files, tied)
+    return CheckpointPlan("megatron", role_dir, role_dir / "huggingface", planned, list(files.values()), is_value_model=value_model, layout=layout)
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -103,6 +100,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         "torch.serialization": {"_get_layout"},
         "torch": {"Size"},
         "collections": {"OrderedDict"},
+        "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id of a single-process save
     }
 
     def find_class(self, module: str, name: str) -> object:
@@ -111,6 +109,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+
+
+def _read_dist_checkpoint(dist_dir: Path) -> Metadata:
+    _check_backend(dist_dir / "metadata.json")
+    return read_dcp_metadata(dist_dir / ".metadata")
+
+
+def _model_tensors(metadata: Metadata, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
+    """Model weights only: not optimizer state, not ``_extra_state`` / RNG byte entries."""
+    stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)}
+    for key, meta in stored.items():
+        if not tuple(meta.size):
+            raise MergeError(metadata_path, f"{key}: a scalar tensor is not a model weight")
+    return stored
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
@@ -248,19 +260,12 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path:
     cells: set[tuple[int, ...]] = set()
     for c in chunks:
         spans = [range(cut.index(c.offsets[d]), cut.index(c.offsets[d] + c.sizes[d])) for d, cut in enumerate(cuts)]
-        for cell in _product(spans):
+        for cell in itertools.product(*spans):
             if cell in cells:
                 raise MergeError(metadata_path, f"{key}: saved chunks overlap at {tuple(c.offsets)}")
             cells.add(cell)
     if len(cells) != math.prod(len(cut) - 1 for cut in cuts):
         raise MergeError(metadata_path, f"{key}: saved chunks do not cover the whole tensor {shape}")
-
-
-def _product(spans: list[range]) -> Iterable[tuple[int, ...]]:
-    result: list[tuple[int, ...]] = [()]
-    for span in spans:
-        result = [r + (i,) for r in result for i in span]
-    return result
 
 
 # ---- HF tensors as file ranges -------------------------------------------------------------------
@@ -309,18 +314,18 @@ def _planned(spec: OutputSpec, tensors: dict[str, _StoredTensor]) -> PlannedTens
     first = tensors[spec.pieces[0].key]
     trailing = first.shape[len(spec.pieces[0].index) + 1 :]
     shape = (sum(p.rows[1] - p.rows[0] for p in spec.pieces),) + trailing
-    pieces = [(p, tensors[p.key], _parts(tensors[p.key], p)) for p in spec.pieces]
-    whole_rows = all(s.start == 0 and s.stop == n for _, t, parts in pieces for part in parts for s, n in zip(part.columns, trailing))
+    pieces = [(p, _parts(tensors[p.key], p)) for p in spec.pieces]
+    whole_rows = all(s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing))
     if whole_rows:
-        return PlannedTensor(spec.name, shape, first.dtype, StoredBytes(tuple(part.run for _, _, parts in pieces for part in parts), first.dtype))
+        return PlannedTensor(spec.name, shape, first.dtype, StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype))
     return PlannedTensor(spec.name, shape, first.dtype, Computed(lambda: _assemble(shape, first.dtype, pieces)))
 
 
-def _assemble(shape: tuple[int, ...], dtype: torch.dtype, pieces: list) -> torch.Tensor:
+def _assemble(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[tuple[Piece, list[_Part]]]) -> torch.Tensor:
     """Build a tensor whose rows are split by columns across chunks (row-parallel layers)."""
     out = torch.empty(shape, dtype=dtype)
     row = 0
-    for piece, _, parts in pieces:
+    for piece, parts in pieces:
         for part in parts:
             rows = part.rows[1] - part.rows[0]
             buffer = bytearray(part.run.length)
@@ -341,7 +346,7 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _layout(dist_dir: Path, tensors: Iterable[_StoredTensor], metadata: Metadata, files: dict[str, SourceFile], tied: bool) -> dict:
+def _layout(dist_dir: Path, tensors: Iterable[_StoredTensor], files: dict[str, SourceFile], tied: bool) -> dict:
     """Facts for ``inspect`` and the manifest (language model only); parallel sizes from
     transformer_config.json when present."""
     tensors = [t for t in tensors if not t.key.startswith("vision_model.")]

@@ -48,7 +48,8 @@ class Naming:
     vision_prefix: str | None = None  # vision-language models: the vision tower
 
 
-_VISION_LANGUAGE = Naming(text_prefix="model.language_model.", vision_prefix="model.visual.")
+# The on-disk (Hub) names; transformers 5 renames them to model.language_model.* / model.visual.* on load.
+_VISION_LANGUAGE = Naming(text_prefix="model.", vision_prefix="visual.")
 
 ARCHITECTURES: dict[str, Naming] = {
     "LlamaForCausalLM": Naming(),
@@ -272,15 +273,15 @@ class KeyMapper:
 
     def _map_text(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
         prefix = self.model.naming.text_prefix
-        globals_ = {
+        top_level = {
             "embedding.word_embeddings.weight": f"{prefix}embed_tokens.weight",
             "decoder.final_layernorm.weight": f"{prefix}norm.weight",
             "output_layer.weight": "score.weight" if self.model.value_model else "lm_head.weight",
         }
         if self.model.value_model:
-            globals_["output_layer.bias"] = "score.bias"
-        if local in globals_:
-            return [_whole(globals_[local], key, shape)]
+            top_level["output_layer.bias"] = "score.bias"
+        if local in top_level:
+            return [_whole(top_level[local], key, shape)]
         params = _layer_params(key, local, shape)
         if params is None:
             return None

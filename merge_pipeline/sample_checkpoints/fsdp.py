@@ -1,10 +1,10 @@
 """Real verl-style FSDP checkpoints, written by torch FSDP on CPU (gloo), one OS process per rank.
 
 The calling process builds the transformers model from a config with seeded random weights and
-saves them as the reference. Each rank process rebuilds a module tree with the same parameter
-names from that file, shards it with FSDP1 or FSDP2 and ``torch.save``s its ``state_dict()`` the
-way verl does. Rank processes never import transformers (seconds per rank on a small machine), so
-parent-only dependencies are imported inside the functions that need them.
+saves them as the reference. A launcher process (``--ranks``) imports torch once and forks one
+process per rank; each rebuilds a module tree with the reference's parameter names, shards it with
+FSDP1 or FSDP2 and ``torch.save``s its ``state_dict()`` the way verl does. transformers, peft and
+tokenizers are imported inside the calling-process functions only: the launcher never needs them.
 
     python -m merge_pipeline.sample_checkpoints.fsdp OUT_ROLE_DIR [--world-size N ...]
 """
@@ -13,20 +13,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, StateDictType, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-_WORKER_MODULE = "merge_pipeline.sample_checkpoints.fsdp"
+_MODULE = "merge_pipeline.sample_checkpoints.fsdp"
+_LAUNCHER_LOG = "launcher.log"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _CONFIGS = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -101,13 +112,14 @@ def write_fsdp_checkpoint(
             fsdp_version=spec.fsdp_version,
             mesh_shape=spec.mesh_shape,
             mesh_dim_names=spec.mesh_dim_names,
+            world_size=spec.world_size,
             with_optimizer=spec.with_optimizer,
         )
         job_path = scratch / "job.json"
         job_path.write_text(json.dumps(job))
-        with _launch_ranks(job_path, spec.world_size, scratch) as ranks:
+        with _launch_ranks(job_path) as launcher:
             _write_metadata(role_dir, spec, config)  # while the ranks start up
-            _wait(ranks, scratch, timeout)
+            _wait(launcher, scratch, spec.world_size, timeout)
 
 
 # --- calling process: model, reference, metadata ------------------------------------------------
@@ -138,8 +150,6 @@ def _causal_lm_config(spec: FsdpSpec):
 
 def _build_model(spec: FsdpSpec, config):
     """The module verl would train, with seeded random weights in ``spec.dtype``, and its config."""
-    import copy
-
     import peft
     import transformers
 
@@ -174,8 +184,6 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 def _write_reference(spec: FsdpSpec, config, out_dir: Path) -> dict:
     """Save the unsharded weights and config to ``out_dir``; return what a rank needs to rebuild them."""
-    from safetensors.torch import save_file
-
     model, trained_config = _build_model(spec, config)
     state = model.state_dict(keep_vars=True)
     first_name: dict[int, str] = {}
@@ -221,12 +229,12 @@ def _write_metadata(role_dir: Path, spec: FsdpSpec, config) -> None:
         write_tokenizer(hf_dir, vocab_size=spec.vocab_size)
 
 
-# --- calling process: rank processes ------------------------------------------------------------
+# --- calling process: the rank launcher ---------------------------------------------------------
 
 
 @contextlib.contextmanager
-def _launch_ranks(job_path: Path, world_size: int, log_dir: Path):
-    """Start one process per rank; on leaving, kill whichever are still running."""
+def _launch_ranks(job_path: Path):
+    """Start the rank launcher (``_fork_ranks``) in a new process group; kill the group on leaving."""
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -234,52 +242,100 @@ def _launch_ranks(job_path: Path, world_size: int, log_dir: Path):
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world_size),
         "OMP_NUM_THREADS": "1",  # ranks share few cores; more threads only contend
-        "PYTHONWARNINGS": "ignore",
+        "PYTHONWARNINGS": "ignore",  # FSDP1 deprecation, world-size-1 and DTensor notices
         "TORCH_CPP_LOG_LEVEL": "ERROR",  # gloo and c10d chatter
         "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    ranks: list[subprocess.Popen] = []
+    command = [sys.executable, "-m", _MODULE, "--ranks", str(job_path)]
+    with open(job_path.parent / _LAUNCHER_LOG, "wb") as log:
+        launcher = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        for rank in range(world_size):
-            with open(_log_path(log_dir, rank), "wb") as log:
-                command = [sys.executable, "-m", _WORKER_MODULE, "--worker", str(job_path)]
-                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                ranks.append(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
-        yield ranks
+        yield launcher
     finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-        for process in ranks:
-            process.wait()
+        # A launcher that finished cleanly has reaped every rank. Otherwise kill its whole group,
+        # which also ends ranks a dead launcher left behind (none left: ProcessLookupError).
+        if launcher.poll() != 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
 
 
-def _wait(ranks: list[subprocess.Popen], log_dir: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(process.poll() == 0 for process in ranks):
-        failed = [rank for rank, process in enumerate(ranks) if process.returncode not in (None, 0)]
-        if failed:
-            raise RuntimeError("\n".join(_rank_report(ranks, log_dir, rank) for rank in failed))
-        if time.monotonic() > deadline:
-            running = [rank for rank, process in enumerate(ranks) if process.returncode is None]
-            reports = "\n".join(_rank_report(ranks, log_dir, rank) for rank in running)
-            raise TimeoutError(f"FSDP ranks {running} still running after {timeout} s\n{reports}")
-        time.sleep(0.05)
+def _wait(launcher: subprocess.Popen, log_dir: Path, world_size: int, timeout: float) -> None:
+    try:
+        code = launcher.wait(timeout)
+    except subprocess.TimeoutExpired:
+        reports = "\n".join(_rank_report(log_dir, rank, world_size, "at the timeout") for rank in range(world_size))
+        raise TimeoutError(f"FSDP ranks still running after {timeout} s\n{reports}") from None
+    if code != 0:  # the launcher printed the failing rank's report, or its own traceback
+        raise RuntimeError((log_dir / _LAUNCHER_LOG).read_text(errors="replace")[-8000:])
 
 
-def _log_path(log_dir: Path, rank: int) -> Path:
+def _rank_log(log_dir: Path, rank: int) -> Path:
     return log_dir / f"rank_{rank}.log"
 
 
-def _rank_report(ranks: list[subprocess.Popen], log_dir: Path, rank: int) -> str:
-    output = _log_path(log_dir, rank).read_text(errors="replace")[-4000:]
-    status = "running" if ranks[rank].returncode is None else f"exit code {ranks[rank].returncode}"
-    return f"FSDP rank {rank} of {len(ranks)} ({status}), output:\n{output}"
+def _rank_report(log_dir: Path, rank: int, world_size: int, status: str) -> str:
+    log = _rank_log(log_dir, rank)
+    output = log.read_text(errors="replace")[-4000:] if log.is_file() else ""
+    return f"FSDP rank {rank} of {world_size} ({status}), output:\n{output}"
 
 
-# --- rank process -------------------------------------------------------------------------------
+# --- rank launcher and rank processes -------------------------------------------------------------
+
+
+def _fork_ranks(job_path: Path) -> int:
+    """Fork one process per rank and wait for them; once one fails, kill the rest.
+
+    Forked ranks inherit this process's imports instead of paying seconds of torch start-up each.
+    The fork is safe: only one thread runs here, and nothing has touched OpenMP or a process group.
+    Returns the exit code; the output of every rank that failed by itself is printed.
+    """
+    import torch._dynamo  # noqa: F401  (DTensor imports it on first use; once here, not per rank)
+
+    job = json.loads(job_path.read_text())
+    world_size = job["world_size"]
+    sys.stdout.flush()  # or a child would write this process's buffered output again
+    sys.stderr.flush()
+    children = {}
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            _rank_process(job, rank, _rank_log(job_path.parent, rank))
+        children[pid] = rank
+    failed = {}
+    while children and not failed:
+        pid, status = os.wait()
+        rank, code = children.pop(pid), os.waitstatus_to_exitcode(status)
+        if code != 0:
+            failed[rank] = code
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    for pid, rank in children.items():
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code not in (0, -signal.SIGKILL):  # a peer may have died of the same cause meanwhile
+            failed[rank] = code
+    for rank, code in sorted(failed.items()):
+        print(_rank_report(job_path.parent, rank, world_size, f"exit code {code}"))
+    return 1 if failed else 0
+
+
+def _rank_process(job: dict, rank: int, log_path: Path) -> NoReturn:
+    """The body of a forked rank. It ends the process: it must never return into the launcher loop."""
+    code = 1
+    try:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        _run_rank(job, rank)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class _Container(torch.nn.Module):
@@ -290,19 +346,14 @@ class _DecoderLayer(_Container):
     """A ``...layers.<i>`` module: its own FSDP unit, as verl's wrap policy makes each decoder layer."""
 
 
-def _run_rank(job_path: Path) -> None:
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-    from torch.distributed.device_mesh import init_device_mesh
-
-    warnings.filterwarnings("ignore")  # FSDP1 deprecation and world-size-1 notices
-    job = json.loads(job_path.read_text())
-    dist.init_process_group("gloo")
+def _run_rank(job: dict, rank: int) -> None:
+    world_size = job["world_size"]
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", tuple(job["mesh_shape"]), mesh_dim_names=tuple(job["mesh_dim_names"]))
         model = _shard(_rebuild_module(job, load_file(job["weights"])), mesh, job["fsdp_version"])
         role_dir = Path(job["role_dir"])
-        suffix = f"world_size_{dist.get_world_size()}_rank_{dist.get_rank()}.pt"
+        suffix = f"world_size_{world_size}_rank_{rank}.pt"
         if job["with_optimizer"]:
             _save_optimizer_state(model, role_dir, suffix)
         torch.save(_model_state_dict(model, job["fsdp_version"]), role_dir / f"model_{suffix}")
@@ -335,15 +386,9 @@ def _rebuild_module(job: dict, weights: dict[str, torch.Tensor]) -> torch.nn.Mod
 
 def _shard(module: torch.nn.Module, mesh, fsdp_version: int) -> torch.nn.Module:
     if fsdp_version == 2:
-        from torch.distributed.fsdp import fully_shard
-
         for layer in [m for m in module.modules() if isinstance(m, _DecoderLayer)]:
             fully_shard(layer, mesh=mesh)
         return fully_shard(module, mesh=mesh)
-
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
     return FullyShardedDataParallel(
         module,
         auto_wrap_policy=ModuleWrapPolicy({_DecoderLayer}),
@@ -358,8 +403,6 @@ def _shard(module: torch.nn.Module, mesh, fsdp_version: int) -> torch.nn.Module:
 def _model_state_dict(model: torch.nn.Module, fsdp_version: int) -> dict:
     if fsdp_version == 2:
         return model.state_dict()
-    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
-
     with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         return model.state_dict()
 
@@ -369,10 +412,6 @@ def _save_optimizer_state(model: torch.nn.Module, role_dir: Path, suffix: str) -
 
     One step with zero gradients at lr=0 fills the moments and leaves the weights bit for bit alone.
     """
-    import random
-
-    import numpy as np
-
     params = [param for param in model.parameters() if param.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -391,10 +430,10 @@ def _save_optimizer_state(model: torch.nn.Module, role_dir: Path, suffix: str) -
 def _parser() -> argparse.ArgumentParser:
     defaults = FsdpSpec()
     parser = argparse.ArgumentParser(
-        prog=f"python -m {_WORKER_MODULE}", description="Write a real verl-style FSDP checkpoint (CPU, gloo)."
+        prog=f"python -m {_MODULE}", description="Write a real verl-style FSDP checkpoint (CPU, gloo)."
     )
     parser.add_argument("role_dir", type=Path, help="role folder to write, e.g. ckpt/global_step_1/actor")
-    parser.add_argument("--world-size", type=int, default=defaults.world_size)
+    parser.add_argument("--world-size", type=int, help=f"default: R*F with --mesh, else {defaults.world_size}")
     parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=defaults.fsdp_version)
     parser.add_argument("--arch", choices=sorted(_CONFIGS), default=defaults.arch)
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
@@ -416,13 +455,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:  # internal: one rank, started by write_fsdp_checkpoint
-        _run_rank(Path(argv[1]))
-        return
-    args = _parser().parse_args(argv)
-    spec = FsdpSpec(
+    if argv[:1] == ["--ranks"]:  # internal: the rank launcher started by write_fsdp_checkpoint
+        sys.exit(_fork_ranks(Path(argv[1])))
+    parser = _parser()
+    args = parser.parse_args(argv)
+    world_size = args.world_size or (args.mesh[0] * args.mesh[1] if args.mesh else FsdpSpec().world_size)
+    try:
+        spec = _spec_from_args(args, world_size)
+    except ValueError as error:
+        parser.error(str(error))
+    write_fsdp_checkpoint(args.role_dir, spec, reference_dir=args.reference_dir, timeout=args.timeout)
+
+
+def _spec_from_args(args: argparse.Namespace, world_size: int) -> FsdpSpec:
+    return FsdpSpec(
         arch=args.arch,
-        world_size=args.world_size,
+        world_size=world_size,
         fsdp_version=args.fsdp_version,
         mesh=tuple(args.mesh) if args.mesh else None,
         dtype=_DTYPES[args.dtype],
@@ -437,7 +485,6 @@ def main(argv: list[str] | None = None) -> None:
         lora=tuple(args.lora) if args.lora else None,
         seed=args.seed,
     )
-    write_fsdp_checkpoint(args.role_dir, spec, reference_dir=args.reference_dir, timeout=args.timeout)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -34,10 +35,15 @@ from pathlib import Path
 
 import torch
 
-SIZES = dict(
+_TINY = dict(
     layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128, experts=4, experts_per_token=2,
     moe_ffn=32, shared_ffn=48, norm_eps=1e-6, rope_theta=10000.0, max_positions=64,
 )
+SIZE_PRESETS = {
+    "tiny": _TINY,
+    # ~247M parameters: the benchmark model (benchmarks/megatron_probe.py).
+    "250m": {**_TINY, "layers": 12, "hidden": 1024, "heads": 16, "kv_heads": 16, "head_dim": 64, "ffn": 3584, "vocab": 32000},
+}
 # DeepSeek-V3 (multi-latent attention): layer 0 dense, layer 1 MoE.
 MLA_SIZES = dict(layers=2, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, shared_experts=1)
 # Qwen2.5-VL vision tower.
@@ -67,6 +73,11 @@ class Variant:
     dtype: str = "float32"
     logits: bool = False  # record megatron-core's forward pass (TP/EP only: PP needs a schedule)
     hf_weights: bool = False  # verl's default: weights as HF safetensors, dist_ckpt without model tensors
+    size: str = "tiny"  # a key of SIZE_PRESETS
+
+    @property
+    def sizes(self) -> dict:
+        return SIZE_PRESETS[self.size]
 
     @property
     def handmade(self) -> bool:
@@ -86,7 +97,7 @@ class Variant:
 
     @property
     def num_layers(self) -> int:
-        return MLA_SIZES["layers"] if self.family == "deepseek_v3" else SIZES["layers"]
+        return MLA_SIZES["layers"] if self.family == "deepseek_v3" else self.sizes["layers"]
 
 
 VARIANTS = {
@@ -145,7 +156,7 @@ def write_megatron_samples(root: Path, variants: Iterable[Variant], *, timeout: 
         if v.family == "qwen2":
             from merge_pipeline.sample_checkpoints.tokenizer import write_tokenizer
 
-            write_tokenizer(hf_dir, vocab_size=SIZES["vocab"])
+            write_tokenizer(hf_dir, vocab_size=v.sizes["vocab"])
         reference = reference_weights(full, v)
         if v.hf_weights:
             _write_hf_weights(hf_dir, reference)
@@ -201,27 +212,27 @@ def _hf_config(v: Variant):
 
     model_type, architecture = _FAMILIES[v.family]
     text = dict(
-        vocab_size=SIZES["vocab"], hidden_size=SIZES["hidden"], intermediate_size=SIZES["ffn"], num_hidden_layers=v.num_layers,
-        num_attention_heads=SIZES["heads"], num_key_value_heads=SIZES["kv_heads"], max_position_embeddings=SIZES["max_positions"],
-        rms_norm_eps=SIZES["norm_eps"], rope_parameters={"rope_type": "default", "rope_theta": SIZES["rope_theta"]},
+        vocab_size=v.sizes["vocab"], hidden_size=v.sizes["hidden"], intermediate_size=v.sizes["ffn"], num_hidden_layers=v.num_layers,
+        num_attention_heads=v.sizes["heads"], num_key_value_heads=v.sizes["kv_heads"], max_position_embeddings=v.sizes["max_positions"],
+        rms_norm_eps=v.sizes["norm_eps"], rope_parameters={"rope_type": "default", "rope_theta": v.sizes["rope_theta"]},
         tie_word_embeddings=v.tied, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
-    moe = dict(num_experts=SIZES["experts"], num_experts_per_tok=SIZES["experts_per_token"], moe_intermediate_size=SIZES["moe_ffn"])
+    moe = dict(num_experts=v.sizes["experts"], num_experts_per_tok=v.sizes["experts_per_token"], moe_intermediate_size=v.sizes["moe_ffn"])
     if v.family == "qwen2_moe":
-        text.update(moe, shared_expert_intermediate_size=SIZES["shared_ffn"], norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+        text.update(moe, shared_expert_intermediate_size=v.sizes["shared_ffn"], norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
     elif v.family == "qwen3_moe":
-        text.update(moe, head_dim=SIZES["head_dim"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        text.update(moe, head_dim=v.sizes["head_dim"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     elif v.family == "deepseek_v3":
         text.update(
-            n_routed_experts=SIZES["experts"], num_experts_per_tok=SIZES["experts_per_token"], moe_intermediate_size=SIZES["moe_ffn"],
+            n_routed_experts=v.sizes["experts"], num_experts_per_tok=v.sizes["experts_per_token"], moe_intermediate_size=v.sizes["moe_ffn"],
             n_shared_experts=MLA_SIZES["shared_experts"], first_k_dense_replace=1, n_group=1, topk_group=1,
             q_lora_rank=MLA_SIZES["q_lora_rank"], kv_lora_rank=MLA_SIZES["kv_lora_rank"], qk_nope_head_dim=MLA_SIZES["qk_nope"],
-            qk_rope_head_dim=MLA_SIZES["qk_rope"], v_head_dim=MLA_SIZES["v_head"], num_key_value_heads=SIZES["heads"],
+            qk_rope_head_dim=MLA_SIZES["qk_rope"], v_head_dim=MLA_SIZES["v_head"], num_key_value_heads=v.sizes["heads"],
         )
     if v.family == "qwen2_5_vl":
         vs = VISION_SIZES
         vision = dict(
-            depth=vs["depth"], hidden_size=vs["hidden"], num_heads=vs["heads"], intermediate_size=vs["ffn"], out_hidden_size=SIZES["hidden"],
+            depth=vs["depth"], hidden_size=vs["hidden"], num_heads=vs["heads"], intermediate_size=vs["ffn"], out_hidden_size=v.sizes["hidden"],
             patch_size=vs["patch"], temporal_patch_size=vs["temporal_patch"], spatial_merge_size=vs["merge"], fullatt_block_indexes=[vs["depth"] - 1],
         )
         config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=v.tied)
@@ -267,10 +278,10 @@ def _handmade_weights(v: Variant) -> dict[str, torch.Tensor]:
 
 
 def _handmade_shapes(v: Variant) -> dict[str, tuple[int, ...]]:
-    s = SIZES
+    s = v.sizes
     H, L, V = s["hidden"], v.num_layers, s["vocab"]
     if v.family == "deepseek_v3":
-        return _mla_shapes()
+        return _mla_shapes(s)
     lm = "language_model." if v.family == "qwen2_5_vl" else ""
     qkv_rows = s["kv_heads"] * (s["heads"] // s["kv_heads"] + 2) * s["head_dim"]
     shapes = {
@@ -286,14 +297,14 @@ def _handmade_shapes(v: Variant) -> dict[str, tuple[int, ...]]:
         f"{lm}output_layer.weight": (V, H),
     }
     if v.family == "qwen2_5_vl":
-        shapes.update(_vision_shapes())
+        shapes.update(_vision_shapes(s))
     return shapes
 
 
-def _mla_shapes() -> dict[str, tuple[int, ...]]:
+def _mla_shapes(s: dict) -> dict[str, tuple[int, ...]]:
     """DeepSeek-V3 as the TransformerEngine spec saves it: one key per layer (dense and MoE layers
     differ), fused q/kv norms, experts stacked within a layer, router expert bias."""
-    s, m = SIZES, MLA_SIZES
+    m = MLA_SIZES
     H, E = s["hidden"], s["experts"]
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (s["vocab"], H), "decoder.final_layernorm.weight": (H,), "output_layer.weight": (s["vocab"], H)}
     for i in range(m["layers"]):
@@ -324,7 +335,7 @@ def _mla_shapes() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _vision_shapes() -> dict[str, tuple[int, ...]]:
+def _vision_shapes(s: dict) -> dict[str, tuple[int, ...]]:
     """Qwen2.5-VL's vision tower as verl's Megatron model names it (mbridge layout)."""
     vs = VISION_SIZES
     L, H, F = vs["depth"], vs["hidden"], vs["ffn"]
@@ -345,8 +356,8 @@ def _vision_shapes() -> dict[str, tuple[int, ...]]:
         "vision_model.decoder.final_layernorm.weight": (H,),
         "vision_model.projection.encoder.linear_fc1.weight": (merged, merged),
         "vision_model.projection.encoder.linear_fc1.bias": (merged,),
-        "vision_model.projection.encoder.linear_fc2.weight": (SIZES["hidden"], merged),
-        "vision_model.projection.encoder.linear_fc2.bias": (SIZES["hidden"],),
+        "vision_model.projection.encoder.linear_fc2.weight": (s["hidden"], merged),
+        "vision_model.projection.encoder.linear_fc2.bias": (s["hidden"],),
     }
 
 
@@ -361,7 +372,9 @@ def _write_handmade(sample: MegatronSample, full: dict[str, torch.Tensor]) -> No
         state = {f"optimizer.state.{kind}.{key}": torch.zeros_like(t, dtype=torch.float32) for key, t in full.items() for kind in ("exp_avg", "exp_avg_sq")}
     else:
         state = dict(full)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dist_dir)), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dist_dir)), no_dist=True)
     torch.save({}, dist_dir / "common.pt")
     backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
     (dist_dir / "metadata.json").write_text(json.dumps(backend))
@@ -373,7 +386,7 @@ def _write_handmade(sample: MegatronSample, full: dict[str, torch.Tensor]) -> No
 def reference_weights(full: dict[str, torch.Tensor], v: Variant) -> dict[str, torch.Tensor]:
     """The HF state dict of the model in the checkpoint."""
     if v.family == "qwen2_5_vl":
-        return {**_reference_text(full, v, "language_model.", "model.language_model."), **_reference_vision(full, "model.visual.")}
+        return {**_reference_text(full, v, "language_model.", "model."), **_reference_vision(full, "visual.")}
     return _reference_text(full, v, "", "model.")
 
 
@@ -408,7 +421,7 @@ def _reference_text(full: dict[str, torch.Tensor], v: Variant, src: str, dst: st
 
 
 def _reference_gqa(get: Callable[[str], torch.Tensor | None], p: str, v: Variant) -> dict[str, torch.Tensor]:
-    s = SIZES
+    s = v.sizes
     groups, per_group, d = s["kv_heads"], s["heads"] // s["kv_heads"], s["head_dim"]
     out = {}
     for kind in ("weight", "bias") if v.qkv_bias else ("weight",):
@@ -461,7 +474,7 @@ def _reference_mlp(get, full: dict[str, torch.Tensor], layers: str, i: int, p: s
     gate_weight = get("mlp.shared_experts.gate_weight")
     if gate_weight is not None:
         out[p + "mlp.shared_expert_gate.weight"] = gate_weight
-    for e in range(SIZES["experts"]):
+    for e in range(v.sizes["experts"]):
 
         def expert(name: str, e: int = e) -> torch.Tensor | None:
             # [L, E, ...] stacked, [E, ...] per layer, or one key per layer and expert.

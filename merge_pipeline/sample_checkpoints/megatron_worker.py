@@ -22,13 +22,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from merge_pipeline.sample_checkpoints.megatron import SIZES, Variant, global_values, sample_tokens
+from merge_pipeline.sample_checkpoints.megatron import Variant, global_values, sample_tokens
 
 
 def _patch_for_cpu() -> None:
     # dist_checkpointing calls these around its save; there is no CUDA here.
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
+    # Tied embeddings across pipeline stages are synchronised with ``weight.data.cuda()``.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # megatron-core 0.16 leaves this name undefined without TransformerEngine; the router then
+    # falls back to torch.mm once it is None.
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
 
 
 def _transformer_config(v: Variant):
@@ -38,9 +45,9 @@ def _transformer_config(v: Variant):
     moe = {}
     if v.is_moe:
         moe = dict(
-            num_moe_experts=SIZES["experts"],
-            moe_router_topk=SIZES["experts_per_token"],
-            moe_ffn_hidden_size=SIZES["moe_ffn"],
+            num_moe_experts=v.sizes["experts"],
+            moe_router_topk=v.sizes["experts_per_token"],
+            moe_ffn_hidden_size=v.sizes["moe_ffn"],
             moe_token_dispatcher_type="allgather",  # the only dispatcher that runs on CPU
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
@@ -48,16 +55,16 @@ def _transformer_config(v: Variant):
             moe_router_pre_softmax=v.family == "qwen2_moe",
         )
         if v.family == "qwen2_moe":
-            moe.update(moe_shared_expert_intermediate_size=SIZES["shared_ffn"], moe_shared_expert_gate=True)
+            moe.update(moe_shared_expert_intermediate_size=v.sizes["shared_ffn"], moe_shared_expert_gate=True)
     return TransformerConfig(
-        num_layers=SIZES["layers"],
-        hidden_size=SIZES["hidden"],
-        num_attention_heads=SIZES["heads"],
-        num_query_groups=SIZES["kv_heads"],
-        kv_channels=SIZES["head_dim"],
-        ffn_hidden_size=SIZES["ffn"],
+        num_layers=v.sizes["layers"],
+        hidden_size=v.sizes["hidden"],
+        num_attention_heads=v.sizes["heads"],
+        num_query_groups=v.sizes["kv_heads"],
+        kv_channels=v.sizes["head_dim"],
+        ffn_hidden_size=v.sizes["ffn"],
         normalization="RMSNorm",
-        layernorm_epsilon=SIZES["norm_eps"],
+        layernorm_epsilon=v.sizes["norm_eps"],
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -81,22 +88,22 @@ def _build_model(v: Variant, config):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=SIZES["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=v.sizes["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm)
     model = GPTModel(
         config,
         spec,
-        vocab_size=SIZES["vocab"],
-        max_sequence_length=SIZES["max_positions"],
+        vocab_size=v.sizes["vocab"],
+        max_sequence_length=v.sizes["max_positions"],
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=v.tied,
         position_embedding_type="rope",
-        rotary_base=SIZES["rope_theta"],
+        rotary_base=v.sizes["rope_theta"],
         parallel_output=False,  # gather logits over TP ranks
     )
     if v.value_model and parallel_state.is_pipeline_last_stage():
         # verl's critic replaces the LM head with a bias-free Linear of one output.
-        model.output_layer = torch.nn.Linear(SIZES["hidden"], 1, bias=False, dtype=config.params_dtype)
+        model.output_layer = torch.nn.Linear(v.sizes["hidden"], 1, bias=False, dtype=config.params_dtype)
     return model.eval()
 
 
@@ -106,26 +113,29 @@ def _metadata(v: Variant) -> dict | None:
 
 
 def _fill(model, v: Variant) -> dict[str, torch.Tensor]:
-    """Set each local shard from the global tensor of its checkpoint key; return those globals."""
+    """Set each local shard from the global tensor of its checkpoint key. Returns the global
+    tensors this rank owns (it holds their first chunk's main replica), so each is saved once."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.dist_checkpointing.mapping import apply_factories, is_main_replica
 
     sharded = model.sharded_state_dict(metadata=_metadata(v))
     apply_factories(sharded)
     full: dict[str, torch.Tensor] = {}
+    owned: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for item in nested_values(sharded):
             if not isinstance(item, ShardedTensor):
                 continue
             if item.key not in full:
                 full[item.key] = global_values(item.key, item.global_shape, item.data.dtype)
-            local = full[item.key][item.global_slice()]
-            item.data.copy_(local.reshape(item.data.shape))
-    return full
+            item.data.copy_(full[item.key][item.global_slice()].reshape(item.data.shape))
+            if is_main_replica(item.replica_id) and not any(item.global_offset):
+                owned[item.key] = full[item.key]
+    return owned
 
 
-def _forward_logits(model, v: Variant, out_dir: Path) -> None:
+def _forward_logits(model, out_dir: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -155,7 +165,7 @@ def _write_variant(v: Variant, out_dir: Path) -> None:
         if dist.get_rank() == 0:
             _write_transformer_config(model.config, role_dir / "transformer_config.json")
         if v.logits:
-            _forward_logits(model, v, out_dir)
+            _forward_logits(model, out_dir)
         dist.barrier()
     finally:
         parallel_state.destroy_model_parallel()

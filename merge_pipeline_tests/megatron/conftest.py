@@ -1,0 +1,33 @@
+"""Megatron-Core sample checkpoints, written once per test session (one torchrun job for all).
+
+The cached folders are shared: never modify them. A test that damages a checkpoint works on
+``fresh_megatron(name)``, a private copy of the role folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from merge_pipeline.sample_checkpoints.megatron import VARIANTS, MegatronSample, write_megatron_samples
+
+
+@pytest.fixture(scope="session")
+def megatron_samples(tmp_path_factory) -> dict[str, MegatronSample]:
+    """Every variant of ``VARIANTS``: real megatron-core checkpoints plus the hand-built layouts."""
+    return write_megatron_samples(tmp_path_factory.mktemp("megatron"), VARIANTS.values(), timeout=600)
+
+
+@pytest.fixture
+def fresh_megatron(megatron_samples, tmp_path):
+    """``fresh_megatron(name) -> MegatronSample`` whose role folder this test may change."""
+
+    def copy(name: str) -> MegatronSample:
+        sample = megatron_samples[name]
+        role_dir = tmp_path / name / "global_step_1" / "actor"
+        shutil.copytree(sample.role_dir, role_dir)
+        return replace(sample, role_dir=role_dir)
+
+    return copy

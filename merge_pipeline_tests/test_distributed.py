@@ -1,0 +1,76 @@
+"""torchrun merges are byte-identical to one process; a dead rank publishes nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from merge_pipeline.distributed import assign_shards
+from merge_pipeline.engine.outputs import ShardFile
+from merge_pipeline.engine.plan import Computed, PlannedTensor
+from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_tests.helpers import run_cli, tree_digest
+
+SPEC = FsdpSpec(world_size=4, hidden_size=256, num_layers=4, vocab_size=8000, intermediate_size=512, with_optimizer=False)
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def torchrun(nproc: int, *args) -> subprocess.Popen:
+    command = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "merge_pipeline", "merge", *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, nproc):
+    role_dir = fsdp_checkpoint(SPEC).role_dir
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "single", "--max-shard-size", "2MB", "--dtype", "bfloat16")
+    assert code == 0, err
+    run = torchrun(nproc, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", "--max-shard-size", "2MB", "--dtype", "bfloat16")
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert f"rank {nproc - 1}/{nproc} writes" in err
+    assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
+    assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > nproc
+
+
+def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_checkpoint):
+    role_dir = fsdp_checkpoint(SPEC).role_dir
+    target, staging = tmp_path / "out", tmp_path / ".out.staging"
+    run = torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB")
+    try:
+        deadline = time.monotonic() + 120
+        while not (staging.is_dir() and any(staging.glob("model-*.safetensors"))):
+            assert run.poll() is None and time.monotonic() < deadline, "merge ended before a rank could be killed"
+            time.sleep(0.01)
+        [rank1] = [p for p in psutil.Process(run.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        rank1.send_signal(signal.SIGKILL)
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode != 0
+    assert not target.exists(), "nothing may be published when a rank dies"
+    rerun = torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB")
+    _, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the rerun cleans the dead merge's staging"
+
+
+def test_shard_assignment_balances_bytes():
+    def shard(name: str, numel: int) -> ShardFile:
+        planned = PlannedTensor(name, (numel,), torch.float32, Computed(lambda: torch.zeros(numel)))
+        return ShardFile(name, (OutputTensor(planned, torch.float32),))
+
+    files = [shard("f0", 50), shard("f1", 40), shard("f2", 30), shard("f3", 20), shard("f4", 10)]
+    assigned = assign_shards(files, 2)
+    assert [sorted(f.filename for f in rank) for rank in assigned] == [["f0", "f3", "f4"], ["f1", "f2"]]
+    assert sorted(f.filename for rank in assign_shards(files, 7) for f in rank) == [f.filename for f in files]
