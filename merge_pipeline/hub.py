@@ -193,10 +193,10 @@ def _difference(local: _Local, remote: RepoFile | None) -> str:
     if remote is None:
         return f"{local.path} is missing"
     if remote.size != local.size:
-        return f"{local.path} has {remote.size} bytes, the manifest {local.size}"
+        return f"{local.path} has {remote.size} bytes on the Hub, {local.size} in the manifest"
     if remote.lfs is not None:
-        return f"{local.path} has sha256 {remote.lfs.sha256}, the manifest {local.sha256}"
-    return f"{local.path} has git blob {remote.blob_id}, the manifest's bytes {local.git_oid}"
+        return f"{local.path} has sha256 {remote.lfs.sha256} on the Hub, {local.sha256} in the manifest"
+    return f"{local.path} has git blob {remote.blob_id} on the Hub, {local.git_oid} from the manifest's bytes"
 
 
 def _local_files(folder: Path, manifest: dict, card: bytes) -> dict[str, _Local]:
@@ -240,17 +240,17 @@ def _chunks(source: Path | bytes, block: int = 8 << 20):
 
 
 def _retrying(attempt, policy: RetryPolicy):
-    for number in range(1, policy.attempts + 1):
+    for number in range(1, policy.attempts):
         try:
             return attempt()
         except Exception as exc:
             cause = _hub_cause(exc)
-            if number == policy.attempts or not _transient(cause):
+            if not _transient(cause):
                 raise
             wait = policy.wait_s(number)
             log.warning("hub: attempt %d of %d failed (%s); retrying in %.3g s", number, policy.attempts, _describe(cause), wait)
             time.sleep(wait)
-    raise AssertionError("unreachable")
+    return attempt()  # the last one: its failure is reported
 
 
 def _hub_cause(exc: BaseException) -> BaseException:
@@ -259,7 +259,7 @@ def _hub_cause(exc: BaseException) -> BaseException:
     while seen is not None:
         if isinstance(seen, _HUB_ERRORS):
             return seen
-        seen = seen.__cause__ or seen.__context__
+        seen = seen.__cause__
     return exc
 
 

@@ -1,0 +1,52 @@
+"""Shared fixtures: real verl-style FSDP checkpoints, each written once per test session.
+
+The cached folders are shared by every test that asks for the same spec: never modify them.
+A test that changes, deletes or adds files works on ``fresh_copy(sample)`` instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
+
+
+@dataclass(frozen=True)
+class SampleCheckpoint:
+    role_dir: Path  # <root>/global_step_1/actor (or critic): what verl wrote
+    reference_dir: Path  # model.safetensors + config.json: the unsharded model it was sharded from
+    spec: FsdpSpec
+
+
+@pytest.fixture(scope="session")
+def fsdp_checkpoint(tmp_path_factory):
+    """``fsdp_checkpoint(spec) -> SampleCheckpoint``, written on first use of each spec. Read only."""
+    cache: dict[FsdpSpec, SampleCheckpoint] = {}
+
+    def get(spec: FsdpSpec) -> SampleCheckpoint:
+        if spec not in cache:
+            root = tmp_path_factory.mktemp("fsdp")
+            role_dir = root / "checkpoints" / "global_step_1" / ("critic" if spec.critic else "actor")
+            write_fsdp_checkpoint(role_dir, spec, reference_dir=root / "reference")
+            cache[spec] = SampleCheckpoint(role_dir, root / "reference", spec)
+        return cache[spec]
+
+    return get
+
+
+def copy_checkpoint(sample: SampleCheckpoint, dst: Path) -> SampleCheckpoint:
+    """Copy the role folder to ``dst`` (created); the reference stays shared and read only."""
+    shutil.copytree(sample.role_dir, dst)
+    return replace(sample, role_dir=dst)
+
+
+@pytest.fixture
+def fresh_copy(tmp_path):
+    """``fresh_copy(sample) -> SampleCheckpoint`` whose role folder this test may change."""
+    numbers = itertools.count()
+    return lambda sample: copy_checkpoint(sample, tmp_path / f"copy_{next(numbers)}" / sample.role_dir.name)

@@ -1,0 +1,47 @@
+"""A Hub per test (``hub``), and one real merged folder per session (``merged_folder``).
+
+The client is the real huggingface_hub; it reaches the test's FakeHub through HF_ENDPOINT, read by
+merge_pipeline.hub at call time (huggingface_hub itself reads it once, at import).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from merge_pipeline.engine.merge import merge_checkpoint
+from merge_pipeline.engine.outputs import MergeOptions
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_tests.dagster.conftest import instance, roots  # noqa: F401 (fixtures for the Dagster tests here)
+from merge_pipeline_tests.hub.fake_hub import FakeHub, User
+
+WRITER = "hf_writerTOKENx7Qz9"  # alice: member of "org", may write
+READER = "hf_readerTOKENk2Lm4"  # bob: member of "org", read-only token
+OUTSIDER = "hf_outsiderTOKENp8"  # carol: no organization
+TOKENS = (WRITER, READER, OUTSIDER)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    users = {WRITER: User("alice", ("org",)), READER: User("bob", ("org",), write=False), OUTSIDER: User("carol")}
+    with FakeHub(users) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+        monkeypatch.setenv("HF_TOKEN", WRITER)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def merged_folder(fsdp_checkpoint, tmp_path_factory) -> Path:
+    """A real merged FSDP checkpoint (3 weight shards + index, tokenizer, manifest). Read only.
+
+    Its source sits at ``ppo-qwen/global_step_7/actor``, as verl lays checkpoints out.
+    """
+    root = tmp_path_factory.mktemp("hub_merge")
+    role_dir = root / "ppo-qwen" / "global_step_7" / "actor"
+    shutil.copytree(fsdp_checkpoint(FsdpSpec()).role_dir, role_dir)
+    options = MergeOptions(max_shard_size="300KB")
+    return merge_checkpoint(role_dir, root / "merged", options, backend="fsdp", show_progress=False).target_dir

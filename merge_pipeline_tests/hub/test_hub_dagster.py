@@ -1,0 +1,88 @@
+"""The ``hub_model`` asset and the ``publish_latest_steps`` schedule, over a real instance with merged steps."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import dagster as dg
+
+from merge_pipeline import __version__
+from merge_pipeline.defs.assets import hf_model
+from merge_pipeline.defs.hub import HuggingFaceHub, hub_model, publish_latest_steps
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.engine.merge import merge_checkpoint
+from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
+from merge_pipeline_tests.helpers import tree_digest
+from merge_pipeline_tests.hub.conftest import WRITER
+
+
+def tick(instance, hub_resource):
+    return publish_latest_steps(dg.build_schedule_context(instance=instance, resources={"hub": hub_resource}))
+
+
+def test_schedule_publishes_the_highest_verified_step_of_each_run_once(hub, fsdp_checkpoint, roots, instance):
+    settings = roots.settings()
+    for step_dir in ("exp/global_step_1", "exp/global_step_2", "exp/global_step_3", "team/other/global_step_5"):
+        roots.drop(fsdp_checkpoint(ACTOR), step_dir, tracker=int(step_dir.rsplit("_", 1)[1]), link=True)
+        assert materialize(instance, settings, f"{step_dir}/actor").success
+    # A later run of a check found step 3 broken: it must not be published, step 2 is the run's latest good one.
+    instance.report_runless_asset_event(dg.AssetCheckEvaluation(asset_key=hf_model.key, check_name="manifest_sha256", passed=False, partition="exp/global_step_3/actor"))
+    hub_resource = HuggingFaceHub(organization="org", token=WRITER)
+
+    requests = tick(instance, hub_resource)
+
+    assert sorted(r.partition_key for r in requests) == ["exp/global_step_2/actor", "team/other/global_step_5/actor"]
+    for request in requests:  # what the daemon then runs: the publish job for that partition
+        result = dg.materialize([hub_model], partition_key=request.partition_key, instance=instance, resources={"settings": settings, "hub": hub_resource})
+        assert result.success
+    metadata = _hub_metadata(instance, "exp/global_step_2/actor")
+    repo = hub.repos[("model", "org/exp-actor")]
+    assert (metadata["repo"].value, metadata["revision"].value) == ("org/exp-actor", "global_step_2")
+    assert metadata["commit_url"].value == f"{hub.endpoint}/org/exp-actor/commit/{repo.branches['global_step_2']}"
+    assert metadata["url"].value == f"{hub.endpoint}/org/exp-actor/tree/global_step_2"
+    target = roots.target("exp/global_step_2/actor")
+    assert metadata["files"].value == len(tree_digest(target)) + 1 and metadata["bytes"].value > sum(p.stat().st_size for p in target.iterdir())
+    on_hub = {p: hashlib.sha256(data).hexdigest() for p, data in hub.tree("org/exp-actor", "global_step_2").items()}
+    assert {p: d for p, d in on_hub.items() if p not in ("README.md", ".gitattributes")} == tree_digest(target)
+    assert set(repo.branches) == {"main", "global_step_2"} and repo.private
+    assert _hub_metadata(instance, "team/other/global_step_5/actor")["repo"].value == "org/team-other-actor"
+    assert isinstance(tick(instance, hub_resource), dg.SkipReason)  # once per step
+
+    roots.drop(fsdp_checkpoint(ACTOR), "exp/global_step_4", tracker=4, link=True)
+    assert materialize(instance, settings, "exp/global_step_4/actor").success
+
+    assert [r.partition_key for r in tick(instance, hub_resource)] == ["exp/global_step_4/actor"]
+    logs = "".join(str(event) for record in instance.get_runs() for event in instance.all_logs(record.run_id))
+    assert WRITER not in logs
+
+
+def test_nothing_is_published_without_an_organization(hub, roots, instance):
+    key = "exp/global_step_1/actor"
+    instance.add_dynamic_partitions("checkpoints", [key])
+
+    result = dg.materialize([hub_model], partition_key=key, instance=instance, resources={"settings": roots.settings(), "hub": HuggingFaceHub()})
+
+    assert result.success and not result.get_asset_materialization_events()
+    assert isinstance(tick(instance, HuggingFaceHub()), dg.SkipReason)
+    assert not hub.repos
+
+
+def test_one_commit_per_step_on_main(hub, merged_folder, fsdp_checkpoint, tmp_path):
+    role_dir = shutil.copytree(fsdp_checkpoint(ACTOR).role_dir, tmp_path / "ppo-qwen" / "global_step_8" / "actor")
+    step_8 = merge_checkpoint(role_dir, tmp_path / "merged", show_progress=False).target_dir  # unsharded, step 7 has 3 shards
+    hub_resource = HuggingFaceHub(organization="org", token=WRITER, private=False, revisions="commit", repo_template="{org}/{run_name}")
+
+    for folder, key in ((merged_folder, "ppo-qwen/global_step_7/actor"), (step_8, "ppo-qwen/global_step_8/actor")):
+        result = hub_resource.publish(folder, CheckpointKey.parse(key))
+        assert (result.repo_id, result.revision) == ("org/ppo-qwen", "main")
+
+    repo = hub.repos[("model", "org/ppo-qwen")]
+    assert [c.message for c in repo.commits.values()] == ["initial commit", *(f"Upload ppo-qwen/global_step_{n}/actor (merge_pipeline {__version__})" for n in (7, 8))]
+    assert set(hub.tree("org/ppo-qwen")) == {*tree_digest(step_8), "README.md", ".gitattributes"}  # step 7's shards are gone
+    assert "| step | 8 |" in hub.tree("org/ppo-qwen")["README.md"].decode() and not repo.private
+
+
+def _hub_metadata(instance, partition: str) -> dict:
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(hub_model.key, asset_partitions=[partition]), limit=1).records
+    return records[0].asset_materialization.metadata
