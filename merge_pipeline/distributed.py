@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from merge_pipeline.engine.hf_folder import copy_side_files
-from merge_pipeline.engine.merge import MergeResult, finish_folder, peak_rss_bytes, prepare, write_weights
+from merge_pipeline.engine.merge import MergeResult, WriteReport, finish_folder, peak_rss_bytes, prepare, write_index, write_weights
 from merge_pipeline.engine.outputs import MergeOptions, ShardFile
 from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError
@@ -63,42 +63,78 @@ def _attempt(step) -> str | None:
     return None
 
 
-def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: MergeOptions, *, backend: str = "auto", show_progress: bool = True) -> MergeResult | None:
-    """Run one rank's part of the merge; rank 0 returns the result, other ranks ``None``."""
+@contextlib.contextmanager
+def _process_group():
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     try:
-        return _merge_rank(local_dir, Path(target_dir).absolute(), options, backend, show_progress)
+        yield dist.get_rank(), dist.get_world_size()
     finally:
         dist.destroy_process_group()
 
 
-def _merge_rank(local_dir, target: Path, options: MergeOptions, backend: str, show_progress: bool) -> MergeResult | None:
-    """The same sequence of collectives on every rank: prepared, staging ready, written, published."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lead = rank == 0
-    started = time.monotonic()
+def _prepare_everywhere(local_dir, options: MergeOptions, backend: str):
+    """Every rank validates and plans (metadata only); all fail together on the first problem."""
     prepared: list = []
     _agree(_attempt(lambda: prepared.extend(prepare(local_dir, options, backend))))
-    plan, config, layout = prepared
+    return prepared
+
+
+def _write_share(layout, staging: Path, rank: int, world: int, *, show_progress: bool) -> tuple[WriteReport, int]:
+    """Write this rank's whole shard files; return the report of all ranks and their largest peak RSS."""
     mine = assign_shards(layout.files, world)[rank]
-    staging = staging_path(target)
     log.info("rank %d/%d writes %d of %d weight files", rank, world, len(mine), len(layout.files))
-    with plan, contextlib.ExitStack() as publishing:
+    reports: list[WriteReport] = []
+    _agree(_attempt(lambda: reports.append(write_weights(layout, staging, files=mine, show_progress=show_progress))))
+    everyone: list[tuple[WriteReport, int] | None] = [None] * world
+    dist.all_gather_object(everyone, (reports[0], peak_rss_bytes()))
+    # Files in plan order, the time of the slowest rank.
+    by_name = {f["filename"]: f for report, _ in everyone for f in report.files}
+    whole = WriteReport([by_name[f.filename] for f in layout.files], max(report.seconds for report, _ in everyone))
+    return whole, max(peak for _, peak in everyone)
 
-        def open_staging() -> None:
-            publishing.enter_context(staged_output(target, overwrite=options.overwrite))
-            copy_side_files(config.path.parent, staging)
 
-        _agree(_attempt(open_staging) if lead else None)
-        _agree(_attempt(lambda: write_weights(layout, staging, files=mine, show_progress=show_progress and lead)))
-        manifest: list[dict] = []
+def write_weights_distributed(local_dir: str | Path, backend: str, staging: Path, options: MergeOptions) -> tuple[WriteReport, int] | None:
+    """Only the weights (and index) into an existing staging folder, as Dagster's merged_state_dict needs.
 
-        def finish_and_publish() -> None:
-            manifest.append(finish_folder(plan, config, layout, staging, options))
-            publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
+    Rank 0 returns the whole report and the largest peak RSS of any rank; other ranks ``None``.
+    """
+    with _process_group() as (rank, world):
+        plan, _, layout = _prepare_everywhere(local_dir, options, backend)
+        with plan:
+            written = _write_share(layout, staging, rank, world, show_progress=False)
+            if rank != 0:
+                return None
+            write_index(layout, staging)
+            return written
 
-        _agree(_attempt(finish_and_publish) if lead else None)
-    if not lead:
-        return None
-    tensors = sum(len(f.tensors) for f in layout.files)
-    return MergeResult(target, plan.parameter_count, tensors, layout.total_bytes, time.monotonic() - started, peak_rss_bytes(), manifest[0])
+
+def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: MergeOptions, *, backend: str = "auto", show_progress: bool = True) -> MergeResult | None:
+    """Run one rank's part of the merge; rank 0 returns the result, other ranks ``None``.
+
+    The same sequence of collectives on every rank: prepared, staging ready, written, published.
+    """
+    target = Path(target_dir).absolute()
+    started = time.monotonic()
+    with _process_group() as (rank, world):
+        lead = rank == 0
+        plan, config, layout = _prepare_everywhere(local_dir, options, backend)
+        staging = staging_path(target)
+        with plan, contextlib.ExitStack() as publishing:
+
+            def open_staging() -> None:
+                publishing.enter_context(staged_output(target, overwrite=options.overwrite))
+                copy_side_files(config.path.parent, staging)
+
+            _agree(_attempt(open_staging) if lead else None)
+            _write_share(layout, staging, rank, world, show_progress=show_progress and lead)
+            manifest: list[dict] = []
+
+            def finish_and_publish() -> None:
+                manifest.append(finish_folder(plan, config, layout, staging, options))
+                publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
+
+            _agree(_attempt(finish_and_publish) if lead else None)
+        if not lead:
+            return None
+        tensors = sum(len(f.tensors) for f in layout.files)
+        return MergeResult(target, plan.parameter_count, tensors, layout.total_bytes, time.monotonic() - started, peak_rss_bytes(), manifest[0])
