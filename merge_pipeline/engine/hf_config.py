@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.json_files import read_json_object
 
 CONFIG = "config.json"
 
@@ -39,11 +39,8 @@ def load_model_config(hf_dir: Path | None, *, trust_remote_code: bool, role_dir:
     path = (hf_dir or role_dir / "huggingface") / CONFIG
     if not path.is_file():
         raise MergeError(path, "not found: the checkpoint needs huggingface/config.json to build an HF model folder")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MergeError(path, f"not valid JSON ({exc})") from None
-    if not isinstance(raw, dict) or "model_type" not in raw:
+    raw = read_json_object(path)
+    if "model_type" not in raw:
         raise MergeError(path, "not a transformers config (no 'model_type')")
     try:
         config = AutoConfig.from_pretrained(path.parent, trust_remote_code=trust_remote_code)

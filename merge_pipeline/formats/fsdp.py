@@ -8,7 +8,6 @@ must tile its global shape exactly. Nothing is written before all of that holds.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.engine.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
+from merge_pipeline.json_files import read_json_object
 from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -27,18 +27,6 @@ LORA_META = "lora_train_meta.json"
 
 def is_fsdp_dir(role_dir: Path) -> bool:
     return any(MODEL_FILE.match(p.name) for p in role_dir.iterdir())
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MergeError(path, "file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MergeError(path, f"not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise MergeError(path, "expected a JSON object")
-    return data
 
 
 @dataclass(frozen=True)
@@ -67,7 +55,7 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         raise
     lora = None
     if (role_dir / LORA_META).exists():
-        meta = read_json(role_dir / LORA_META)
+        meta = read_json_object(role_dir / LORA_META)
         try:
             lora = LoraInfo(r=int(meta["r"]), lora_alpha=int(meta["lora_alpha"]), task_type=str(meta.get("task_type", "CAUSAL_LM")))
         except (KeyError, TypeError, ValueError) as exc:
@@ -96,7 +84,7 @@ def _world_size(role_dir: Path) -> tuple[int, int | None]:
     version = None
     config_path = role_dir / FSDP_CONFIG
     if config_path.exists():
-        config = read_json(config_path)
+        config = read_json_object(config_path)
         world_size = config.get("world_size")
         if not isinstance(world_size, int) or world_size < 1:
             raise MergeError(config_path, f"'world_size' must be a positive integer, found {world_size!r}")

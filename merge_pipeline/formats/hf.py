@@ -16,6 +16,7 @@ from pathlib import Path
 from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.engine.safetensors_writer import SAFETENSORS_DTYPES
 from merge_pipeline.errors import MergeError
+from merge_pipeline.json_files import read_json_object
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -66,11 +67,7 @@ def plan_hf_safetensors(role_dir: Path, *, is_value_model: bool | None = None) -
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    try:
-        index = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MergeError(path, f"not valid JSON ({exc})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    weight_map = read_json_object(path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise MergeError(path, "no 'weight_map' of tensor name -> file name")
     for filename in set(weight_map.values()):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import math
 import pickle
 import re
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from merge_pipeline.engine.hf_config import load_model_config
 from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
+from merge_pipeline.json_files import read_json_object
 from merge_pipeline.formats.hf import plan_hf_safetensors
 from merge_pipeline.formats.megatron_names import KeyMapper, OutputSpec, Piece, model_shape
 from merge_pipeline.formats.torch_files import stored_tensor
@@ -142,10 +142,7 @@ def _check_backend(path: Path) -> None:
     """megatron-core's metadata.json names the sharded backend; only torch_dist is a DCP folder."""
     if not path.is_file():
         raise MergeError(path, "missing: a Megatron dist checkpoint has a metadata.json naming its backend")
-    try:
-        backend = json.loads(path.read_text()).get("sharded_backend")
-    except (ValueError, AttributeError) as exc:
-        raise MergeError(path, f"not valid JSON metadata ({exc})") from None
+    backend = read_json_object(path).get("sharded_backend")
     if backend != "torch_dist":
         raise MergeError(path, f"sharded_backend is {backend!r}; only 'torch_dist' checkpoints can be read (re-save with the torch_dist backend)")
 
@@ -353,10 +350,7 @@ def _layout(dist_dir: Path, tensors: Iterable[_StoredTensor], files: dict[str, S
     parallel = {}
     transformer_config = dist_dir.parent / "transformer_config.json"
     if transformer_config.is_file():
-        try:
-            settings = json.loads(transformer_config.read_text())
-        except ValueError as exc:
-            raise MergeError(transformer_config, f"not valid JSON ({exc})") from None
+        settings = read_json_object(transformer_config)
         names = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
         parallel = {short: settings.get(long) for short, long in names.items()}
     layers = {int(m[1]) for t in tensors for m in [re.search(r"decoder\.layers\.(\d+)\.", t.key)] if m}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
