@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
-import transformers
-from transformers import AutoConfig, PretrainedConfig
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.json_files import read_json_object
@@ -19,11 +18,22 @@ CONFIG = "config.json"
 class ModelConfig:
     path: Path  # the config.json read
     raw: dict  # exactly what the file says; rewritten for the output
-    config: PretrainedConfig  # transformers' view, for defaults the file leaves out
+    trust_remote_code: bool = False
 
-    @property
+    @cached_property
     def tie_word_embeddings(self) -> bool:
-        return bool(getattr(self.config.get_text_config(), "tie_word_embeddings", False))
+        for section in (self.raw, self.raw.get("text_config") or {}):
+            if "tie_word_embeddings" in section:
+                return bool(section["tie_word_embeddings"])
+        # Not stated: the model type's own default. Only then pay for importing transformers (~1 s).
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(self.path.parent, trust_remote_code=self.trust_remote_code)
+        except ValueError as exc:
+            hint = "" if self.trust_remote_code else " (pass --trust-remote-code for a remote-code model)"
+            raise MergeError(self.path, f"transformers cannot read it: {str(exc).splitlines()[0]}{hint}") from None
+        return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
     @property
     def lm_head_name(self) -> str:
@@ -42,12 +52,7 @@ def load_model_config(hf_dir: Path | None, *, trust_remote_code: bool, role_dir:
     raw = read_json_object(path)
     if "model_type" not in raw:
         raise MergeError(path, "not a transformers config (no 'model_type')")
-    try:
-        config = AutoConfig.from_pretrained(path.parent, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        hint = "" if trust_remote_code else " (pass --trust-remote-code for a remote-code model)"
-        raise MergeError(path, f"transformers cannot read it: {str(exc).splitlines()[0]}{hint}") from None
-    return ModelConfig(path, raw, config)
+    return ModelConfig(path, raw, trust_remote_code)
 
 
 def output_config(model: ModelConfig, *, dtype: torch.dtype, tied: bool, value_model: bool) -> dict:
@@ -70,6 +75,8 @@ def output_config(model: ModelConfig, *, dtype: torch.dtype, tied: bool, value_m
 def _token_classification(model: ModelConfig) -> str:
     arch = model.architecture or ""
     stem = arch.removesuffix("ForCausalLM") if arch.endswith("ForCausalLM") else None
+    import transformers
+
     if stem and hasattr(transformers, f"{stem}ForTokenClassification"):
         return f"{stem}ForTokenClassification"
     raise MergeError(model.path, f"value model: no transformers *ForTokenClassification class for architecture {arch or '(none)'}")

@@ -64,7 +64,8 @@ class TensorSource(Protocol):
     """Where a tensor's bytes come from.
 
     ``pieces()`` yields contiguous CPU tensors of the source dtype whose flattened concatenation is
-    the tensor in row-major order. ``byte_runs()`` returns the same bytes as plain file ranges when
+    the tensor in row-major order. A piece is valid only until the next one is requested (sources
+    may reuse one buffer), so consumers copy or write each piece before asking for more. ``byte_runs()`` returns the same bytes as plain file ranges when
     the tensor is a straight concatenation of stored bytes (then the writer copies bytes and does no
     per-element work), or ``None``.
     """
@@ -87,12 +88,13 @@ class StoredBytes:
     def pieces(self) -> Iterator[torch.Tensor]:
         item = torch.empty((), dtype=self.dtype).element_size()
         step = max(item, READ_PIECE_BYTES // item * item)
+        buffer = bytearray(min(step, max((run.length for run in self.runs), default=0)))  # one, reused
         for run in self.runs:
             for start in range(0, run.length, step):
                 length = min(step, run.length - start)
-                buffer = bytearray(length)
-                run.file.read_into(memoryview(buffer), run.offset + start)
-                yield torch.frombuffer(buffer, dtype=self.dtype)
+                view = memoryview(buffer)[:length]
+                run.file.read_into(view, run.offset + start)
+                yield torch.frombuffer(view, dtype=self.dtype)
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,12 @@ class PlannedTensor:
 
     def load(self) -> torch.Tensor:
         """The whole tensor in memory (for work that needs it all: LoRA merges, comparisons)."""
-        pieces = [p.reshape(-1) for p in self.source.pieces()]
-        flat = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
-        return flat.view(self.shape) if flat.numel() else torch.empty(self.shape, dtype=flat.dtype)
+        whole = torch.empty(self.numel, dtype=self.dtype)
+        position = 0
+        for piece in self.source.pieces():
+            whole[position : position + piece.numel()].copy_(piece.reshape(-1))
+            position += piece.numel()
+        return whole.view(self.shape)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,9 @@ class CheckpointPlan:
     files: list[SourceFile]  # every input file the tensors read from
     is_value_model: bool = False
     lora: LoraInfo | None = None
+    # True when the names were produced by a mapping (Megatron -> HF) that must be checked against
+    # the architecture; False when they are the trained HF model's own state-dict keys (FSDP).
+    names_mapped: bool = True
     # Backend facts shown by `inspect` and recorded in the manifest (world size, mesh, TP/PP, ...).
     layout: dict[str, Any] = field(default_factory=dict)
 

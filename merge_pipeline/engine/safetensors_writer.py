@@ -95,8 +95,14 @@ def _write_tensor(out, t: OutputTensor, on_bytes: Callable[[int], None]) -> int:
             written += _copy_run(run.file, run.offset, run.length, out.fileno(), on_bytes)
         out.seek(0, os.SEEK_END)
         return written
+    cast: torch.Tensor | None = None  # one output buffer, reused for every piece that needs a cast
     for piece in source.pieces():
-        data = piece.to(t.dtype).contiguous().view(-1).view(torch.uint8).numpy()
+        piece = piece.reshape(-1)
+        if piece.dtype != t.dtype:
+            if cast is None or cast.numel() < piece.numel():
+                cast = torch.empty(piece.numel(), dtype=t.dtype)
+            piece = cast[: piece.numel()].copy_(piece)
+        data = piece.view(torch.uint8).numpy()
         out.write(memoryview(data))
         written += data.nbytes
         on_bytes(data.nbytes)

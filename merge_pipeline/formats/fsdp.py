@@ -69,6 +69,7 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         files=files,
         is_value_model=any(n.endswith("score.weight") for n in names) and not any(n.endswith("lm_head.weight") for n in names),
         lora=lora,
+        names_mapped=False,
         layout={"world_size": world_size, "fsdp_version": fsdp_version, **mesh},
     )
 
