@@ -2,6 +2,6 @@
 
 import dagster as dg
 
-from merge_pipeline.defs import assets, checks, jobs, resources, sensors
+from merge_pipeline.defs import assets, checks, hub, jobs, resources, sensors
 
-defs = dg.Definitions.merge(assets.defs, checks.defs, jobs.defs, resources.defs, sensors.defs)
+defs = dg.Definitions.merge(assets.defs, checks.defs, jobs.defs, resources.defs, sensors.defs, hub.defs)

@@ -6,7 +6,6 @@ The shards are written into the engine's staging folder beside the target and re
 ``hf_model`` only when the folder is complete, so a failure publishes nothing.
 """
 
-
 import shutil
 import time
 from dataclasses import asdict
@@ -146,7 +145,7 @@ def hf_model(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.M
             shutil.rmtree(staging, ignore_errors=True)  # gone by rename on success; never half-published
             drop_record(settings, key, "merged_state_dict")
     files = [{"file": name, "bytes": f["size"], "sha256": f["sha256"]} for name, f in manifest["files"].items()]
-    total = sum(f["bytes"] for f in files)
+    total = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
     written_at = read_record(settings, key, "checkpoint")["written_at"]
     return dg.MaterializeResult(
         metadata={

@@ -42,7 +42,7 @@ class MergeSettings(dg.ConfigurableResource):
 
     def find_checkpoints(self) -> list[FoundCheckpoint]:
         """Every role folder under every root; the output root is never mistaken for a checkpoint."""
-        skip = {Path(self.output_root)}
+        skip = {Path(self.output_root).absolute()}
         return [found for root in self.roots for found in find_checkpoints(root, skip=skip)]
 
     def role_dir(self, key: CheckpointKey) -> Path:

@@ -6,7 +6,6 @@ skipped; complete -> a partition and a run (``run_key`` = partition key, so a ru
 twice); partial -> left for a later tick. Keys whose folders the trainer deleted leave the cursor.
 """
 
-
 import json
 import os
 

@@ -1,0 +1,155 @@
+"""Publishing to a Hugging Face Hub: the ``hub`` resource, the ``hub_model`` asset and its schedule.
+
+Configured from the environment, like the merge settings:
+
+``MERGE_PIPELINE_HUB_ORG``            namespace to publish under; unset: publishing is off
+``MERGE_PIPELINE_HUB_REPO_TEMPLATE``  repo id of a checkpoint (default ``{org}/{run_name}-{role}``)
+``MERGE_PIPELINE_HUB_PRIVATE``        create new repos private (default 1)
+``MERGE_PIPELINE_HUB_REVISIONS``      ``branch``: one branch per step (``global_step_<N>``);
+                                      ``commit``: one commit per step on main (default branch)
+``HF_ENDPOINT``, ``HF_TOKEN``         as for the CLI; without HF_TOKEN, the stored ``hf auth login``
+"""
+
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Literal
+
+import dagster as dg
+from dagster._core.event_api import PartitionKeyFilter
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
+from pydantic import Field
+
+from merge_pipeline.defs import checks
+from merge_pipeline.defs.assets import hf_model
+from merge_pipeline.defs.failures import one_line_failure
+from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
+from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.engine.progress import human_bytes
+from merge_pipeline.hub import UploadResult, upload_folder_verified
+
+GROUP = "hub"
+DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
+_HF_MODEL_CHECKS = [key for c in checks.defs.asset_checks for key in c.check_keys if key.asset_key == hf_model.key]
+
+
+class HuggingFaceHub(dg.ConfigurableResource):
+    organization: str = Field(default="", description="Hub namespace (user or organization) to publish under; empty: publishing is off")
+    endpoint: str | None = Field(default=None, description="Hub URL; default HF_ENDPOINT, else https://huggingface.co")
+    token: str | None = Field(default=None, description="access token, given as EnvVar('HF_TOKEN'), never as plain config; none: the stored `hf auth login`")
+    private: bool = Field(default=True, description="create new repos private")
+    repo_template: str = Field(default=DEFAULT_TEMPLATE, description="repo id of a checkpoint, from {org}, {run_name}, {role} and {step}")
+    revisions: Literal["branch", "commit"] = Field(default="branch", description="branch: one branch per step (global_step_<N>); commit: one commit per step on main")
+
+    @classmethod
+    def from_env(cls) -> "HuggingFaceHub":
+        env = os.environ
+        return cls(
+            organization=env.get("MERGE_PIPELINE_HUB_ORG", ""),
+            token=dg.EnvVar("HF_TOKEN") if "HF_TOKEN" in env else None,  # the UI shows the variable's name, not its value
+            private=env.get("MERGE_PIPELINE_HUB_PRIVATE", "1").lower() not in ("0", "false", "no"),
+            repo_template=env.get("MERGE_PIPELINE_HUB_REPO_TEMPLATE", DEFAULT_TEMPLATE),
+            revisions=env.get("MERGE_PIPELINE_HUB_REVISIONS", "branch"),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.organization)
+
+    def repo_id(self, key: CheckpointKey) -> str:
+        # A run name may be a path below the watched root ("team/exp1"); a repo name has no "/".
+        run_name = re.sub(r"[^\w.-]+", "-", key.run_name).strip("-.")
+        return self.repo_template.format(org=self.organization, run_name=run_name, role=key.role, step=key.step)
+
+    def publish(self, folder: Path, key: CheckpointKey) -> UploadResult:
+        revision = f"global_step_{key.step}" if self.revisions == "branch" else None
+        return upload_folder_verified(folder, self.repo_id(key), private=self.private, revision=revision, endpoint=self.endpoint, token=self.token)
+
+
+@dg.asset(partitions_def=checkpoint_partitions, group_name=GROUP, deps=[hf_model], kinds={"huggingface"}, output_required=False)
+def hub_model(context: dg.AssetExecutionContext, settings: MergeSettings, hub: HuggingFaceHub):
+    """The merged folder on the Hub with its model card, checked file by file against the manifest after upload.
+
+    Materializes only when a Hub organization is configured; otherwise the step succeeds and records nothing.
+    """
+    if not hub.enabled:
+        context.log.info("no Hub organization configured (MERGE_PIPELINE_HUB_ORG): nothing published")
+        return
+    with one_line_failure():
+        key = CheckpointKey.parse(context.partition_key)
+        result = hub.publish(settings.target_dir(key), key)
+    yield dg.MaterializeResult(
+        metadata={
+            "repo": result.repo_id,
+            "revision": result.revision,
+            "url": dg.MetadataValue.url(result.url),
+            "commit_url": dg.MetadataValue.url(result.commit_url),
+            "files": result.files,
+            "bytes": result.bytes,
+            "size": human_bytes(result.bytes),
+            "files_sent": len(result.sent),
+        }
+    )
+
+
+publish_job = dg.define_asset_job("publish_to_hub", selection=[hub_model], description="Upload merged checkpoints to the Hub and verify them.")
+
+
+@dg.schedule(
+    cron_schedule="*/10 * * * *",
+    job=publish_job,
+    default_status=dg.DefaultScheduleStatus.RUNNING,  # inert until MERGE_PIPELINE_HUB_ORG is set
+    description="Publishes the highest merged step of each run whose checks passed, once per merge of that step.",
+)
+def publish_latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub):
+    if not hub.enabled:
+        return dg.SkipReason("no Hub organization configured (MERGE_PIPELINE_HUB_ORG)")
+    instance = context.instance
+    runs = _merged_steps_by_run(instance)
+    requests = []
+    for steps in runs.values():
+        key, merge = _highest_verified(instance, steps, context.log)
+        published = _latest(instance, hub_model.key, str(key)) if key else None
+        if key and (published is None or published.storage_id < merge.storage_id):
+            requests.append(dg.RunRequest(run_key=f"{key}@{merge.storage_id}", partition_key=str(key)))
+    return requests or dg.SkipReason(f"nothing new to publish from {len(runs)} merged run(s)")
+
+
+def _merged_steps_by_run(instance: dg.DagsterInstance) -> dict[tuple[str, str], list[CheckpointKey]]:
+    keys = instance.get_dynamic_partitions(checkpoint_partitions.name)
+    runs = defaultdict(list)
+    for partition, state in (instance.get_status_by_partition(hf_model.key, keys, checkpoint_partitions) or {}).items():
+        if state == dg.AssetPartitionStatus.MATERIALIZED:
+            key = CheckpointKey.parse(partition)
+            runs[(key.run_name, key.role)].append(key)
+    return runs
+
+
+def _highest_verified(instance: dg.DagsterInstance, steps: list[CheckpointKey], log) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
+    """The highest step whose latest merge passed every check on hf_model, with that merge's record."""
+    for key in sorted(steps, key=lambda k: k.step, reverse=True):
+        merge = _latest(instance, hf_model.key, str(key))
+        if _checks_passed(instance, str(key), merge.run_id):
+            return key, merge
+        log.info(f"{key}: not published: its checks failed or did not run")
+    return None, None
+
+
+def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str) -> dg.EventLogRecord | None:
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key, asset_partitions=[partition]), limit=1).records
+    return records[0] if records else None
+
+
+def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: str) -> bool:
+    """Every check on hf_model passed for this partition, in the run that merged it (the checks run with the asset).
+
+    Partitioned checks are a preview in Dagster 1.13, with no public query yet: the event log storage answers.
+    """
+    latest = instance.event_log_storage.get_latest_asset_check_execution_by_key(_HF_MODEL_CHECKS, partition_filter=PartitionKeyFilter(key=partition))
+    return len(latest) == len(_HF_MODEL_CHECKS) and all(
+        record.status == AssetCheckExecutionRecordStatus.SUCCEEDED and record.run_id == merge_run_id for record in latest.values()
+    )
+
+
+defs = dg.Definitions(assets=[hub_model], jobs=[publish_job], schedules=[publish_latest_steps], resources={"hub": HuggingFaceHub.from_env()})

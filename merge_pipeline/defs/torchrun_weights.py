@@ -1,0 +1,64 @@
+"""What ``torchrun`` runs for ``merged_state_dict`` with ``launcher: torchrun``.
+
+Every rank gets its work on the command line; only rank 0 opens Dagster Pipes, to send progress
+logs and the write report back to the run. Every rank's own output goes to the run's logs
+through the subprocess's stdout/stderr.
+
+    torchrun --nproc_per_node P -m merge_pipeline.defs.torchrun_weights \
+        --local_dir D --backend B --staging S --options '{"dtype": "bfloat16", ...}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from merge_pipeline.distributed import write_weights_distributed
+from merge_pipeline.engine.outputs import MergeOptions
+from merge_pipeline.errors import MergeError
+
+REPORT_MESSAGE = "weights_written"  # the custom Pipes message rank 0 sends
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m merge_pipeline.defs.torchrun_weights")
+    parser.add_argument("--local_dir", type=Path, required=True)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--staging", type=Path, required=True)
+    parser.add_argument("--options", type=json.loads, required=True, help="MergeOptions fields as JSON")
+    return parser.parse_args(argv)
+
+
+def command_line(role_dir: Path, backend: str, staging: Path, options: MergeOptions) -> list[str]:
+    """The arguments after ``-m merge_pipeline.defs.torchrun_weights``: the inverse of ``parse_args``."""
+    return ["--local_dir", str(role_dir), "--backend", backend, "--staging", str(staging), "--options", json.dumps(asdict(options))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
+    options = MergeOptions(**args.options)
+    try:
+        if rank != 0:
+            write_weights_distributed(args.local_dir, args.backend, args.staging, options)
+            return 0
+        from dagster_pipes import open_dagster_pipes
+
+        with open_dagster_pipes() as pipes:
+            pipes.log.info(f"torchrun merge of {args.local_dir} into {args.staging}: {os.environ.get('WORLD_SIZE')} ranks")
+            report, peak_rss = write_weights_distributed(args.local_dir, args.backend, args.staging, options)
+            pipes.report_custom_message({"kind": REPORT_MESSAGE, "files": report.files, "seconds": report.seconds, "peak_rss_bytes": peak_rss})
+        return 0
+    except MergeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Helpers for the Dagster tests: temp watched roots, real checkpoints dropped into them, and the chain materialized."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+
+from merge_pipeline.defs import assets, checks
+from merge_pipeline.defs.discovery import TRACKER
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
+CRITIC = FsdpSpec(arch="llama", critic=True)
+CHAIN = [assets.checkpoint, assets.parallel_config, assets.merged_state_dict, assets.hf_model, checks.loads_on_meta_device, checks.index_matches_shards, checks.manifest_sha256]
+
+
+@dataclass
+class Roots:
+    checkpoints: Path
+    output: Path
+
+    def settings(self, settle_seconds: float = 60.0) -> MergeSettings:
+        return MergeSettings(checkpoint_roots=[str(self.checkpoints)], output_root=str(self.output), settle_seconds=settle_seconds)
+
+    def target(self, key: str) -> Path:
+        return self.settings().target_dir(CheckpointKey.parse(key))
+
+    def drop(self, sample, step_dir: str, *, tracker: int | None = None, link: bool = False) -> Path:
+        """Put a real checkpoint's role folder at ``<checkpoints>/<step_dir>/<role>``, as a trainer would.
+
+        ``tracker``: then write the trainer's latest_checkpointed_iteration.txt beside the step, last.
+        ``link``: hard links instead of copies (many steps at no disk cost; never write to them).
+        """
+        role_dir = self.checkpoints / step_dir / sample.role_dir.name
+        shutil.copytree(sample.role_dir, role_dir, copy_function=os.link if link else shutil.copy)  # fresh mtimes, as if just saved
+        if tracker is not None:
+            (role_dir.parent.parent / TRACKER).write_text(str(tracker))
+        return role_dir
+
+
+def materialize(instance, settings: MergeSettings, key: str, *, merge_config: dict | None = None, selection=CHAIN) -> dg.ExecuteInProcessResult:
+    """Run the merge chain (and its checks) for one partition, as the merge job does; failures are returned."""
+    instance.add_dynamic_partitions("checkpoints", [key])
+    run_config = {"ops": {"merged_state_dict": {"config": merge_config}}} if merge_config else None
+    return dg.materialize(selection, partition_key=key, instance=instance, resources={"settings": settings}, run_config=run_config, raise_on_error=False)

@@ -1,0 +1,135 @@
+"""Start the real dagster-webserver and dagster-daemon for a test, talk to them, and always stop them.
+
+Each server runs in its own session (so its process group holds it and every child it starts, run
+workers included) with SIGINT at its default disposition: a process started in the background
+inherits an ignored SIGINT and would then shut down on nothing but SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
+
+VENV_BIN = Path(sys.executable).parent
+
+SENSOR_TICKS_QUERY = """
+query Ticks($sensor: SensorSelector!) {
+  sensorOrError(sensorSelector: $sensor) { ... on Sensor { sensorState { ticks(limit: 1) { status } } } }
+}"""
+RUNS_QUERY = """
+query Runs($filter: RunsFilter) {
+  runsOrError(filter: $filter) { ... on Runs { results { runId status } } }
+}"""
+
+
+@dataclass
+class Dagster:
+    url: str
+    home: Path
+    logs: list[Path]
+
+    def graphql(self, query: str, variables: dict) -> dict:
+        request = urllib.request.Request(f"{self.url}/graphql", data=json.dumps({"query": query, "variables": variables}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            body = json.load(response)
+        assert "errors" not in body, body["errors"]
+        return body["data"]
+
+    def partition_runs(self, partition_key: str) -> list[dict]:
+        tags = [{"key": "dagster/partition", "value": partition_key}]
+        return self.graphql(RUNS_QUERY, {"filter": {"tags": tags}})["runsOrError"]["results"]
+
+    def wait_for_sensor_tick(self, sensor: str, timeout: float = 240) -> None:
+        """Until the daemon has evaluated ``sensor`` once: from then on a new checkpoint meets a running system."""
+        selector = {"repositoryLocationName": "merge_pipeline", "repositoryName": "__repository__", "sensorName": sensor}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.graphql(SENSOR_TICKS_QUERY, {"sensor": selector})["sensorOrError"]
+            if found.get("sensorState", {}).get("ticks"):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"sensor {sensor} not evaluated after {timeout} s\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in self.logs)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def running_dagster(home: Path, env: dict[str, str], *, start_timeout: float = 240) -> Iterator[Dagster]:
+    """dagster-webserver and dagster-daemon on 127.0.0.1 serving workspace.yaml, stopped on exit whatever happens."""
+    port = free_port()
+    workspace = str(PROJECT_ROOT / "workspace.yaml")
+    commands = {
+        "webserver": [str(VENV_BIN / "dagster-webserver"), "-w", workspace, "-h", "127.0.0.1", "-p", str(port)],
+        "daemon": [str(VENV_BIN / "dagster-daemon"), "run", "-w", workspace],
+    }
+    dagster = Dagster(f"http://127.0.0.1:{port}", home, [home / f"{name}.log" for name in commands])
+    env = {**os.environ, **env, "DAGSTER_HOME": str(home), "DAGSTER_DISABLE_TELEMETRY": "1"}
+    # Create the sqlite storage once, first: two servers creating it at once can corrupt its schema table.
+    subprocess.run([str(VENV_BIN / "dagster"), "instance", "migrate"], cwd=PROJECT_ROOT, env=env, check=True, capture_output=True, timeout=start_timeout)
+    processes = []
+    try:
+        for (name, command), log in zip(commands.items(), dagster.logs):
+            with open(log, "wb") as out:
+                processes.append(subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint))
+        _wait_until_serving(dagster, processes, start_timeout)
+        yield dagster
+    finally:
+        for process in processes:
+            stop_group(process)
+
+
+def stop_group(process: subprocess.Popen, grace: float = 30) -> None:
+    """SIGINT to the process group (Dagster shuts its children down), then SIGKILL to whatever is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _group_alive(process):
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    process.poll()  # reap the leader once it exits, so it stops counting as a member
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_until_serving(dagster: Dagster, processes: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError(f"a Dagster process exited while starting\n{dagster.log_tail()}")
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
+            with urllib.request.urlopen(f"{dagster.url}/server_info", timeout=5):
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"dagster-webserver not serving after {timeout} s\n{dagster.log_tail()}")

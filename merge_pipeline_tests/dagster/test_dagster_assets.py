@@ -1,0 +1,97 @@
+"""The asset chain, materialized for real FSDP checkpoints in a real instance, merges bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from merge_pipeline.engine.manifest import MANIFEST
+from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
+from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+SHARDED = {"max_shard_size": "200KB"}  # the 0.8 MB test model in several shards, with an index
+
+
+@pytest.mark.parametrize(
+    "spec, merge_config, dtype",
+    [(ACTOR, SHARDED, None), (CRITIC, None, None), (ACTOR, {"dtype": "bfloat16"}, torch.bfloat16)],
+    ids=["actor-sharded", "critic", "actor-bf16"],
+)
+def test_chain_publishes_a_bit_exact_verified_folder(fsdp_checkpoint, roots, instance, spec, merge_config, dtype):
+    sample = fsdp_checkpoint(spec)
+    roots.drop(sample, "proj/exp/global_step_7", tracker=7)
+    key = f"proj/exp/global_step_7/{sample.role_dir.name}"
+    settings = roots.settings()
+
+    result = materialize(instance, settings, key, merge_config=merge_config)
+
+    assert result.success
+    target = roots.target(key)
+    reference = load_file(sample.reference_dir / "model.safetensors")
+    merged = load_safetensors_dir(target)
+    assert set(merged) == set(reference)
+    for name, tensor in reference.items():
+        assert same_bits(merged[name], tensor.to(dtype) if dtype else tensor), name
+    assert json.loads((target / "config.json").read_text())["dtype"] == str(dtype or torch.float32).removeprefix("torch.")
+    assert (target / "model.safetensors.index.json").is_file() == (merge_config == SHARDED)
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks == {"loads_on_meta_device": True, "index_matches_shards": True, "manifest_sha256": True}
+    assert not staging_path(target).exists()
+
+
+def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    roots.drop(sample, "run/global_step_3", tracker=3)
+    settings = roots.settings()
+
+    result = materialize(instance, settings, "run/global_step_3/actor", merge_config=SHARDED)
+
+    metadata = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
+    checkpoint = metadata["checkpoint"]
+    assert checkpoint["backend"].value == "fsdp" and checkpoint["role"].value == "actor" and checkpoint["step"].value == 3
+    assert checkpoint["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
+    assert "model_world_size_2_rank_1.pt" in [r.data["file"] for r in checkpoint["files"].value.records]
+    parallel = metadata["parallel_config"]
+    assert (parallel["world_size"].value, parallel["fsdp_version"].value, parallel["architecture"].value) == (2, 2, "Qwen2ForCausalLM")
+    assert parallel["parameters"].value == sum(t.numel() for t in load_file(sample.reference_dir / "model.safetensors").values())
+    merged = metadata["merged_state_dict"]
+    assert merged["tensors"].value == 27 and merged["peak_rss_bytes"].value > 0 and merged["throughput"].value.endswith("/s")
+    assert [r.data["filename"] for r in merged["shards"].value.records] == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    published = metadata["hf_model"]
+    target = roots.target("run/global_step_3/actor")
+    assert published["path"].value == str(target)
+    assert published["bytes"].value == sum(p.stat().st_size for p in target.iterdir())
+    assert {r.data["file"] for r in published["files"].value.records} == {p.name for p in target.iterdir()} - {MANIFEST}
+    assert published["seconds_since_checkpoint_written"].value >= 0
+    # The weights were written holding the one slot of pool "merge" (dagster.yaml: default_limit 1).
+    pool = instance.event_log_storage.get_concurrency_info("merge")
+    assert instance.event_log_storage.get_concurrency_keys() == {"merge"} and (pool.limit, pool.slot_count, pool.claimed_slots) == (1, 1, [])
+
+
+
+@pytest.fixture(scope="module")
+def megatron_samples(tmp_path_factory):
+    """A real megatron-core TP=2 dist checkpoint, and verl's default layout (weights as HF safetensors)."""
+    return write_megatron_samples(tmp_path_factory.mktemp("megatron"), [VARIANTS["qwen2_tp2"], VARIANTS["qwen2_hf_weights"]])
+
+
+@pytest.mark.parametrize("name, parallel", [("qwen2_tp2", {"tp": 2, "pp": 1, "sharded_backend": "torch_dist"}), ("qwen2_hf_weights", {"weights": "huggingface safetensors"})])
+def test_megatron_checkpoints_flow_through_the_same_assets(megatron_samples, roots, instance, name, parallel):
+    sample = megatron_samples[name]
+    roots.drop(sample, f"{name}/global_step_1", tracker=1)
+    key = f"{name}/global_step_1/actor"
+
+    result = materialize(instance, roots.settings(), key)
+
+    assert result.success
+    reference = load_file(sample.reference_dir / "model.safetensors")
+    merged = load_safetensors_dir(roots.target(key))
+    assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
+    assert all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
+    [metadata] = [e.materialization.metadata for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "parallel_config"]
+    assert metadata["backend"].value == "megatron" and {k: metadata[k].value for k in parallel} == parallel
