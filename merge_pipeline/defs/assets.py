@@ -20,7 +20,7 @@ from merge_pipeline.defs.metadata import table, value
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.records import drop_record, read_record, write_record
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.weights import WeightJob, write_in_process
+from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
 from merge_pipeline.engine.hf_folder import copy_side_files
 from merge_pipeline.engine.inspect import describe
 from merge_pipeline.engine.manifest import MANIFEST
@@ -100,7 +100,8 @@ def merged_state_dict(context: dg.AssetExecutionContext, config: MergeConfig, se
         shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
         staging.mkdir(parents=True)
         try:
-            written = write_in_process(WeightJob(Path(source["path"]), source["backend"], staging, options))
+            job = WeightJob(Path(source["path"]), source["backend"], staging, options)
+            written = write_with_torchrun(context, job, config) if config.launcher == "torchrun" else write_in_process(job)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -120,6 +121,7 @@ def merged_state_dict(context: dg.AssetExecutionContext, config: MergeConfig, se
             "peak_rss_bytes": written.peak_rss_bytes,
             "dtype": options.dtype,
             "max_shard_size": str(options.max_shard_size),
+            "launcher": config.launcher if config.launcher == "inprocess" else f"torchrun x{config.nproc_per_node * config.nnodes}",
             "shards": table(report.files, {"filename": "string", "tensors": "int", "bytes": "int"}),
         }
     )

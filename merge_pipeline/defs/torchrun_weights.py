@@ -22,7 +22,8 @@ from merge_pipeline.distributed import write_weights_distributed
 from merge_pipeline.engine.outputs import MergeOptions
 from merge_pipeline.errors import MergeError
 
-REPORT_MESSAGE = "weights_written"  # the custom Pipes message rank 0 sends
+REPORT_MESSAGE = "weights_written"  # the custom Pipes messages rank 0 sends
+ERROR_MESSAGE = "merge_failed"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,20 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
     options = MergeOptions(**args.options)
-    try:
-        if rank != 0:
+    if rank != 0:
+        try:
             write_weights_distributed(args.local_dir, args.backend, args.staging, options)
-            return 0
-        from dagster_pipes import open_dagster_pipes
-
-        with open_dagster_pipes() as pipes:
-            pipes.log.info(f"torchrun merge of {args.local_dir} into {args.staging}: {os.environ.get('WORLD_SIZE')} ranks")
-            report, peak_rss = write_weights_distributed(args.local_dir, args.backend, args.staging, options)
-            pipes.report_custom_message({"kind": REPORT_MESSAGE, "files": report.files, "seconds": report.seconds, "peak_rss_bytes": peak_rss})
+        except MergeError as exc:  # every rank raised the same agreed error; rank 0 reports it
+            print(f"error: {exc}", file=sys.stderr)
         return 0
-    except MergeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    from dagster_pipes import open_dagster_pipes
+
+    with open_dagster_pipes() as pipes:
+        pipes.log.info(f"torchrun merge of {args.local_dir} into {args.staging}: {os.environ.get('WORLD_SIZE')} ranks")
+        try:
+            report, peak_rss = write_weights_distributed(args.local_dir, args.backend, args.staging, options)
+        except MergeError as exc:
+            # A clean, agreed failure: the asset raises this one line, so torchrun itself succeeds.
+            pipes.report_custom_message({"kind": ERROR_MESSAGE, "message": str(exc)})
+            return 0
+        pipes.report_custom_message({"kind": REPORT_MESSAGE, "files": report.files, "seconds": report.seconds, "peak_rss_bytes": peak_rss})
+    return 0
 
 
 if __name__ == "__main__":
