@@ -74,10 +74,11 @@ def write_safetensors(
     on_bytes: Callable[[int], None] = lambda n: None,
 ) -> int:
     """Write ``tensors`` to ``path``; return the file size. ``on_bytes`` reports progress."""
+    casts: dict[torch.dtype, torch.Tensor] = {}  # one output buffer per dtype, reused by every cast
     with open(path, "wb") as out:
         out.write(build_header(tensors))
         for t in tensors:
-            written = _write_tensor(out, t, on_bytes)
+            written = _write_tensor(out, t, on_bytes, casts)
             if written != t.nbytes:
                 raise RuntimeError(f"{t.planned.name}: source gave {written} bytes, expected {t.nbytes}")
         out.flush()
@@ -85,7 +86,7 @@ def write_safetensors(
         return out.tell()
 
 
-def _write_tensor(out, t: OutputTensor, on_bytes: Callable[[int], None]) -> int:
+def _write_tensor(out, t: OutputTensor, on_bytes: Callable[[int], None], casts: dict[torch.dtype, torch.Tensor]) -> int:
     source = t.planned.source
     runs = source.byte_runs() if t.dtype == t.planned.dtype else None
     written = 0
@@ -95,13 +96,13 @@ def _write_tensor(out, t: OutputTensor, on_bytes: Callable[[int], None]) -> int:
             written += _copy_run(run.file, run.offset, run.length, out.fileno(), on_bytes)
         out.seek(0, os.SEEK_END)
         return written
-    cast: torch.Tensor | None = None  # one output buffer, reused for every piece that needs a cast
     for piece in source.pieces():
         piece = piece.reshape(-1)
         if piece.dtype != t.dtype:
-            if cast is None or cast.numel() < piece.numel():
-                cast = torch.empty(piece.numel(), dtype=t.dtype)
-            piece = cast[: piece.numel()].copy_(piece)
+            # Fresh pages cost more than the cast itself: keep the largest buffer seen so far.
+            if t.dtype not in casts or casts[t.dtype].numel() < piece.numel():
+                casts[t.dtype] = torch.empty(piece.numel(), dtype=t.dtype)
+            piece = casts[t.dtype][: piece.numel()].copy_(piece)
         data = piece.view(torch.uint8).numpy()
         out.write(memoryview(data))
         written += data.nbytes
