@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -24,9 +26,17 @@ SPEC = FsdpSpec(world_size=4, hidden_size=256, num_layers=4, vocab_size=8000, in
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
-def torchrun(nproc: int, *args) -> subprocess.Popen:
+@contextlib.contextmanager
+def torchrun(nproc: int, *args) -> Iterator[subprocess.Popen]:
+    """torchrun in its own process group, killed with all its ranks whatever the test does."""
     command = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "merge_pipeline", "merge", *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        yield run
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -34,8 +44,8 @@ def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, np
     role_dir = fsdp_checkpoint(SPEC).role_dir
     code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "single", "--max-shard-size", "2MB", "--dtype", "bfloat16")
     assert code == 0, err
-    run = torchrun(nproc, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", "--max-shard-size", "2MB", "--dtype", "bfloat16")
-    out, err = run.communicate(timeout=300)
+    with torchrun(nproc, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", "--max-shard-size", "2MB", "--dtype", "bfloat16") as run:
+        _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
     assert f"rank {nproc - 1}/{nproc} writes" in err
     assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
@@ -45,22 +55,18 @@ def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, np
 def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(SPEC).role_dir
     target, staging = tmp_path / "out", tmp_path / ".out.staging"
-    run = torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB")
-    try:
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as run:
         deadline = time.monotonic() + 120
         while not (staging.is_dir() and any(staging.glob("model-*.safetensors"))):
             assert run.poll() is None and time.monotonic() < deadline, "merge ended before a rank could be killed"
             time.sleep(0.01)
         [rank1] = [p for p in psutil.Process(run.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
         rank1.send_signal(signal.SIGKILL)
-        _, err = run.communicate(timeout=120)
-    finally:
-        if run.poll() is None:
-            run.kill()
+        run.communicate(timeout=120)
     assert run.returncode != 0
     assert not target.exists(), "nothing may be published when a rank dies"
-    rerun = torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB")
-    _, err = rerun.communicate(timeout=300)
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as rerun:
+        _, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the rerun cleans the dead merge's staging"
 
