@@ -18,7 +18,7 @@ import torch
 from merge_pipeline.errors import MergeError
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
-READ_PIECE_BYTES = 64 * 1024 * 1024
+READ_PIECE_BYTES = 16 * 1024 * 1024
 
 
 class SourceFile:

@@ -1,0 +1,130 @@
+"""Benchmark checkpoints: real verl FSDP role folders of a few sizes, written once and cached.
+
+The writer runs in a child process (``python -m benchmarks.checkpoints``) so that the benchmark
+runner never imports torch or transformers: a child's ``ru_maxrss`` starts from its parent's peak
+RSS (Linux keeps the pre-exec high-water mark), so a small runner keeps every measured peak honest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = REPO_ROOT / "benchmarks" / ".cache"
+CACHE_VERSION = 1  # bump when the writer's output changes in a way that matters to the benchmark
+
+# Llama shapes, world size 4, fp32 weights, no optimizer files (the merge never reads them).
+_COMMON = {"arch": "llama", "world_size": 4, "fsdp_version": 2, "dtype": "float32", "with_optimizer": False}
+SIZES: dict[str, dict] = {
+    # ~0.6M: only for smoke runs of the benchmark machinery
+    "tiny": {"hidden_size": 64, "num_layers": 2, "vocab_size": 4000, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
+    # ~24M
+    "small": {"hidden_size": 256, "num_layers": 8, "vocab_size": 32000, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2},
+    # ~101M
+    "medium": {"hidden_size": 768, "num_layers": 6, "vocab_size": 32000, "intermediate_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 4},
+    # ~248M: the configuration of issue 2's figures (hidden 1024, 12 layers, vocab 32000)
+    "large": {"hidden_size": 1024, "num_layers": 12, "vocab_size": 32000, "intermediate_size": 4096, "num_attention_heads": 16, "num_key_value_heads": 4},
+}
+
+
+# Megatron-Core (megatron-core itself writes them, TP=2 on two CPU ranks): the presets of
+# merge_pipeline.sample_checkpoints.megatron.SIZE_PRESETS.
+MEGATRON_SIZES = {"tiny": "tiny", "large": "250m"}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    role_dir: Path  # .../global_step_1/actor
+    spec: dict
+    backend: str = "fsdp"
+
+    @property
+    def model_files(self) -> list[Path]:
+        """The files a merge reads tensor data from: FSDP rank files, or Megatron's dist_ckpt/."""
+        if self.backend == "megatron":
+            return sorted(p for p in (self.role_dir / "dist_ckpt").iterdir() if p.is_file())
+        return sorted(self.role_dir.glob("model_world_size_*_rank_*.pt"))
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.model_files)
+
+
+def spec_for(size: str) -> dict:
+    if size not in SIZES:
+        raise SystemExit(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+    return {**_COMMON, **SIZES[size]}
+
+
+def parameter_count(spec: dict) -> int:
+    """Parameters of the Llama model a spec describes (untied embeddings, no biases)."""
+    h, i, v, layers = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"], spec["num_layers"]
+    kv = h // spec["num_attention_heads"] * spec["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    return 2 * v * h + layers * per_layer + h
+
+
+def ensure_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
+    """The cached checkpoint for ``size``, written first if missing (atomically: a killed write leaves none)."""
+    spec = spec_for(size)
+    key = hashlib.sha256(json.dumps({"v": CACHE_VERSION, **spec}, sort_keys=True).encode()).hexdigest()[:10]
+    root = Path(cache_dir) / f"fsdp-{size}-{key}"
+    role_dir = root / "global_step_1" / "actor"
+    if not role_dir.is_dir():
+        staging = root.with_name(root.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        log(f"writing the {size} FSDP checkpoint (~{parameter_count(spec) / 1e6:.0f}M parameters, world size {spec['world_size']}) to {root} ...")
+        command = [sys.executable, "-m", "benchmarks.checkpoints", str(staging / "global_step_1" / "actor"), json.dumps(spec)]
+        subprocess.run(command, check=True, cwd=REPO_ROOT)
+        staging.rename(root)
+    return Checkpoint(size, role_dir, spec)
+
+
+def ensure_megatron_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
+    """A cached Megatron-Core checkpoint (Llama, TP=2) of a ``MEGATRON_SIZES`` size."""
+    if size not in MEGATRON_SIZES:
+        raise SystemExit(f"no Megatron size {size!r}; choose from {', '.join(MEGATRON_SIZES)}")
+    spec = {"family": "llama", "tp": 2, "size": MEGATRON_SIZES[size]}
+    key = hashlib.sha256(json.dumps({"v": CACHE_VERSION, **spec}, sort_keys=True).encode()).hexdigest()[:10]
+    root = Path(cache_dir) / f"megatron-{size}-{key}"
+    role_dir = root / "llama_tp2" / "actor"
+    if not role_dir.is_dir():
+        staging = root.with_name(root.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        log(f"writing the {size} Megatron-Core checkpoint (preset {spec['size']}, TP=2) to {root} ...")
+        command = [sys.executable, "-m", "benchmarks.checkpoints", "--megatron", str(staging), json.dumps(spec)]
+        subprocess.run(command, check=True, cwd=REPO_ROOT)
+        staging.rename(root)
+    return Checkpoint(f"{size}", role_dir, spec, backend="megatron")
+
+
+def _write_megatron(root: Path, spec: dict) -> None:
+    from merge_pipeline.sample_checkpoints.megatron import (
+        Variant,
+        write_megatron_samples,
+    )
+
+    write_megatron_samples(root, [Variant("llama_tp2", spec["family"], tp=spec["tp"], size=spec["size"])], timeout=1800)
+
+
+def _write(role_dir: Path, spec: dict) -> None:
+    import torch
+
+    from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
+
+    fields = dict(spec, dtype=getattr(torch, spec["dtype"]))
+    write_fsdp_checkpoint(role_dir, FsdpSpec(**fields), timeout=1800)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--megatron":
+        _write_megatron(Path(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        _write(Path(sys.argv[1]), json.loads(sys.argv[2]))
