@@ -71,20 +71,29 @@ def parameter_count(spec: dict) -> int:
     return 2 * v * h + layers * per_layer + h
 
 
-def ensure_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
-    """The cached checkpoint for ``size``, written first if missing (atomically: a killed write leaves none)."""
-    spec = spec_for(size)
+def _cached(cache_dir: Path, name: str, spec: dict, write_args: list[str], description: str, log) -> Path:
+    """``cache_dir/<name>-<hash of spec>``, written by ``benchmarks.checkpoints`` if missing.
+
+    Written into a ``.partial`` folder and renamed, so a killed write leaves nothing cached.
+    """
     key = hashlib.sha256(json.dumps({"v": CACHE_VERSION, **spec}, sort_keys=True).encode()).hexdigest()[:10]
-    root = Path(cache_dir) / f"fsdp-{size}-{key}"
-    role_dir = root / "global_step_1" / "actor"
-    if not role_dir.is_dir():
+    root = Path(cache_dir) / f"{name}-{key}"
+    if not root.is_dir():
         staging = root.with_name(root.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        log(f"writing the {size} FSDP checkpoint (~{parameter_count(spec) / 1e6:.0f}M parameters, world size {spec['world_size']}) to {root} ...")
-        command = [sys.executable, "-m", "benchmarks.checkpoints", str(staging / "global_step_1" / "actor"), json.dumps(spec)]
-        subprocess.run(command, check=True, cwd=REPO_ROOT)
+        log(f"writing {description} to {root} ...")
+        write_args = [a.replace("{staging}", str(staging)) for a in write_args]
+        subprocess.run([sys.executable, "-m", "benchmarks.checkpoints", *write_args, json.dumps(spec)], check=True, cwd=REPO_ROOT)
         staging.rename(root)
-    return Checkpoint(size, role_dir, spec)
+    return root
+
+
+def ensure_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
+    """The cached FSDP checkpoint for ``size``, written first if missing."""
+    spec = spec_for(size)
+    description = f"the {size} FSDP checkpoint (~{parameter_count(spec) / 1e6:.0f}M parameters, world size {spec['world_size']})"
+    root = _cached(cache_dir, f"fsdp-{size}", spec, ["{staging}/global_step_1/actor"], description, log)
+    return Checkpoint(size, root / "global_step_1" / "actor", spec)
 
 
 def ensure_megatron_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
@@ -92,17 +101,8 @@ def ensure_megatron_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, lo
     if size not in MEGATRON_SIZES:
         raise SystemExit(f"no Megatron size {size!r}; choose from {', '.join(MEGATRON_SIZES)}")
     spec = {"family": "llama", "tp": 2, "size": MEGATRON_SIZES[size]}
-    key = hashlib.sha256(json.dumps({"v": CACHE_VERSION, **spec}, sort_keys=True).encode()).hexdigest()[:10]
-    root = Path(cache_dir) / f"megatron-{size}-{key}"
-    role_dir = root / "llama_tp2" / "actor"
-    if not role_dir.is_dir():
-        staging = root.with_name(root.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        log(f"writing the {size} Megatron-Core checkpoint (preset {spec['size']}, TP=2) to {root} ...")
-        command = [sys.executable, "-m", "benchmarks.checkpoints", "--megatron", str(staging), json.dumps(spec)]
-        subprocess.run(command, check=True, cwd=REPO_ROOT)
-        staging.rename(root)
-    return Checkpoint(f"{size}", role_dir, spec, backend="megatron")
+    root = _cached(cache_dir, f"megatron-{size}", spec, ["--megatron", "{staging}"], f"the {size} Megatron-Core checkpoint (preset {spec['size']}, TP=2)", log)
+    return Checkpoint(size, root / "llama_tp2" / "actor", spec, backend="megatron")
 
 
 def _write_megatron(root: Path, spec: dict) -> None:
