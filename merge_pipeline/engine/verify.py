@@ -61,7 +61,8 @@ def compare_with_reference(layout: OutputLayout, reference_dir: Path, *, atol: f
         mine = mine.to(reference.dtype)  # compare in the reference's dtype, as a merge to it would write
         diff = (mine.double() - reference.double()).abs().max().item() if mine.numel() else 0.0
         diffs.append((diff, name))
-        if diff > atol or (atol == 0 and not torch.equal(mine, reference)):
+        same_bytes = torch.equal(mine.contiguous().view(-1).view(torch.uint8), reference.contiguous().view(-1).view(torch.uint8))
+        if diff > atol or (atol == 0 and not same_bytes):  # atol 0 means bit-exact (NaN payloads and -0.0 included)
             result.mismatched.append((name, f"max abs diff {diff:.3g}"))
     result.worst = sorted(diffs, reverse=True)[:worst]
     return result
