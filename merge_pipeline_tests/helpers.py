@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,3 +46,19 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+@contextlib.contextmanager
+def torchrun(nproc: int, *args) -> Iterator[subprocess.Popen]:
+    """torchrun in its own process group, killed with all its ranks whatever the test does."""
+    command = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "merge_pipeline", "merge", *map(str, args)]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        yield run
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
@@ -20,23 +14,9 @@ from merge_pipeline.engine.outputs import ShardFile
 from merge_pipeline.engine.plan import Computed, PlannedTensor
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import run_cli, tree_digest
+from merge_pipeline_tests.helpers import run_cli, torchrun, tree_digest
 
 SPEC = FsdpSpec(world_size=4, hidden_size=256, num_layers=4, vocab_size=8000, intermediate_size=512, with_optimizer=False)
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-
-
-@contextlib.contextmanager
-def torchrun(nproc: int, *args) -> Iterator[subprocess.Popen]:
-    """torchrun in its own process group, killed with all its ranks whatever the test does."""
-    command = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "merge_pipeline", "merge", *map(str, args)]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    try:
-        yield run
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.pid, signal.SIGKILL)
-        run.communicate()
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
