@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from merge_pipeline.engine.hf_folder import copy_side_files
-from merge_pipeline.engine.merge import MergeResult, WriteReport, finish_folder, peak_rss_bytes, prepare, write_index, write_weights
+from merge_pipeline.engine.merge import MergeResult, WriteReport, finish_folder, peak_rss_bytes, prepare, write_weights
 from merge_pipeline.engine.outputs import MergeOptions, ShardFile
 from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError
@@ -94,7 +94,7 @@ def _write_share(layout, staging: Path, rank: int, world: int, *, show_progress:
 
 
 def write_weights_distributed(local_dir: str | Path, backend: str, staging: Path, options: MergeOptions) -> tuple[WriteReport, int] | None:
-    """Only the weights (and index) into an existing staging folder, as Dagster's merged_state_dict needs.
+    """Only the weight shards into an existing staging folder, as Dagster's merged_state_dict needs.
 
     Rank 0 returns the whole report and the largest peak RSS of any rank; other ranks ``None``.
     """
@@ -102,10 +102,7 @@ def write_weights_distributed(local_dir: str | Path, backend: str, staging: Path
         plan, _, layout = _prepare_everywhere(local_dir, options, backend)
         with plan:
             written = _write_share(layout, staging, rank, world, show_progress=False)
-            if rank != 0:
-                return None
-            write_index(layout, staging)
-            return written
+            return written if rank == 0 else None
 
 
 def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: MergeOptions, *, backend: str = "auto", show_progress: bool = True) -> MergeResult | None:

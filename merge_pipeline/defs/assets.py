@@ -88,7 +88,7 @@ def parallel_config(context: dg.AssetExecutionContext, settings: MergeSettings) 
 
 @dg.asset(**_partitioned, deps=[parallel_config], pool=MERGE_POOL, kinds={"safetensors"})
 def merged_state_dict(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> dg.MaterializeResult:
-    """The merged weights, streamed into safetensors shards and their index in a staging folder beside the target."""
+    """The merged weights, streamed into safetensors shards in a staging folder beside the target."""
     with one_line_failure():
         key = CheckpointKey.parse(context.partition_key)
         source = read_record(settings, key, "parallel_config")

@@ -1,6 +1,6 @@
 """The weight-writing step of ``merged_state_dict``, behind one function signature so it can be swapped.
 
-A writer takes a ``WeightJob`` and streams the safetensors shards and their index into the staging
+A writer takes a ``WeightJob`` and streams the safetensors shards into the staging
 folder; ``write_in_process`` does it in the run's own process, ``write_with_torchrun`` across
 torchrun processes launched through Dagster Pipes. ``MergeConfig.launcher`` picks one.
 """
@@ -15,7 +15,7 @@ import dagster as dg
 
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE, command_line
-from merge_pipeline.engine.merge import WriteReport, peak_rss_bytes, prepare, write_index, write_weights
+from merge_pipeline.engine.merge import WriteReport, peak_rss_bytes, prepare, write_weights
 from merge_pipeline.engine.outputs import MergeOptions
 from merge_pipeline.errors import MergeError
 
@@ -38,7 +38,6 @@ def write_in_process(job: WeightJob) -> WrittenWeights:
     plan, _, layout = prepare(job.role_dir, job.options, job.backend)
     with plan:
         report = write_weights(layout, job.staging)
-        write_index(layout, job.staging)
     return WrittenWeights(report, peak_rss_bytes())
 
 
