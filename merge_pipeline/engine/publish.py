@@ -65,8 +65,8 @@ def check_target(target: Path, *, source: str | Path, overwrite: bool) -> None:
 class LockedTarget:
     """A target whose lock this process holds: the only way to create its staging folder or publish it."""
 
-    def __init__(self, target: Path, source: Path, overwrite: bool):
-        self.target, self.source, self.overwrite = target, source, overwrite
+    def __init__(self, target: Path, overwrite: bool):
+        self.target, self.overwrite = target, overwrite
         self.staging = staging_path(target)
 
     def new_staging(self) -> Path:
@@ -111,7 +111,7 @@ def locked_target(target: str | Path, *, source: str | Path, overwrite: bool) ->
         with naming(target):
             _restore_or_remove_previous(target)
         check_target(target, source=source, overwrite=overwrite)  # a restored previous target counts
-        yield LockedTarget(target, Path(source), overwrite)
+        yield LockedTarget(target, overwrite)
 
 
 @contextlib.contextmanager
