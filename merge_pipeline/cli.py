@@ -14,7 +14,7 @@ from pathlib import Path
 
 from merge_pipeline.engine.outputs import DTYPE_CHOICES, MergeOptions
 from merge_pipeline.engine.progress import human_bytes
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, os_error
 from merge_pipeline.formats import BACKENDS
 
 log = logging.getLogger("merge_pipeline")
@@ -163,8 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             raise
         # OSError (disk full, permission denied, ...): name the file, skip the traceback.
-        message = str(exc) if isinstance(exc, MergeError) else f"{exc.filename or ''}: {exc.strerror or exc}"
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {exc if isinstance(exc, MergeError) else os_error(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted: nothing was published", file=sys.stderr)

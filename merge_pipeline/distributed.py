@@ -20,7 +20,7 @@ from merge_pipeline.engine.hf_folder import copy_side_files
 from merge_pipeline.engine.merge import MergeResult, WriteReport, finish_folder, peak_rss_bytes, prepare, write_weights
 from merge_pipeline.engine.outputs import MergeOptions, ShardFile
 from merge_pipeline.engine.publish import staged_output, staging_path
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, os_error
 
 log = logging.getLogger("merge_pipeline")
 
@@ -59,7 +59,7 @@ def _attempt(step) -> str | None:
     except MergeError as exc:
         return str(exc)
     except OSError as exc:
-        return f"{exc.filename or ''}: {exc.strerror or exc}"
+        return str(os_error(exc))
     return None
 
 
@@ -119,7 +119,7 @@ def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: Me
         with plan, contextlib.ExitStack() as publishing:
 
             def open_staging() -> None:
-                publishing.enter_context(staged_output(target, overwrite=options.overwrite))
+                publishing.enter_context(staged_output(target, source=local_dir, overwrite=options.overwrite))
                 copy_side_files(config.path.parent, staging)
 
             _agree(_attempt(open_staging) if lead else None)

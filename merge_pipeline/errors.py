@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -15,3 +18,18 @@ class MergeError(Exception):
         self.path = Path(path) if path is not None else None
         self.problem = " ".join(str(problem).split())  # always one line
         super().__init__(f"{self.path}: {self.problem}" if self.path is not None else self.problem)
+
+
+def os_error(exc: OSError, path: str | Path | None = None) -> MergeError:
+    """The one line for an OSError: the file the OS names, else ``path`` (write, fsync and copy errors name none)."""
+    named = exc.filename if isinstance(exc.filename, (str, os.PathLike)) else None  # not a descriptor number
+    return MergeError(named or path, exc.strerror or str(exc))
+
+
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """Turn an OSError in the block (disk full, permission) into a MergeError that names a file."""
+    try:
+        yield
+    except OSError as exc:
+        raise os_error(exc, path) from None

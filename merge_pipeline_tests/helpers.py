@@ -62,3 +62,25 @@ def torchrun(nproc: int, *args) -> Iterator[subprocess.Popen]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.pid, signal.SIGKILL)
         run.communicate()
+
+
+_HOLD_LOCK = """
+import sys
+from merge_pipeline.engine.publish import locked_target
+with locked_target(sys.argv[1], source=sys.argv[2], overwrite=True) as locked:
+    staging = locked.new_staging()
+    (staging / "model.safetensors").write_bytes(b"a merge half way")
+    print("holding", flush=True)
+    sys.stdin.read()  # until the test closes stdin
+"""
+
+
+@contextlib.contextmanager
+def merge_in_progress(target: Path, source: Path) -> Iterator[subprocess.Popen]:
+    """Another process holding ``target``'s lock through the engine's API, as a running merge does, with a half-written staging."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(target), str(source)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n", "the lock holder did not start"
+        yield holder
+    finally:
+        holder.communicate(timeout=60)

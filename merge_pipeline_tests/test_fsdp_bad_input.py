@@ -173,7 +173,7 @@ def test_checkpoint_deleted_mid_merge_still_merges_exactly(tmp_path, fsdp_checkp
     sample = fresh_copy(fsdp_checkpoint(SPEC))
     options = MergeOptions()
     plan, config, layout = prepare(sample.role_dir, options)
-    with plan, staged_output(tmp_path / "out", overwrite=False) as staging:
+    with plan, staged_output(tmp_path / "out", source=sample.role_dir, overwrite=False) as staging:
         copy_side_files(config.path.parent, staging)
         shutil.rmtree(sample.role_dir)
         write_weights(layout, staging, show_progress=False)

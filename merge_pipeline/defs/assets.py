@@ -6,7 +6,6 @@ The shards are written into the engine's staging folder beside the target and re
 ``hf_model`` only when the folder is complete, so a failure publishes nothing.
 """
 
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from merge_pipeline.engine.manifest import MANIFEST
 from merge_pipeline.engine.merge import finish_folder, prepare
 from merge_pipeline.engine.outputs import MergeOptions, OutputLayout
 from merge_pipeline.engine.progress import human_bytes
-from merge_pipeline.engine.publish import check_target, publish, staging_path
+from merge_pipeline.engine.publish import locked_target
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import detect_backend
 
@@ -93,18 +92,16 @@ def merged_state_dict(context: dg.AssetExecutionContext, config: MergeConfig, se
         key = CheckpointKey.parse(context.partition_key)
         source = read_record(settings, key, "parallel_config")
         options = config.options()
-        target = settings.target_dir(key)
-        check_target(target, overwrite=options.overwrite)
-        drop_record(settings, key, "merged_state_dict")
-        staging = staging_path(target)
-        shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
-        staging.mkdir(parents=True)
-        try:
-            job = WeightJob(Path(source["path"]), source["backend"], staging, options)
-            written = write_with_torchrun(context, job, config) if config.launcher == "torchrun" else write_in_process(job)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its staging.
+        with locked_target(settings.target_dir(key), source=source["path"], overwrite=options.overwrite) as locked:
+            drop_record(settings, key, "merged_state_dict")
+            staging = locked.new_staging()
+            try:
+                job = WeightJob(Path(source["path"]), source["backend"], staging, options)
+                written = write_with_torchrun(context, job, config) if config.launcher == "torchrun" else write_in_process(job)
+            except BaseException:
+                locked.discard_staging()
+                raise
         report = written.report
         record = {"staging": str(staging), "options": asdict(options), "files": report.files, "seconds": report.seconds, "peak_rss_bytes": written.peak_rss_bytes}
         write_record(settings, key, "merged_state_dict", record)
@@ -135,17 +132,18 @@ def hf_model(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.M
         source = read_record(settings, key, "parallel_config")
         weights = read_record(settings, key, "merged_state_dict")
         options = MergeOptions(**weights["options"])
-        staging, target = Path(weights["staging"]), settings.target_dir(key)
-        try:
-            plan, config, layout = prepare(source["path"], options, source["backend"])
-            with plan:
-                _check_staged(staging, weights["files"], layout)
-                copy_side_files(config.path.parent, staging)
-                manifest = finish_folder(plan, config, layout, staging, options)
-            publish(staging, target, overwrite=options.overwrite)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # gone by rename on success; never half-published
-            drop_record(settings, key, "merged_state_dict")
+        target = settings.target_dir(key)
+        with locked_target(target, source=source["path"], overwrite=options.overwrite) as locked:
+            try:
+                plan, config, layout = prepare(source["path"], options, source["backend"])
+                with plan:
+                    _check_staged(locked.staging, weights["files"], layout)
+                    copy_side_files(config.path.parent, locked.staging)
+                    manifest = finish_folder(plan, config, layout, locked.staging, options)
+                locked.publish()
+            finally:
+                locked.discard_staging()  # gone by rename on success; never half-published
+                drop_record(settings, key, "merged_state_dict")
     files = [{"file": name, "bytes": f["size"], "sha256": f["sha256"]} for name, f in manifest["files"].items()]
     total = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
     written_at = read_record(settings, key, "checkpoint")["written_at"]

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, os_error
 
 
 @contextlib.contextmanager
@@ -17,4 +17,4 @@ def one_line_failure() -> Iterator[None]:
     except MergeError as exc:
         raise dg.Failure(description=str(exc)) from None
     except OSError as exc:  # disk full, permission denied, ...: name the file, as the CLI does
-        raise dg.Failure(description=f"{exc.filename or ''}: {exc.strerror or exc}") from None
+        raise dg.Failure(description=str(os_error(exc))) from None

@@ -22,6 +22,7 @@ from merge_pipeline.engine.plan import CheckpointPlan
 from merge_pipeline.engine.progress import ByteProgress, human_bytes
 from merge_pipeline.engine.publish import check_target, staged_output
 from merge_pipeline.engine.safetensors_writer import write_safetensors
+from merge_pipeline.errors import naming
 from merge_pipeline.formats import open_checkpoint
 
 log = logging.getLogger("merge_pipeline")
@@ -110,9 +111,10 @@ def write_index(layout: OutputLayout, out_dir: Path) -> None:
 
 def finish_folder(plan: CheckpointPlan, config: ModelConfig, layout: OutputLayout, out_dir: Path, options: MergeOptions) -> dict:
     """Index, configs and manifest: everything but the weights and the side files."""
-    write_index(layout, out_dir)
-    write_configs(config, layout, out_dir)
-    return write_manifest(out_dir, manifest_body(plan, layout, options))
+    with naming(out_dir):
+        write_index(layout, out_dir)
+        write_configs(config, layout, out_dir)
+        return write_manifest(out_dir, manifest_body(plan, layout, options))
 
 
 def manifest_body(plan: CheckpointPlan, layout: OutputLayout, options: MergeOptions) -> dict:
@@ -152,9 +154,9 @@ def _dtype_decisions(layout: OutputLayout) -> dict[str, int]:
 def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: MergeOptions = MergeOptions(), *, backend: str = "auto", show_progress: bool = True) -> MergeResult:
     started = time.monotonic()
     target = Path(target_dir).absolute()
-    check_target(target, overwrite=options.overwrite)
+    check_target(target, source=local_dir, overwrite=options.overwrite)
     plan, config, layout = prepare(local_dir, options, backend)
-    with plan, staged_output(target, overwrite=options.overwrite) as staging:
+    with plan, staged_output(target, source=local_dir, overwrite=options.overwrite) as staging:
         copy_side_files(config.path.parent, staging)
         report = write_weights(layout, staging, show_progress=show_progress)
         manifest = finish_folder(plan, config, layout, staging, options)

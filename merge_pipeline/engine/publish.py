@@ -1,32 +1,60 @@
-"""Atomic output: build beside the target, rename into place only when complete.
+"""Safe output: a target is written only under its lock, built beside it, and swapped in when complete.
 
-The staging folder lives in the target's parent (same filesystem, so the final rename is atomic).
-An exclusive lock beside it stops two merges writing one target; a stale staging folder left by a
-killed merge is removed by the next run that takes the lock.
+Every writer (the CLI, torchrun rank 0, the Dagster assets) goes through ``locked_target``:
+
+    with locked_target(target, source=role_dir, overwrite=False) as locked:
+        staging = locked.new_staging()
+        ...  # write the folder into staging
+        locked.publish()
+
+Beside ``<parent>/<name>`` live ``.<name>.lock`` (held while anyone touches the staging folder or
+the target), ``.<name>.staging`` (the folder being built; the same filesystem, so publishing is a
+rename) and, only for a moment during a fallback replace, ``.<name>.previous``. Whatever a killed
+writer leaves behind, the next one that takes the lock cleans up or restores, and logs it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
+import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.engine.manifest import MANIFEST
+from merge_pipeline.errors import MergeError, naming
+
+log = logging.getLogger("merge_pipeline")
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}  # by the kernel or this filesystem
 
 
 def staging_path(target: Path) -> Path:
     return target.parent / f".{target.name}.staging"
 
 
-def check_target(target: Path, *, overwrite: bool) -> None:
-    """Refuse early, before any work, what would fail at the end."""
+def previous_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.previous"
+
+
+def lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.lock"
+
+
+def check_target(target: Path, *, source: str | Path, overwrite: bool) -> None:
+    """Refuse early, before any work, what would destroy data or fail at the end."""
+    _refuse_overlap(target, Path(source))
     if target.exists() and not overwrite:
         raise MergeError(target, "already exists (pass --overwrite to replace it once the new merge is complete)")
-    if target.exists() and not target.is_dir():
-        raise MergeError(target, "exists and is not a directory")
+    if target.exists():
+        _refuse_foreign(target)
     parent = _existing_ancestor(target.parent)
     if not parent.is_dir():
         raise MergeError(parent, "is not a directory: cannot create the target under it")
@@ -34,54 +62,178 @@ def check_target(target: Path, *, overwrite: bool) -> None:
         raise MergeError(parent, "is not writable: cannot create the target under it")
 
 
+class LockedTarget:
+    """A target whose lock this process holds: the only way to create its staging folder or publish it."""
+
+    def __init__(self, target: Path, overwrite: bool):
+        self.target, self.overwrite = target, overwrite
+        self.staging = staging_path(target)
+
+    def new_staging(self) -> Path:
+        """An empty staging folder; one left by a killed writer is removed first."""
+        if self.staging.exists():
+            log.warning("%s: removing %s, left by a merge that did not finish", self.target, self.staging)
+            shutil.rmtree(self.staging)
+        self.staging.mkdir()
+        return self.staging
+
+    def discard_staging(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def publish(self) -> None:
+        """Put the complete staging folder at the target; an existing target is swapped out only now."""
+        target, staging = self.target, self.staging
+        with naming(target):
+            _fsync_dir(staging)
+            if not target.exists():
+                os.rename(staging, target)
+            elif not self.overwrite:
+                raise MergeError(target, "appeared while merging; not replaced (pass --overwrite)")
+            else:
+                _refuse_foreign(target)  # it may have changed since check_target
+                if _exchange(staging, target):
+                    shutil.rmtree(staging, ignore_errors=True)  # now the previous target; anything left is removed next time
+                else:
+                    _replace_with_two_renames(staging, target)
+            _fsync_dir(target.parent)
+
+
 @contextlib.contextmanager
-def staged_output(target: Path, *, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty staging folder; on success publish it as ``target``, on failure remove it."""
-    target = target.absolute()
-    check_target(target, overwrite=overwrite)
+def locked_target(target: str | Path, *, source: str | Path, overwrite: bool) -> Iterator[LockedTarget]:
+    """Hold the target's lock: refuse if another writer holds it, recover what a killed one left, re-check."""
+    target = Path(target).absolute()
+    check_target(target, source=source, overwrite=overwrite)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise MergeError(target.parent, f"cannot create: {exc.strerror}") from None
     with _exclusive_lock(target):
-        staging = staging_path(target)
-        shutil.rmtree(staging, ignore_errors=True)  # a killed merge's leftovers
-        staging.mkdir()
+        with naming(target):
+            _restore_or_remove_previous(target)
+        check_target(target, source=source, overwrite=overwrite)  # a restored previous target counts
+        yield LockedTarget(target, overwrite)
+
+
+@contextlib.contextmanager
+def staged_output(target: str | Path, *, source: str | Path, overwrite: bool) -> Iterator[Path]:
+    """Yield an empty staging folder; on success publish it as ``target``, on failure remove it."""
+    with locked_target(target, source=source, overwrite=overwrite) as locked:
+        staging = locked.new_staging()
         try:
             yield staging
-            publish(staging, target, overwrite=overwrite)
+            locked.publish()
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            locked.discard_staging()
 
 
-def publish(staging: Path, target: Path, *, overwrite: bool) -> None:
-    """Rename ``staging`` to ``target``; an existing target is replaced only now, when the new one is whole."""
-    _fsync_dir(staging)
+def _refuse_overlap(target: Path, source: Path) -> None:
+    """Writing into, over or around the checkpoint could destroy the only copy of a training run."""
+    real_target, real_source = Path(os.path.realpath(target)), Path(os.path.realpath(source))
+    if real_target == real_source:
+        raise MergeError(target, f"is the input checkpoint {source}: choose a --target_dir outside it")
+    if real_target.is_relative_to(real_source):
+        raise MergeError(target, f"lies inside the input checkpoint {source}: choose a --target_dir outside it")
+    if real_source.is_relative_to(real_target):
+        raise MergeError(target, f"contains the input checkpoint {source}: choose a --target_dir outside it")
+
+
+def _refuse_foreign(target: Path) -> None:
+    """Only a folder this tool wrote (our manifest) or an empty one may be replaced."""
+    if not target.is_dir():
+        raise MergeError(target, "exists and is not a directory")
+    if not any(target.iterdir()) or _written_by_us(target):
+        return
+    raise MergeError(target, f"is not empty and has no {MANIFEST} from merge_pipeline: not replaced, even with --overwrite (move it away or choose another --target_dir)")
+
+
+def _written_by_us(folder: Path) -> bool:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and isinstance(manifest.get("tool"), dict) and manifest["tool"].get("name") == "merge_pipeline"
+
+
+def _restore_or_remove_previous(target: Path) -> None:
+    """``.previous`` exists only if a fallback replace was killed: between its renames, or before the cleanup."""
+    previous = previous_path(target)
+    if not previous.exists():
+        return
     if target.exists():
-        if not overwrite:
-            raise MergeError(target, "appeared while merging; not replaced (pass --overwrite)")
-        previous = target.parent / f".{target.name}.previous"
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(target, previous)
-        os.rename(staging, target)
+        log.warning("%s: removing %s, the replaced folder a killed merge left behind", target, previous)
         shutil.rmtree(previous)
     else:
-        os.rename(staging, target)
-    _fsync_dir(target.parent)
+        os.rename(previous, target)
+        log.warning("%s: restored from %s: a merge was killed while replacing it", target, previous)
+
+
+def _libc_renameat2():
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.restype = ctypes.c_int
+    return function
+
+
+_renameat2 = _libc_renameat2()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step, so ``b`` never goes missing; False where the kernel or filesystem cannot."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _EXCHANGE_UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _replace_with_two_renames(staging: Path, target: Path) -> None:
+    """Without an exchange, the target is missing for a moment; a kill then leaves ``.previous`` to restore."""
+    previous = previous_path(target)
+    os.rename(target, previous)
+    os.rename(staging, target)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def _exclusive_lock(target: Path) -> Iterator[None]:
-    lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "w") as lock:
+    path = lock_path(target)
+    with naming(path):
+        fd = _open_locked(path, target)
+    try:
+        yield
+    finally:
+        # Unlinked while still held: whoever opened this file meanwhile sees that it is gone and retries.
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _open_locked(path: Path, target: Path) -> int:
+    """A descriptor holding the flock on the file that is at ``path`` now, not on one unlinked meanwhile."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise MergeError(target, "another merge is writing this target right now") from None
-        try:
-            yield
-        finally:
-            lock_path.unlink(missing_ok=True)
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise MergeError(target, f"another merge{f' (pid {holder})' if holder else ''} is writing this target right now") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # the holder unlinked it between our open and our flock: lock the new file
+    stale = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    if stale:
+        log.warning("%s: the merge holding it (pid %s) was killed; cleaning up after it", path, stale)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _existing_ancestor(path: Path) -> Path:

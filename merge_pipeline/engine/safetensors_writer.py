@@ -10,6 +10,7 @@ of 8 so the data is aligned), then the tensors' bytes in header order.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.plan import PlannedTensor, SourceFile
-from merge_pipeline.errors import MergeError
+from merge_pipeline.engine.plan import READ_PIECE_BYTES, PlannedTensor, SourceFile
+from merge_pipeline.errors import MergeError, naming
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -39,6 +40,8 @@ SAFETENSORS_DTYPES = {
 
 # copy_file_range moves at most this much per call; the kernel copies, no user-space buffer.
 _COPY_CHUNK = 1 << 30
+# copy_file_range errors that mean "not between these files" (another filesystem, an old kernel), not "failed".
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def write_safetensors(
 ) -> int:
     """Write ``tensors`` to ``path``; return the file size. ``on_bytes`` reports progress."""
     casts: dict[torch.dtype, torch.Tensor] = {}  # one output buffer per dtype, reused by every cast
-    with open(path, "wb") as out:
+    with naming(path), open(path, "wb") as out:
         out.write(build_header(tensors))
         for t in tensors:
             written = _write_tensor(out, t, on_bytes, casts)
@@ -111,14 +114,35 @@ def _write_tensor(out, t: OutputTensor, on_bytes: Callable[[int], None], casts: 
 
 
 def _copy_run(source: SourceFile, offset: int, length: int, out_fd: int, on_bytes: Callable[[int], None]) -> int:
-    """Copy a file range into ``out_fd`` at its current end, inside the kernel."""
+    """Copy a file range into ``out_fd`` at its current end, inside the kernel where the filesystems allow."""
     done = 0
     out_pos = os.lseek(out_fd, 0, os.SEEK_END)
     while done < length:
-        n = os.copy_file_range(source.fd, out_fd, min(_COPY_CHUNK, length - done), offset + done, out_pos + done)
+        try:
+            n = os.copy_file_range(source.fd, out_fd, min(_COPY_CHUNK, length - done), offset + done, out_pos + done)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            # E.g. EXDEV: the target is on another filesystem. Copy the rest through a buffer.
+            done += _copy_through_buffer(source, offset + done, length - done, out_fd, out_pos + done, on_bytes)
+            break
         if n == 0:
             raise MergeError(source.path, f"file ends at byte {offset + done}, expected data up to byte {offset + length}")
         done += n
         on_bytes(n)
     os.lseek(out_fd, out_pos + done, os.SEEK_SET)
+    return done
+
+
+def _copy_through_buffer(source: SourceFile, offset: int, length: int, out_fd: int, out_pos: int, on_bytes: Callable[[int], None]) -> int:
+    buffer = memoryview(bytearray(min(READ_PIECE_BYTES, length)))
+    done = 0
+    while done < length:
+        piece = buffer[: min(len(buffer), length - done)]
+        source.read_into(piece, offset + done)
+        written = 0
+        while written < len(piece):
+            written += os.pwrite(out_fd, piece[written:], out_pos + done + written)
+        done += len(piece)
+        on_bytes(len(piece))
     return done
