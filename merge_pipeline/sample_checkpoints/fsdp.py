@@ -145,6 +145,23 @@ def write_fsdp_checkpoint(
             _wait(launcher, scratch, spec.world_size, timeout)
 
 
+def write_nemo_automodel_checkpoint(role_dir: Path, spec: FsdpSpec, *, reference_dir: Path | None = None, max_shard_size: str = "5GB") -> None:
+    """The NeMo-Automodel engine's role folder: consolidated HF safetensors written by transformers,
+    with config, generation config and tokenizer, in ``<role_dir>/model/``. No ranks are started."""
+    from transformers import GenerationConfig
+
+    from .tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, write_tokenizer
+
+    config = _causal_lm_config(spec)
+    model, _ = _build_model(spec, config)
+    model_dir = Path(role_dir) / "model"
+    model.save_pretrained(model_dir, max_shard_size=max_shard_size)
+    GenerationConfig(eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID).save_pretrained(model_dir)
+    write_tokenizer(model_dir, vocab_size=spec.vocab_size)
+    if reference_dir is not None:
+        _write_reference(spec, config, Path(reference_dir))
+
+
 # --- calling process: model, reference, metadata ------------------------------------------------
 
 
