@@ -16,6 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.engine.manifest import MANIFEST
+from merge_pipeline.model_card import CheckpointName
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
@@ -198,6 +199,11 @@ def test_sft_partition_key_has_no_role_part():
     assert (key.run_name, key.step, key.role) == ("team/exp", 7, "model")
     assert str(key) == "team/exp/global_step_7" and str(key.path) == "team/exp/global_step_7"
     assert CheckpointKey.parse("team/exp/global_step_7/actor").role == "actor"
+
+
+def test_sft_model_card_names_run_step_and_role():
+    name = CheckpointName.from_role_dir("/ckpts/sft_run/global_step_7", "model")
+    assert (name.run, name.step, name.role) == ("sft_run", 7, "model")
 
 
 # --- NeMo-Automodel: consolidated HF safetensors in <role>/model/ ------------------------------------

@@ -51,23 +51,23 @@ def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
         raise MergeError(base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist")
     base, files = read_hf_weights(base_dir)
     try:
-        shapes = {}
+        lora_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # module -> {"A": shape, "B": shape}
         for t in plan.tensors:
             m = _LORA.match(t.name)
-            shapes.setdefault(m["module"], {})[m["which"]] = t.shape
+            lora_shapes.setdefault(m["module"], {})[m["which"]] = t.shape
         renamed = []
         for t in base:
             module = PEFT_PREFIX + t.name.removesuffix(".weight")
-            if module in shapes and t.name.endswith(".weight"):
-                ab = shapes.pop(module)
-                expected = (ab.get("B", (None,))[0], ab.get("A", (None, None))[-1])
-                if tuple(t.shape) != expected:
+            if module in lora_shapes and t.name.endswith(".weight"):
+                pair = lora_shapes.pop(module)
+                expected = (pair["B"][0], pair["A"][1]) if set(pair) == {"A", "B"} else None  # a lone A or B: split_lora names it
+                if expected and tuple(t.shape) != expected:
                     raise MergeError(t.source.runs[0].file.path, f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained")
                 renamed.append(PlannedTensor(f"{module}.base_layer.weight", t.shape, t.dtype, t.source))
             else:
                 renamed.append(PlannedTensor(PEFT_PREFIX + t.name, t.shape, t.dtype, t.source))
-        if shapes:
-            missing = sorted(m.removeprefix(PEFT_PREFIX) + ".weight" for m in shapes)
+        if lora_shapes:
+            missing = sorted(m.removeprefix(PEFT_PREFIX) + ".weight" for m in lora_shapes)
             raise MergeError(base_dir, f"no base weight for the LoRA target {missing[0]} ({len(missing)} missing): not the base model this run trained")
     except BaseException:
         for f in files:

@@ -2,8 +2,8 @@
 
 verl's Megatron default saves the model this way (``dist_ckpt/`` then holds only optimizer and RNG
 state); the NeMo-Automodel engine saves consolidated HF safetensors in ``<role>/model/``; the base
-model of a LoRA-only checkpoint is an HF folder too. Nothing needs converting: each tensor is one byte range of a safetensors file, found by
-reading the file headers only. The headers and the index are checked, since a bad one would
+model of a LoRA-only checkpoint is an HF folder too. Nothing needs converting: each tensor is one
+byte range of a safetensors file, found by reading the file headers only. The headers and the index are checked, since a bad one would
 otherwise become a bad output.
 """
 
