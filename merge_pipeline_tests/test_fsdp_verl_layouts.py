@@ -146,6 +146,12 @@ def test_lora_only_with_the_wrong_base_model_is_one_line(capsys, tmp_path, fsdp_
     assert tree_digest(sample.role_dir) == before
 
 
+def test_lora_only_with_a_missing_base_folder_is_one_line(capsys, tmp_path, fsdp_checkpoint):
+    sample = fsdp_checkpoint(LORA_ONLY)
+    line = merge_fails(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", tmp_path / "no_such_model")
+    assert line == f"error: {tmp_path / 'no_such_model'}: --hf_model_path: does not exist"
+
+
 # --- meshes by placement ---------------------------------------------------------------------------
 
 
