@@ -33,6 +33,7 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="output dtype (default auto: keep the stored dtype)")
     parser.add_argument("--merge-lora", action="store_true", help="fold LoRA into the base weights instead of writing lora_adapter/")
     parser.add_argument("--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes")
+    parser.add_argument("--hf_model_path", "--hf-model-path", dest="hf_model_path", metavar="DIR", help="original HF model folder (the trainer's model.path): base weights for a LoRA-only checkpoint")
 
 
 def _hub_flags(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +88,7 @@ def _options(args: argparse.Namespace, **extra) -> MergeOptions:
         is_value_model=args.is_value_model,
         trust_remote_code=args.trust_remote_code,
         verify_replicas=args.verify_replicas,
+        hf_model_path=str(args.hf_model_path) if args.hf_model_path else None,
         **extra,
     )
 

@@ -25,6 +25,8 @@ class CheckpointName:
     @classmethod
     def from_role_dir(cls, role_dir: str | PurePath, role: str | None = None) -> CheckpointName:
         path = PurePath(role_dir)
+        if _STEP.fullmatch(path.name):  # the SFT trainer's step folder is the checkpoint itself
+            path = path / (role or "model")
         match = _STEP.fullmatch(path.parent.name)
         if match is None:  # not a verl layout: keep what is known
             return cls(None, None, role or path.name)

@@ -18,7 +18,7 @@ from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoi
 
 @dataclass(frozen=True)
 class SampleCheckpoint:
-    role_dir: Path  # <root>/global_step_1/actor (or critic): what verl wrote
+    role_dir: Path  # <root>/global_step_1/actor (or critic; the SFT trainer: global_step_1): what verl wrote
     reference_dir: Path  # model.safetensors + config.json: the unsharded model it was sharded from
     spec: FsdpSpec
 
@@ -31,7 +31,8 @@ def fsdp_checkpoint(tmp_path_factory):
     def get(spec: FsdpSpec) -> SampleCheckpoint:
         if spec not in cache:
             root = tmp_path_factory.mktemp("fsdp")
-            role_dir = root / "checkpoints" / "global_step_1" / ("critic" if spec.critic else "actor")
+            step_dir = root / "checkpoints" / "global_step_1"
+            role_dir = step_dir if spec.layout == "sft" else step_dir / ("critic" if spec.critic else "actor")
             write_fsdp_checkpoint(role_dir, spec, reference_dir=root / "reference")
             cache[spec] = SampleCheckpoint(role_dir, root / "reference", spec)
         return cache[spec]

@@ -1,8 +1,10 @@
 """Find trainer checkpoints on disk and decide when one is complete. Plain filesystem work.
 
 A trainer root holds ``global_step_<N>/<role>/`` folders and ``latest_checkpointed_iteration.txt``,
-which verl writes last, after every role of step N is saved. Folders may vanish at any moment
-(the trainer's rotation deletes old steps): every listing and stat here tolerates that.
+which verl writes last, after every role of step N is saved. The SFT trainer saves its model rank
+files straight into ``global_step_<N>/`` (no role folder); that step folder is then the checkpoint.
+Folders may vanish at any moment (the trainer's rotation deletes old steps): every listing and stat
+here tolerates that.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from merge_pipeline.defs.partitions import ROLES, STEP_DIR, CheckpointKey
+from merge_pipeline.defs.partitions import ROLES, STEP_DIR, STEP_ROLE, CheckpointKey
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.fsdp import MODEL_FILE
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MAX_DEPTH = 3  # a global_step_<N> folder sits at most this many levels below a watched root
@@ -34,7 +37,7 @@ class Completeness:
 
 
 def find_checkpoints(root: Path, *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
-    """Every ``global_step_<N>/<role>`` folder at most three levels below ``root``.
+    """Every ``global_step_<N>/<role>`` folder (or SFT ``global_step_<N>``) at most three levels below ``root``.
 
     The run name is the trainer folder's path relative to ``root``, or ``root``'s own name when the
     steps sit directly in it. Hidden folders and the folders in ``skip`` are not entered.
@@ -52,9 +55,11 @@ def find_checkpoints(root: Path, *, skip: Collection[Path] = ()) -> Iterator[Fou
                     deeper.append(entry)
                     continue
                 run_name = root.name if folder == root else folder.relative_to(root).as_posix()
-                for role in ROLES:
-                    if (entry / role).is_dir():
-                        yield FoundCheckpoint(CheckpointKey(run_name, int(step.group(1)), role), entry / role)
+                roles = [role for role in ROLES if (entry / role).is_dir()]
+                if not roles and _holds_model_files(entry):
+                    yield FoundCheckpoint(CheckpointKey(run_name, int(step.group(1)), STEP_ROLE), entry)
+                for role in roles:
+                    yield FoundCheckpoint(CheckpointKey(run_name, int(step.group(1)), role), entry / role)
         level = deeper
 
 
@@ -75,7 +80,8 @@ def completeness(role_dir: Path, step: int, settle_seconds: float, *, now: float
     newest = newest_change(role_dir)
     if newest is None:
         return Completeness(False, "no files yet", None)
-    latest = read_tracker(role_dir.parent.parent / TRACKER)
+    step_dir = role_dir if STEP_DIR.match(role_dir.name) else role_dir.parent
+    latest = read_tracker(step_dir.parent / TRACKER)
     if latest is not None and latest >= step:
         return Completeness(True, f"{TRACKER} says {latest} >= {step}", newest)
     age = (time.time() if now is None else now) - newest
@@ -104,6 +110,14 @@ def newest_change(folder: Path) -> float | None:
             newest = mtime if newest is None else max(newest, mtime)
         files += len(names)
     return newest if files else None
+
+
+def _holds_model_files(folder: Path) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return any(MODEL_FILE.match(e.name) for e in entries)
+    except OSError:  # deleted meanwhile
+        return False
 
 
 def _subfolders(folder: Path) -> list[Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from merge_pipeline.engine.merge import INDEX
 from merge_pipeline.engine.safetensors_writer import SAFETENSORS_DTYPES
 
 SINGLE_FILE = "model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+_ADAPTER_TENSOR = re.compile(r"^base_model\.model\..+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -29,8 +33,15 @@ def weight_files(folder: Path) -> dict[str, dict[str, dict]]:
     return {p.name: read_header(p) for p in sorted(folder.glob("model*.safetensors"))}
 
 
+def is_adapter_folder(folder: Path) -> bool:
+    """A PEFT adapter alone (a LoRA-only checkpoint merged without its base model): no config.json."""
+    return (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file()
+
+
 def meta_load_problems(folder: Path) -> list[str]:
     """Build the model class config.json names on the meta device from the folder: every weight must load as stored."""
+    if is_adapter_folder(folder):
+        return adapter_problems(folder)
     config = transformers.AutoConfig.from_pretrained(folder)
     architecture = (config.architectures or [None])[0]
     model_class = getattr(transformers, architecture or "", None)
@@ -47,8 +58,29 @@ def meta_load_problems(folder: Path) -> list[str]:
     return problems
 
 
+def adapter_problems(folder: Path) -> list[str]:
+    """Without the base model PEFT cannot load the adapter here; check what it will read: a LoRA
+    config, and only lora_A / lora_B tensors of its target modules with its rank."""
+    from peft import LoraConfig
+
+    config = LoraConfig.from_pretrained(folder)
+    tensors = read_header(folder / ADAPTER_FILE)
+    problems = [] if tensors else [f"{ADAPTER_FILE} holds no tensors"]
+    for name, entry in sorted(tensors.items()):
+        match = _ADAPTER_TENSOR.match(name)
+        if not match or match["module"] not in set(config.target_modules or ()):
+            problems.append(f"not a LoRA tensor of a target module in {ADAPTER_CONFIG}: {name}")
+            continue
+        rank = entry["shape"][0] if match["which"] == "A" else entry["shape"][-1]
+        if rank != config.r:
+            problems.append(f"{name}: rank {rank}, but {ADAPTER_CONFIG} says r={config.r}")
+    return problems
+
+
 def index_problems(folder: Path) -> list[str]:
     """The index names every stored tensor, in the file that holds it, with the right total size."""
+    if is_adapter_folder(folder):
+        return []  # one adapter_model.safetensors, never sharded
     files = weight_files(folder)
     if not (folder / INDEX).is_file():
         return [] if list(files) == [SINGLE_FILE] else [f"no {INDEX}, and the weights are {sorted(files)} rather than one {SINGLE_FILE}"]

@@ -1,4 +1,8 @@
-"""One dynamic partition per checkpoint role folder, keyed ``<run_name>/global_step_<N>/<role>``."""
+"""One dynamic partition per checkpoint role folder, keyed ``<run_name>/global_step_<N>/<role>``.
+
+The SFT trainer has no role folders: it saves the model straight into ``global_step_<N>/``. Its key
+has no role part (``<run_name>/global_step_<N>``) and its role is ``model``.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 
 ROLES = ("actor", "critic")
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
+STEP_ROLE = "model"  # the role of a checkpoint saved in the step folder itself (SFT trainer)
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,8 @@ class CheckpointKey:
     role: str
 
     def __str__(self) -> str:
-        return f"{self.run_name}/global_step_{self.step}/{self.role}"
+        step_key = f"{self.run_name}/global_step_{self.step}"
+        return step_key if self.role == STEP_ROLE else f"{step_key}/{self.role}"
 
     @property
     def path(self) -> PurePosixPath:
@@ -37,7 +43,10 @@ class CheckpointKey:
         parts = key.rsplit("/", 2)
         if len(parts) == 3 and (step := STEP_DIR.match(parts[1])) and parts[2] in ROLES and _is_run_name(parts[0]):
             return cls(parts[0], int(step.group(1)), parts[2])
-        raise MergeError(None, f"partition key {key!r} is not <run_name>/global_step_<N>/<{'|'.join(ROLES)}>")
+        run_name, _, step_dir = key.rpartition("/")
+        if (step := STEP_DIR.match(step_dir)) and _is_run_name(run_name):
+            return cls(run_name, int(step.group(1)), STEP_ROLE)
+        raise MergeError(None, f"partition key {key!r} is not <run_name>/global_step_<N>/<{'|'.join(ROLES)}> or <run_name>/global_step_<N>")
 
 
 def _is_run_name(name: str) -> bool:

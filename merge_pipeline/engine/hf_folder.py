@@ -39,20 +39,23 @@ def copy_side_files(hf_dir: Path, out_dir: Path) -> list[str]:
 
 
 def write_configs(model: ModelConfig, layout: OutputLayout, out_dir: Path) -> None:
-    config = output_config(model, dtype=layout.config_dtype, tied=layout.tied, value_model=layout.is_value_model)
-    write_json(out_dir / CONFIG, config)
+    if not layout.adapter_only:  # an adapter folder has no model config: PEFT reads adapter_config.json
+        config = output_config(model, dtype=layout.config_dtype, tied=layout.tied, value_model=layout.is_value_model)
+        write_json(out_dir / CONFIG, config)
     if layout.adapter is None:
         return
     from peft import LoraConfig  # imported only for LoRA runs: peft pulls in much of transformers (~1.5 s)
 
-    adapter_dir = out_dir / ADAPTER_DIR
+    adapter_dir = out_dir if layout.adapter_only else out_dir / ADAPTER_DIR
     adapter_dir.mkdir(exist_ok=True)
     lora = LoraConfig(
         r=layout.lora.r,
         lora_alpha=layout.lora.lora_alpha,
         target_modules=layout.lora_targets,
         task_type=layout.lora.task_type,
-        base_model_name_or_path="..",  # the merged base weights sit in the parent folder
+        # With base weights, they sit in the parent folder; an adapter alone names no base (the
+        # checkpoint does not record where the base model was): the user passes it to PEFT.
+        base_model_name_or_path=None if layout.adapter_only else "..",
         inference_mode=True,
     )
     lora.save_pretrained(str(adapter_dir))

@@ -8,11 +8,12 @@ A PEFT-wrapped model's state dict names its tensors
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.plan import Computed, LoraInfo, PlannedTensor
+from merge_pipeline.engine.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor
 from merge_pipeline.errors import MergeError
 
 PEFT_PREFIX = "base_model.model."
@@ -30,6 +31,54 @@ def has_lora_tensors(tensors: list[PlannedTensor]) -> bool:
     return any(_LORA.match(t.name) for t in tensors)
 
 
+def is_adapter_only(tensors: list[PlannedTensor]) -> bool:
+    """Only LoRA tensors, no base weights: what verl's ``checkpoint.save_lora_only=True`` saves."""
+    return bool(tensors) and all(_LORA.match(t.name) for t in tensors)
+
+
+def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
+    """An adapter-only plan completed with the base model's weights from ``base_dir``'s safetensors.
+
+    The base tensors get the names a PEFT-wrapped model gives them (``<module>.base_layer.weight``
+    for a LoRA target), so the plan reads as a full LoRA checkpoint. Every target's base weight
+    must exist with the shape the adapter's B·A has; the whole key set is checked against the
+    architecture later (``names_mapped``), since these names do not come from the checkpoint.
+    """
+    from merge_pipeline.formats.hf import read_hf_weights
+
+    base_dir = Path(base_dir).absolute()
+    if not base_dir.is_dir():
+        raise MergeError(base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist")
+    base, files = read_hf_weights(base_dir)
+    try:
+        lora_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # module -> {"A": shape, "B": shape}
+        for t in plan.tensors:
+            m = _LORA.match(t.name)
+            lora_shapes.setdefault(m["module"], {})[m["which"]] = t.shape
+        renamed = []
+        for t in base:
+            module = PEFT_PREFIX + t.name.removesuffix(".weight")
+            if module in lora_shapes and t.name.endswith(".weight"):
+                pair = lora_shapes.pop(module)
+                expected = (pair["B"][0], pair["A"][1]) if set(pair) == {"A", "B"} else None  # a lone A or B: split_lora names it
+                if expected and tuple(t.shape) != expected:
+                    raise MergeError(t.source.runs[0].file.path, f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained")
+                renamed.append(PlannedTensor(f"{module}.base_layer.weight", t.shape, t.dtype, t.source))
+            else:
+                renamed.append(PlannedTensor(PEFT_PREFIX + t.name, t.shape, t.dtype, t.source))
+        if lora_shapes:
+            missing = sorted(m.removeprefix(PEFT_PREFIX) + ".weight" for m in lora_shapes)
+            raise MergeError(base_dir, f"no base weight for the LoRA target {missing[0]} ({len(missing)} missing): not the base model this run trained")
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    # The checkpoint's own config and tokenizer win; the base folder's serve when it has none.
+    hf_dir = plan.hf_dir if plan.hf_dir is not None and (plan.hf_dir / "config.json").is_file() else base_dir
+    layout = {**plan.layout, "base_model": str(base_dir)}
+    return replace(plan, hf_dir=hf_dir, tensors=renamed + plan.tensors, files=plan.files + files, names_mapped=True, layout=layout)
+
+
 def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, where) -> LoraSplit:
     """Separate adapter tensors from base weights; with ``merge``, fold W + (alpha/r)·B·A into W."""
     by_name = {t.name: t for t in tensors}
@@ -38,10 +87,13 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
     for t in tensors:
         if m := _LORA.match(t.name):
             pairs.setdefault(m["module"], {})[m["which"]] = t
+    adapter_only = is_adapter_only(tensors)
+    if adapter_only and merge:
+        raise MergeError(where, "holds only LoRA tensors (checkpoint.save_lora_only): --merge-lora needs the base model, pass --hf_model_path BASE")
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise MergeError(where, f"LoRA module {module} has lora_{''.join(pair)} but not both lora_A and lora_B")
-        if f"{module}.base_layer.weight" not in by_name:
+        if not adapter_only and f"{module}.base_layer.weight" not in by_name:
             raise MergeError(where, f"LoRA module {module} has no base_layer.weight")
 
     scale = info.lora_alpha / info.r

@@ -16,6 +16,7 @@ from pathlib import Path
 from merge_pipeline import __version__
 from merge_pipeline.engine.hf_config import ModelConfig, load_model_config
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs
+from merge_pipeline.engine.lora import is_adapter_only, with_base_weights
 from merge_pipeline.engine.manifest import write_manifest
 from merge_pipeline.engine.outputs import MergeOptions, OutputLayout, ShardFile, plan_outputs
 from merge_pipeline.engine.plan import CheckpointPlan
@@ -67,6 +68,8 @@ def prepare(local_dir: str | Path, options: MergeOptions, backend: str = "auto")
     """Open and validate the checkpoint and decide every output file, reading no tensor data."""
     plan = open_checkpoint(local_dir, backend, verify_replicas=options.verify_replicas, is_value_model=options.is_value_model, tie_word_embedding=options.tie_word_embedding, trust_remote_code=options.trust_remote_code)
     try:
+        if options.hf_model_path and is_adapter_only(plan.tensors):
+            plan = with_base_weights(plan, Path(options.hf_model_path))
         config = load_model_config(plan.hf_dir, trust_remote_code=options.trust_remote_code, role_dir=plan.role_dir)
         layout = plan_outputs(plan, config, options)
         if plan.names_mapped:

@@ -18,7 +18,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
-ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class MergeOptions:
     trust_remote_code: bool = False
     verify_replicas: bool = False
     overwrite: bool = False
+    hf_model_path: str | None = None  # original HF model folder: config/tokenizer when the checkpoint has none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -61,6 +63,7 @@ class OutputLayout:
     is_value_model: bool
     config_dtype: torch.dtype
     dropped: list[str] = field(default_factory=list)  # e.g. a tied lm_head.weight
+    adapter_only: bool = False  # no base weights: the folder is a PEFT adapter, not a model
 
     @property
     def files(self) -> list[ShardFile]:
@@ -100,15 +103,17 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     requested = DTYPES.get(options.dtype)
     model = [OutputTensor(t, _output_dtype(t, requested)) for t in tensors]
     adapter_out = [OutputTensor(t, _output_dtype(t, requested)) for t in adapter]
+    adapter_only = not model  # checkpoint.save_lora_only and no --hf_model_path to take the base from
     return OutputLayout(
-        shards=_split_shards(model, options.max_shard_size),
-        adapter=ShardFile(ADAPTER_WEIGHTS, tuple(adapter_out)) if adapter_out else None,
+        shards=_split_shards(model, options.max_shard_size) if model else [],
+        adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out)) if adapter_out else None,
         lora=lora if adapter_out or options.merge_lora else None,
         lora_targets=targets,
         tied=tied,
         is_value_model=is_value_model,
-        config_dtype=_dominant_dtype(model),
+        config_dtype=_dominant_dtype(model or adapter_out),
         dropped=dropped,
+        adapter_only=adapter_only,
     )
 
 

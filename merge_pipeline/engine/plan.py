@@ -8,6 +8,7 @@ bounded by the largest single tensor, never by the model.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,8 @@ class CheckpointPlan:
 
     @property
     def role(self) -> str:
-        return self.role_dir.name
+        # The SFT trainer saves the model in global_step_<N>/ itself: no role folder to name it.
+        return "model" if re.fullmatch(r"global_step_\d+", self.role_dir.name) else self.role_dir.name
 
     @property
     def parameter_count(self) -> int:

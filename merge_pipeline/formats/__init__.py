@@ -7,7 +7,8 @@ from pathlib import Path
 from merge_pipeline.engine.plan import CheckpointPlan
 from merge_pipeline.errors import MergeError
 
-BACKENDS = ("auto", "fsdp", "megatron")
+BACKENDS = ("auto", "fsdp", "megatron", "hf")
+NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
 
 
 def detect_backend(role_dir: Path) -> str:
@@ -17,6 +18,8 @@ def detect_backend(role_dir: Path) -> str:
         return "fsdp"
     if (role_dir / "dist_ckpt").is_dir() or any((role_dir / "huggingface").glob("*.safetensors")):
         return "megatron"
+    if (role_dir / NEMO_MODEL_DIR / "config.json").is_file() and any((role_dir / NEMO_MODEL_DIR).glob("*.safetensors")):
+        return "hf"
     raise MergeError(role_dir, "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (dist_ckpt/)")
 
 
@@ -33,6 +36,10 @@ def open_checkpoint(role_dir: str | Path, backend: str = "auto", *, verify_repli
         from merge_pipeline.formats.fsdp import plan_fsdp
 
         return plan_fsdp(role_dir, verify_replicas=verify_replicas)
+    if backend == "hf":
+        from merge_pipeline.formats.hf import plan_hf_safetensors
+
+        return plan_hf_safetensors(role_dir, is_value_model=is_value_model or None, weights_dir=role_dir / NEMO_MODEL_DIR, backend="hf")
     from merge_pipeline.formats.megatron import plan_megatron
 
     return plan_megatron(role_dir, is_value_model=is_value_model or None, tie_word_embedding=tie_word_embedding or None, trust_remote_code=trust_remote_code)

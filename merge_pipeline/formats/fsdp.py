@@ -8,6 +8,7 @@ must tile its global shape exactly. Nothing is written before all of that holds.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,7 +163,7 @@ def _local_region(global_shape, mesh_shape, placements, coord, path, name):
         if isinstance(placement, Replicate):
             continue
         if type(placement) is not Shard:
-            raise MergeError(path, f"{name}: unsupported placement {placement} (only Shard(d) and Replicate)")
+            raise MergeError(path, f"{name}: unsupported placement {placement!r} (only Shard(d) and Replicate)")
         d = placement.dim
         n, parts, index = size[d], mesh_shape[mesh_dim], coord[mesh_dim]
         chunk = -(-n // parts)  # ceil: torch.chunk gives every piece this many rows but the last ones
@@ -183,7 +184,10 @@ def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replica
     pieces = [group[0] for (offset, shape), group in regions.items() if all(shape)]
     if 0 in global_shape:
         return PlannedTensor(name, global_shape, dtype, Computed(lambda: torch.empty(global_shape, dtype=dtype)))
-    split_dim = _split_dim(name, global_shape, pieces) if global_shape else 0
+    split_dims = _split_dims(global_shape, pieces)
+    if len(split_dims) > 1:  # Shard on several tensor dims, e.g. (Shard(0), Shard(1)) of FSDP x TP
+        return PlannedTensor(name, global_shape, dtype, _grid_source(name, global_shape, dtype, pieces))
+    split_dim = split_dims[0] if split_dims else 0
     pieces.sort(key=lambda s: s.offset[split_dim] if global_shape else 0)
     position, total = 0, (global_shape[split_dim] if global_shape else 1)
     for s in pieces:
@@ -196,12 +200,36 @@ def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replica
     return PlannedTensor(name, global_shape, dtype, _source(global_shape, dtype, pieces, split_dim))
 
 
-def _split_dim(name, global_shape, pieces: list[RankShard]) -> int:
-    """The one dim the pieces differ on (0 when the tensor is whole in one piece)."""
-    differing = {d for s in pieces for d in range(len(global_shape)) if s.stored.meta.shape[d] != global_shape[d]}
-    if len(differing) > 1:
-        raise MergeError(pieces[0].file.path, f"{name}: shards split on several dims {sorted(differing)}: unsupported layout")
-    return differing.pop() if differing else 0
+def _split_dims(global_shape, pieces: list[RankShard]) -> list[int]:
+    """The dims the pieces are cut on (none when the tensor is whole in one piece)."""
+    return sorted({d for s in pieces for d in range(len(global_shape)) if s.stored.meta.shape[d] != global_shape[d]})
+
+
+def _grid_source(name, global_shape, dtype, pieces: list[RankShard]) -> Computed:
+    """Pieces cut on several dims must form a grid: on each dim their spans tile it, and every
+    combination of spans is one piece. Then each piece is copied into its box of the whole tensor."""
+    spans_per_dim = []
+    for d, total in enumerate(global_shape):
+        spans = sorted({(s.offset[d], s.stored.meta.shape[d]) for s in pieces})
+        position = 0
+        for start, length in spans:
+            if start != position:
+                raise MergeError(pieces[0].file.path, f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at index {position} of dim {d})")
+            position += length
+        if position != total:
+            raise MergeError(pieces[0].file.path, f"{name}: shards cover {position} of {total} indices of dim {d}")
+        spans_per_dim.append(spans)
+    if len(pieces) != math.prod(len(spans) for spans in spans_per_dim):
+        raise MergeError(pieces[0].file.path, f"{name}: {len(pieces)} distinct shards do not form a grid over {global_shape}")
+
+    def fill() -> torch.Tensor:
+        whole = torch.empty(global_shape, dtype=dtype)
+        for s in pieces:
+            box = tuple(slice(start, start + length) for start, length in zip(s.offset, s.stored.meta.shape))
+            whole[box] = _read_piece(s)
+        return whole
+
+    return Computed(fill)
 
 
 def _source(global_shape, dtype, pieces: list[RankShard], split_dim: int):

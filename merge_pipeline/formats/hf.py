@@ -1,8 +1,9 @@
 """Plan a role folder whose weights are already Hugging Face safetensors in ``huggingface/``.
 
 verl's Megatron default saves the model this way (``dist_ckpt/`` then holds only optimizer and RNG
-state). Nothing needs converting: each tensor is one byte range of a safetensors file, found by
-reading the file headers only. The headers and the index are checked, since a bad one would
+state); the NeMo-Automodel engine saves consolidated HF safetensors in ``<role>/model/``; the base
+model of a LoRA-only checkpoint is an HF folder too. Nothing needs converting: each tensor is one
+byte range of a safetensors file, found by reading the file headers only. The headers and the index are checked, since a bad one would
 otherwise become a bad output.
 """
 
@@ -25,9 +26,33 @@ _MAX_HEADER = 100_000_000
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
-def plan_hf_safetensors(role_dir: Path, *, is_value_model: bool | None = None) -> CheckpointPlan:
+def plan_hf_safetensors(role_dir: Path, *, is_value_model: bool | None = None, weights_dir: Path | None = None, backend: str = "megatron") -> CheckpointPlan:
+    """``weights_dir``: where the weights and config are (default ``<role_dir>/huggingface``)."""
     role_dir = Path(role_dir)
-    hf_dir = role_dir / "huggingface"
+    hf_dir = weights_dir or role_dir / "huggingface"
+    if not has_hf_weights(hf_dir):
+        raise MergeError(hf_dir, f"no model weights: no model tensors in {role_dir.name}/dist_ckpt and no {SINGLE_FILE} or {INDEX} here")
+    planned, files = read_hf_weights(hf_dir)
+    names = {t.name for t in planned}
+    value_model = "score.weight" in names
+    if is_value_model and not value_model:
+        for f in files:
+            f.close()
+        raise MergeError(hf_dir, "value model requested but the weights have no score.weight")
+    layout = {
+        "weights": "huggingface safetensors",
+        "files": len(files),
+        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in planned}),
+    }
+    return CheckpointPlan(backend, role_dir, hf_dir, planned, files, is_value_model=value_model, layout=layout)
+
+
+def has_hf_weights(hf_dir: Path) -> bool:
+    return (hf_dir / INDEX).is_file() or (hf_dir / SINGLE_FILE).is_file()
+
+
+def read_hf_weights(hf_dir: Path) -> tuple[list[PlannedTensor], list[SourceFile]]:
+    """Every tensor of an HF folder's safetensors weights (one file, or shards with an index), from the headers."""
     index_path = hf_dir / INDEX
     if index_path.is_file():
         weight_map = _read_index(index_path)
@@ -36,7 +61,7 @@ def plan_hf_safetensors(role_dir: Path, *, is_value_model: bool | None = None) -
         weight_map = None
         filenames = [SINGLE_FILE]
     else:
-        raise MergeError(hf_dir, f"no model weights: no model tensors in {role_dir.name}/dist_ckpt and no {SINGLE_FILE} or {INDEX} here")
+        raise MergeError(hf_dir, f"no model weights: no {SINGLE_FILE} or {INDEX} here")
 
     files: list[SourceFile] = []
     planned: list[PlannedTensor] = []
@@ -53,17 +78,7 @@ def plan_hf_safetensors(role_dir: Path, *, is_value_model: bool | None = None) -
         for f in files:
             f.close()
         raise
-
-    names = {t.name for t in planned}
-    value_model = "score.weight" in names
-    if is_value_model and not value_model:
-        raise MergeError(hf_dir, "value model requested but the weights have no score.weight")
-    layout = {
-        "weights": "huggingface safetensors",
-        "files": len(files),
-        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in planned}),
-    }
-    return CheckpointPlan("megatron", role_dir, hf_dir, planned, files, is_value_model=value_model, layout=layout)
+    return planned, files
 
 
 def _read_index(path: Path) -> dict[str, str]:

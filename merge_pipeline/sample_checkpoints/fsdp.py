@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, StateDictType, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 _MODULE = "merge_pipeline.sample_checkpoints.fsdp"
 _LAUNCHER_LOG = "launcher.log"
@@ -42,6 +43,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _CONFIGS = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+_LAYOUTS = ("rl", "sft")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +54,10 @@ class FsdpSpec:
     world_size: int = 2
     fsdp_version: int = 2  # 1 = FullyShardedDataParallel (SHARDED_STATE_DICT), 2 = fully_shard
     mesh: tuple[int, ...] | None = None  # None: 1-D ("fsdp",); (R, F): 2-D HSDP ("ddp", "fsdp")
+    dim_names: tuple[str, ...] | None = None  # mesh dim names, e.g. VeOmni's ("dp_shard",); None: verl's
+    # Instead of FSDP, place every tensor with these DTensor placements on the 2-D mesh, as an engine
+    # combining FSDP with tensor parallelism does: "S<d>" = Shard(d) ("R" or a d the tensor lacks = Replicate).
+    placements: tuple[str, ...] | None = None
     dtype: torch.dtype = torch.float32  # dtype of the stored weights
     hidden_size: int = 64
     num_layers: int = 2
@@ -62,6 +68,8 @@ class FsdpSpec:
     tie_word_embeddings: bool = False
     critic: bool = False  # value model: token classification with one label
     lora: tuple[int, int] | None = None  # (r, lora_alpha) on q/k/v/o projections
+    lora_only: bool = False  # verl's checkpoint.save_lora_only: rank files hold only the lora_* tensors
+    layout: str = "rl"  # "sft": the SFT trainer's step folder, with data_<rank>.pt beside the model files
     with_tokenizer: bool = True
     with_generation_config: bool = True
     with_optimizer: bool = True  # optim_* and extra_state_* files beside the model files
@@ -81,6 +89,14 @@ class FsdpSpec:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {self.dtype}")
         if self.critic and self.lora:
             raise ValueError("LoRA on a critic is not supported")
+        if self.lora_only and not self.lora:
+            raise ValueError("lora_only needs lora")
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {_LAYOUTS}, not {self.layout!r}")
+        if self.dim_names is not None and len(self.dim_names) != len(self.mesh_shape):
+            raise ValueError(f"dim_names {self.dim_names} do not name the {len(self.mesh_shape)} mesh dims")
+        if self.placements is not None and (self.mesh is None or len(self.placements) != 2 or self.fsdp_version != 2):
+            raise ValueError("placements need a 2-D mesh, one placement per mesh dim, and fsdp_version 2")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -88,17 +104,21 @@ class FsdpSpec:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
+        if self.dim_names is not None:
+            return self.dim_names
         return ("fsdp",) if self.mesh is None else ("ddp", "fsdp")
 
 
 def write_fsdp_checkpoint(
     role_dir: Path, spec: FsdpSpec, *, reference_dir: Path | None = None, timeout: float = 300
 ) -> None:
-    """Write one verl FSDP role folder (e.g. ``global_step_3/actor``) into ``role_dir``.
+    """Write one verl FSDP role folder (e.g. ``global_step_3/actor``, or the SFT trainer's
+    ``global_step_3``) into ``role_dir``.
 
     With ``reference_dir``, also keep the unsharded weights the ranks were sharded from
     (``model.safetensors``, tied tensors stored under each name) and the trained model's
-    ``config.json``. Raises RuntimeError with the failing rank's output if a rank fails, and
+    ``config.json``; for LoRA runs also ``base/``, the HF model folder training started from
+    (verl's ``model.path``), as transformers saves it. Raises RuntimeError with the failing rank's output if a rank fails, and
     TimeoutError if the ranks take longer than ``timeout`` seconds; all ranks are killed then.
     """
     role_dir = Path(role_dir)
@@ -114,12 +134,32 @@ def write_fsdp_checkpoint(
             mesh_dim_names=spec.mesh_dim_names,
             world_size=spec.world_size,
             with_optimizer=spec.with_optimizer,
+            placements=spec.placements,
+            lora_only=spec.lora_only,
+            sft=spec.layout == "sft",
         )
         job_path = scratch / "job.json"
         job_path.write_text(json.dumps(job))
         with _launch_ranks(job_path) as launcher:
             _write_metadata(role_dir, spec, config)  # while the ranks start up
             _wait(launcher, scratch, spec.world_size, timeout)
+
+
+def write_nemo_automodel_checkpoint(role_dir: Path, spec: FsdpSpec, *, reference_dir: Path | None = None, max_shard_size: str = "5GB") -> None:
+    """The NeMo-Automodel engine's role folder: consolidated HF safetensors written by transformers,
+    with config, generation config and tokenizer, in ``<role_dir>/model/``. No ranks are started."""
+    from transformers import GenerationConfig
+
+    from .tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, write_tokenizer
+
+    config = _causal_lm_config(spec)
+    model, _ = _build_model(spec, config)
+    model_dir = Path(role_dir) / "model"
+    model.save_pretrained(model_dir, max_shard_size=max_shard_size)
+    GenerationConfig(eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID).save_pretrained(model_dir)
+    write_tokenizer(model_dir, vocab_size=spec.vocab_size)
+    if reference_dir is not None:
+        _write_reference(spec, config, Path(reference_dir))
 
 
 # --- calling process: model, reference, metadata ------------------------------------------------
@@ -172,6 +212,16 @@ def _build_model(spec: FsdpSpec, config):
     return model.to(spec.dtype), trained_config
 
 
+def _write_base_model(model, spec: FsdpSpec, out_dir: Path) -> None:
+    """The LoRA run's base model (frozen during training) as an HF folder: weights, config, tokenizer."""
+    from .tokenizer import write_tokenizer
+
+    base = copy.deepcopy(model).unload()  # the base weights without the LoRA layers, not merged
+    base.save_pretrained(out_dir)
+    if spec.with_tokenizer:
+        write_tokenizer(out_dir, vocab_size=spec.vocab_size)
+
+
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Seeded weights with no structure a merge bug could hide behind: no ones, no zeros."""
@@ -197,6 +247,8 @@ def _write_reference(spec: FsdpSpec, config, out_dir: Path) -> dict:
     tensors = {name: param.detach().clone() if name in aliases else param.detach() for name, param in state.items()}
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     trained_config.save_pretrained(out_dir)
+    if spec.lora:
+        _write_base_model(model, spec, out_dir / "base")
     return {
         "weights": str(out_dir / "model.safetensors"),
         "names": list(state),
@@ -351,12 +403,20 @@ def _run_rank(job: dict, rank: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", tuple(job["mesh_shape"]), mesh_dim_names=tuple(job["mesh_dim_names"]))
-        model = _shard(_rebuild_module(job, load_file(job["weights"])), mesh, job["fsdp_version"])
         role_dir = Path(job["role_dir"])
         suffix = f"world_size_{world_size}_rank_{rank}.pt"
-        if job["with_optimizer"]:
-            _save_optimizer_state(model, role_dir, suffix)
-        torch.save(_model_state_dict(model, job["fsdp_version"]), role_dir / f"model_{suffix}")
+        if job["placements"]:
+            state = _placed_state_dict(job, load_file(job["weights"]), mesh)
+        else:
+            model = _shard(_rebuild_module(job, load_file(job["weights"])), mesh, job["fsdp_version"])
+            if job["with_optimizer"]:
+                _save_optimizer_state(model, role_dir, suffix)
+            state = _model_state_dict(model, job["fsdp_version"])
+        if job["lora_only"]:  # what verl keeps with checkpoint.save_lora_only=True
+            state = type(state)((name, value) for name, value in state.items() if "lora_" in name)
+        torch.save(state, role_dir / f"model_{suffix}")
+        if job["sft"]:  # the SFT trainer's dataloader state, one file per data-parallel rank
+            torch.save({"epoch": 0, "samples_yielded": 8 * rank}, role_dir / f"data_{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -382,6 +442,19 @@ def _rebuild_module(job: dict, weights: dict[str, torch.Tensor]) -> torch.nn.Mod
             param = torch.nn.Parameter(weights[name], requires_grad=name not in frozen)
         module_at(path).register_parameter(leaf, param)
     return modules[""]
+
+
+def _placed_state_dict(job: dict, weights: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    """Every tensor as a DTensor with the requested placements (Replicate where it lacks the dim)."""
+
+    def placement(code: str, tensor: torch.Tensor):
+        return Shard(int(code[1:])) if code.startswith("S") and int(code[1:]) < tensor.dim() else Replicate()
+
+    state = {}
+    for name in job["names"]:
+        tensor = weights[name]
+        state[name] = distribute_tensor(tensor, mesh, [placement(code, tensor) for code in job["placements"]])
+    return state
 
 
 def _shard(module: torch.nn.Module, mesh, fsdp_version: int) -> torch.nn.Module:
@@ -447,6 +520,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--critic", action="store_true")
     parser.add_argument("--lora", type=int, nargs=2, metavar=("R", "ALPHA"))
     parser.add_argument("--mesh", type=int, nargs=2, metavar=("R", "F"), help="2-D HSDP mesh (replicas, shards)")
+    parser.add_argument("--mesh-dim-name", dest="mesh_dim_names", action="append", help="name of each mesh dim, in order (e.g. dp_shard)")
+    parser.add_argument("--placements", nargs=2, metavar=("P0", "P1"), help="DTensor placements on the 2-D mesh instead of FSDP: S<d> or R")
+    parser.add_argument("--lora-only", action="store_true", help="keep only the lora_* tensors (checkpoint.save_lora_only)")
+    parser.add_argument("--layout", choices=_LAYOUTS, default=defaults.layout, help="sft: the SFT trainer's step folder (pass global_step_N as the folder)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--reference-dir", type=Path, help="also write the unsharded weights and config here")
     parser.add_argument("--timeout", type=float, default=300)
@@ -483,6 +560,10 @@ def _spec_from_args(args: argparse.Namespace, world_size: int) -> FsdpSpec:
         tie_word_embeddings=args.tie_word_embeddings,
         critic=args.critic,
         lora=tuple(args.lora) if args.lora else None,
+        lora_only=args.lora_only,
+        dim_names=tuple(args.mesh_dim_names) if args.mesh_dim_names else None,
+        placements=tuple(args.placements) if args.placements else None,
+        layout=args.layout,
         seed=args.seed,
     )
 
