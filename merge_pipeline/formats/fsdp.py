@@ -146,6 +146,8 @@ def _plan_one(name, files, values, world_size, verify_replicas):
             raise MergeError(f.path, f"{name}: shard was saved at mesh coordinate {coord}, but this file's rank {rank} is coordinate {expected_coord} (rank files swapped or renamed?)")
         offset, local_shape = _local_region(global_shape, mesh.shape, value.placements, expected_coord, f.path, name)
         local = value._local_tensor
+        if local.dtype != value.dtype:
+            raise MergeError(f.path, f"{name}: local shard is stored as {local.dtype} but the DTensor declares {value.dtype}")
         if tuple(local.shape) != local_shape:
             raise MergeError(f.path, f"{name}: local shard has shape {tuple(local.shape)}, expected {local_shape} for placements {value.placements}")
         shards.append(RankShard(rank, f, stored_tensor(f.path, name, local, f.size), offset))
