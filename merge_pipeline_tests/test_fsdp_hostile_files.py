@@ -154,3 +154,13 @@ def test_crafted_sizes_allocate_nothing(tmp_path, fsdp_checkpoint, fresh_copy, c
     assert run.returncode == 1, run.stderr
     peak = int(run.stdout.split("peak_rss_bytes")[1])
     assert peak < 1024**3, f"peak RSS {peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("name", ["fsdp_config.json", "huggingface/config.json"])
+def test_deeply_nested_json_is_one_line(capsys, tmp_path, fsdp_checkpoint, fresh_copy, name):
+    sample = fresh_copy(fsdp_checkpoint(SPEC))
+    (sample.role_dir / name).write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+    assert code == 1 and "Traceback" not in err
+    [line] = error_lines(err)
+    assert f"{sample.role_dir / name}: JSON nested too deeply" in line, line

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from merge_pipeline.engine.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor, SourceFile, StoredBytes
+from merge_pipeline.engine.lora import read_lora_meta
+from merge_pipeline.engine.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
@@ -55,11 +56,7 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         raise
     lora = None
     if (role_dir / LORA_META).exists():
-        meta = read_json_object(role_dir / LORA_META)
-        try:
-            lora = LoraInfo(r=int(meta["r"]), lora_alpha=int(meta["lora_alpha"]), task_type=str(meta.get("task_type", "CAUSAL_LM")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MergeError(role_dir / LORA_META, f"expected integer 'r' and 'lora_alpha' ({exc})") from None
+        lora = read_lora_meta(role_dir / LORA_META)
     names = {t.name for t in tensors}
     return CheckpointPlan(
         backend="fsdp",
