@@ -179,7 +179,7 @@ class _StoredTensor:
 
 
 class _FileRange(io.RawIOBase):
-    """A read-only, seekable window onto part of an open file, for ``torch.load``."""
+    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive."""
 
     def __init__(self, file: SourceFile, offset: int, length: int):
         super().__init__()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 import re
 import struct
 import zipfile
@@ -118,12 +119,14 @@ def load_meta_archive(stream: BinaryIO, path: Path) -> object:
 
 
 def _unpickling_problem(exc: Exception) -> str:
-    message = _ANSI_ESCAPE.sub("", str(exc))
+    """One line naming what was refused; torch's own wording spans lines and may carry colour codes."""
+    message = _ANSI_ESCAPE.sub("", str(exc)).strip()
+    first_line = message.splitlines()[0] if message else type(exc).__name__
     if refused := re.search(r"GLOBAL (\S+)", message):
         return f"refused to unpickle (weights_only=True): global {refused[1].rstrip('.')} is not allowed in a checkpoint"
-    if "Unsupported" in message or "UnpicklingError" in type(exc).__name__:
-        return f"refused to unpickle (weights_only=True): {message.splitlines()[0] if message else type(exc).__name__}"
-    return f"unreadable torch.save pickle ({type(exc).__name__}: {message.splitlines()[0] if message else ''})"
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"refused to unpickle (weights_only=True): {first_line}"
+    return f"unreadable torch.save pickle ({type(exc).__name__}: {first_line})"
 
 
 def _stored_records(stream: BinaryIO, path: Path) -> dict[str, zipfile.ZipInfo]:
