@@ -218,17 +218,18 @@ def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, metadata: Met
             raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
         if getattr(info, "transform_descriptors", None):
             raise MergeError(metadata_path, f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)")
-        if info.relative_path not in files:
-            path = _chunk_file(dist_dir, info.relative_path, key)
+        relative_path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
+        path = _chunk_file(dist_dir, relative_path, key)
+        if relative_path not in files:
             if not path.is_file():
                 raise MergeError(path, f"missing: .metadata stores chunks of {key} in it")
-            files[info.relative_path] = SourceFile(path)
-        file = files[info.relative_path]
-        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
-            raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {info.offset!r}, length {info.length!r}")
-        if info.offset + info.length > file.size:
-            raise MergeError(file.path, f"{key}: chunk ends at byte {info.offset + info.length} but the file has {file.size} bytes (truncated)")
-        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), _chunk_bytes(file, info.offset, info.length, key, tuple(chunk.sizes), dtype)))
+            files[relative_path] = SourceFile(path)
+        file = files[relative_path]
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {offset!r:.40}, length {length!r:.40}")
+        if offset + length > file.size:
+            raise MergeError(file.path, f"{key}: chunk ends at byte {offset + length} but the file has {file.size} bytes (truncated)")
+        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), _chunk_bytes(file, offset, length, key, tuple(chunk.sizes), dtype)))
     return _StoredTensor(key, shape, dtype, tuple(chunks))
 
 
@@ -236,7 +237,7 @@ def _chunk_file(dist_dir: Path, relative_path: object, key: str) -> Path:
     """The file .metadata names for a chunk; it must stay inside ``dist_ckpt/``, symlinks resolved."""
     metadata_path = dist_dir / ".metadata"
     if not isinstance(relative_path, str) or not relative_path or "\0" in relative_path:
-        raise MergeError(metadata_path, f"{key}: chunk file name {relative_path!r} is not a file name")
+        raise MergeError(metadata_path, f"{key}: chunk file name {relative_path!r:.80} is not a file name")
     relative = Path(relative_path)
     if relative.is_absolute() or ".." in relative.parts:
         raise MergeError(metadata_path, f"{key}: chunk file {relative_path!r} lies outside {DIST_DIR}/")
@@ -280,11 +281,15 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path:
     compared in a sweep along dim 0, so a crafted chunk list costs no more than a real one."""
     if not all(type(n) is int and n >= 0 for n in shape):
         raise MergeError(metadata_path, f"{key}: invalid shape {shape}")
+    if not isinstance(chunks, list):
+        raise MergeError(metadata_path, f"{key}: chunk list is a {type(chunks).__name__}")
     boxes = []
     for c in chunks:
-        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
-        if len(offsets) != len(shape) or len(sizes) != len(shape) or not all(type(v) is int for v in offsets + sizes):
-            raise MergeError(metadata_path, f"{key}: chunk at {offsets!r:.80} of size {sizes!r:.80} is not a block of a tensor of shape {shape}")
+        offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+        if not all(isinstance(v, tuple) and len(v) == len(shape) and all(type(i) is int for i in v) for v in (offsets, sizes)):
+            shown = [tuple(v) if isinstance(v, tuple) else v for v in (offsets, sizes)]  # torch.Size prints long
+            raise MergeError(metadata_path, f"{key}: chunk at {shown[0]!r:.80} of size {shown[1]!r:.80} is not a block of a tensor of shape {shape}")
+        offsets, sizes = tuple(offsets), tuple(sizes)
         if any(o < 0 or n < 0 or o + n > total for o, n, total in zip(offsets, sizes, shape)):
             raise MergeError(metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}")
         boxes.append((offsets, sizes))
