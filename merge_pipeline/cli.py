@@ -27,6 +27,7 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="checkpoint format (default: detect)")
     parser.add_argument("--local_dir", required=True, type=Path, help="role folder, e.g. checkpoints/global_step_100/actor")
     parser.add_argument("--tie-word-embedding", action="store_true", help="tie lm_head to the embeddings (also read from config.json)")
+    parser.add_argument("--untie-word-embedding", action="store_true", help="keep a trained lm_head that differs from the embeddings; config.json then says tie_word_embeddings false")
     parser.add_argument("--is-value-model", action="store_true", help="a critic / value model (also detected from the checkpoint)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow config.json to name remote-code classes")
     parser.add_argument("--use_cpu_initialization", action="store_true", help="accepted for verl compatibility; merging always runs on CPU")
@@ -85,6 +86,7 @@ def _options(args: argparse.Namespace, **extra) -> MergeOptions:
         dtype=args.dtype,
         merge_lora=args.merge_lora,
         tie_word_embedding=args.tie_word_embedding,
+        untie_word_embedding=args.untie_word_embedding,
         is_value_model=args.is_value_model,
         trust_remote_code=args.trust_remote_code,
         verify_replicas=args.verify_replicas,

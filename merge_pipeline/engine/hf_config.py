@@ -64,6 +64,10 @@ def output_config(model: ModelConfig, *, dtype: torch.dtype, tied: bool, value_m
         out["torch_dtype"] = dtype_name
     if tied and not model.tie_word_embeddings:
         out["tie_word_embeddings"] = True
+    if not tied and not value_model and model.tie_word_embeddings:  # --untie-word-embedding: lm_head is kept
+        out["tie_word_embeddings"] = False
+        if "tie_word_embeddings" in (out.get("text_config") or {}):
+            out["text_config"] = {**out["text_config"], "tie_word_embeddings": False}
     if value_model:
         out["architectures"] = [_token_classification(model)]
         out["num_labels"] = 1

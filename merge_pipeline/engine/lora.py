@@ -7,6 +7,7 @@ A PEFT-wrapped model's state dict names its tensors
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,8 +16,10 @@ import torch
 
 from merge_pipeline.engine.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor
 from merge_pipeline.errors import MergeError
+from merge_pipeline.json_files import read_json_object
 
 PEFT_PREFIX = "base_model.model."
+LORA_META = "lora_train_meta.json"
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?:(?P<adapter>[^.]+)\.)?weight$")
 
 
@@ -25,6 +28,19 @@ class LoraSplit:
     base: list[PlannedTensor]  # HF names of the base model (merged when asked)
     adapter: list[PlannedTensor]  # PEFT adapter names, as ``adapter_model.safetensors`` stores them
     target_modules: list[str]
+
+
+def read_lora_meta(path: Path) -> LoraInfo:
+    """verl's ``lora_train_meta.json``: ``r`` a positive integer, ``lora_alpha`` any finite number."""
+    meta = read_json_object(path)
+    r, alpha, task_type = meta.get("r"), meta.get("lora_alpha"), meta.get("task_type", "CAUSAL_LM")
+    if type(r) is not int or r <= 0:  # type(): a JSON true is a bool, and bool is an int subclass
+        raise MergeError(path, f"'r' must be a positive integer, found {r!r:.40}")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise MergeError(path, f"'lora_alpha' must be a finite number, found {alpha!r:.40}")
+    if not isinstance(task_type, str):
+        raise MergeError(path, f"'task_type' must be a string, found {task_type!r:.40}")
+    return LoraInfo(r=r, lora_alpha=alpha, task_type=task_type)
 
 
 def has_lora_tensors(tensors: list[PlannedTensor]) -> bool:
@@ -95,6 +111,7 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
             raise MergeError(where, f"LoRA module {module} has lora_{''.join(pair)} but not both lora_A and lora_B")
         if not adapter_only and f"{module}.base_layer.weight" not in by_name:
             raise MergeError(where, f"LoRA module {module} has no base_layer.weight")
+        _check_lora_shapes(module, by_name.get(f"{module}.base_layer.weight"), pair["A"], pair["B"], info.r, where)
 
     scale = info.lora_alpha / info.r
     for t in tensors:
@@ -115,6 +132,19 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
                 adapter.append(PlannedTensor(f"{module}.lora_{which}.weight", t.shape, t.dtype, t.source))
     targets = sorted({module.rsplit(".", 1)[-1] for module in pairs})
     return LoraSplit(base, adapter, targets)
+
+
+def _check_lora_shapes(module: str, weight: PlannedTensor | None, a: PlannedTensor, b: PlannedTensor, r: int, where: Path) -> None:
+    """A is r x in and B is out x r for the base weight's out x in: anything else merges garbage.
+
+    ``weight`` is None for an adapter-only checkpoint; its base is checked where it is read.
+    """
+    if len(a.shape) != 2 or len(b.shape) != 2 or (weight is not None and len(weight.shape) != 2):
+        raise MergeError(where, f"LoRA module {module}: lora_A {a.shape}, lora_B {b.shape} and base weight {weight and weight.shape} must all be matrices")
+    if a.shape[0] != r or b.shape[1] != r:
+        raise MergeError(where / LORA_META, f"says r={r} but {a.name} is {a.shape} and {b.name} is {b.shape} (A is r x in, B is out x r)")
+    if weight is not None and (b.shape[0], a.shape[1]) != weight.shape:
+        raise MergeError(where, f"LoRA module {module}: lora_B {b.shape} @ lora_A {a.shape} does not fit the base weight {weight.shape} (A is r x in, B is out x r)")
 
 
 def _base_name(name: str) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from merge_pipeline.engine.hf_config import ModelConfig
-from merge_pipeline.engine.lora import has_lora_tensors, split_lora
+from merge_pipeline.engine.lora import LORA_META, has_lora_tensors, split_lora
 from merge_pipeline.engine.plan import CheckpointPlan, LoraInfo, PlannedTensor
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
@@ -30,6 +31,7 @@ class MergeOptions:
     max_shard_size: str | int = "5GB"
     merge_lora: bool = False
     tie_word_embedding: bool = False  # force tying even if config.json does not say so
+    untie_word_embedding: bool = False  # keep lm_head.weight and write tie_word_embeddings false
     is_value_model: bool = False  # force the value-model (critic) layout
     trust_remote_code: bool = False
     verify_replicas: bool = False
@@ -39,6 +41,8 @@ class MergeOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
+        if self.tie_word_embedding and self.untie_word_embedding:
+            raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     lora = plan.lora
     if has_lora_tensors(tensors):
         if lora is None:
-            raise MergeError(plan.role_dir / "lora_train_meta.json", "LoRA tensors in the checkpoint but no lora_train_meta.json with r and lora_alpha")
+            raise MergeError(plan.role_dir / LORA_META, f"LoRA tensors in the checkpoint but no {LORA_META} with r and lora_alpha")
         split = split_lora(tensors, lora, merge=options.merge_lora, where=plan.role_dir)
         tensors, adapter, targets = split.base, split.adapter, split.target_modules
     elif options.merge_lora:
@@ -96,7 +100,12 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     is_value_model = plan.is_value_model or options.is_value_model
     if options.is_value_model and not plan.is_value_model and any(t.name.endswith("lm_head.weight") for t in tensors):
         raise MergeError(plan.role_dir, "--is-value-model given but the checkpoint has lm_head.weight and no value head (score.*)")
-    tied = (options.tie_word_embedding or config.tie_word_embeddings) and not is_value_model
+    tied = not is_value_model and not options.untie_word_embedding and (options.tie_word_embedding or config.tie_word_embeddings)
+    if tied:
+        reason, where = ("--tie-word-embedding given", plan.role_dir) if options.tie_word_embedding else ("tie_word_embeddings is true", config.path)
+        _check_tied_head_is_the_embedding(tensors, config.lm_head_name, reason, where)
+    elif options.untie_word_embedding and not any(t.name == config.lm_head_name for t in tensors):
+        raise MergeError(plan.role_dir, f"--untie-word-embedding given but the checkpoint has no {config.lm_head_name} to keep")
     dropped = [t.name for t in tensors if tied and t.name == config.lm_head_name]
     tensors = [t for t in tensors if t.name not in dropped]
 
@@ -115,6 +124,52 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
         dropped=dropped,
         adapter_only=adapter_only,
     )
+
+
+# Input embedding names, so a tied lm_head can be checked against the tensor it is tied to.
+_INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+
+
+def _check_tied_head_is_the_embedding(tensors: list[PlannedTensor], lm_head_name: str, reason: str, where: Path) -> None:
+    """Tying drops lm_head.weight: allowed only when it holds exactly the embedding's bytes."""
+    head = next((t for t in tensors if t.name == lm_head_name), None)
+    if head is None:
+        return  # nothing to drop
+    candidates = sorted((t for t in tensors if t.name.endswith(_INPUT_EMBEDDINGS)), key=lambda t: len(t.name))
+    if not candidates:
+        raise MergeError(where, f"{reason} but no input embedding to check {lm_head_name} against; pass --untie-word-embedding to keep {lm_head_name}")
+    embedding = candidates[0]
+    if not _same_bytes(head, embedding):
+        raise MergeError(where, f"{reason} but {lm_head_name} differs from {embedding.name}: tying would drop trained weights; pass --untie-word-embedding to keep both (config.json then says tie_word_embeddings false)")
+
+
+def _same_bytes(a: PlannedTensor, b: PlannedTensor) -> bool:
+    """Byte-for-byte equality, read piece by piece: never both tensors whole in memory."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    runs = a.source.byte_runs()
+    if runs is not None and runs == b.source.byte_runs():
+        return True  # the same bytes of the same files: FSDP saves a tied parameter once
+    left, right = _byte_pieces(a), _byte_pieces(b)
+    x = y = torch.empty(0, dtype=torch.uint8)
+    while True:
+        # A piece is valid until the next one of the same source is requested: only ask when used up.
+        if not len(x):
+            x = next(left, None)
+        if not len(y):
+            y = next(right, None)
+        if x is None or y is None:
+            return x is None and y is None
+        n = min(len(x), len(y))
+        if not torch.equal(x[:n], y[:n]):
+            return False
+        x, y = x[n:], y[n:]
+
+
+def _byte_pieces(t: PlannedTensor):
+    for piece in t.source.pieces():
+        if piece.numel():
+            yield piece.reshape(-1).view(torch.uint8)
 
 
 def _output_dtype(t: PlannedTensor, requested: torch.dtype | None) -> torch.dtype:

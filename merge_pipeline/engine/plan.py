@@ -146,7 +146,7 @@ class LoraInfo:
     """LoRA training settings recorded beside the checkpoint (verl's ``lora_train_meta.json``)."""
 
     r: int
-    lora_alpha: int
+    lora_alpha: int | float  # exactly as the file says: 16.5 stays 16.5 (PEFT scales by alpha / r)
     task_type: str = "CAUSAL_LM"
 
 

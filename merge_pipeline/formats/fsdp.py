@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from merge_pipeline.engine.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor, SourceFile, StoredBytes
+from merge_pipeline.engine.lora import read_lora_meta
+from merge_pipeline.engine.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
@@ -56,11 +57,7 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         raise
     lora = None
     if (role_dir / LORA_META).exists():
-        meta = read_json_object(role_dir / LORA_META)
-        try:
-            lora = LoraInfo(r=int(meta["r"]), lora_alpha=int(meta["lora_alpha"]), task_type=str(meta.get("task_type", "CAUSAL_LM")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MergeError(role_dir / LORA_META, f"expected integer 'r' and 'lora_alpha' ({exc})") from None
+        lora = read_lora_meta(role_dir / LORA_META)
     names = {t.name for t in tensors}
     return CheckpointPlan(
         backend="fsdp",
@@ -147,6 +144,8 @@ def _plan_one(name, files, values, world_size, verify_replicas):
             raise MergeError(f.path, f"{name}: shard was saved at mesh coordinate {coord}, but this file's rank {rank} is coordinate {expected_coord} (rank files swapped or renamed?)")
         offset, local_shape = _local_region(global_shape, mesh.shape, value.placements, expected_coord, f.path, name)
         local = value._local_tensor
+        if local.dtype != value.dtype:
+            raise MergeError(f.path, f"{name}: local shard is stored as {local.dtype} but the DTensor declares {value.dtype}")
         if tuple(local.shape) != local_shape:
             raise MergeError(f.path, f"{name}: local shard has shape {tuple(local.shape)}, expected {local_shape} for placements {value.placements}")
         shards.append(RankShard(rank, f, stored_tensor(f.path, name, local, f.size), offset))

@@ -14,8 +14,8 @@ When ``dist_ckpt/`` holds no model tensors (verl's default saves them as HF safe
 from __future__ import annotations
 
 import io
-import itertools
 import math
+import os
 import pickle
 import re
 from collections.abc import Iterable
@@ -31,7 +31,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.formats.hf import plan_hf_safetensors
 from merge_pipeline.formats.megatron_names import KeyMapper, OutputSpec, Piece, model_shape
-from merge_pipeline.formats.torch_files import stored_tensor
+from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
 
 DIST_DIR = "dist_ckpt"
 # Tensors that are training state, not model weights.
@@ -71,6 +71,7 @@ def _plan_dist_checkpoint(role_dir: Path, metadata: Metadata, stored: dict[str, 
     files: dict[str, SourceFile] = {}
     try:
         tensors = {key: _locate(dist_dir, key, stored[key], metadata, files) for key in sorted({p.key for s in specs for p in s.pieces})}
+        _check_no_shared_bytes(tensors.values(), dist_dir / ".metadata")
         planned = [_planned(spec, tensors) for spec in specs]
         if value_model and f"{lm}output_layer.bias" not in shapes:
             planned.append(_zero_score_bias(tensors[f"{lm}output_layer.weight"].dtype))
@@ -178,7 +179,7 @@ class _StoredTensor:
 
 
 class _FileRange(io.RawIOBase):
-    """A read-only, seekable window onto part of an open file, for ``torch.load``."""
+    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive."""
 
     def __init__(self, file: SourceFile, offset: int, length: int):
         super().__init__()
@@ -217,24 +218,54 @@ def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, metadata: Met
             raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
         if getattr(info, "transform_descriptors", None):
             raise MergeError(metadata_path, f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)")
-        if info.relative_path not in files:
-            path = dist_dir / info.relative_path
+        relative_path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
+        path = _chunk_file(dist_dir, relative_path, key)
+        if relative_path not in files:
             if not path.is_file():
                 raise MergeError(path, f"missing: .metadata stores chunks of {key} in it")
-            files[info.relative_path] = SourceFile(path)
-        file = files[info.relative_path]
-        if info.offset + info.length > file.size:
-            raise MergeError(file.path, f"{key}: chunk ends at byte {info.offset + info.length} but the file has {file.size} bytes (truncated)")
-        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), _chunk_bytes(file, info.offset, info.length, key, tuple(chunk.sizes), dtype)))
+            files[relative_path] = SourceFile(path)
+        file = files[relative_path]
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {offset!r:.40}, length {length!r:.40}")
+        if offset + length > file.size:
+            raise MergeError(file.path, f"{key}: chunk ends at byte {offset + length} but the file has {file.size} bytes (truncated)")
+        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), _chunk_bytes(file, offset, length, key, tuple(chunk.sizes), dtype)))
     return _StoredTensor(key, shape, dtype, tuple(chunks))
+
+
+def _chunk_file(dist_dir: Path, relative_path: object, key: str) -> Path:
+    """The file .metadata names for a chunk; it must stay inside ``dist_ckpt/``, symlinks resolved."""
+    metadata_path = dist_dir / ".metadata"
+    if not isinstance(relative_path, str) or not relative_path or "\0" in relative_path:
+        raise MergeError(metadata_path, f"{key}: chunk file name {relative_path!r:.80} is not a file name")
+    relative = Path(relative_path)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise MergeError(metadata_path, f"{key}: chunk file {relative_path!r} lies outside {DIST_DIR}/")
+    path = dist_dir / relative
+    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(dist_dir)):
+        raise MergeError(path, f"{key}: chunk file is a symlink out of {DIST_DIR}/ (to {os.path.realpath(path)})")
+    return path
+
+
+def _check_no_shared_bytes(tensors: Iterable[_StoredTensor], metadata_path: Path) -> None:
+    """Two chunks reading the same bytes of a file means corrupt metadata, not a model."""
+    runs: dict[Path, list[tuple[int, int, str]]] = {}
+    for tensor in tensors:
+        for chunk in tensor.chunks:
+            runs.setdefault(chunk.data.file.path, []).append((chunk.data.offset, chunk.data.offset + chunk.data.length, tensor.key))
+    for path, ranges in runs.items():
+        ranges.sort()
+        for (_, end, key), (start, _, other) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise MergeError(metadata_path, f"{key} and {other}: chunks share bytes {start}..{end} of {path.name}")
 
 
 def _chunk_bytes(file: SourceFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype) -> ByteRun:
     """Find the raw bytes inside one chunk's ``torch.save`` archive (reads its pickle only)."""
     try:
-        meta = torch.load(io.BufferedReader(_FileRange(file, offset, length)), map_location="meta", weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged archive
-        raise MergeError(file.path, f"{key}: unreadable chunk at byte {offset} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        meta = load_meta_archive(io.BufferedReader(_FileRange(file, offset, length)), file.path)
+    except MergeError as exc:
+        raise MergeError(file.path, f"{key}: chunk at byte {offset}: {exc.problem}") from None
     if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != sizes or meta.dtype != dtype:
         found = f"{tuple(meta.shape)} {meta.dtype}" if isinstance(meta, torch.Tensor) else type(meta).__name__
         raise MergeError(file.path, f"{key}: chunk at byte {offset} holds {found}, .metadata says {sizes} {dtype}")
@@ -245,23 +276,31 @@ def _chunk_bytes(file: SourceFile, offset: int, length: int, key: str, sizes: tu
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: Path) -> None:
-    """The chunks must cover the global tensor exactly once: no gap (garbage bytes), no overlap."""
-    cuts = []
-    for d, n in enumerate(shape):
-        points = {0, n}
-        for c in chunks:
-            if c.offsets[d] < 0 or c.offsets[d] + c.sizes[d] > n:
-                raise MergeError(metadata_path, f"{key}: chunk at {tuple(c.offsets)} of size {tuple(c.sizes)} lies outside the tensor's shape {shape}")
-            points.update((c.offsets[d], c.offsets[d] + c.sizes[d]))
-        cuts.append(sorted(points))
-    cells: set[tuple[int, ...]] = set()
+    """The chunks must cover the global tensor exactly once: each inside its bounds, no two
+    overlapping (garbage would win), and their sizes adding up to the whole (no gap). Pairs are
+    compared in a sweep along dim 0, so a crafted chunk list costs no more than a real one."""
+    if not all(type(n) is int and n >= 0 for n in shape):
+        raise MergeError(metadata_path, f"{key}: invalid shape {shape}")
+    if not isinstance(chunks, list):
+        raise MergeError(metadata_path, f"{key}: chunk list is a {type(chunks).__name__}")
+    boxes = []
     for c in chunks:
-        spans = [range(cut.index(c.offsets[d]), cut.index(c.offsets[d] + c.sizes[d])) for d, cut in enumerate(cuts)]
-        for cell in itertools.product(*spans):
-            if cell in cells:
-                raise MergeError(metadata_path, f"{key}: saved chunks overlap at {tuple(c.offsets)}")
-            cells.add(cell)
-    if len(cells) != math.prod(len(cut) - 1 for cut in cuts):
+        offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+        if not all(isinstance(v, tuple) and len(v) == len(shape) and all(type(i) is int for i in v) for v in (offsets, sizes)):
+            shown = [tuple(v) if isinstance(v, tuple) else v for v in (offsets, sizes)]  # torch.Size prints long
+            raise MergeError(metadata_path, f"{key}: chunk at {shown[0]!r:.80} of size {shown[1]!r:.80} is not a block of a tensor of shape {shape}")
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        if any(o < 0 or n < 0 or o + n > total for o, n, total in zip(offsets, sizes, shape)):
+            raise MergeError(metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}")
+        boxes.append((offsets, sizes))
+    boxes.sort()
+    for i, (offsets, sizes) in enumerate(boxes):
+        for other, other_sizes in boxes[i + 1 :]:
+            if other[0] >= offsets[0] + sizes[0]:
+                break  # sorted by dim-0 start: no later chunk reaches back into this one
+            if all(min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
+                raise MergeError(metadata_path, f"{key}: saved chunks overlap at {other}")
+    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
         raise MergeError(metadata_path, f"{key}: saved chunks do not cover the whole tensor {shape}")
 
 

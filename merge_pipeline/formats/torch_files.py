@@ -1,24 +1,37 @@
 """Read what a ``torch.save`` file holds without reading its tensor data.
 
-``torch.load(map_location="meta", weights_only=True)`` runs the restricted unpickler (no arbitrary
-globals, ever) and gives meta tensors whose storages carry ``_checkpoint_offset``: the byte offset
-of the storage's record inside the zip archive. torch writes records uncompressed, so a tensor's
-bytes are a plain file range we can copy or read in pieces, with no mmap growing our RSS.
+The pickle is read by torch's own restricted unpickler (the one ``torch.load(weights_only=True)``
+uses: no arbitrary globals, ever) onto the meta device. Where each storage's bytes are is taken
+from the zip's own central directory and local headers, by record name, never computed from an
+assumed layout: torch's meta loading computes offsets as if torch's writer had laid the archive
+out, which is wrong for a file an ordinary zip tool re-packed. Every record must be STORED (a
+plain file range we can copy in pieces) and exactly as long as the pickle declares its storage;
+every tensor view must lie inside its storage. A ``torch.load`` that would read other bytes, or
+refuse the file, is matched by a refusal here, before any allocation sized by the file's claims.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
+import re
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed.tensor  # noqa: F401  (puts DTensor and its placements on the safe list)
+from torch._weights_only_unpickler import Unpickler as WeightsOnlyUnpickler  # what torch.load(weights_only=True) runs
 
 from merge_pipeline.engine.plan import ByteRun, SourceFile
 from merge_pipeline.errors import MergeError
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, as zipfile reads it
+_LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @dataclass(frozen=True)
@@ -52,24 +65,132 @@ def load_meta_state_dict(path: Path) -> dict[str, object]:
         raise MergeError(path, "file is empty")
     if not zipfile.is_zipfile(path):
         raise MergeError(path, "not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)")
-    try:
-        state = torch.load(path, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        reason = str(exc).split("\n")[0].removeprefix("Weights only load failed. ")
-        raise MergeError(path, f"refused to unpickle (weights_only=True): {reason}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, KeyError, ValueError) as exc:
-        raise MergeError(path, f"unreadable torch.save file ({type(exc).__name__}: {exc})") from None
+    with open(path, "rb") as stream:
+        state = load_meta_archive(stream, path)
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise MergeError(path, f"expected a state dict of name -> tensor, found {type(state).__name__}")
     return state
 
 
+def load_meta_archive(stream: BinaryIO, path: Path) -> object:
+    """What ``torch.load(stream, map_location="meta", weights_only=True)`` returns, with each
+    storage's ``_checkpoint_offset`` (data start, relative to ``stream``) read from its record's
+    local header and its declared size (``_checkpoint_nbytes``) checked against the record."""
+    records = _stored_records(stream, path)
+    prefix = next(iter(records)).split("/", 1)[0]  # torch names every record <archive>/...
+    byteorder = records.get(f"{prefix}/byteorder")
+    if byteorder is not None:
+        order = _read_record(stream, byteorder, path, limit=16)
+        if order != b"little":
+            raise MergeError(path, f"records are stored {order.decode(errors='replace')!r}-endian; only little-endian checkpoints can be merged (re-save it on a little-endian machine)")
+    pickled = records.get(f"{prefix}/data.pkl")
+    if pickled is None:
+        raise MergeError(path, "not a torch.save archive (no data.pkl record)")
+    storages: dict[str, torch.storage.TypedStorage] = {}
+
+    def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
+        kind, storage_type, key, _location, numel = saved_id
+        dtype = getattr(storage_type, "dtype", None)
+        if kind != "storage" or not isinstance(dtype, torch.dtype) or not isinstance(key, str) or type(numel) is not int or numel < 0:
+            raise MergeError(path, f"malformed storage reference {saved_id!r:.100}")
+        nbytes = numel * dtype.itemsize
+        if key not in storages:
+            record = records.get(f"{prefix}/data/{key}")
+            if record is None:
+                raise MergeError(path, f"the pickle refers to storage data/{key}, which the archive does not hold")
+            if record.file_size != nbytes:
+                raise MergeError(path, f"storage record data/{key} holds {record.file_size} bytes but the pickle declares {numel} x {dtype} = {nbytes} bytes")
+            storage = torch.UntypedStorage(nbytes, device="meta")
+            storage._checkpoint_offset = _data_offset(stream, record, path)
+            storage._checkpoint_nbytes = nbytes  # a view's set_() may grow a meta storage: keep the true size
+            storages[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        elif storages[key]._untyped_storage._checkpoint_nbytes != nbytes:
+            raise MergeError(path, f"storage data/{key} is declared with two different sizes")
+        return storages[key]
+
+    unpickler = WeightsOnlyUnpickler(io.BytesIO(_read_record(stream, pickled, path)), encoding="utf-8")
+    unpickler.persistent_load = persistent_load
+    try:
+        return unpickler.load()
+    except MergeError:
+        raise
+    except Exception as exc:  # a hostile pickle can raise anything; it must still be one line
+        raise MergeError(path, _unpickling_problem(exc)) from None
+
+
+def _unpickling_problem(exc: Exception) -> str:
+    """One line naming what was refused; torch's own wording spans lines and may carry colour codes."""
+    message = _ANSI_ESCAPE.sub("", str(exc)).strip()
+    first_line = message.splitlines()[0] if message else type(exc).__name__
+    if refused := re.search(r"GLOBAL (\S+)", message):
+        return f"refused to unpickle (weights_only=True): global {refused[1].rstrip('.')} is not allowed in a checkpoint"
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"refused to unpickle (weights_only=True): {first_line}"
+    return f"unreadable torch.save pickle ({type(exc).__name__}: {first_line})"
+
+
+def _stored_records(stream: BinaryIO, path: Path) -> dict[str, zipfile.ZipInfo]:
+    """Every record by name, from the central directory; each must be STORED, unencrypted, once."""
+    try:
+        infos = zipfile.ZipFile(stream).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise MergeError(path, f"not a readable zip archive ({exc})") from None
+    if not infos:
+        raise MergeError(path, "empty zip archive: not a torch.save file")
+    records: dict[str, zipfile.ZipInfo] = {}
+    for info in infos:
+        if info.filename in records:
+            raise MergeError(path, f"record {info.filename} appears twice in the zip directory")
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+            what = "encrypted" if info.flag_bits & 0x1 else f"compressed record (method {info.compress_type})"
+            raise MergeError(path, f"{what}: {info.filename}; torch.save writes records uncompressed, so this file was re-packed by a zip tool (re-save it with torch.save)")
+        records[info.filename] = info
+    return records
+
+
+def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, path: Path) -> int:
+    """Where a record's bytes start: after its local header, whose name and extra field lengths
+    may differ from the central directory's (zip tools pad and reorder as they like)."""
+    stream.seek(info.header_offset)
+    header = stream.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or not header.startswith(_LOCAL_HEADER_SIGNATURE):
+        raise MergeError(path, f"record {info.filename}: no local zip header at byte {info.header_offset}")
+    fields = _LOCAL_HEADER.unpack(header)
+    name_length, extra_length = fields[10], fields[11]
+    if stream.read(name_length) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        raise MergeError(path, f"record {info.filename}: local header names a different record")
+    offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+    end = stream.seek(0, io.SEEK_END)
+    if info.file_size != info.compress_size or offset + info.file_size > end:
+        raise MergeError(path, f"record {info.filename}: data ends at byte {offset + info.compress_size} but the file has {end} bytes (truncated)")
+    return offset
+
+
+def _read_record(stream: BinaryIO, info: zipfile.ZipInfo, path: Path, limit: int | None = None) -> bytes:
+    if limit is not None and info.file_size > limit:
+        raise MergeError(path, f"record {info.filename} is {info.file_size} bytes, expected at most {limit}")
+    stream.seek(_data_offset(stream, info, path))
+    return stream.read(info.file_size)
+
+
 def stored_tensor(path: Path, name: str, tensor: torch.Tensor, file_size: int) -> StoredTensor:
+    """Where ``tensor``'s storage is in the file, once its view is checked to lie inside it."""
     storage = tensor.untyped_storage()
     offset = getattr(storage, "_checkpoint_offset", None)
-    if offset is None:
+    nbytes = getattr(storage, "_checkpoint_nbytes", None)
+    if offset is None or nbytes is None:
         raise MergeError(path, f"{name}: cannot locate the tensor's bytes in the archive")
-    end = offset + (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-    if tensor.numel() and end > file_size:
-        raise MergeError(path, f"{name}: data ends at byte {end} but the file has {file_size} bytes (truncated)")
+    item = tensor.element_size()
+    if any(s < 0 for s in tensor.stride()) or tensor.storage_offset() < 0:
+        raise MergeError(path, f"{name}: negative stride {tuple(tensor.stride())} or storage offset {tensor.storage_offset()}")
+    if tensor.numel():
+        last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+        if (last + 1) * item > nbytes:
+            raise MergeError(path, f"{name}: view (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}, offset {tensor.storage_offset()}) reaches element {last} but its storage holds {nbytes // item}")
+        # A view with more elements than its storage repeats bytes (stride 0): torch.load would
+        # accept it, but no trainer saves weights so, and its output would be bounded by nothing.
+        if tensor.numel() * item > nbytes:
+            raise MergeError(path, f"{name}: view of {tensor.numel()} elements overlaps itself in a storage of {nbytes // item} (stride {tuple(tensor.stride())})")
+    if offset + nbytes > file_size:
+        raise MergeError(path, f"{name}: data ends at byte {offset + nbytes} but the file has {file_size} bytes (truncated)")
     return StoredTensor(tensor, offset)
