@@ -83,6 +83,25 @@ def test_one_commit_per_step_on_main(hub, merged_folder, fsdp_checkpoint, tmp_pa
     assert "| step | 8 |" in hub.tree("org/ppo-qwen")["README.md"].decode() and not repo.private
 
 
+def test_a_failed_publish_is_one_line_and_its_run_never_shows_the_token(hub, merged_folder, roots, instance):
+    """The Hub quotes the request headers (Authorization included) in its errors: a 503, retried, then a 403."""
+    key = "exp/global_step_1/actor"
+    instance.add_dynamic_partitions("checkpoints", [key])
+    shutil.copytree(merged_folder, roots.target(key))
+    hub.fail("POST", "/api/repos/create$", status=503, echo_headers=True)
+    hub.fail("POST", "/api/repos/create$", status=403, echo_headers=True)
+
+    result = dg.materialize([hub_model], partition_key=key, instance=instance, resources={"settings": roots.settings(), "hub": HuggingFaceHub(organization="org", token=WRITER)}, raise_on_error=False)
+
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error
+    assert failure.message.startswith("dagster._core.definitions.events.Failure: org/exp-actor: the token may not write there (403 Forbidden: injected 403; request headers: {")
+    assert "Bearer hf_***" in failure.message and "\n" not in failure.message.strip()
+    logs = "".join(str(event) for event in instance.all_logs(result.run_id))
+    assert "hub: attempt 1 of 4 failed (HTTP 503 on POST /api/repos/create); retrying in 2 s" in logs
+    assert WRITER not in logs
+
+
 def _hub_metadata(instance, partition: str) -> dict:
     records = instance.fetch_materializations(dg.AssetRecordsFilter(hub_model.key, asset_partitions=[partition]), limit=1).records
     return records[0].asset_materialization.metadata
