@@ -196,7 +196,8 @@ class _Upload:
         """Split what the revision holds beyond ``files``: stale files of ours (deleted) and everything else (kept)."""
         ours = self._published_by_us(remote)
         extra = sorted(set(remote) - set(files) - _HUB_FILES)
-        stale = [p for p in extra if p in ours or (ours and _WEIGHTS.fullmatch(p))]
+        # A README.md left out of ``files`` is one we did not write (its markers decide, not a manifest).
+        stale = [p for p in extra if p != CARD and (p in ours or (ours and _WEIGHTS.fullmatch(p)))]
         kept = [p for p in extra if p not in stale]
         foreign_weights = [p for p in kept if _WEIGHTS.fullmatch(p)]
         if foreign_weights:  # kept beside ours, a loader would read them as part of the merged model

@@ -283,6 +283,20 @@ def test_a_readme_we_did_not_write_is_kept_without_the_card(hub, merged_folder, 
     assert upload(merged_folder).sent == ()
 
 
+def test_a_readme_we_did_not_write_is_kept_even_where_our_manifest_records_one(hub, merged_folder):
+    """A checkpoint that carried a README.md: our manifest records it, the Hub's README is now the user's."""
+    upload(merged_folder)
+    manifest = json.loads(hub.tree("org/ppo-qwen")[MANIFEST])
+    manifest["files"]["README.md"] = {"size": 1, "sha256": "0" * 64}
+    readme = b"# Rewritten by the user\n"
+    hub.commit("org/ppo-qwen", {"README.md": readme, MANIFEST: json.dumps(manifest).encode()})
+
+    upload(merged_folder)
+
+    assert hub.tree("org/ppo-qwen")["README.md"] == readme
+    assert hub.repos[("model", "org/ppo-qwen")].resolve("main").deleted == []
+
+
 def test_text_added_around_our_card_is_kept_when_the_card_is_replaced(hub, merged_folder, unsharded_folder):
     upload(merged_folder)
     card = hub.tree("org/ppo-qwen")["README.md"].decode()
