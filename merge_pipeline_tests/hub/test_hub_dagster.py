@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 
 import dagster as dg
+import pytest
 
 from merge_pipeline import __version__
 from merge_pipeline.defs.assets import hf_model
 from merge_pipeline.defs.hub import HuggingFaceHub, hub_model, publish_latest_steps
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.engine.merge import merge_checkpoint
+from merge_pipeline.errors import MergeError
 from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
-from merge_pipeline_tests.hub.conftest import WRITER
+from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint
 
 
 def tick(instance, hub_resource):
@@ -100,6 +103,15 @@ def test_a_failed_publish_is_one_line_and_its_run_never_shows_the_token(hub, mer
     logs = "".join(str(event) for event in instance.all_logs(result.run_id))
     assert "hub: attempt 1 of 4 failed (HTTP 503 on POST /api/repos/create); retrying in 2 s" in logs
     assert WRITER not in logs
+
+
+def test_the_resource_timeout_bounds_a_publish_to_a_hub_that_never_answers(hub, merged_folder):
+    with silent_endpoint() as endpoint:
+        hub_resource = HuggingFaceHub(organization="org", endpoint=endpoint, token=WRITER, timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(MergeError, match=r"^org/ppo-qwen-actor: cannot reach http://127\.0\.0\.1:\d+ \(ReadTimeout: timed out on POST /api/repos/create\)"):
+            hub_resource.publish(merged_folder, CheckpointKey.parse("ppo-qwen/global_step_7/actor"))
+    assert time.monotonic() - started < 4 * 0.5 + 14 + 15  # 4 attempts, 2 + 4 + 8 s apart
 
 
 def _hub_metadata(instance, partition: str) -> dict:
