@@ -41,6 +41,7 @@ def _hub_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
     parser.add_argument("--revision", help="Hub branch to commit to, created if missing (default main)")
     parser.add_argument("--commit-message", help="Hub commit message (default names the checkpoint)")
+    parser.add_argument("--hub-timeout", type=float, metavar="SECONDS", help="connect/read timeout of each Hub request (default: MERGE_PIPELINE_HUB_TIMEOUT, else 60)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +118,7 @@ def _run_upload(args: argparse.Namespace) -> int:
 def _upload(folder: Path, repo_id: str, args: argparse.Namespace) -> int:
     from merge_pipeline.hub import upload_folder_verified
 
-    upload = upload_folder_verified(folder, repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message)
+    upload = upload_folder_verified(folder, repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message, timeout_s=args.hub_timeout)
     print(f"uploaded to {upload.url}: {len(upload.sent)} of {upload.files} files sent, all verified ({upload.commit_url})")
     return 0
 

@@ -6,47 +6,64 @@ resumes where the last one stopped:
 1. check the folder against its ``merge_manifest.json``: a folder changed since the merge is refused;
 2. create the repo, and the branch for a revision, if missing;
 3. list the remote tree and skip every file already there (same size, and same sha256 for LFS files
-   or same git blob id for small ones); delete remote files the folder does not have, in the same
-   commit, so one revision never mixes two merges;
+   or same git blob id for small ones); in the same commit, delete the stale files of an earlier
+   upload of ours, so one revision never mixes two merges. Only files we published are ever
+   deleted: those the revision's ``merge_manifest.json`` records, and the weights beside it (root
+   ``*.safetensors`` and their index: loaders would read a stale shard with the new ones). Anything
+   else (notes, eval results) stays; foreign weights where we never published are refused;
 4. one commit of what is missing plus the model card (README.md, built in memory: the merged folder
-   is never written to);
+   is never written to). A README.md on the Hub that we did not write is kept, without the card;
+   one that carries our markers gets only its marked part replaced (``model_card.readme_to_publish``);
 5. list the tree of the resulting head commit and compare every file with the manifest.
 
 The endpoint comes from ``HF_ENDPOINT`` (read at call time), the token from ``HF_TOKEN`` or the
-stored login. Transient failures (5xx, 408, 429, dropped connections) are retried with backoff,
-per request by huggingface_hub and per attempt here (the client never retries a commit POST: a
-lost answer could duplicate it; step 3 of the next attempt sees whether it landed). Everything a
-user must fix becomes a one-line MergeError, and the token is never part of any message.
+stored login. Every request has a timeout (connect, read, write: ``timeout_s``, else
+``MERGE_PIPELINE_HUB_TIMEOUT``, else 60 s). Transient failures (timeouts, 5xx, 408, 429, dropped
+connections) are retried with backoff, per request by huggingface_hub and per attempt here (the
+client never retries a commit POST: a lost answer could duplicate it; step 3 of the next attempt
+sees whether it landed). Everything a user must fix becomes a one-line MergeError; the token is
+never part of any message or log line, and the HTTP client's own log lines and progress bars stay
+out of the user's output (shown with DEBUG logging, bars on a terminal only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
+import math
 import os
 import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_token
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_session, get_token, set_client_factory
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from merge_pipeline import __version__
 from merge_pipeline.engine.manifest import MANIFEST, read_manifest
 from merge_pipeline.errors import MergeError
-from merge_pipeline.model_card import CARD, CheckpointName, render_card
+from merge_pipeline.model_card import CARD, CheckpointName, readme_to_publish, render_card
 
 log = logging.getLogger("merge_pipeline")
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "MERGE_PIPELINE_HUB_TIMEOUT"
 _REGULAR_MAX = 10 << 20  # the Hub keeps larger files in LFS, so only smaller ones need a git blob id
 _HUB_FILES = {".gitattributes"}  # written by the Hub itself when it creates a repo
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_WEIGHTS = re.compile(r"[^/]+\.safetensors(\.index\.json)?")  # what loaders read from a repo's root
+_READ_MAX = 16 << 20  # a manifest or README on the Hub larger than this is not one of ours
+_CLIENT_LOGGERS = ("httpx2", "httpcore2", "huggingface_hub")
 _HUB_ERRORS = (HfHubHTTPError, httpx2.TransportError, HFValidationError)  # what a user can act on
 
 
@@ -98,12 +115,14 @@ def upload_folder_verified(
     commit_message: str | None = None,
     endpoint: str | None = None,
     token: str | None = None,
+    timeout_s: float | None = None,
     retry: RetryPolicy = RetryPolicy(),
 ) -> UploadResult:
     """Upload a merged folder (plus its model card) to ``repo_id`` and verify it against the manifest."""
     folder = Path(folder).absolute()
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     token = token or get_token()
+    timeout_s = _timeout_s(timeout_s)
     if not _REPO_ID.fullmatch(repo_id):
         raise MergeError(None, f"{repo_id!r} is not a Hub repo id: expected ORG/NAME")
     if not token:
@@ -112,27 +131,29 @@ def upload_folder_verified(
         raise MergeError(folder, f"has no {MANIFEST}: only folders written by `merge-pipeline merge` can be uploaded")
     manifest = read_manifest(folder)
     name = CheckpointName.from_role_dir(manifest["source"]["role_dir"], manifest["source"].get("role"))
-    card = render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"]).encode()
     upload = _Upload(
         api=HfApi(endpoint=endpoint, token=token, library_name="merge_pipeline", library_version=__version__),
         repo_id=repo_id,
         revision=revision or constants.DEFAULT_REVISION,
         private=private,
         message=commit_message or f"Upload {name} (merge_pipeline {__version__})",
-        files=_local_files(folder, manifest, card),
+        folder_files=_local_files(folder, manifest),
+        card=render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"]),
     )
-    with _xet_only_where_spoken(endpoint):
+    _use_timeout(timeout_s)
+    with _xet_only_where_spoken(endpoint), _client_output_quiet():
         try:
-            sent, head = _retrying(upload.attempt, retry)
+            files, sent, head = _retrying(upload.attempt, retry, token)
         except Exception as exc:
             cause = _hub_cause(exc)
             if not isinstance(cause, _HUB_ERRORS):
                 raise
-            raise MergeError(None, _redact(_explain(cause, repo_id, endpoint, folder), token)) from exc
+            # from None: the client's exception may quote a server's echo of the request headers.
+            raise MergeError(None, _redact(_explain(cause, repo_id, endpoint, folder), token)) from None
     page = f"{endpoint}/{repo_id}" + ("" if upload.revision == constants.DEFAULT_REVISION else f"/tree/{upload.revision}")
-    total = sum(f.size for f in upload.files.values())
-    log.info("hub: %s@%s verified: %d files (%d bytes) match %s", repo_id, upload.revision, len(upload.files), total, MANIFEST)
-    return UploadResult(repo_id, upload.revision, page, f"{endpoint}/{repo_id}/commit/{head}", len(upload.files), total, tuple(sent))
+    total = sum(f.size for f in files.values())
+    log.info("hub: %s@%s verified: %d files (%d bytes) match %s", repo_id, upload.revision, len(files), total, MANIFEST)
+    return UploadResult(repo_id, upload.revision, page, f"{endpoint}/{repo_id}/commit/{head}", len(files), total, tuple(sent))
 
 
 @dataclass
@@ -142,23 +163,63 @@ class _Upload:
     revision: str
     private: bool
     message: str
-    files: dict[str, _Local]
+    folder_files: dict[str, _Local]  # without README.md: the card takes its place
+    card: str
 
-    def attempt(self) -> tuple[list[str], str]:
-        """Bring the revision to the folder's state; return what was sent and the verified head."""
+    def attempt(self) -> tuple[dict[str, _Local], list[str], str]:
+        """Bring the revision to the folder's state; return the files published, those sent, and the verified head."""
         self._ensure_repo()
         remote = self._tree(self.revision)
-        send = [f for f in self.files.values() if not f.matches(remote.get(f.path))]
-        stale = sorted(set(remote) - set(self.files) - _HUB_FILES)
+        files = self._with_card(remote)
+        stale, kept = self._stale_and_kept(remote, files)
+        send = [f for f in files.values() if not f.matches(remote.get(f.path))]
+        if kept:
+            log.info("hub: %s@%s: keeping %d file(s) merge_pipeline did not publish: %s", self.repo_id, self.revision, len(kept), ", ".join(kept))
         if send or stale:
-            log.info("hub: %s@%s: sending %d of %d files (%d bytes), deleting %d stale", self.repo_id, self.revision, len(send), len(self.files), sum(f.size for f in send), len(stale))
+            log.info("hub: %s@%s: sending %d of %d files (%d bytes), deleting %d stale", self.repo_id, self.revision, len(send), len(files), sum(f.size for f in send), len(stale))
             operations = [CommitOperationAdd(f.path, f.source) for f in send] + [CommitOperationDelete(p) for p in stale]
             self.api.create_commit(self.repo_id, operations, commit_message=self.message, revision=self.revision)
         else:
-            log.info("hub: %s@%s already holds all %d files", self.repo_id, self.revision, len(self.files))
+            log.info("hub: %s@%s already holds all %d files", self.repo_id, self.revision, len(files))
         head = self.api.repo_info(self.repo_id, revision=self.revision).sha
-        self._verify(head)
-        return [f.path for f in send], head
+        self._verify(head, files, kept)
+        return files, [f.path for f in send], head
+
+    def _with_card(self, remote: dict[str, RepoFile]) -> dict[str, _Local]:
+        readme = readme_to_publish(self.card, self._read(remote, CARD))
+        if readme is None:
+            log.warning("hub: %s@%s: its %s was not written by merge_pipeline: kept as it is, without the model card", self.repo_id, self.revision, CARD)
+            return dict(self.folder_files)
+        return {**self.folder_files, CARD: _hash(CARD, readme.encode())}
+
+    def _stale_and_kept(self, remote: dict[str, RepoFile], files: dict[str, _Local]) -> tuple[list[str], list[str]]:
+        """Split what the revision holds beyond ``files``: stale files of ours (deleted) and everything else (kept)."""
+        ours = self._published_by_us(remote)
+        extra = sorted(set(remote) - set(files) - _HUB_FILES)
+        # A README.md left out of ``files`` is one we did not write (its markers decide, not a manifest).
+        stale = [p for p in extra if p != CARD and (p in ours or (ours and _WEIGHTS.fullmatch(p)))]
+        kept = [p for p in extra if p not in stale]
+        foreign_weights = [p for p in kept if _WEIGHTS.fullmatch(p)]
+        if foreign_weights:  # kept beside ours, a loader would read them as part of the merged model
+            raise MergeError(None, f"{self.repo_id}@{self.revision} holds {', '.join(foreign_weights)}, not published by merge_pipeline, that loaders would read with the merged weights: delete it there or upload to another --revision")
+        return stale, kept
+
+    def _published_by_us(self, remote: dict[str, RepoFile]) -> set[str]:
+        """The files the revision's merge_manifest.json records (and itself): the only ones an upload may delete."""
+        try:
+            manifest = json.loads(self._read(remote, MANIFEST) or b"null")
+        except (ValueError, RecursionError):
+            return set()
+        recorded = manifest.get("files") if isinstance(manifest, dict) else None
+        return {*recorded, MANIFEST} if isinstance(recorded, dict) else set()
+
+    def _read(self, remote: dict[str, RepoFile], path: str) -> bytes | None:
+        """A small file of the revision; None when absent, empty when too large to be one of ours."""
+        entry = remote.get(path)
+        if entry is None or entry.size > _READ_MAX:
+            return None if entry is None else b""
+        with tempfile.TemporaryDirectory() as scratch:
+            return Path(self.api.hf_hub_download(self.repo_id, path, revision=self.revision, local_dir=scratch)).read_bytes()
 
     def _ensure_repo(self) -> None:
         self.api.create_repo(self.repo_id, private=self.private, exist_ok=True)
@@ -179,10 +240,10 @@ class _Upload:
         entries = self.api.list_repo_tree(self.repo_id, recursive=True, revision=revision)
         return {e.path: e for e in entries if isinstance(e, RepoFile)}
 
-    def _verify(self, head: str) -> None:
+    def _verify(self, head: str, files: dict[str, _Local], kept: list[str]) -> None:
         remote = self._tree(head)
-        problems = [_difference(f, remote.get(f.path)) for f in self.files.values() if not f.matches(remote.get(f.path))]
-        unexpected = sorted(set(remote) - set(self.files) - _HUB_FILES)
+        problems = [_difference(f, remote.get(f.path)) for f in files.values() if not f.matches(remote.get(f.path))]
+        unexpected = sorted(set(remote) - set(files) - _HUB_FILES - set(kept))
         if unexpected:
             problems.append(f"not in the folder: {', '.join(unexpected)}")
         if problems:
@@ -199,8 +260,8 @@ def _difference(local: _Local, remote: RepoFile | None) -> str:
     return f"{local.path} has git blob {remote.blob_id} on the Hub, {local.git_oid} from the manifest's bytes"
 
 
-def _local_files(folder: Path, manifest: dict, card: bytes) -> dict[str, _Local]:
-    """Every file to publish, each checked against the manifest; README.md is the model card."""
+def _local_files(folder: Path, manifest: dict) -> dict[str, _Local]:
+    """Every file of the folder, each checked against the manifest; a README.md is left out: the card replaces it."""
     listed = manifest["files"]
     on_disk = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
     missing = sorted(set(listed) - set(on_disk))
@@ -214,7 +275,7 @@ def _local_files(folder: Path, manifest: dict, card: bytes) -> dict[str, _Local]
         expected = listed.get(path)
         if expected is not None and (files[path].size, files[path].sha256) != (expected["size"], expected["sha256"]):
             raise MergeError(local, f"changed since the merge (sha256 {files[path].sha256}, {MANIFEST} says {expected['sha256']}): merge again")
-    files[CARD] = _hash(CARD, card)
+    files.pop(CARD, None)
     return files
 
 
@@ -239,7 +300,7 @@ def _chunks(source: Path | bytes, block: int = 8 << 20):
             yield chunk
 
 
-def _retrying(attempt, policy: RetryPolicy):
+def _retrying(attempt, policy: RetryPolicy, token: str):
     for number in range(1, policy.attempts):
         try:
             return attempt()
@@ -248,7 +309,7 @@ def _retrying(attempt, policy: RetryPolicy):
             if not _transient(cause):
                 raise
             wait = policy.wait_s(number)
-            log.warning("hub: attempt %d of %d failed (%s); retrying in %.3g s", number, policy.attempts, _describe(cause), wait)
+            log.warning("hub: attempt %d of %d failed (%s); retrying in %.3g s", number, policy.attempts, _redact(_describe(cause), token), wait)
             time.sleep(wait)
     return attempt()  # the last one: its failure is reported
 
@@ -303,6 +364,53 @@ def _explain(exc: BaseException, repo_id: str, endpoint: str, folder: Path) -> s
 
 def _redact(message: str, token: str) -> str:
     return message.replace(token, "hf_***")
+
+
+def _timeout_s(given: float | None) -> float:
+    raw = given if given is not None else os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise MergeError(None, f"Hub timeout {str(raw)!r} (--hub-timeout or {TIMEOUT_ENV}): expected a number of seconds > 0")
+    return seconds
+
+
+def _use_timeout(seconds: float) -> None:
+    """Give huggingface_hub's shared HTTP client connect, read and write timeouts.
+
+    Its default client waits forever (timeout=None), and a Hub that accepts a connection and never
+    answers would hang the upload. The factory stays for the rest of the process (a client the
+    library recreates after a failure must keep the timeout); it keeps the library's own hooks.
+    """
+    hooks = get_session().event_hooks  # huggingface_hub's: offline mode, request ids, debug log
+    set_client_factory(lambda: httpx2.Client(event_hooks=hooks, follow_redirects=True, timeout=httpx2.Timeout(seconds)))
+
+
+@contextlib.contextmanager
+def _client_output_quiet():
+    """Keep the HTTP client's chatter out of the user's output while uploading.
+
+    httpx2 logs every request at INFO ("HTTP Request: ...", signed upload URLs included) and
+    huggingface_hub its own retries at WARNING, through its own stderr handler: the one line this
+    module reports says what failed. DEBUG logging (``-v``) shows them. huggingface_hub's progress
+    bars only on a terminal, as the merge's own.
+    """
+    loggers = [] if log.isEnabledFor(logging.DEBUG) else [logging.getLogger(name) for name in _CLIENT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    hide_bars = not sys.stderr.isatty() and not are_progress_bars_disabled()
+    if hide_bars:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if hide_bars:
+            enable_progress_bars()
 
 
 @contextlib.contextmanager

@@ -2,6 +2,10 @@
 
 The card is a pure function of the manifest (no dates, no hosts, no environment), so re-uploading
 the same folder produces the same bytes and sends nothing.
+
+Our part of the card sits between two marker lines. A re-upload replaces only that part, so text a
+user added to the README on the Hub (outside the markers) stays; a README.md without the markers
+was not written by us and is never replaced (``readme_to_publish``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 CARD = "README.md"
+CARD_START = "<!-- merge_pipeline model card: replaced on every upload; text outside these two lines is kept -->"
+CARD_END = "<!-- end of the merge_pipeline model card -->"
 _STEP = re.compile(r"global_step_(\d+)")
 
 
@@ -61,6 +67,7 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) 
         "- merge_pipeline",
         "- verl",
         "---",
+        CARD_START,
         "",
         f"# {repo_id.split('/')[-1]}",
         "",
@@ -79,7 +86,25 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) 
         lines += ["", f"This card replaces the `{CARD}` the checkpoint carried; the sum below is that file's."]
     lines += ["", "| file | bytes | sha256 |", "|---|---:|---|"]
     lines += [f"| `{path}` | {entry['size']:,} | `{entry['sha256']}` |" for path, entry in sorted(manifest["files"].items())]
+    lines += ["", CARD_END]
     return "\n".join(lines) + "\n"
+
+
+def readme_to_publish(card: str, on_hub: bytes | None) -> str | None:
+    """The README.md to publish given the one the Hub holds: the card where there is none, the
+    README with our marked part replaced where it carries our markers, and None (keep it as it is)
+    for a README someone else wrote."""
+    if on_hub is None:
+        return card
+    try:
+        text = on_hub.decode()
+    except UnicodeDecodeError:
+        return None
+    start, end = text.find(CARD_START), text.find(CARD_END)
+    if start < 0 or end < start:
+        return None
+    ours = card[card.index(CARD_START) : card.index(CARD_END) + len(CARD_END)]
+    return text[:start] + ours + text[end + len(CARD_END) :]
 
 
 def _code(value: str | None) -> str:

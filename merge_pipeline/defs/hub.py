@@ -7,6 +7,7 @@ Configured from the environment, like the merge settings:
 ``MERGE_PIPELINE_HUB_PRIVATE``        create new repos private (default 1)
 ``MERGE_PIPELINE_HUB_REVISIONS``      ``branch``: one branch per step (``global_step_<N>``);
                                       ``commit``: one commit per step on main (default branch)
+``MERGE_PIPELINE_HUB_TIMEOUT``        seconds a Hub request may wait to connect or for an answer (default 60)
 ``HF_ENDPOINT``, ``HF_TOKEN``         as for the CLI; without HF_TOKEN, the stored ``hf auth login``
 """
 
@@ -41,6 +42,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
     private: bool = Field(default=True, description="create new repos private")
     repo_template: str = Field(default=DEFAULT_TEMPLATE, description="repo id of a checkpoint, from {org}, {run_name}, {role} and {step}")
     revisions: Literal["branch", "commit"] = Field(default="branch", description="branch: one branch per step (global_step_<N>); commit: one commit per step on main")
+    timeout_s: float | None = Field(default=None, description="seconds a Hub request may wait to connect or for an answer; default MERGE_PIPELINE_HUB_TIMEOUT, else 60")
 
     @classmethod
     def from_env(cls) -> "HuggingFaceHub":
@@ -64,7 +66,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
 
     def publish(self, folder: Path, key: CheckpointKey) -> UploadResult:
         revision = f"global_step_{key.step}" if self.revisions == "branch" else None
-        return upload_folder_verified(folder, self.repo_id(key), private=self.private, revision=revision, endpoint=self.endpoint, token=self.token)
+        return upload_folder_verified(folder, self.repo_id(key), private=self.private, revision=revision, endpoint=self.endpoint, token=self.token, timeout_s=self.timeout_s)
 
 
 @dg.asset(partitions_def=checkpoint_partitions, group_name=GROUP, deps=[hf_model], kinds={"huggingface"}, output_required=False)

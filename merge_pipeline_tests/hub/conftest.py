@@ -6,7 +6,10 @@ merge_pipeline.hub at call time (huggingface_hub itself reads it once, at import
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,21 @@ def merged_folder(fsdp_checkpoint, tmp_path_factory) -> Path:
     shutil.copytree(fsdp_checkpoint(FsdpSpec()).role_dir, role_dir)
     options = MergeOptions(max_shard_size="300KB")
     return merge_checkpoint(role_dir, root / "merged", options, backend="fsdp", show_progress=False).target_dir
+
+
+@pytest.fixture(scope="session")
+def unsharded_folder(fsdp_checkpoint, tmp_path_factory) -> Path:
+    """The same checkpoint's next step, merged into one ``model.safetensors`` (no index). Read only."""
+    root = tmp_path_factory.mktemp("hub_merge_unsharded")
+    role_dir = root / "ppo-qwen" / "global_step_8" / "actor"
+    shutil.copytree(fsdp_checkpoint(FsdpSpec()).role_dir, role_dir)
+    return merge_checkpoint(role_dir, root / "merged", backend="fsdp", show_progress=False).target_dir
+
+
+@contextlib.contextmanager
+def silent_endpoint() -> Iterator[str]:
+    """A Hub that accepts connections (the kernel completes them) and never answers a byte."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # never accept()ed
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"

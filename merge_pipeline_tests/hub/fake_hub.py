@@ -106,6 +106,7 @@ class _Rule:
     pattern: re.Pattern
     times: int
     status: int | None  # None: drop the connection
+    echo_headers: bool = False
 
 
 class HubError(Exception):
@@ -143,9 +144,13 @@ class FakeHub:
 
     # --- what tests call ------------------------------------------------------------------------
 
-    def fail(self, method: str, path_regex: str, *, status: int, times: int = 1) -> None:
-        """Answer the next ``times`` matching requests with ``status`` instead of serving them."""
-        self._rules.append(_Rule(method, re.compile(path_regex), times, status))
+    def fail(self, method: str, path_regex: str, *, status: int, times: int = 1, echo_headers: bool = False) -> None:
+        """Answer the next ``times`` matching requests with ``status`` instead of serving them.
+
+        ``echo_headers``: the error message quotes the request's headers, Authorization included, as
+        a misconfigured proxy or debugging server does.
+        """
+        self._rules.append(_Rule(method, re.compile(path_regex), times, status, echo_headers))
 
     def drop(self, method: str, path_regex: str, *, times: int = 1) -> None:
         """Close the connection half-way through the next ``times`` matching requests' bodies."""
@@ -281,7 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             user = hub._user(self.headers)
             if rule is not None:
-                raise HubError(rule.status, f"injected {rule.status}")
+                raise HubError(rule.status, f"injected {rule.status}" + (f"; request headers: {dict(self.headers)}" if rule.echo_headers else ""))
             status, payload, headers = self._route(hub, method, user, body)
         except HubError as err:
             status, headers = err.status, {"X-Error-Message": err.message}

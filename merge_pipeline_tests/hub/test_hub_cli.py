@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
-from merge_pipeline_tests.hub.conftest import TOKENS, WRITER
+from merge_pipeline_tests.hub.conftest import TOKENS, WRITER, silent_endpoint
 
 
 def test_merge_and_upload_with_a_stored_login(hub, fsdp_checkpoint, tmp_path):
@@ -62,3 +64,34 @@ def test_upload_errors_are_one_line(hub, merged_folder, monkeypatch, capsys):
 
     assert code == 1
     assert error_lines(err) == err.splitlines() == [f"error: {hub.endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"]
+
+
+def upload_process(*argv, **env) -> subprocess.CompletedProcess:
+    """`merge-pipeline upload` as a user runs it: its own process, real stderr, logging as the CLI sets it up."""
+    command = [sys.executable, "-m", "merge_pipeline", "upload", *map(str, argv)]
+    return subprocess.run(command, env={**os.environ, "PYTHONWARNINGS": "ignore", **env}, capture_output=True, text=True, timeout=120)
+
+
+def test_a_failed_upload_prints_one_line_and_none_of_the_http_clients(hub, merged_folder):
+    done = upload_process(merged_folder, "org/run-d", HF_TOKEN="hf_revoked" + WRITER)
+
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [f"error: {hub.endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"]
+    assert done.stdout == ""
+
+
+def test_a_hub_that_never_answers_fails_in_bounded_time_with_one_line(hub, merged_folder):
+    """--hub-timeout 1 and the default retries (4 attempts, 2 + 4 + 8 s apart): about 18 s, not forever."""
+    with silent_endpoint() as endpoint:
+        started = time.monotonic()
+        done = upload_process(merged_folder, "org/run-e", "--hub-timeout", 1, HF_ENDPOINT=endpoint)
+        elapsed = time.monotonic() - started
+
+    assert done.returncode == 1 and elapsed < 4 * 1 + 14 + 25  # timeouts + waits + slack for a loaded machine
+    *retries, error = done.stderr.splitlines()
+    assert error == (
+        f"error: org/run-e: cannot reach {endpoint} (ReadTimeout: timed out on POST /api/repos/create): "
+        f"resume with `merge-pipeline upload {merged_folder} org/run-e` (files already on the Hub are not sent again)"
+    )
+    assert len(retries) == 3 and all(re.fullmatch(r"hub: attempt \d of 4 failed \(ReadTimeout: timed out on POST /api/repos/create\); retrying in \d s", line) for line in retries)
+    assert not [t for t in TOKENS if t in done.stdout + done.stderr]

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 
 import dagster as dg
+import pytest
 
 from merge_pipeline import __version__
 from merge_pipeline.defs.assets import hf_model
 from merge_pipeline.defs.hub import HuggingFaceHub, hub_model, publish_latest_steps
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.engine.merge import merge_checkpoint
+from merge_pipeline.errors import MergeError
 from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
-from merge_pipeline_tests.hub.conftest import WRITER
+from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint
 
 
 def tick(instance, hub_resource):
@@ -81,6 +84,34 @@ def test_one_commit_per_step_on_main(hub, merged_folder, fsdp_checkpoint, tmp_pa
     assert [c.message for c in repo.commits.values()] == ["initial commit", *(f"Upload ppo-qwen/global_step_{n}/actor (merge_pipeline {__version__})" for n in (7, 8))]
     assert set(hub.tree("org/ppo-qwen")) == {*tree_digest(step_8), "README.md", ".gitattributes"}  # step 7's shards are gone
     assert "| step | 8 |" in hub.tree("org/ppo-qwen")["README.md"].decode() and not repo.private
+
+
+def test_a_failed_publish_is_one_line_and_its_run_never_shows_the_token(hub, merged_folder, roots, instance):
+    """The Hub quotes the request headers (Authorization included) in its errors: a 503, retried, then a 403."""
+    key = "exp/global_step_1/actor"
+    instance.add_dynamic_partitions("checkpoints", [key])
+    shutil.copytree(merged_folder, roots.target(key))
+    hub.fail("POST", "/api/repos/create$", status=503, echo_headers=True)
+    hub.fail("POST", "/api/repos/create$", status=403, echo_headers=True)
+
+    result = dg.materialize([hub_model], partition_key=key, instance=instance, resources={"settings": roots.settings(), "hub": HuggingFaceHub(organization="org", token=WRITER)}, raise_on_error=False)
+
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error
+    assert failure.message.startswith("dagster._core.definitions.events.Failure: org/exp-actor: the token may not write there (403 Forbidden: injected 403; request headers: {")
+    assert "Bearer hf_***" in failure.message and "\n" not in failure.message.strip()
+    logs = "".join(str(event) for event in instance.all_logs(result.run_id))
+    assert "hub: attempt 1 of 4 failed (HTTP 503 on POST /api/repos/create); retrying in 2 s" in logs
+    assert WRITER not in logs
+
+
+def test_the_resource_timeout_bounds_a_publish_to_a_hub_that_never_answers(hub, merged_folder):
+    with silent_endpoint() as endpoint:
+        hub_resource = HuggingFaceHub(organization="org", endpoint=endpoint, token=WRITER, timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(MergeError, match=r"^org/ppo-qwen-actor: cannot reach http://127\.0\.0\.1:\d+ \(ReadTimeout: timed out on POST /api/repos/create\)"):
+            hub_resource.publish(merged_folder, CheckpointKey.parse("ppo-qwen/global_step_7/actor"))
+    assert time.monotonic() - started < 4 * 0.5 + 14 + 15  # 4 attempts, 2 + 4 + 8 s apart
 
 
 def _hub_metadata(instance, partition: str) -> dict:

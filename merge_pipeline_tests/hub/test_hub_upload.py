@@ -7,6 +7,8 @@ import json
 import re
 import shutil
 import socket
+import time
+import traceback
 
 import pytest
 from huggingface_hub import snapshot_download
@@ -16,8 +18,9 @@ from merge_pipeline import __version__
 from merge_pipeline.engine.manifest import MANIFEST, read_manifest
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hub import RetryPolicy, upload_folder_verified
+from merge_pipeline.model_card import CARD_END, CARD_START
 from merge_pipeline_tests.helpers import tree_digest
-from merge_pipeline_tests.hub.conftest import OUTSIDER, READER, TOKENS, WRITER
+from merge_pipeline_tests.hub.conftest import OUTSIDER, READER, TOKENS, WRITER, silent_endpoint
 
 FAST = RetryPolicy(attempts=3, first_wait_s=0.01)
 
@@ -230,3 +233,120 @@ def test_errors_are_one_line_and_never_show_the_token(hub, merged_folder, monkey
     seen = str(error.value) + "".join(capsys.readouterr()) + caplog.text + repr(error.value.__cause__)
     assert not [token for token in TOKENS if token in seen]
 
+
+
+USER_FILES = {"NOTES.md": b"lr 1e-6 was too high\n", "eval/gsm8k.json": b'{"accuracy": 0.71}\n', "model_extra.py": b"# user code\n"}
+
+
+def test_a_new_merge_removes_only_the_stale_files_of_our_earlier_upload(hub, merged_folder, unsharded_folder):
+    upload(unsharded_folder)  # an earlier upload of ours: one model.safetensors, no index
+    hub.commit("org/ppo-qwen", USER_FILES)  # then the user adds notes and eval results
+
+    result = upload(merged_folder)  # the next merge: three shards and an index
+
+    last = hub.repos[("model", "org/ppo-qwen")].resolve("main")
+    assert last.deleted == ["model.safetensors"]  # the stale weights of our earlier upload
+    tree = hub.tree("org/ppo-qwen")
+    assert {p: tree[p] for p in USER_FILES} == USER_FILES  # the user's files, byte for byte
+    assert set(tree) == {*tree_digest(merged_folder), "README.md", ".gitattributes", *USER_FILES}
+    assert result.files == len(tree_digest(merged_folder)) + 1
+    assert upload(merged_folder).sent == ()  # kept files do not fail the verification or a re-run
+
+
+def test_weights_we_did_not_publish_are_refused_not_deleted(hub, merged_folder):
+    hub.add_repo("org/ppo-qwen")
+    hub.commit("org/ppo-qwen", {"model.safetensors": b"someone else's model", **USER_FILES})
+    before = hub.repos[("model", "org/ppo-qwen")].branches["main"]
+
+    with pytest.raises(MergeError) as error:
+        upload(merged_folder)
+
+    assert str(error.value) == (
+        "org/ppo-qwen@main holds model.safetensors, not published by merge_pipeline, that loaders would read with the merged weights: "
+        "delete it there or upload to another --revision"
+    )
+    assert hub.repos[("model", "org/ppo-qwen")].branches["main"] == before  # nothing committed
+
+
+def test_a_readme_we_did_not_write_is_kept_without_the_card(hub, merged_folder, caplog):
+    readme = b"# Our PPO model\n\nHand-written, with the eval table.\n"
+    hub.add_repo("org/ppo-qwen")
+    hub.commit("org/ppo-qwen", {"README.md": readme})
+
+    result = upload(merged_folder)
+
+    tree = hub.tree("org/ppo-qwen")
+    assert tree["README.md"] == readme
+    assert set(tree) == {*tree_digest(merged_folder), "README.md", ".gitattributes"}
+    assert "README.md" not in result.sent and result.files == len(tree_digest(merged_folder))
+    assert "hub: org/ppo-qwen@main: its README.md was not written by merge_pipeline: kept as it is, without the model card" in caplog.text
+    assert upload(merged_folder).sent == ()
+
+
+def test_a_readme_we_did_not_write_is_kept_even_where_our_manifest_records_one(hub, merged_folder):
+    """A checkpoint that carried a README.md: our manifest records it, the Hub's README is now the user's."""
+    upload(merged_folder)
+    manifest = json.loads(hub.tree("org/ppo-qwen")[MANIFEST])
+    manifest["files"]["README.md"] = {"size": 1, "sha256": "0" * 64}
+    readme = b"# Rewritten by the user\n"
+    hub.commit("org/ppo-qwen", {"README.md": readme, MANIFEST: json.dumps(manifest).encode()})
+
+    upload(merged_folder)
+
+    assert hub.tree("org/ppo-qwen")["README.md"] == readme
+    assert hub.repos[("model", "org/ppo-qwen")].resolve("main").deleted == []
+
+
+def test_text_added_around_our_card_is_kept_when_the_card_is_replaced(hub, merged_folder, unsharded_folder):
+    upload(merged_folder)
+    card = hub.tree("org/ppo-qwen")["README.md"].decode()
+    assert card.count(CARD_START) == card.count(CARD_END) == 1
+    edited = card.replace(CARD_START, "Read the eval section first.\n" + CARD_START) + "\n## Eval\n\ngsm8k 0.71\n"
+    hub.commit("org/ppo-qwen", {"README.md": edited.encode()})
+
+    upload(unsharded_folder)
+
+    readme = hub.tree("org/ppo-qwen")["README.md"].decode()
+    assert readme.startswith(card[: card.index(CARD_START)] + "Read the eval section first.\n" + CARD_START)
+    assert readme.endswith(CARD_END + "\n\n## Eval\n\ngsm8k 0.71\n")
+    assert "| step | 8 |" in readme and "| step | 7 |" not in readme
+    assert "model-00001-of-00003.safetensors" not in readme and "| `model.safetensors` |" in readme
+
+
+def test_a_hub_that_never_answers_times_out_then_is_retried_then_reported(hub, merged_folder, monkeypatch, caplog):
+    monkeypatch.setenv("MERGE_PIPELINE_HUB_TIMEOUT", "0.5")
+    with silent_endpoint() as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        started = time.monotonic()
+        with pytest.raises(MergeError) as error:
+            upload(merged_folder)
+        elapsed = time.monotonic() - started
+
+    assert str(error.value).startswith(f"org/ppo-qwen: cannot reach {endpoint} (ReadTimeout: timed out on POST /api/repos/create): resume with")
+    assert caplog.text.count("hub: attempt") == FAST.attempts - 1
+    assert elapsed < FAST.attempts * 0.5 + 10
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
+def test_a_bad_timeout_is_one_line(hub, merged_folder, monkeypatch, value):
+    monkeypatch.setenv("MERGE_PIPELINE_HUB_TIMEOUT", value)
+    with pytest.raises(MergeError) as error:
+        upload(merged_folder)
+    assert str(error.value) == f"Hub timeout {value!r} (--hub-timeout or MERGE_PIPELINE_HUB_TIMEOUT): expected a number of seconds > 0"
+    assert not hub.requests
+
+
+@pytest.mark.parametrize(("status", "times"), [(403, 1), (503, FAST.attempts)])
+def test_a_server_that_echoes_the_token_does_not_get_it_printed(hub, merged_folder, capsys, caplog, status, times):
+    """A proxy quoting the request headers (Authorization included) in its error: through retries, the
+    one line, and the traceback `-v` would print."""
+    hub.fail("POST", "/api/repos/create$", status=status, times=times, echo_headers=True)
+
+    with pytest.raises(MergeError) as error:
+        upload(merged_folder)
+
+    assert "\n" not in str(error.value)
+    seen = "".join(traceback.format_exception(error.value)) + "".join(capsys.readouterr()) + caplog.text
+    assert str(error.value) in seen and not [token for token in TOKENS if token in seen]
+    if status == 403:
+        assert "Bearer hf_***" in str(error.value)  # the server's message, redacted
