@@ -32,6 +32,7 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--use_cpu_initialization", action="store_true", help="accepted for verl compatibility; merging always runs on CPU")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="output dtype (default auto: keep the stored dtype)")
     parser.add_argument("--merge-lora", action="store_true", help="fold LoRA into the base weights instead of writing lora_adapter/")
+    parser.add_argument("--hf_model_path", "--hf-model-path", metavar="DIR", help="the original HF model folder (the trainer's model.path): config, tokenizer and LoRA base weights when the checkpoint holds none")
     parser.add_argument("--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes")
 
 
@@ -87,6 +88,7 @@ def _options(args: argparse.Namespace, **extra) -> MergeOptions:
         is_value_model=args.is_value_model,
         trust_remote_code=args.trust_remote_code,
         verify_replicas=args.verify_replicas,
+        hf_model_path=args.hf_model_path,
         **extra,
     )
 

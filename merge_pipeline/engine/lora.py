@@ -65,6 +65,12 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
     return LoraSplit(base, adapter, targets)
 
 
+def lora_module(name: str) -> tuple[str, str] | None:
+    """``(module, "A" | "B")`` of a LoRA tensor name, ``None`` for any other tensor."""
+    m = _LORA.match(name)
+    return (m["module"], m["which"]) if m else None
+
+
 def _base_name(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 

@@ -33,6 +33,7 @@ class MergeOptions:
     trust_remote_code: bool = False
     verify_replicas: bool = False
     overwrite: bool = False
+    hf_model_path: str | None = None  # original HF model folder: config/tokenizer when the checkpoint has none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
