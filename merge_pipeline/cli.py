@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("local_dir", type=Path)
     inspect.add_argument("--backend", choices=BACKENDS, default="auto")
     inspect.add_argument("--trust-remote-code", action="store_true")
+    inspect.add_argument("--hf_model_path", "--hf-model-path", metavar="DIR", help="the original HF model folder, for a checkpoint with no config")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)
     return parser
@@ -145,7 +146,7 @@ def _run_test(args: argparse.Namespace) -> int:
 def _run_inspect(args: argparse.Namespace) -> int:
     from merge_pipeline.engine.inspect import describe
 
-    info = describe(args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code)
+    info = describe(args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code, hf_model_path=args.hf_model_path)
     if args.json:
         print(json.dumps(info, indent=2))
     else:

@@ -117,8 +117,8 @@ def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embed
         is_value_model = True  # as verl decides: its critic and reward roles are value models
     dist_dir = layout.dist_dir
     # An empty folder is normal: verl creates model/dist_ckpt/ even when the bridge saved HF files.
-    metadata = _read_dist_checkpoint(dist_dir) if layout.weights != HF_FORMAT and _holds_files(dist_dir) else None
-    stored = _model_tensors(metadata, dist_dir / ".metadata") if metadata else {}
+    checkpoint = _read_dist_checkpoint(dist_dir) if layout.weights != HF_FORMAT and _holds_files(dist_dir) else None
+    stored = _model_tensors(checkpoint, dist_dir / ".metadata") if checkpoint else {}
     _refuse_unexported_adapter(role_dir, layout, stored)
     if not stored:
         if layout.weights == DIST_FORMAT:
@@ -126,7 +126,7 @@ def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embed
         # The bridge's HF files (verl's default); any dist checkpoint holds optimizer and RNG state only.
         return plan_hf_safetensors(role_dir, layout.hf_dir, is_value_model=is_value_model, hf_model_path=hf_model_path, layout=layout.describe())
     model_config = load_model_config(layout.hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path)
-    return _plan_dist_checkpoint(role_dir, layout, metadata, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding)
+    return _plan_dist_checkpoint(role_dir, layout, checkpoint, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding)
 
 
 # Megatron LoRA parameters: Megatron-Bridge's ``.adapter.linear_in/out``, or ``lora_`` names.
@@ -156,7 +156,7 @@ def _holds_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
-def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, metadata: Metadata, stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, is_value_model: bool | None, tie_word_embedding: bool | None) -> CheckpointPlan:
+def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, checkpoint: _DistCheckpoint, stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, is_value_model: bool | None, tie_word_embedding: bool | None) -> CheckpointPlan:
     dist_dir = layout.dist_dir
     metadata_path = dist_dir / ".metadata"
     shapes = {k: tuple(v.size) for k, v in stored.items()}
@@ -166,11 +166,16 @@ def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, metadata: Meta
     tied = bool(text.get("tie_word_embeddings", False)) if tie_word_embedding is None else tie_word_embedding
     if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
         raise MergeError(metadata_path, f"no {lm}output_layer.weight and {config_path.name} does not tie word embeddings (pass --tie-word-embedding if they are tied)")
-    specs = KeyMapper(shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path).outputs()
+    try:
+        specs = KeyMapper(shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path).outputs()
+    except MergeError as exc:
+        if checkpoint.key_prefix and exc.path == metadata_path:  # name the layout the keys came from
+            raise MergeError(exc.path, f"Megatron-FSDP checkpoint (one DCP of DTensors): {exc.problem}") from None
+        raise
 
     files: dict[str, SourceFile] = {}
     try:
-        tensors = {key: _locate(dist_dir, key, stored[key], metadata, files) for key in sorted({p.key for s in specs for p in s.pieces})}
+        tensors = {key: _locate(dist_dir, key, stored[key], checkpoint, files) for key in sorted({p.key for s in specs for p in s.pieces})}
         planned = [_planned(spec, tensors) for spec in specs]
         if value_model and f"{lm}output_layer.bias" not in shapes:
             planned.append(_zero_score_bias(tensors[f"{lm}output_layer.weight"].dtype))
@@ -179,7 +184,7 @@ def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, metadata: Meta
             f.close()
         raise
     planned.sort(key=lambda t: _natural_key(t.name))
-    facts = {**layout.describe(), **_layout(role_dir, tensors.values(), files, tied)}
+    facts = {**layout.describe(), **_layout(role_dir, checkpoint, tensors.values(), files, tied)}
     return CheckpointPlan("megatron", role_dir, layout.hf_dir, planned, list(files.values()), is_value_model=value_model, layout=facts)
 
 
@@ -211,17 +216,38 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
 
 
-def _read_dist_checkpoint(dist_dir: Path) -> Metadata:
+@dataclass(frozen=True)
+class _DistCheckpoint:
+    metadata: Metadata
+    backend: str  # for inspect and the manifest
+    key_prefix: str  # in front of every model key in the DCP (Megatron-FSDP nests them under "model")
+
+
+# Megatron-FSDP saves the model state dict under "model" with plain torch DCP (no metadata.json),
+# beside the optimizer ("optimizer.") and RNG state ("rng_state.") in the same checkpoint.
+_MEGATRON_FSDP_PREFIX = "model."
+
+
+def _read_dist_checkpoint(dist_dir: Path) -> _DistCheckpoint:
+    if not (dist_dir / "metadata.json").is_file() and (dist_dir / ".metadata").is_file():
+        metadata = read_dcp_metadata(dist_dir / ".metadata")
+        if any(key.startswith(_MEGATRON_FSDP_PREFIX) for key in metadata.state_dict_metadata):
+            return _DistCheckpoint(metadata, "megatron_fsdp (torch DCP of DTensors)", _MEGATRON_FSDP_PREFIX)
     _check_backend(dist_dir / "metadata.json")
-    return read_dcp_metadata(dist_dir / ".metadata")
+    return _DistCheckpoint(read_dcp_metadata(dist_dir / ".metadata"), "torch_dist", "")
 
 
-def _model_tensors(metadata: Metadata, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
-    """Model weights only: not optimizer state, not ``_extra_state`` / RNG byte entries."""
-    stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)}
+def _model_tensors(checkpoint: _DistCheckpoint, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
+    """Model weights only, by their Megatron names: not optimizer state, not ``_extra_state`` / RNG entries."""
+    prefix = checkpoint.key_prefix
+    stored = {
+        k.removeprefix(prefix): v
+        for k, v in checkpoint.metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)
+    }
     for key, meta in stored.items():
         if not tuple(meta.size):
-            raise MergeError(metadata_path, f"{key}: a scalar tensor is not a model weight")
+            raise MergeError(metadata_path, f"{prefix}{key}: a scalar tensor is not a model weight")
     return stored
 
 
@@ -306,13 +332,14 @@ class _FileRange(io.RawIOBase):
         return n
 
 
-def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, metadata: Metadata, files: dict[str, SourceFile]) -> _StoredTensor:
+def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, checkpoint: _DistCheckpoint, files: dict[str, SourceFile]) -> _StoredTensor:
     metadata_path = dist_dir / ".metadata"
+    metadata = checkpoint.metadata
     shape, dtype = tuple(meta.size), meta.properties.dtype
     _check_tiling(key, shape, meta.chunks, metadata_path)
     chunks = []
     for chunk in meta.chunks:
-        info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        info = metadata.storage_data.get(MetadataIndex(checkpoint.key_prefix + key, chunk.offsets))
         if info is None:
             raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
         if getattr(info, "transform_descriptors", None):
@@ -443,7 +470,7 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _layout(role_dir: Path, tensors: Iterable[_StoredTensor], files: dict[str, SourceFile], tied: bool) -> dict:
+def _layout(role_dir: Path, checkpoint: _DistCheckpoint, tensors: Iterable[_StoredTensor], files: dict[str, SourceFile], tied: bool) -> dict:
     """Facts for ``inspect`` and the manifest (language model only); parallel sizes from
     transformer_config.json when present."""
     tensors = [t for t in tensors if not t.key.startswith("vision_model.")]
@@ -456,7 +483,7 @@ def _layout(role_dir: Path, tensors: Iterable[_StoredTensor], files: dict[str, S
     layers = {int(m[1]) for t in tensors for m in [re.search(r"decoder\.layers\.(\d+)\.", t.key)] if m}
     stacked = [t.shape[0] for t in tensors if re.search(r"(^|\.)decoder\.layers\.[a-z]", t.key)]
     return {
-        "sharded_backend": "torch_dist",
+        "sharded_backend": checkpoint.backend,
         **parallel,
         "num_layers": max(stacked + [max(layers) + 1 if layers else 0]),
         "layer_keys": "per-layer" if layers else "stacked",

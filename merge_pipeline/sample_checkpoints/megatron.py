@@ -199,9 +199,13 @@ def _dist_dir(role_dir: Path, v: Variant, layout: str) -> Path:
 
 
 def _run_megatron_job(root: Path, dist_dirs: dict[Variant, Path], timeout: float) -> None:
-    root.mkdir(parents=True, exist_ok=True)
     entries = [{"variant": dataclasses.asdict(v), "out_dir": str(root / v.name), "dist_dir": str(dist_dir)} for v, dist_dir in dist_dirs.items()]
-    job = {"timeout": int(timeout), "variants": entries}
+    run_torchrun_job(root, "merge_pipeline.sample_checkpoints.megatron_worker", {"timeout": int(timeout), "variants": entries}, nproc=2, timeout=timeout)
+
+
+def run_torchrun_job(root: Path, module: str, job: dict, *, nproc: int, timeout: float) -> None:
+    """``torchrun -m module JOB.json`` on ``nproc`` local ranks; its log is ``root/megatron_job.log``."""
+    root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch, socket.socket() as probe:
         job_path = Path(scratch) / "job.json"
         job_path.write_text(json.dumps(job))
@@ -209,8 +213,8 @@ def _run_megatron_job(root: Path, dist_dirs: dict[Variant, Path], timeout: float
         port = probe.getsockname()[1]
         probe.close()
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(port), "-m", "merge_pipeline.sample_checkpoints.megatron_worker", str(job_path),
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(port), "-m", module, str(job_path),
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
         log_path = root / "megatron_job.log"
