@@ -9,6 +9,7 @@ import pickle
 import shutil
 import struct
 import time
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -22,6 +23,7 @@ from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import new_checkpoint_sensor
 from merge_pipeline.sample_checkpoints.megatron import LORA_ALPHA, LORA_R, LORA_TARGETS, arrange_v2, sample_tokens, write_bridge_weights
+from merge_pipeline_tests.dagster.helpers import materialize
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 
@@ -253,12 +255,21 @@ def test_adapter_only_as_megatron_shards_is_refused(v2, fresh_megatron, tmp_path
     assert line.startswith(f"error: {legacy.role_dir / 'adapter_checkpoint'}: ") and "cannot be converted exactly" in line
 
 
-def test_unsupported_adapter_settings_are_named(v2, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("change", "culprit", "problem"),
+    [
+        ({"use_dora": True}, "adapter_config.json", "use_dora=True is not supported"),
+        ({"r": 8}, "adapter_model.safetensors", "shape (4, 64), expected (8, 64) for r=8"),
+    ],
+    ids=["dora", "rank"],
+)
+def test_an_adapter_we_cannot_merge_exactly_is_named(v2, tmp_path, capsys, change, culprit, problem):
     sample = v2("qwen2_tp2", "bridge_peft")
-    config_path = sample.role_dir / "model" / "huggingface" / "adapter" / "adapter_config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "use_dora": True}))
+    adapter_dir = sample.role_dir / "model" / "huggingface" / "adapter"
+    config_path = adapter_dir / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **change}))
     line = one_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.reference_dir)
-    assert line.startswith(f"error: {config_path}: use_dora=True is not supported")
+    assert line.startswith(f"error: {adapter_dir / culprit}: ") and problem in line
 
 
 # ---- item 4: Megatron-FSDP ---------------------------------------------------------------------
@@ -312,7 +323,7 @@ def test_qwen2_moe_without_shared_expert_loads_with_nothing_missing(megatron_sam
 # ---- item 6: the sensor ------------------------------------------------------------------------
 
 
-def test_sensor_waits_for_the_manifest_then_merges(v2, tmp_path):
+def test_sensor_waits_for_the_manifest_then_the_assets_merge(v2, tmp_path):
     sample = v2("qwen2_tp2", "bridge")
     root = tmp_path / "checkpoints"
     role_dir = root / "run" / "global_step_3" / "actor"
@@ -333,4 +344,6 @@ def test_sensor_waits_for_the_manifest_then_merges(v2, tmp_path):
         manifest.write_bytes(kept)
         tick = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources={"settings": settings}))
         assert [r.partition_key for r in tick.run_requests] == ["run/global_step_3/actor"]
-    assert completeness(role_dir, 3, settle_seconds=3600).complete
+        result = materialize(instance, settings, "run/global_step_3/actor")
+        assert result.success
+    assert_bit_exact(Path(settings.output_root) / "run" / "global_step_3" / "actor", sample.reference_dir)
