@@ -33,8 +33,8 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--use_cpu_initialization", action="store_true", help="accepted for verl compatibility; merging always runs on CPU")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="output dtype (default auto: keep the stored dtype)")
     parser.add_argument("--merge-lora", action="store_true", help="fold LoRA into the base weights instead of writing lora_adapter/")
+    parser.add_argument("--hf_model_path", "--hf-model-path", metavar="DIR", help="the original HF model folder (the trainer's model.path): config, tokenizer and LoRA base weights when the checkpoint holds none")
     parser.add_argument("--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes")
-    parser.add_argument("--hf_model_path", "--hf-model-path", dest="hf_model_path", metavar="DIR", help="original HF model folder (the trainer's model.path): base weights for a LoRA-only checkpoint")
 
 
 def _hub_flags(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("local_dir", type=Path)
     inspect.add_argument("--backend", choices=BACKENDS, default="auto")
     inspect.add_argument("--trust-remote-code", action="store_true")
+    inspect.add_argument("--hf_model_path", "--hf-model-path", metavar="DIR", help="the original HF model folder, for a checkpoint with no config")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)
     return parser
@@ -91,7 +92,7 @@ def _options(args: argparse.Namespace, **extra) -> MergeOptions:
         is_value_model=args.is_value_model,
         trust_remote_code=args.trust_remote_code,
         verify_replicas=args.verify_replicas,
-        hf_model_path=str(args.hf_model_path) if args.hf_model_path else None,
+        hf_model_path=args.hf_model_path,
         **extra,
     )
 
@@ -148,7 +149,7 @@ def _run_test(args: argparse.Namespace) -> int:
 def _run_inspect(args: argparse.Namespace) -> int:
     from merge_pipeline.engine.inspect import describe
 
-    info = describe(args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code)
+    info = describe(args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code, hf_model_path=args.hf_model_path)
     if args.json:
         print(json.dumps(info, indent=2))
     else:

@@ -20,6 +20,8 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.fsdp import MODEL_FILE
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_MANIFEST = "ckpt_contents.json"  # verl's Megatron layout v2: rank 0 writes it last, atomically
+_MEGATRON_V2_FOLDERS = ("model/dist_ckpt", "model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt")
 MAX_DEPTH = 3  # a global_step_<N> folder sits at most this many levels below a watched root
 
 
@@ -76,14 +78,20 @@ def locate(key: CheckpointKey, roots: Sequence[Path]) -> Path:
 
 
 def completeness(role_dir: Path, step: int, settle_seconds: float, *, now: float | None = None) -> Completeness:
-    """Complete when the tracker beside ``global_step_<N>`` says >= N, or nothing under it changed for the settle time."""
+    """Complete when verl's Megatron manifest is there, when the tracker beside ``global_step_<N>``
+    says >= N, or when nothing under the role folder changed for the settle time."""
     newest = newest_change(role_dir)
     if newest is None:
         return Completeness(False, "no files yet", None)
+    if (role_dir / MEGATRON_MANIFEST).is_file():
+        return Completeness(True, f"{MEGATRON_MANIFEST} present (verl writes it last)", newest)
     step_dir = role_dir if STEP_DIR.match(role_dir.name) else role_dir.parent
     latest = read_tracker(step_dir.parent / TRACKER)
     if latest is not None and latest >= step:
         return Completeness(True, f"{TRACKER} says {latest} >= {step}", newest)
+    if any((role_dir / folder).is_dir() for folder in _MEGATRON_V2_FOLDERS):
+        # A quiet folder proves nothing here: the bridge may gather weights for minutes before writing.
+        return Completeness(False, f"Megatron layout v2 without {MEGATRON_MANIFEST}: verl writes it last, the save is not finished", newest)
     age = (time.time() if now is None else now) - newest
     says = f"{TRACKER} says {latest}" if latest is not None else f"no {TRACKER}"
     if age >= settle_seconds:

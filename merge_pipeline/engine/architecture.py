@@ -8,6 +8,8 @@ and we apply the same reversal.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.core_model_loading import revert_weight_conversion
 
-from merge_pipeline.engine.plan import PlannedTensor
+from merge_pipeline.engine.plan import Computed, PlannedTensor
 from merge_pipeline.errors import MergeError
 
 
@@ -71,8 +73,10 @@ def _model_class(config, config_path: Path, *, value_model: bool, trust_remote_c
 def check_plan_against_architecture(plan_tensors: Iterable[PlannedTensor], expected: ExpectedTensors, config_path: Path) -> None:
     """Every planned tensor must be one the architecture holds, with its shape, and every expected
     tensor must be planned (a tied duplicate may be left out). One ``MergeError`` lists all problems."""
+    plan_tensors = list(plan_tensors)
     planned = {t.name: t.shape for t in plan_tensors}
     optional = {name for group in expected.tied_groups if group & planned.keys() for name in group}
+    optional |= {t.name for t in inert_absent_tensors(plan_tensors, expected)}
     unexpected = sorted(set(planned) - set(expected))
     missing = sorted(set(expected) - set(planned) - optional)
     mismatched = [f"{name} {planned[name]} vs {expected[name]}" for name in sorted(set(planned) & set(expected)) if tuple(planned[name]) != tuple(expected[name])]
@@ -83,3 +87,27 @@ def check_plan_against_architecture(plan_tensors: Iterable[PlannedTensor], expec
             problems.append(f"{len(names)} {label}: {shown}")
     if problems:
         raise MergeError(config_path, "checkpoint does not match the architecture: " + "; ".join(problems))
+
+
+def inert_absent_tensors(plan_tensors: Iterable[PlannedTensor], expected: ExpectedTensors) -> list[PlannedTensor]:
+    """Expected tensors the checkpoint has no key for because they cannot change the output, planned
+    as zeros so that ``from_pretrained`` finds every tensor it expects (it reports a zero-element
+    one as missing too).
+
+    These are tensors with zero elements (Qwen2-MoE with ``shared_expert_intermediate_size: 0``
+    has a shared expert of width 0) and the gate of such a zero-width shared expert: Megatron
+    builds neither, and the gate only scales that branch's output, which is always 0.
+    """
+    plan_tensors = list(plan_tensors)
+    planned = {t.name for t in plan_tensors}
+    absent = {name: shape for name, shape in expected.items() if name not in planned}
+    inert = {name: shape for name, shape in absent.items() if math.prod(shape) == 0}
+    for name, shape in absent.items():
+        branch = name.removesuffix("_gate.weight") + "."
+        if name.endswith(".shared_expert_gate.weight") and all(math.prod(s) == 0 for n, s in expected.items() if n.startswith(branch)):
+            inert[name] = shape
+    numel = Counter()
+    for t in plan_tensors:
+        numel[t.dtype] += t.numel
+    dtype = numel.most_common(1)[0][0] if numel else torch.float32
+    return [PlannedTensor(name, shape, dtype, Computed(lambda shape=shape: torch.zeros(shape, dtype=dtype))) for name, shape in sorted(inert.items())]

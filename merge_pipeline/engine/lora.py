@@ -147,6 +147,12 @@ def _check_lora_shapes(module: str, weight: PlannedTensor | None, a: PlannedTens
         raise MergeError(where, f"LoRA module {module}: lora_B {b.shape} @ lora_A {a.shape} does not fit the base weight {weight.shape} (A is r x in, B is out x r)")
 
 
+def lora_module(name: str) -> tuple[str, str] | None:
+    """``(module, "A" | "B")`` of a LoRA tensor name, ``None`` for any other tensor."""
+    m = _LORA.match(name)
+    return (m["module"], m["which"]) if m else None
+
+
 def _base_name(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 

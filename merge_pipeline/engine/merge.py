@@ -66,20 +66,24 @@ def peak_rss_bytes() -> int:
 
 def prepare(local_dir: str | Path, options: MergeOptions, backend: str = "auto") -> tuple[CheckpointPlan, ModelConfig, OutputLayout]:
     """Open and validate the checkpoint and decide every output file, reading no tensor data."""
-    plan = open_checkpoint(local_dir, backend, verify_replicas=options.verify_replicas, is_value_model=options.is_value_model, tie_word_embedding=options.tie_word_embedding, trust_remote_code=options.trust_remote_code)
+    plan = open_checkpoint(local_dir, backend, verify_replicas=options.verify_replicas, is_value_model=options.is_value_model, tie_word_embedding=options.tie_word_embedding, trust_remote_code=options.trust_remote_code, hf_model_path=options.hf_model_path)
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path))
-        config = load_model_config(plan.hf_dir, trust_remote_code=options.trust_remote_code, role_dir=plan.role_dir)
+        config = load_model_config(plan.hf_dir, trust_remote_code=options.trust_remote_code, role_dir=plan.role_dir, hf_model_path=options.hf_model_path)
         layout = plan_outputs(plan, config, options)
         if plan.names_mapped:
             # Imported here: the module imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
-            from merge_pipeline.engine.architecture import check_plan_against_architecture, expected_tensors
+            from merge_pipeline.engine.architecture import check_plan_against_architecture, expected_tensors, inert_absent_tensors
 
             # Names we mapped: key set and every shape against the architecture config.json
             # describes, so nothing is dropped silently and nothing the model needs is left out.
             # (FSDP names are the model's own keys; the check would cost seconds for nothing.)
             expected = expected_tensors(config.path.parent, value_model=layout.is_value_model, trust_remote_code=options.trust_remote_code)
+            inert = inert_absent_tensors([t.planned for shard in layout.shards for t in shard.tensors], expected)
+            if inert:  # e.g. a zero-width shared expert: written too, so from_pretrained misses nothing
+                plan.tensors.extend(inert)
+                layout = plan_outputs(plan, config, options)
             check_plan_against_architecture([t.planned for shard in layout.shards for t in shard.tensors], expected, config.path)
     except BaseException:
         plan.close()

@@ -1,10 +1,16 @@
-"""Plan a role folder whose weights are already Hugging Face safetensors in ``huggingface/``.
+"""Plan a role folder whose weights are already Hugging Face safetensors.
 
-verl's Megatron default saves the model this way (``dist_ckpt/`` then holds only optimizer and RNG
-state); the NeMo-Automodel engine saves consolidated HF safetensors in ``<role>/model/``; the base
-model of a LoRA-only checkpoint is an HF folder too. Nothing needs converting: each tensor is one
-byte range of a safetensors file, found by reading the file headers only. The headers and the index are checked, since a bad one would
-otherwise become a bad output.
+verl's Megatron bridge (the default) saves the model this way, in ``model/huggingface/`` (layout v2)
+or ``huggingface/`` (v1): one ``model.safetensors`` without an index, or shards with one. The
+NeMo-Automodel engine saves consolidated HF safetensors in ``<role>/model/``; the base model of a
+LoRA-only checkpoint is an HF folder too. Nothing needs converting: each tensor is one byte range of
+a safetensors file, found by reading the file headers only. The headers and the index are checked,
+since a bad one would otherwise become a bad output.
+
+With LoRA the bridge exports a PEFT adapter to ``adapter/`` beside (or instead of) the base
+weights; the base then comes from the original model (``--hf_model_path``), which LoRA training
+leaves unchanged. The plan names tensors as a PEFT-wrapped model does, so the engine writes base
+weights plus ``lora_adapter/``, or merges them, exactly as for FSDP.
 """
 
 from __future__ import annotations
@@ -14,71 +20,142 @@ import math
 import struct
 from pathlib import Path
 
-from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, PlannedTensor, SourceFile, StoredBytes
+from merge_pipeline.engine.lora import PEFT_PREFIX, lora_module
+from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, LoraInfo, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.engine.safetensors_writer import SAFETENSORS_DTYPES
 from merge_pipeline.errors import MergeError
 from merge_pipeline.json_files import read_json_object
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+ADAPTER_DIR = "adapter"  # verl: model/huggingface/adapter/, Megatron-Bridge's PEFT export
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The safetensors format caps the header at 100 MB; a larger length field means a damaged file.
 _MAX_HEADER = 100_000_000
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-
-
-def plan_hf_safetensors(role_dir: Path, *, is_value_model: bool | None = None, weights_dir: Path | None = None, backend: str = "megatron") -> CheckpointPlan:
-    """``weights_dir``: where the weights and config are (default ``<role_dir>/huggingface``)."""
-    role_dir = Path(role_dir)
-    hf_dir = weights_dir or role_dir / "huggingface"
-    if not has_hf_weights(hf_dir):
-        raise MergeError(hf_dir, f"no model weights: no model tensors in {role_dir.name}/dist_ckpt and no {SINGLE_FILE} or {INDEX} here")
-    planned, files = read_hf_weights(hf_dir)
-    names = {t.name for t in planned}
-    value_model = "score.weight" in names
-    if is_value_model and not value_model:
-        for f in files:
-            f.close()
-        raise MergeError(hf_dir, "value model requested but the weights have no score.weight")
-    layout = {
-        "weights": "huggingface safetensors",
-        "files": len(files),
-        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in planned}),
-    }
-    return CheckpointPlan(backend, role_dir, hf_dir, planned, files, is_value_model=value_model, layout=layout)
 
 
 def has_hf_weights(hf_dir: Path) -> bool:
     return (hf_dir / INDEX).is_file() or (hf_dir / SINGLE_FILE).is_file()
 
 
-def read_hf_weights(hf_dir: Path) -> tuple[list[PlannedTensor], list[SourceFile]]:
-    """Every tensor of an HF folder's safetensors weights (one file, or shards with an index), from the headers."""
-    index_path = hf_dir / INDEX
-    if index_path.is_file():
-        weight_map = _read_index(index_path)
-        filenames = sorted(set(weight_map.values()))
-    elif (hf_dir / SINGLE_FILE).is_file():
-        weight_map = None
-        filenames = [SINGLE_FILE]
-    else:
-        raise MergeError(hf_dir, f"no model weights: no {SINGLE_FILE} or {INDEX} here")
+def plan_hf_safetensors(role_dir: Path, hf_dir: Path, *, is_value_model: bool | None = None, hf_model_path: str | Path | None = None, layout: dict | None = None, backend: str = "megatron") -> CheckpointPlan:
+    """Plan the safetensors weights in ``hf_dir`` (plus a PEFT adapter in ``hf_dir/adapter``)."""
+    role_dir, hf_dir = Path(role_dir), Path(hf_dir)
+    adapter_dir = hf_dir / ADAPTER_DIR
+    lora = adapter_dir / ADAPTER_CONFIG if (adapter_dir / ADAPTER_CONFIG).is_file() else None
+    weights_dir = hf_dir
+    if not has_hf_weights(hf_dir):
+        if lora is None:
+            raise MergeError(hf_dir, f"no model weights: no {SINGLE_FILE} or {INDEX} here and no model tensors in the checkpoint's dist_ckpt")
+        if hf_model_path is None:
+            raise MergeError(hf_dir, f"holds a LoRA adapter ({ADAPTER_DIR}/) but no base weights: pass --hf_model_path with the original model folder")
+        weights_dir = Path(hf_model_path)
+        if not has_hf_weights(weights_dir):
+            raise MergeError(weights_dir, f"--hf_model_path has no {SINGLE_FILE} or {INDEX}: the LoRA base weights must be safetensors")
 
     files: list[SourceFile] = []
-    planned: list[PlannedTensor] = []
     try:
-        for filename in filenames:
-            path = hf_dir / filename
-            if not path.is_file():
-                raise MergeError(path, f"missing: {INDEX} lists tensors in it")
-            file = SourceFile(path)
-            files.append(file)
-            planned.extend(_header_tensors(file))
-        _check_names(planned, weight_map, index_path)
+        planned = _plan_weight_files(weights_dir, files)
+        info = None
+        if lora is not None:
+            info, adapter = _plan_adapter(lora, files)
+            planned = _peft_names(planned, adapter, info, lora)
+        names = {t.name for t in planned}
+        value_model = "score.weight" in names or f"{PEFT_PREFIX}score.weight" in names
+        if is_value_model and not value_model:
+            raise MergeError(hf_dir, "value model requested but the weights have no score.weight")
     except BaseException:
         for f in files:
             f.close()
         raise
-    return planned, files
+    facts = {
+        **(layout or {}),
+        "weights": "huggingface safetensors",
+        "files": len(files),
+        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in planned}),
+    }
+    if lora is not None:
+        facts["lora_adapter"] = str(lora.parent)
+        facts["base_weights"] = str(weights_dir)
+    return CheckpointPlan(backend, role_dir, hf_dir, planned, files, is_value_model=value_model, lora=info, layout=facts)
+
+
+def read_hf_weights(folder: Path) -> tuple[list[PlannedTensor], list[SourceFile]]:
+    """Every tensor of an HF folder's safetensors weights (one file, or shards with an index), from the headers."""
+    if not has_hf_weights(folder):
+        raise MergeError(folder, f"no model weights: no {SINGLE_FILE} or {INDEX} here")
+    files: list[SourceFile] = []
+    try:
+        return _plan_weight_files(folder, files), files
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+
+
+def _plan_weight_files(folder: Path, files: list[SourceFile]) -> list[PlannedTensor]:
+    index_path = folder / INDEX
+    weight_map = _read_index(index_path) if index_path.is_file() else None
+    planned: list[PlannedTensor] = []
+    for filename in sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]:
+        path = folder / filename
+        if not path.is_file():
+            raise MergeError(path, f"missing: {INDEX} lists tensors in it")
+        file = SourceFile(path)
+        files.append(file)
+        planned.extend(_header_tensors(file))
+    _check_names(planned, weight_map, index_path)
+    return planned
+
+
+# PEFT settings that change what an adapter computes beyond W + (alpha / r) * B @ A.
+_UNSUPPORTED_LORA = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "bias", "modules_to_save")
+
+
+def _plan_adapter(config_path: Path, files: list[SourceFile]) -> tuple[LoraInfo, list[PlannedTensor]]:
+    config = read_json_object(config_path)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise MergeError(config_path, f"peft_type {config.get('peft_type')!r}: only LoRA adapters can be merged")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise MergeError(config_path, f"needs a positive integer r and a number lora_alpha, found r={r!r}, lora_alpha={alpha!r}")
+    for key in _UNSUPPORTED_LORA:
+        if config.get(key) and config.get(key) != "none":
+            raise MergeError(config_path, f"{key}={config[key]!r} is not supported: only plain LoRA (W + lora_alpha / r * B @ A) merges exactly")
+    weights = config_path.parent / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise MergeError(weights, f"missing: {ADAPTER_CONFIG} is beside it but the adapter weights are not")
+    file = SourceFile(weights)
+    files.append(file)
+    return LoraInfo(r, alpha, config.get("task_type") or "CAUSAL_LM"), _header_tensors(file)
+
+
+def _peft_names(base: list[PlannedTensor], adapter: list[PlannedTensor], info: LoraInfo, config_path: Path) -> list[PlannedTensor]:
+    """Name base and adapter tensors as a PEFT-wrapped model's state dict does; check that each
+    adapter pair fits the weight it adapts (A: r x in, B: out x r)."""
+    shapes = {t.name: t.shape for t in base}
+    weights_file = config_path.parent / ADAPTER_WEIGHTS
+    targets = set()
+    for t in adapter:
+        found = lora_module(t.name)
+        if found is None or not found[0].startswith(PEFT_PREFIX):
+            raise MergeError(weights_file, f"{t.name} is not a PEFT LoRA tensor name ({PEFT_PREFIX}<module>.lora_A/B.weight)")
+        module, which = found[0].removeprefix(PEFT_PREFIX), found[1]
+        base_shape = shapes.get(f"{module}.weight")
+        if base_shape is None or len(base_shape) != 2:
+            raise MergeError(weights_file, f"{t.name}: the base weights have no 2-D {module}.weight")
+        expected = (info.r, base_shape[1]) if which == "A" else (base_shape[0], info.r)
+        if tuple(t.shape) != expected:
+            raise MergeError(weights_file, f"{t.name}: shape {tuple(t.shape)}, expected {expected} for r={info.r} and {module}.weight {tuple(base_shape)}")
+        targets.add(module)
+    renamed = []
+    for t in base:
+        module = t.name.removesuffix(".weight")
+        name = f"{PEFT_PREFIX}{module}.base_layer.weight" if module in targets and t.name.endswith(".weight") else PEFT_PREFIX + t.name
+        renamed.append(PlannedTensor(name, t.shape, t.dtype, t.source))
+    return renamed + adapter
 
 
 def _read_index(path: Path) -> dict[str, str]:

@@ -1,14 +1,17 @@
 """Plan the merge of a Megatron-Core role folder from checkpoint metadata alone.
 
-verl writes ``<role>/dist_ckpt/`` (a torch.distributed.checkpoint folder, backend ``torch_dist``) and
-``<role>/huggingface/config.json``. The DCP ``.metadata`` gives every tensor's global shape and
-dtype and, per saved chunk, which ``.distcp`` file holds it at which offset. Each chunk is a
-``torch.save`` archive whose pickle we read onto the meta device to find where its raw bytes start.
-That is enough to describe every HF tensor as file ranges: no Megatron model, no process group, no
-GPU, and no tensor data read at planning time.
+verl writes the model either as Megatron-Core shards (a torch.distributed.checkpoint folder, backend
+``torch_dist``) or, with its bridge (the default), as Hugging Face safetensors. Where each lives
+depends on the layout schema (``find_layout``):
 
-When ``dist_ckpt/`` holds no model tensors (verl's default saves them as HF safetensors in
-``huggingface/``), the plan comes from those files instead (``formats/hf.py``).
+    v2 (verl 0.9): <role>/ckpt_contents.json says where; model/dist_ckpt/, model/huggingface/
+    v1 (legacy):   <role>/dist_ckpt/, <role>/huggingface/
+
+The DCP ``.metadata`` gives every tensor's global shape and dtype and, per saved chunk, which
+``.distcp`` file holds it at which offset. Each chunk is a ``torch.save`` archive whose pickle we read
+onto the meta device to find where its raw bytes start. That is enough to describe every HF tensor
+as file ranges: no Megatron model, no process group, no GPU, and no tensor data read at planning time.
+HF safetensors weights are planned by ``formats/hf.py``.
 """
 
 from __future__ import annotations
@@ -29,35 +32,132 @@ from merge_pipeline.engine.hf_config import load_model_config
 from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
 from merge_pipeline.json_files import read_json_object
-from merge_pipeline.formats.hf import plan_hf_safetensors
+from merge_pipeline.formats.hf import ADAPTER_CONFIG, ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.megatron_names import KeyMapper, OutputSpec, Piece, model_shape
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
 
-DIST_DIR = "dist_ckpt"
+MANIFEST = "ckpt_contents.json"
+VALUE_ROLES = ("critic", "reward")
+DIST_FORMAT, HF_FORMAT = "megatron_dist_checkpoint", "huggingface"
 # Tensors that are training state, not model weights.
 _NOT_MODEL = re.compile(r"^optimizer\.|\._extra_state")
 
 
-def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embedding: bool | None, trust_remote_code: bool) -> CheckpointPlan:
+@dataclass(frozen=True)
+class MegatronLayout:
+    """Where one role folder keeps its model weights and its Hugging Face files."""
+
+    schema: str  # "v2" (ckpt_contents.json), "v2 without ckpt_contents.json", "v1"
+    weights: str | None  # DIST_FORMAT or HF_FORMAT as the manifest states it; None: probe dist_dir, then hf_dir
+    dist_dir: Path  # Megatron-Core shards, when weights are (or may be) there
+    hf_dir: Path  # config, tokenizer; the weights too when they are HF files
+    role: str  # as the manifest records it, else the role folder's name
+
+    def describe(self) -> dict:
+        return {"layout_schema": self.schema, "model_weights": str(self.dist_dir if self.weights == DIST_FORMAT else self.hf_dir)}
+
+
+def is_megatron_dir(role_dir: Path) -> bool:
+    """A folder verl's Megatron checkpoint manager wrote, in any layout schema."""
+    v2 = (role_dir / MANIFEST).is_file() or (role_dir / "model" / "dist_ckpt").is_dir() or (role_dir / "model" / "huggingface").is_dir()
+    return v2 or (role_dir / "dist_ckpt").is_dir() or any((role_dir / "huggingface").glob("*.safetensors"))
+
+
+def find_layout(role_dir: Path) -> MegatronLayout:
+    """Read ``ckpt_contents.json`` when present; otherwise recognise v2 by its ``model/`` folder."""
+    manifest = role_dir / MANIFEST
+    if manifest.is_file():
+        return _layout_from_manifest(role_dir, manifest)
+    if (role_dir / "model" / "dist_ckpt").is_dir() or (role_dir / "model" / "huggingface").is_dir():
+        return MegatronLayout("v2 without ckpt_contents.json", None, role_dir / "model" / "dist_ckpt", role_dir / "model" / "huggingface", role_dir.name)
+    return MegatronLayout("v1", None, role_dir / "dist_ckpt", role_dir / "huggingface", role_dir.name)
+
+
+def _layout_from_manifest(role_dir: Path, manifest: Path) -> MegatronLayout:
+    data = read_json_object(manifest)
+    if data.get("schema_version") != 2:
+        raise MergeError(manifest, f"schema_version {data.get('schema_version')!r}: only verl's layout schema 2 is known")
+    contents = data.get("contents")
+    model = contents.get("model") if isinstance(contents, dict) else None
+    if not isinstance(model, dict):
+        raise MergeError(manifest, f"no contents.model entry: this checkpoint saved no model weights (save_contents {data.get('save_contents')})")
+    weights = model.get("format")
+    if weights not in (DIST_FORMAT, HF_FORMAT):
+        raise MergeError(manifest, f"contents.model.format {weights!r} is not {DIST_FORMAT!r} or {HF_FORMAT!r}")
+    model_dir = _manifest_path(role_dir, manifest, "model", model)
+    hf_config = contents.get("hf_config")
+    if weights == HF_FORMAT:
+        hf_dir = model_dir
+    elif isinstance(hf_config, dict):
+        hf_dir = _manifest_path(role_dir, manifest, "hf_config", hf_config)
+    else:  # shards only, no HF export: there may be no config at all (then --hf_model_path)
+        hf_dir = role_dir / "model" / "huggingface"
+    role = data.get("role") if isinstance(data.get("role"), str) else role_dir.name
+    return MegatronLayout("v2", weights, model_dir if weights == DIST_FORMAT else role_dir / "model" / "dist_ckpt", hf_dir, role)
+
+
+def _manifest_path(role_dir: Path, manifest: Path, name: str, entry: dict) -> Path:
+    relative = entry.get("path")
+    if not isinstance(relative, str) or not relative or Path(relative).is_absolute() or ".." in Path(relative).parts:
+        raise MergeError(manifest, f"contents.{name}.path {relative!r} is not a folder inside the checkpoint")
+    return role_dir / relative
+
+
+def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embedding: bool | None, trust_remote_code: bool, hf_model_path: str | Path | None = None) -> CheckpointPlan:
     """Describe every HF tensor of a Megatron role folder; ``MergeError`` naming the file on bad input.
 
     ``is_value_model`` / ``tie_word_embedding``: ``None`` means decide from the checkpoint
     (``output_layer`` of one row) and from config.json (``tie_word_embeddings``).
-    ``trust_remote_code`` lets transformers read a remote-code config.
+    ``trust_remote_code`` lets transformers read a remote-code config; ``hf_model_path`` is the
+    original model folder, for the config when the checkpoint has none.
     """
     role_dir = Path(role_dir)
-    model_config = load_model_config(role_dir / "huggingface", trust_remote_code=trust_remote_code, role_dir=role_dir)
-    dist_dir = role_dir / DIST_DIR
-    metadata = _read_dist_checkpoint(dist_dir) if dist_dir.is_dir() else None
-    stored = _model_tensors(metadata, dist_dir / ".metadata") if metadata else {}
+    layout = find_layout(role_dir)
+    if is_value_model is None and layout.role in VALUE_ROLES:
+        is_value_model = True  # as verl decides: its critic and reward roles are value models
+    dist_dir = layout.dist_dir
+    # An empty folder is normal: verl creates model/dist_ckpt/ even when the bridge saved HF files.
+    checkpoint = _read_dist_checkpoint(dist_dir) if layout.weights != HF_FORMAT and _holds_files(dist_dir) else None
+    stored = _model_tensors(checkpoint, dist_dir / ".metadata") if checkpoint else {}
+    _refuse_unexported_adapter(role_dir, layout, stored)
     if not stored:
-        # verl's default: dist_ckpt/ holds optimizer and RNG state only; the weights are HF files.
-        return plan_hf_safetensors(role_dir, is_value_model=is_value_model)
-    return _plan_dist_checkpoint(role_dir, metadata, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding)
+        if layout.weights == DIST_FORMAT:
+            raise MergeError(dist_dir, f"{MANIFEST} says the model weights are here, but it holds no model tensors")
+        # The bridge's HF files (verl's default); any dist checkpoint holds optimizer and RNG state only.
+        return plan_hf_safetensors(role_dir, layout.hf_dir, is_value_model=is_value_model, hf_model_path=hf_model_path, layout=layout.describe())
+    model_config = load_model_config(layout.hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path)
+    return _plan_dist_checkpoint(role_dir, layout, checkpoint, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding)
 
 
-def _plan_dist_checkpoint(role_dir: Path, metadata: Metadata, stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, is_value_model: bool | None, tie_word_embedding: bool | None) -> CheckpointPlan:
-    dist_dir = role_dir / DIST_DIR
+# Megatron LoRA parameters: Megatron-Bridge's ``.adapter.linear_in/out``, or ``lora_`` names.
+_ADAPTER_KEY = re.compile(r"\.adapter\.|(^|\.)lora_")
+
+
+def _refuse_unexported_adapter(role_dir: Path, layout: MegatronLayout, stored: dict) -> None:
+    """A LoRA adapter kept only as Megatron shards cannot be converted exactly: the shards do not
+    record lora_alpha (the scale) nor which HF modules a fused projection's adapter maps to."""
+    if (layout.hf_dir / ADAPTER_DIR / ADAPTER_CONFIG).is_file():
+        return
+    where = None
+    if (role_dir / "adapter_checkpoint").is_dir():
+        where = role_dir / "adapter_checkpoint"
+    elif any(_ADAPTER_KEY.search(key) for key in stored) or (layout.weights == HF_FORMAT and _manifest_says_peft(role_dir)):
+        where = layout.dist_dir
+    if where is not None:
+        raise MergeError(where, f"holds a LoRA adapter only as Megatron shards and there is no PEFT export in {layout.hf_dir.relative_to(role_dir)}/{ADAPTER_DIR}/: lora_alpha and the target modules are not recorded, so it cannot be converted exactly (export it with verl's bridge, or merge a checkpoint saved with it)")
+
+
+def _manifest_says_peft(role_dir: Path) -> bool:
+    backend = read_json_object(role_dir / MANIFEST).get("backend")
+    return isinstance(backend, dict) and backend.get("peft") is True
+
+
+def _holds_files(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, checkpoint: _DistCheckpoint, stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, is_value_model: bool | None, tie_word_embedding: bool | None) -> CheckpointPlan:
+    dist_dir = layout.dist_dir
     metadata_path = dist_dir / ".metadata"
     shapes = {k: tuple(v.size) for k, v in stored.items()}
     text = config.get("text_config") or config
@@ -66,11 +166,16 @@ def _plan_dist_checkpoint(role_dir: Path, metadata: Metadata, stored: dict[str, 
     tied = bool(text.get("tie_word_embeddings", False)) if tie_word_embedding is None else tie_word_embedding
     if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
         raise MergeError(metadata_path, f"no {lm}output_layer.weight and {config_path.name} does not tie word embeddings (pass --tie-word-embedding if they are tied)")
-    specs = KeyMapper(shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path).outputs()
+    try:
+        specs = KeyMapper(shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path).outputs()
+    except MergeError as exc:
+        if checkpoint.key_prefix and exc.path == metadata_path:  # name the layout the keys came from
+            raise MergeError(exc.path, f"Megatron-FSDP checkpoint (one DCP of DTensors): {exc.problem}") from None
+        raise
 
     files: dict[str, SourceFile] = {}
     try:
-        tensors = {key: _locate(dist_dir, key, stored[key], metadata, files) for key in sorted({p.key for s in specs for p in s.pieces})}
+        tensors = {key: _locate(dist_dir, key, stored[key], checkpoint, files) for key in sorted({p.key for s in specs for p in s.pieces})}
         _check_no_shared_bytes(tensors.values(), dist_dir / ".metadata")
         planned = [_planned(spec, tensors) for spec in specs]
         if value_model and f"{lm}output_layer.bias" not in shapes:
@@ -80,8 +185,8 @@ def _plan_dist_checkpoint(role_dir: Path, metadata: Metadata, stored: dict[str, 
             f.close()
         raise
     planned.sort(key=lambda t: _natural_key(t.name))
-    layout = _layout(dist_dir, tensors.values(), files, tied)
-    return CheckpointPlan("megatron", role_dir, role_dir / "huggingface", planned, list(files.values()), is_value_model=value_model, layout=layout)
+    facts = {**layout.describe(), **_layout(role_dir, checkpoint, tensors.values(), files, tied)}
+    return CheckpointPlan("megatron", role_dir, layout.hf_dir, planned, list(files.values()), is_value_model=value_model, layout=facts)
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -112,17 +217,38 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
 
 
-def _read_dist_checkpoint(dist_dir: Path) -> Metadata:
+@dataclass(frozen=True)
+class _DistCheckpoint:
+    metadata: Metadata
+    backend: str  # for inspect and the manifest
+    key_prefix: str  # in front of every model key in the DCP (Megatron-FSDP nests them under "model")
+
+
+# Megatron-FSDP saves the model state dict under "model" with plain torch DCP (no metadata.json),
+# beside the optimizer ("optimizer.") and RNG state ("rng_state.") in the same checkpoint.
+_MEGATRON_FSDP_PREFIX = "model."
+
+
+def _read_dist_checkpoint(dist_dir: Path) -> _DistCheckpoint:
+    if not (dist_dir / "metadata.json").is_file() and (dist_dir / ".metadata").is_file():
+        metadata = read_dcp_metadata(dist_dir / ".metadata")
+        if any(key.startswith(_MEGATRON_FSDP_PREFIX) for key in metadata.state_dict_metadata):
+            return _DistCheckpoint(metadata, "megatron_fsdp (torch DCP of DTensors)", _MEGATRON_FSDP_PREFIX)
     _check_backend(dist_dir / "metadata.json")
-    return read_dcp_metadata(dist_dir / ".metadata")
+    return _DistCheckpoint(read_dcp_metadata(dist_dir / ".metadata"), "torch_dist", "")
 
 
-def _model_tensors(metadata: Metadata, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
-    """Model weights only: not optimizer state, not ``_extra_state`` / RNG byte entries."""
-    stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)}
+def _model_tensors(checkpoint: _DistCheckpoint, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
+    """Model weights only, by their Megatron names: not optimizer state, not ``_extra_state`` / RNG entries."""
+    prefix = checkpoint.key_prefix
+    stored = {
+        k.removeprefix(prefix): v
+        for k, v in checkpoint.metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)
+    }
     for key, meta in stored.items():
         if not tuple(meta.size):
-            raise MergeError(metadata_path, f"{key}: a scalar tensor is not a model weight")
+            raise MergeError(metadata_path, f"{prefix}{key}: a scalar tensor is not a model weight")
     return stored
 
 
@@ -207,13 +333,14 @@ class _FileRange(io.RawIOBase):
         return n
 
 
-def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, metadata: Metadata, files: dict[str, SourceFile]) -> _StoredTensor:
+def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, checkpoint: _DistCheckpoint, files: dict[str, SourceFile]) -> _StoredTensor:
     metadata_path = dist_dir / ".metadata"
+    metadata = checkpoint.metadata
     shape, dtype = tuple(meta.size), meta.properties.dtype
     _check_tiling(key, shape, meta.chunks, metadata_path)
     chunks = []
     for chunk in meta.chunks:
-        info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        info = metadata.storage_data.get(MetadataIndex(checkpoint.key_prefix + key, chunk.offsets))
         if info is None:
             raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
         if getattr(info, "transform_descriptors", None):
@@ -382,12 +509,12 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _layout(dist_dir: Path, tensors: Iterable[_StoredTensor], files: dict[str, SourceFile], tied: bool) -> dict:
+def _layout(role_dir: Path, checkpoint: _DistCheckpoint, tensors: Iterable[_StoredTensor], files: dict[str, SourceFile], tied: bool) -> dict:
     """Facts for ``inspect`` and the manifest (language model only); parallel sizes from
     transformer_config.json when present."""
     tensors = [t for t in tensors if not t.key.startswith("vision_model.")]
     parallel = {}
-    transformer_config = dist_dir.parent / "transformer_config.json"
+    transformer_config = role_dir / "transformer_config.json"
     if transformer_config.is_file():
         settings = read_json_object(transformer_config)
         names = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
@@ -395,7 +522,7 @@ def _layout(dist_dir: Path, tensors: Iterable[_StoredTensor], files: dict[str, S
     layers = {int(m[1]) for t in tensors for m in [re.search(r"decoder\.layers\.(\d+)\.", t.key)] if m}
     stacked = [t.shape[0] for t in tensors if re.search(r"(^|\.)decoder\.layers\.[a-z]", t.key)]
     return {
-        "sharded_backend": "torch_dist",
+        "sharded_backend": checkpoint.backend,
         **parallel,
         "num_layers": max(stacked + [max(layers) + 1 if layers else 0]),
         "layer_keys": "per-layer" if layers else "stacked",

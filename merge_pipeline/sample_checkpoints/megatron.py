@@ -6,6 +6,12 @@
     <out>/<variant>/reference/                model.safetensors + config.json: what a merge must produce
     <out>/<variant>/megatron_logits.pt        megatron-core's own forward on ``sample_tokens()``
 
+That is verl's legacy layout (schema v1). ``layout="v2"`` writes what verl 0.9 writes instead
+(``ckpt_contents.json``, ``model/dist_ckpt/``, ``model/huggingface/``, ``optimizer/``, ``extra/``): with
+``use_dist_checkpointing`` (megatron-core shards, and then no HF files in the checkpoint at all: the
+config and tokenizer are in ``<out>/<variant>/hf_model/``, the trainer's original model folder), or
+with the bridge for ``hf_weights`` variants. ``arrange_v2`` copies a v1 sample into any v2 mode.
+
 Most variants are written by megatron-core itself (``megatron_worker``, two ranks under torchrun, gloo,
 CPU). Layouts it cannot write on CPU are written with ``torch.distributed.checkpoint.save`` directly,
 with the key names and shapes of the real format: multi-latent attention (its core attention needs
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import struct
 import os
 import re
 import signal
@@ -30,7 +38,7 @@ import tempfile
 import warnings
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +51,8 @@ SIZE_PRESETS = {
     "tiny": _TINY,
     # ~247M parameters: the benchmark model (benchmarks/megatron_probe.py).
     "250m": {**_TINY, "layers": 12, "hidden": 1024, "heads": 16, "kv_heads": 16, "head_dim": 64, "ffn": 3584, "vocab": 32000},
+    # Qwen2-MoE with shared_expert_intermediate_size 0: megatron-core builds no shared expert.
+    "tiny_no_shared_expert": {**_TINY, "shared_ffn": 0},
 }
 # DeepSeek-V3 (multi-latent attention): layer 0 dense, layer 1 MoE.
 MLA_SIZES = dict(layers=2, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, shared_experts=1)
@@ -111,6 +121,7 @@ VARIANTS = {
         Variant("deepseek_v3_mla", "deepseek_v3"),
         Variant("qwen2_5_vl", "qwen2_5_vl"),
         Variant("qwen2_hf_weights", "qwen2", hf_weights=True),
+        Variant("qwen2_moe_no_shared_expert", "qwen2_moe", logits=True, size="tiny_no_shared_expert"),
     )
 }
 
@@ -120,6 +131,7 @@ class MegatronSample:
     variant: Variant
     role_dir: Path
     reference_dir: Path
+    original_dir: Path | None = None  # the trainer's model.path (config, tokenizer), when the checkpoint has none
 
     @property
     def logits_path(self) -> Path:
@@ -138,38 +150,62 @@ def sample_tokens() -> torch.Tensor:
     return torch.tensor([3, 17, 42, 5, 99, 64, 7, 120, 33, 8, 71, 2])
 
 
-def write_megatron_samples(root: Path, variants: Iterable[Variant], *, timeout: float = 600) -> dict[str, MegatronSample]:
+def write_megatron_samples(root: Path, variants: Iterable[Variant], *, timeout: float = 600, layout: str = "v1") -> dict[str, MegatronSample]:
     """Write each variant under ``root/<name>``; megatron-core variants share one torchrun job."""
     variants = list(variants)
     samples = {v.name: MegatronSample(v, root / v.name / "actor", root / v.name / "reference") for v in variants}
+    dist_dirs = {v.name: _dist_dir(samples[v.name].role_dir, v, layout) for v in variants}
     written = [v for v in variants if not v.handmade]
     if written:
-        _run_megatron_job(root, written, timeout)
+        _run_megatron_job(root, {v: dist_dirs[v.name] for v in written}, timeout)
     for v in variants:
         sample = samples[v.name]
         full = _handmade_weights(v) if v.handmade else _gathered_weights(root / v.name)
         if v.handmade:
-            _write_handmade(sample, full)
+            _write_handmade(v, dist_dirs[v.name], full)
         config = _hf_config(v)
-        hf_dir = sample.role_dir / "huggingface"
+        if layout == "v1":
+            hf_dir = sample.role_dir / "huggingface"
+        elif v.hf_weights:
+            hf_dir = sample.role_dir / "model" / "huggingface"
+        else:  # use_dist_checkpointing without hf_model: verl writes no HF files into the checkpoint
+            hf_dir = root / v.name / "hf_model"
+            samples[v.name] = replace(sample, original_dir=hf_dir)
         config.save_pretrained(hf_dir)
         if v.family == "qwen2":
             from merge_pipeline.sample_checkpoints.tokenizer import write_tokenizer
 
             write_tokenizer(hf_dir, vocab_size=v.sizes["vocab"])
         reference = reference_weights(full, v)
-        if v.hf_weights:
-            _write_hf_weights(hf_dir, reference)
         _write_reference(sample.reference_dir, config, reference, v)
+        if layout == "v1":
+            if v.hf_weights:
+                _write_hf_weights(hf_dir, reference)
+            continue
+        if v.hf_weights:
+            write_bridge_weights(sample.reference_dir, hf_dir)
+        _finish_v2(sample.role_dir, "bridge" if v.hf_weights else "dist", v)
     return samples
+
+
+def _dist_dir(role_dir: Path, v: Variant, layout: str) -> Path:
+    if layout == "v1":
+        return role_dir / "dist_ckpt"
+    # v2: the optimizer state of a bridge save goes to optimizer/dist_ckpt; model/dist_ckpt stays empty.
+    return role_dir / ("optimizer" if v.hf_weights else "model") / "dist_ckpt"
 
 
 # ---- megatron-core job ---------------------------------------------------------------------------
 
 
-def _run_megatron_job(root: Path, variants: list[Variant], timeout: float) -> None:
+def _run_megatron_job(root: Path, dist_dirs: dict[Variant, Path], timeout: float) -> None:
+    entries = [{"variant": dataclasses.asdict(v), "out_dir": str(root / v.name), "dist_dir": str(dist_dir)} for v, dist_dir in dist_dirs.items()]
+    run_torchrun_job(root, "merge_pipeline.sample_checkpoints.megatron_worker", {"timeout": int(timeout), "variants": entries}, nproc=2, timeout=timeout)
+
+
+def run_torchrun_job(root: Path, module: str, job: dict, *, nproc: int, timeout: float) -> None:
+    """``torchrun -m module JOB.json`` on ``nproc`` local ranks; its log is ``root/megatron_job.log``."""
     root.mkdir(parents=True, exist_ok=True)
-    job = {"timeout": int(timeout), "variants": [{"variant": dataclasses.asdict(v), "out_dir": str(root / v.name)} for v in variants]}
     with tempfile.TemporaryDirectory() as scratch, socket.socket() as probe:
         job_path = Path(scratch) / "job.json"
         job_path.write_text(json.dumps(job))
@@ -177,8 +213,8 @@ def _run_megatron_job(root: Path, variants: list[Variant], timeout: float) -> No
         port = probe.getsockname()[1]
         probe.close()
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(port), "-m", "merge_pipeline.sample_checkpoints.megatron_worker", str(job_path),
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(port), "-m", module, str(job_path),
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
         log_path = root / "megatron_job.log"
@@ -361,13 +397,12 @@ def _vision_shapes(s: dict) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _write_handmade(sample: MegatronSample, full: dict[str, torch.Tensor]) -> None:
+def _write_handmade(v: Variant, dist_dir: Path, full: dict[str, torch.Tensor]) -> None:
     """A torch_dist folder as megatron-core lays it out, written by DCP without a process group."""
     import torch.distributed.checkpoint as dcp
 
-    dist_dir = sample.role_dir / "dist_ckpt"
     dist_dir.mkdir(parents=True, exist_ok=True)
-    if sample.variant.hf_weights:
+    if v.hf_weights:
         # Optimizer state only: Adam moments under megatron's "optimizer.state." keys.
         state = {f"optimizer.state.{kind}.{key}": torch.zeros_like(t, dtype=torch.float32) for key, t in full.items() for kind in ("exp_avg", "exp_avg_sq")}
     else:
@@ -378,6 +413,142 @@ def _write_handmade(sample: MegatronSample, full: dict[str, torch.Tensor]) -> No
     torch.save({}, dist_dir / "common.pt")
     backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
     (dist_dir / "metadata.json").write_text(json.dumps(backend))
+
+
+# ---- verl's layout schema v2 --------------------------------------------------------------------
+
+# mode -> (has_bridge, use_dist_checkpointing, peft, save_contents), the settings verl 0.9 saves under
+V2_MODES = {
+    "bridge": (True, False, False, ["model", "optimizer", "extra"]),  # verl's default
+    "dist": (False, True, False, ["model", "optimizer", "extra"]),
+    "hybrid": (True, True, False, ["model", "hf_model", "optimizer", "extra"]),
+    "bridge_peft": (True, False, True, ["model", "optimizer", "extra"]),
+}
+V2_HF, V2_DIST, V2_OPTIMIZER, V2_EXTRA = "model/huggingface", "model/dist_ckpt", "optimizer/dist_ckpt", "extra/dist_ckpt"
+
+
+def verl_manifest(mode: str, *, role: str, arch: str, global_step: int = 1, world_size: int = 2) -> dict:
+    """``ckpt_contents.json`` as verl 0.9.1's MegatronCheckpointManager composes it for ``mode``."""
+    bridge, dist, peft, save_contents = V2_MODES[mode]
+    hf_weights = "hf_model" in save_contents or ("model" in save_contents and not dist)
+    dist_weights = "model" in save_contents and dist
+    contents: dict[str, dict] = {}
+    if hf_weights:
+        model = {"path": V2_HF, "format": "huggingface", "backend": "mbridge"}
+        if peft:
+            model["peft_adapter_path"] = f"{V2_HF}/adapter"
+        if not dist_weights:
+            contents["model"] = model
+        if "hf_model" in save_contents:
+            # verl's note is a one-element tuple (a trailing comma), so JSON has a list
+            note = "HF export alongside Megatron model shards under model/dist_ckpt/" if dist_weights else "deduplicated with 'model' on the HF path"
+            contents["hf_model"] = {"path": V2_HF, "format": "huggingface", "note": [note]}
+    if dist_weights:
+        contents["model"] = {"path": V2_DIST, "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
+    if hf_weights and peft:
+        contents["peft_adapters"] = {"path": V2_DIST, "format": "megatron_dist_checkpoint", "note": "PEFT adapter shards sit next to base-model HF weights, under model/dist_ckpt/."}
+    if "optimizer" in save_contents:
+        contents["optimizer"] = {"path": V2_OPTIMIZER, "format": "megatron_dist_checkpoint"}
+        contents["lr_scheduler"] = {"path": V2_OPTIMIZER, "format": "megatron_dist_checkpoint", "key": "lr_scheduler"}
+    if "extra" in save_contents:
+        contents["rng_state"] = {"path": V2_EXTRA, "format": "megatron_dist_checkpoint", "key": "rng_state"}
+        contents["transformer_config"] = {"path": "transformer_config.json", "format": "json"}
+    directories = {}
+    if hf_weights:
+        contents["hf_config"] = {"path": V2_HF, "format": "huggingface", "note": "config.json, tokenizer, and optional generation_config.json"}
+        contents["tokenizer"] = {"path": V2_HF, "format": "huggingface"}
+        directories[V2_HF] = "HuggingFace-format artifacts written via mbridge: model weights, config.json, tokenizer files, and optional generation_config.json."
+    if dist_weights or (hf_weights and peft):
+        directories[V2_DIST] = "Megatron dist_checkpointing shards for model weights (or PEFT adapter shards when mbridge is enabled)."
+    if "optimizer" in save_contents:
+        directories[V2_OPTIMIZER] = "Megatron dist_checkpointing shards for the optimizer state (includes lr_scheduler when present)."
+    if "extra" in save_contents:
+        directories[V2_EXTRA] = "Megatron dist_checkpointing shards for extra state (rng_state)."
+    return {
+        "schema_version": 2, "framework": "megatron", "role": role, "arch": arch, "global_step": global_step, "world_size": world_size,
+        "backend": {"has_bridge": bridge, "use_dist_checkpointing": dist, "peft": peft},
+        "save_contents": save_contents, "contents": contents, "directories": directories, "saved_any_dist_ckpt": True,
+    }
+
+
+def arrange_v2(sample: MegatronSample, role_dir: Path, mode: str) -> MegatronSample:
+    """Copy a v1 sample into the v2 tree verl writes in ``mode``; the checkpoint's HF folder doubles
+    as the trainer's original model folder (``original_dir``)."""
+    bridge, dist, peft, save_contents = V2_MODES[mode]
+    source_hf = sample.role_dir / "huggingface"
+    role_dir.mkdir(parents=True)
+    if dist:
+        shutil.copytree(sample.role_dir / "dist_ckpt", role_dir / V2_DIST)
+    if bridge:
+        hf_dir = role_dir / V2_HF
+        shutil.copytree(source_hf, hf_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+        if peft:  # Megatron-Bridge exports the adapter only; the base is the unchanged original model
+            write_peft_adapter(sample.reference_dir, hf_dir / "adapter")
+        else:
+            write_bridge_weights(sample.reference_dir, hf_dir)
+    _finish_v2(role_dir, mode, sample.variant, transformer_config=sample.role_dir / "transformer_config.json")
+    return replace(sample, role_dir=role_dir, original_dir=source_hf)
+
+
+def _finish_v2(role_dir: Path, mode: str, v: Variant, *, transformer_config: Path | None = None) -> None:
+    """The folders verl creates even when empty, transformer_config.json, and the manifest, last."""
+    for folder in (V2_DIST, V2_OPTIMIZER, V2_EXTRA):
+        (role_dir / folder).mkdir(parents=True, exist_ok=True)
+    if transformer_config is not None and transformer_config.is_file():
+        shutil.copy2(transformer_config, role_dir / "transformer_config.json")
+    manifest = verl_manifest(mode, role=role_dir.name, arch=_FAMILIES[v.family][1])
+    partial = role_dir / "ckpt_contents.json.tmp"
+    partial.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    partial.replace(role_dir / "ckpt_contents.json")
+
+
+def _reference_model(reference_dir: Path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(reference_dir)
+    return getattr(transformers, config.architectures[0]).from_pretrained(reference_dir)
+
+
+def write_bridge_weights(reference_dir: Path, hf_dir: Path) -> None:
+    """The trained weights as verl's bridge leaves them: written by transformers' ``save_pretrained``,
+    one ``model.safetensors``, no index, no ``format`` metadata in its header, mode 600."""
+    with tempfile.TemporaryDirectory() as scratch:
+        _reference_model(reference_dir).save_pretrained(scratch)
+        written = sorted(Path(scratch).glob("*.safetensors"))
+        assert [p.name for p in written] == ["model.safetensors"], written
+        path = hf_dir / "model.safetensors"
+        shutil.move(written[0], path)
+    _drop_header_metadata(path)
+    path.chmod(0o600)
+
+
+def _drop_header_metadata(path: Path) -> None:
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header.pop("__metadata__", None)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+
+
+LORA_R, LORA_ALPHA, LORA_TARGETS = 4, 8, ["q_proj", "v_proj"]
+
+
+def write_peft_adapter(reference_dir: Path, adapter_dir: Path, *, seed: int = 7) -> None:
+    """A PEFT LoRA adapter for the reference model, as the bridge exports it (``save_hf_adapter``),
+    with seeded non-zero A and B so that a merge changes every targeted weight."""
+    import peft
+
+    with warnings.catch_warnings():  # peft calls a transformers method deprecated in 5.x
+        warnings.simplefilter("ignore", FutureWarning)
+        model = peft.get_peft_model(_reference_model(reference_dir), peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(adapter_dir)
 
 
 # ---- the reference: FORMATS.md's mapping, applied to whole tensors -------------------------------
@@ -513,3 +684,20 @@ def _reference_vision(full: dict[str, torch.Tensor], dst: str) -> dict[str, torc
             out[p + f"mlp.gate_proj.{kind}"], out[p + f"mlp.up_proj.{kind}"] = gate, up
             out[p + f"mlp.down_proj.{kind}"] = full[layers + f"mlp.linear_fc2.{kind}"][i]
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m merge_pipeline.sample_checkpoints.megatron", description="Write sample Megatron-Core role folders as verl lays them out.")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS), help="repeatable; default: all")
+    parser.add_argument("--layout", choices=("v1", "v2"), default="v2", help="v2: verl 0.9 (ckpt_contents.json, model/...); v1: legacy dist_ckpt/ + huggingface/")
+    args = parser.parse_args(argv)
+    samples = write_megatron_samples(args.out, [VARIANTS[name] for name in args.variant or sorted(VARIANTS)], layout=args.layout)
+    for sample in samples.values():
+        print(f"{sample.variant.name}: {sample.role_dir}" + (f" (original model: {sample.original_dir})" if sample.original_dir else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -53,7 +53,7 @@ def _transformer_config(v: Variant):
             # Qwen2-MoE: softmax over all experts, then top-k, no renormalisation.
             moe_router_pre_softmax=v.family == "qwen2_moe",
         )
-        if v.family == "qwen2_moe":
+        if v.family == "qwen2_moe" and v.sizes["shared_ffn"]:  # 0: no shared expert at all
             moe.update(moe_shared_expert_intermediate_size=v.sizes["shared_ffn"], moe_shared_expert_gate=True)
     return TransformerConfig(
         num_layers=v.sizes["layers"],
@@ -151,7 +151,7 @@ def _forward_logits(model, out_dir: Path) -> None:
         torch.save(logits[0].float().clone(), out_dir / "megatron_logits.pt")
 
 
-def _write_variant(v: Variant, out_dir: Path) -> None:
+def _write_variant(v: Variant, out_dir: Path, dist_dir: Path) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp, expert_model_parallel_size=v.ep)
@@ -159,7 +159,7 @@ def _write_variant(v: Variant, out_dir: Path) -> None:
         model = _build_model(v, _transformer_config(v))
         full = _fill(model, v)
         role_dir = out_dir / "actor"
-        dist_checkpointing.save(model.sharded_state_dict(metadata=_metadata(v)), str(role_dir / "dist_ckpt"))
+        dist_checkpointing.save(model.sharded_state_dict(metadata=_metadata(v)), str(dist_dir))
         torch.save(full, out_dir / f"full_weights_rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0:
             _write_transformer_config(model.config, role_dir / "transformer_config.json")
@@ -171,7 +171,7 @@ def _write_variant(v: Variant, out_dir: Path) -> None:
 
 
 def _write_transformer_config(config, path: Path) -> None:
-    """verl saves the TransformerConfig beside dist_ckpt/; its plain fields are what readers use."""
+    """verl saves the TransformerConfig in the role folder; its plain fields are what readers use."""
     from dataclasses import fields
 
     plain = {f.name: getattr(config, f.name) for f in fields(config) if isinstance(getattr(config, f.name), (bool, int, float, str, type(None)))}
@@ -185,11 +185,11 @@ def main(job_path: Path) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["timeout"]))
     try:
         for entry in job["variants"]:
-            out_dir = Path(entry["out_dir"])
+            out_dir, dist_dir = Path(entry["out_dir"]), Path(entry["dist_dir"])
             if dist.get_rank() == 0:
-                (out_dir / "actor" / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+                dist_dir.mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            _write_variant(Variant(**entry["variant"]), out_dir)
+            _write_variant(Variant(**entry["variant"]), out_dir, dist_dir)
     finally:
         dist.destroy_process_group()
 

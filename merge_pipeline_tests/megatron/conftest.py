@@ -31,3 +31,21 @@ def fresh_megatron(megatron_samples, tmp_path):
         return replace(sample, role_dir=role_dir)
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def megatron_v2_sample(tmp_path_factory) -> MegatronSample:
+    """A real layout-v2 checkpoint: megatron-core writes ``model/dist_ckpt/`` directly, and, as verl
+    with ``use_dist_checkpointing`` and no ``hf_model``, the checkpoint holds no HF files at all
+    (``original_dir`` is the trainer's model folder). Read only."""
+    root = tmp_path_factory.mktemp("megatron_v2")
+    return write_megatron_samples(root, [VARIANTS["qwen2_tp2"]], timeout=600, layout="v2")["qwen2_tp2"]
+
+
+@pytest.fixture(scope="session")
+def megatron_fsdp_sample(tmp_path_factory) -> MegatronSample:
+    """verl's Megatron-FSDP layout: one DCP of uneven row-sharded DTensors (3 gloo ranks) in
+    ``model/dist_ckpt/``, no HF files in the checkpoint. Read only."""
+    from merge_pipeline.sample_checkpoints.megatron_fsdp import write_megatron_fsdp_sample
+
+    return write_megatron_fsdp_sample(tmp_path_factory.mktemp("megatron_fsdp"), world_size=3)
