@@ -140,7 +140,7 @@ def hf_model(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.M
             plan, config, layout = prepare(source["path"], options, source["backend"])
             with plan:
                 _check_staged(staging, weights["files"], layout)
-                copy_side_files(config.path.parent, staging)
+                copy_side_files(config.path.parent, staging, options.max_side_file_size)
                 manifest = finish_folder(plan, config, layout, staging, options)
             publish(staging, target, overwrite=options.overwrite)
         finally:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import contained_file
 from merge_pipeline.json_files import read_json_object
 
 CONFIG = "config.json"
@@ -49,6 +50,7 @@ def load_model_config(hf_dir: Path | None, *, trust_remote_code: bool, role_dir:
     path = (hf_dir or role_dir / "huggingface") / CONFIG
     if not path.is_file():
         raise MergeError(path, "not found: the checkpoint needs huggingface/config.json to build an HF model folder")
+    contained_file(path, role_dir)  # it is copied (rewritten) into the output, and transformers reads it
     raw = read_json_object(path)
     if "model_type" not in raw:
         raise MergeError(path, "not a transformers config (no 'model_type')")

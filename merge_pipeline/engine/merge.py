@@ -155,7 +155,7 @@ def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: Mer
     check_target(target, overwrite=options.overwrite)
     plan, config, layout = prepare(local_dir, options, backend)
     with plan, staged_output(target, overwrite=options.overwrite) as staging:
-        copy_side_files(config.path.parent, staging)
+        copy_side_files(config.path.parent, staging, options.max_side_file_size)
         report = write_weights(layout, staging, show_progress=show_progress)
         manifest = finish_folder(plan, config, layout, staging, options)
     seconds = time.monotonic() - started

@@ -19,6 +19,8 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
+# Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
+DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class MergeOptions:
     trust_remote_code: bool = False
     verify_replicas: bool = False
     overwrite: bool = False
+    max_side_file_size: str | int = DEFAULT_MAX_SIDE_FILE_SIZE  # each file copied from huggingface/
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
