@@ -23,6 +23,8 @@ def staging_path(target: Path) -> Path:
 
 def check_target(target: Path, *, overwrite: bool) -> None:
     """Refuse early, before any work, what would fail at the end."""
+    if target.is_symlink():  # replacing it would swap the link, not the folder it names: be explicit
+        raise MergeError(target, f"is a symlink (to {os.readlink(target)}): give the real folder as --target_dir")
     if target.exists() and not overwrite:
         raise MergeError(target, "already exists (pass --overwrite to replace it once the new merge is complete)")
     if target.exists() and not target.is_dir():

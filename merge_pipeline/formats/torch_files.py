@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +56,20 @@ def load_meta_state_dict(path: Path) -> dict[str, object]:
     try:
         state = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = str(exc).split("\n")[0].removeprefix("Weights only load failed. ")
-        raise MergeError(path, f"refused to unpickle (weights_only=True): {reason}") from None
+        raise MergeError(path, f"refused to unpickle (weights_only=True): {_unpickling_refusal(exc)}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, KeyError, ValueError) as exc:
         raise MergeError(path, f"unreadable torch.save file ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise MergeError(path, f"expected a state dict of name -> tensor, found {type(state).__name__}")
     return state
+
+
+def _unpickling_refusal(exc: pickle.UnpicklingError) -> str:
+    """What torch refused, without its advice paragraphs and the ANSI bold codes they carry."""
+    text = str(exc).split("\n\nCheck the documentation")[0]
+    if refused := re.search(r"GLOBAL (\S+)", text):
+        return f"the file names the global {refused.group(1)}, which is not allowed"
+    return text.rsplit("WeightsUnpickler error: ", 1)[-1].strip().split("\n\n")[-1]
 
 
 def stored_tensor(path: Path, name: str, tensor: torch.Tensor, file_size: int) -> StoredTensor:
