@@ -64,6 +64,7 @@ def test_a_stopped_rank_fails_the_other_within_the_timeout(tmp_path, fsdp_checkp
 def _wait_for_rank(run: subprocess.Popen, rank: str, timeout: float = 60) -> psutil.Process:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        assert run.poll() is None, f"torchrun ended before rank {rank} could be found: {run.stderr.read()}"
         for child in psutil.Process(run.pid).children(recursive=True):
             try:
                 if child.environ().get("RANK") == rank:

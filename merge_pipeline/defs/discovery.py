@@ -8,15 +8,17 @@ which verl writes last, after every role of step N is saved. Folders may vanish 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from merge_pipeline.defs.partitions import ROLES, STEP_DIR, CheckpointKey
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, printable
 
 TRACKER = "latest_checkpointed_iteration.txt"
+_LOOKS_LIKE_STEP = re.compile(r"global_step_\d+")  # \d: any Unicode digit, as int() reads them
 MAX_DEPTH = 3  # a global_step_<N> folder sits at most this many levels below a watched root
 
 
@@ -33,23 +35,48 @@ class Completeness:
     newest_change: float | None  # newest mtime under the role folder; None when it holds no file
 
 
-def find_checkpoints(root: Path, *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
+@dataclass
+class Scan:
+    """What a look over the watched roots found, and what it could not watch (one line each, why)."""
+
+    found: list[FoundCheckpoint] = field(default_factory=list)
+    not_watched: list[str] = field(default_factory=list)
+
+
+def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
+    """Every role folder under every root; the output root is never mistaken for a checkpoint."""
+    scan = Scan()
+    output_root = output_root.absolute()
+    for root in roots:
+        root = root.absolute()
+        if output_root.is_relative_to(root):
+            scan.not_watched.append(f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)")
+        scan.found.extend(find_checkpoints(root, scan.not_watched, skip={output_root}))
+    return scan
+
+
+def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
     """Every ``global_step_<N>/<role>`` folder at most three levels below ``root``.
 
     The run name is the trainer folder's path relative to ``root``, or ``root``'s own name when the
-    steps sit directly in it. Hidden folders and the folders in ``skip`` are not entered.
+    steps sit directly in it. Hidden folders and the folders in ``skip`` are not entered. Why a
+    folder could not be watched (the root missing or unreadable, a step folder whose name would
+    not lead back to it) is appended to ``not_watched``.
     """
     root = root.absolute()
     level = [root]
     for _ in range(MAX_DEPTH):
         deeper = []
         for folder in level:
-            for entry in _subfolders(folder):
+            for entry in _subfolders(folder, not_watched, is_root=folder == root):
                 if entry.name.startswith(".") or entry in skip:
                     continue
-                step = STEP_DIR.match(entry.name)
+                step = STEP_DIR.fullmatch(entry.name)
                 if not step:
-                    deeper.append(entry)
+                    if _LOOKS_LIKE_STEP.fullmatch(entry.name):
+                        not_watched.append(f"{printable(str(entry))}: skipped: verl names step folders global_step_<N> with ASCII digits and no leading zeros, and only such a name maps to a partition and back")
+                    else:
+                        deeper.append(entry)
                     continue
                 run_name = root.name if folder == root else folder.relative_to(root).as_posix()
                 for role in ROLES:
@@ -106,11 +133,16 @@ def newest_change(folder: Path) -> float | None:
     return newest if files else None
 
 
-def _subfolders(folder: Path) -> list[Path]:
+def _subfolders(folder: Path, not_watched: list[str], *, is_root: bool) -> list[Path]:
     try:
         with os.scandir(folder) as entries:
             return sorted(Path(e.path) for e in entries if _is_dir(e))
-    except OSError:  # gone, or not readable: nothing to watch there
+    except FileNotFoundError:  # a step folder the trainer's rotation just deleted: nothing to watch
+        if is_root:
+            not_watched.append(f"{printable(str(folder))}: the checkpoint root does not exist")
+        return []
+    except OSError as exc:  # unreadable, not a folder, a symlink loop: say so, never "no new checkpoints"
+        not_watched.append(f"{printable(str(folder))}: {'the checkpoint root' if is_root else 'folder'} cannot be read ({exc.strerror})")
         return []
 
 
