@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from merge_pipeline.engine.outputs import DTYPE_CHOICES, MergeOptions
+from merge_pipeline.engine.outputs import DEFAULT_MAX_SIDE_FILE_SIZE, DTYPE_CHOICES, MergeOptions
 from merge_pipeline.engine.progress import human_bytes
-from merge_pipeline.errors import MergeError, os_error
+from merge_pipeline.errors import MergeError, os_error, printable
 from merge_pipeline.formats import BACKENDS
 
 log = logging.getLogger("merge_pipeline")
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
     _hub_flags(merge)
     merge.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    merge.add_argument("--max-side-file-size", default=DEFAULT_MAX_SIDE_FILE_SIZE, help=f"largest file copied from huggingface/ (tokenizer, templates, ...), HF-style (default {DEFAULT_MAX_SIDE_FILE_SIZE})")
+    merge.add_argument("--dist-timeout", type=float, metavar="SECONDS", help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)")
     merge.set_defaults(run=_run_merge)
 
     test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
@@ -101,12 +104,16 @@ def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
     from merge_pipeline.engine.merge import merge_checkpoint
 
-    options = _options(args, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    merge = merge_distributed if launched_by_torchrun() else merge_checkpoint
-    result = merge(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress)
+    options = _options(args, max_shard_size=args.max_shard_size, overwrite=args.overwrite, max_side_file_size=args.max_side_file_size)
+    if launched_by_torchrun():
+        result = merge_distributed(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress, timeout_seconds=args.dist_timeout)
+    else:
+        if os.environ.get("WORLD_SIZE", "1") != "1":
+            log.warning("WORLD_SIZE=%s is set but torchrun did not start this process: merging in this one process", printable(os.environ["WORLD_SIZE"]))
+        result = merge_checkpoint(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress)
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
-    print(f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {result.target_dir} in {result.seconds:.1f} s")
+    print(f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {printable(str(result.target_dir))} in {result.seconds:.1f} s")
     if args.hf_upload_path:
         return _upload(result.target_dir, args.hf_upload_path, args)
     return 0
@@ -132,17 +139,17 @@ def _run_test(args: argparse.Namespace) -> int:
     with plan:
         result = compare_with_reference(layout, args.test_hf_dir.absolute(), atol=args.atol)
     for diff, name in result.worst:
-        print(f"  {diff:.3g}  {name}")
+        print(f"  {diff:.3g}  {printable(name)}")
     for name in result.missing:
-        print(f"missing from reference: {name}")
+        print(f"missing from reference: {printable(name)}")
     for name in result.unexpected:
-        print(f"only in reference: {name}")
+        print(f"only in reference: {printable(name)}")
     for name, what in result.mismatched:
-        print(f"MISMATCH {name}: {what}")
+        print(f"MISMATCH {printable(name)}: {what}")
     if not result.ok:
         print(f"FAILED: {len(result.mismatched)} mismatched, {len(result.missing)} missing, {len(result.unexpected)} unexpected of {result.compared} compared", file=sys.stderr)
         return EXIT_MISMATCH
-    print(f"OK: {result.compared} tensors match {args.test_hf_dir}")
+    print(f"OK: {result.compared} tensors match {printable(str(args.test_hf_dir))}")
     return 0
 
 

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,12 +25,42 @@ from merge_pipeline.errors import MergeError, os_error
 
 log = logging.getLogger("merge_pipeline")
 
-# Generous: a rank may spend a long time writing its shards between two collectives.
-COLLECTIVE_TIMEOUT = datetime.timedelta(hours=6)
+# How long a rank waits at a collective for the others before failing. It must cover the longest
+# phase one rank runs alone: rank 0 hashing the whole output for the manifest (minutes for a
+# 400B model on slow storage). A stopped, hung or dead rank fails the others within this time.
+DIST_TIMEOUT_ENV = "MERGE_PIPELINE_DIST_TIMEOUT"
+DEFAULT_DIST_TIMEOUT_SECONDS = 30 * 60
 
 
 def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True only in a rank that torchrun started (it sets TORCHELASTIC_RUN_ID), with other ranks.
+
+    WORLD_SIZE / RANK / MASTER_* left over in a plain shell must not make one process wait for
+    ranks that will never come: without torchrun's own variables the merge runs in one process.
+    """
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1"
+
+
+def dist_timeout(seconds: float | None = None) -> float:
+    """``seconds`` if given, else $MERGE_PIPELINE_DIST_TIMEOUT, else the default; always positive."""
+    if seconds is None:
+        text = os.environ.get(DIST_TIMEOUT_ENV, str(DEFAULT_DIST_TIMEOUT_SECONDS))
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise MergeError(None, f"{DIST_TIMEOUT_ENV}={text!r}: expected a number of seconds") from None
+    if not seconds > 0:
+        raise MergeError(None, f"--dist-timeout {seconds:g}: must be a positive number of seconds")
+    return seconds
+
+
+@contextlib.contextmanager
+def _peers_answer() -> Iterator[None]:
+    """Around a collective: gloo's or the rendezvous store's failure to reach a peer, as one line."""
+    try:
+        yield
+    except RuntimeError:  # DistStoreError, gloo timeouts and closed connections are all RuntimeErrors
+        raise MergeError(None, f"rank {os.environ.get('RANK', '?')}: another rank stopped answering (stopped, hung or dead) within the --dist-timeout ({DIST_TIMEOUT_ENV}); nothing was published") from None
 
 
 def assign_shards(files: list[ShardFile], world_size: int) -> list[list[ShardFile]]:
@@ -46,7 +77,8 @@ def assign_shards(files: list[ShardFile], world_size: int) -> list[list[ShardFil
 def _agree(error: str | None) -> None:
     """Collective: every rank learns whether any rank failed; all raise the first failure."""
     errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    with _peers_answer():
+        dist.all_gather_object(errors, error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
@@ -64,8 +96,9 @@ def _attempt(step) -> str | None:
 
 
 @contextlib.contextmanager
-def _process_group():
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+def _process_group(timeout_seconds: float | None):
+    with _peers_answer():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=dist_timeout(timeout_seconds)))
     try:
         yield dist.get_rank(), dist.get_world_size()
     finally:
@@ -86,7 +119,8 @@ def _write_share(layout, staging: Path, rank: int, world: int, *, show_progress:
     reports: list[WriteReport] = []
     _agree(_attempt(lambda: reports.append(write_weights(layout, staging, files=mine, show_progress=show_progress))))
     everyone: list[tuple[WriteReport, int] | None] = [None] * world
-    dist.all_gather_object(everyone, (reports[0], peak_rss_bytes()))
+    with _peers_answer():
+        dist.all_gather_object(everyone, (reports[0], peak_rss_bytes()))
     # Files in plan order, the time of the slowest rank.
     by_name = {f["filename"]: f for report, _ in everyone for f in report.files}
     whole = WriteReport([by_name[f.filename] for f in layout.files], max(report.seconds for report, _ in everyone))
@@ -97,22 +131,24 @@ def write_weights_distributed(local_dir: str | Path, backend: str, staging: Path
     """Only the weight shards into an existing staging folder, as Dagster's merged_state_dict needs.
 
     Rank 0 returns the whole report and the largest peak RSS of any rank; other ranks ``None``.
+    The wait for other ranks is $MERGE_PIPELINE_DIST_TIMEOUT (or the default).
     """
-    with _process_group() as (rank, world):
+    with _process_group(None) as (rank, world):
         plan, _, layout = _prepare_everywhere(local_dir, options, backend)
         with plan:
             written = _write_share(layout, staging, rank, world, show_progress=False)
             return written if rank == 0 else None
 
 
-def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: MergeOptions, *, backend: str = "auto", show_progress: bool = True) -> MergeResult | None:
+def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: MergeOptions, *, backend: str = "auto", show_progress: bool = True, timeout_seconds: float | None = None) -> MergeResult | None:
     """Run one rank's part of the merge; rank 0 returns the result, other ranks ``None``.
 
     The same sequence of collectives on every rank: prepared, staging ready, written, published.
+    A rank waits at most ``timeout_seconds`` (default: see ``dist_timeout``) for the others.
     """
     target = Path(target_dir).absolute()
     started = time.monotonic()
-    with _process_group() as (rank, world):
+    with _process_group(timeout_seconds) as (rank, world):
         lead = rank == 0
         plan, config, layout = _prepare_everywhere(local_dir, options, backend)
         staging = staging_path(target)
@@ -120,7 +156,7 @@ def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: Me
 
             def open_staging() -> None:
                 publishing.enter_context(staged_output(target, source=local_dir, overwrite=options.overwrite))
-                copy_side_files(config.path.parent, staging)
+                copy_side_files(config.path.parent, staging, options.max_side_file_size, confine_to=config.confine_to)
 
             _agree(_attempt(open_staging) if lead else None)
             _write_share(layout, staging, rank, world, show_progress=show_progress and lead)

@@ -8,6 +8,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\n``, ``\\x1b``, ``\\udcff``, ...).
+
+    A file name can hold a newline or a terminal escape code: printed raw it would break the
+    one-line rule, forge a line of output, or recolour the terminal. Printable text is kept as is.
+    """
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
+
+
 class MergeError(Exception):
     """A problem with the input or the target that the user must fix.
 
@@ -16,8 +25,8 @@ class MergeError(Exception):
 
     def __init__(self, path: str | Path | None, problem: str):
         self.path = Path(path) if path is not None else None
-        self.problem = " ".join(str(problem).split())  # always one line
-        super().__init__(f"{self.path}: {self.problem}" if self.path is not None else self.problem)
+        self.problem = printable(" ".join(str(problem).split()))  # always one line
+        super().__init__(f"{printable(str(self.path))}: {self.problem}" if self.path is not None else self.problem)
 
 
 def os_error(exc: OSError, path: str | Path | None = None) -> MergeError:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import open_regular
 
 
 def read_json_object(path: Path) -> dict:
+    with os.fdopen(open_regular(path), "rb") as f:
+        text = f.read()
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise MergeError(path, "file not found") from None
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError; RecursionError: nested too deep
         raise MergeError(path, f"not valid JSON ({exc})") from None
     except RecursionError:  # the decoder recurses once per nesting level
         raise MergeError(path, "JSON nested too deeply to be a config") from None

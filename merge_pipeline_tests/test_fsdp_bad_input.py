@@ -174,7 +174,7 @@ def test_checkpoint_deleted_mid_merge_still_merges_exactly(tmp_path, fsdp_checkp
     options = MergeOptions()
     plan, config, layout = prepare(sample.role_dir, options)
     with plan, staged_output(tmp_path / "out", source=sample.role_dir, overwrite=False) as staging:
-        copy_side_files(config.path.parent, staging)
+        copy_side_files(config.path.parent, staging, confine_to=config.confine_to)
         shutil.rmtree(sample.role_dir)
         write_weights(layout, staging, show_progress=False)
         finish_folder(plan, config, layout, staging, options)

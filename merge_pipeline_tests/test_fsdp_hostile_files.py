@@ -95,7 +95,7 @@ def refused_global(d):
     state = torch.load(rank_file(d), weights_only=True)
     state["payload"] = RunsShellOnUnpickle()
     torch.save(state, rank_file(d))
-    return "refused to unpickle (weights_only=True): global posix.system is not allowed"
+    return "refused to unpickle (weights_only=True): the file names the global posix.system, which is not allowed"
 
 
 CASES = [deflated, big_endian, storage_larger_than_record, absurd_stride, huge_shape, storage_dtype_disagrees, refused_global]

@@ -138,7 +138,7 @@ def hf_model(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.M
                 plan, config, layout = prepare(source["path"], options, source["backend"])
                 with plan:
                     _check_staged(locked.staging, weights["files"], layout)
-                    copy_side_files(config.path.parent, locked.staging)
+                    copy_side_files(config.path.parent, locked.staging, options.max_side_file_size, confine_to=config.confine_to)
                     manifest = finish_folder(plan, config, layout, locked.staging, options)
                 locked.publish()
             finally:

@@ -10,18 +10,20 @@ here tolerates that.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from merge_pipeline.defs.partitions import ROLES, STEP_DIR, STEP_ROLE, CheckpointKey
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.formats.fsdp import MODEL_FILE
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_MANIFEST = "ckpt_contents.json"  # verl's Megatron layout v2: rank 0 writes it last, atomically
 _MEGATRON_V2_FOLDERS = ("model/dist_ckpt", "model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt")
+_LOOKS_LIKE_STEP = re.compile(r"global_step_\d+")  # \d: any Unicode digit, as int() reads them
 MAX_DEPTH = 3  # a global_step_<N> folder sits at most this many levels below a watched root
 
 
@@ -38,23 +40,48 @@ class Completeness:
     newest_change: float | None  # newest mtime under the role folder; None when it holds no file
 
 
-def find_checkpoints(root: Path, *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
+@dataclass
+class Scan:
+    """What a look over the watched roots found, and what it could not watch (one line each, why)."""
+
+    found: list[FoundCheckpoint] = field(default_factory=list)
+    not_watched: list[str] = field(default_factory=list)
+
+
+def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
+    """Every role folder under every root; the output root is never mistaken for a checkpoint."""
+    scan = Scan()
+    output_root = output_root.absolute()
+    for root in roots:
+        root = root.absolute()
+        if output_root.is_relative_to(root):
+            scan.not_watched.append(f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)")
+        scan.found.extend(find_checkpoints(root, scan.not_watched, skip={output_root}))
+    return scan
+
+
+def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
     """Every ``global_step_<N>/<role>`` folder (or SFT ``global_step_<N>``) at most three levels below ``root``.
 
     The run name is the trainer folder's path relative to ``root``, or ``root``'s own name when the
-    steps sit directly in it. Hidden folders and the folders in ``skip`` are not entered.
+    steps sit directly in it. Hidden folders and the folders in ``skip`` are not entered. Why a
+    folder could not be watched (the root missing or unreadable, a step folder whose name would
+    not lead back to it) is appended to ``not_watched``.
     """
     root = root.absolute()
     level = [root]
     for _ in range(MAX_DEPTH):
         deeper = []
         for folder in level:
-            for entry in _subfolders(folder):
+            for entry in _subfolders(folder, not_watched, is_root=folder == root):
                 if entry.name.startswith(".") or entry in skip:
                     continue
-                step = STEP_DIR.match(entry.name)
+                step = STEP_DIR.fullmatch(entry.name)
                 if not step:
-                    deeper.append(entry)
+                    if _LOOKS_LIKE_STEP.fullmatch(entry.name):
+                        not_watched.append(f"{printable(str(entry))}: skipped: verl names step folders global_step_<N> with ASCII digits and no leading zeros, and only such a name maps to a partition and back")
+                    else:
+                        deeper.append(entry)
                     continue
                 run_name = root.name if folder == root else folder.relative_to(root).as_posix()
                 roles = [role for role in ROLES if (entry / role).is_dir()]
@@ -85,7 +112,7 @@ def completeness(role_dir: Path, step: int, settle_seconds: float, *, now: float
         return Completeness(False, "no files yet", None)
     if (role_dir / MEGATRON_MANIFEST).is_file():
         return Completeness(True, f"{MEGATRON_MANIFEST} present (verl writes it last)", newest)
-    step_dir = role_dir if STEP_DIR.match(role_dir.name) else role_dir.parent
+    step_dir = role_dir if STEP_DIR.fullmatch(role_dir.name) else role_dir.parent
     latest = read_tracker(step_dir.parent / TRACKER)
     if latest is not None and latest >= step:
         return Completeness(True, f"{TRACKER} says {latest} >= {step}", newest)
@@ -128,11 +155,16 @@ def _holds_model_files(folder: Path) -> bool:
         return False
 
 
-def _subfolders(folder: Path) -> list[Path]:
+def _subfolders(folder: Path, not_watched: list[str], *, is_root: bool) -> list[Path]:
     try:
         with os.scandir(folder) as entries:
             return sorted(Path(e.path) for e in entries if _is_dir(e))
-    except OSError:  # gone, or not readable: nothing to watch there
+    except FileNotFoundError:  # a step folder the trainer's rotation just deleted: nothing to watch
+        if is_root:
+            not_watched.append(f"{printable(str(folder))}: the checkpoint root does not exist")
+        return []
+    except OSError as exc:  # unreadable, not a folder, a symlink loop: say so, never "no new checkpoints"
+        not_watched.append(f"{printable(str(folder))}: {'the checkpoint root' if is_root else 'folder'} cannot be read ({exc.strerror})")
         return []
 
 

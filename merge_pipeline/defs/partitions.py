@@ -17,7 +17,9 @@ from merge_pipeline.errors import MergeError
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 
 ROLES = ("actor", "critic")
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Exactly what verl writes: ASCII digits, no leading zeros. Only these names round-trip through a
+# partition key (global_step_007 or global_step_٣ would parse to a step whose folder is another).
+STEP_DIR = re.compile(r"global_step_(0|[1-9][0-9]*)")  # use fullmatch: "$" would let a trailing newline in
 STEP_ROLE = "model"  # the role of a checkpoint saved in the step folder itself (SFT trainer)
 
 
@@ -41,10 +43,10 @@ class CheckpointKey:
     @classmethod
     def parse(cls, key: str) -> CheckpointKey:
         parts = key.rsplit("/", 2)
-        if len(parts) == 3 and (step := STEP_DIR.match(parts[1])) and parts[2] in ROLES and _is_run_name(parts[0]):
+        if len(parts) == 3 and (step := STEP_DIR.fullmatch(parts[1])) and parts[2] in ROLES and _is_run_name(parts[0]):
             return cls(parts[0], int(step.group(1)), parts[2])
         run_name, _, step_dir = key.rpartition("/")
-        if (step := STEP_DIR.match(step_dir)) and _is_run_name(run_name):
+        if (step := STEP_DIR.fullmatch(step_dir)) and _is_run_name(run_name):
             return cls(run_name, int(step.group(1)), STEP_ROLE)
         raise MergeError(None, f"partition key {key!r} is not <run_name>/global_step_<N>/<{'|'.join(ROLES)}> or <run_name>/global_step_<N>")
 

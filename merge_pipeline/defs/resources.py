@@ -16,7 +16,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from merge_pipeline.defs.discovery import FoundCheckpoint, find_checkpoints, locate
+from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
 
 RECORDS = ".records"  # under the output root: what each asset found, for the next one
@@ -40,10 +40,9 @@ class MergeSettings(dg.ConfigurableResource):
     def roots(self) -> list[Path]:
         return [Path(r) for r in self.checkpoint_roots]
 
-    def find_checkpoints(self) -> list[FoundCheckpoint]:
-        """Every role folder under every root; the output root is never mistaken for a checkpoint."""
-        skip = {Path(self.output_root).absolute()}
-        return [found for root in self.roots for found in find_checkpoints(root, skip=skip)]
+    def find_checkpoints(self) -> Scan:
+        """Every role folder under every root, and what could not be watched."""
+        return scan_roots(self.roots, Path(self.output_root))
 
     def role_dir(self, key: CheckpointKey) -> Path:
         return locate(key, self.roots)

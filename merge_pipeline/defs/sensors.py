@@ -4,6 +4,8 @@ Each tick lists the roots (a few directory listings, however many steps there ar
 the cursor already holds, and looks closer only at new folders: already merged -> remembered and
 skipped; complete -> a partition and a run (``run_key`` = partition key, so a run is never requested
 twice); partial -> left for a later tick. Keys whose folders the trainer deleted leave the cursor.
+What cannot be watched (a missing or unreadable root, a step folder whose name does not map to a
+partition, an output root inside a checkpoint root) is logged every tick and leads the skip reason.
 """
 
 import json
@@ -29,7 +31,10 @@ INTERVAL_SECONDS = int(os.environ.get("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS", 
 def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
     seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
     present, requests, waiting = set(), [], []
-    for found in settings.find_checkpoints():
+    scan = settings.find_checkpoints()
+    for note in scan.not_watched:
+        context.log.warning(note)
+    for found in scan.found:
         key = str(found.key)
         present.add(key)
         if key in seen:
@@ -46,6 +51,8 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
     cursor = json.dumps(sorted(seen & present))
     if not requests:
         reason = f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}" if waiting else f"no new checkpoints ({len(present)} known)"
+        if scan.not_watched:  # a missing root must not read as "nothing new"
+            reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
         return dg.SensorResult(skip_reason=reason, cursor=cursor)
     added = checkpoint_partitions.build_add_request([r.partition_key for r in requests])
     return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=[added], cursor=cursor)

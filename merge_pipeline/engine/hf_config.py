@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import contained_file
 from merge_pipeline.json_files import read_json_object
 
 CONFIG = "config.json"
@@ -19,6 +20,9 @@ class ModelConfig:
     path: Path  # the config.json read
     raw: dict  # exactly what the file says; rewritten for the output
     trust_remote_code: bool = False
+    # Files beside it must resolve inside this folder (the checkpoint's); None for the original
+    # model folder the user named with --hf_model_path (a Hub cache snapshot links into ../blobs).
+    confine_to: Path | None = None
 
     @cached_property
     def tie_word_embeddings(self) -> bool:
@@ -63,17 +67,18 @@ def load_model_config(hf_dir: Path | None, *, trust_remote_code: bool, role_dir:
             raise MergeError(path, "not found: the checkpoint needs huggingface/config.json to build an HF model folder")
         # verl writes no HF files at all when it saves Megatron shards without 'hf_model'.
         raise MergeError(path, "not found: the checkpoint holds no Hugging Face config; pass --hf_model_path with the original model folder (the trainer's model.path)")
-    config = _read_config(path, trust_remote_code)
+    contained_file(path, role_dir)  # it is copied (rewritten) into the output, and transformers reads it
+    config = _read_config(path, trust_remote_code, confine_to=role_dir)
     if original is not None:
         _check_same_model(config, _read_config(original, trust_remote_code))
     return config
 
 
-def _read_config(path: Path, trust_remote_code: bool) -> ModelConfig:
+def _read_config(path: Path, trust_remote_code: bool, *, confine_to: Path | None = None) -> ModelConfig:
     raw = read_json_object(path)
     if "model_type" not in raw:
         raise MergeError(path, "not a transformers config (no 'model_type')")
-    return ModelConfig(path, raw, trust_remote_code)
+    return ModelConfig(path, raw, trust_remote_code, confine_to)
 
 
 # What must agree between the checkpoint's config and the original model's: the architecture and

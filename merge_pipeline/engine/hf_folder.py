@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
+import os
+import re
 from pathlib import Path
 
 from merge_pipeline.engine.hf_config import CONFIG, ModelConfig, output_config
-from merge_pipeline.engine.outputs import ADAPTER_DIR, OutputLayout
+from merge_pipeline.engine.outputs import ADAPTER_DIR, DEFAULT_MAX_SIDE_FILE_SIZE, OutputLayout
+from merge_pipeline.errors import MergeError, printable
+from merge_pipeline.input_files import contained_file, open_regular
 
 log = logging.getLogger(__name__)
 
 # Weights in huggingface/ are never copied: the merged weights replace them.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
@@ -22,20 +26,45 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-def copy_side_files(hf_dir: Path, out_dir: Path) -> list[str]:
+def copy_side_files(hf_dir: Path, out_dir: Path, max_file_size: str | int = DEFAULT_MAX_SIDE_FILE_SIZE, *, confine_to: Path | None) -> list[str]:
     """Copy tokenizer / processor / chat template / generation config / remote code, as they are.
 
     Done first, so a trainer deleting the checkpoint mid-merge cannot take them away half-way.
+    Only regular files whose real path lies inside ``confine_to`` (the checkpoint's role folder) are
+    copied: any other one is refused with one line, because the merged folder may be published (a
+    symlink to /proc/self/environ would put the environment, tokens included, on the Hub).
     """
+    limit = parse_size(max_file_size, "--max-side-file-size")
     copied = []
     for src in sorted(hf_dir.iterdir()):
-        if not src.is_file() or src.name == CONFIG or src.name.endswith(_WEIGHT_SUFFIXES + _WEIGHT_INDEXES):
+        if src.name == CONFIG or src.name.endswith(_WEIGHT_SUFFIXES + _WEIGHT_INDEXES) or src.is_dir():
             continue
-        shutil.copy2(src, out_dir / src.name)
+        if confine_to is not None:
+            contained_file(src, confine_to)
+        _copy_capped(src, out_dir / src.name, limit)
         copied.append(src.name)
     if not any(name in copied for name in _TOKENIZER_FILES):
-        log.warning("%s: no tokenizer files; the merged folder will have none (none is invented)", hf_dir)
+        log.warning("%s: no tokenizer files; the merged folder will have none (none is invented)", printable(str(hf_dir)))
     return copied
+
+
+def parse_size(size: str | int, flag: str) -> int:
+    """Bytes from an int or an HF-style size ("64MB", "1.5GB"; decimal units, as --max-shard-size)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*", size, re.IGNORECASE)
+    if not match:
+        raise MergeError(None, f"{flag} {size!r}: expected a size such as 64MB or 1GB")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
+
+
+def _copy_capped(src: Path, dst: Path, limit: int) -> None:
+    """Copy a regular file of at most ``limit`` bytes."""
+    with os.fdopen(open_regular(src), "rb") as source:
+        data = source.read(limit + 1)  # never more: a file growing while we read cannot get past the limit
+    if len(data) > limit:
+        raise MergeError(src, f"is larger than the side-file limit of {limit:,} bytes: pass --max-side-file-size to raise it")
+    dst.write_bytes(data)
 
 
 def write_configs(model: ModelConfig, layout: OutputLayout, out_dir: Path) -> None:

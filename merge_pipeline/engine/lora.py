@@ -89,10 +89,9 @@ def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
         for f in files:
             f.close()
         raise
-    # The checkpoint's own config and tokenizer win; the base folder's serve when it has none.
-    hf_dir = plan.hf_dir if plan.hf_dir is not None and (plan.hf_dir / "config.json").is_file() else base_dir
+    # The config and tokenizer stay the checkpoint's; load_model_config falls back to the base folder's.
     layout = {**plan.layout, "base_model": str(base_dir)}
-    return replace(plan, hf_dir=hf_dir, tensors=renamed + plan.tensors, files=plan.files + files, names_mapped=True, layout=layout)
+    return replace(plan, tensors=renamed + plan.tensors, files=plan.files + files, names_mapped=True, layout=layout)
 
 
 def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, where) -> LoraSplit:

@@ -164,7 +164,7 @@ def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: Mer
     check_target(target, source=local_dir, overwrite=options.overwrite)
     plan, config, layout = prepare(local_dir, options, backend)
     with plan, staged_output(target, source=local_dir, overwrite=options.overwrite) as staging:
-        copy_side_files(config.path.parent, staging)
+        copy_side_files(config.path.parent, staging, options.max_side_file_size, confine_to=config.confine_to)
         report = write_weights(layout, staging, show_progress=show_progress)
         manifest = finish_folder(plan, config, layout, staging, options)
     seconds = time.monotonic() - started

@@ -21,6 +21,8 @@ WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
+# Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
+DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class MergeOptions:
     verify_replicas: bool = False
     overwrite: bool = False
     hf_model_path: str | None = None  # original HF model folder: config/tokenizer when the checkpoint has none
+    max_side_file_size: str | int = DEFAULT_MAX_SIDE_FILE_SIZE  # each file copied from huggingface/
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

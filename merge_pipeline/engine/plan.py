@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import open_regular
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
 READ_PIECE_BYTES = 16 * 1024 * 1024
@@ -31,10 +32,7 @@ class SourceFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY)
-        except OSError as exc:
-            raise MergeError(self.path, f"cannot open: {exc.strerror}") from None
+        self.fd = open_regular(self.path)  # never a FIFO or device: those would block or never end
         self.size = os.fstat(self.fd).st_size
 
     def read_into(self, buffer: memoryview, offset: int) -> None:

@@ -51,6 +51,8 @@ def lock_path(target: Path) -> Path:
 def check_target(target: Path, *, source: str | Path, overwrite: bool) -> None:
     """Refuse early, before any work, what would destroy data or fail at the end."""
     _refuse_overlap(target, Path(source))
+    if target.is_symlink():  # replacing it would swap the link, not the folder it names: be explicit
+        raise MergeError(target, f"is a symlink (to {os.readlink(target)}): give the real folder as --target_dir")
     if target.exists() and not overwrite:
         raise MergeError(target, "already exists (pass --overwrite to replace it once the new merge is complete)")
     if target.exists():

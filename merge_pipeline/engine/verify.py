@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from merge_pipeline.engine.merge import INDEX
 from merge_pipeline.engine.outputs import OutputLayout
 from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import open_regular
+from merge_pipeline.json_files import read_json_object
 
 
 @dataclass
@@ -29,18 +33,30 @@ class Comparison:
 
 def reference_files(reference_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of an HF folder (sharded or not)."""
+    if not reference_dir.is_dir():
+        raise MergeError(reference_dir, "reference folder is not a directory" if reference_dir.exists() else "reference folder does not exist")
     index = reference_dir / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise MergeError(index, f"not a safetensors index ({exc})") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise MergeError(index, "not a safetensors index: no 'weight_map' of tensor name -> file name")
         return {name: reference_dir / filename for name, filename in weight_map.items()}
     single = reference_dir / "model.safetensors"
     if not single.is_file():
         raise MergeError(reference_dir, "no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, "pt") as f:
+    with _open_reference(single) as f:
         return {name: single for name in f.keys()}
+
+
+@contextlib.contextmanager
+def _open_reference(path: Path) -> Iterator:
+    """``safe_open`` a reference file; a missing, special or unreadable one is one line naming it."""
+    os.close(open_regular(path))  # checked first: safe_open would block on a FIFO
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise MergeError(path, f"not a readable safetensors file ({exc})") from None
 
 
 def compare_with_reference(layout: OutputLayout, reference_dir: Path, *, atol: float = 0.0, worst: int = 5) -> Comparison:
@@ -51,7 +67,7 @@ def compare_with_reference(layout: OutputLayout, reference_dir: Path, *, atol: f
     result.unexpected = sorted(set(files) - set(ours))
     diffs = []
     for name in sorted(set(ours) & set(files)):
-        with safe_open(files[name], "pt") as f:
+        with _open_reference(files[name]) as f:
             reference = f.get_tensor(name)
         mine = ours[name].planned.load()
         result.compared += 1

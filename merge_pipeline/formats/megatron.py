@@ -367,10 +367,10 @@ def _chunk_file(dist_dir: Path, relative_path: object, key: str) -> Path:
         raise MergeError(metadata_path, f"{key}: chunk file name {relative_path!r:.80} is not a file name")
     relative = Path(relative_path)
     if relative.is_absolute() or ".." in relative.parts:
-        raise MergeError(metadata_path, f"{key}: chunk file {relative_path!r} lies outside {DIST_DIR}/")
+        raise MergeError(metadata_path, f"{key}: chunk file {relative_path!r} lies outside {dist_dir.name}/")
     path = dist_dir / relative
     if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(dist_dir)):
-        raise MergeError(path, f"{key}: chunk file is a symlink out of {DIST_DIR}/ (to {os.path.realpath(path)})")
+        raise MergeError(path, f"{key}: chunk file is a symlink out of {dist_dir.name}/ (to {os.path.realpath(path)})")
     return path
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import re
 import struct
@@ -28,6 +29,7 @@ from torch._weights_only_unpickler import Unpickler as WeightsOnlyUnpickler  # w
 
 from merge_pipeline.engine.plan import ByteRun, SourceFile
 from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import open_regular
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, as zipfile reads it
 _LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
@@ -60,12 +62,11 @@ logging.getLogger("torch.distributed.device_mesh").addFilter(_QuietDeviceMesh())
 
 def load_meta_state_dict(path: Path) -> dict[str, object]:
     """Unpickle a state dict safely onto the meta device; one-line ``MergeError`` on any problem."""
-    size = path.stat().st_size
-    if size == 0:
-        raise MergeError(path, "file is empty")
-    if not zipfile.is_zipfile(path):
-        raise MergeError(path, "not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)")
-    with open(path, "rb") as stream:
+    with os.fdopen(open_regular(path), "rb") as stream:  # never a FIFO or device
+        if os.fstat(stream.fileno()).st_size == 0:
+            raise MergeError(path, "file is empty")
+        if not zipfile.is_zipfile(stream):
+            raise MergeError(path, "not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)")
         state = load_meta_archive(stream, path)
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise MergeError(path, f"expected a state dict of name -> tensor, found {type(state).__name__}")
@@ -123,7 +124,7 @@ def _unpickling_problem(exc: Exception) -> str:
     message = _ANSI_ESCAPE.sub("", str(exc)).strip()
     first_line = message.splitlines()[0] if message else type(exc).__name__
     if refused := re.search(r"GLOBAL (\S+)", message):
-        return f"refused to unpickle (weights_only=True): global {refused[1].rstrip('.')} is not allowed in a checkpoint"
+        return f"refused to unpickle (weights_only=True): the file names the global {refused[1].rstrip('.')}, which is not allowed"
     if isinstance(exc, pickle.UnpicklingError):
         return f"refused to unpickle (weights_only=True): {first_line}"
     return f"unreadable torch.save pickle ({type(exc).__name__}: {first_line})"
