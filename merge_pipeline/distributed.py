@@ -101,6 +101,10 @@ def _process_group(timeout_seconds: float | None):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=dist_timeout(timeout_seconds)))
     try:
         yield dist.get_rank(), dist.get_world_size()
+        with _peers_answer():
+            # Every rank's last messages are delivered before any rank tears down its connections:
+            # without it a rank that finished first could abort a peer still reading ("terminate called").
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 

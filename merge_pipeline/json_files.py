@@ -15,7 +15,7 @@ def read_json_object(path: Path) -> dict:
         text = f.read()
     try:
         data = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError; RecursionError: nested too deep
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise MergeError(path, f"not valid JSON ({exc})") from None
     except RecursionError:  # the decoder recurses once per nesting level
         raise MergeError(path, "JSON nested too deeply to be a config") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,24 +68,20 @@ def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
         raise MergeError(base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist")
     base, files = read_hf_weights(base_dir)
     try:
-        lora_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # module -> {"A": shape, "B": shape}
+        lora_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # module (no PEFT prefix) -> {"A": shape, "B": shape}
         for t in plan.tensors:
             m = _LORA.match(t.name)
-            lora_shapes.setdefault(m["module"], {})[m["which"]] = t.shape
-        renamed = []
-        for t in base:
-            module = PEFT_PREFIX + t.name.removesuffix(".weight")
-            if module in lora_shapes and t.name.endswith(".weight"):
-                pair = lora_shapes.pop(module)
-                expected = (pair["B"][0], pair["A"][1]) if set(pair) == {"A", "B"} else None  # a lone A or B: split_lora names it
-                if expected and tuple(t.shape) != expected:
-                    raise MergeError(t.source.runs[0].file.path, f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained")
-                renamed.append(PlannedTensor(f"{module}.base_layer.weight", t.shape, t.dtype, t.source))
-            else:
-                renamed.append(PlannedTensor(PEFT_PREFIX + t.name, t.shape, t.dtype, t.source))
-        if lora_shapes:
-            missing = sorted(m.removeprefix(PEFT_PREFIX) + ".weight" for m in lora_shapes)
+            lora_shapes.setdefault(m["module"].removeprefix(PEFT_PREFIX), {})[m["which"]] = t.shape
+        by_name = {t.name: t for t in base}
+        missing = sorted(f"{module}.weight" for module in lora_shapes if f"{module}.weight" not in by_name)
+        if missing:
             raise MergeError(base_dir, f"no base weight for the LoRA target {missing[0]} ({len(missing)} missing): not the base model this run trained")
+        for module, pair in lora_shapes.items():
+            t = by_name[f"{module}.weight"]
+            expected = (pair["B"][0], pair["A"][1]) if set(pair) == {"A", "B"} else None  # a lone A or B: split_lora names it
+            if expected and tuple(t.shape) != expected:
+                raise MergeError(t.source.runs[0].file.path, f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained")
+        renamed = peft_base_names(base, lora_shapes)
     except BaseException:
         for f in files:
             f.close()
@@ -92,6 +89,17 @@ def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
     # The config and tokenizer stay the checkpoint's; load_model_config falls back to the base folder's.
     layout = {**plan.layout, "base_model": str(base_dir)}
     return replace(plan, tensors=renamed + plan.tensors, files=plan.files + files, names_mapped=True, layout=layout)
+
+
+def peft_base_names(base: list[PlannedTensor], targets: Collection[str]) -> list[PlannedTensor]:
+    """Base model tensors named as a PEFT-wrapped model's state dict names them: ``base_model.model.<name>``,
+    and ``<module>.base_layer.weight`` for each LoRA target module (``targets``: names without the prefix)."""
+    renamed = []
+    for t in base:
+        module = t.name.removesuffix(".weight")
+        name = f"{PEFT_PREFIX}{module}.base_layer.weight" if module in targets and t.name.endswith(".weight") else PEFT_PREFIX + t.name
+        renamed.append(PlannedTensor(name, t.shape, t.dtype, t.source))
+    return renamed
 
 
 def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, where) -> LoraSplit:

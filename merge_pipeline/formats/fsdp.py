@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from merge_pipeline.engine.lora import read_lora_meta
+from merge_pipeline.engine.lora import LORA_META, read_lora_meta
 from merge_pipeline.engine.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
 from merge_pipeline.json_files import read_json_object
@@ -24,7 +24,6 @@ from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dic
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
-LORA_META = "lora_train_meta.json"
 
 
 def is_fsdp_dir(role_dir: Path) -> bool:

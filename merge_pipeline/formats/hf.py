@@ -20,7 +20,7 @@ import math
 import struct
 from pathlib import Path
 
-from merge_pipeline.engine.lora import PEFT_PREFIX, lora_module
+from merge_pipeline.engine.lora import PEFT_PREFIX, lora_module, peft_base_names
 from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, LoraInfo, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.engine.safetensors_writer import SAFETENSORS_DTYPES
 from merge_pipeline.errors import MergeError
@@ -150,12 +150,7 @@ def _peft_names(base: list[PlannedTensor], adapter: list[PlannedTensor], info: L
         if tuple(t.shape) != expected:
             raise MergeError(weights_file, f"{t.name}: shape {tuple(t.shape)}, expected {expected} for r={info.r} and {module}.weight {tuple(base_shape)}")
         targets.add(module)
-    renamed = []
-    for t in base:
-        module = t.name.removesuffix(".weight")
-        name = f"{PEFT_PREFIX}{module}.base_layer.weight" if module in targets and t.name.endswith(".weight") else PEFT_PREFIX + t.name
-        renamed.append(PlannedTensor(name, t.shape, t.dtype, t.source))
-    return renamed + adapter
+    return peft_base_names(base, targets) + adapter
 
 
 def _read_index(path: Path) -> dict[str, str]:
