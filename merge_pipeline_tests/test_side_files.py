@@ -99,30 +99,11 @@ def test_symlink_inside_the_checkpoint_is_copied_as_a_file(capsys, tmp_path, fsd
 
 
 @pytest.mark.timeout(120)
-def test_fifo_side_file_is_refused_without_blocking(capsys, fsdp_checkpoint, fresh_copy, good_target):
+@pytest.mark.parametrize("name", ["huggingface/special_tokens_map.json", "model_world_size_3_rank_1.pt", "fsdp_config.json"], ids=["side_file", "rank_file", "json_file"])
+def test_fifo_is_refused_without_blocking(capsys, fsdp_checkpoint, fresh_copy, good_target, name):
     sample = fresh_copy(fsdp_checkpoint(SPEC))
-    fifo = sample.role_dir / "huggingface" / "special_tokens_map.json"
+    fifo = sample.role_dir / name
     fifo.unlink(missing_ok=True)
-    os.mkfifo(fifo)
-
-    merge_fails_cleanly(capsys, sample, good_target, fifo, "is a FIFO, not a regular file")
-
-
-@pytest.mark.timeout(120)
-def test_fifo_rank_file_is_refused_without_blocking(capsys, fsdp_checkpoint, fresh_copy, good_target):
-    sample = fresh_copy(fsdp_checkpoint(SPEC))
-    fifo = sample.role_dir / "model_world_size_3_rank_1.pt"
-    fifo.unlink()
-    os.mkfifo(fifo)
-
-    merge_fails_cleanly(capsys, sample, good_target, fifo, "is a FIFO, not a regular file")
-
-
-@pytest.mark.timeout(120)
-def test_fifo_json_file_is_refused_without_blocking(capsys, fsdp_checkpoint, fresh_copy, good_target):
-    sample = fresh_copy(fsdp_checkpoint(SPEC))
-    fifo = sample.role_dir / "fsdp_config.json"
-    fifo.unlink()
     os.mkfifo(fifo)
 
     merge_fails_cleanly(capsys, sample, good_target, fifo, "is a FIFO, not a regular file")
