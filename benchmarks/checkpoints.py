@@ -37,7 +37,7 @@ SIZES: dict[str, dict] = {
 
 # Megatron-Core (megatron-core itself writes them, TP=2 on two CPU ranks): the presets of
 # merge_pipeline.sample_checkpoints.megatron.SIZE_PRESETS.
-MEGATRON_SIZES = {"tiny": "tiny", "large": "250m"}
+MEGATRON_SIZES = {"tiny": "tiny", "large": "250m", "1.1b": "1b"}
 
 
 @dataclass(frozen=True)

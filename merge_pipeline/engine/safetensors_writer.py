@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from merge_pipeline.engine.plan import READ_PIECE_BYTES, ByteRun, Computed, PlannedTensor, SourceFile
+from merge_pipeline.engine.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
 from merge_pipeline.errors import MergeError, naming
 
 SAFETENSORS_DTYPES = {
@@ -84,191 +84,163 @@ def write_safetensors(
 ) -> int:
     """Write ``tensors`` to ``path``; return the file size. ``on_bytes`` reports progress.
 
-    A reader thread reads and casts the next pieces while this thread writes, and ``digest`` (if
-    given, e.g. ``hashlib.sha256()``) is fed every byte of the file, in order, by a third thread:
-    bytes from user-space buffers directly, kernel copies re-read from the page cache just after
-    they land. hashlib, torch casts and the system calls release the GIL, so the three overlap.
+    Three threads overlap: this one reads and casts the next pieces, a writer thread writes (or has
+    the kernel copy) the previous ones, and a hasher thread feeds ``digest`` (if given, e.g.
+    ``hashlib.sha256()``) every byte of the file in order: user-space buffers directly, kernel
+    copies re-read from the page cache just after they land. Reads, casts, writes and hashlib
+    release the GIL. Big allocations stay on this thread, so freed memory is reused (glibc gives
+    each thread its own arena) and peak RSS stays at one tensor plus a few chunks.
     """
     header = build_header(tensors)
     with naming(path):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            with _Hasher(fd, digest) as hasher, _Reader(tensors) as reader:
-                _pwrite_all(fd, memoryview(header), 0)
-                hasher.add_bytes(memoryview(header), 0)
-                position = len(header)
-                for item in reader:
-                    if isinstance(item, ByteRun):
-                        position += _copy_run(item.file, item.offset, item.length, fd, position, on_bytes, hasher)
-                    else:
-                        _pwrite_all(fd, item, position)
-                        hasher.add_bytes(item, position)
-                        position += len(item)
-                        on_bytes(len(item))
+            with _Hasher(fd, digest) as hasher:
+                with _Writer(fd, hasher, on_bytes) as writer:
+                    writer.put(memoryview(header))
+                    chunks = _Chunks()
+                    _read_ahead(tensors[:1])
+                    for index, t in enumerate(tensors):
+                        _read_ahead(tensors[index + 1 : index + 2])  # the disk reads the next tensor meanwhile
+                        produced = 0
+                        for item in _tensor_items(t, chunks):
+                            writer.put(item)
+                            produced += item.length if isinstance(item, ByteRun) else len(item)
+                        if produced != t.nbytes:
+                            raise RuntimeError(f"{t.planned.name}: source gave {produced} bytes, expected {t.nbytes}")
                 os.fsync(fd)  # while the hasher finishes the tail
-            return position
+            return writer.position
         finally:
             os.close(fd)
 
 
 # Bytes move between the threads in chunks of at most this size: large writes, bounded memory.
-_CHUNK_BYTES = 8 << 20
-# Chunks waiting between reader and writer, and between writer and hasher.
+_CHUNK_BYTES = 2 << 20
+# Items waiting for the writer, and for the hasher.
 _QUEUED = 2
-# Reader-owned buffers, reused round-robin: a buffer is refilled only after the chunk that used it
-# was hashed, since at most 2 * _QUEUED queued + 1 being written + 1 being hashed are still in use.
+# Chunk buffers, reused round-robin: one is refilled only after the chunk it held was hashed, since
+# at most 2 * _QUEUED are queued, 1 is being written and 1 hashed while the next is filled.
 _BUFFERS = 2 * _QUEUED + 3
 _END = object()
 
 
-class _Worker:
-    """A daemon thread whose exception is re-raised in the thread that reads its results."""
+class _Chunks:
+    """Casts or copies tensors into a ring of chunk buffers: a source reuses its read buffer, and a
+    built tensor (up to a whole embedding) must not stay alive while the pipeline drains."""
+
+    def __init__(self):
+        self.buffers = [torch.empty(_CHUNK_BYTES, dtype=torch.uint8) for _ in range(_BUFFERS)]
+        self.next = 0
+
+    def of(self, piece: torch.Tensor, dtype: torch.dtype):
+        piece = piece.reshape(-1)
+        per_chunk = _CHUNK_BYTES // torch.empty((), dtype=dtype).element_size()
+        for start in range(0, piece.numel(), per_chunk):
+            part = piece[start : start + per_chunk]
+            buffer = self.buffers[self.next]
+            self.next = (self.next + 1) % len(self.buffers)
+            yield memoryview(buffer.view(dtype)[: part.numel()].copy_(part).view(torch.uint8).numpy())
+
+
+def _tensor_items(t: OutputTensor, chunks: _Chunks):
+    """``t``'s bytes in order: ``ByteRun``s for the kernel to copy, or chunks of our buffers."""
+    runs = t.planned.source.byte_runs() if t.dtype == t.planned.dtype else None
+    if runs is not None:
+        yield from runs
+        return
+    for piece in t.planned.source.pieces():
+        yield from chunks.of(piece, t.dtype)
+        del piece  # a built tensor is freed before the source builds the next one
+
+
+def _read_ahead(tensors: Sequence[OutputTensor]) -> None:
+    """Ask the kernel to start reading these tensors' stored bytes into the page cache (returns at once)."""
+    for t in tensors:
+        for run in t.planned.source.byte_runs() or ():
+            os.posix_fadvise(run.file.fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
+
+
+class _Stage:
+    """A thread that handles queued items in order. Its first error is raised to the producer (on
+    its next ``put`` or at exit) and the rest of the queue is drained, so the producer never blocks."""
 
     def __init__(self, name: str):
         self.queue: queue.Queue = queue.Queue(maxsize=_QUEUED)
-        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.cancelled = False  # the producer failed: what is still queued is skipped
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def _run(self) -> None:
-        raise NotImplementedError
-
-    def _put(self, item) -> bool:
-        """Hand ``item`` on; False once the consumer gave up (then the worker stops)."""
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-
-class _Reader(_Worker):
-    """Yields, in file order, each tensor's bytes: a ``ByteRun`` for a kernel copy, else chunks."""
-
-    def __init__(self, tensors: Sequence[OutputTensor]):
-        super().__init__("merge-reader")
-        self.tensors = tensors
-        self.buffers = [torch.empty(_CHUNK_BYTES, dtype=torch.uint8) for _ in range(_BUFFERS)]
-        self.next_buffer = 0
-
-    def __enter__(self) -> _Reader:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def __iter__(self):
-        while (item := self.queue.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def _run(self) -> None:
-        try:
-            for index, t in enumerate(self.tensors):
-                if index == 0:
-                    _read_ahead(t)
-                if index + 1 < len(self.tensors):
-                    _read_ahead(self.tensors[index + 1])  # the disk reads the next tensor while we copy this one
-                produced = 0
-                for item in self._items(t):
-                    produced += item.length if isinstance(item, ByteRun) else len(item)
-                    if not self._put(item):
-                        return
-                if produced != t.nbytes:
-                    raise RuntimeError(f"{t.planned.name}: source gave {produced} bytes, expected {t.nbytes}")
-            self._put(_END)
-        except BaseException as exc:  # handed to the writer, which raises it
-            self._put(exc)
-
-    def _items(self, t: OutputTensor):
-        runs = t.planned.source.byte_runs() if t.dtype == t.planned.dtype else None
-        if runs is not None:
-            yield from runs
-            return
-        for piece in t.planned.source.pieces():
-            piece = piece.reshape(-1)
-            if piece.dtype == t.dtype and isinstance(t.planned.source, Computed):
-                # A built tensor is fresh memory (a read buffer is not): hand on views of it, no copy.
-                data = piece.view(torch.uint8).numpy()
-                for start in range(0, len(data), _CHUNK_BYTES):
-                    yield memoryview(data[start : start + _CHUNK_BYTES])
-                continue
-            # Cast (or copy out of a reused read buffer) into one of our buffers, a chunk at a time.
-            per_chunk = _CHUNK_BYTES // torch.empty((), dtype=t.dtype).element_size()
-            for start in range(0, piece.numel(), per_chunk):
-                part = piece[start : start + per_chunk]
-                buffer = self.buffers[self.next_buffer]
-                self.next_buffer = (self.next_buffer + 1) % len(self.buffers)
-                out = buffer.view(t.dtype)[: part.numel()].copy_(part)
-                yield memoryview(out.view(torch.uint8).numpy())
-
-
-def _read_ahead(t: OutputTensor) -> None:
-    """Ask the kernel to start reading ``t``'s stored bytes into the page cache (it returns at once)."""
-    for run in t.planned.source.byte_runs() or ():
-        os.posix_fadvise(run.file.fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
-
-
-class _Hasher(_Worker):
-    """Takes each written range in file order: feeds it to ``digest`` (if any), then starts its writeback."""
-
-    def __init__(self, fd: int, digest):
-        super().__init__("merge-hasher")
-        self.fd = fd
-        self.digest = digest
-        self.error: BaseException | None = None
-
-    def __enter__(self) -> _Hasher:
+    def __enter__(self):
         self.thread.start()
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:
-        if exc_type is not None:
-            self.stop.set()
-        else:
-            self.queue.put(_END)
+        self.cancelled = exc_type is not None
+        self.queue.put(_END)
         self.thread.join()
-        if self.error is not None and exc_type is None:
+        if exc_type is None and self.error is not None:
             raise self.error
 
-    def add_bytes(self, data: memoryview, position: int) -> None:
-        """Bytes written from this buffer, which stays untouched until hashed."""
-        self.queue.put((position, len(data), data))
-
-    def add_written(self, position: int, length: int) -> None:
-        """Bytes that went file to file inside the kernel: hashed from the page cache."""
-        self.queue.put((position, length, None))
+    def put(self, item) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(item)
 
     def _run(self) -> None:
-        buffer = None
-        while not self.stop.is_set():
-            try:
-                item = self.queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if item is _END:
-                return
-            if self.error is not None:
-                continue  # keep draining so the writer never blocks; the error is raised at exit
-            position, length, data = item
-            try:
-                if self.digest is not None and data is not None:
-                    self.digest.update(data)
-                elif self.digest is not None:
-                    buffer = buffer if buffer is not None else memoryview(bytearray(_CHUNK_BYTES))
-                    for start in range(0, length, _CHUNK_BYTES):
-                        view = buffer[: min(_CHUNK_BYTES, length - start)]
-                        _pread_all(self.fd, view, position + start)
-                        self.digest.update(view)
-                # On dirty pages DONTNEED only starts their writeback (Python has no sync_file_range):
-                # the disk writes while we read on, and the final fsync has little left to wait for.
-                os.posix_fadvise(self.fd, position, length, os.POSIX_FADV_DONTNEED)
-            except BaseException as exc:
-                self.error = exc
+        while (item := self.queue.get()) is not _END:
+            if self.error is None and not self.cancelled:
+                try:
+                    self.handle(item)
+                except BaseException as exc:
+                    self.error = exc
+
+    def handle(self, item) -> None:
+        raise NotImplementedError
+
+
+class _Writer(_Stage):
+    """Appends chunks (``pwrite``) and byte runs (``copy_file_range``) to the file, in order."""
+
+    def __init__(self, fd: int, hasher: _Hasher, on_bytes: Callable[[int], None]):
+        super().__init__("merge-writer")
+        self.fd, self.hasher, self.on_bytes = fd, hasher, on_bytes
+        self.position = 0
+
+    def handle(self, item) -> None:
+        if isinstance(item, ByteRun):
+            self.position += _copy_run(item.file, item.offset, item.length, self.fd, self.position, self.on_bytes, self.hasher)
+            return
+        _pwrite_all(self.fd, item, self.position)
+        self.hasher.put((self.position, len(item), item))
+        self.position += len(item)
+        self.on_bytes(len(item))
+
+
+class _Hasher(_Stage):
+    """Takes each written range in file order: feeds it to ``digest`` (if any), then starts its writeback.
+
+    Items are ``(position, length, bytes or None)``; ``None``: bytes the kernel copied, re-read here
+    from the page cache.
+    """
+
+    def __init__(self, fd: int, digest):
+        super().__init__("merge-hasher")
+        self.fd, self.digest = fd, digest
+        self.buffer: memoryview | None = None
+
+    def handle(self, item) -> None:
+        position, length, data = item
+        if self.digest is not None and data is not None:
+            self.digest.update(data)
+        elif self.digest is not None:
+            self.buffer = self.buffer or memoryview(bytearray(_CHUNK_BYTES))
+            for start in range(0, length, _CHUNK_BYTES):
+                view = self.buffer[: min(_CHUNK_BYTES, length - start)]
+                _pread_all(self.fd, view, position + start)
+                self.digest.update(view)
+        # On dirty pages DONTNEED only starts their writeback (Python has no sync_file_range):
+        # the disk writes while we read on, and the final fsync has little left to wait for.
+        os.posix_fadvise(self.fd, position, length, os.POSIX_FADV_DONTNEED)
 
 
 def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
@@ -300,7 +272,7 @@ def _copy_run(source: SourceFile, offset: int, length: int, out_fd: int, out_pos
             break
         if n == 0:
             raise MergeError(source.path, f"file ends at byte {offset + done}, expected data up to byte {offset + length}")
-        hasher.add_written(out_pos + done, n)
+        hasher.put((out_pos + done, n, None))
         done += n
         on_bytes(n)
     return done
@@ -313,7 +285,7 @@ def _copy_through_buffer(source: SourceFile, offset: int, length: int, out_fd: i
         piece = buffer[: min(len(buffer), length - done)]
         source.read_into(piece, offset + done)
         _pwrite_all(out_fd, piece, out_pos + done)
-        hasher.add_written(out_pos + done, len(piece))  # the buffer is refilled next: hash the file
+        hasher.put((out_pos + done, len(piece), None))  # the buffer is refilled next: hash from the file
         done += len(piece)
         on_bytes(len(piece))
     return done

@@ -47,7 +47,7 @@ def test_pipelined_output_and_digest_equal_the_sequential_path(fsdp_checkpoint, 
     assert digest.hexdigest() == hashlib.sha256(expected).hexdigest()
 
 
-def test_built_tensors_pass_through_in_chunks(tmp_path, monkeypatch):
+def test_built_tensors_are_written_in_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_writer, "_CHUNK_BYTES", 64)
     g = torch.Generator().manual_seed(1)
     values = {"a": torch.randn(37, 11, generator=g), "b": torch.randn(5, generator=g).to(torch.float16), "c": torch.randn(300, generator=g)}
