@@ -30,12 +30,14 @@ SIZES: dict[str, dict] = {
     "medium": {"hidden_size": 768, "num_layers": 6, "vocab_size": 32000, "intermediate_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 4},
     # ~248M: the configuration of issue 2's figures (hidden 1024, 12 layers, vocab 32000)
     "large": {"hidden_size": 1024, "num_layers": 12, "vocab_size": 32000, "intermediate_size": 4096, "num_attention_heads": 16, "num_key_value_heads": 4},
+    # ~1.1B: TinyLlama's shapes at world size 2, the configuration of issue 14's figures (4.4 GB of rank files)
+    "1.1b": {"hidden_size": 2048, "num_layers": 22, "vocab_size": 32000, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4, "world_size": 2},
 }
 
 
 # Megatron-Core (megatron-core itself writes them, TP=2 on two CPU ranks): the presets of
 # merge_pipeline.sample_checkpoints.megatron.SIZE_PRESETS.
-MEGATRON_SIZES = {"tiny": "tiny", "large": "250m"}
+MEGATRON_SIZES = {"tiny": "tiny", "large": "250m", "1.1b": "1b"}
 
 
 @dataclass(frozen=True)

@@ -69,21 +69,22 @@ DTYPES = {"auto": "float32", "bfloat16": "bfloat16"}  # --dtype value -> output 
 INTERPRETERS = {
     "torch": "import torch, torch.distributed.tensor",
     "torch+transformers": "import torch, torch.distributed.tensor, transformers; from transformers import AutoConfig, PretrainedConfig",
+    # What a merge imports before it reads a byte: its start-up (import) cost.
+    "merge_pipeline": "import merge_pipeline.cli, merge_pipeline.engine.merge, merge_pipeline.formats.fsdp",
 }
-OURS_INTERPRETER = "torch+transformers"  # what a merge imports before it reads a byte
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium,large)")
+    parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium,large; 1.1b is TinyLlama's shapes, 4.4 GB)")
     parser.add_argument("--backends", default="fsdp", help="fsdp, megatron or fsdp,megatron (default fsdp)")
-    parser.add_argument("--megatron-sizes", default="tiny,large", help=f"Megatron-Core sizes, from {', '.join(MEGATRON_SIZES)} (default: tiny,large)")
+    parser.add_argument("--megatron-sizes", default="tiny,large", help=f"Megatron-Core sizes (TP=2), from {', '.join(MEGATRON_SIZES)} (default: tiny,large)")
     parser.add_argument("--checkpoint", type=Path, action="append", help="benchmark this existing FSDP role folder instead of generated sizes (repeatable)")
     parser.add_argument("--quick", action="store_true", help="the small size only, one repeat")
     parser.add_argument("--repeat", type=int, default=5, help="measurements per figure (default 5)")
     parser.add_argument("--stat", choices=("min", "median"), default="min", help="statistic the tables and targets use (default min: the least disturbed run; medians are shown too)")
     parser.add_argument("--dtypes", default="auto,bfloat16", help="--dtype values to merge with (default: auto,bfloat16)")
-    parser.add_argument("--cache", choices=("cold", "warm"), default="cold", help="page-cache state of the rank files before each measurement (default cold)")
+    parser.add_argument("--cache", choices=("cold", "drop", "warm"), default="cold", help="page-cache state before each measurement: rank files evicted (cold, the default), the whole cache dropped (drop: sync; echo 3 > /proc/sys/vm/drop_caches, needs root; start-up reads its libraries from disk too) or rank files read once (warm)")
     parser.add_argument("--with-verl", action="store_true", help="also run verl's merger (creates --verl-venv on first use)")
     parser.add_argument("--verl-venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--verl-version", default=DEFAULT_VERL)
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         results["interpreters"][name] = {"command": command, "wall_s": [], "peak_rss_bytes": [], "cpu_s": []}
     for _ in range(args.repeat):
         for name, command in commands.items():
+            if args.cache == "drop":  # start-up from a cold cache, as every measured merge has it
+                prepare_cache([], args.cache)
             run = run_child(command, cwd=scratch, timeout=args.timeout).check(f"interpreter {name}")
             results["interpreters"][name]["wall_s"].append(run.wall_s)
             results["interpreters"][name]["peak_rss_bytes"].append(run.peak_rss_bytes)

@@ -163,11 +163,11 @@ def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: Me
                 copy_side_files(config.path.parent, staging, options.max_side_file_size, confine_to=config.confine_to)
 
             _agree(_attempt(open_staging) if lead else None)
-            _write_share(layout, staging, rank, world, show_progress=show_progress and lead)
+            written, _ = _write_share(layout, staging, rank, world, show_progress=show_progress and lead)
             manifest: list[dict] = []
 
             def finish_and_publish() -> None:
-                manifest.append(finish_folder(plan, config, layout, staging, options))
+                manifest.append(finish_folder(plan, config, layout, staging, options, written))
                 publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
 
             _agree(_attempt(finish_and_publish) if lead else None)

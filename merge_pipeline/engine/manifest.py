@@ -29,17 +29,22 @@ def library_versions() -> dict[str, str]:
     return found
 
 
-def file_sums(folder: Path) -> dict[str, dict[str, object]]:
-    """Size and sha256 of every file under ``folder`` except the manifest itself."""
-    return {
-        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
+def file_sums(folder: Path, known_sha256: dict[str, str] | None = None) -> dict[str, dict[str, object]]:
+    """Size and sha256 of every file under ``folder`` except the manifest itself.
+
+    ``known_sha256`` (relative path -> digest) are files hashed while they were written: not read again.
+    """
+    known_sha256 = known_sha256 or {}
+    sums = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            name = p.relative_to(folder).as_posix()
+            sums[name] = {"size": p.stat().st_size, "sha256": known_sha256.get(name) or sha256_file(p)}
+    return sums
 
 
-def write_manifest(folder: Path, body: dict) -> dict:
-    manifest = {**body, "versions": library_versions(), "files": file_sums(folder)}
+def write_manifest(folder: Path, body: dict, known_sha256: dict[str, str] | None = None) -> dict:
+    manifest = {**body, "versions": library_versions(), "files": file_sums(folder, known_sha256)}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

@@ -6,6 +6,7 @@ one at a time; ``merge_checkpoint`` runs them all in one process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import resource
@@ -33,7 +34,7 @@ INDEX = "model.safetensors.index.json"
 
 @dataclass
 class WriteReport:
-    files: list[dict] = field(default_factory=list)  # filename, bytes, tensors
+    files: list[dict] = field(default_factory=list)  # filename, bytes, tensors, sha256
     seconds: float = 0.0
 
     @property
@@ -100,8 +101,9 @@ def write_weights(layout: OutputLayout, out_dir: Path, *, files: list[ShardFile]
         for shard in files:
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)
-            size = write_safetensors(path, shard.tensors, progress)
-            report.files.append({"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors)})
+            digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
+            size = write_safetensors(path, shard.tensors, progress, digest=digest)
+            report.files.append({"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors), "sha256": digest.hexdigest()})
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
@@ -116,12 +118,16 @@ def write_index(layout: OutputLayout, out_dir: Path) -> None:
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def finish_folder(plan: CheckpointPlan, config: ModelConfig, layout: OutputLayout, out_dir: Path, options: MergeOptions) -> dict:
-    """Index, configs and manifest: everything but the weights and the side files."""
+def finish_folder(plan: CheckpointPlan, config: ModelConfig, layout: OutputLayout, out_dir: Path, options: MergeOptions, written: WriteReport | None = None) -> dict:
+    """Index, configs and manifest: everything but the weights and the side files.
+
+    ``written``: the report of the weights written into ``out_dir``, whose sha256 the manifest reuses.
+    """
     with naming(out_dir):
         write_index(layout, out_dir)
         write_configs(config, layout, out_dir)
-        return write_manifest(out_dir, manifest_body(plan, layout, options))
+        known = {f["filename"]: f["sha256"] for f in written.files if "sha256" in f} if written else None
+        return write_manifest(out_dir, manifest_body(plan, layout, options), known)
 
 
 def manifest_body(plan: CheckpointPlan, layout: OutputLayout, options: MergeOptions) -> dict:
@@ -166,7 +172,7 @@ def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: Mer
     with plan, staged_output(target, source=local_dir, overwrite=options.overwrite) as staging:
         copy_side_files(config.path.parent, staging, options.max_side_file_size, confine_to=config.confine_to)
         report = write_weights(layout, staging, show_progress=show_progress)
-        manifest = finish_folder(plan, config, layout, staging, options)
+        manifest = finish_folder(plan, config, layout, staging, options, report)
     seconds = time.monotonic() - started
     log.info("merged %s -> %s: %d tensors, %s in %.1f s", plan.role_dir, target, report.tensors, human_bytes(report.bytes), seconds)
     return MergeResult(target, plan.parameter_count, report.tensors, layout.total_bytes, seconds, peak_rss_bytes(), manifest)

@@ -20,7 +20,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.input_files import open_regular
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
-READ_PIECE_BYTES = 16 * 1024 * 1024
+READ_PIECE_BYTES = 8 * 1024 * 1024
 
 
 class SourceFile:
@@ -87,11 +87,12 @@ class StoredBytes:
     def pieces(self) -> Iterator[torch.Tensor]:
         item = torch.empty((), dtype=self.dtype).element_size()
         step = max(item, READ_PIECE_BYTES // item * item)
-        buffer = bytearray(min(step, max((run.length for run in self.runs), default=0)))  # one, reused
+        # One buffer, reused; torch.empty, not bytearray: no pass zeroing bytes about to be read over.
+        buffer = memoryview(torch.empty(min(step, max((run.length for run in self.runs), default=0)), dtype=torch.uint8).numpy())
         for run in self.runs:
             for start in range(0, run.length, step):
                 length = min(step, run.length - start)
-                view = memoryview(buffer)[:length]
+                view = buffer[:length]
                 run.file.read_into(view, run.offset + start)
                 yield torch.frombuffer(view, dtype=self.dtype)
 

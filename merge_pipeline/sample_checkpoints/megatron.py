@@ -51,6 +51,8 @@ SIZE_PRESETS = {
     "tiny": _TINY,
     # ~247M parameters: the benchmark model (benchmarks/megatron_probe.py).
     "250m": {**_TINY, "layers": 12, "hidden": 1024, "heads": 16, "kv_heads": 16, "head_dim": 64, "ffn": 3584, "vocab": 32000},
+    # ~1.1B parameters, TinyLlama's shapes: the benchmark's 1B Megatron model (issue 14).
+    "1b": {**_TINY, "layers": 22, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 64, "ffn": 5632, "vocab": 32000},
     # Qwen2-MoE with shared_expert_intermediate_size 0: megatron-core builds no shared expert.
     "tiny_no_shared_expert": {**_TINY, "shared_ffn": 0},
 }
