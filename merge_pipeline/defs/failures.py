@@ -11,22 +11,24 @@ import dagster as dg
 
 from merge_pipeline.errors import MergeError, os_error
 
-# CLI flag in an engine message -> where a Dagster user sets the same thing
+RUN_CONFIG = "hf_model's run config"
+# CLI flag in an engine message -> where a Dagster user sets the same thing (MergeConfig's fields)
 _IN_DAGSTER = {
-    "--overwrite": "overwrite: true (run config of hf_model)",
-    "--dtype": "dtype (run config of hf_model)",
-    "--max-shard-size": "max_shard_size (run config of hf_model)",
-    "--max-side-file-size": "max_side_file_size (run config of hf_model)",
-    "--merge-lora": "merge_lora (run config of hf_model)",
-    "--hf_model_path": "hf_model_path (run config of hf_model)",
-    "--hf-model-path": "hf_model_path (run config of hf_model)",
+    "pass --overwrite": f"set overwrite: true in {RUN_CONFIG}",
+    "--overwrite": f"overwrite: true in {RUN_CONFIG}",
+    "--dtype": "dtype",
+    "--max-shard-size": "max_shard_size",
+    "--max-side-file-size": "max_side_file_size",
+    "--merge-lora": "merge_lora",
+    "--hf_model_path": "hf_model_path",
+    "--hf-model-path": "hf_model_path",
     "--target_dir": "MERGE_PIPELINE_OUTPUT_ROOT",
 }
 _FLAG = re.compile("|".join(re.escape(f) for f in sorted(_IN_DAGSTER, key=len, reverse=True)) + r"(?![\w-])")
 
 # What to do next, by what the message says; the first match wins.
 _NEXT_STEPS = [
-    ("already exists", "to replace it, re-execute with overwrite: true in the run config of hf_model (Launchpad)"),
+    ("already exists", f"to replace it, materialize the partition again with overwrite: true in {RUN_CONFIG} (Launchpad)"),
     ("another merge", "wait for that merge to finish, then re-execute this run"),
     ("incomplete checkpoint", "wait until the trainer has finished saving this step, then re-execute this run"),
     ("no such checkpoint folder", "the checkpoint is gone: nothing to merge (the sensor removes its partition)"),
