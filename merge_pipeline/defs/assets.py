@@ -1,8 +1,8 @@
-"""The merge as two assets: the trainer's ``checkpoint`` folder, and the published ``hf_model`` folder.
+"""The merge as two assets: the trainer's ``checkpoint`` folder (external), and the published ``hf_model`` folder.
 
-Both are partitioned by checkpoint role (``<run_name>/global_step_<N>/<role>``); everything they need
-is derived from the partition key and the ``settings`` resource, so nothing passes between them but
-the dependency. ``hf_model`` is one step, because its stages share the merge plan and the target's
+Both are partitioned by checkpoint role (``<run_name>/global_step_<N>/<role>``); everything
+``hf_model`` needs is derived from the partition key and the ``settings`` resource, so nothing passes
+between them but the dependency. ``hf_model`` is one step, because its stages share the merge plan and the target's
 lock: plan once, write the whole folder into the staging folder beside the target, run the blocking
 checks against that staging folder, and publish (rename into place) only if every check passed. A
 failure at any stage leaves no staging folder and no published folder, and materializes nothing.
@@ -21,7 +21,7 @@ from merge_pipeline.defs.checks import CHECK_SPECS, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.metadata import sha256_table, table, value
+from merge_pipeline.defs.metadata import sha256_table, value
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
@@ -31,7 +31,6 @@ from merge_pipeline.engine.merge import finish_folder, prepare
 from merge_pipeline.engine.progress import human_bytes
 from merge_pipeline.engine.publish import locked_target
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats import detect_backend
 
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
@@ -41,31 +40,17 @@ FRESHNESS_VAR = "MERGE_PIPELINE_FRESHNESS_MINUTES"
 _common = dict(partitions_def=checkpoint_partitions, group_name=GROUP, owners=OWNERS)
 
 
-@dg.asset(**_common, kinds={"pytorch"}, tags={"stage": "source"})
-def checkpoint(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.MaterializeResult:
-    """A trainer's role folder, found under a checkpoint root: complete, and in a format we read."""
-    key = CheckpointKey.parse(context.partition_key)
-    with one_line_failure():
-        role_dir = settings.role_dir(key)
-        state = completeness(role_dir, key.step, settings.settle_time)
-        if not state.complete:
-            raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
-        backend = detect_backend(role_dir)
-        files = [{"file": p.relative_to(role_dir).as_posix(), "bytes": p.stat().st_size} for p in sorted(role_dir.rglob("*")) if p.is_file()]
-    total = sum(f["bytes"] for f in files)
-    return dg.MaterializeResult(
-        metadata={
-            "path": dg.MetadataValue.path(str(role_dir)),
-            "backend": backend,
-            "role": key.role,
-            "step": key.step,
-            "completeness": state.reason,
-            "written_at": dg.MetadataValue.timestamp(state.newest_change),
-            "size": human_bytes(total),
-            "bytes": total,
-            "files": table(files, {"file": "string", "bytes": "int"}),
-        }
-    )
+# The trainer writes checkpoints, not Dagster: an external asset. new_checkpoint_sensor records each
+# complete one (a materialization event with its path and completeness) when it requests its merge.
+checkpoint = dg.AssetSpec(
+    "checkpoint",
+    partitions_def=checkpoint_partitions,
+    group_name=GROUP,
+    owners=OWNERS,
+    kinds={"pytorch"},
+    tags={"stage": "source"},
+    description="A trainer's role folder (global_step_<N>/<role>) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
+)
 
 
 def freshness_policy() -> dg.FreshnessPolicy:
@@ -96,6 +81,9 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
     started = time.monotonic()
     with one_line_failure():
         role_dir = settings.role_dir(key)
+        state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
+        if not state.complete:
+            raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
         # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its staging.
         with locked_target(target, source=role_dir, overwrite=options.overwrite) as locked:
             plan, model_config, layout = prepare(role_dir, options)
@@ -126,6 +114,8 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
         metadata={
             "path": dg.MetadataValue.path(str(target)),
             "source": dg.MetadataValue.path(str(role_dir)),
+            "completeness": state.reason,
+            "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
             "backend": plan.backend,
             **{k: value(v) for k, v in plan.layout.items()},
             "architecture": model_config.architecture,
@@ -154,4 +144,4 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
 with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
     warnings.simplefilter("ignore", dg.BetaWarning)
     # The UI's "Code" tab shows where each asset is defined.
-    defs = dg.Definitions(assets=dg.with_source_code_references([checkpoint, hf_model]))
+    defs = dg.Definitions(assets=[checkpoint, *dg.with_source_code_references([hf_model])])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import dagster as dg
 
@@ -21,12 +21,6 @@ def value(v: object) -> dg.MetadataValue:
     if v is None or isinstance(v, str):
         return dg.MetadataValue.text(str(v))
     return dg.MetadataValue.text(json.dumps(v))
-
-
-def table(rows: Sequence[Mapping[str, object]], columns: Mapping[str, str]) -> dg.MetadataValue:
-    """A table; ``columns`` maps column name to type (string, int, float, bool)."""
-    schema = dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in columns.items()])
-    return dg.MetadataValue.table(records=[dg.TableRecord({c: row[c] for c in columns}) for row in rows], schema=schema)
 
 
 def sha256_table(files: Mapping[str, Mapping[str, object]]) -> dg.MetadataValue:

@@ -17,8 +17,8 @@ import json
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import hf_model
-from merge_pipeline.defs.discovery import completeness
+from merge_pipeline.defs.assets import checkpoint, hf_model
+from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint, completeness
 from merge_pipeline.defs.jobs import merge_checkpoint_job
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
@@ -35,7 +35,7 @@ INTERVAL_SECONDS = int(dg.EnvVar("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS").get_v
 )
 def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
     seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
-    present, requests, waiting = set(), [], []
+    present, requests, waiting, saved = set(), [], [], []
     scan = settings.find_checkpoints()
     for note in scan.not_watched:
         context.log.warning(note)
@@ -53,6 +53,7 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
             continue
         seen.add(key)
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
+        saved.append(_checkpoint_saved(found, state))
     cursor = json.dumps(sorted(seen & present))
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
     rotated = [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()] if scan.all_roots_read else []
@@ -62,7 +63,7 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         changes.append(checkpoint_partitions.build_delete_request(rotated))
     if requests:
         changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests]))
-        return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=changes, cursor=cursor)
+        return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=changes, asset_events=saved, cursor=cursor)
     reason = f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}" if waiting else f"no new checkpoints ({len(present)} known)"
     failed = _failed_partitions(context.instance, [k for k in partitions if k not in rotated])
     if failed:
@@ -70,6 +71,12 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
     if scan.not_watched:  # a missing root must not read as "nothing new"
         reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
     return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes)
+
+
+def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMaterialization:
+    """The trainer's save of this checkpoint, as the external ``checkpoint`` asset's event."""
+    metadata = {"path": dg.MetadataValue.path(str(found.role_dir)), "role": found.key.role, "step": found.key.step, "completeness": state.reason}
+    return dg.AssetMaterialization(asset_key=checkpoint.key, partition=str(found.key), metadata={**metadata, "written_at": dg.MetadataValue.timestamp(state.newest_change)})
 
 
 def _failed_partitions(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:

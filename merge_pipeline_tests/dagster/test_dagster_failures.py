@@ -93,7 +93,7 @@ def test_incomplete_checkpoint_is_not_merged(fsdp_checkpoint, roots, instance):
     result = materialize(instance, roots.settings(settle_seconds=3600), KEY)
 
     step, description = failure(result)
-    assert step == "checkpoint" and description.startswith(f"{role_dir}: incomplete checkpoint: latest_checkpointed_iteration.txt says 1; a file changed ")
+    assert step == "hf_model" and description.startswith(f"{role_dir}: incomplete checkpoint: latest_checkpointed_iteration.txt says 1; a file changed ")
     assert_nothing_published(instance, roots)
 
 
@@ -101,4 +101,4 @@ def test_unknown_partition_fails_with_one_line(roots, instance):
     result = materialize(instance, roots.settings(), "run/global_step_9/actor")
 
     step, description = failure(result)
-    assert (step, description) == ("checkpoint", f"{roots.checkpoints / 'run/global_step_9/actor'}: no such checkpoint folder under the checkpoint roots (deleted by the trainer's rotation?)")
+    assert (step, description) == ("hf_model", f"{roots.checkpoints / 'run/global_step_9/actor'}: no such checkpoint folder under the checkpoint roots (deleted by the trainer's rotation?)")
