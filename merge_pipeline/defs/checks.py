@@ -7,6 +7,7 @@ have no staged folder to look at.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 
 from merge_pipeline.defs.folder_checks import index_problems, manifest_problems, meta_load_problems, weight_files
+from merge_pipeline.defs.partitions import checkpoint_partitions
 from merge_pipeline.engine.manifest import read_manifest
 
 HF_MODEL = dg.AssetKey("hf_model")
@@ -47,7 +49,9 @@ FOLDER_CHECKS = [
         "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted",
     ),
 ]
-CHECK_SPECS = [dg.AssetCheckSpec(c.name, asset=HF_MODEL, blocking=True, description=c.description) for c in FOLDER_CHECKS]
+with warnings.catch_warnings():  # partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13
+    warnings.simplefilter("ignore", dg.PreviewWarning)
+    CHECK_SPECS = [dg.AssetCheckSpec(c.name, asset=HF_MODEL, blocking=True, description=c.description, partitions_def=checkpoint_partitions) for c in FOLDER_CHECKS]
 
 
 def check_staged_folder(folder: Path) -> list[dg.AssetCheckResult]:

@@ -30,7 +30,7 @@ from merge_pipeline.hub import UploadResult, upload_folder_verified
 
 GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
-CHECK_HISTORY = 1000  # check evaluations of hf_model looked at per schedule tick, newest first
+CHECK_HISTORY = 3000  # check evaluations looked at per schedule tick, newest first (3 per merge)
 
 
 class HuggingFaceHub(dg.ConfigurableResource):
@@ -145,11 +145,13 @@ def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str
 def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: str) -> bool:
     """Every check on hf_model passed for this partition in the run that merged it, and none failed since
     (a check result reported later, e.g. by hand, counts)."""
-    records = instance.get_event_records(dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION, asset_key=hf_model.key), limit=CHECK_HISTORY)
+    # (the event log does not index check evaluations by asset key: filtered here)
+    records = instance.get_event_records(dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION), limit=CHECK_HISTORY)
     latest: dict[str, tuple[bool, str]] = {}
-    for record in records:  # newest first
+    # newest first, by time: sqlite numbers a runless event (a check result reported by hand) apart from runs' events
+    for record in sorted(records, key=lambda r: r.timestamp, reverse=True):
         evaluation = record.event_log_entry.dagster_event.asset_check_evaluation_data
-        if evaluation.partition == partition:
+        if evaluation.asset_key == hf_model.key and evaluation.partition == partition:
             latest.setdefault(evaluation.check_name, (evaluation.passed, record.run_id))
     return all(latest.get(c.name) == (True, merge_run_id) for c in FOLDER_CHECKS)
 
