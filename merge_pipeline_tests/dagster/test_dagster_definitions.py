@@ -91,3 +91,23 @@ def test_env_example_lists_every_setting_the_code_reads():
     source = "".join(p.read_text() for p in (PROJECT_ROOT / "merge_pipeline" / "defs").glob("*.py"))
     read = set(re.findall(r"\b(MERGE_PIPELINE_[A-Z_]+)\b", source)) - {"MERGE_PIPELINE_DIST_TIMEOUT"}
     assert read and all(re.search(rf"^#? ?{name}=", example, re.M) for name in read), read
+
+
+def test_dg_launch_merges_one_partition(fsdp_checkpoint, roots, instance, tmp_path):
+    from safetensors.torch import load_file
+
+    from merge_pipeline_tests.dagster.helpers import ACTOR
+    from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+    sample = fsdp_checkpoint(ACTOR)
+    roots.drop(sample, "run/global_step_1", tracker=1)
+    key = "run/global_step_1/actor"
+    instance.add_dynamic_partitions("checkpoints", [key])
+    env = {**os.environ, "DAGSTER_DISABLE_TELEMETRY": "1", "HOME": str(tmp_path), "MERGE_PIPELINE_CHECKPOINT_ROOTS": str(roots.checkpoints), "MERGE_PIPELINE_OUTPUT_ROOT": str(roots.output)}
+
+    launched = subprocess.run([DG, "launch", "--assets", "hf_model", "--partition", key, "--config-json", '{"ops": {"hf_model": {"config": {"max_shard_size": "200KB"}}}}'], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    merged, reference = load_safetensors_dir(roots.target(key)), load_file(sample.reference_dir / "model.safetensors")
+    assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
+    assert (roots.target(key) / "model.safetensors.index.json").is_file()
