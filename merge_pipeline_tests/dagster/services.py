@@ -29,6 +29,7 @@ SENSOR_TICKS_QUERY = """
 query Ticks($sensor: SensorSelector!) {
   sensorOrError(sensorSelector: $sensor) { ... on Sensor { sensorState { ticks(limit: 1) { status } } } }
 }"""
+LOCATIONS_QUERY = "{ workspaceOrError { ... on Workspace { locationEntries { name locationOrLoadError { __typename } } } } }"
 RUNS_QUERY = """
 query Runs($filter: RunsFilter) {
   runsOrError(filter: $filter) { ... on Runs { results { runId status startTime endTime tags { key value } } } }
@@ -78,15 +79,15 @@ def _default_sigint() -> None:
 
 
 @contextlib.contextmanager
-def running_dagster_dev(project: Path, env: dict[str, str], *, start_timeout: float = 300) -> Iterator[Dagster]:
-    """Plain ``dagster dev`` in ``project`` on 127.0.0.1, as a user starts it: no DAGSTER_HOME, no -w;
-    stopped on exit whatever happens. Its instance lives in the ``.tmp_dagster_home_*`` folder it makes."""
+def running_dagster_dev(project: Path, env: dict[str, str], log: Path, *, command: str = "dagster", start_timeout: float = 300) -> Iterator[Dagster]:
+    """Plain ``dagster dev`` (or ``dg dev``) in ``project`` on 127.0.0.1, as a user starts it: no
+    DAGSTER_HOME, no -w; stopped on exit whatever happens. Its instance lives in the
+    ``.tmp_dagster_home_*`` folder it makes."""
     port = free_port()
-    log = project / "dagster_dev.log"
     dagster = Dagster(f"http://127.0.0.1:{port}", project, [log])
     env = {k: v for k, v in {**os.environ, **env}.items() if k != "DAGSTER_HOME"}
     with open(log, "wb") as out:
-        process = subprocess.Popen([str(VENV_BIN / "dagster"), "dev", "-h", "127.0.0.1", "-p", str(port)], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
+        process = subprocess.Popen([str(VENV_BIN / command), "dev", "--host", "127.0.0.1", "--port", str(port)], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
     try:
         _wait_until_serving(dagster, [process], start_timeout)
         yield dagster

@@ -15,6 +15,7 @@ import yaml
 from merge_pipeline.definitions import defs
 from merge_pipeline.defs.jobs import HEAVY_TAG
 from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
+from merge_pipeline_tests.dagster.services import LOCATIONS_QUERY, running_dagster_dev
 
 CHECKS = ["index_matches_shards", "loads_on_meta_device", "manifest_sha256"]
 DG = os.path.join(os.path.dirname(sys.executable), "dg")
@@ -35,6 +36,12 @@ def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
     assert listed.returncode == 0, listed.stderr[-3000:]
     for name in ("hf_model", "checkpoint", "merge_checkpoint", "new_checkpoint_sensor", "merge_failure_webhook"):
         assert name in listed.stdout, name
+
+
+def test_dg_dev_serves_the_location_from_the_project_root(tmp_path):
+    with running_dagster_dev(PROJECT_ROOT, {"DAGSTER_DISABLE_TELEMETRY": "1"}, tmp_path / "dg_dev.log", command="dg") as served:
+        [entry] = served.graphql(LOCATIONS_QUERY, {})["workspaceOrError"]["locationEntries"]
+    assert entry == {"name": "merge_pipeline", "locationOrLoadError": {"__typename": "RepositoryLocation"}}
 
 
 def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_with_its_checks():

@@ -67,7 +67,7 @@ def dagster(settings, tmp_path_factory):
         .replace("MERGE_PIPELINE_SETTLE_SECONDS=60", f"MERGE_PIPELINE_SETTLE_SECONDS={settings.settle_seconds:g}")  # only the tracker completes a step
         .replace("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS=10", "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS=2")
     )
-    with running_dagster_dev(project, {"PYTHONPATH": str(project)}) as served:
+    with running_dagster_dev(project, {"PYTHONPATH": str(project)}, tmp_path_factory.mktemp("logs") / "dagster_dev.log") as served:
         served.wait_for_sensor_tick("new_checkpoint_sensor")
         assert list(project.glob(".tmp_dagster_home_*")), "the instance lives in dagster dev's own folder"
         yield served
@@ -177,11 +177,11 @@ def test_the_ui_shows_the_graph_a_partition_the_checks_and_the_failed_run(merged
     run, rank_file = failed
     graph = f"{dagster.url}/locations/merge_pipeline/asset-groups/merge"
 
-    dom = browser.dump_dom(graph)
+    dom = browser.dump_dom_showing(graph, ">hf_model<", "2 partitions")
     browser.screenshot(graph, tmp_path / "asset_graph.png")
-    partition = browser.dump_dom(f"{dagster.url}/assets/hf_model?view=partitions&partition={KEY}")
-    checks = browser.dump_dom(f"{dagster.url}/assets/hf_model?view=checks")
-    run_page = browser.dump_dom(f"{dagster.url}/runs/{run['runId']}")
+    partition = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=partitions&partition={KEY}", BROKEN)
+    checks = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=checks", *CHECK_NAMES)
+    run_page = browser.dump_dom_showing(f"{dagster.url}/runs/{run['runId']}", "not a torch.save zip archive")
 
     assert ">checkpoint<" in dom and ">hf_model<" in dom and "2 partitions" in dom
     assert (tmp_path / "asset_graph.png").stat().st_size > 20_000
