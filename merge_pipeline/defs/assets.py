@@ -37,8 +37,6 @@ MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge 
 OWNERS = ["team:training-infra"]
 FRESHNESS_VAR = "MERGE_PIPELINE_FRESHNESS_MINUTES"
 
-_common = dict(partitions_def=checkpoint_partitions, group_name=GROUP, owners=OWNERS)
-
 
 # The trainer writes checkpoints, not Dagster: an external asset. new_checkpoint_sensor records each
 # complete one (a materialization event with its path and completeness) when it requests its merge.
@@ -54,13 +52,16 @@ checkpoint = dg.AssetSpec(
 
 
 def freshness_policy() -> dg.FreshnessPolicy:
-    """A saved step should be a published model within N minutes ($MERGE_PIPELINE_FRESHNESS_MINUTES, default 30)."""
+    """Stale when no step was published for N minutes ($MERGE_PIPELINE_FRESHNESS_MINUTES, default 30):
+    a trainer saving more often than that sees a stuck or failing merge flagged in the UI."""
     minutes = float(dg.EnvVar(FRESHNESS_VAR).get_value("30"))
     return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
 
 
 @dg.asset(
-    **_common,
+    partitions_def=checkpoint_partitions,
+    group_name=GROUP,
+    owners=OWNERS,
     deps=[checkpoint],
     pool=MERGE_POOL,
     kinds={"safetensors", "huggingface"},
