@@ -9,7 +9,8 @@
 #
 # Environment (defaults in brackets): DAGSTER_PORT [3000], DAGSTER_HOME [./.dagster_home],
 # MERGE_PIPELINE_CHECKPOINT_ROOTS [./demo/checkpoints], MERGE_PIPELINE_OUTPUT_ROOT [./demo/merged],
-# MERGE_PIPELINE_SETTLE_SECONDS [20], MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS [5]. See docs/DAGSTER.md.
+# MERGE_PIPELINE_SETTLE_SECONDS [20], MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS [5], MERGE_PIPELINE_SKIP_SETUP [0].
+# See docs/DAGSTER.md; without the demo, `dagster dev` (or `dg dev`) in the project root is all it takes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +22,7 @@ for arg in "$@"; do
     esac
 done
 
-bash scripts/setup.sh
+[ "${MERGE_PIPELINE_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh  # skip: .venv already set up
 PY=.venv/bin/python
 
 export DAGSTER_HOME=${DAGSTER_HOME:-$PWD/.dagster_home}

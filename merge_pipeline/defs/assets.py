@@ -1,175 +1,148 @@
-"""The merge, one asset per stage: checkpoint -> parallel_config -> merged_state_dict -> hf_model.
+"""The merge as two assets: the trainer's ``checkpoint`` folder (external), and the published ``hf_model`` folder.
 
-Every asset is partitioned by checkpoint role (``<run_name>/global_step_<N>/<role>``), writes files
-under the configured roots, and returns metadata for the UI; nothing large passes through Dagster.
-The shards are written into the engine's staging folder beside the target and renamed into place by
-``hf_model`` only when the folder is complete, so a failure publishes nothing.
+Both are partitioned by checkpoint role (``<run_name>/global_step_<N>/<role>``); everything
+``hf_model`` needs is derived from the partition key and the ``settings`` resource, so nothing passes
+between them but the dependency. ``hf_model`` is one step, because its stages share the merge plan and the target's
+lock: plan once, write the whole folder into the staging folder beside the target, run the blocking
+checks against that staging folder, and publish (rename into place) only if every check passed. A
+failure at any stage leaves no staging folder and no published folder, and materializes nothing.
 """
 
+
+import json
 import time
-from dataclasses import asdict
-from pathlib import Path
+import warnings
+from datetime import timedelta
+from collections.abc import Iterator
 
 import dagster as dg
 
+from merge_pipeline.defs.checks import CHECK_SPECS, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.metadata import table, value
+from merge_pipeline.defs.metadata import sha256_table, value
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
-from merge_pipeline.defs.records import drop_record, read_record, write_record
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
 from merge_pipeline.engine.hf_folder import copy_side_files
-from merge_pipeline.engine.inspect import describe
 from merge_pipeline.engine.manifest import MANIFEST
 from merge_pipeline.engine.merge import finish_folder, prepare
-from merge_pipeline.engine.outputs import MergeOptions, OutputLayout
 from merge_pipeline.engine.progress import human_bytes
 from merge_pipeline.engine.publish import locked_target
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats import detect_backend
 
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
+OWNERS = ["team:training-infra"]
+FRESHNESS_VAR = "MERGE_PIPELINE_FRESHNESS_MINUTES"
 
-_partitioned = dict(partitions_def=checkpoint_partitions, group_name=GROUP)
+
+# The trainer writes checkpoints, not Dagster: an external asset. new_checkpoint_sensor records each
+# complete one (a materialization event with its path and completeness) when it requests its merge.
+checkpoint = dg.AssetSpec(
+    "checkpoint",
+    partitions_def=checkpoint_partitions,
+    group_name=GROUP,
+    owners=OWNERS,
+    kinds={"pytorch"},
+    tags={"stage": "source"},
+    description="A trainer's role folder (global_step_<N>/<role>) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
+)
 
 
-@dg.asset(**_partitioned, kinds={"pytorch"})
-def checkpoint(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.MaterializeResult:
-    """A trainer's role folder, found under a checkpoint root: complete, and in a format we read."""
+def freshness_policy() -> dg.FreshnessPolicy:
+    """Stale when no step was published for N minutes ($MERGE_PIPELINE_FRESHNESS_MINUTES, default 30):
+    a trainer saving more often than that sees a stuck or failing merge flagged in the UI."""
+    minutes = float(dg.EnvVar(FRESHNESS_VAR).get_value("30"))
+    return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
+
+
+@dg.asset(
+    partitions_def=checkpoint_partitions,
+    group_name=GROUP,
+    owners=OWNERS,
+    deps=[checkpoint],
+    pool=MERGE_POOL,
+    kinds={"safetensors", "huggingface"},
+    tags={"stage": "published"},
+    check_specs=CHECK_SPECS,
+    freshness_policy=freshness_policy(),
+)
+def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> Iterator:
+    """The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.
+
+    Plans the merge once, writes the folder into a staging folder beside the target under the
+    target's lock, runs the three blocking checks against the staging folder, and renames it into
+    place only if all passed.
+    """
+    key = CheckpointKey.parse(context.partition_key)
+    options = config.options()
+    target = settings.target_dir(key)
+    started = time.monotonic()
     with one_line_failure():
-        key = CheckpointKey.parse(context.partition_key)
         role_dir = settings.role_dir(key)
-        state = completeness(role_dir, key.step, settings.settle_seconds)
+        state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
         if not state.complete:
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
-        backend = detect_backend(role_dir)
-        files = [{"file": p.relative_to(role_dir).as_posix(), "bytes": p.stat().st_size} for p in sorted(role_dir.rglob("*")) if p.is_file()]
-        total = sum(f["bytes"] for f in files)
-        record = {"path": str(role_dir), "backend": backend, "completeness": state.reason, "written_at": state.newest_change, "files": files}
-        write_record(settings, key, "checkpoint", record)
-    return dg.MaterializeResult(
-        metadata={
-            "path": dg.MetadataValue.path(str(role_dir)),
-            "backend": backend,
-            "role": key.role,
-            "step": key.step,
-            "completeness": state.reason,
-            "size": human_bytes(total),
-            "bytes": total,
-            "files": table(files, {"file": "string", "bytes": "int"}),
-        }
-    )
-
-
-@dg.asset(**_partitioned, deps=[checkpoint], kinds={"pytorch"})
-def parallel_config(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.MaterializeResult:
-    """How the checkpoint was sharded (world size, mesh or TP/PP/EP), its dtypes and parameter count.
-
-    Reads every rank's metadata (no tensor data) and checks that the shards add up.
-    """
-    with one_line_failure():
-        key = CheckpointKey.parse(context.partition_key)
-        found = read_record(settings, key, "checkpoint")
-        info = describe(Path(found["path"]), backend=found["backend"])
-        write_record(settings, key, "parallel_config", info)
-    facts = {k: v for k, v in info.items() if k not in ("path", "files", "role", "dtypes")}
-    return dg.MaterializeResult(
-        metadata={
-            **{k: value(v) for k, v in facts.items()},
-            "dtypes": table([{"dtype": d, "parameters": n} for d, n in info["dtypes"].items()], {"dtype": "string", "parameters": "int"}),
-            "size": human_bytes(info["bytes"]),
-        }
-    )
-
-
-@dg.asset(**_partitioned, deps=[parallel_config], pool=MERGE_POOL, kinds={"safetensors"})
-def merged_state_dict(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> dg.MaterializeResult:
-    """The merged weights, streamed into safetensors shards in a staging folder beside the target."""
-    with one_line_failure():
-        key = CheckpointKey.parse(context.partition_key)
-        source = read_record(settings, key, "parallel_config")
-        options = config.options()
         # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its staging.
-        with locked_target(settings.target_dir(key), source=source["path"], overwrite=options.overwrite) as locked:
-            drop_record(settings, key, "merged_state_dict")
-            staging = locked.new_staging()
-            try:
-                job = WeightJob(Path(source["path"]), source["backend"], staging, options)
-                written = write_with_torchrun(context, job, config) if config.launcher == "torchrun" else write_in_process(job)
-            except BaseException:
-                locked.discard_staging()
-                raise
-        report = written.report
-        record = {"staging": str(staging), "options": asdict(options), "files": report.files, "seconds": report.seconds, "peak_rss_bytes": written.peak_rss_bytes}
-        write_record(settings, key, "merged_state_dict", record)
+        with locked_target(target, source=role_dir, overwrite=options.overwrite) as locked:
+            plan, model_config, layout = prepare(role_dir, options)
+            with plan:
+                staging = locked.new_staging()
+                try:
+                    copy_side_files(model_config.path.parent, staging, options.max_side_file_size, confine_to=model_config.confine_to)
+                    if config.launcher == "torchrun":
+                        written = write_with_torchrun(context, WeightJob(role_dir, plan.backend, staging, options), config)
+                    else:
+                        written = write_in_process(layout, staging)
+                    manifest = finish_folder(plan, model_config, layout, staging, options)
+                    check_results = check_staged_folder(staging)
+                    failed = [r.check_name for r in check_results if not r.passed]
+                    if failed:
+                        yield from check_results
+                        raise dg.Failure(
+                            description=f"{target}: not published: blocking check(s) {', '.join(failed)} failed on the merged folder (see the checks' problems)",
+                            metadata={"file": dg.MetadataValue.path(str(role_dir)), "next step": "fix the checkpoint or report the problem; then re-execute this run"},
+                        )
+                    locked.publish()
+                finally:
+                    locked.discard_staging()  # gone by rename on success; never half-published
+    report = written.report
     throughput = report.bytes / max(report.seconds, 1e-9)
-    return dg.MaterializeResult(
-        metadata={
-            "staging": dg.MetadataValue.path(str(staging)),
-            "tensors": report.tensors,
-            "size": human_bytes(report.bytes),
-            "bytes": report.bytes,
-            "seconds": round(report.seconds, 3),
-            "throughput": f"{human_bytes(throughput)}/s",
-            "peak_rss": human_bytes(written.peak_rss_bytes),
-            "peak_rss_bytes": written.peak_rss_bytes,
-            "dtype": options.dtype,
-            "max_shard_size": str(options.max_shard_size),
-            "launcher": config.launcher if config.launcher == "inprocess" else f"torchrun x{config.nproc_per_node * config.nnodes}",
-            "shards": table(report.files, {"filename": "string", "tensors": "int", "bytes": "int"}),
-        }
-    )
-
-
-@dg.asset(**_partitioned, deps=[merged_state_dict], kinds={"huggingface"})
-def hf_model(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.MaterializeResult:
-    """The complete Hugging Face folder (weights, index, config, tokenizer, manifest), published atomically."""
-    with one_line_failure():
-        key = CheckpointKey.parse(context.partition_key)
-        source = read_record(settings, key, "parallel_config")
-        weights = read_record(settings, key, "merged_state_dict")
-        options = MergeOptions(**weights["options"])
-        target = settings.target_dir(key)
-        with locked_target(target, source=source["path"], overwrite=options.overwrite) as locked:
-            try:
-                plan, config, layout = prepare(source["path"], options, source["backend"])
-                with plan:
-                    _check_staged(locked.staging, weights["files"], layout)
-                    copy_side_files(config.path.parent, locked.staging, options.max_side_file_size, confine_to=config.confine_to)
-                    manifest = finish_folder(plan, config, layout, locked.staging, options)
-                locked.publish()
-            finally:
-                locked.discard_staging()  # gone by rename on success; never half-published
-                drop_record(settings, key, "merged_state_dict")
-    files = [{"file": name, "bytes": f["size"], "sha256": f["sha256"]} for name, f in manifest["files"].items()]
-    total = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
-    written_at = read_record(settings, key, "checkpoint")["written_at"]
-    return dg.MaterializeResult(
+    decisions = manifest["decisions"]
+    yield dg.MaterializeResult(
         metadata={
             "path": dg.MetadataValue.path(str(target)),
-            "size": human_bytes(total),
-            "bytes": total,
+            "source": dg.MetadataValue.path(str(role_dir)),
+            "completeness": state.reason,
+            "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
+            "backend": plan.backend,
+            **{k: value(v) for k, v in plan.layout.items()},
+            "architecture": model_config.architecture,
             "parameters": manifest["parameters"],
+            "tensors": report.tensors,
+            "dtype": decisions["config_dtype"],  # what config.json says and the weights hold, after `dtype`
+            "tensor dtypes": dg.MetadataValue.json(decisions["tensor_dtypes"]),
+            "requested dtype": options.dtype,
+            "size": human_bytes(report.bytes),
+            "bytes": report.bytes,
+            "weights seconds": round(report.seconds, 3),
+            "seconds": round(time.monotonic() - started, 3),
+            "throughput": f"{human_bytes(throughput)}/s",
+            written.peak_rss_label: human_bytes(written.peak_rss_bytes),
+            "peak_rss_bytes": written.peak_rss_bytes,
+            "max_shard_size": str(options.max_shard_size),
+            "launcher": config.launcher if config.launcher == "inprocess" else f"torchrun x{config.nproc_per_node * config.nnodes}",
             "manifest": dg.MetadataValue.path(str(target / MANIFEST)),
-            "seconds_since_checkpoint_written": round(time.time() - written_at, 1),
-            "files": table(files, {"file": "string", "bytes": "int", "sha256": "string"}),
-        }
+            "files": sha256_table(manifest["files"]),
+            "options": dg.MetadataValue.json(json.loads(json.dumps(manifest["options"]))),
+        },
+        check_results=check_results,
     )
 
 
-def _check_staged(staging: Path, files: list[dict], layout: OutputLayout) -> None:
-    """The staging folder holds exactly the shards ``merged_state_dict`` wrote, for this very layout."""
-    planned = sorted(f.filename for f in layout.files)
-    if sorted(f["filename"] for f in files) != planned:
-        raise MergeError(staging, f"holds shards {sorted(f['filename'] for f in files)} but the merge plan now says {planned}: materialize merged_state_dict again")
-    for f in files:
-        path = staging / f["filename"]
-        size = path.stat().st_size if path.is_file() else None
-        if size != f["bytes"]:
-            raise MergeError(path, f"is {'missing' if size is None else f'{size} bytes'}, merged_state_dict wrote {f['bytes']} bytes: materialize it again")
-
-
-defs = dg.Definitions(assets=[checkpoint, parallel_config, merged_state_dict, hf_model])
+with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
+    warnings.simplefilter("ignore", dg.BetaWarning)
+    # The UI's "Code" tab shows where each asset is defined.
+    defs = dg.Definitions(assets=[checkpoint, *dg.with_source_code_references([hf_model])])

@@ -1,58 +1,79 @@
-"""Asset checks on ``hf_model``, run in the same run as the asset (blocking: a failed check stops what depends on it)."""
+"""The three blocking checks of ``hf_model``, run by the asset itself against the staging folder, before publishing.
+
+They are part of the ``hf_model`` step (``check_specs``), so they run exactly when a folder is
+merged, for that partition, and the UI does not offer them on their own: a checks-only run would
+have no staged folder to look at.
+"""
+
+from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import hf_model
-from merge_pipeline.defs.folder_checks import index_problems, manifest_problems, meta_load_problems
-from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
-from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.folder_checks import index_problems, manifest_problems, meta_load_problems, weight_files
+from merge_pipeline.defs.partitions import checkpoint_partitions
+from merge_pipeline.engine.manifest import read_manifest
+
+HF_MODEL = dg.AssetKey("hf_model")
 
 
-def _result(problems: list[str], passed_text: str) -> dg.AssetCheckResult:
-    metadata = {"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:50]) or passed_text)}
-    return dg.AssetCheckResult(passed=not problems, metadata=metadata)
+@dataclass(frozen=True)
+class FolderCheck:
+    name: str
+    find_problems: Callable[[Path], list[str]]
+    passed_text: str
+    description: str
 
 
-def _published(context: dg.AssetCheckExecutionContext, settings: MergeSettings) -> Path:
-    return settings.target_dir(CheckpointKey.parse(context.partition_key))
+FOLDER_CHECKS = [
+    FolderCheck(
+        "loads_on_meta_device",
+        meta_load_problems,
+        "every weight loads into the config's architecture with the stored shape and dtype",
+        "transformers builds the architecture config.json names on the meta device from this folder: no missing, unexpected or reshaped keys, dtypes as stored",
+    ),
+    FolderCheck(
+        "index_matches_shards",
+        index_problems,
+        "the index maps every stored tensor to the file holding it, total_size matches",
+        "model.safetensors.index.json maps exactly the tensors each shard holds, and its total_size is their byte count",
+    ),
+    FolderCheck(
+        "manifest_sha256",
+        manifest_problems,
+        "every file matches the manifest's size and sha256",
+        "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted",
+    ),
+]
+with warnings.catch_warnings():  # partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13
+    warnings.simplefilter("ignore", dg.PreviewWarning)
+    CHECK_SPECS = [dg.AssetCheckSpec(c.name, asset=HF_MODEL, blocking=True, description=c.description, partitions_def=checkpoint_partitions) for c in FOLDER_CHECKS]
 
 
-def _folder_check(name: str, find_problems: Callable[[Path], list[str]], passed_text: str, description: str) -> dg.AssetChecksDefinition:
-    def check(context: dg.AssetCheckExecutionContext, settings: MergeSettings) -> dg.AssetCheckResult:
-        try:
-            problems = find_problems(_published(context, settings))
-        except (OSError, ValueError, KeyError) as exc:  # unreadable file, bad JSON: the check fails, with one line
-            problems = [f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"]
-        return _result(problems, passed_text)
-
-    # Partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13:
-    # they work when run with their asset, as the merge job does; a checks-only run of a partition fails.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dg.PreviewWarning)
-        return dg.asset_check(asset=hf_model, name=name, blocking=True, partitions_def=checkpoint_partitions, description=description)(check)
+def check_staged_folder(folder: Path) -> list[dg.AssetCheckResult]:
+    """Every check's result for a complete (not yet published) folder, with what it counted."""
+    counts = _counts(folder)
+    return [_run(check, folder, counts) for check in FOLDER_CHECKS]
 
 
-loads_on_meta_device = _folder_check(
-    "loads_on_meta_device",
-    meta_load_problems,
-    "every weight loads into the config's architecture with the stored shape and dtype",
-    "transformers builds the architecture config.json names on the meta device from this folder: no missing, unexpected or reshaped keys, dtypes as stored",
-)
-index_matches_shards = _folder_check(
-    "index_matches_shards",
-    index_problems,
-    "the index maps every stored tensor to the file holding it, total_size matches",
-    "model.safetensors.index.json maps exactly the tensors each shard holds, and its total_size is their byte count",
-)
-manifest_sha256 = _folder_check(
-    "manifest_sha256",
-    manifest_problems,
-    "every file matches the manifest's size and sha256",
-    "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted",
-)
+def _run(check: FolderCheck, folder: Path, counts: dict[str, int]) -> dg.AssetCheckResult:
+    try:
+        problems = check.find_problems(folder)
+    except Exception as exc:  # noqa: BLE001 - a file that breaks the reader (bad JSON, a config transformers rejects) fails the check, in one line
+        problems = [f"{type(exc).__name__}: {' '.join(str(exc).split())}"]
+    metadata = {"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:50]) or check.passed_text), "problem count": len(problems), **counts}
+    return dg.AssetCheckResult(asset_key=HF_MODEL, check_name=check.name, passed=not problems, metadata=metadata)
 
-defs = dg.Definitions(asset_checks=[loads_on_meta_device, index_matches_shards, manifest_sha256])
+
+def _counts(folder: Path) -> dict[str, int]:
+    """What the checks looked at, so a passed check says how much it verified."""
+    try:
+        shards = weight_files(folder)
+        files = read_manifest(folder)["files"]
+    except (OSError, ValueError, KeyError):
+        return {}  # the checks themselves say what is wrong
+    return {"weight files": len(shards), "tensors": sum(len(t) for t in shards.values()), "files in manifest": len(files), "bytes in manifest": sum(f["size"] for f in files.values())}

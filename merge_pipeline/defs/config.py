@@ -1,4 +1,4 @@
-"""Per-run merge options, set in the Launchpad (or a sensor's run config) for ``merged_state_dict``."""
+"""Per-run merge options, set in the Launchpad (or a sensor's run config) for ``hf_model``."""
 
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ class Scan:
 
     found: list[FoundCheckpoint] = field(default_factory=list)
     not_watched: list[str] = field(default_factory=list)
+    all_roots_read: bool = True  # False: a root was missing or unreadable, so an absent folder proves nothing
 
 
 def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
@@ -56,6 +57,8 @@ def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
         root = root.absolute()
         if output_root.is_relative_to(root):
             scan.not_watched.append(f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)")
+        if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
+            scan.all_roots_read = False
         scan.found.extend(find_checkpoints(root, scan.not_watched, skip={output_root}))
     return scan
 

@@ -1,13 +1,56 @@
-"""Engine errors become a failed step whose description is the engine's one line, not a traceback."""
+"""Engine errors become a failed step in Dagster's words: the engine's one line, with the CLI's flags
+named as the run config fields that set them, and the file at fault and the next step as metadata."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import dagster as dg
 
 from merge_pipeline.errors import MergeError, os_error
+
+RUN_CONFIG = "hf_model's run config"
+# CLI flag in an engine message -> where a Dagster user sets the same thing (MergeConfig's fields)
+_IN_DAGSTER = {
+    "pass --overwrite": f"set overwrite: true in {RUN_CONFIG}",
+    "--overwrite": f"overwrite: true in {RUN_CONFIG}",
+    "--dtype": "dtype",
+    "--max-shard-size": "max_shard_size",
+    "--max-side-file-size": "max_side_file_size",
+    "--merge-lora": "merge_lora",
+    "--hf_model_path": "hf_model_path",
+    "--hf-model-path": "hf_model_path",
+    "--target_dir": "MERGE_PIPELINE_OUTPUT_ROOT",
+}
+_FLAG = re.compile("|".join(re.escape(f) for f in sorted(_IN_DAGSTER, key=len, reverse=True)) + r"(?![\w-])")
+
+# What to do next, by what the message says; the first match wins.
+_NEXT_STEPS = [
+    ("already exists", f"to replace it, materialize the partition again with overwrite: true in {RUN_CONFIG} (Launchpad)"),
+    ("another merge", "wait for that merge to finish, then re-execute this run"),
+    ("incomplete checkpoint", "wait until the trainer has finished saving this step, then re-execute this run"),
+    ("no such checkpoint folder", "the checkpoint is gone: nothing to merge (the sensor removes its partition)"),
+    ("not replaced", "move the folder away or set MERGE_PIPELINE_OUTPUT_ROOT elsewhere, then re-execute"),
+]
+_DEFAULT_NEXT_STEP = "fix the file named above (or the run config), then re-execute this run from the Runs page"
+
+
+def in_dagster_words(message: str) -> str:
+    return _FLAG.sub(lambda m: _IN_DAGSTER[m.group(0)], message)
+
+
+def next_step(message: str) -> str:
+    return next((step for words, step in _NEXT_STEPS if words in message), _DEFAULT_NEXT_STEP)
+
+
+def failure(error: MergeError) -> dg.Failure:
+    message = in_dagster_words(str(error))
+    metadata = {"next step": next_step(message)}
+    if error.path is not None:
+        metadata["file"] = dg.MetadataValue.path(str(error.path))
+    return dg.Failure(description=message, metadata=metadata)
 
 
 @contextlib.contextmanager
@@ -15,6 +58,6 @@ def one_line_failure() -> Iterator[None]:
     try:
         yield
     except MergeError as exc:
-        raise dg.Failure(description=str(exc)) from None
+        raise failure(exc) from None
     except OSError as exc:  # disk full, permission denied, ...: name the file, as the CLI does
-        raise dg.Failure(description=str(os_error(exc))) from None
+        raise failure(os_error(exc)) from None

@@ -18,12 +18,10 @@ from pathlib import Path
 from typing import Literal
 
 import dagster as dg
-from dagster._core.event_api import PartitionKeyFilter
-from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 from pydantic import Field
 
-from merge_pipeline.defs import checks
 from merge_pipeline.defs.assets import hf_model
+from merge_pipeline.defs.checks import FOLDER_CHECKS
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
@@ -32,7 +30,7 @@ from merge_pipeline.hub import UploadResult, upload_folder_verified
 
 GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
-_HF_MODEL_CHECKS = [key for c in checks.defs.asset_checks for key in c.check_keys if key.asset_key == hf_model.key]
+CHECK_HISTORY = 3000  # check evaluations looked at per schedule tick, newest first (3 per merge)
 
 
 class HuggingFaceHub(dg.ConfigurableResource):
@@ -101,7 +99,8 @@ publish_job = dg.define_asset_job("publish_to_hub", selection=[hub_model], descr
 @dg.schedule(
     cron_schedule="*/10 * * * *",
     job=publish_job,
-    default_status=dg.DefaultScheduleStatus.RUNNING,  # inert until MERGE_PIPELINE_HUB_ORG is set
+    # Off unless a Hub organization is set when the code location loads (a schedule's default is fixed then).
+    default_status=dg.DefaultScheduleStatus.RUNNING if dg.EnvVar("MERGE_PIPELINE_HUB_ORG").get_value() else dg.DefaultScheduleStatus.STOPPED,
     description="Publishes the highest merged step of each run whose checks passed, once per merge of that step.",
 )
 def publish_latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub):
@@ -144,14 +143,17 @@ def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str
 
 
 def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: str) -> bool:
-    """Every check on hf_model passed for this partition, in the run that merged it (the checks run with the asset).
-
-    Partitioned checks are a preview in Dagster 1.13, with no public query yet: the event log storage answers.
-    """
-    latest = instance.event_log_storage.get_latest_asset_check_execution_by_key(_HF_MODEL_CHECKS, partition_filter=PartitionKeyFilter(key=partition))
-    return len(latest) == len(_HF_MODEL_CHECKS) and all(
-        record.status == AssetCheckExecutionRecordStatus.SUCCEEDED and record.run_id == merge_run_id for record in latest.values()
-    )
+    """Every check on hf_model passed for this partition in the run that merged it, and none failed since
+    (a check result reported later, e.g. by hand, counts)."""
+    # (the event log does not index check evaluations by asset key: filtered here)
+    records = instance.get_event_records(dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION), limit=CHECK_HISTORY)
+    latest: dict[str, tuple[bool, str]] = {}
+    # newest first, by time: sqlite numbers a runless event (a check result reported by hand) apart from runs' events
+    for record in sorted(records, key=lambda r: r.timestamp, reverse=True):
+        evaluation = record.event_log_entry.dagster_event.asset_check_evaluation_data
+        if evaluation.asset_key == hf_model.key and evaluation.partition == partition:
+            latest.setdefault(evaluation.check_name, (evaluation.passed, record.run_id))
+    return all(latest.get(c.name) == (True, merge_run_id) for c in FOLDER_CHECKS)
 
 
 defs = dg.Definitions(assets=[hub_model], jobs=[publish_job], schedules=[publish_latest_steps], resources={"hub": HuggingFaceHub.from_env()})

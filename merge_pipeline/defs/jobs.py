@@ -1,19 +1,20 @@
-"""The job the sensor launches: the whole merge chain and its checks for one checkpoint partition."""
+"""The job the sensor launches: one checkpoint partition, merged, checked and published."""
 
 from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import checkpoint, hf_model, merged_state_dict, parallel_config
+from merge_pipeline.defs.assets import hf_model
 
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
 
 merge_checkpoint_job = dg.define_asset_job(
     "merge_checkpoint",
-    selection=dg.AssetSelection.assets(checkpoint, parallel_config, merged_state_dict, hf_model),  # with their checks
+    selection=dg.AssetSelection.assets(hf_model),  # with its checks, which run inside its step
     tags={HEAVY_TAG: "merge"},
-    # One process for the whole chain: each step would otherwise pay seconds of imports
-    # (torch, transformers) on its own; the merge streams, so memory stays bounded anyway.
+    # One process for the whole chain (the code location's default executor, so runs started from
+    # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of
+    # imports (torch, transformers); the merge streams, so memory stays bounded anyway.
     executor_def=dg.in_process_executor,
     description="Merge one checkpoint role folder into a verified, published Hugging Face folder.",
 )

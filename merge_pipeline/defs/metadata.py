@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import dagster as dg
+
+from merge_pipeline.engine.progress import human_bytes
 
 
 def value(v: object) -> dg.MetadataValue:
@@ -21,7 +23,7 @@ def value(v: object) -> dg.MetadataValue:
     return dg.MetadataValue.text(json.dumps(v))
 
 
-def table(rows: Sequence[Mapping[str, object]], columns: Mapping[str, str]) -> dg.MetadataValue:
-    """A table; ``columns`` maps column name to type (string, int, float, bool)."""
-    schema = dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in columns.items()])
-    return dg.MetadataValue.table(records=[dg.TableRecord({c: row[c] for c in columns}) for row in rows], schema=schema)
+def sha256_table(files: Mapping[str, Mapping[str, object]]) -> dg.MetadataValue:
+    """The manifest's files as a Markdown table: a table cell cuts a 64-digit sha256 short, a code span keeps it whole."""
+    rows = [f"| {name} | {human_bytes(int(f['size']))} | `{f['sha256']}` |" for name, f in files.items()]
+    return dg.MetadataValue.md("\n".join(["| file | size | sha256 |", "|---|---:|---|", *rows]))

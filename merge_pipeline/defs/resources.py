@@ -1,4 +1,7 @@
-"""Where checkpoints are watched and where merged folders land: one resource, read from the environment.
+"""Where checkpoints are watched and where merged folders land: the ``settings`` resource.
+
+A field left unset is read from the environment when a run or a sensor tick uses it (``dg.EnvVar``;
+``dagster dev`` and ``dg dev`` load ``.env`` from the project root first, see ``.env.example``):
 
 ``MERGE_PIPELINE_CHECKPOINT_ROOTS``  watched folders, os.pathsep-separated (default ``./demo/checkpoints``)
 ``MERGE_PIPELINE_OUTPUT_ROOT``       merged folders land in ``<root>/<run_name>/global_step_<N>/<role>/``
@@ -19,39 +22,36 @@ from pydantic import Field
 from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
 
-RECORDS = ".records"  # under the output root: what each asset found, for the next one
+ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR = "MERGE_PIPELINE_CHECKPOINT_ROOTS", "MERGE_PIPELINE_OUTPUT_ROOT", "MERGE_PIPELINE_SETTLE_SECONDS"
 
 
 class MergeSettings(dg.ConfigurableResource):
-    checkpoint_roots: list[str] = Field(description="folders watched for global_step_<N>/<role> checkpoints")
-    output_root: str = Field(description="merged HF folders land in <output_root>/<run_name>/global_step_<N>/<role>/")
-    settle_seconds: float = Field(default=60.0, description="without the trainer's tracker file, a step is complete once no file under it changed for this long")
-
-    @classmethod
-    def from_env(cls) -> MergeSettings:
-        roots = os.environ.get("MERGE_PIPELINE_CHECKPOINT_ROOTS", "demo/checkpoints")
-        return cls(
-            checkpoint_roots=[str(Path(r).absolute()) for r in roots.split(os.pathsep) if r],
-            output_root=str(Path(os.environ.get("MERGE_PIPELINE_OUTPUT_ROOT", "demo/merged")).absolute()),
-            settle_seconds=float(os.environ.get("MERGE_PIPELINE_SETTLE_SECONDS", "60")),
-        )
+    checkpoint_roots: list[str] | None = Field(default=None, description=f"folders watched for global_step_<N>/<role> checkpoints; unset: ${ROOTS_VAR}, else ./demo/checkpoints")
+    output_root: str | None = Field(default=None, description=f"merged HF folders land in <output_root>/<run_name>/global_step_<N>/<role>/; unset: ${OUTPUT_VAR}, else ./demo/merged")
+    settle_seconds: float | None = Field(default=None, description=f"without the trainer's tracker file, a step is complete once no file under it changed for this long; unset: ${SETTLE_VAR}, else 60")
 
     @property
     def roots(self) -> list[Path]:
-        return [Path(r) for r in self.checkpoint_roots]
+        roots = self.checkpoint_roots if self.checkpoint_roots is not None else dg.EnvVar(ROOTS_VAR).get_value("demo/checkpoints").split(os.pathsep)
+        return [Path(r).absolute() for r in roots if r]
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output_root if self.output_root is not None else dg.EnvVar(OUTPUT_VAR).get_value("demo/merged")).absolute()
+
+    @property
+    def settle_time(self) -> float:
+        return self.settle_seconds if self.settle_seconds is not None else float(dg.EnvVar(SETTLE_VAR).get_value("60"))
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""
-        return scan_roots(self.roots, Path(self.output_root))
+        return scan_roots(self.roots, self.output_dir)
 
     def role_dir(self, key: CheckpointKey) -> Path:
         return locate(key, self.roots)
 
     def target_dir(self, key: CheckpointKey) -> Path:
-        return Path(self.output_root) / key.path
-
-    def records_dir(self, key: CheckpointKey) -> Path:
-        return Path(self.output_root) / RECORDS / key.path
+        return self.output_dir / key.path
 
 
-defs = dg.Definitions(resources={"settings": MergeSettings.from_env()})
+defs = dg.Definitions(resources={"settings": MergeSettings()})

@@ -5,21 +5,26 @@ the cursor already holds, and looks closer only at new folders: already merged -
 skipped; complete -> a partition and a run (``run_key`` = partition key, so a run is never requested
 twice); partial -> left for a later tick. Keys whose folders the trainer deleted leave the cursor.
 What cannot be watched (a missing or unreadable root, a step folder whose name does not map to a
-partition, an output root inside a checkpoint root) is logged every tick and leads the skip reason.
+partition, an output root inside a checkpoint root) is logged every tick and leads the skip reason,
+and partitions whose last merge failed are listed in it.
+
+A partition whose checkpoint the trainer's rotation deleted before it was merged is removed (there is
+nothing left to merge); one that was merged keeps its partition, and its merged folder is never
+touched. Nothing is removed while a root cannot be read: an unmounted disk is not a rotation.
 """
 
 import json
-import os
 
 import dagster as dg
 
-from merge_pipeline.defs.discovery import completeness
+from merge_pipeline.defs.assets import checkpoint, hf_model
+from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint, completeness
 from merge_pipeline.defs.jobs import merge_checkpoint_job
-from merge_pipeline.defs.partitions import checkpoint_partitions
+from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
 
 SOURCE_TAG = "merge_pipeline/source"
-INTERVAL_SECONDS = int(os.environ.get("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS", "10"))
+INTERVAL_SECONDS = int(dg.EnvVar("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS").get_value("10"))  # fixed when the location loads
 
 
 @dg.sensor(
@@ -30,7 +35,7 @@ INTERVAL_SECONDS = int(os.environ.get("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS", 
 )
 def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
     seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
-    present, requests, waiting = set(), [], []
+    present, requests, waiting, saved = set(), [], [], []
     scan = settings.find_checkpoints()
     for note in scan.not_watched:
         context.log.warning(note)
@@ -42,20 +47,43 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         if settings.target_dir(found.key).exists():
             seen.add(key)  # merged before (by an earlier run, or by hand with the CLI)
             continue
-        state = completeness(found.role_dir, found.key.step, settings.settle_seconds)
+        state = completeness(found.role_dir, found.key.step, settings.settle_time)
         if not state.complete:
             waiting.append(f"{key} ({state.reason})")
             continue
         seen.add(key)
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
+        saved.append(_checkpoint_saved(found, state))
     cursor = json.dumps(sorted(seen & present))
-    if not requests:
-        reason = f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}" if waiting else f"no new checkpoints ({len(present)} known)"
-        if scan.not_watched:  # a missing root must not read as "nothing new"
-            reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
-        return dg.SensorResult(skip_reason=reason, cursor=cursor)
-    added = checkpoint_partitions.build_add_request([r.partition_key for r in requests])
-    return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=[added], cursor=cursor)
+    partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
+    rotated = [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()] if scan.all_roots_read else []
+    changes = []
+    if rotated:
+        context.log.info(f"removing {len(rotated)} partition(s) whose checkpoint was deleted before it was merged: {', '.join(rotated[:5])}")
+        changes.append(checkpoint_partitions.build_delete_request(rotated))
+    if requests:
+        changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests]))
+        return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=changes, asset_events=saved, cursor=cursor)
+    reason = f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}" if waiting else f"no new checkpoints ({len(present)} known)"
+    failed = _failed_partitions(context.instance, [k for k in partitions if k not in rotated])
+    if failed:
+        reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
+    if scan.not_watched:  # a missing root must not read as "nothing new"
+        reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
+    return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes)
+
+
+def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMaterialization:
+    """The trainer's save of this checkpoint, as the external ``checkpoint`` asset's event."""
+    metadata = {"path": dg.MetadataValue.path(str(found.role_dir)), "role": found.key.role, "step": found.key.step, "completeness": state.reason}
+    return dg.AssetMaterialization(asset_key=checkpoint.key, partition=str(found.key), metadata={**metadata, "written_at": dg.MetadataValue.timestamp(state.newest_change)})
+
+
+def _failed_partitions(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:
+    if not keys:
+        return []
+    status = instance.get_status_by_partition(hf_model.key, keys, checkpoint_partitions) or {}
+    return sorted(k for k, s in status.items() if s == dg.AssetPartitionStatus.FAILED)
 
 
 defs = dg.Definitions(sensors=[new_checkpoint_sensor])

@@ -1,4 +1,4 @@
-"""What ``torchrun`` runs for ``merged_state_dict`` with ``launcher: torchrun``.
+"""What ``torchrun`` runs for ``hf_model`` with ``launcher: torchrun``.
 
 Every rank gets its work on the command line; only rank 0 opens Dagster Pipes, to send progress
 logs and the write report back to the run. Every rank's own output goes to the run's logs

@@ -1,8 +1,8 @@
-"""The weight-writing step of ``merged_state_dict``, behind one function signature so it can be swapped.
+"""The weight-writing stage of ``hf_model``: in the run's own process, or across torchrun processes.
 
-A writer takes a ``WeightJob`` and streams the safetensors shards into the staging
-folder; ``write_in_process`` does it in the run's own process, ``write_with_torchrun`` across
-torchrun processes launched through Dagster Pipes. ``MergeConfig.launcher`` picks one.
+``write_in_process`` streams the safetensors shards of the plan the asset already built into the
+staging folder; ``write_with_torchrun`` launches torchrun through Dagster Pipes, each rank planning
+its share itself. ``MergeConfig.launcher`` picks one.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import dagster as dg
 
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE, command_line
-from merge_pipeline.engine.merge import WriteReport, peak_rss_bytes, prepare, write_weights
-from merge_pipeline.engine.outputs import MergeOptions
+from merge_pipeline.engine.merge import WriteReport, peak_rss_bytes, write_weights
+from merge_pipeline.engine.outputs import MergeOptions, OutputLayout
 from merge_pipeline.errors import MergeError
 
 
@@ -24,21 +24,20 @@ from merge_pipeline.errors import MergeError
 class WeightJob:
     role_dir: Path
     backend: str
-    staging: Path  # empty, beside the target: the shards are renamed into place with the rest
+    staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
     options: MergeOptions
 
 
 @dataclass(frozen=True)
 class WrittenWeights:
     report: WriteReport
-    peak_rss_bytes: int  # of the process(es) that did the writing
+    peak_rss_bytes: int
+    peak_rss_label: str  # whose peak: the run's whole process (Dagster and imports included), or the largest rank
 
 
-def write_in_process(job: WeightJob) -> WrittenWeights:
-    plan, _, layout = prepare(job.role_dir, job.options, job.backend)
-    with plan:
-        report = write_weights(layout, job.staging)
-    return WrittenWeights(report, peak_rss_bytes())
+def write_in_process(layout: OutputLayout, staging: Path) -> WrittenWeights:
+    report = write_weights(layout, staging)
+    return WrittenWeights(report, peak_rss_bytes(), "peak RSS (whole process)")
 
 
 def write_with_torchrun(context: dg.AssetExecutionContext, job: WeightJob, config: MergeConfig) -> WrittenWeights:
@@ -58,4 +57,4 @@ def write_with_torchrun(context: dg.AssetExecutionContext, job: WeightJob, confi
     if ERROR_MESSAGE in messages:
         raise MergeError(None, messages[ERROR_MESSAGE]["message"])
     report = messages[REPORT_MESSAGE]
-    return WrittenWeights(WriteReport(report["files"], report["seconds"]), report["peak_rss_bytes"])
+    return WrittenWeights(WriteReport(report["files"], report["seconds"]), report["peak_rss_bytes"], "peak RSS (largest rank)")

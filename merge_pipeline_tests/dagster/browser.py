@@ -34,3 +34,13 @@ def dump_dom(url: str) -> str:
 def screenshot(url: str, path: Path) -> None:
     _run(url, f"--screenshot={path}")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+
+
+def dump_dom_showing(url: str, *texts: str, attempts: int = 4) -> str:
+    """The page once it shows every one of ``texts``: on a loaded machine the UI may still be
+    fetching when the virtual time budget runs out, so look again a few times."""
+    for _ in range(attempts):
+        dom = dump_dom(url)
+        if all(t in dom for t in texts):
+            return dom
+    return dom

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs import assets, checks
+from merge_pipeline.defs import assets
 from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
@@ -18,7 +18,7 @@ from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
 CRITIC = FsdpSpec(arch="llama", critic=True)
-CHAIN = [assets.checkpoint, assets.parallel_config, assets.merged_state_dict, assets.hf_model, checks.loads_on_meta_device, checks.index_matches_shards, checks.manifest_sha256]
+CHAIN = [assets.checkpoint, assets.hf_model]  # the external checkpoint, and hf_model with the checks inside its step
 
 
 @dataclass
@@ -48,5 +48,5 @@ class Roots:
 def materialize(instance, settings: MergeSettings, key: str, *, merge_config: dict | None = None, selection=CHAIN) -> dg.ExecuteInProcessResult:
     """Run the merge chain (and its checks) for one partition, as the merge job does; failures are returned."""
     instance.add_dynamic_partitions("checkpoints", [key])
-    run_config = {"ops": {"merged_state_dict": {"config": merge_config}}} if merge_config else None
+    run_config = {"ops": {"hf_model": {"config": merge_config}}} if merge_config else None
     return dg.materialize(selection, partition_key=key, instance=instance, resources={"settings": settings}, run_config=run_config, raise_on_error=False)

@@ -1,6 +1,6 @@
-"""Start the real dagster-webserver and dagster-daemon for a test, talk to them, and always stop them.
+"""Start a real ``dagster dev`` for a test, talk to it over GraphQL, and always stop it.
 
-Each server runs in its own session (so its process group holds it and every child it starts, run
+It runs in its own session (so its process group holds it and every child it starts, run
 workers included) with SIGINT at its default disposition: a process started in the background
 inherits an ignored SIGINT and would then shut down on nothing but SIGKILL.
 """
@@ -29,9 +29,10 @@ SENSOR_TICKS_QUERY = """
 query Ticks($sensor: SensorSelector!) {
   sensorOrError(sensorSelector: $sensor) { ... on Sensor { sensorState { ticks(limit: 1) { status } } } }
 }"""
+LOCATIONS_QUERY = "{ workspaceOrError { ... on Workspace { locationEntries { name locationOrLoadError { __typename } } } } }"
 RUNS_QUERY = """
 query Runs($filter: RunsFilter) {
-  runsOrError(filter: $filter) { ... on Runs { results { runId status } } }
+  runsOrError(filter: $filter) { ... on Runs { results { runId status startTime endTime tags { key value } } } }
 }"""
 
 
@@ -78,28 +79,20 @@ def _default_sigint() -> None:
 
 
 @contextlib.contextmanager
-def running_dagster(home: Path, env: dict[str, str], *, start_timeout: float = 240) -> Iterator[Dagster]:
-    """dagster-webserver and dagster-daemon on 127.0.0.1 serving workspace.yaml, stopped on exit whatever happens."""
+def running_dagster_dev(project: Path, env: dict[str, str], log: Path, *, command: str = "dagster", start_timeout: float = 300) -> Iterator[Dagster]:
+    """Plain ``dagster dev`` (or ``dg dev``) in ``project`` on 127.0.0.1, as a user starts it: no
+    DAGSTER_HOME, no -w; stopped on exit whatever happens. Its instance lives in the
+    ``.tmp_dagster_home_*`` folder it makes."""
     port = free_port()
-    workspace = str(PROJECT_ROOT / "workspace.yaml")
-    commands = {
-        "webserver": [str(VENV_BIN / "dagster-webserver"), "-w", workspace, "-h", "127.0.0.1", "-p", str(port)],
-        "daemon": [str(VENV_BIN / "dagster-daemon"), "run", "-w", workspace],
-    }
-    dagster = Dagster(f"http://127.0.0.1:{port}", home, [home / f"{name}.log" for name in commands])
-    env = {**os.environ, **env, "DAGSTER_HOME": str(home), "DAGSTER_DISABLE_TELEMETRY": "1"}
-    # Create the sqlite storage once, first: two servers creating it at once can corrupt its schema table.
-    subprocess.run([str(VENV_BIN / "dagster"), "instance", "migrate"], cwd=PROJECT_ROOT, env=env, check=True, capture_output=True, timeout=start_timeout)
-    processes = []
+    dagster = Dagster(f"http://127.0.0.1:{port}", project, [log])
+    env = {k: v for k, v in {**os.environ, **env}.items() if k != "DAGSTER_HOME"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen([str(VENV_BIN / command), "dev", "--host", "127.0.0.1", "--port", str(port)], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
     try:
-        for (name, command), log in zip(commands.items(), dagster.logs):
-            with open(log, "wb") as out:
-                processes.append(subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint))
-        _wait_until_serving(dagster, processes, start_timeout)
+        _wait_until_serving(dagster, [process], start_timeout)
         yield dagster
     finally:
-        for process in processes:
-            stop_group(process)
+        stop_group(process)
 
 
 def stop_group(process: subprocess.Popen, grace: float = 30) -> None:

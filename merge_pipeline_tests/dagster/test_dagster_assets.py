@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_pipeline.engine.manifest import MANIFEST
+from merge_pipeline.engine.merge import prepare
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, materialize
@@ -49,29 +50,37 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
     roots.drop(sample, "run/global_step_3", tracker=3)
     settings = roots.settings()
 
-    result = materialize(instance, settings, "run/global_step_3/actor", merge_config=SHARDED)
+    result = materialize(instance, settings, "run/global_step_3/actor", merge_config={**SHARDED, "dtype": "bfloat16"})
 
     metadata = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
-    checkpoint = metadata["checkpoint"]
-    assert checkpoint["backend"].value == "fsdp" and checkpoint["role"].value == "actor" and checkpoint["step"].value == 3
-    assert checkpoint["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
-    assert "model_world_size_2_rank_1.pt" in [r.data["file"] for r in checkpoint["files"].value.records]
-    parallel = metadata["parallel_config"]
-    assert (parallel["world_size"].value, parallel["fsdp_version"].value, parallel["architecture"].value) == (2, 2, "Qwen2ForCausalLM")
-    assert parallel["parameters"].value == sum(t.numel() for t in load_file(sample.reference_dir / "model.safetensors").values())
-    merged = metadata["merged_state_dict"]
-    assert merged["tensors"].value == 27 and merged["peak_rss_bytes"].value > 0 and merged["throughput"].value.endswith("/s")
-    assert [r.data["filename"] for r in merged["shards"].value.records] == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert set(metadata) == {"hf_model"}  # the checkpoint is the trainer's: the sensor records it
     published = metadata["hf_model"]
+    assert published["backend"].value == "fsdp" and published["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
+    assert (published["world_size"].value, published["fsdp_version"].value, published["architecture"].value) == (2, 2, "Qwen2ForCausalLM")
+    assert published["parameters"].value == sum(t.numel() for t in load_file(sample.reference_dir / "model.safetensors").values())
+    assert published["tensors"].value == 27 and published["throughput"].value.endswith("/s")
+    assert published["dtype"].value == "bfloat16" and published["tensor dtypes"].value == {"float32 -> bfloat16": 27}  # what was written
+    assert published["peak_rss_bytes"].value > 0 and "peak RSS (whole process)" in published
     target = roots.target("run/global_step_3/actor")
-    assert published["path"].value == str(target)
-    assert published["bytes"].value == sum(p.stat().st_size for p in target.iterdir())
-    assert {r.data["file"] for r in published["files"].value.records} == {p.name for p in target.iterdir()} - {MANIFEST}
-    assert published["seconds_since_checkpoint_written"].value >= 0
-    # The weights were written holding the one slot of pool "merge" (dagster.yaml: default_limit 1).
-    pool = instance.event_log_storage.get_concurrency_info("merge")
-    assert instance.event_log_storage.get_concurrency_keys() == {"merge"} and (pool.limit, pool.slot_count, pool.claimed_slots) == (1, 1, [])
+    assert published["path"].value == str(target) and published["source"].value == str(sample_dir := roots.checkpoints / "run/global_step_3/actor") and sample_dir.is_dir()
+    assert not any("staging" in str(v.value) for v in published.values()), "no metadata points at the staging folder, which is gone"
+    manifest = json.loads((target / MANIFEST).read_text())["files"]
+    assert len(manifest) == 9 and {p.name for p in target.iterdir()} - {MANIFEST} == set(manifest)
+    for name, f in manifest.items():  # every sha256 in full, readable in the Markdown table
+        assert f"| {name} | " in published["files"].value and f"`{f['sha256']}`" in published["files"].value
+    checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
+    assert {name: (m["tensors"].value, m["weight files"].value, m["files in manifest"].value, m["problem count"].value) for name, m in checks.items()} == dict.fromkeys(checks, (27, 3, 9, 0))
 
+
+def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkeypatch):
+    from merge_pipeline.defs import assets
+
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_3", tracker=3)
+    plans = []
+    monkeypatch.setattr(assets, "prepare", lambda *a, **k: plans.append(a) or prepare(*a, **k))
+
+    assert materialize(instance, roots.settings(), "run/global_step_3/actor").success
+    assert len(plans) == 1
 
 
 @pytest.fixture(scope="module")
@@ -93,5 +102,5 @@ def test_megatron_checkpoints_flow_through_the_same_assets(megatron_samples, roo
     merged = load_safetensors_dir(roots.target(key))
     assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
     assert all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
-    [metadata] = [e.materialization.metadata for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "parallel_config"]
+    [metadata] = [e.materialization.metadata for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "hf_model"]
     assert metadata["backend"].value == "megatron" and {k: metadata[k].value for k in parallel} == parallel

@@ -16,7 +16,8 @@ from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.engine.merge import merge_checkpoint
 from merge_pipeline.errors import MergeError
-from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC
+from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.helpers import tree_digest
 
 
 def tick(instance, settings, cursor=None) -> dg.SensorResult:
@@ -47,6 +48,10 @@ def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, root
     [added] = result.dynamic_partitions_requests
     assert (added.partitions_def_name, list(added.partition_keys)) == ("checkpoints", keys)
     assert json.loads(result.cursor) == keys
+    # each saved checkpoint recorded as the external asset's event, with where it is and why it counts as complete
+    assert [(e.asset_key.to_user_string(), e.partition) for e in result.asset_events] == [("checkpoint", k) for k in keys]
+    assert [e.metadata["path"].value for e in result.asset_events] == [str(actor), str(critic)]
+    assert result.asset_events[1].metadata["completeness"].value == "latest_checkpointed_iteration.txt says 5 >= 5"
 
 
 def test_partial_checkpoint_waits_until_the_trainer_says_it_is_done(fsdp_checkpoint, roots, instance):
@@ -153,3 +158,38 @@ def test_finds_steps_up_to_three_levels_deep_and_maps_keys_back(fsdp_checkpoint,
 def test_malformed_partition_keys_are_refused(key):
     with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor|critic>"):
         CheckpointKey.parse(key)
+
+
+def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    for step in (1, 2, 3):
+        roots.drop(sample, f"run/global_step_{step}", tracker=step, link=True)
+    settings = roots.settings()
+    first = tick(instance, settings)
+    instance.add_dynamic_partitions("checkpoints", requested(first))
+    merge_checkpoint(roots.checkpoints / "run/global_step_1/actor", roots.target("run/global_step_1/actor"), show_progress=False)
+    merged = tree_digest(roots.target("run/global_step_1/actor"))
+    shutil.rmtree(roots.checkpoints / "run" / "global_step_1")  # merged, then rotated away
+    shutil.rmtree(roots.checkpoints / "run" / "global_step_2")  # rotated away before its merge
+
+    after = tick(instance, settings, first.cursor)
+
+    [removed] = after.dynamic_partitions_requests
+    assert isinstance(removed, dg.DeleteDynamicPartitionsRequest) and list(removed.partition_keys) == ["run/global_step_2/actor"]
+    assert tree_digest(roots.target("run/global_step_1/actor")) == merged
+    # an unreadable root proves nothing: no partition is removed while it cannot be read
+    shutil.rmtree(roots.checkpoints)
+    assert tick(instance, settings, after.cursor).dynamic_partitions_requests == []
+
+
+def test_skip_reason_lists_partitions_whose_last_merge_failed(fsdp_checkpoint, roots, instance):
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
+    rank_file = role_dir / "model_world_size_2_rank_0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])
+    settings = roots.settings()
+    first = tick(instance, settings)
+    assert not materialize(instance, settings, "run/global_step_1/actor").success
+
+    reason = tick(instance, settings, first.cursor).skip_reason.skip_message
+
+    assert reason == "no new checkpoints (1 known) | last merge failed for 1: run/global_step_1/actor (see Runs; re-execute or backfill them)"

@@ -1,0 +1,65 @@
+"""``merge_failure_webhook``: a failed run posts one JSON message to ``$MERGE_PIPELINE_ALERT_WEBHOOK_URL``.
+
+Unset (the default), the sensor does nothing. The body carries ``text`` (read by Slack and Mattermost
+incoming webhooks) and the fields a script would want. Posting is best effort: a webhook that is
+down is logged, and never fails or retries anything.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import dagster as dg
+from pydantic import Field
+
+WEBHOOK_VAR = "MERGE_PIPELINE_ALERT_WEBHOOK_URL"
+TIMEOUT_SECONDS = 10
+
+
+class AlertWebhook(dg.ConfigurableResource):
+    url: str | None = Field(default=None, description=f"where a failed run is posted; unset: ${WEBHOOK_VAR}, else no alerts")
+
+    @property
+    def target(self) -> str | None:
+        return self.url if self.url is not None else dg.EnvVar(WEBHOOK_VAR).get_value() or None
+
+    def post(self, body: dict) -> None:
+        request = urllib.request.Request(self.target, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS):
+            pass
+
+
+def failure_message(context: dg.RunFailureSensorContext) -> dict:
+    run = context.dagster_run
+    steps = [f"{e.step_key}: {e.event_specific_data.error_display_string.strip()}" if e.event_specific_data and e.event_specific_data.error else e.step_key for e in context.get_step_failure_events()]
+    descriptions = [e.step_failure_data.user_failure_data.description for e in context.get_step_failure_events() if e.step_failure_data.user_failure_data]
+    partition = run.tags.get("dagster/partition")
+    why = descriptions[0] if descriptions else (steps[0] if steps else context.failure_event.message)
+    return {
+        "text": f"merge_pipeline: run {run.run_id[:8]} of {run.job_name}{f' for {partition}' if partition else ''} failed: {why}",
+        "run_id": run.run_id,
+        "job": run.job_name,
+        "partition": partition,
+        "failed_steps": [e.step_key for e in context.get_step_failure_events()],
+        "error": why,
+    }
+
+
+@dg.run_failure_sensor(
+    name="merge_failure_webhook",
+    default_status=dg.DefaultSensorStatus.RUNNING,  # inert until MERGE_PIPELINE_ALERT_WEBHOOK_URL is set
+    description=f"Posts each failed run to ${WEBHOOK_VAR} (off when unset).",
+)
+def merge_failure_webhook(context: dg.RunFailureSensorContext, alert_webhook: AlertWebhook) -> dg.SkipReason | None:
+    if not alert_webhook.target:
+        return dg.SkipReason(f"{WEBHOOK_VAR} is not set: no alert sent")
+    try:
+        alert_webhook.post(failure_message(context))
+    except (OSError, urllib.error.URLError) as exc:
+        context.log.warning(f"alert webhook not reached: {exc}")
+    return None
+
+
+defs = dg.Definitions(sensors=[merge_failure_webhook], resources={"alert_webhook": AlertWebhook()})
