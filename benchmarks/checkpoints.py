@@ -23,15 +23,51 @@ CACHE_VERSION = 1  # bump when the writer's output changes in a way that matters
 _COMMON = {"arch": "llama", "world_size": 4, "fsdp_version": 2, "dtype": "float32", "with_optimizer": False}
 SIZES: dict[str, dict] = {
     # ~0.6M: only for smoke runs of the benchmark machinery
-    "tiny": {"hidden_size": 64, "num_layers": 2, "vocab_size": 4000, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "tiny": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "vocab_size": 4000,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     # ~24M
-    "small": {"hidden_size": 256, "num_layers": 8, "vocab_size": 32000, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "small": {
+        "hidden_size": 256,
+        "num_layers": 8,
+        "vocab_size": 32000,
+        "intermediate_size": 1024,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     # ~101M
-    "medium": {"hidden_size": 768, "num_layers": 6, "vocab_size": 32000, "intermediate_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 4},
+    "medium": {
+        "hidden_size": 768,
+        "num_layers": 6,
+        "vocab_size": 32000,
+        "intermediate_size": 3072,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+    },
     # ~248M: the configuration of issue 2's figures (hidden 1024, 12 layers, vocab 32000)
-    "large": {"hidden_size": 1024, "num_layers": 12, "vocab_size": 32000, "intermediate_size": 4096, "num_attention_heads": 16, "num_key_value_heads": 4},
+    "large": {
+        "hidden_size": 1024,
+        "num_layers": 12,
+        "vocab_size": 32000,
+        "intermediate_size": 4096,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
     # ~1.1B: TinyLlama's shapes at world size 2, the configuration of issue 14's figures (4.4 GB of rank files)
-    "1.1b": {"hidden_size": 2048, "num_layers": 22, "vocab_size": 32000, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4, "world_size": 2},
+    "1.1b": {
+        "hidden_size": 2048,
+        "num_layers": 22,
+        "vocab_size": 32000,
+        "intermediate_size": 5632,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "world_size": 2,
+    },
 }
 
 
@@ -85,7 +121,9 @@ def _cached(cache_dir: Path, name: str, spec: dict, write_args: list[str], descr
         shutil.rmtree(staging, ignore_errors=True)
         log(f"writing {description} to {root} ...")
         write_args = [a.replace("{staging}", str(staging)) for a in write_args]
-        subprocess.run([sys.executable, "-m", "benchmarks.checkpoints", *write_args, json.dumps(spec)], check=True, cwd=REPO_ROOT)
+        subprocess.run(
+            [sys.executable, "-m", "benchmarks.checkpoints", *write_args, json.dumps(spec)], check=True, cwd=REPO_ROOT
+        )
         staging.rename(root)
     return root
 
@@ -93,7 +131,9 @@ def _cached(cache_dir: Path, name: str, spec: dict, write_args: list[str], descr
 def ensure_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
     """The cached FSDP checkpoint for ``size``, written first if missing."""
     spec = spec_for(size)
-    description = f"the {size} FSDP checkpoint (~{parameter_count(spec) / 1e6:.0f}M parameters, world size {spec['world_size']})"
+    description = (
+        f"the {size} FSDP checkpoint (~{parameter_count(spec) / 1e6:.0f}M parameters, world size {spec['world_size']})"
+    )
     root = _cached(cache_dir, f"fsdp-{size}", spec, ["{staging}/global_step_1/actor"], description, log)
     return Checkpoint(size, root / "global_step_1" / "actor", spec)
 
@@ -103,7 +143,14 @@ def ensure_megatron_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, lo
     if size not in MEGATRON_SIZES:
         raise SystemExit(f"no Megatron size {size!r}; choose from {', '.join(MEGATRON_SIZES)}")
     spec = {"family": "llama", "tp": 2, "size": MEGATRON_SIZES[size]}
-    root = _cached(cache_dir, f"megatron-{size}", spec, ["--megatron", "{staging}"], f"the {size} Megatron-Core checkpoint (preset {spec['size']}, TP=2)", log)
+    root = _cached(
+        cache_dir,
+        f"megatron-{size}",
+        spec,
+        ["--megatron", "{staging}"],
+        f"the {size} Megatron-Core checkpoint (preset {spec['size']}, TP=2)",
+        log,
+    )
     return Checkpoint(size, root / "llama_tp2" / "actor", spec, backend="megatron")
 
 

@@ -30,7 +30,9 @@ class ChildRun:
         return self
 
 
-def run_child(command: Sequence[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 3600) -> ChildRun:
+def run_child(
+    command: Sequence[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 3600
+) -> ChildRun:
     """Run ``command``; wall time from spawn to reap, peak RSS from ``os.wait4`` on its pid.
 
     ``wait4`` gives this child's own ``ru_maxrss`` (not the max over every child, as
@@ -39,7 +41,9 @@ def run_child(command: Sequence[str], *, cwd: Path | None = None, env: dict | No
     """
     with tempfile.TemporaryFile() as log:
         started = time.perf_counter()
-        process = subprocess.Popen(list(command), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            list(command), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         timer = threading.Timer(timeout, lambda: _kill_group(process.pid))
         timer.start()
         try:

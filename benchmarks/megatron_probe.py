@@ -61,8 +61,15 @@ def measure_merge(role_dir: Path, target: Path) -> dict:
 
     baseline = _peak_rss_mib()
     started = time.monotonic()
-    code = main(["merge", "--backend", "megatron", "--local_dir", str(role_dir), "--target_dir", str(target), "--no-progress"])
-    return {"exit": code, "merge_seconds": round(time.monotonic() - started, 2), "rss_after_imports_mib": round(baseline), "peak_rss_mib": round(_peak_rss_mib())}
+    code = main(
+        ["merge", "--backend", "megatron", "--local_dir", str(role_dir), "--target_dir", str(target), "--no-progress"]
+    )
+    return {
+        "exit": code,
+        "merge_seconds": round(time.monotonic() - started, 2),
+        "rss_after_imports_mib": round(baseline),
+        "peak_rss_mib": round(_peak_rss_mib()),
+    }
 
 
 def _in_child(*args: str) -> dict:
@@ -90,11 +97,17 @@ def main() -> None:
     sample = write_megatron_samples(root, [Variant(**VARIANT)], timeout=1800)[VARIANT["name"]]
     written = time.monotonic() - started
     metadata = FileSystemReader(str(sample.role_dir / "dist_ckpt")).read_metadata()
-    stacked = max((m for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size") and "decoder.layers." in k), key=lambda m: math.prod(m.size))
+    stacked = max(
+        (m for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size") and "decoder.layers." in k),
+        key=lambda m: math.prod(m.size),
+    )
     report = {
         "checkpoint": str(sample.role_dir),
         "write_seconds": round(written, 1),
-        "largest_stacked_tensor": {"shape": list(stacked.size), "mib": round(math.prod(stacked.size) * stacked.properties.dtype.itemsize / 2**20, 1)},
+        "largest_stacked_tensor": {
+            "shape": list(stacked.size),
+            "mib": round(math.prod(stacked.size) * stacked.properties.dtype.itemsize / 2**20, 1),
+        },
         "dist_ckpt_mib": round(sum(p.stat().st_size for p in (sample.role_dir / "dist_ckpt").iterdir()) / 2**20, 1),
         "plan_and_materialize": _in_child("plan", str(sample.role_dir)),
         "cli_merge": _in_child("merge", str(sample.role_dir), str(root / "merged")),

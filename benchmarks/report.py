@@ -77,8 +77,16 @@ def _version(name: str) -> str | None:
 def _git_commit() -> str | None:
     """The repository's commit, with ``+changes`` when the engine's files differ from it."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "merge_pipeline"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "merge_pipeline"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+changes" if dirty else "")
@@ -87,16 +95,24 @@ def _git_commit() -> str | None:
 def _disk(path: Path) -> dict:
     out: dict = {}
     try:
-        df = subprocess.run(["df", "-T", "-B1", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()[1].split()
+        df = (
+            subprocess.run(["df", "-T", "-B1", str(path)], capture_output=True, text=True, check=True)
+            .stdout.splitlines()[1]
+            .split()
+        )
         out.update(disk_device=df[0], filesystem=df[1], disk_bytes=int(df[2]))
         name = Path(df[0]).name
-        ls = subprocess.run(["lsblk", "-dno", "NAME,ROTA,TYPE,MODEL", f"/dev/{name}"], capture_output=True, text=True, check=False)
+        ls = subprocess.run(
+            ["lsblk", "-dno", "NAME,ROTA,TYPE,MODEL", f"/dev/{name}"], capture_output=True, text=True, check=False
+        )
         if ls.returncode == 0 and ls.stdout.strip():
             fields = ls.stdout.split(None, 3)
             out["rotational"] = fields[1] == "1"
             out["disk_model"] = fields[3].strip() if len(fields) > 3 else ""
         virtio = name.startswith("vd")
-        out["disk_kind"] = ("virtio block device (VM), " if virtio else "") + ("reported rotational" if out.get("rotational") else "non-rotational")
+        out["disk_kind"] = ("virtio block device (VM), " if virtio else "") + (
+            "reported rotational" if out.get("rotational") else "non-rotational"
+        )
     except (OSError, subprocess.CalledProcessError, IndexError, ValueError):
         pass
     return out
@@ -146,7 +162,9 @@ def _backends(results: dict) -> list[str]:
 
 def _checkpoints(results: dict, backend: str | None = None) -> list[dict]:
     chosen = [c for c in results["checkpoints"] if backend is None or _backend(c) == backend]
-    return sorted(chosen, key=lambda c: (("fsdp", "megatron").index(_backend(c)), c["parameters"] or 0, c["input_bytes"]))
+    return sorted(
+        chosen, key=lambda c: (("fsdp", "megatron").index(_backend(c)), c["parameters"] or 0, c["input_bytes"])
+    )
 
 
 def rows(results: dict) -> list[dict]:
@@ -160,18 +178,37 @@ def rows(results: dict) -> list[dict]:
                 if s is None:
                     continue
                 raw = _series(results, c["size"], "raw", dtype)
-                start_wall, interp_rss = _interp(results, _ours_interpreter(results) if tool == "merge_pipeline" else "verl")
-                wall, rss, raw_s = pick(results, s["wall_s"]), pick(results, s["peak_rss_bytes"]), pick(results, raw["wall_s"]) if raw else None
-                out.append({
-                    "backend": _backend(c), "size": c["size"], "parameters": c["parameters"], "input_bytes": c["input_bytes"], "tool": tool, "dtype": dtype,
-                    "output_bytes": s["output_bytes"], "wall_s": wall, "wall_median_s": med(s["wall_s"]), "raw_s": raw_s, "cpu_s": pick(results, s.get("cpu_s", [])),
-                    "startup_s": start_wall, "input_gbps": c["input_bytes"] / wall / GB,
-                    "wall_over_raw": wall / raw_s if raw_s else None,
-                    "wall_over_raw_startup": wall / (raw_s + start_wall) if raw_s and start_wall else None,
-                    "peak_rss": rss, "rss_over_interp": rss - interp_rss if interp_rss else None,
-                    "rss_over_torch": rss - torch_rss if torch_rss else None,
-                    "flush_s": pick(results, s.get("flush_s", [])),
-                })
+                start_wall, interp_rss = _interp(
+                    results, _ours_interpreter(results) if tool == "merge_pipeline" else "verl"
+                )
+                wall, rss, raw_s = (
+                    pick(results, s["wall_s"]),
+                    pick(results, s["peak_rss_bytes"]),
+                    pick(results, raw["wall_s"]) if raw else None,
+                )
+                out.append(
+                    {
+                        "backend": _backend(c),
+                        "size": c["size"],
+                        "parameters": c["parameters"],
+                        "input_bytes": c["input_bytes"],
+                        "tool": tool,
+                        "dtype": dtype,
+                        "output_bytes": s["output_bytes"],
+                        "wall_s": wall,
+                        "wall_median_s": med(s["wall_s"]),
+                        "raw_s": raw_s,
+                        "cpu_s": pick(results, s.get("cpu_s", [])),
+                        "startup_s": start_wall,
+                        "input_gbps": c["input_bytes"] / wall / GB,
+                        "wall_over_raw": wall / raw_s if raw_s else None,
+                        "wall_over_raw_startup": wall / (raw_s + start_wall) if raw_s and start_wall else None,
+                        "peak_rss": rss,
+                        "rss_over_interp": rss - interp_rss if interp_rss else None,
+                        "rss_over_torch": rss - torch_rss if torch_rss else None,
+                        "flush_s": pick(results, s.get("flush_s", [])),
+                    }
+                )
     return out
 
 
@@ -195,13 +232,20 @@ def _scaling(results: dict, backend: str, small: dict, large: dict) -> list[dict
                 continue
             marginal = pick(results, b["wall_s"]) - pick(results, a["wall_s"])
             raw_marginal = pick(results, rb["wall_s"]) - pick(results, ra["wall_s"])
-            out.append({
-                "backend": backend, "tool": tool, "dtype": dtype, "from": small["size"], "to": large["size"],
-                "extra_bytes": large["input_bytes"] - small["input_bytes"],
-                "marginal_s": marginal, "raw_marginal_s": raw_marginal,
-                "ratio": marginal / raw_marginal if raw_marginal > 0 else None,
-                "rss_growth": pick(results, b["peak_rss_bytes"]) - pick(results, a["peak_rss_bytes"]),
-            })
+            out.append(
+                {
+                    "backend": backend,
+                    "tool": tool,
+                    "dtype": dtype,
+                    "from": small["size"],
+                    "to": large["size"],
+                    "extra_bytes": large["input_bytes"] - small["input_bytes"],
+                    "marginal_s": marginal,
+                    "raw_marginal_s": raw_marginal,
+                    "ratio": marginal / raw_marginal if raw_marginal > 0 else None,
+                    "rss_growth": pick(results, b["peak_rss_bytes"]) - pick(results, a["peak_rss_bytes"]),
+                }
+            )
     return out
 
 
@@ -212,9 +256,20 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
     out: list[tuple[str, bool | None, str]] = []
     for s in (s for s in scale if s["tool"] == "merge_pipeline"):
         ok = s["ratio"] is not None and s["ratio"] <= MARGINAL_MAX
-        out.append((f"issue 7: marginal cost {s['from']}->{s['to']} within {MARGINAL_MAX}x of the raw baseline's ({_dt(s['dtype'])})", ok,
-                    f"{s['marginal_s']:.2f} s vs raw {s['raw_marginal_s']:.2f} s = {_fmt(s['ratio'], '.2f')}x"))
-        out.append((f"issue 7: peak RSS growth {s['from']}->{s['to']} under 400 MB ({_dt(s['dtype'])})", s["rss_growth"] < RSS_GROWTH_MAX, f"{s['rss_growth'] / MB:+.0f} MB"))
+        out.append(
+            (
+                f"issue 7: marginal cost {s['from']}->{s['to']} within {MARGINAL_MAX}x of the raw baseline's ({_dt(s['dtype'])})",
+                ok,
+                f"{s['marginal_s']:.2f} s vs raw {s['raw_marginal_s']:.2f} s = {_fmt(s['ratio'], '.2f')}x",
+            )
+        )
+        out.append(
+            (
+                f"issue 7: peak RSS growth {s['from']}->{s['to']} under 400 MB ({_dt(s['dtype'])})",
+                s["rss_growth"] < RSS_GROWTH_MAX,
+                f"{s['rss_growth'] / MB:+.0f} MB",
+            )
+        )
     if not scale:
         out.append(("issue 7: marginal cost and RSS growth", None, "needs at least two sizes"))
     for backend in _backends(results):
@@ -222,10 +277,20 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         mine = next((r for r in ours if r["size"] == largest and r["dtype"] == "bfloat16"), None)
         theirs = next((r for r in table if r["tool"] == "verl" and r["size"] == largest), None)
         if mine and theirs:
-            out.append((f"issue 7: {largest} fp32->bf16 wall time at most 1/3 of verl's", mine["wall_s"] <= theirs["wall_s"] * VERL_WALL_FRACTION,
-                        f"{mine['wall_s']:.2f} s vs verl {theirs['wall_s']:.2f} s = {mine['wall_s'] / theirs['wall_s']:.2f}x"))
-            out.append((f"issue 7: {largest} fp32->bf16 peak RSS at most 1/5 of verl's", mine["peak_rss"] <= theirs["peak_rss"] * VERL_RSS_FRACTION,
-                        f"{mine['peak_rss'] / MB:.0f} MB vs verl {theirs['peak_rss'] / MB:.0f} MB = {mine['peak_rss'] / theirs['peak_rss']:.2f}x"))
+            out.append(
+                (
+                    f"issue 7: {largest} fp32->bf16 wall time at most 1/3 of verl's",
+                    mine["wall_s"] <= theirs["wall_s"] * VERL_WALL_FRACTION,
+                    f"{mine['wall_s']:.2f} s vs verl {theirs['wall_s']:.2f} s = {mine['wall_s'] / theirs['wall_s']:.2f}x",
+                )
+            )
+            out.append(
+                (
+                    f"issue 7: {largest} fp32->bf16 peak RSS at most 1/5 of verl's",
+                    mine["peak_rss"] <= theirs["peak_rss"] * VERL_RSS_FRACTION,
+                    f"{mine['peak_rss'] / MB:.0f} MB vs verl {theirs['peak_rss'] / MB:.0f} MB = {mine['peak_rss'] / theirs['peak_rss']:.2f}x",
+                )
+            )
         else:
             failed = next((f for f in results.get("failures", []) if f["size"] == largest), None)
             why = f"verl's merger failed: {failed['reason']}" if failed else "run with --with-verl"
@@ -236,17 +301,39 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         lossless = next((r for r in ours if r["size"] == largest and r["dtype"] == "float32"), None)
         if lossless and lossless["raw_s"] is not None and torch_start:
             limit = LOSSLESS_OVER_COPY_MAX * (lossless["raw_s"] + torch_start)
-            out.append((f"issue 14: {largest} lossless fp32 wall within {LOSSLESS_OVER_COPY_MAX}x (raw copy + torch start-up)", lossless["wall_s"] <= limit,
-                        f"{lossless['wall_s']:.2f} s vs {LOSSLESS_OVER_COPY_MAX}x({lossless['raw_s']:.2f} + {torch_start:.2f}) = {limit:.2f} s"))
+            out.append(
+                (
+                    f"issue 14: {largest} lossless fp32 wall within {LOSSLESS_OVER_COPY_MAX}x (raw copy + torch start-up)",
+                    lossless["wall_s"] <= limit,
+                    f"{lossless['wall_s']:.2f} s vs {LOSSLESS_OVER_COPY_MAX}x({lossless['raw_s']:.2f} + {torch_start:.2f}) = {limit:.2f} s",
+                )
+            )
     for r in ours:
-        out.append((f"issue 14: peak RSS at most 0.5 GB ({r['size']}, {_dt(r['dtype'])})", r["peak_rss"] <= PEAK_RSS_MAX, f"{r['peak_rss'] / MB:.0f} MB"))
+        out.append(
+            (
+                f"issue 14: peak RSS at most 0.5 GB ({r['size']}, {_dt(r['dtype'])})",
+                r["peak_rss"] <= PEAK_RSS_MAX,
+                f"{r['peak_rss'] / MB:.0f} MB",
+            )
+        )
     for r in ours:
         if r["rss_over_torch"] is not None:
-            out.append((f"issue 2: peak RSS within 0.5 GB of the torch interpreter ({r['size']}, {_dt(r['dtype'])})", r["rss_over_torch"] <= RSS_OVER_TORCH_MAX, f"{r['rss_over_torch'] / MB:+.0f} MB"))
+            out.append(
+                (
+                    f"issue 2: peak RSS within 0.5 GB of the torch interpreter ({r['size']}, {_dt(r['dtype'])})",
+                    r["rss_over_torch"] <= RSS_OVER_TORCH_MAX,
+                    f"{r['rss_over_torch'] / MB:+.0f} MB",
+                )
+            )
         if r["raw_s"] is not None and r["startup_s"] is not None:
             limit = WALL_OVER_IO_MAX * r["raw_s"] + r["startup_s"]
-            out.append((f"issue 2: wall within 2x read+write plus start-up ({r['size']}, {_dt(r['dtype'])})", r["wall_s"] <= limit,
-                        f"{r['wall_s']:.2f} s vs 2x{r['raw_s']:.2f} + {r['startup_s']:.2f} = {limit:.2f} s"))
+            out.append(
+                (
+                    f"issue 2: wall within 2x read+write plus start-up ({r['size']}, {_dt(r['dtype'])})",
+                    r["wall_s"] <= limit,
+                    f"{r['wall_s']:.2f} s vs 2x{r['raw_s']:.2f} + {r['startup_s']:.2f} = {limit:.2f} s",
+                )
+            )
     return out
 
 
@@ -267,19 +354,33 @@ def render(results: dict) -> str:
     mem = f"{m['memory_bytes'] / 2**30:.0f} GiB RAM" if m.get("memory_bytes") else "RAM unknown"
     disk = f"{m.get('disk_device', '?')} ({m.get('filesystem', '?')}, {m.get('disk_kind', '?')})"
     commit = f" (commit {m['commit']})" if m.get("commit") else ""
-    lines.append(f"Machine: {m['cpu']}, {m['cores']} cores, {mem}, disk {disk}, Linux {m['kernel']}, Python {m['python']}; "
-                 + ", ".join(f"{k} {v}" + (commit if k == "merge_pipeline" else "") for k, v in m["versions"].items() if v) + ".")
+    lines.append(
+        f"Machine: {m['cpu']}, {m['cores']} cores, {mem}, disk {disk}, Linux {m['kernel']}, Python {m['python']}; "
+        + ", ".join(f"{k} {v}" + (commit if k == "merge_pipeline" else "") for k, v in m["versions"].items() if v)
+        + "."
+    )
     lb, la = m.get("load_before"), m.get("load_after")
     if lb:
-        lines.append(f"Load average (1/5/15 min) at start {lb[0]:.1f}/{lb[1]:.1f}/{lb[2]:.1f}" + (f", at end {la[0]:.1f}/{la[1]:.1f}/{la[2]:.1f}" if la else "") + ".")
-    cache = {"cold": "evicted from the page cache (posix_fadvise DONTNEED)", "drop": "cold: `sync; echo 3 > /proc/sys/vm/drop_caches` (libraries too)"}.get(st["cache"], "read once into the page cache")
+        lines.append(
+            f"Load average (1/5/15 min) at start {lb[0]:.1f}/{lb[1]:.1f}/{lb[2]:.1f}"
+            + (f", at end {la[0]:.1f}/{la[1]:.1f}/{la[2]:.1f}" if la else "")
+            + "."
+        )
+    cache = {
+        "cold": "evicted from the page cache (posix_fadvise DONTNEED)",
+        "drop": "cold: `sync; echo 3 > /proc/sys/vm/drop_caches` (libraries too)",
+    }.get(st["cache"], "read once into the page cache")
     nice = f"niceness {st['nice']}; " if st.get("nice") else ""
     statistic = "the fastest" if st.get("stat", "min") == "min" else "the median"
-    lines.append(f"Settings: {st['repeat']} run(s) of everything, interleaved; figures are {statistic} of them (wall time also as the median); {nice}before each measurement the rank files were {cache}; "
-                 + (f"verl {st['verl_version']} side by side." if st.get("with_verl") else "no verl run."))
+    lines.append(
+        f"Settings: {st['repeat']} run(s) of everything, interleaved; figures are {statistic} of them (wall time also as the median); {nice}before each measurement the rank files were {cache}; "
+        + (f"verl {st['verl_version']} side by side." if st.get("with_verl") else "no verl run.")
+    )
     lines.append("")
 
-    lines.append("| size | params | input GB | tool | output | out GB | raw read+write s | wall s | wall s, median | CPU s | input GB/s | wall ÷ raw | wall ÷ (raw + start-up) | peak RSS MB | RSS − its interpreter MB | RSS − torch interpreter MB |")
+    lines.append(
+        "| size | params | input GB | tool | output | out GB | raw read+write s | wall s | wall s, median | CPU s | input GB/s | wall ÷ raw | wall ÷ (raw + start-up) | peak RSS MB | RSS − its interpreter MB | RSS − torch interpreter MB |"
+    )
     lines.append("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows(results):
         tool = "merge_pipeline" if r["tool"] == "merge_pipeline" else "verl"
@@ -295,26 +396,36 @@ def render(results: dict) -> str:
     lines.append("|---|---|---:|---:|---:|")
     for name, entry in results["interpreters"].items():
         code = entry["command"][-1]
-        lines.append(f"| {name} | `{code}` | {pick(results, entry['wall_s']):.2f} | {_fmt(pick(results, entry.get('cpu_s', [])), '.2f')} | {pick(results, entry['peak_rss_bytes']) / MB:.0f} |")
+        lines.append(
+            f"| {name} | `{code}` | {pick(results, entry['wall_s']):.2f} | {_fmt(pick(results, entry.get('cpu_s', [])), '.2f')} | {pick(results, entry['peak_rss_bytes']) / MB:.0f} |"
+        )
     runner = results.get("runner_peak_rss_bytes")
     if runner:
         lines.append("")
-        lines.append(f"The benchmark runner's own peak RSS was {runner / MB:.0f} MB (a child's ru_maxrss cannot read below its parent's peak at spawn).")
+        lines.append(
+            f"The benchmark runner's own peak RSS was {runner / MB:.0f} MB (a child's ru_maxrss cannot read below its parent's peak at spawn)."
+        )
     flushes = [r for r in rows(results) if r["flush_s"] is not None]
     if flushes:
         lines.append("")
-        lines.append("verl does not fsync its output; the `sync` after it took (median, s): "
-                     + ", ".join(f"{r['size']} {r['flush_s']:.2f}" for r in flushes)
-                     + ". merge_pipeline's wall time includes its fsync.")
+        lines.append(
+            "verl does not fsync its output; the `sync` after it took (median, s): "
+            + ", ".join(f"{r['size']} {r['flush_s']:.2f}" for r in flushes)
+            + ". merge_pipeline's wall time includes its fsync."
+        )
     scale = scaling(results)
     if scale:
         lines.append("")
         lines.append("Scaling, smallest to largest checkpoint:")
         lines.append("")
-        lines.append("| backend | tool | output | from → to | extra input GB | extra wall s | raw's extra s | ratio | peak RSS growth MB |")
+        lines.append(
+            "| backend | tool | output | from → to | extra input GB | extra wall s | raw's extra s | ratio | peak RSS growth MB |"
+        )
         lines.append("|---|---|---|---|---:|---:|---:|---:|---:|")
         for s in scale:
-            lines.append(f"| {s['backend']} | {s['tool']} | {_dt(s['dtype'])} | {s['from']} → {s['to']} | {s['extra_bytes'] / GB:.3f} | {s['marginal_s']:.2f} | {s['raw_marginal_s']:.2f} | {_fmt(s['ratio'], '.2f')} | {s['rss_growth'] / MB:+.0f} |")
+            lines.append(
+                f"| {s['backend']} | {s['tool']} | {_dt(s['dtype'])} | {s['from']} → {s['to']} | {s['extra_bytes'] / GB:.3f} | {s['marginal_s']:.2f} | {s['raw_marginal_s']:.2f} | {_fmt(s['ratio'], '.2f')} | {s['rss_growth'] / MB:+.0f} |"
+            )
     if results.get("failures"):
         lines.append("")
         lines.append("Runs that failed:")
@@ -347,8 +458,11 @@ def plot(results: dict, path: Path) -> None:
 
     table = rows(results)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {("merge_pipeline", "float32"): ("C0", "o", "merge_pipeline fp32"), ("merge_pipeline", "bfloat16"): ("C1", "s", "merge_pipeline bf16"),
-              ("verl", "bfloat16"): ("C3", "^", "verl bf16")}
+    styles = {
+        ("merge_pipeline", "float32"): ("C0", "o", "merge_pipeline fp32"),
+        ("merge_pipeline", "bfloat16"): ("C1", "s", "merge_pipeline bf16"),
+        ("verl", "bfloat16"): ("C3", "^", "verl bf16"),
+    }
     for backend, line in (("fsdp", "-"), ("megatron", "--")):
         for (tool, dtype), (color, marker, label) in styles.items():
             pts = [r for r in table if (r["backend"], r["tool"], r["dtype"]) == (backend, tool, dtype)]
@@ -360,10 +474,21 @@ def plot(results: dict, path: Path) -> None:
             ax_m.plot(xs, [r["peak_rss"] / MB for r in pts], color=color, marker=marker, linestyle=line, label=name)
     startup = _interp(results, _ours_interpreter(results))[0] or 0.0
     for dtype, color in (("float32", "C0"), ("bfloat16", "C1")):
-        pts = [r for r in table if (r["backend"], r["tool"], r["dtype"]) == ("fsdp", "merge_pipeline", dtype) and r["raw_s"] is not None]
+        pts = [
+            r
+            for r in table
+            if (r["backend"], r["tool"], r["dtype"]) == ("fsdp", "merge_pipeline", dtype) and r["raw_s"] is not None
+        ]
         if pts:
             xs = [r["parameters"] / 1e6 for r in pts]
-            ax_t.plot(xs, [r["raw_s"] + startup for r in pts], color=color, linestyle=":", marker=".", label=f"raw read+write + start-up ({_dt(dtype)})")
+            ax_t.plot(
+                xs,
+                [r["raw_s"] + startup for r in pts],
+                color=color,
+                linestyle=":",
+                marker=".",
+                label=f"raw read+write + start-up ({_dt(dtype)})",
+            )
     for name, style in (("torch", "--"), (_ours_interpreter(results), "-."), ("verl", ":")):
         rss = _interp(results, name)[1]
         if rss:
@@ -398,7 +523,9 @@ def update_docs(results: dict, markdown: str, plot_path: Path | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit("usage: python -m benchmarks.report RESULTS_JSON [--stat min|median] [--plot PNG] [--update-docs]")
+        raise SystemExit(
+            "usage: python -m benchmarks.report RESULTS_JSON [--stat min|median] [--plot PNG] [--update-docs]"
+        )
     results = json.loads(Path(argv[0]).read_text())
     if "--stat" in argv:
         results["settings"]["stat"] = argv[argv.index("--stat") + 1]

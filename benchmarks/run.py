@@ -76,23 +76,64 @@ INTERPRETERS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium,large; 1.1b is TinyLlama's shapes, 4.4 GB)")
+    parser.add_argument(
+        "--sizes",
+        default="small,medium,large",
+        help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium,large; 1.1b is TinyLlama's shapes, 4.4 GB)",
+    )
     parser.add_argument("--backends", default="fsdp", help="fsdp, megatron or fsdp,megatron (default fsdp)")
-    parser.add_argument("--megatron-sizes", default="tiny,large", help=f"Megatron-Core sizes (TP=2), from {', '.join(MEGATRON_SIZES)} (default: tiny,large)")
-    parser.add_argument("--checkpoint", type=Path, action="append", help="benchmark this existing FSDP role folder instead of generated sizes (repeatable)")
+    parser.add_argument(
+        "--megatron-sizes",
+        default="tiny,large",
+        help=f"Megatron-Core sizes (TP=2), from {', '.join(MEGATRON_SIZES)} (default: tiny,large)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        help="benchmark this existing FSDP role folder instead of generated sizes (repeatable)",
+    )
     parser.add_argument("--quick", action="store_true", help="the small size only, one repeat")
     parser.add_argument("--repeat", type=int, default=5, help="measurements per figure (default 5)")
-    parser.add_argument("--stat", choices=("min", "median"), default="min", help="statistic the tables and targets use (default min: the least disturbed run; medians are shown too)")
-    parser.add_argument("--dtypes", default="auto,bfloat16", help="--dtype values to merge with (default: auto,bfloat16)")
-    parser.add_argument("--cache", choices=("cold", "drop", "warm"), default="cold", help="page-cache state before each measurement: rank files evicted (cold, the default), the whole cache dropped (drop: sync; echo 3 > /proc/sys/vm/drop_caches, needs root; start-up reads its libraries from disk too) or rank files read once (warm)")
-    parser.add_argument("--with-verl", action="store_true", help="also run verl's merger (creates --verl-venv on first use)")
+    parser.add_argument(
+        "--stat",
+        choices=("min", "median"),
+        default="min",
+        help="statistic the tables and targets use (default min: the least disturbed run; medians are shown too)",
+    )
+    parser.add_argument(
+        "--dtypes", default="auto,bfloat16", help="--dtype values to merge with (default: auto,bfloat16)"
+    )
+    parser.add_argument(
+        "--cache",
+        choices=("cold", "drop", "warm"),
+        default="cold",
+        help="page-cache state before each measurement: rank files evicted (cold, the default), the whole cache dropped (drop: sync; echo 3 > /proc/sys/vm/drop_caches, needs root; start-up reads its libraries from disk too) or rank files read once (warm)",
+    )
+    parser.add_argument(
+        "--with-verl", action="store_true", help="also run verl's merger (creates --verl-venv on first use)"
+    )
     parser.add_argument("--verl-venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--verl-version", default=DEFAULT_VERL)
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where generated checkpoints are kept between runs")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results", help="results folder (default benchmarks/results)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE, help="where generated checkpoints are kept between runs"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO_ROOT / "benchmarks" / "results",
+        help="results folder (default benchmarks/results)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
-    parser.add_argument("--update-docs", action="store_true", help="also write the results into docs/BENCHMARKS.md and docs/img/")
-    parser.add_argument("--nice", type=int, default=0, help="run the benchmark (and so every child) at this niceness; negative needs root (default 0)")
+    parser.add_argument(
+        "--update-docs", action="store_true", help="also write the results into docs/BENCHMARKS.md and docs/img/"
+    )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the benchmark (and so every child) at this niceness; negative needs root (default 0)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per child process")
     args = parser.parse_args(argv)
     if args.quick:
@@ -120,13 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     if not set(backends) <= {"fsdp", "megatron"}:
         raise SystemExit(f"--backends: {args.backends!r}: choose from fsdp, megatron")
     if args.checkpoint:
-        checkpoints = [Checkpoint(p.name if p.name not in ("actor", "critic") else p.parent.name, p.absolute(), {}) for p in args.checkpoint]
+        checkpoints = [
+            Checkpoint(p.name if p.name not in ("actor", "critic") else p.parent.name, p.absolute(), {})
+            for p in args.checkpoint
+        ]
     else:
         checkpoints = []
         if "fsdp" in backends:
-            checkpoints += [ensure_checkpoint(size.strip(), args.cache_dir, log=log) for size in args.sizes.split(",") if size.strip()]
+            checkpoints += [
+                ensure_checkpoint(size.strip(), args.cache_dir, log=log)
+                for size in args.sizes.split(",")
+                if size.strip()
+            ]
         if "megatron" in backends:
-            checkpoints += [ensure_megatron_checkpoint(size.strip(), args.cache_dir, log=log) for size in args.megatron_sizes.split(",") if size.strip()]
+            checkpoints += [
+                ensure_megatron_checkpoint(size.strip(), args.cache_dir, log=log)
+                for size in args.megatron_sizes.split(",")
+                if size.strip()
+            ]
     verl = ensure_verl_venv(args.verl_venv, args.verl_version, log=log) if args.with_verl else None
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
@@ -135,7 +187,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {
         "machine": report.describe_machine(out),
-        "settings": {"cache": args.cache, "repeat": args.repeat, "dtypes": dtypes, "with_verl": bool(verl), "verl_version": args.verl_version if verl else None, "python": sys.executable, "nice": os.getpriority(os.PRIO_PROCESS, 0), "stat": args.stat},
+        "settings": {
+            "cache": args.cache,
+            "repeat": args.repeat,
+            "dtypes": dtypes,
+            "with_verl": bool(verl),
+            "verl_version": args.verl_version if verl else None,
+            "python": sys.executable,
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "stat": args.stat,
+        },
         "interpreters": {},
         "checkpoints": [],
         "runs": [],
@@ -186,7 +247,15 @@ def measure_checkpoint(checkpoint: Checkpoint, dtypes: list[str], verl, args, sc
     if not inputs:
         raise SystemExit(f"{checkpoint.role_dir}: no tensor files to merge")
     label = checkpoint.name if checkpoint.backend == "fsdp" else f"megatron-{checkpoint.name}"
-    info = {"size": label, "backend": checkpoint.backend, "role_dir": str(checkpoint.role_dir), "spec": checkpoint.spec, "files": len(inputs), "input_bytes": checkpoint.input_bytes, "parameters": None}
+    info = {
+        "size": label,
+        "backend": checkpoint.backend,
+        "role_dir": str(checkpoint.role_dir),
+        "spec": checkpoint.spec,
+        "files": len(inputs),
+        "input_bytes": checkpoint.input_bytes,
+        "parameters": None,
+    }
     log(f"{label}: {len(inputs)} input files, {info['input_bytes'] / 1e9:.3f} GB")
     ours = {d: _series(results, label, "merge_pipeline", DTYPES[d], command_dtype=d) for d in dtypes}
     raws = {d: _series(results, label, "raw", DTYPES[d]) for d in dtypes}
@@ -197,8 +266,24 @@ def measure_checkpoint(checkpoint: Checkpoint, dtypes: list[str], verl, args, sc
         for d in dtypes:
             target = scratch / f"ours-{d}"
             prepare_cache(inputs, args.cache)
-            command = [sys.executable, "-m", "merge_pipeline", "merge", "--backend", checkpoint.backend, "--local_dir", str(checkpoint.role_dir), "--target_dir", str(target), "--dtype", d, "--no-progress"]
-            run = run_child(command, cwd=scratch, timeout=args.timeout).check(f"merge_pipeline merge --dtype {d} of {label}")
+            command = [
+                sys.executable,
+                "-m",
+                "merge_pipeline",
+                "merge",
+                "--backend",
+                checkpoint.backend,
+                "--local_dir",
+                str(checkpoint.role_dir),
+                "--target_dir",
+                str(target),
+                "--dtype",
+                d,
+                "--no-progress",
+            ]
+            run = run_child(command, cwd=scratch, timeout=args.timeout).check(
+                f"merge_pipeline merge --dtype {d} of {label}"
+            )
             _record(ours[d], run, output_bytes=weight_bytes(target))
             if info["parameters"] is None:
                 info["parameters"] = json.loads((target / "merge_manifest.json").read_text())["parameters"]
@@ -212,16 +297,28 @@ def measure_checkpoint(checkpoint: Checkpoint, dtypes: list[str], verl, args, sc
             raws[d]["wall_s"].append(raw_copy(inputs, raw_out, ours[d]["output_bytes"]))
             raws[d]["output_bytes"] = ours[d]["output_bytes"]
             remove(raw_out)
-            log(f"{label} {d} #{repeat + 1}: merge {run.wall_s:.2f} s, {run.peak_rss_bytes / 2**20:.0f} MiB; raw {raws[d]['wall_s'][-1]:.2f} s")
+            log(
+                f"{label} {d} #{repeat + 1}: merge {run.wall_s:.2f} s, {run.peak_rss_bytes / 2**20:.0f} MiB; raw {raws[d]['wall_s'][-1]:.2f} s"
+            )
 
         if verl and theirs is not None:
             target = scratch / "verl"
             prepare_cache(inputs, args.cache)
             source = checkpoint.role_dir if checkpoint.backend == "fsdp" else verl_layout(checkpoint.role_dir, scratch)
-            run = run_child(verl_merge_command(verl, checkpoint.backend, source, target), cwd=scratch, timeout=args.timeout)
+            run = run_child(
+                verl_merge_command(verl, checkpoint.backend, source, target), cwd=scratch, timeout=args.timeout
+            )
             if run.returncode != 0:
                 reason = _last_error(run.output)
-                results["failures"].append({"size": label, "tool": "verl", "returncode": run.returncode, "reason": reason, "output_tail": run.output[-3000:]})
+                results["failures"].append(
+                    {
+                        "size": label,
+                        "tool": "verl",
+                        "returncode": run.returncode,
+                        "reason": reason,
+                        "output_tail": run.output[-3000:],
+                    }
+                )
                 log(f"{label}: verl's merger failed ({run.returncode}): {reason}")
                 results["runs"].remove(theirs)
                 theirs = None
@@ -234,10 +331,20 @@ def measure_checkpoint(checkpoint: Checkpoint, dtypes: list[str], verl, args, sc
             os.sync()  # verl does not fsync; its dirty pages must not land in our next measurement
             theirs.setdefault("flush_s", []).append(time.perf_counter() - flush_started)
             _record(theirs, run, output_bytes=weight_bytes(target))
-            log(f"{label} verl #{repeat + 1}: {run.wall_s:.2f} s (+{theirs['flush_s'][-1]:.2f} s to flush), {run.peak_rss_bytes / 2**20:.0f} MiB")
+            log(
+                f"{label} verl #{repeat + 1}: {run.wall_s:.2f} s (+{theirs['flush_s'][-1]:.2f} s to flush), {run.peak_rss_bytes / 2**20:.0f} MiB"
+            )
             if repeat == 0 and kept is not None:
                 comparison = compare_folders(kept, target)
-                results["comparisons"].append({"size": label, "dtype": "bfloat16", "identical": comparison.identical, "tensors": comparison.tensors, "summary": comparison.summary()})
+                results["comparisons"].append(
+                    {
+                        "size": label,
+                        "dtype": "bfloat16",
+                        "identical": comparison.identical,
+                        "tensors": comparison.tensors,
+                        "summary": comparison.summary(),
+                    }
+                )
                 log(f"{label}: ours vs verl (bf16): {comparison.summary()}")
                 remove(kept)
                 kept = None
@@ -259,7 +366,15 @@ def _last_error(output: str) -> str:
 
 
 def _series(results: dict, size: str, tool: str, dtype: str, command_dtype: str | None = None) -> dict:
-    series = {"size": size, "tool": tool, "dtype": dtype, "wall_s": [], "peak_rss_bytes": [], "cpu_s": [], "output_bytes": None}
+    series = {
+        "size": size,
+        "tool": tool,
+        "dtype": dtype,
+        "wall_s": [],
+        "peak_rss_bytes": [],
+        "cpu_s": [],
+        "output_bytes": None,
+    }
     if command_dtype:
         series["dtype_flag"] = command_dtype
     results["runs"].append(series)

@@ -52,9 +52,13 @@ def ensure_verl_venv(venv: Path = DEFAULT_VENV, verl_version: str = DEFAULT_VERL
     site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
     (site / "_merge_pipeline_host.pth").write_text(_our_site_packages() + "\n")  # our torch, appended after its own
     _pip(python, "install", "--no-deps", f"verl=={verl_version}")
-    requires = json.loads(_run(python, "-c", "import importlib.metadata as m, json; print(json.dumps(m.requires('verl')))"))
+    requires = json.loads(
+        _run(python, "-c", "import importlib.metadata as m, json; print(json.dumps(m.requires('verl')))")
+    )
     _pip(python, "install", *_pinned(MERGER_IMPORTS, requires))
-    _run(python, "-m", "verl.model_merger", "merge", "--help")  # imports verl and its merger: fails loudly if short of a package
+    _run(
+        python, "-m", "verl.model_merger", "merge", "--help"
+    )  # imports verl and its merger: fails loudly if short of a package
     marker.write_text(json.dumps(wanted, indent=2))
     return python
 
@@ -82,7 +86,9 @@ def _pip(python: Path, *args: str) -> None:
 def _run(python: Path, *args: str) -> str:
     done = subprocess.run([str(python), *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{python} {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{python} {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
     return done.stdout
 
 
@@ -101,7 +107,18 @@ def verl_layout(role_dir: Path, scratch: Path) -> Path:
 
 
 def verl_merge_command(python: Path, backend: str, role_dir: Path, target_dir: Path) -> list[str]:
-    return [str(python), "-m", "verl.model_merger", "merge", "--backend", backend, "--local_dir", str(role_dir), "--target_dir", str(target_dir)]
+    return [
+        str(python),
+        "-m",
+        "verl.model_merger",
+        "merge",
+        "--backend",
+        backend,
+        "--local_dir",
+        str(role_dir),
+        "--target_dir",
+        str(target_dir),
+    ]
 
 
 def verl_import_command(python: Path) -> list[str]:

@@ -26,27 +26,61 @@ EXIT_MISMATCH = 3
 
 def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="checkpoint format (default: detect)")
-    parser.add_argument("--local_dir", required=True, type=Path, help="role folder, e.g. checkpoints/global_step_100/actor")
-    parser.add_argument("--tie-word-embedding", action="store_true", help="tie lm_head to the embeddings (also read from config.json)")
-    parser.add_argument("--untie-word-embedding", action="store_true", help="keep a trained lm_head that differs from the embeddings; config.json then says tie_word_embeddings false")
-    parser.add_argument("--is-value-model", action="store_true", help="a critic / value model (also detected from the checkpoint)")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow config.json to name remote-code classes")
-    parser.add_argument("--use_cpu_initialization", action="store_true", help="accepted for verl compatibility; merging always runs on CPU")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="output dtype (default auto: keep the stored dtype)")
-    parser.add_argument("--merge-lora", action="store_true", help="fold LoRA into the base weights instead of writing lora_adapter/")
-    parser.add_argument("--hf_model_path", "--hf-model-path", metavar="DIR", help="the original HF model folder (the trainer's model.path): config, tokenizer and LoRA base weights when the checkpoint holds none")
-    parser.add_argument("--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes")
+    parser.add_argument(
+        "--local_dir", required=True, type=Path, help="role folder, e.g. checkpoints/global_step_100/actor"
+    )
+    parser.add_argument(
+        "--tie-word-embedding", action="store_true", help="tie lm_head to the embeddings (also read from config.json)"
+    )
+    parser.add_argument(
+        "--untie-word-embedding",
+        action="store_true",
+        help="keep a trained lm_head that differs from the embeddings; config.json then says tie_word_embeddings false",
+    )
+    parser.add_argument(
+        "--is-value-model", action="store_true", help="a critic / value model (also detected from the checkpoint)"
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow config.json to name remote-code classes"
+    )
+    parser.add_argument(
+        "--use_cpu_initialization",
+        action="store_true",
+        help="accepted for verl compatibility; merging always runs on CPU",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="output dtype (default auto: keep the stored dtype)"
+    )
+    parser.add_argument(
+        "--merge-lora", action="store_true", help="fold LoRA into the base weights instead of writing lora_adapter/"
+    )
+    parser.add_argument(
+        "--hf_model_path",
+        "--hf-model-path",
+        metavar="DIR",
+        help="the original HF model folder (the trainer's model.path): config, tokenizer and LoRA base weights when the checkpoint holds none",
+    )
+    parser.add_argument(
+        "--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes"
+    )
 
 
 def _hub_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
     parser.add_argument("--revision", help="Hub branch to commit to, created if missing (default main)")
     parser.add_argument("--commit-message", help="Hub commit message (default names the checkpoint)")
-    parser.add_argument("--hub-timeout", type=float, metavar="SECONDS", help="connect/read timeout of each Hub request (default: MERGE_PIPELINE_HUB_TIMEOUT, else 60)")
+    parser.add_argument(
+        "--hub-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="connect/read timeout of each Hub request (default: MERGE_PIPELINE_HUB_TIMEOUT, else 60)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="merge-pipeline", description="Merge sharded FSDP / Megatron checkpoints into Hugging Face folders.")
+    parser = argparse.ArgumentParser(
+        prog="merge-pipeline", description="Merge sharded FSDP / Megatron checkpoints into Hugging Face folders."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -54,12 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     _checkpoint_flags(merge)
     merge.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, HF-style (default 5GB)")
-    merge.add_argument("--overwrite", action="store_true", help="replace an existing target once the new one is complete")
+    merge.add_argument(
+        "--overwrite", action="store_true", help="replace an existing target once the new one is complete"
+    )
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
     _hub_flags(merge)
     merge.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    merge.add_argument("--max-side-file-size", default=DEFAULT_MAX_SIDE_FILE_SIZE, help=f"largest file copied from huggingface/ (tokenizer, templates, ...), HF-style (default {DEFAULT_MAX_SIDE_FILE_SIZE})")
-    merge.add_argument("--dist-timeout", type=float, metavar="SECONDS", help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)")
+    merge.add_argument(
+        "--max-side-file-size",
+        default=DEFAULT_MAX_SIDE_FILE_SIZE,
+        help=f"largest file copied from huggingface/ (tokenizer, templates, ...), HF-style (default {DEFAULT_MAX_SIDE_FILE_SIZE})",
+    )
+    merge.add_argument(
+        "--dist-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
+    )
     merge.set_defaults(run=_run_merge)
 
     test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
@@ -78,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("local_dir", type=Path)
     inspect.add_argument("--backend", choices=BACKENDS, default="auto")
     inspect.add_argument("--trust-remote-code", action="store_true")
-    inspect.add_argument("--hf_model_path", "--hf-model-path", metavar="DIR", help="the original HF model folder, for a checkpoint with no config")
+    inspect.add_argument(
+        "--hf_model_path",
+        "--hf-model-path",
+        metavar="DIR",
+        help="the original HF model folder, for a checkpoint with no config",
+    )
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)
     return parser
@@ -104,16 +154,32 @@ def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
     from merge_pipeline.engine.merge import merge_checkpoint
 
-    options = _options(args, max_shard_size=args.max_shard_size, overwrite=args.overwrite, max_side_file_size=args.max_side_file_size)
+    options = _options(
+        args, max_shard_size=args.max_shard_size, overwrite=args.overwrite, max_side_file_size=args.max_side_file_size
+    )
     if launched_by_torchrun():
-        result = merge_distributed(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress, timeout_seconds=args.dist_timeout)
+        result = merge_distributed(
+            args.local_dir,
+            args.target_dir,
+            options,
+            backend=args.backend,
+            show_progress=not args.no_progress,
+            timeout_seconds=args.dist_timeout,
+        )
     else:
         if os.environ.get("WORLD_SIZE", "1") != "1":
-            log.warning("WORLD_SIZE=%s is set but torchrun did not start this process: merging in this one process", printable(os.environ["WORLD_SIZE"]))
-        result = merge_checkpoint(args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress)
+            log.warning(
+                "WORLD_SIZE=%s is set but torchrun did not start this process: merging in this one process",
+                printable(os.environ["WORLD_SIZE"]),
+            )
+        result = merge_checkpoint(
+            args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress
+        )
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
-    print(f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {printable(str(result.target_dir))} in {result.seconds:.1f} s")
+    print(
+        f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
+    )
     if args.hf_upload_path:
         return _upload(result.target_dir, args.hf_upload_path, args)
     return 0
@@ -126,8 +192,17 @@ def _run_upload(args: argparse.Namespace) -> int:
 def _upload(folder: Path, repo_id: str, args: argparse.Namespace) -> int:
     from merge_pipeline.hub import upload_folder_verified
 
-    upload = upload_folder_verified(folder, repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message, timeout_s=args.hub_timeout)
-    print(f"uploaded to {upload.url}: {len(upload.sent)} of {upload.files} files sent, all verified ({upload.commit_url})")
+    upload = upload_folder_verified(
+        folder,
+        repo_id,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        timeout_s=args.hub_timeout,
+    )
+    print(
+        f"uploaded to {upload.url}: {len(upload.sent)} of {upload.files} files sent, all verified ({upload.commit_url})"
+    )
     return 0
 
 
@@ -147,7 +222,10 @@ def _run_test(args: argparse.Namespace) -> int:
     for name, what in result.mismatched:
         print(f"MISMATCH {printable(name)}: {what}")
     if not result.ok:
-        print(f"FAILED: {len(result.mismatched)} mismatched, {len(result.missing)} missing, {len(result.unexpected)} unexpected of {result.compared} compared", file=sys.stderr)
+        print(
+            f"FAILED: {len(result.mismatched)} mismatched, {len(result.missing)} missing, {len(result.unexpected)} unexpected of {result.compared} compared",
+            file=sys.stderr,
+        )
         return EXIT_MISMATCH
     print(f"OK: {result.compared} tensors match {printable(str(args.test_hf_dir))}")
     return 0
@@ -156,7 +234,9 @@ def _run_test(args: argparse.Namespace) -> int:
 def _run_inspect(args: argparse.Namespace) -> int:
     from merge_pipeline.engine.inspect import describe
 
-    info = describe(args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code, hf_model_path=args.hf_model_path)
+    info = describe(
+        args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code, hf_model_path=args.hf_model_path
+    )
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -181,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was published", file=sys.stderr)
         return 130
+
 
 if __name__ == "__main__":
     sys.exit(main())

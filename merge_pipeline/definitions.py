@@ -10,6 +10,11 @@ import dagster as dg
 from merge_pipeline.defs import alerts, assets, hub, jobs, resources, sensors
 
 defs = dg.Definitions.merge(
-    assets.defs, jobs.defs, resources.defs, sensors.defs, hub.defs, alerts.defs,
+    assets.defs,
+    jobs.defs,
+    resources.defs,
+    sensors.defs,
+    hub.defs,
+    alerts.defs,
     dg.Definitions(executor=dg.in_process_executor),
 )

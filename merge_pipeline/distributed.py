@@ -60,7 +60,10 @@ def _peers_answer() -> Iterator[None]:
     try:
         yield
     except RuntimeError:  # DistStoreError, gloo timeouts and closed connections are all RuntimeErrors
-        raise MergeError(None, f"rank {os.environ.get('RANK', '?')}: another rank stopped answering (stopped, hung or dead) within the --dist-timeout ({DIST_TIMEOUT_ENV}); nothing was published") from None
+        raise MergeError(
+            None,
+            f"rank {os.environ.get('RANK', '?')}: another rank stopped answering (stopped, hung or dead) within the --dist-timeout ({DIST_TIMEOUT_ENV}); nothing was published",
+        ) from None
 
 
 def assign_shards(files: list[ShardFile], world_size: int) -> list[list[ShardFile]]:
@@ -131,7 +134,9 @@ def _write_share(layout, staging: Path, rank: int, world: int, *, show_progress:
     return whole, max(peak for _, peak in everyone)
 
 
-def write_weights_distributed(local_dir: str | Path, backend: str, staging: Path, options: MergeOptions) -> tuple[WriteReport, int] | None:
+def write_weights_distributed(
+    local_dir: str | Path, backend: str, staging: Path, options: MergeOptions
+) -> tuple[WriteReport, int] | None:
     """Only the weight shards into an existing staging folder, as Dagster's merged_state_dict needs.
 
     Rank 0 returns the whole report and the largest peak RSS of any rank; other ranks ``None``.
@@ -144,7 +149,15 @@ def write_weights_distributed(local_dir: str | Path, backend: str, staging: Path
             return written if rank == 0 else None
 
 
-def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: MergeOptions, *, backend: str = "auto", show_progress: bool = True, timeout_seconds: float | None = None) -> MergeResult | None:
+def merge_distributed(
+    local_dir: str | Path,
+    target_dir: str | Path,
+    options: MergeOptions,
+    *,
+    backend: str = "auto",
+    show_progress: bool = True,
+    timeout_seconds: float | None = None,
+) -> MergeResult | None:
     """Run one rank's part of the merge; rank 0 returns the result, other ranks ``None``.
 
     The same sequence of collectives on every rank: prepared, staging ready, written, published.
@@ -174,4 +187,12 @@ def merge_distributed(local_dir: str | Path, target_dir: str | Path, options: Me
         if not lead:
             return None
         tensors = sum(len(f.tensors) for f in layout.files)
-        return MergeResult(target, plan.parameter_count, tensors, layout.total_bytes, time.monotonic() - started, peak_rss_bytes(), manifest[0])
+        return MergeResult(
+            target,
+            plan.parameter_count,
+            tensors,
+            layout.total_bytes,
+            time.monotonic() - started,
+            peak_rss_bytes(),
+            manifest[0],
+        )

@@ -14,7 +14,9 @@ def printable(text: str) -> str:
     A file name can hold a newline or a terminal escape code: printed raw it would break the
     one-line rule, forge a line of output, or recolour the terminal. Printable text is kept as is.
     """
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text
+    )
 
 
 class MergeError(Exception):

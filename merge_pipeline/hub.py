@@ -42,8 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, get_session, get_token, set_client_factory
-from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub import (
+    CommitOperationAdd,
+    CommitOperationDelete,
+    HfApi,
+    constants,
+    get_session,
+    get_token,
+    set_client_factory,
+)
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
@@ -150,10 +158,14 @@ def upload_folder_verified(
                 raise
             # from None: the client's exception may quote a server's echo of the request headers.
             raise MergeError(None, _redact(_explain(cause, repo_id, endpoint, folder), token)) from None
-    page = f"{endpoint}/{repo_id}" + ("" if upload.revision == constants.DEFAULT_REVISION else f"/tree/{upload.revision}")
+    page = f"{endpoint}/{repo_id}" + (
+        "" if upload.revision == constants.DEFAULT_REVISION else f"/tree/{upload.revision}"
+    )
     total = sum(f.size for f in files.values())
     log.info("hub: %s@%s verified: %d files (%d bytes) match %s", repo_id, upload.revision, len(files), total, MANIFEST)
-    return UploadResult(repo_id, upload.revision, page, f"{endpoint}/{repo_id}/commit/{head}", len(files), total, tuple(sent))
+    return UploadResult(
+        repo_id, upload.revision, page, f"{endpoint}/{repo_id}/commit/{head}", len(files), total, tuple(sent)
+    )
 
 
 @dataclass
@@ -174,10 +186,26 @@ class _Upload:
         stale, kept = self._stale_and_kept(remote, files)
         send = [f for f in files.values() if not f.matches(remote.get(f.path))]
         if kept:
-            log.info("hub: %s@%s: keeping %d file(s) merge_pipeline did not publish: %s", self.repo_id, self.revision, len(kept), ", ".join(kept))
+            log.info(
+                "hub: %s@%s: keeping %d file(s) merge_pipeline did not publish: %s",
+                self.repo_id,
+                self.revision,
+                len(kept),
+                ", ".join(kept),
+            )
         if send or stale:
-            log.info("hub: %s@%s: sending %d of %d files (%d bytes), deleting %d stale", self.repo_id, self.revision, len(send), len(files), sum(f.size for f in send), len(stale))
-            operations = [CommitOperationAdd(f.path, f.source) for f in send] + [CommitOperationDelete(p) for p in stale]
+            log.info(
+                "hub: %s@%s: sending %d of %d files (%d bytes), deleting %d stale",
+                self.repo_id,
+                self.revision,
+                len(send),
+                len(files),
+                sum(f.size for f in send),
+                len(stale),
+            )
+            operations = [CommitOperationAdd(f.path, f.source) for f in send] + [
+                CommitOperationDelete(p) for p in stale
+            ]
             self.api.create_commit(self.repo_id, operations, commit_message=self.message, revision=self.revision)
         else:
             log.info("hub: %s@%s already holds all %d files", self.repo_id, self.revision, len(files))
@@ -188,7 +216,12 @@ class _Upload:
     def _with_card(self, remote: dict[str, RepoFile]) -> dict[str, _Local]:
         readme = readme_to_publish(self.card, self._read(remote, CARD))
         if readme is None:
-            log.warning("hub: %s@%s: its %s was not written by merge_pipeline: kept as it is, without the model card", self.repo_id, self.revision, CARD)
+            log.warning(
+                "hub: %s@%s: its %s was not written by merge_pipeline: kept as it is, without the model card",
+                self.repo_id,
+                self.revision,
+                CARD,
+            )
             return dict(self.folder_files)
         return {**self.folder_files, CARD: _hash(CARD, readme.encode())}
 
@@ -201,7 +234,10 @@ class _Upload:
         kept = [p for p in extra if p not in stale]
         foreign_weights = [p for p in kept if _WEIGHTS.fullmatch(p)]
         if foreign_weights:  # kept beside ours, a loader would read them as part of the merged model
-            raise MergeError(None, f"{self.repo_id}@{self.revision} holds {', '.join(foreign_weights)}, not published by merge_pipeline, that loaders would read with the merged weights: delete it there or upload to another --revision")
+            raise MergeError(
+                None,
+                f"{self.repo_id}@{self.revision} holds {', '.join(foreign_weights)}, not published by merge_pipeline, that loaders would read with the merged weights: delete it there or upload to another --revision",
+            )
         return stale, kept
 
     def _published_by_us(self, remote: dict[str, RepoFile]) -> set[str]:
@@ -219,7 +255,9 @@ class _Upload:
         if entry is None or entry.size > _READ_MAX:
             return None if entry is None else b""
         with tempfile.TemporaryDirectory() as scratch:
-            return Path(self.api.hf_hub_download(self.repo_id, path, revision=self.revision, local_dir=scratch)).read_bytes()
+            return Path(
+                self.api.hf_hub_download(self.repo_id, path, revision=self.revision, local_dir=scratch)
+            ).read_bytes()
 
     def _ensure_repo(self) -> None:
         self.api.create_repo(self.repo_id, private=self.private, exist_ok=True)
@@ -229,7 +267,10 @@ class _Upload:
             # create_repo(exist_ok) also accepts a name taken by a repo of another type.
             for other in ("dataset", "space"):
                 if self.api.repo_exists(self.repo_id, repo_type=other):
-                    raise MergeError(None, f"{self.repo_id} exists on {self.api.endpoint} as a {other} repo, not a model repo: choose another name") from None
+                    raise MergeError(
+                        None,
+                        f"{self.repo_id} exists on {self.api.endpoint} as a {other} repo, not a model repo: choose another name",
+                    ) from None
             raise
         if self.private and not info.private:
             log.warning("hub: %s already exists and is public: --private only applies to a new repo", self.repo_id)
@@ -247,7 +288,10 @@ class _Upload:
         if unexpected:
             problems.append(f"not in the folder: {', '.join(unexpected)}")
         if problems:
-            raise MergeError(None, f"{self.repo_id}@{self.revision} (commit {head[:12]}) does not hold what was merged: {'; '.join(problems)}")
+            raise MergeError(
+                None,
+                f"{self.repo_id}@{self.revision} (commit {head[:12]}) does not hold what was merged: {'; '.join(problems)}",
+            )
 
 
 def _difference(local: _Local, remote: RepoFile | None) -> str:
@@ -274,7 +318,10 @@ def _local_files(folder: Path, manifest: dict) -> dict[str, _Local]:
         files[path] = _hash(path, local)
         expected = listed.get(path)
         if expected is not None and (files[path].size, files[path].sha256) != (expected["size"], expected["sha256"]):
-            raise MergeError(local, f"changed since the merge (sha256 {files[path].sha256}, {MANIFEST} says {expected['sha256']}): merge again")
+            raise MergeError(
+                local,
+                f"changed since the merge (sha256 {files[path].sha256}, {MANIFEST} says {expected['sha256']}): merge again",
+            )
     files.pop(CARD, None)
     return files
 
@@ -309,7 +356,13 @@ def _retrying(attempt, policy: RetryPolicy, token: str):
             if not _transient(cause):
                 raise
             wait = policy.wait_s(number)
-            log.warning("hub: attempt %d of %d failed (%s); retrying in %.3g s", number, policy.attempts, _redact(_describe(cause), token), wait)
+            log.warning(
+                "hub: attempt %d of %d failed (%s); retrying in %.3g s",
+                number,
+                policy.attempts,
+                _redact(_describe(cause), token),
+                wait,
+            )
             time.sleep(wait)
     return attempt()  # the last one: its failure is reported
 
@@ -373,7 +426,9 @@ def _timeout_s(given: float | None) -> float:
     except ValueError:
         seconds = math.nan
     if not 0 < seconds < math.inf:
-        raise MergeError(None, f"Hub timeout {str(raw)!r} (--hub-timeout or {TIMEOUT_ENV}): expected a number of seconds > 0")
+        raise MergeError(
+            None, f"Hub timeout {str(raw)!r} (--hub-timeout or {TIMEOUT_ENV}): expected a number of seconds > 0"
+        )
     return seconds
 
 
@@ -421,7 +476,9 @@ def _xet_only_where_spoken(endpoint: str):
     private Hub or mirror that only speaks LFS; the endpoint is known only now, so decide now.
     """
     setting = os.environ.get("HF_HUB_DISABLE_XET")
-    disable = setting.strip().upper() in {"1", "ON", "YES", "TRUE"} if setting is not None else endpoint != DEFAULT_ENDPOINT
+    disable = (
+        setting.strip().upper() in {"1", "ON", "YES", "TRUE"} if setting is not None else endpoint != DEFAULT_ENDPOINT
+    )
     saved = constants.HF_HUB_DISABLE_XET
     constants.HF_HUB_DISABLE_XET = disable
     try:

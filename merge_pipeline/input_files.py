@@ -13,7 +13,13 @@ from pathlib import Path
 
 from merge_pipeline.errors import MergeError
 
-_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFDIR: "directory"}
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFDIR: "directory",
+}
 
 
 def open_regular(path: Path) -> int:
@@ -45,7 +51,10 @@ def contained_file(path: Path, folder: Path) -> Path:
     """
     real = Path(os.path.realpath(path))
     if not real.is_relative_to(os.path.realpath(folder)):
-        raise MergeError(path, f"is a symlink to {real}, outside the checkpoint folder {folder}: refused (copy the file into the checkpoint if it belongs there)")
+        raise MergeError(
+            path,
+            f"is a symlink to {real}, outside the checkpoint folder {folder}: refused (copy the file into the checkpoint if it belongs there)",
+        )
     return real
 
 

@@ -48,7 +48,9 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) 
     source, decisions, options = manifest["source"], manifest["decisions"], manifest["options"]
     name = CheckpointName.from_role_dir(source["role_dir"], source.get("role"))
     tool = f"{manifest['tool']['name']} {manifest['tool']['version']}"
-    dtype = decisions["config_dtype"] + ("" if options.get("dtype") in (None, "auto") else f" (requested: {options['dtype']})")
+    dtype = decisions["config_dtype"] + (
+        "" if options.get("dtype") in (None, "auto") else f" (requested: {options['dtype']})"
+    )
     rows = [
         ("run", _code(name.run)),
         ("step", "not recorded" if name.step is None else str(name.step)),
@@ -85,7 +87,9 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) 
     if replaces_readme:
         lines += ["", f"This card replaces the `{CARD}` the checkpoint carried; the sum below is that file's."]
     lines += ["", "| file | bytes | sha256 |", "|---|---:|---|"]
-    lines += [f"| `{path}` | {entry['size']:,} | `{entry['sha256']}` |" for path, entry in sorted(manifest["files"].items())]
+    lines += [
+        f"| `{path}` | {entry['size']:,} | `{entry['sha256']}` |" for path, entry in sorted(manifest["files"].items())
+    ]
     lines += ["", CARD_END]
     return "\n".join(lines) + "\n"
 

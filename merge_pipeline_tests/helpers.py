@@ -19,7 +19,11 @@ from merge_pipeline.cli import main
 
 def tree_digest(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` (relative path -> digest): 'untouched' made checkable."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def load_safetensors_dir(folder: Path) -> dict[str, torch.Tensor]:
@@ -34,7 +38,11 @@ def load_safetensors_dir(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    )
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -54,8 +62,24 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 @contextlib.contextmanager
 def torchrun(nproc: int, *args) -> Iterator[subprocess.Popen]:
     """torchrun in its own process group, killed with all its ranks whatever the test does."""
-    command = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "merge_pipeline", "merge", *map(str, args)]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    command = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "merge_pipeline",
+        "merge",
+        *map(str, args),
+    ]
+    run = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
     try:
         yield run
     finally:
@@ -78,7 +102,12 @@ with locked_target(sys.argv[1], source=sys.argv[2], overwrite=True) as locked:
 @contextlib.contextmanager
 def merge_in_progress(target: Path, source: Path) -> Iterator[subprocess.Popen]:
     """Another process holding ``target``'s lock through the engine's API, as a running merge does, with a half-written staging."""
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(target), str(source)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(target), str(source)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "holding\n", "the lock holder did not start"
         yield holder

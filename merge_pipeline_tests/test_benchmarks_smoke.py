@@ -23,7 +23,18 @@ GiB = 2**30
 def bench(fsdp_checkpoint, tmp_path_factory):
     sample = fsdp_checkpoint(FsdpSpec())  # the default spec: shared with the merge tests
     out = tmp_path_factory.mktemp("bench")
-    command = [sys.executable, "-m", "benchmarks.run", "--checkpoint", str(sample.role_dir), "--repeat", "1", "--out", str(out), "--no-plot"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--checkpoint",
+        str(sample.role_dir),
+        "--repeat",
+        "1",
+        "--out",
+        str(out),
+        "--no-plot",
+    ]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text(), done.stdout
@@ -53,7 +64,9 @@ def test_benchmark_writes_a_table_with_sane_numbers(bench):
         (raw_s,) = raw[dtype]["wall_s"]
         assert 0 < raw_s < wall, dtype  # the raw copy has no start-up
 
-    assert "| size | params |" in markdown and "merge_pipeline | fp32" in markdown and "merge_pipeline | bf16" in markdown
+    assert (
+        "| size | params |" in markdown and "merge_pipeline | fp32" in markdown and "merge_pipeline | bf16" in markdown
+    )
     assert "Targets:" in markdown and "run with --with-verl" in markdown
     assert markdown in stdout
 

@@ -21,7 +21,22 @@ def test_console_script_and_module_entry_points(tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(SPEC).role_dir
     script = shutil.which("merge-pipeline", path=str(Path(sys.executable).parent))
     for i, command in enumerate([[script], [sys.executable, "-m", "merge_pipeline"]]):
-        done = subprocess.run([*command, "merge", "--backend", "fsdp", "--local_dir", role_dir, "--target_dir", tmp_path / f"out{i}", "--use_cpu_initialization"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                *command,
+                "merge",
+                "--backend",
+                "fsdp",
+                "--local_dir",
+                role_dir,
+                "--target_dir",
+                tmp_path / f"out{i}",
+                "--use_cpu_initialization",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         assert "merged" in done.stdout and (tmp_path / f"out{i}" / "model.safetensors").is_file()
         assert "--use_cpu_initialization is accepted" in done.stderr
@@ -29,7 +44,21 @@ def test_console_script_and_module_entry_points(tmp_path, fsdp_checkpoint):
 
 
 def test_bad_input_exit_code_from_a_real_process(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "merge_pipeline", "merge", "--local_dir", tmp_path / "nope", "--target_dir", tmp_path / "out"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "merge_pipeline",
+            "merge",
+            "--local_dir",
+            tmp_path / "nope",
+            "--target_dir",
+            tmp_path / "out",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
     assert done.stderr.strip() == f"error: {tmp_path / 'nope'}: does not exist"
 
@@ -52,7 +81,9 @@ def test_inspect_reads_metadata_only(capsys, fsdp_checkpoint):
 
 def test_test_command_passes_and_catches_a_changed_tensor(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(SPEC)
-    code, out, _ = run_cli(capsys, "test", "--backend", "fsdp", "--local_dir", sample.role_dir, "--test_hf_dir", sample.reference_dir)
+    code, out, _ = run_cli(
+        capsys, "test", "--backend", "fsdp", "--local_dir", sample.role_dir, "--test_hf_dir", sample.reference_dir
+    )
     assert code == 0 and out.strip().endswith(f"match {sample.reference_dir}")
 
     changed = tmp_path / "changed"
@@ -72,7 +103,10 @@ def test_test_command_in_reference_dtype(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(SPEC)
     bf16 = tmp_path / "bf16"
     bf16.mkdir()
-    save_file({n: t.to(torch.bfloat16) for n, t in load_file(sample.reference_dir / "model.safetensors").items()}, bf16 / "model.safetensors")
+    save_file(
+        {n: t.to(torch.bfloat16) for n, t in load_file(sample.reference_dir / "model.safetensors").items()},
+        bf16 / "model.safetensors",
+    )
     code, _, err = run_cli(capsys, "test", "--local_dir", sample.role_dir, "--test_hf_dir", bf16)
     assert code == 0, err
 
@@ -86,5 +120,7 @@ def test_unknown_dtype_is_an_argparse_error(capsys, tmp_path, fsdp_checkpoint):
 
 
 def test_merge_lora_without_lora_is_refused(capsys, tmp_path, fsdp_checkpoint):
-    code, _, err = run_cli(capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", tmp_path / "o", "--merge-lora")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", tmp_path / "o", "--merge-lora"
+    )
     assert code == 1 and "no LoRA tensors" in error_lines(err)[0] and not (tmp_path / "o").exists()

@@ -16,15 +16,38 @@ from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import run_cli, torchrun, tree_digest
 
-SPEC = FsdpSpec(world_size=4, hidden_size=256, num_layers=4, vocab_size=8000, intermediate_size=512, with_optimizer=False)
+SPEC = FsdpSpec(
+    world_size=4, hidden_size=256, num_layers=4, vocab_size=8000, intermediate_size=512, with_optimizer=False
+)
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, nproc):
     role_dir = fsdp_checkpoint(SPEC).role_dir
-    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "single", "--max-shard-size", "2MB", "--dtype", "bfloat16")
+    code, _, err = run_cli(
+        capsys,
+        "merge",
+        "--local_dir",
+        role_dir,
+        "--target_dir",
+        tmp_path / "single",
+        "--max-shard-size",
+        "2MB",
+        "--dtype",
+        "bfloat16",
+    )
     assert code == 0, err
-    with torchrun(nproc, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", "--max-shard-size", "2MB", "--dtype", "bfloat16") as run:
+    with torchrun(
+        nproc,
+        "--local_dir",
+        role_dir,
+        "--target_dir",
+        tmp_path / "multi",
+        "--max-shard-size",
+        "2MB",
+        "--dtype",
+        "bfloat16",
+    ) as run:
         _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
     assert f"rank {nproc - 1}/{nproc} writes" in err

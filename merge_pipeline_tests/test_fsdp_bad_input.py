@@ -100,13 +100,28 @@ def keys_differ(d):
     return rank_file(d, 2), "different keys"
 
 
-CASES = [missing_rank, extra_rank, empty_rank, truncated_rank, swapped_ranks, config_world_size_disagrees, garbage_fsdp_config, no_huggingface_dir, no_config_json, garbage_config_json, unsafe_pickle, keys_differ]
+CASES = [
+    missing_rank,
+    extra_rank,
+    empty_rank,
+    truncated_rank,
+    swapped_ranks,
+    config_world_size_disagrees,
+    garbage_fsdp_config,
+    no_huggingface_dir,
+    no_config_json,
+    garbage_config_json,
+    unsafe_pickle,
+    keys_differ,
+]
 
 
 @pytest.fixture
 def good_target(capsys, tmp_path, fsdp_checkpoint):
     target = tmp_path / "targets" / "published"
-    code, _, err = run_cli(capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", target, "--no-progress")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", target, "--no-progress"
+    )
     assert code == 0, err
     return target
 
@@ -119,7 +134,18 @@ def test_bad_input_fails_cleanly(capsys, fsdp_checkpoint, fresh_copy, good_targe
     if os.path.exists(MARKER):
         os.unlink(MARKER)
 
-    code, _, err = run_cli(capsys, "merge", "--backend", "fsdp", "--local_dir", sample.role_dir, "--target_dir", good_target, "--overwrite", "--no-progress")
+    code, _, err = run_cli(
+        capsys,
+        "merge",
+        "--backend",
+        "fsdp",
+        "--local_dir",
+        sample.role_dir,
+        "--target_dir",
+        good_target,
+        "--overwrite",
+        "--no-progress",
+    )
 
     assert code == 1
     [line] = error_lines(err)
@@ -146,7 +172,17 @@ def test_existing_target_refused_without_overwrite(capsys, fsdp_checkpoint, good
 
 def test_overwrite_replaces_only_when_complete(capsys, fsdp_checkpoint, good_target):
     (good_target / "stale.txt").write_text("from an older merge")
-    code, _, err = run_cli(capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", good_target, "--overwrite", "--dtype", "bfloat16")
+    code, _, err = run_cli(
+        capsys,
+        "merge",
+        "--local_dir",
+        fsdp_checkpoint(SPEC).role_dir,
+        "--target_dir",
+        good_target,
+        "--overwrite",
+        "--dtype",
+        "bfloat16",
+    )
     assert code == 0, err
     assert not (good_target / "stale.txt").exists()
     assert json.loads((good_target / "config.json").read_text())["dtype"] == "bfloat16"
@@ -154,7 +190,9 @@ def test_overwrite_replaces_only_when_complete(capsys, fsdp_checkpoint, good_tar
 
 def test_unwritable_target(capsys, tmp_path, fsdp_checkpoint):
     (tmp_path / "a_file").write_text("")
-    code, _, err = run_cli(capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", tmp_path / "a_file" / "out")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", tmp_path / "a_file" / "out"
+    )
     [line] = error_lines(err)
     assert code == 1 and str(tmp_path / "a_file") in line and "not a directory" in line
 
@@ -163,7 +201,9 @@ def test_stale_staging_from_a_killed_merge_is_cleaned(capsys, tmp_path, fsdp_che
     staging = tmp_path / ".out.staging"
     staging.mkdir()
     (staging / "model-00001-of-00002.safetensors").write_bytes(b"half written")
-    code, _, err = run_cli(capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", tmp_path / "out")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", tmp_path / "out"
+    )
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

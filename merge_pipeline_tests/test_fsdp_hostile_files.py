@@ -31,10 +31,20 @@ def rank_file(role_dir, rank=0):
     return role_dir / f"model_world_size_3_rank_{rank}.pt"
 
 
-def repack(path, *, compression=zipfile.ZIP_STORED, reverse=False, extra_fields=False, edit=lambda name, data: data, keep=lambda name: True):
+def repack(
+    path,
+    *,
+    compression=zipfile.ZIP_STORED,
+    reverse=False,
+    extra_fields=False,
+    edit=lambda name, data: data,
+    keep=lambda name: True,
+):
     """Rewrite a torch.save archive with Python's zipfile, as a user's zip tool would."""
     with zipfile.ZipFile(path) as source:
-        members = [(info.filename, edit(info.filename, source.read(info))) for info in source.infolist() if keep(info.filename)]
+        members = [
+            (info.filename, edit(info.filename, source.read(info))) for info in source.infolist() if keep(info.filename)
+        ]
     if reverse:
         members.reverse()
     with zipfile.ZipFile(path, "w", compression) as target:
@@ -71,12 +81,22 @@ def storage_larger_than_record(d):
 
 def absurd_stride(d):
     # (335, 64) with a row stride of 2**20 elements: a 1.4 GB reach into an 84 KB storage.
-    repack(rank_file(d), edit=edit_pickle(lambda p: EMBED_VIEW.sub(lambda m: b"QK\x00M\x4f\x01K@\x86" + m[1] + int4(2**20) + b"K\x01\x86", p, 1)))
+    repack(
+        rank_file(d),
+        edit=edit_pickle(
+            lambda p: EMBED_VIEW.sub(lambda m: b"QK\x00M\x4f\x01K@\x86" + m[1] + int4(2**20) + b"K\x01\x86", p, 1)
+        ),
+    )
     return "reaches element"
 
 
 def huge_shape(d):
-    repack(rank_file(d), edit=edit_pickle(lambda p: EMBED_VIEW.sub(lambda m: b"QK\x00" + int4(2**24) + b"K@\x86" + m[1] + b"K@K\x01\x86", p, 1)))
+    repack(
+        rank_file(d),
+        edit=edit_pickle(
+            lambda p: EMBED_VIEW.sub(lambda m: b"QK\x00" + int4(2**24) + b"K@\x86" + m[1] + b"K@K\x01\x86", p, 1)
+        ),
+    )
     return "local shard has shape (16777216, 64)"
 
 
@@ -98,7 +118,15 @@ def refused_global(d):
     return "refused to unpickle (weights_only=True): the file names the global posix.system, which is not allowed"
 
 
-CASES = [deflated, big_endian, storage_larger_than_record, absurd_stride, huge_shape, storage_dtype_disagrees, refused_global]
+CASES = [
+    deflated,
+    big_endian,
+    storage_larger_than_record,
+    absurd_stride,
+    huge_shape,
+    storage_dtype_disagrees,
+    refused_global,
+]
 
 
 @pytest.mark.parametrize("corrupt", CASES, ids=[c.__name__ for c in CASES])
@@ -107,7 +135,9 @@ def test_hostile_rank_file_is_refused_in_one_line(capsys, tmp_path, fsdp_checkpo
     problem = corrupt(sample.role_dir)
     before = tree_digest(sample.role_dir)
 
-    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
+    )
 
     assert code == 1
     [line] = error_lines(err)
@@ -131,7 +161,9 @@ def test_repacked_stored_archive_merges_bit_exact(capsys, tmp_path, fsdp_checkpo
     for rank in range(3):
         repack(rank_file(sample.role_dir, rank), **repack_options)
 
-    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
+    )
 
     assert code == 0, err
     merged = load_safetensors_dir(tmp_path / "out")
@@ -156,8 +188,20 @@ def test_crafted_sizes_allocate_nothing(tmp_path, fsdp_checkpoint, fresh_copy, c
     sample = fresh_copy(fsdp_checkpoint(SPEC))
     corrupt(sample.role_dir)
     run = subprocess.run(
-        [sys.executable, "-c", PEAK_RSS_OF_A_MERGE, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            PEAK_RSS_OF_A_MERGE,
+            "merge",
+            "--local_dir",
+            sample.role_dir,
+            "--target_dir",
+            tmp_path / "out",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 1, run.stderr
     peak = int(run.stdout.split("peak_rss_bytes")[1])
@@ -168,7 +212,9 @@ def test_crafted_sizes_allocate_nothing(tmp_path, fsdp_checkpoint, fresh_copy, c
 def test_deeply_nested_json_is_one_line(capsys, tmp_path, fsdp_checkpoint, fresh_copy, name):
     sample = fresh_copy(fsdp_checkpoint(SPEC))
     (sample.role_dir / name).write_text("[" * 100_000 + "]" * 100_000)
-    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
+    )
     assert code == 1 and "Traceback" not in err
     [line] = error_lines(err)
     assert f"{sample.role_dir / name}: JSON nested too deeply" in line, line

@@ -16,7 +16,9 @@ from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bit
 LAYOUTS = {
     "fsdp2-ws2": FsdpSpec(),
     "fsdp2-ws3-uneven-vocab": FsdpSpec(world_size=3, vocab_size=1003),
-    "fsdp2-ws4-empty-chunks": FsdpSpec(world_size=4, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, arch="llama"),
+    "fsdp2-ws4-empty-chunks": FsdpSpec(
+        world_size=4, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, arch="llama"
+    ),
     "fsdp1-ws2": FsdpSpec(fsdp_version=1),
     "fsdp1-ws1-plain-tensors": FsdpSpec(fsdp_version=1, world_size=1),
     "fsdp2-ws1": FsdpSpec(world_size=1, legacy_no_fsdp_config=True),
@@ -26,7 +28,18 @@ LAYOUTS = {
 
 
 def merge(capsys, sample, target, *flags):
-    code, out, err = run_cli(capsys, "merge", "--backend", "fsdp", "--local_dir", sample.role_dir, "--target_dir", target, "--no-progress", *flags)
+    code, out, err = run_cli(
+        capsys,
+        "merge",
+        "--backend",
+        "fsdp",
+        "--local_dir",
+        sample.role_dir,
+        "--target_dir",
+        target,
+        "--no-progress",
+        *flags,
+    )
     assert code == 0, err
     return out
 
@@ -104,7 +117,9 @@ def test_critic_becomes_token_classification(capsys, tmp_path, fsdp_checkpoint):
     assert same_bits(model.score.weight.detach(), reference["score.weight"])
     tokens = torch.tensor([[3, 4, 5]])
     with torch.no_grad():
-        assert torch.equal(model(tokens).logits, reference_model(sample, transformers.AutoModelForTokenClassification)(tokens).logits)
+        assert torch.equal(
+            model(tokens).logits, reference_model(sample, transformers.AutoModelForTokenClassification)(tokens).logits
+        )
 
 
 def test_lora_adapter_loads_with_peft(capsys, tmp_path, fsdp_checkpoint):
@@ -131,7 +146,9 @@ def test_merge_lora_equals_peft_merge(capsys, tmp_path, fsdp_checkpoint):
     assert not (tmp_path / "merged" / "lora_adapter").exists()
     merge(capsys, sample, tmp_path / "unmerged")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "unmerged")
-    expected = peft.PeftModel.from_pretrained(base, tmp_path / "unmerged" / "lora_adapter").merge_and_unload().state_dict()
+    expected = (
+        peft.PeftModel.from_pretrained(base, tmp_path / "unmerged" / "lora_adapter").merge_and_unload().state_dict()
+    )
     merged = load_safetensors_dir(tmp_path / "merged")
     assert set(merged) == set(expected)
     for name, tensor in merged.items():
@@ -143,9 +160,15 @@ def test_manifest_records_inputs_decisions_and_sums(capsys, tmp_path, fsdp_check
     merge(capsys, sample, tmp_path / "out", "--dtype", "bfloat16")
     manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert manifest["source"]["layout"]["world_size"] == 2 and manifest["source"]["backend"] == "fsdp"
-    assert [i["path"] for i in manifest["source"]["inputs"]] == [str(sample.role_dir / f"model_world_size_2_rank_{r}.pt") for r in range(2)]
-    assert manifest["decisions"]["tensor_dtypes"] == {"float32 -> bfloat16": len(load_safetensors_dir(tmp_path / "out"))}
-    files = {p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file()} - {MANIFEST}
+    assert [i["path"] for i in manifest["source"]["inputs"]] == [
+        str(sample.role_dir / f"model_world_size_2_rank_{r}.pt") for r in range(2)
+    ]
+    assert manifest["decisions"]["tensor_dtypes"] == {
+        "float32 -> bfloat16": len(load_safetensors_dir(tmp_path / "out"))
+    }
+    files = {p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file()} - {
+        MANIFEST
+    }
     assert set(manifest["files"]) == files
     for name, entry in manifest["files"].items():
         assert entry["sha256"] == sha256_file(tmp_path / "out" / name)

@@ -26,7 +26,9 @@ MESHES = {
     "veomni-dp_shard-ws3": FsdpSpec(world_size=3, dim_names=("dp_shard",)),
     "hsdp-dp_replicate-dp_shard": FsdpSpec(world_size=4, mesh=(2, 2), dim_names=("dp_replicate", "dp_shard")),
     "fsdp-x-tp-shard0-shard1": TP_GRID,
-    "shard0-on-both-mesh-dims": FsdpSpec(world_size=4, mesh=(2, 2), dim_names=("dp_shard", "tp"), placements=("S0", "S0")),
+    "shard0-on-both-mesh-dims": FsdpSpec(
+        world_size=4, mesh=(2, 2), dim_names=("dp_shard", "tp"), placements=("S0", "S0")
+    ),
 }
 SFT = FsdpSpec(layout="sft")
 TOKENS = torch.tensor([[1, 5, 17, 1002, 40]])
@@ -61,7 +63,9 @@ def base_model(sample):
 
 def trained_model(sample):
     """The PEFT model as it was trained: base plus the trained LoRA weights, from the reference."""
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
+    )
     model = peft.get_peft_model(base_model(sample), lora)
     model.load_state_dict(load_file(sample.reference_dir / "model.safetensors"), strict=True)
     return model.eval()
@@ -70,7 +74,9 @@ def trained_model(sample):
 def test_lora_only_rank_files_hold_only_lora_tensors(fsdp_checkpoint):
     sample = fsdp_checkpoint(LORA_ONLY)
     for rank in range(2):
-        state = torch.load(sample.role_dir / f"model_world_size_2_rank_{rank}.pt", map_location="meta", weights_only=True)
+        state = torch.load(
+            sample.role_dir / f"model_world_size_2_rank_{rank}.pt", map_location="meta", weights_only=True
+        )
         assert state and all(".lora_A." in name or ".lora_B." in name for name in state)
 
 
@@ -81,7 +87,11 @@ def test_lora_only_becomes_a_peft_adapter_folder(capsys, tmp_path, fsdp_checkpoi
 
     source = sample.role_dir / "huggingface"
     side_files = {p.name for p in source.iterdir()} - {"config.json"}
-    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", MANIFEST} | side_files
+    assert {p.name for p in out.iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        MANIFEST,
+    } | side_files
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     assert (adapter_config["r"], adapter_config["lora_alpha"], adapter_config["task_type"]) == (4, 8, "CAUSAL_LM")
     assert sorted(adapter_config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
@@ -106,7 +116,9 @@ def test_lora_only_with_hf_model_path_writes_base_weights_and_adapter(capsys, tm
     merge(capsys, sample.role_dir, out, "--hf-model-path", sample.reference_dir / "base")
 
     assert_bit_exact(load_safetensors_dir(out), load_file(sample.reference_dir / "base" / "model.safetensors"))
-    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(out), out / "lora_adapter").eval()
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(out), out / "lora_adapter"
+    ).eval()
     parameters = dict(loaded.named_parameters())
     for name, tensor in load_file(sample.reference_dir / "model.safetensors").items():
         assert same_bits(parameters[name].detach(), tensor), name
@@ -117,7 +129,9 @@ def test_lora_only_with_hf_model_path_writes_base_weights_and_adapter(capsys, tm
 
 def test_lora_only_merge_lora_with_hf_model_path_equals_peft_merge(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LORA_ONLY)
-    merge(capsys, sample.role_dir, tmp_path / "merged", "--hf_model_path", sample.reference_dir / "base", "--merge-lora")
+    merge(
+        capsys, sample.role_dir, tmp_path / "merged", "--hf_model_path", sample.reference_dir / "base", "--merge-lora"
+    )
     merge(capsys, sample.role_dir, tmp_path / "adapter")
 
     expected = peft.PeftModel.from_pretrained(base_model(sample), tmp_path / "adapter").merge_and_unload().state_dict()
@@ -141,7 +155,10 @@ def test_lora_only_with_the_wrong_base_model_is_one_line(capsys, tmp_path, fsdp_
     before = tree_digest(sample.role_dir)
 
     line = merge_fails(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", wrong_base)
-    assert str(wrong_base / "model.safetensors") in line and "model.layers.1.self_attn.v_proj.weight has shape (16, 64)" in line
+    assert (
+        str(wrong_base / "model.safetensors") in line
+        and "model.layers.1.self_attn.v_proj.weight has shape (16, 64)" in line
+    )
     assert "not the base model" in line
     assert tree_digest(sample.role_dir) == before
 
@@ -163,7 +180,9 @@ def test_meshes_merge_by_placement_whatever_their_names(capsys, tmp_path, fsdp_c
 
     assert_bit_exact(load_safetensors_dir(tmp_path / "out"), load_file(sample.reference_dir / "model.safetensors"))
     layout_facts = json.loads((tmp_path / "out" / MANIFEST).read_text())["source"]["layout"]
-    assert layout_facts["mesh_dim_names"] == list(spec.mesh_dim_names) and layout_facts["mesh_shape"] == list(spec.mesh_shape)
+    assert layout_facts["mesh_dim_names"] == list(spec.mesh_dim_names) and layout_facts["mesh_shape"] == list(
+        spec.mesh_shape
+    )
     if spec.placements:
         codes = {"S0": "S(0)", "S1": "S(1)"}  # str() of Shard(0), Shard(1)
         assert layout_facts["placements"] == [codes[p] for p in spec.placements]  # the embedding's: a 2-D tensor
@@ -197,7 +216,9 @@ def test_sft_step_folder_merges_with_role_model(capsys, tmp_path, fsdp_checkpoin
     assert_bit_exact(load_safetensors_dir(tmp_path / "out"), load_file(sample.reference_dir / "model.safetensors"))
     manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert manifest["source"]["role"] == "model"
-    assert [i["path"] for i in manifest["source"]["inputs"]] == [str(sample.role_dir / f"model_world_size_2_rank_{r}.pt") for r in range(2)]
+    assert [i["path"] for i in manifest["source"]["inputs"]] == [
+        str(sample.role_dir / f"model_world_size_2_rank_{r}.pt") for r in range(2)
+    ]
 
 
 def test_sft_partition_key_has_no_role_part():

@@ -26,7 +26,23 @@ def test_leftover_torch_distributed_variables_merge_in_one_process(tmp_path, fsd
     leftovers = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
 
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "merge_pipeline", "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"], capture_output=True, text=True, timeout=60, env={**plain_shell, **leftovers})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "merge_pipeline",
+            "merge",
+            "--local_dir",
+            sample.role_dir,
+            "--target_dir",
+            tmp_path / "out",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**plain_shell, **leftovers},
+    )
 
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - started < 60
@@ -42,7 +58,9 @@ def test_a_stopped_rank_fails_the_other_within_the_timeout(tmp_path, fsdp_checkp
     role_dir = fsdp_checkpoint(SPEC).role_dir
     lines: list[tuple[float, str]] = []
     with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "out", "--dist-timeout", DIST_TIMEOUT) as run:
-        reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in run.stderr), daemon=True)
+        reader = threading.Thread(
+            target=lambda: lines.extend((time.monotonic(), line) for line in run.stderr), daemon=True
+        )
         reader.start()
         rank1 = _wait_for_rank(run, "1")
         rank1.send_signal(signal.SIGSTOP)  # hung, not dead: its sockets stay open and silent

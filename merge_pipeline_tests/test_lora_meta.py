@@ -39,7 +39,9 @@ def test_float_alpha_is_kept_exactly(capsys, tmp_path, fsdp_checkpoint, fresh_co
     code, _, err = merge(capsys, sample.role_dir, tmp_path / "merged", "--merge-lora")
     assert code == 0, err
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter")
-    expected = peft.PeftModel.from_pretrained(base, tmp_path / "adapter" / "lora_adapter").merge_and_unload().state_dict()
+    expected = (
+        peft.PeftModel.from_pretrained(base, tmp_path / "adapter" / "lora_adapter").merge_and_unload().state_dict()
+    )
     merged = load_safetensors_dir(tmp_path / "merged")
     assert set(merged) == set(expected)
     for name, tensor in merged.items():
@@ -53,7 +55,10 @@ BAD_META = {
     "r_missing": ({"r": None}, "'r' must be a positive integer, found None"),
     "alpha_string": ({"lora_alpha": "eight"}, "'lora_alpha' must be a finite number, found 'eight'"),
     "alpha_nan": ({"lora_alpha": float("nan")}, "'lora_alpha' must be a finite number, found nan"),
-    "r_disagrees_with_tensors": ({"r": 8}, "says r=8 but base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight is (4, 64)"),
+    "r_disagrees_with_tensors": (
+        {"r": 8},
+        "says r=8 but base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight is (4, 64)",
+    ),
 }
 
 
@@ -82,4 +87,7 @@ def test_lora_b_that_does_not_fit_the_base_weight_is_refused(capsys, tmp_path, f
     code, _, err = merge(capsys, sample.role_dir, tmp_path / "out")
     assert code == 1
     [line] = error_lines(err)
-    assert f"{sample.role_dir}: LoRA module base_model.model.model.layers.0.self_attn.q_proj: lora_B (32, 4) @ lora_A (4, 64) does not fit the base weight (64, 64)" in line, line
+    assert (
+        f"{sample.role_dir}: LoRA module base_model.model.model.layers.0.self_attn.q_proj: lora_B (32, 4) @ lora_A (4, 64) does not fit the base weight (64, 64)"
+        in line
+    ), line

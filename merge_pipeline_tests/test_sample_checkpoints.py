@@ -67,7 +67,9 @@ def test_shards_reassemble_to_the_reference_bit_for_bit(fsdp_checkpoint, spec):
         assert expected.dtype == spec.dtype
         assert isinstance(values[0], DTensor) == (spec.fsdp_version == 2 or spec.world_size > 1)
         if isinstance(values[0], DTensor):
-            assert {value.placements for value in values} == {(Shard(0),) if spec.mesh is None else (Replicate(), Shard(0))}
+            assert {value.placements for value in values} == {
+                (Shard(0),) if spec.mesh is None else (Replicate(), Shard(0))
+            }
             assert {value.device_mesh.mesh_dim_names for value in values} == {spec.mesh_dim_names}
             assert values[0].shape == expected.shape
         got = reassemble(values)
@@ -121,7 +123,9 @@ def test_lora_checkpoint_has_peft_keys_and_a_non_zero_update(fsdp_checkpoint):
     assert meta == {"r": 4, "lora_alpha": 8, "task_type": "CAUSAL_LM"}
     reference = load_file(sample.reference_dir / "model.safetensors")
     prefix = "base_model.model.model.layers.0.self_attn.q_proj."
-    assert {f"{prefix}base_layer.weight", f"{prefix}lora_A.default.weight", f"{prefix}lora_B.default.weight"} <= set(reference)
+    assert {f"{prefix}base_layer.weight", f"{prefix}lora_A.default.weight", f"{prefix}lora_B.default.weight"} <= set(
+        reference
+    )
     assert reference[f"{prefix}lora_B.default.weight"].abs().min() > 0
 
 

@@ -21,7 +21,9 @@ SECRET = "HF_TOKEN=hf_fake_secret_that_must_never_be_copied"
 @pytest.fixture
 def good_target(capsys, tmp_path, fsdp_checkpoint):
     target = tmp_path / "targets" / "published"
-    code, _, err = run_cli(capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", target, "--no-progress")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", target, "--no-progress"
+    )
     assert code == 0, err
     return target
 
@@ -36,7 +38,9 @@ def secret_outside(tmp_path):
 def merge_fails_cleanly(capsys, sample, target, bad_file, problem, *extra) -> str:
     """Merge over ``target``; assert the clean one-line failure and return stdout + stderr."""
     inputs_before, target_before = tree_digest(sample.role_dir), tree_digest(target)
-    code, out, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", target, "--overwrite", "--no-progress", *extra)
+    code, out, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", target, "--overwrite", "--no-progress", *extra
+    )
     assert code == 1, err
     [line] = error_lines(err)
     assert line.startswith(f"error: {bad_file}: ") and problem in line, line
@@ -47,7 +51,9 @@ def merge_fails_cleanly(capsys, sample, target, bad_file, problem, *extra) -> st
     return out + err
 
 
-def test_symlink_to_a_secret_outside_the_checkpoint_is_refused(capsys, tmp_path, fsdp_checkpoint, fresh_copy, good_target):
+def test_symlink_to_a_secret_outside_the_checkpoint_is_refused(
+    capsys, tmp_path, fsdp_checkpoint, fresh_copy, good_target
+):
     sample = fresh_copy(fsdp_checkpoint(SPEC))
     link = sample.role_dir / "huggingface" / "tokenizer_config.json"
     link.unlink()
@@ -88,7 +94,9 @@ def test_symlink_inside_the_checkpoint_is_copied_as_a_file(capsys, tmp_path, fsd
     (hf_dir / "tokenizer_config.json").rename(shared)
     (hf_dir / "tokenizer_config.json").symlink_to("../shared_tokenizer_config.json")
 
-    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
+    )
 
     assert code == 0, err
     copied = tmp_path / "out" / "tokenizer_config.json"
@@ -99,7 +107,11 @@ def test_symlink_inside_the_checkpoint_is_copied_as_a_file(capsys, tmp_path, fsd
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["huggingface/special_tokens_map.json", "model_world_size_3_rank_1.pt", "fsdp_config.json"], ids=["side_file", "rank_file", "json_file"])
+@pytest.mark.parametrize(
+    "name",
+    ["huggingface/special_tokens_map.json", "model_world_size_3_rank_1.pt", "fsdp_config.json"],
+    ids=["side_file", "rank_file", "json_file"],
+)
 def test_fifo_is_refused_without_blocking(capsys, fsdp_checkpoint, fresh_copy, good_target, name):
     sample = fresh_copy(fsdp_checkpoint(SPEC))
     fifo = sample.role_dir / name
@@ -109,15 +121,35 @@ def test_fifo_is_refused_without_blocking(capsys, fsdp_checkpoint, fresh_copy, g
     merge_fails_cleanly(capsys, sample, good_target, fifo, "is a FIFO, not a regular file")
 
 
-def test_side_file_over_the_size_cap_is_refused_until_the_cap_is_raised(capsys, tmp_path, fsdp_checkpoint, fresh_copy, good_target):
+def test_side_file_over_the_size_cap_is_refused_until_the_cap_is_raised(
+    capsys, tmp_path, fsdp_checkpoint, fresh_copy, good_target
+):
     sample = fresh_copy(fsdp_checkpoint(SPEC))
     big = sample.role_dir / "huggingface" / "tokenizer.json"
     size = big.stat().st_size
     assert size > 2000, "the sample tokenizer must be bigger than the small cap below"
 
-    merge_fails_cleanly(capsys, sample, good_target, big, "larger than the side-file limit of 2,000 bytes: pass --max-side-file-size", "--max-side-file-size", "2KB")
+    merge_fails_cleanly(
+        capsys,
+        sample,
+        good_target,
+        big,
+        "larger than the side-file limit of 2,000 bytes: pass --max-side-file-size",
+        "--max-side-file-size",
+        "2KB",
+    )
 
-    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "raised", "--max-side-file-size", f"{size}", "--no-progress")
+    code, _, err = run_cli(
+        capsys,
+        "merge",
+        "--local_dir",
+        sample.role_dir,
+        "--target_dir",
+        tmp_path / "raised",
+        "--max-side-file-size",
+        f"{size}",
+        "--no-progress",
+    )
     assert code == 0, err
     assert (tmp_path / "raised" / "tokenizer.json").read_bytes() == big.read_bytes()
 
@@ -128,13 +160,24 @@ def test_default_size_cap_fits_a_real_tokenizer(capsys, tmp_path, fsdp_checkpoin
     with open(tokenizer, "ab") as f:  # as big as the largest real tokenizer.json files (~33 MB)
         f.truncate(33_000_000)
 
-    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
+    )
 
     assert code == 0, err
     assert (tmp_path / "out" / "tokenizer.json").stat().st_size == 33_000_000
 
 
 def test_bad_size_cap_is_one_line(capsys, tmp_path, fsdp_checkpoint):
-    code, _, err = run_cli(capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", tmp_path / "out", "--max-side-file-size", "lots")
+    code, _, err = run_cli(
+        capsys,
+        "merge",
+        "--local_dir",
+        fsdp_checkpoint(SPEC).role_dir,
+        "--target_dir",
+        tmp_path / "out",
+        "--max-side-file-size",
+        "lots",
+    )
     assert code == 1 and error_lines(err) == ["error: --max-side-file-size 'lots': expected a size such as 64MB or 1GB"]
     assert not (tmp_path / "out").exists()

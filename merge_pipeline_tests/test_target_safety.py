@@ -30,15 +30,23 @@ def tmpfs(tmp_path):
     def mount(size: str, *options: str) -> Path:
         point = tmp_path / f"tmpfs_{len(mounted)}"
         point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(point)], capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
-            pytest.fail(f"these tests need a real second filesystem: mount -t tmpfs failed (run as root): {done.stderr.strip()}")
+            pytest.fail(
+                f"these tests need a real second filesystem: mount -t tmpfs failed (run as root): {done.stderr.strip()}"
+            )
         mounted.append(point)
         return point
 
     yield mount
     for point in reversed(mounted):
-        subprocess.run(["umount", "--lazy", str(point)], check=True)  # lazy: a failed test's traceback may still map a file there
+        subprocess.run(
+            ["umount", "--lazy", str(point)], check=True
+        )  # lazy: a failed test's traceback may still map a file there
 
 
 def merge(capsys, role_dir, target, *flags):
@@ -53,7 +61,11 @@ def leftovers(target) -> list[str]:
 OVERLAPS = {
     "target_is_the_input": (lambda role: role, ["--overwrite"], "is the input checkpoint"),
     "target_inside_the_input": (lambda role: role / "merged", [], "lies inside the input checkpoint"),
-    "target_is_a_folder_of_the_input": (lambda role: role / "huggingface", ["--overwrite"], "lies inside the input checkpoint"),
+    "target_is_a_folder_of_the_input": (
+        lambda role: role / "huggingface",
+        ["--overwrite"],
+        "lies inside the input checkpoint",
+    ),
     "target_contains_the_input": (lambda role: role.parent, ["--overwrite"], "contains the input checkpoint"),
 }
 
@@ -82,7 +94,9 @@ def test_overwrite_refuses_a_folder_we_did_not_write(capsys, tmp_path, fsdp_chec
     code, _, err = merge(capsys, fsdp_checkpoint(SPEC).role_dir, target, "--overwrite")
 
     assert code == 1
-    assert error_lines(err) == [f"error: {target}: is not empty and has no merge_manifest.json from merge_pipeline: not replaced, even with --overwrite (move it away or choose another --target_dir)"]
+    assert error_lines(err) == [
+        f"error: {target}: is not empty and has no merge_manifest.json from merge_pipeline: not replaced, even with --overwrite (move it away or choose another --target_dir)"
+    ]
     assert tree_digest(target) == before and leftovers(target) == []
 
 
@@ -106,7 +120,9 @@ def test_target_on_another_filesystem_merges_bit_exact(capsys, tmp_path, fsdp_ch
     merged, reference = load_safetensors_dir(other / "out"), load_safetensors_dir(sample.reference_dir)
     assert merged.keys() == reference.keys() and all(same_bits(merged[k], reference[k]) for k in reference)
 
-    code, _, err = merge(capsys, sample.role_dir, other / "out", "--max-shard-size", "256KB", "--overwrite")  # the exchange on tmpfs
+    code, _, err = merge(
+        capsys, sample.role_dir, other / "out", "--max-shard-size", "256KB", "--overwrite"
+    )  # the exchange on tmpfs
     assert code == 0, err
     replaced, first = tree_digest(other / "out"), tree_digest(tmp_path / "same_fs")
     assert replaced.pop(MANIFEST) != first.pop(MANIFEST), "the manifest records --overwrite"
@@ -150,7 +166,9 @@ def test_merge_killed_while_replacing_is_restored_and_said(capsys, caplog, tmp_p
         code, _, err = merge(capsys, role_dir, target)
 
     assert f"{target}: restored from {previous_path(target)}: a merge was killed while replacing it" in caplog.text
-    assert code == 1 and "already exists" in error_lines(err)[0], "restored, so a merge without --overwrite leaves it alone"
+    assert code == 1 and "already exists" in error_lines(err)[0], (
+        "restored, so a merge without --overwrite leaves it alone"
+    )
     assert tree_digest(target) == before
     code, _, err = merge(capsys, role_dir, target, "--overwrite", "--dtype", "bfloat16")
     assert code == 0, err

@@ -36,7 +36,9 @@ def test_tied_config_with_a_trained_lm_head_is_refused(capsys, tmp_path, fsdp_ch
     code, _, err = merge(capsys, sample.role_dir, tmp_path / "out")
     assert code == 1 and "Traceback" not in err
     [line] = error_lines(err)
-    assert f"{config}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight" in line, line
+    assert f"{config}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight" in line, (
+        line
+    )
     assert "--untie-word-embedding" in line
     assert tree_digest(sample.role_dir) == before and not (tmp_path / "out").exists()
 
@@ -46,7 +48,10 @@ def test_tie_flag_on_an_untied_checkpoint_is_refused(capsys, tmp_path, fsdp_chec
     code, _, err = merge(capsys, sample.role_dir, tmp_path / "out", "--tie-word-embedding")
     assert code == 1
     [line] = error_lines(err)
-    assert f"{sample.role_dir}: --tie-word-embedding given but lm_head.weight differs from model.embed_tokens.weight" in line, line
+    assert (
+        f"{sample.role_dir}: --tie-word-embedding given but lm_head.weight differs from model.embed_tokens.weight"
+        in line
+    ), line
 
 
 def test_untie_flag_keeps_the_trained_lm_head(capsys, tmp_path, fsdp_checkpoint, fresh_copy):
@@ -76,7 +81,10 @@ def test_equal_lm_head_stored_separately_is_compared_and_dropped(capsys, tmp_pat
     assert code == 0, err
     merged = load_safetensors_dir(tmp_path / "out")
     assert "lm_head.weight" not in merged
-    assert same_bits(merged["model.embed_tokens.weight"], load_file(sample.reference_dir / "model.safetensors")["model.embed_tokens.weight"])
+    assert same_bits(
+        merged["model.embed_tokens.weight"],
+        load_file(sample.reference_dir / "model.safetensors")["model.embed_tokens.weight"],
+    )
 
 
 def test_tied_checkpoint_still_drops_its_shared_lm_head(capsys, tmp_path, fsdp_checkpoint):
@@ -86,7 +94,9 @@ def test_tied_checkpoint_still_drops_its_shared_lm_head(capsys, tmp_path, fsdp_c
 
 
 def test_tie_and_untie_together_are_refused(capsys, tmp_path, fsdp_checkpoint):
-    code, _, err = merge(capsys, fsdp_checkpoint(TIED).role_dir, tmp_path / "out", "--tie-word-embedding", "--untie-word-embedding")
+    code, _, err = merge(
+        capsys, fsdp_checkpoint(TIED).role_dir, tmp_path / "out", "--tie-word-embedding", "--untie-word-embedding"
+    )
     assert code == 1
     [line] = error_lines(err)
     assert "contradict" in line

@@ -19,22 +19,35 @@ TIMEOUT_SECONDS = 10
 
 
 class AlertWebhook(dg.ConfigurableResource):
-    url: str | None = Field(default=None, description=f"where a failed run is posted; unset: ${WEBHOOK_VAR}, else no alerts")
+    url: str | None = Field(
+        default=None, description=f"where a failed run is posted; unset: ${WEBHOOK_VAR}, else no alerts"
+    )
 
     @property
     def target(self) -> str | None:
         return self.url if self.url is not None else dg.EnvVar(WEBHOOK_VAR).get_value() or None
 
     def post(self, body: dict) -> None:
-        request = urllib.request.Request(self.target, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.target, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS):
             pass
 
 
 def failure_message(context: dg.RunFailureSensorContext) -> dict:
     run = context.dagster_run
-    steps = [f"{e.step_key}: {e.event_specific_data.error_display_string.strip()}" if e.event_specific_data and e.event_specific_data.error else e.step_key for e in context.get_step_failure_events()]
-    descriptions = [e.step_failure_data.user_failure_data.description for e in context.get_step_failure_events() if e.step_failure_data.user_failure_data]
+    steps = [
+        f"{e.step_key}: {e.event_specific_data.error_display_string.strip()}"
+        if e.event_specific_data and e.event_specific_data.error
+        else e.step_key
+        for e in context.get_step_failure_events()
+    ]
+    descriptions = [
+        e.step_failure_data.user_failure_data.description
+        for e in context.get_step_failure_events()
+        if e.step_failure_data.user_failure_data
+    ]
     partition = run.tags.get("dagster/partition")
     why = descriptions[0] if descriptions else (steps[0] if steps else context.failure_event.message)
     return {

@@ -8,12 +8,11 @@ checks against that staging folder, and publish (rename into place) only if ever
 failure at any stage leaves no staging folder and no published folder, and materializes nothing.
 """
 
-
 import json
 import time
 import warnings
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 
 import dagster as dg
 
@@ -91,9 +90,16 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
             with plan:
                 staging = locked.new_staging()
                 try:
-                    copy_side_files(model_config.path.parent, staging, options.max_side_file_size, confine_to=model_config.confine_to)
+                    copy_side_files(
+                        model_config.path.parent,
+                        staging,
+                        options.max_side_file_size,
+                        confine_to=model_config.confine_to,
+                    )
                     if config.launcher == "torchrun":
-                        written = write_with_torchrun(context, WeightJob(role_dir, plan.backend, staging, options), config)
+                        written = write_with_torchrun(
+                            context, WeightJob(role_dir, plan.backend, staging, options), config
+                        )
                     else:
                         written = write_in_process(layout, staging)
                     manifest = finish_folder(plan, model_config, layout, staging, options)
@@ -103,7 +109,10 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
                         yield from check_results
                         raise dg.Failure(
                             description=f"{target}: not published: blocking check(s) {', '.join(failed)} failed on the merged folder (see the checks' problems)",
-                            metadata={"file": dg.MetadataValue.path(str(role_dir)), "next step": "fix the checkpoint or report the problem; then re-execute this run"},
+                            metadata={
+                                "file": dg.MetadataValue.path(str(role_dir)),
+                                "next step": "fix the checkpoint or report the problem; then re-execute this run",
+                            },
                         )
                     locked.publish()
                 finally:
@@ -133,7 +142,9 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
             written.peak_rss_label: human_bytes(written.peak_rss_bytes),
             "peak_rss_bytes": written.peak_rss_bytes,
             "max_shard_size": str(options.max_shard_size),
-            "launcher": config.launcher if config.launcher == "inprocess" else f"torchrun x{config.nproc_per_node * config.nnodes}",
+            "launcher": config.launcher
+            if config.launcher == "inprocess"
+            else f"torchrun x{config.nproc_per_node * config.nnodes}",
             "manifest": dg.MetadataValue.path(str(target / MANIFEST)),
             "files": sha256_table(manifest["files"]),
             "options": dg.MetadataValue.json(json.loads(json.dumps(manifest["options"]))),

@@ -49,9 +49,16 @@ FOLDER_CHECKS = [
         "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted",
     ),
 ]
-with warnings.catch_warnings():  # partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13
+with (
+    warnings.catch_warnings()
+):  # partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13
     warnings.simplefilter("ignore", dg.PreviewWarning)
-    CHECK_SPECS = [dg.AssetCheckSpec(c.name, asset=HF_MODEL, blocking=True, description=c.description, partitions_def=checkpoint_partitions) for c in FOLDER_CHECKS]
+    CHECK_SPECS = [
+        dg.AssetCheckSpec(
+            c.name, asset=HF_MODEL, blocking=True, description=c.description, partitions_def=checkpoint_partitions
+        )
+        for c in FOLDER_CHECKS
+    ]
 
 
 def check_staged_folder(folder: Path) -> list[dg.AssetCheckResult]:
@@ -65,7 +72,11 @@ def _run(check: FolderCheck, folder: Path, counts: dict[str, int]) -> dg.AssetCh
         problems = check.find_problems(folder)
     except Exception as exc:  # noqa: BLE001 - a file that breaks the reader (bad JSON, a config transformers rejects) fails the check, in one line
         problems = [f"{type(exc).__name__}: {' '.join(str(exc).split())}"]
-    metadata = {"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:50]) or check.passed_text), "problem count": len(problems), **counts}
+    metadata = {
+        "problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems[:50]) or check.passed_text),
+        "problem count": len(problems),
+        **counts,
+    }
     return dg.AssetCheckResult(asset_key=HF_MODEL, check_name=check.name, passed=not problems, metadata=metadata)
 
 
@@ -76,4 +87,9 @@ def _counts(folder: Path) -> dict[str, int]:
         files = read_manifest(folder)["files"]
     except (OSError, ValueError, KeyError):
         return {}  # the checks themselves say what is wrong
-    return {"weight files": len(shards), "tensors": sum(len(t) for t in shards.values()), "files in manifest": len(files), "bytes in manifest": sum(f["size"] for f in files.values())}
+    return {
+        "weight files": len(shards),
+        "tensors": sum(len(t) for t in shards.values()),
+        "files in manifest": len(files),
+        "bytes in manifest": sum(f["size"] for f in files.values()),
+    }

@@ -56,7 +56,9 @@ def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
     for root in roots:
         root = root.absolute()
         if output_root.is_relative_to(root):
-            scan.not_watched.append(f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)")
+            scan.not_watched.append(
+                f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
+            )
         if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
             scan.all_roots_read = False
         scan.found.extend(find_checkpoints(root, scan.not_watched, skip={output_root}))
@@ -82,7 +84,9 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
                 step = STEP_DIR.fullmatch(entry.name)
                 if not step:
                     if _LOOKS_LIKE_STEP.fullmatch(entry.name):
-                        not_watched.append(f"{printable(str(entry))}: skipped: verl names step folders global_step_<N> with ASCII digits and no leading zeros, and only such a name maps to a partition and back")
+                        not_watched.append(
+                            f"{printable(str(entry))}: skipped: verl names step folders global_step_<N> with ASCII digits and no leading zeros, and only such a name maps to a partition and back"
+                        )
                     else:
                         deeper.append(entry)
                     continue
@@ -101,9 +105,14 @@ def locate(key: CheckpointKey, roots: Sequence[Path]) -> Path:
     candidates += [root / key.path.relative_to(key.run_name) for root in roots if root.name == key.run_name]
     found = sorted({c for c in candidates if c.is_dir()})
     if not found:
-        raise MergeError(candidates[0] if candidates else None, "no such checkpoint folder under the checkpoint roots (deleted by the trainer's rotation?)")
+        raise MergeError(
+            candidates[0] if candidates else None,
+            "no such checkpoint folder under the checkpoint roots (deleted by the trainer's rotation?)",
+        )
     if len(found) > 1:
-        raise MergeError(found[1], f"has the same partition key as {found[0]}: give the checkpoint roots distinct run folders")
+        raise MergeError(
+            found[1], f"has the same partition key as {found[0]}: give the checkpoint roots distinct run folders"
+        )
     return found[0]
 
 
@@ -121,7 +130,11 @@ def completeness(role_dir: Path, step: int, settle_seconds: float, *, now: float
         return Completeness(True, f"{TRACKER} says {latest} >= {step}", newest)
     if any((role_dir / folder).is_dir() for folder in _MEGATRON_V2_FOLDERS):
         # A quiet folder proves nothing here: the bridge may gather weights for minutes before writing.
-        return Completeness(False, f"Megatron layout v2 without {MEGATRON_MANIFEST}: verl writes it last, the save is not finished", newest)
+        return Completeness(
+            False,
+            f"Megatron layout v2 without {MEGATRON_MANIFEST}: verl writes it last, the save is not finished",
+            newest,
+        )
     age = (time.time() if now is None else now) - newest
     says = f"{TRACKER} says {latest}" if latest is not None else f"no {TRACKER}"
     if age >= settle_seconds:
@@ -167,7 +180,9 @@ def _subfolders(folder: Path, not_watched: list[str], *, is_root: bool) -> list[
             not_watched.append(f"{printable(str(folder))}: the checkpoint root does not exist")
         return []
     except OSError as exc:  # unreadable, not a folder, a symlink loop: say so, never "no new checkpoints"
-        not_watched.append(f"{printable(str(folder))}: {'the checkpoint root' if is_root else 'folder'} cannot be read ({exc.strerror})")
+        not_watched.append(
+            f"{printable(str(folder))}: {'the checkpoint root' if is_root else 'folder'} cannot be read ({exc.strerror})"
+        )
         return []
 
 

@@ -28,7 +28,10 @@ _FLAG = re.compile("|".join(re.escape(f) for f in sorted(_IN_DAGSTER, key=len, r
 
 # What to do next, by what the message says; the first match wins.
 _NEXT_STEPS = [
-    ("already exists", f"to replace it, materialize the partition again with overwrite: true in {RUN_CONFIG} (Launchpad)"),
+    (
+        "already exists",
+        f"to replace it, materialize the partition again with overwrite: true in {RUN_CONFIG} (Launchpad)",
+    ),
     ("another merge", "wait for that merge to finish, then re-execute this run"),
     ("incomplete checkpoint", "wait until the trainer has finished saving this step, then re-execute this run"),
     ("no such checkpoint folder", "the checkpoint is gone: nothing to merge (the sensor removes its partition)"),

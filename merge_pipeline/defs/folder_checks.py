@@ -83,12 +83,20 @@ def index_problems(folder: Path) -> list[str]:
         return []  # one adapter_model.safetensors, never sharded
     files = weight_files(folder)
     if not (folder / INDEX).is_file():
-        return [] if list(files) == [SINGLE_FILE] else [f"no {INDEX}, and the weights are {sorted(files)} rather than one {SINGLE_FILE}"]
+        return (
+            []
+            if list(files) == [SINGLE_FILE]
+            else [f"no {INDEX}, and the weights are {sorted(files)} rather than one {SINGLE_FILE}"]
+        )
     index = json.loads((folder / INDEX).read_text())
     stored = {name: file for file, tensors in files.items() for name in tensors}
     weight_map = index["weight_map"]
-    problems = [f"index maps {n} to {f}, which does not hold it" for n, f in sorted(weight_map.items()) if stored.get(n) != f]
-    problems += [f"{f} holds {n}, which the index does not map" for n, f in sorted(stored.items()) if n not in weight_map]
+    problems = [
+        f"index maps {n} to {f}, which does not hold it" for n, f in sorted(weight_map.items()) if stored.get(n) != f
+    ]
+    problems += [
+        f"{f} holds {n}, which the index does not map" for n, f in sorted(stored.items()) if n not in weight_map
+    ]
     problems += [f"{f} is not referenced by the index" for f in sorted(set(files) - set(weight_map.values()))]
     total = sum(e["data_offsets"][1] - e["data_offsets"][0] for tensors in files.values() for e in tensors.values())
     if index["metadata"]["total_size"] != total:
@@ -102,5 +110,9 @@ def manifest_problems(folder: Path) -> list[str]:
     actual = file_sums(folder)
     problems = [f"{name}: in the manifest, not in the folder" for name in sorted(set(recorded) - set(actual))]
     problems += [f"{name}: in the folder, not in the manifest" for name in sorted(set(actual) - set(recorded))]
-    problems += [f"{name}: sha256 or size differs from the manifest" for name in sorted(set(actual) & set(recorded)) if actual[name] != recorded[name]]
+    problems += [
+        f"{name}: sha256 or size differs from the manifest"
+        for name in sorted(set(actual) & set(recorded))
+        if actual[name] != recorded[name]
+    ]
     return problems

@@ -34,20 +34,35 @@ CHECK_HISTORY = 3000  # check evaluations looked at per schedule tick, newest fi
 
 
 class HuggingFaceHub(dg.ConfigurableResource):
-    organization: str = Field(default="", description="Hub namespace (user or organization) to publish under; empty: publishing is off")
+    organization: str = Field(
+        default="", description="Hub namespace (user or organization) to publish under; empty: publishing is off"
+    )
     endpoint: str | None = Field(default=None, description="Hub URL; default HF_ENDPOINT, else https://huggingface.co")
-    token: str | None = Field(default=None, description="access token, given as EnvVar('HF_TOKEN'), never as plain config; none: the stored `hf auth login`")
+    token: str | None = Field(
+        default=None,
+        description="access token, given as EnvVar('HF_TOKEN'), never as plain config; none: the stored `hf auth login`",
+    )
     private: bool = Field(default=True, description="create new repos private")
-    repo_template: str = Field(default=DEFAULT_TEMPLATE, description="repo id of a checkpoint, from {org}, {run_name}, {role} and {step}")
-    revisions: Literal["branch", "commit"] = Field(default="branch", description="branch: one branch per step (global_step_<N>); commit: one commit per step on main")
-    timeout_s: float | None = Field(default=None, description="seconds a Hub request may wait to connect or for an answer; default MERGE_PIPELINE_HUB_TIMEOUT, else 60")
+    repo_template: str = Field(
+        default=DEFAULT_TEMPLATE, description="repo id of a checkpoint, from {org}, {run_name}, {role} and {step}"
+    )
+    revisions: Literal["branch", "commit"] = Field(
+        default="branch",
+        description="branch: one branch per step (global_step_<N>); commit: one commit per step on main",
+    )
+    timeout_s: float | None = Field(
+        default=None,
+        description="seconds a Hub request may wait to connect or for an answer; default MERGE_PIPELINE_HUB_TIMEOUT, else 60",
+    )
 
     @classmethod
     def from_env(cls) -> "HuggingFaceHub":
         env = os.environ
         return cls(
             organization=env.get("MERGE_PIPELINE_HUB_ORG", ""),
-            token=dg.EnvVar("HF_TOKEN") if "HF_TOKEN" in env else None,  # the UI shows the variable's name, not its value
+            token=dg.EnvVar("HF_TOKEN")
+            if "HF_TOKEN" in env
+            else None,  # the UI shows the variable's name, not its value
             private=env.get("MERGE_PIPELINE_HUB_PRIVATE", "1").lower() not in ("0", "false", "no"),
             repo_template=env.get("MERGE_PIPELINE_HUB_REPO_TEMPLATE", DEFAULT_TEMPLATE),
             revisions=env.get("MERGE_PIPELINE_HUB_REVISIONS", "branch"),
@@ -64,10 +79,24 @@ class HuggingFaceHub(dg.ConfigurableResource):
 
     def publish(self, folder: Path, key: CheckpointKey) -> UploadResult:
         revision = f"global_step_{key.step}" if self.revisions == "branch" else None
-        return upload_folder_verified(folder, self.repo_id(key), private=self.private, revision=revision, endpoint=self.endpoint, token=self.token, timeout_s=self.timeout_s)
+        return upload_folder_verified(
+            folder,
+            self.repo_id(key),
+            private=self.private,
+            revision=revision,
+            endpoint=self.endpoint,
+            token=self.token,
+            timeout_s=self.timeout_s,
+        )
 
 
-@dg.asset(partitions_def=checkpoint_partitions, group_name=GROUP, deps=[hf_model], kinds={"huggingface"}, output_required=False)
+@dg.asset(
+    partitions_def=checkpoint_partitions,
+    group_name=GROUP,
+    deps=[hf_model],
+    kinds={"huggingface"},
+    output_required=False,
+)
 def hub_model(context: dg.AssetExecutionContext, settings: MergeSettings, hub: HuggingFaceHub):
     """The merged folder on the Hub with its model card, checked file by file against the manifest after upload.
 
@@ -93,14 +122,18 @@ def hub_model(context: dg.AssetExecutionContext, settings: MergeSettings, hub: H
     )
 
 
-publish_job = dg.define_asset_job("publish_to_hub", selection=[hub_model], description="Upload merged checkpoints to the Hub and verify them.")
+publish_job = dg.define_asset_job(
+    "publish_to_hub", selection=[hub_model], description="Upload merged checkpoints to the Hub and verify them."
+)
 
 
 @dg.schedule(
     cron_schedule="*/10 * * * *",
     job=publish_job,
     # Off unless a Hub organization is set when the code location loads (a schedule's default is fixed then).
-    default_status=dg.DefaultScheduleStatus.RUNNING if dg.EnvVar("MERGE_PIPELINE_HUB_ORG").get_value() else dg.DefaultScheduleStatus.STOPPED,
+    default_status=dg.DefaultScheduleStatus.RUNNING
+    if dg.EnvVar("MERGE_PIPELINE_HUB_ORG").get_value()
+    else dg.DefaultScheduleStatus.STOPPED,
     description="Publishes the highest merged step of each run whose checks passed, once per merge of that step.",
 )
 def publish_latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub):
@@ -127,7 +160,9 @@ def _merged_steps_by_run(instance: dg.DagsterInstance) -> dict[tuple[str, str], 
     return runs
 
 
-def _highest_verified(instance: dg.DagsterInstance, steps: list[CheckpointKey], log) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
+def _highest_verified(
+    instance: dg.DagsterInstance, steps: list[CheckpointKey], log
+) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
     """The highest step whose latest merge passed every check on hf_model, with that merge's record."""
     for key in sorted(steps, key=lambda k: k.step, reverse=True):
         merge = _latest(instance, hf_model.key, str(key))
@@ -138,7 +173,9 @@ def _highest_verified(instance: dg.DagsterInstance, steps: list[CheckpointKey], 
 
 
 def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str) -> dg.EventLogRecord | None:
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key, asset_partitions=[partition]), limit=1).records
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key, asset_partitions=[partition]), limit=1
+    ).records
     return records[0] if records else None
 
 
@@ -146,7 +183,9 @@ def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: s
     """Every check on hf_model passed for this partition in the run that merged it, and none failed since
     (a check result reported later, e.g. by hand, counts)."""
     # (the event log does not index check evaluations by asset key: filtered here)
-    records = instance.get_event_records(dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION), limit=CHECK_HISTORY)
+    records = instance.get_event_records(
+        dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION), limit=CHECK_HISTORY
+    )
     latest: dict[str, tuple[bool, str]] = {}
     # newest first, by time: sqlite numbers a runless event (a check result reported by hand) apart from runs' events
     for record in sorted(records, key=lambda r: r.timestamp, reverse=True):
@@ -156,4 +195,9 @@ def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: s
     return all(latest.get(c.name) == (True, merge_run_id) for c in FOLDER_CHECKS)
 
 
-defs = dg.Definitions(assets=[hub_model], jobs=[publish_job], schedules=[publish_latest_steps], resources={"hub": HuggingFaceHub.from_env()})
+defs = dg.Definitions(
+    assets=[hub_model],
+    jobs=[publish_job],
+    schedules=[publish_latest_steps],
+    resources={"hub": HuggingFaceHub.from_env()},
+)

@@ -48,7 +48,10 @@ class CheckpointKey:
         run_name, _, step_dir = key.rpartition("/")
         if (step := STEP_DIR.fullmatch(step_dir)) and _is_run_name(run_name):
             return cls(run_name, int(step.group(1)), STEP_ROLE)
-        raise MergeError(None, f"partition key {key!r} is not <run_name>/global_step_<N>/<{'|'.join(ROLES)}> or <run_name>/global_step_<N>")
+        raise MergeError(
+            None,
+            f"partition key {key!r} is not <run_name>/global_step_<N>/<{'|'.join(ROLES)}> or <run_name>/global_step_<N>",
+        )
 
 
 def _is_run_name(name: str) -> bool:

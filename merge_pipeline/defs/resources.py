@@ -22,22 +22,41 @@ from pydantic import Field
 from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
 
-ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR = "MERGE_PIPELINE_CHECKPOINT_ROOTS", "MERGE_PIPELINE_OUTPUT_ROOT", "MERGE_PIPELINE_SETTLE_SECONDS"
+ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR = (
+    "MERGE_PIPELINE_CHECKPOINT_ROOTS",
+    "MERGE_PIPELINE_OUTPUT_ROOT",
+    "MERGE_PIPELINE_SETTLE_SECONDS",
+)
 
 
 class MergeSettings(dg.ConfigurableResource):
-    checkpoint_roots: list[str] | None = Field(default=None, description=f"folders watched for global_step_<N>/<role> checkpoints; unset: ${ROOTS_VAR}, else ./demo/checkpoints")
-    output_root: str | None = Field(default=None, description=f"merged HF folders land in <output_root>/<run_name>/global_step_<N>/<role>/; unset: ${OUTPUT_VAR}, else ./demo/merged")
-    settle_seconds: float | None = Field(default=None, description=f"without the trainer's tracker file, a step is complete once no file under it changed for this long; unset: ${SETTLE_VAR}, else 60")
+    checkpoint_roots: list[str] | None = Field(
+        default=None,
+        description=f"folders watched for global_step_<N>/<role> checkpoints; unset: ${ROOTS_VAR}, else ./demo/checkpoints",
+    )
+    output_root: str | None = Field(
+        default=None,
+        description=f"merged HF folders land in <output_root>/<run_name>/global_step_<N>/<role>/; unset: ${OUTPUT_VAR}, else ./demo/merged",
+    )
+    settle_seconds: float | None = Field(
+        default=None,
+        description=f"without the trainer's tracker file, a step is complete once no file under it changed for this long; unset: ${SETTLE_VAR}, else 60",
+    )
 
     @property
     def roots(self) -> list[Path]:
-        roots = self.checkpoint_roots if self.checkpoint_roots is not None else dg.EnvVar(ROOTS_VAR).get_value("demo/checkpoints").split(os.pathsep)
+        roots = (
+            self.checkpoint_roots
+            if self.checkpoint_roots is not None
+            else dg.EnvVar(ROOTS_VAR).get_value("demo/checkpoints").split(os.pathsep)
+        )
         return [Path(r).absolute() for r in roots if r]
 
     @property
     def output_dir(self) -> Path:
-        return Path(self.output_root if self.output_root is not None else dg.EnvVar(OUTPUT_VAR).get_value("demo/merged")).absolute()
+        return Path(
+            self.output_root if self.output_root is not None else dg.EnvVar(OUTPUT_VAR).get_value("demo/merged")
+        ).absolute()
 
     @property
     def settle_time(self) -> float:

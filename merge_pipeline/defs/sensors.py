@@ -24,7 +24,9 @@ from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
 
 SOURCE_TAG = "merge_pipeline/source"
-INTERVAL_SECONDS = int(dg.EnvVar("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS").get_value("10"))  # fixed when the location loads
+INTERVAL_SECONDS = int(
+    dg.EnvVar("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS").get_value("10")
+)  # fixed when the location loads
 
 
 @dg.sensor(
@@ -56,15 +58,27 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         saved.append(_checkpoint_saved(found, state))
     cursor = json.dumps(sorted(seen & present))
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
-    rotated = [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()] if scan.all_roots_read else []
+    rotated = (
+        [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()]
+        if scan.all_roots_read
+        else []
+    )
     changes = []
     if rotated:
-        context.log.info(f"removing {len(rotated)} partition(s) whose checkpoint was deleted before it was merged: {', '.join(rotated[:5])}")
+        context.log.info(
+            f"removing {len(rotated)} partition(s) whose checkpoint was deleted before it was merged: {', '.join(rotated[:5])}"
+        )
         changes.append(checkpoint_partitions.build_delete_request(rotated))
     if requests:
         changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests]))
-        return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=changes, asset_events=saved, cursor=cursor)
-    reason = f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}" if waiting else f"no new checkpoints ({len(present)} known)"
+        return dg.SensorResult(
+            run_requests=requests, dynamic_partitions_requests=changes, asset_events=saved, cursor=cursor
+        )
+    reason = (
+        f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}"
+        if waiting
+        else f"no new checkpoints ({len(present)} known)"
+    )
     failed = _failed_partitions(context.instance, [k for k in partitions if k not in rotated])
     if failed:
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
@@ -75,8 +89,17 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
 
 def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMaterialization:
     """The trainer's save of this checkpoint, as the external ``checkpoint`` asset's event."""
-    metadata = {"path": dg.MetadataValue.path(str(found.role_dir)), "role": found.key.role, "step": found.key.step, "completeness": state.reason}
-    return dg.AssetMaterialization(asset_key=checkpoint.key, partition=str(found.key), metadata={**metadata, "written_at": dg.MetadataValue.timestamp(state.newest_change)})
+    metadata = {
+        "path": dg.MetadataValue.path(str(found.role_dir)),
+        "role": found.key.role,
+        "step": found.key.step,
+        "completeness": state.reason,
+    }
+    return dg.AssetMaterialization(
+        asset_key=checkpoint.key,
+        partition=str(found.key),
+        metadata={**metadata, "written_at": dg.MetadataValue.timestamp(state.newest_change)},
+    )
 
 
 def _failed_partitions(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:

@@ -37,7 +37,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def command_line(role_dir: Path, backend: str, staging: Path, options: MergeOptions) -> list[str]:
     """The arguments after ``-m merge_pipeline.defs.torchrun_weights``: the inverse of ``parse_args``."""
-    return ["--local_dir", str(role_dir), "--backend", backend, "--staging", str(staging), "--options", json.dumps(asdict(options))]
+    return [
+        "--local_dir",
+        str(role_dir),
+        "--backend",
+        backend,
+        "--staging",
+        str(staging),
+        "--options",
+        json.dumps(asdict(options)),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             # A clean, agreed failure: the asset raises this one line, so torchrun itself succeeds.
             pipes.report_custom_message({"kind": ERROR_MESSAGE, "message": str(exc)})
             return 0
-        pipes.report_custom_message({"kind": REPORT_MESSAGE, "files": report.files, "seconds": report.seconds, "peak_rss_bytes": peak_rss})
+        pipes.report_custom_message(
+            {"kind": REPORT_MESSAGE, "files": report.files, "seconds": report.seconds, "peak_rss_bytes": peak_rss}
+        )
     return 0
 
 

@@ -45,16 +45,38 @@ def write_with_torchrun(context: dg.AssetExecutionContext, job: WeightJob, confi
     if config.nnodes == 1:
         rendezvous = ["--standalone"]
     else:  # this node is rank 0; the others run the same torchrun line with their own --node-rank
-        rendezvous = ["--nnodes", str(config.nnodes), "--node-rank", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint]
+        rendezvous = [
+            "--nnodes",
+            str(config.nnodes),
+            "--node-rank",
+            "0",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            config.rdzv_endpoint,
+        ]
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    command = [torchrun, *rendezvous, "--nproc_per_node", str(config.nproc_per_node), "-m", "merge_pipeline.defs.torchrun_weights", *command_line(job.role_dir, job.backend, job.staging, job.options)]
+    command = [
+        torchrun,
+        *rendezvous,
+        "--nproc_per_node",
+        str(config.nproc_per_node),
+        "-m",
+        "merge_pipeline.defs.torchrun_weights",
+        *command_line(job.role_dir, job.backend, job.staging, job.options),
+    ]
     context.log.info("launching: %s", " ".join(command))
     try:
         invocation = dg.PipesSubprocessClient(env={"OMP_NUM_THREADS": "1"}).run(context=context, command=command)
     except dg.DagsterPipesExecutionError as exc:  # a rank died (killed, out of memory): no report came back
-        raise MergeError(job.staging, f"torchrun failed before the ranks agreed on a result ({str(exc).splitlines()[0]}); each rank's output is in the run's logs") from None
+        raise MergeError(
+            job.staging,
+            f"torchrun failed before the ranks agreed on a result ({str(exc).splitlines()[0]}); each rank's output is in the run's logs",
+        ) from None
     messages = {m.get("kind"): m for m in invocation.get_custom_messages()}
     if ERROR_MESSAGE in messages:
         raise MergeError(None, messages[ERROR_MESSAGE]["message"])
     report = messages[REPORT_MESSAGE]
-    return WrittenWeights(WriteReport(report["files"], report["seconds"]), report["peak_rss_bytes"], "peak RSS (largest rank)")
+    return WrittenWeights(
+        WriteReport(report["files"], report["seconds"]), report["peak_rss_bytes"], "peak RSS (largest rank)"
+    )

@@ -46,9 +46,16 @@ def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: 
     model_class = _model_class(config, config_path, value_model=value_model, trust_remote_code=trust_remote_code)
     try:
         with torch.device("meta"):
-            model = model_class.from_config(config, trust_remote_code=trust_remote_code) if model_class.__name__.startswith("Auto") else model_class(config)
+            model = (
+                model_class.from_config(config, trust_remote_code=trust_remote_code)
+                if model_class.__name__.startswith("Auto")
+                else model_class(config)
+            )
     except Exception as exc:  # a config transformers accepts but cannot build from: name it, whatever the cause
-        raise MergeError(config_path, f"cannot build {getattr(model_class, '__name__', model_class)} from it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise MergeError(
+            config_path,
+            f"cannot build {getattr(model_class, '__name__', model_class)} from it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+        ) from None
     state = model.state_dict(keep_vars=True)  # parameters themselves, so tied names share one object
     groups: dict[int, set[str]] = {}
     for name, tensor in state.items():
@@ -67,10 +74,15 @@ def _model_class(config, config_path: Path, *, value_model: bool, trust_remote_c
         return getattr(transformers, architectures[0])
     if trust_remote_code or not architectures:
         return AutoModelForCausalLM
-    raise MergeError(config_path, f"unsupported architecture {architectures[0]}: transformers has no such model (pass --trust-remote-code for a remote-code model)")
+    raise MergeError(
+        config_path,
+        f"unsupported architecture {architectures[0]}: transformers has no such model (pass --trust-remote-code for a remote-code model)",
+    )
 
 
-def check_plan_against_architecture(plan_tensors: Iterable[PlannedTensor], expected: ExpectedTensors, config_path: Path) -> None:
+def check_plan_against_architecture(
+    plan_tensors: Iterable[PlannedTensor], expected: ExpectedTensors, config_path: Path
+) -> None:
     """Every planned tensor must be one the architecture holds, with its shape, and every expected
     tensor must be planned (a tied duplicate may be left out). One ``MergeError`` lists all problems."""
     plan_tensors = list(plan_tensors)
@@ -79,9 +91,17 @@ def check_plan_against_architecture(plan_tensors: Iterable[PlannedTensor], expec
     optional |= {t.name for t in inert_absent_tensors(plan_tensors, expected)}
     unexpected = sorted(set(planned) - set(expected))
     missing = sorted(set(expected) - set(planned) - optional)
-    mismatched = [f"{name} {planned[name]} vs {expected[name]}" for name in sorted(set(planned) & set(expected)) if tuple(planned[name]) != tuple(expected[name])]
+    mismatched = [
+        f"{name} {planned[name]} vs {expected[name]}"
+        for name in sorted(set(planned) & set(expected))
+        if tuple(planned[name]) != tuple(expected[name])
+    ]
     problems = []
-    for label, names in (("unexpected (no such tensor in the architecture)", unexpected), ("missing", missing), ("shape mismatch (checkpoint vs config)", mismatched)):
+    for label, names in (
+        ("unexpected (no such tensor in the architecture)", unexpected),
+        ("missing", missing),
+        ("shape mismatch (checkpoint vs config)", mismatched),
+    ):
         if names:
             shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
             problems.append(f"{len(names)} {label}: {shown}")
@@ -104,10 +124,15 @@ def inert_absent_tensors(plan_tensors: Iterable[PlannedTensor], expected: Expect
     inert = {name: shape for name, shape in absent.items() if math.prod(shape) == 0}
     for name, shape in absent.items():
         branch = name.removesuffix("_gate.weight") + "."
-        if name.endswith(".shared_expert_gate.weight") and all(math.prod(s) == 0 for n, s in expected.items() if n.startswith(branch)):
+        if name.endswith(".shared_expert_gate.weight") and all(
+            math.prod(s) == 0 for n, s in expected.items() if n.startswith(branch)
+        ):
             inert[name] = shape
     numel = Counter()
     for t in plan_tensors:
         numel[t.dtype] += t.numel
     dtype = numel.most_common(1)[0][0] if numel else torch.float32
-    return [PlannedTensor(name, shape, dtype, Computed(lambda shape=shape: torch.zeros(shape, dtype=dtype))) for name, shape in sorted(inert.items())]
+    return [
+        PlannedTensor(name, shape, dtype, Computed(lambda shape=shape: torch.zeros(shape, dtype=dtype)))
+        for name, shape in sorted(inert.items())
+    ]

@@ -49,7 +49,9 @@ class ModelConfig:
         return archs[0] if archs else None
 
 
-def load_model_config(hf_dir: Path | None, *, trust_remote_code: bool, role_dir: Path, hf_model_path: str | Path | None = None) -> ModelConfig:
+def load_model_config(
+    hf_dir: Path | None, *, trust_remote_code: bool, role_dir: Path, hf_model_path: str | Path | None = None
+) -> ModelConfig:
     """The checkpoint's own config.json; the original model's (``hf_model_path``) when it has none.
 
     When both exist the checkpoint's wins, and they must describe the same model: a different
@@ -59,14 +61,21 @@ def load_model_config(hf_dir: Path | None, *, trust_remote_code: bool, role_dir:
     path = hf_dir / CONFIG
     original = Path(hf_model_path) / CONFIG if hf_model_path else None
     if original is not None and not original.is_file():
-        raise MergeError(original, "not found: --hf_model_path must be the original Hugging Face model folder, with its config.json")
+        raise MergeError(
+            original, "not found: --hf_model_path must be the original Hugging Face model folder, with its config.json"
+        )
     if not path.is_file():
         if original is not None:
             return _read_config(original, trust_remote_code)
         if hf_dir.is_dir():
-            raise MergeError(path, "not found: the checkpoint needs huggingface/config.json to build an HF model folder")
+            raise MergeError(
+                path, "not found: the checkpoint needs huggingface/config.json to build an HF model folder"
+            )
         # verl writes no HF files at all when it saves Megatron shards without 'hf_model'.
-        raise MergeError(path, "not found: the checkpoint holds no Hugging Face config; pass --hf_model_path with the original model folder (the trainer's model.path)")
+        raise MergeError(
+            path,
+            "not found: the checkpoint holds no Hugging Face config; pass --hf_model_path with the original model folder (the trainer's model.path)",
+        )
     contained_file(path, role_dir)  # it is copied (rewritten) into the output, and transformers reads it
     config = _read_config(path, trust_remote_code, confine_to=role_dir)
     if original is not None:
@@ -84,9 +93,22 @@ def _read_config(path: Path, trust_remote_code: bool, *, confine_to: Path | None
 # What must agree between the checkpoint's config and the original model's: the architecture and
 # every size that shapes a tensor. (dtype, token ids, rope scaling may legitimately differ.)
 _SAME_MODEL_KEYS = (
-    "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "vocab_size", "num_experts", "n_routed_experts", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "tie_word_embeddings",
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "num_experts",
+    "n_routed_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "tie_word_embeddings",
 )
 
 
@@ -101,7 +123,10 @@ def _check_same_model(checkpoint: ModelConfig, original: ModelConfig) -> None:
             if key in ours and key in theirs and ours[key] != theirs[key]:
                 differences.append(f"{section + '.' if section else ''}{key} {ours[key]!r} vs {theirs[key]!r}")
     if differences:
-        raise MergeError(original.path, f"--hf_model_path describes another model than the checkpoint's {checkpoint.path}: {'; '.join(differences)}")
+        raise MergeError(
+            original.path,
+            f"--hf_model_path describes another model than the checkpoint's {checkpoint.path}: {'; '.join(differences)}",
+        )
 
 
 def output_config(model: ModelConfig, *, dtype: torch.dtype, tied: bool, value_model: bool) -> dict:
@@ -132,4 +157,6 @@ def _token_classification(model: ModelConfig) -> str:
 
     if stem and hasattr(transformers, f"{stem}ForTokenClassification"):
         return f"{stem}ForTokenClassification"
-    raise MergeError(model.path, f"value model: no transformers *ForTokenClassification class for architecture {arch or '(none)'}")
+    raise MergeError(
+        model.path, f"value model: no transformers *ForTokenClassification class for architecture {arch or '(none)'}"
+    )

@@ -19,14 +19,23 @@ log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-def copy_side_files(hf_dir: Path, out_dir: Path, max_file_size: str | int = DEFAULT_MAX_SIDE_FILE_SIZE, *, confine_to: Path | None) -> list[str]:
+def copy_side_files(
+    hf_dir: Path, out_dir: Path, max_file_size: str | int = DEFAULT_MAX_SIDE_FILE_SIZE, *, confine_to: Path | None
+) -> list[str]:
     """Copy tokenizer / processor / chat template / generation config / remote code, as they are.
 
     Done first, so a trainer deleting the checkpoint mid-merge cannot take them away half-way.
@@ -44,7 +53,9 @@ def copy_side_files(hf_dir: Path, out_dir: Path, max_file_size: str | int = DEFA
         _copy_capped(src, out_dir / src.name, limit)
         copied.append(src.name)
     if not any(name in copied for name in _TOKENIZER_FILES):
-        log.warning("%s: no tokenizer files; the merged folder will have none (none is invented)", printable(str(hf_dir)))
+        log.warning(
+            "%s: no tokenizer files; the merged folder will have none (none is invented)", printable(str(hf_dir))
+        )
     return copied
 
 
@@ -63,7 +74,9 @@ def _copy_capped(src: Path, dst: Path, limit: int) -> None:
     with os.fdopen(open_regular(src), "rb") as source:
         data = source.read(limit + 1)  # never more: a file growing while we read cannot get past the limit
     if len(data) > limit:
-        raise MergeError(src, f"is larger than the side-file limit of {limit:,} bytes: pass --max-side-file-size to raise it")
+        raise MergeError(
+            src, f"is larger than the side-file limit of {limit:,} bytes: pass --max-side-file-size to raise it"
+        )
     dst.write_bytes(data)
 
 

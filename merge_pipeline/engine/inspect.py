@@ -11,13 +11,17 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import open_checkpoint
 
 
-def describe(local_dir: Path, *, backend: str = "auto", trust_remote_code: bool = False, hf_model_path: str | None = None) -> dict:
+def describe(
+    local_dir: Path, *, backend: str = "auto", trust_remote_code: bool = False, hf_model_path: str | None = None
+) -> dict:
     with open_checkpoint(local_dir, backend, trust_remote_code=trust_remote_code, hf_model_path=hf_model_path) as plan:
         dtypes = Counter()
         for t in plan.tensors:
             dtypes[str(t.dtype).removeprefix("torch.")] += t.numel
         try:
-            config = load_model_config(plan.hf_dir, trust_remote_code=trust_remote_code, role_dir=plan.role_dir, hf_model_path=hf_model_path)
+            config = load_model_config(
+                plan.hf_dir, trust_remote_code=trust_remote_code, role_dir=plan.role_dir, hf_model_path=hf_model_path
+            )
             architecture, tied = config.architecture, config.tie_word_embeddings
         except MergeError as exc:
             architecture, tied = f"unknown ({exc.problem})", None

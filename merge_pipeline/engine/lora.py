@@ -65,7 +65,9 @@ def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
 
     base_dir = Path(base_dir).absolute()
     if not base_dir.is_dir():
-        raise MergeError(base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist")
+        raise MergeError(
+            base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist"
+        )
     base, files = read_hf_weights(base_dir)
     try:
         lora_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # module (no PEFT prefix) -> {"A": shape, "B": shape}
@@ -75,12 +77,20 @@ def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
         by_name = {t.name: t for t in base}
         missing = sorted(f"{module}.weight" for module in lora_shapes if f"{module}.weight" not in by_name)
         if missing:
-            raise MergeError(base_dir, f"no base weight for the LoRA target {missing[0]} ({len(missing)} missing): not the base model this run trained")
+            raise MergeError(
+                base_dir,
+                f"no base weight for the LoRA target {missing[0]} ({len(missing)} missing): not the base model this run trained",
+            )
         for module, pair in lora_shapes.items():
             t = by_name[f"{module}.weight"]
-            expected = (pair["B"][0], pair["A"][1]) if set(pair) == {"A", "B"} else None  # a lone A or B: split_lora names it
+            expected = (
+                (pair["B"][0], pair["A"][1]) if set(pair) == {"A", "B"} else None
+            )  # a lone A or B: split_lora names it
             if expected and tuple(t.shape) != expected:
-                raise MergeError(t.source.runs[0].file.path, f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained")
+                raise MergeError(
+                    t.source.runs[0].file.path,
+                    f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained",
+                )
         renamed = peft_base_names(base, lora_shapes)
     except BaseException:
         for f in files:
@@ -97,7 +107,11 @@ def peft_base_names(base: list[PlannedTensor], targets: Collection[str]) -> list
     renamed = []
     for t in base:
         module = t.name.removesuffix(".weight")
-        name = f"{PEFT_PREFIX}{module}.base_layer.weight" if module in targets and t.name.endswith(".weight") else PEFT_PREFIX + t.name
+        name = (
+            f"{PEFT_PREFIX}{module}.base_layer.weight"
+            if module in targets and t.name.endswith(".weight")
+            else PEFT_PREFIX + t.name
+        )
         renamed.append(PlannedTensor(name, t.shape, t.dtype, t.source))
     return renamed
 
@@ -112,7 +126,10 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
             pairs.setdefault(m["module"], {})[m["which"]] = t
     adapter_only = is_adapter_only(tensors)
     if adapter_only and merge:
-        raise MergeError(where, "holds only LoRA tensors (checkpoint.save_lora_only): --merge-lora needs the base model, pass --hf_model_path BASE")
+        raise MergeError(
+            where,
+            "holds only LoRA tensors (checkpoint.save_lora_only): --merge-lora needs the base model, pass --hf_model_path BASE",
+        )
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise MergeError(where, f"LoRA module {module} has lora_{''.join(pair)} but not both lora_A and lora_B")
@@ -141,17 +158,28 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
     return LoraSplit(base, adapter, targets)
 
 
-def _check_lora_shapes(module: str, weight: PlannedTensor | None, a: PlannedTensor, b: PlannedTensor, r: int, where: Path) -> None:
+def _check_lora_shapes(
+    module: str, weight: PlannedTensor | None, a: PlannedTensor, b: PlannedTensor, r: int, where: Path
+) -> None:
     """A is r x in and B is out x r for the base weight's out x in: anything else merges garbage.
 
     ``weight`` is None for an adapter-only checkpoint; its base is checked where it is read.
     """
     if len(a.shape) != 2 or len(b.shape) != 2 or (weight is not None and len(weight.shape) != 2):
-        raise MergeError(where, f"LoRA module {module}: lora_A {a.shape}, lora_B {b.shape} and base weight {weight and weight.shape} must all be matrices")
+        raise MergeError(
+            where,
+            f"LoRA module {module}: lora_A {a.shape}, lora_B {b.shape} and base weight {weight and weight.shape} must all be matrices",
+        )
     if a.shape[0] != r or b.shape[1] != r:
-        raise MergeError(where / LORA_META, f"says r={r} but {a.name} is {a.shape} and {b.name} is {b.shape} (A is r x in, B is out x r)")
+        raise MergeError(
+            where / LORA_META,
+            f"says r={r} but {a.name} is {a.shape} and {b.name} is {b.shape} (A is r x in, B is out x r)",
+        )
     if weight is not None and (b.shape[0], a.shape[1]) != weight.shape:
-        raise MergeError(where, f"LoRA module {module}: lora_B {b.shape} @ lora_A {a.shape} does not fit the base weight {weight.shape} (A is r x in, B is out x r)")
+        raise MergeError(
+            where,
+            f"LoRA module {module}: lora_B {b.shape} @ lora_A {a.shape} does not fit the base weight {weight.shape} (A is r x in, B is out x r)",
+        )
 
 
 def lora_module(name: str) -> tuple[str, str] | None:

@@ -65,34 +65,59 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def prepare(local_dir: str | Path, options: MergeOptions, backend: str = "auto") -> tuple[CheckpointPlan, ModelConfig, OutputLayout]:
+def prepare(
+    local_dir: str | Path, options: MergeOptions, backend: str = "auto"
+) -> tuple[CheckpointPlan, ModelConfig, OutputLayout]:
     """Open and validate the checkpoint and decide every output file, reading no tensor data."""
-    plan = open_checkpoint(local_dir, backend, verify_replicas=options.verify_replicas, is_value_model=options.is_value_model, tie_word_embedding=options.tie_word_embedding, trust_remote_code=options.trust_remote_code, hf_model_path=options.hf_model_path)
+    plan = open_checkpoint(
+        local_dir,
+        backend,
+        verify_replicas=options.verify_replicas,
+        is_value_model=options.is_value_model,
+        tie_word_embedding=options.tie_word_embedding,
+        trust_remote_code=options.trust_remote_code,
+        hf_model_path=options.hf_model_path,
+    )
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path))
-        config = load_model_config(plan.hf_dir, trust_remote_code=options.trust_remote_code, role_dir=plan.role_dir, hf_model_path=options.hf_model_path)
+        config = load_model_config(
+            plan.hf_dir,
+            trust_remote_code=options.trust_remote_code,
+            role_dir=plan.role_dir,
+            hf_model_path=options.hf_model_path,
+        )
         layout = plan_outputs(plan, config, options)
         if plan.names_mapped:
             # Imported here: the module imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
-            from merge_pipeline.engine.architecture import check_plan_against_architecture, expected_tensors, inert_absent_tensors
+            from merge_pipeline.engine.architecture import (
+                check_plan_against_architecture,
+                expected_tensors,
+                inert_absent_tensors,
+            )
 
             # Names we mapped: key set and every shape against the architecture config.json
             # describes, so nothing is dropped silently and nothing the model needs is left out.
             # (FSDP names are the model's own keys; the check would cost seconds for nothing.)
-            expected = expected_tensors(config.path.parent, value_model=layout.is_value_model, trust_remote_code=options.trust_remote_code)
+            expected = expected_tensors(
+                config.path.parent, value_model=layout.is_value_model, trust_remote_code=options.trust_remote_code
+            )
             inert = inert_absent_tensors([t.planned for shard in layout.shards for t in shard.tensors], expected)
             if inert:  # e.g. a zero-width shared expert: written too, so from_pretrained misses nothing
                 plan.tensors.extend(inert)
                 layout = plan_outputs(plan, config, options)
-            check_plan_against_architecture([t.planned for shard in layout.shards for t in shard.tensors], expected, config.path)
+            check_plan_against_architecture(
+                [t.planned for shard in layout.shards for t in shard.tensors], expected, config.path
+            )
     except BaseException:
         plan.close()
         raise
     return plan, config, layout
 
 
-def write_weights(layout: OutputLayout, out_dir: Path, *, files: list[ShardFile] | None = None, show_progress: bool = True) -> WriteReport:
+def write_weights(
+    layout: OutputLayout, out_dir: Path, *, files: list[ShardFile] | None = None, show_progress: bool = True
+) -> WriteReport:
     """Stream the weight files (all, or the given subset) into ``out_dir``."""
     files = layout.files if files is None else files
     progress = ByteProgress(sum(f.nbytes for f in files), "writing weights", enabled=show_progress)
@@ -103,7 +128,9 @@ def write_weights(layout: OutputLayout, out_dir: Path, *, files: list[ShardFile]
             path.parent.mkdir(parents=True, exist_ok=True)
             digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
             size = write_safetensors(path, shard.tensors, progress, digest=digest)
-            report.files.append({"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors), "sha256": digest.hexdigest()})
+            report.files.append(
+                {"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors), "sha256": digest.hexdigest()}
+            )
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
@@ -118,7 +145,14 @@ def write_index(layout: OutputLayout, out_dir: Path) -> None:
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def finish_folder(plan: CheckpointPlan, config: ModelConfig, layout: OutputLayout, out_dir: Path, options: MergeOptions, written: WriteReport | None = None) -> dict:
+def finish_folder(
+    plan: CheckpointPlan,
+    config: ModelConfig,
+    layout: OutputLayout,
+    out_dir: Path,
+    options: MergeOptions,
+    written: WriteReport | None = None,
+) -> dict:
     """Index, configs and manifest: everything but the weights and the side files.
 
     ``written``: the report of the weights written into ``out_dir``, whose sha256 the manifest reuses.
@@ -147,7 +181,14 @@ def manifest_body(plan: CheckpointPlan, layout: OutputLayout, options: MergeOpti
             "tied_word_embeddings": layout.tied,
             "dropped_tensors": layout.dropped,
             "value_model": layout.is_value_model,
-            "lora": {"r": layout.lora.r, "lora_alpha": layout.lora.lora_alpha, "merged": options.merge_lora, "target_modules": layout.lora_targets} if layout.lora else None,
+            "lora": {
+                "r": layout.lora.r,
+                "lora_alpha": layout.lora.lora_alpha,
+                "merged": options.merge_lora,
+                "target_modules": layout.lora_targets,
+            }
+            if layout.lora
+            else None,
         },
         "parameters": plan.parameter_count,
         "tensors": sum(len(f.tensors) for f in layout.files),
@@ -164,8 +205,16 @@ def _dtype_decisions(layout: OutputLayout) -> dict[str, int]:
     return counts
 
 
-def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: MergeOptions = MergeOptions(), *, backend: str = "auto", show_progress: bool = True) -> MergeResult:
+def merge_checkpoint(
+    local_dir: str | Path,
+    target_dir: str | Path,
+    options: MergeOptions | None = None,
+    *,
+    backend: str = "auto",
+    show_progress: bool = True,
+) -> MergeResult:
     started = time.monotonic()
+    options = options or MergeOptions()
     target = Path(target_dir).absolute()
     check_target(target, source=local_dir, overwrite=options.overwrite)
     plan, config, layout = prepare(local_dir, options, backend)
@@ -174,5 +223,14 @@ def merge_checkpoint(local_dir: str | Path, target_dir: str | Path, options: Mer
         report = write_weights(layout, staging, show_progress=show_progress)
         manifest = finish_folder(plan, config, layout, staging, options, report)
     seconds = time.monotonic() - started
-    log.info("merged %s -> %s: %d tensors, %s in %.1f s", plan.role_dir, target, report.tensors, human_bytes(report.bytes), seconds)
-    return MergeResult(target, plan.parameter_count, report.tensors, layout.total_bytes, seconds, peak_rss_bytes(), manifest)
+    log.info(
+        "merged %s -> %s: %d tensors, %s in %.1f s",
+        plan.role_dir,
+        target,
+        report.tensors,
+        human_bytes(report.bytes),
+        seconds,
+    )
+    return MergeResult(
+        target, plan.parameter_count, report.tensors, layout.total_bytes, seconds, peak_rss_bytes(), manifest
+    )

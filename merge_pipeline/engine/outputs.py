@@ -94,7 +94,9 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     lora = plan.lora
     if has_lora_tensors(tensors):
         if lora is None:
-            raise MergeError(plan.role_dir / LORA_META, f"LoRA tensors in the checkpoint but no {LORA_META} with r and lora_alpha")
+            raise MergeError(
+                plan.role_dir / LORA_META, f"LoRA tensors in the checkpoint but no {LORA_META} with r and lora_alpha"
+            )
         split = split_lora(tensors, lora, merge=options.merge_lora, where=plan.role_dir)
         tensors, adapter, targets = split.base, split.adapter, split.target_modules
     elif options.merge_lora:
@@ -102,13 +104,25 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
 
     is_value_model = plan.is_value_model or options.is_value_model
     if options.is_value_model and not plan.is_value_model and any(t.name.endswith("lm_head.weight") for t in tensors):
-        raise MergeError(plan.role_dir, "--is-value-model given but the checkpoint has lm_head.weight and no value head (score.*)")
-    tied = not is_value_model and not options.untie_word_embedding and (options.tie_word_embedding or config.tie_word_embeddings)
+        raise MergeError(
+            plan.role_dir, "--is-value-model given but the checkpoint has lm_head.weight and no value head (score.*)"
+        )
+    tied = (
+        not is_value_model
+        and not options.untie_word_embedding
+        and (options.tie_word_embedding or config.tie_word_embeddings)
+    )
     if tied:
-        reason, where = ("--tie-word-embedding given", plan.role_dir) if options.tie_word_embedding else ("tie_word_embeddings is true", config.path)
+        reason, where = (
+            ("--tie-word-embedding given", plan.role_dir)
+            if options.tie_word_embedding
+            else ("tie_word_embeddings is true", config.path)
+        )
         _check_tied_head_is_the_embedding(tensors, config.lm_head_name, reason, where)
     elif options.untie_word_embedding and not any(t.name == config.lm_head_name for t in tensors):
-        raise MergeError(plan.role_dir, f"--untie-word-embedding given but the checkpoint has no {config.lm_head_name} to keep")
+        raise MergeError(
+            plan.role_dir, f"--untie-word-embedding given but the checkpoint has no {config.lm_head_name} to keep"
+        )
     dropped = [t.name for t in tensors if tied and t.name == config.lm_head_name]
     tensors = [t for t in tensors if t.name not in dropped]
 
@@ -118,7 +132,9 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     adapter_only = not model  # checkpoint.save_lora_only and no --hf_model_path to take the base from
     return OutputLayout(
         shards=_split_shards(model, options.max_shard_size) if model else [],
-        adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out)) if adapter_out else None,
+        adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out))
+        if adapter_out
+        else None,
         lora=lora if adapter_out or options.merge_lora else None,
         lora_targets=targets,
         tied=tied,
@@ -133,17 +149,25 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
 _INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
 
-def _check_tied_head_is_the_embedding(tensors: list[PlannedTensor], lm_head_name: str, reason: str, where: Path) -> None:
+def _check_tied_head_is_the_embedding(
+    tensors: list[PlannedTensor], lm_head_name: str, reason: str, where: Path
+) -> None:
     """Tying drops lm_head.weight: allowed only when it holds exactly the embedding's bytes."""
     head = next((t for t in tensors if t.name == lm_head_name), None)
     if head is None:
         return  # nothing to drop
     candidates = sorted((t for t in tensors if t.name.endswith(_INPUT_EMBEDDINGS)), key=lambda t: len(t.name))
     if not candidates:
-        raise MergeError(where, f"{reason} but no input embedding to check {lm_head_name} against; pass --untie-word-embedding to keep {lm_head_name}")
+        raise MergeError(
+            where,
+            f"{reason} but no input embedding to check {lm_head_name} against; pass --untie-word-embedding to keep {lm_head_name}",
+        )
     embedding = candidates[0]
     if not _same_bytes(head, embedding):
-        raise MergeError(where, f"{reason} but {lm_head_name} differs from {embedding.name}: tying would drop trained weights; pass --untie-word-embedding to keep both (config.json then says tie_word_embeddings false)")
+        raise MergeError(
+            where,
+            f"{reason} but {lm_head_name} differs from {embedding.name}: tying would drop trained weights; pass --untie-word-embedding to keep both (config.json then says tie_word_embeddings false)",
+        )
 
 
 def _same_bytes(a: PlannedTensor, b: PlannedTensor) -> bool:
@@ -201,4 +225,6 @@ def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> lis
     except ValueError as exc:
         raise MergeError(None, f"--max-shard-size {max_shard_size!r}: {exc}") from None
     by_name = {t.planned.name: t for t in tensors}
-    return [ShardFile(filename, tuple(by_name[n] for n in names)) for filename, names in split.filename_to_tensors.items()]
+    return [
+        ShardFile(filename, tuple(by_name[n] for n in names)) for filename, names in split.filename_to_tensors.items()
+    ]

@@ -41,7 +41,9 @@ class SourceFile:
         while done < len(buffer):
             n = os.preadv(self.fd, [buffer[done:]], offset + done)
             if n == 0:
-                raise MergeError(self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}")
+                raise MergeError(
+                    self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
+                )
             done += n
 
     def close(self) -> None:
@@ -88,7 +90,9 @@ class StoredBytes:
         item = torch.empty((), dtype=self.dtype).element_size()
         step = max(item, READ_PIECE_BYTES // item * item)
         # One buffer, reused; torch.empty, not bytearray: no pass zeroing bytes about to be read over.
-        buffer = memoryview(torch.empty(min(step, max((run.length for run in self.runs), default=0)), dtype=torch.uint8).numpy())
+        buffer = memoryview(
+            torch.empty(min(step, max((run.length for run in self.runs), default=0)), dtype=torch.uint8).numpy()
+        )
         for run in self.runs:
             for start in range(0, run.length, step):
                 length = min(step, run.length - start)

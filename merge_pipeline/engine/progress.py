@@ -18,7 +18,11 @@ class ByteProgress:
         self.total = max(total, 1)
         self.done = 0
         self.started = time.monotonic()
-        self._bar = tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr) if enabled and sys.stderr.isatty() else None
+        self._bar = (
+            tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+            if enabled and sys.stderr.isatty()
+            else None
+        )
         self._description = description
         self._log_every = log_every
         self._next_log = log_every
@@ -29,7 +33,14 @@ class ByteProgress:
             self._bar.update(n)
         elif self.done / self.total >= self._next_log:
             self._next_log = (self.done / self.total // self._log_every + 1) * self._log_every
-            log.info("%s: %.0f%% (%s of %s, %s/s)", self._description, 100 * self.done / self.total, human_bytes(self.done), human_bytes(self.total), human_bytes(self.rate))
+            log.info(
+                "%s: %.0f%% (%s of %s, %s/s)",
+                self._description,
+                100 * self.done / self.total,
+                human_bytes(self.done),
+                human_bytes(self.total),
+                human_bytes(self.rate),
+            )
 
     @property
     def rate(self) -> float:

@@ -94,7 +94,9 @@ class LockedTarget:
             else:
                 _refuse_foreign(target)  # it may have changed since check_target
                 if _exchange(staging, target):
-                    shutil.rmtree(staging, ignore_errors=True)  # now the previous target; anything left is removed next time
+                    shutil.rmtree(
+                        staging, ignore_errors=True
+                    )  # now the previous target; anything left is removed next time
                 else:
                     _replace_with_two_renames(staging, target)
             _fsync_dir(target.parent)
@@ -145,7 +147,10 @@ def _refuse_foreign(target: Path) -> None:
         raise MergeError(target, "exists and is not a directory")
     if not any(target.iterdir()) or _written_by_us(target):
         return
-    raise MergeError(target, f"is not empty and has no {MANIFEST} from merge_pipeline: not replaced, even with --overwrite (move it away or choose another --target_dir)")
+    raise MergeError(
+        target,
+        f"is not empty and has no {MANIFEST} from merge_pipeline: not replaced, even with --overwrite (move it away or choose another --target_dir)",
+    )
 
 
 def _written_by_us(folder: Path) -> bool:
@@ -153,7 +158,11 @@ def _written_by_us(folder: Path) -> bool:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(manifest, dict) and isinstance(manifest.get("tool"), dict) and manifest["tool"].get("name") == "merge_pipeline"
+    return (
+        isinstance(manifest, dict)
+        and isinstance(manifest.get("tool"), dict)
+        and manifest["tool"].get("name") == "merge_pipeline"
+    )
 
 
 def _restore_or_remove_previous(target: Path) -> None:
@@ -222,7 +231,9 @@ def _open_locked(path: Path, target: Path) -> int:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
-            raise MergeError(target, f"another merge{f' (pid {holder})' if holder else ''} is writing this target right now") from None
+            raise MergeError(
+                target, f"another merge{f' (pid {holder})' if holder else ''} is writing this target right now"
+            ) from None
         except BaseException:
             os.close(fd)
             raise

@@ -208,7 +208,9 @@ class _Writer(_Stage):
 
     def handle(self, item) -> None:
         if isinstance(item, ByteRun):
-            self.position += _copy_run(item.file, item.offset, item.length, self.fd, self.position, self.on_bytes, self.hasher)
+            self.position += _copy_run(
+                item.file, item.offset, item.length, self.fd, self.position, self.on_bytes, self.hasher
+            )
             return
         _pwrite_all(self.fd, item, self.position)
         self.hasher.put((self.position, len(item), item))
@@ -258,7 +260,15 @@ def _pread_all(fd: int, view: memoryview, position: int) -> None:
         done += n
 
 
-def _copy_run(source: SourceFile, offset: int, length: int, out_fd: int, out_pos: int, on_bytes: Callable[[int], None], hasher: _Hasher) -> int:
+def _copy_run(
+    source: SourceFile,
+    offset: int,
+    length: int,
+    out_fd: int,
+    out_pos: int,
+    on_bytes: Callable[[int], None],
+    hasher: _Hasher,
+) -> int:
     """Copy a file range to ``out_pos`` of ``out_fd``, inside the kernel where the filesystems allow."""
     done = 0
     while done < length:
@@ -271,14 +281,24 @@ def _copy_run(source: SourceFile, offset: int, length: int, out_fd: int, out_pos
             done += _copy_through_buffer(source, offset + done, length - done, out_fd, out_pos + done, on_bytes, hasher)
             break
         if n == 0:
-            raise MergeError(source.path, f"file ends at byte {offset + done}, expected data up to byte {offset + length}")
+            raise MergeError(
+                source.path, f"file ends at byte {offset + done}, expected data up to byte {offset + length}"
+            )
         hasher.put((out_pos + done, n, None))
         done += n
         on_bytes(n)
     return done
 
 
-def _copy_through_buffer(source: SourceFile, offset: int, length: int, out_fd: int, out_pos: int, on_bytes: Callable[[int], None], hasher: _Hasher) -> int:
+def _copy_through_buffer(
+    source: SourceFile,
+    offset: int,
+    length: int,
+    out_fd: int,
+    out_pos: int,
+    on_bytes: Callable[[int], None],
+    hasher: _Hasher,
+) -> int:
     buffer = memoryview(bytearray(min(READ_PIECE_BYTES, length)))
     done = 0
     while done < length:

@@ -34,11 +34,16 @@ class Comparison:
 def reference_files(reference_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of an HF folder (sharded or not)."""
     if not reference_dir.is_dir():
-        raise MergeError(reference_dir, "reference folder is not a directory" if reference_dir.exists() else "reference folder does not exist")
+        raise MergeError(
+            reference_dir,
+            "reference folder is not a directory" if reference_dir.exists() else "reference folder does not exist",
+        )
     index = reference_dir / INDEX
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
             raise MergeError(index, "not a safetensors index: no 'weight_map' of tensor name -> file name")
         return {name: reference_dir / filename for name, filename in weight_map.items()}
     single = reference_dir / "model.safetensors"
@@ -59,7 +64,9 @@ def _open_reference(path: Path) -> Iterator:
         raise MergeError(path, f"not a readable safetensors file ({exc})") from None
 
 
-def compare_with_reference(layout: OutputLayout, reference_dir: Path, *, atol: float = 0.0, worst: int = 5) -> Comparison:
+def compare_with_reference(
+    layout: OutputLayout, reference_dir: Path, *, atol: float = 0.0, worst: int = 5
+) -> Comparison:
     files = reference_files(reference_dir)
     result = Comparison()
     ours = {t.planned.name: t for shard in layout.shards for t in shard.tensors}
@@ -77,7 +84,9 @@ def compare_with_reference(layout: OutputLayout, reference_dir: Path, *, atol: f
         mine = mine.to(reference.dtype)  # compare in the reference's dtype, as a merge to it would write
         diff = (mine.double() - reference.double()).abs().max().item() if mine.numel() else 0.0
         diffs.append((diff, name))
-        same_bytes = torch.equal(mine.contiguous().view(-1).view(torch.uint8), reference.contiguous().view(-1).view(torch.uint8))
+        same_bytes = torch.equal(
+            mine.contiguous().view(-1).view(torch.uint8), reference.contiguous().view(-1).view(torch.uint8)
+        )
         if diff > atol or (atol == 0 and not same_bytes):  # atol 0 means bit-exact (NaN payloads and -0.0 included)
             result.mismatched.append((name, f"max abs diff {diff:.3g}"))
     result.worst = sorted(diffs, reverse=True)[:worst]

@@ -21,10 +21,22 @@ def detect_backend(role_dir: Path) -> str:
         return "megatron"
     if (role_dir / NEMO_MODEL_DIR / "config.json").is_file() and any((role_dir / NEMO_MODEL_DIR).glob("*.safetensors")):
         return "hf"
-    raise MergeError(role_dir, "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor consolidated HF weights (model/*.safetensors)")
+    raise MergeError(
+        role_dir,
+        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor consolidated HF weights (model/*.safetensors)",
+    )
 
 
-def open_checkpoint(role_dir: str | Path, backend: str = "auto", *, verify_replicas: bool = False, is_value_model: bool = False, tie_word_embedding: bool = False, trust_remote_code: bool = False, hf_model_path: str | None = None) -> CheckpointPlan:
+def open_checkpoint(
+    role_dir: str | Path,
+    backend: str = "auto",
+    *,
+    verify_replicas: bool = False,
+    is_value_model: bool = False,
+    tie_word_embedding: bool = False,
+    trust_remote_code: bool = False,
+    hf_model_path: str | None = None,
+) -> CheckpointPlan:
     """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``.
 
     ``hf_model_path``: the original HF model folder, for a config (and LoRA base weights) the
@@ -44,7 +56,15 @@ def open_checkpoint(role_dir: str | Path, backend: str = "auto", *, verify_repli
     if backend == "hf":
         from merge_pipeline.formats.hf import plan_hf_safetensors
 
-        return plan_hf_safetensors(role_dir, role_dir / NEMO_MODEL_DIR, is_value_model=is_value_model or None, backend="hf")
+        return plan_hf_safetensors(
+            role_dir, role_dir / NEMO_MODEL_DIR, is_value_model=is_value_model or None, backend="hf"
+        )
     from merge_pipeline.formats.megatron import plan_megatron
 
-    return plan_megatron(role_dir, is_value_model=is_value_model or None, tie_word_embedding=tie_word_embedding or None, trust_remote_code=trust_remote_code, hf_model_path=hf_model_path)
+    return plan_megatron(
+        role_dir,
+        is_value_model=is_value_model or None,
+        tie_word_embedding=tie_word_embedding or None,
+        trust_remote_code=trust_remote_code,
+        hf_model_path=hf_model_path,
+    )

@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from merge_pipeline.engine.lora import LORA_META, read_lora_meta
 from merge_pipeline.engine.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
-from merge_pipeline.json_files import read_json_object
 from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
+from merge_pipeline.json_files import read_json_object
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
@@ -64,7 +64,8 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         hf_dir=role_dir / "huggingface",
         tensors=tensors,
         files=files,
-        is_value_model=any(n.endswith("score.weight") for n in names) and not any(n.endswith("lm_head.weight") for n in names),
+        is_value_model=any(n.endswith("score.weight") for n in names)
+        and not any(n.endswith("lm_head.weight") for n in names),
         lora=lora,
         names_mapped=False,
         layout={"world_size": world_size, "fsdp_version": fsdp_version, **mesh},
@@ -88,17 +89,27 @@ def _world_size(role_dir: Path) -> tuple[int, int | None]:
             raise MergeError(config_path, f"'world_size' must be a positive integer, found {world_size!r}")
         version = config.get("FSDP_version")
         if world_size not in found:
-            raise MergeError(config_path, f"says world_size {world_size} but the rank files are for world size {sorted(found)}")
+            raise MergeError(
+                config_path, f"says world_size {world_size} but the rank files are for world size {sorted(found)}"
+            )
     elif len(found) == 1:
         world_size = next(iter(found))
     else:
         raise MergeError(role_dir, f"rank files for several world sizes {sorted(found)} and no {FSDP_CONFIG} to choose")
-    extra = sorted(f"model_world_size_{w}_rank_{r}.pt" for w, ranks in found.items() for r in ranks if w != world_size or r >= world_size)
+    extra = sorted(
+        f"model_world_size_{w}_rank_{r}.pt"
+        for w, ranks in found.items()
+        for r in ranks
+        if w != world_size or r >= world_size
+    )
     if extra:
         raise MergeError(role_dir / extra[0], f"unexpected rank file for world size {world_size}")
     missing = sorted(set(range(world_size)) - found[world_size])
     if missing:
-        raise MergeError(role_dir / f"model_world_size_{world_size}_rank_{missing[0]}.pt", f"missing ({len(missing)} of {world_size} rank files missing)")
+        raise MergeError(
+            role_dir / f"model_world_size_{world_size}_rank_{missing[0]}.pt",
+            f"missing ({len(missing)} of {world_size} rank files missing)",
+        )
     return world_size, version
 
 
@@ -107,7 +118,12 @@ def _plan_tensors(files, states, world_size, verify_replicas):
     for f, state in zip(files, states):
         if list(state) != keys:
             diff = sorted(set(state) ^ set(keys))
-            raise MergeError(f.path, f"holds different keys than rank 0 (e.g. {diff[:3]})" if diff else "keys in a different order than rank 0")
+            raise MergeError(
+                f.path,
+                f"holds different keys than rank 0 (e.g. {diff[:3]})"
+                if diff
+                else "keys in a different order than rank 0",
+            )
     mesh_info: dict[str, object] = {}
     tensors = []
     for name in keys:
@@ -123,9 +139,13 @@ def _plan_one(name, files, values, world_size, verify_replicas):
         raise MergeError(files[0].path, f"{name}: expected a tensor, found {type(first).__name__}")
     if not isinstance(first, DTensor):
         if world_size != 1:
-            raise MergeError(files[0].path, f"{name}: plain tensor in a world-size-{world_size} checkpoint (expected DTensor shards)")
+            raise MergeError(
+                files[0].path, f"{name}: plain tensor in a world-size-{world_size} checkpoint (expected DTensor shards)"
+            )
         stored = stored_tensor(files[0].path, name, first, files[0].size)
-        return _assemble(name, tuple(first.shape), first.dtype, [RankShard(0, files[0], stored, (0,) * first.dim())], verify_replicas), {"mesh_shape": [1]}
+        return _assemble(
+            name, tuple(first.shape), first.dtype, [RankShard(0, files[0], stored, (0,) * first.dim())], verify_replicas
+        ), {"mesh_shape": [1]}
 
     global_shape = tuple(first.shape)
     shards: list[RankShard] = []
@@ -133,20 +153,33 @@ def _plan_one(name, files, values, world_size, verify_replicas):
         if not isinstance(value, DTensor):
             raise MergeError(f.path, f"{name}: expected a DTensor shard, found {type(value).__name__}")
         if tuple(value.shape) != global_shape or value.dtype != first.dtype:
-            raise MergeError(f.path, f"{name}: global shape/dtype {tuple(value.shape)}/{value.dtype} differs from rank 0's {global_shape}/{first.dtype}")
+            raise MergeError(
+                f.path,
+                f"{name}: global shape/dtype {tuple(value.shape)}/{value.dtype} differs from rank 0's {global_shape}/{first.dtype}",
+            )
         mesh = value.device_mesh
         if mesh.size() != world_size:
-            raise MergeError(f.path, f"{name}: device mesh of {mesh.size()} ranks in a world-size-{world_size} checkpoint")
+            raise MergeError(
+                f.path, f"{name}: device mesh of {mesh.size()} ranks in a world-size-{world_size} checkpoint"
+            )
         expected_coord = tuple(int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(mesh.shape)))
         coord = mesh.get_coordinate()
         if coord is None or tuple(coord) != expected_coord:
-            raise MergeError(f.path, f"{name}: shard was saved at mesh coordinate {coord}, but this file's rank {rank} is coordinate {expected_coord} (rank files swapped or renamed?)")
+            raise MergeError(
+                f.path,
+                f"{name}: shard was saved at mesh coordinate {coord}, but this file's rank {rank} is coordinate {expected_coord} (rank files swapped or renamed?)",
+            )
         offset, local_shape = _local_region(global_shape, mesh.shape, value.placements, expected_coord, f.path, name)
         local = value._local_tensor
         if local.dtype != value.dtype:
-            raise MergeError(f.path, f"{name}: local shard is stored as {local.dtype} but the DTensor declares {value.dtype}")
+            raise MergeError(
+                f.path, f"{name}: local shard is stored as {local.dtype} but the DTensor declares {value.dtype}"
+            )
         if tuple(local.shape) != local_shape:
-            raise MergeError(f.path, f"{name}: local shard has shape {tuple(local.shape)}, expected {local_shape} for placements {value.placements}")
+            raise MergeError(
+                f.path,
+                f"{name}: local shard has shape {tuple(local.shape)}, expected {local_shape} for placements {value.placements}",
+            )
         shards.append(RankShard(rank, f, stored_tensor(f.path, name, local, f.size), offset))
     info = {"mesh_shape": list(first.device_mesh.shape), "mesh_dim_names": list(first.device_mesh.mesh_dim_names or ())}
     info["placements"] = [str(p) for p in first.placements]
@@ -191,7 +224,10 @@ def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replica
     for s in pieces:
         start = s.offset[split_dim] if global_shape else 0
         if start != position:
-            raise MergeError(s.file.path, f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at row {position} of dim {split_dim})")
+            raise MergeError(
+                s.file.path,
+                f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at row {position} of dim {split_dim})",
+            )
         position += s.stored.meta.shape[split_dim] if global_shape else 1
     if position != total:
         raise MergeError(shards[0].file.path, f"{name}: shards cover {position} of {total} rows of dim {split_dim}")
@@ -212,13 +248,18 @@ def _grid_source(name, global_shape, dtype, pieces: list[RankShard]) -> Computed
         position = 0
         for start, length in spans:
             if start != position:
-                raise MergeError(pieces[0].file.path, f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at index {position} of dim {d})")
+                raise MergeError(
+                    pieces[0].file.path,
+                    f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at index {position} of dim {d})",
+                )
             position += length
         if position != total:
             raise MergeError(pieces[0].file.path, f"{name}: shards cover {position} of {total} indices of dim {d}")
         spans_per_dim.append(spans)
     if len(pieces) != math.prod(len(spans) for spans in spans_per_dim):
-        raise MergeError(pieces[0].file.path, f"{name}: {len(pieces)} distinct shards do not form a grid over {global_shape}")
+        raise MergeError(
+            pieces[0].file.path, f"{name}: {len(pieces)} distinct shards do not form a grid over {global_shape}"
+        )
 
     def fill() -> torch.Tensor:
         whole = torch.empty(global_shape, dtype=dtype)

@@ -40,7 +40,15 @@ def has_hf_weights(hf_dir: Path) -> bool:
     return (hf_dir / INDEX).is_file() or (hf_dir / SINGLE_FILE).is_file()
 
 
-def plan_hf_safetensors(role_dir: Path, hf_dir: Path, *, is_value_model: bool | None = None, hf_model_path: str | Path | None = None, layout: dict | None = None, backend: str = "megatron") -> CheckpointPlan:
+def plan_hf_safetensors(
+    role_dir: Path,
+    hf_dir: Path,
+    *,
+    is_value_model: bool | None = None,
+    hf_model_path: str | Path | None = None,
+    layout: dict | None = None,
+    backend: str = "megatron",
+) -> CheckpointPlan:
     """Plan the safetensors weights in ``hf_dir`` (plus a PEFT adapter in ``hf_dir/adapter``)."""
     role_dir, hf_dir = Path(role_dir), Path(hf_dir)
     adapter_dir = hf_dir / ADAPTER_DIR
@@ -48,12 +56,21 @@ def plan_hf_safetensors(role_dir: Path, hf_dir: Path, *, is_value_model: bool | 
     weights_dir = hf_dir
     if not has_hf_weights(hf_dir):
         if lora is None:
-            raise MergeError(hf_dir, f"no model weights: no {SINGLE_FILE} or {INDEX} here and no model tensors in the checkpoint's dist_ckpt")
+            raise MergeError(
+                hf_dir,
+                f"no model weights: no {SINGLE_FILE} or {INDEX} here and no model tensors in the checkpoint's dist_ckpt",
+            )
         if hf_model_path is None:
-            raise MergeError(hf_dir, f"holds a LoRA adapter ({ADAPTER_DIR}/) but no base weights: pass --hf_model_path with the original model folder")
+            raise MergeError(
+                hf_dir,
+                f"holds a LoRA adapter ({ADAPTER_DIR}/) but no base weights: pass --hf_model_path with the original model folder",
+            )
         weights_dir = Path(hf_model_path)
         if not has_hf_weights(weights_dir):
-            raise MergeError(weights_dir, f"--hf_model_path has no {SINGLE_FILE} or {INDEX}: the LoRA base weights must be safetensors")
+            raise MergeError(
+                weights_dir,
+                f"--hf_model_path has no {SINGLE_FILE} or {INDEX}: the LoRA base weights must be safetensors",
+            )
 
     files: list[SourceFile] = []
     try:
@@ -79,7 +96,9 @@ def plan_hf_safetensors(role_dir: Path, hf_dir: Path, *, is_value_model: bool | 
     if lora is not None:
         facts["lora_adapter"] = str(lora.parent)
         facts["base_weights"] = str(weights_dir)
-    return CheckpointPlan(backend, role_dir, hf_dir, planned, files, is_value_model=value_model, lora=info, layout=facts)
+    return CheckpointPlan(
+        backend, role_dir, hf_dir, planned, files, is_value_model=value_model, lora=info, layout=facts
+    )
 
 
 def read_hf_weights(folder: Path) -> tuple[list[PlannedTensor], list[SourceFile]]:
@@ -120,10 +139,15 @@ def _plan_adapter(config_path: Path, files: list[SourceFile]) -> tuple[LoraInfo,
         raise MergeError(config_path, f"peft_type {config.get('peft_type')!r}: only LoRA adapters can be merged")
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise MergeError(config_path, f"needs a positive integer r and a number lora_alpha, found r={r!r}, lora_alpha={alpha!r}")
+        raise MergeError(
+            config_path, f"needs a positive integer r and a number lora_alpha, found r={r!r}, lora_alpha={alpha!r}"
+        )
     for key in _UNSUPPORTED_LORA:
         if config.get(key) and config.get(key) != "none":
-            raise MergeError(config_path, f"{key}={config[key]!r} is not supported: only plain LoRA (W + lora_alpha / r * B @ A) merges exactly")
+            raise MergeError(
+                config_path,
+                f"{key}={config[key]!r} is not supported: only plain LoRA (W + lora_alpha / r * B @ A) merges exactly",
+            )
     weights = config_path.parent / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise MergeError(weights, f"missing: {ADAPTER_CONFIG} is beside it but the adapter weights are not")
@@ -132,7 +156,9 @@ def _plan_adapter(config_path: Path, files: list[SourceFile]) -> tuple[LoraInfo,
     return LoraInfo(r, alpha, config.get("task_type") or "CAUSAL_LM"), _header_tensors(file)
 
 
-def _peft_names(base: list[PlannedTensor], adapter: list[PlannedTensor], info: LoraInfo, config_path: Path) -> list[PlannedTensor]:
+def _peft_names(
+    base: list[PlannedTensor], adapter: list[PlannedTensor], info: LoraInfo, config_path: Path
+) -> list[PlannedTensor]:
     """Name base and adapter tensors as a PEFT-wrapped model's state dict does; check that each
     adapter pair fits the weight it adapts (A: r x in, B: out x r)."""
     shapes = {t.name: t.shape for t in base}
@@ -141,21 +167,30 @@ def _peft_names(base: list[PlannedTensor], adapter: list[PlannedTensor], info: L
     for t in adapter:
         found = lora_module(t.name)
         if found is None or not found[0].startswith(PEFT_PREFIX):
-            raise MergeError(weights_file, f"{t.name} is not a PEFT LoRA tensor name ({PEFT_PREFIX}<module>.lora_A/B.weight)")
+            raise MergeError(
+                weights_file, f"{t.name} is not a PEFT LoRA tensor name ({PEFT_PREFIX}<module>.lora_A/B.weight)"
+            )
         module, which = found[0].removeprefix(PEFT_PREFIX), found[1]
         base_shape = shapes.get(f"{module}.weight")
         if base_shape is None or len(base_shape) != 2:
             raise MergeError(weights_file, f"{t.name}: the base weights have no 2-D {module}.weight")
         expected = (info.r, base_shape[1]) if which == "A" else (base_shape[0], info.r)
         if tuple(t.shape) != expected:
-            raise MergeError(weights_file, f"{t.name}: shape {tuple(t.shape)}, expected {expected} for r={info.r} and {module}.weight {tuple(base_shape)}")
+            raise MergeError(
+                weights_file,
+                f"{t.name}: shape {tuple(t.shape)}, expected {expected} for r={info.r} and {module}.weight {tuple(base_shape)}",
+            )
         targets.add(module)
     return peft_base_names(base, targets) + adapter
 
 
 def _read_index(path: Path) -> dict[str, str]:
     weight_map = read_json_object(path).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
         raise MergeError(path, "no 'weight_map' of tensor name -> file name")
     for filename in set(weight_map.values()):
         if Path(filename).name != filename or not filename.endswith(".safetensors"):
@@ -171,7 +206,10 @@ def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
     file.read_into(memoryview(length_field), 0)
     (header_length,) = struct.unpack("<Q", length_field)
     if header_length > min(_MAX_HEADER, file.size - 8):
-        raise MergeError(file.path, f"header length {header_length} does not fit the file ({file.size} bytes): truncated or not safetensors")
+        raise MergeError(
+            file.path,
+            f"header length {header_length} does not fit the file ({file.size} bytes): truncated or not safetensors",
+        )
     raw = bytearray(header_length)
     file.read_into(memoryview(raw), 8)
     try:
@@ -187,7 +225,14 @@ def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
         if name == "__metadata__":
             continue
         dtype, shape, begin, end = _entry(file.path, name, entry, data_size)
-        tensors.append((begin, PlannedTensor(name, shape, dtype, StoredBytes((ByteRun(file, data_start + begin, end - begin),), dtype))))
+        tensors.append(
+            (
+                begin,
+                PlannedTensor(
+                    name, shape, dtype, StoredBytes((ByteRun(file, data_start + begin, end - begin),), dtype)
+                ),
+            )
+        )
     tensors.sort(key=lambda item: item[0])
     previous_end = 0
     for begin, tensor in tensors:

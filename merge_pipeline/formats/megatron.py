@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from merge_pipeline.engine.hf_config import load_model_config
 from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
-from merge_pipeline.json_files import read_json_object
 from merge_pipeline.formats.hf import ADAPTER_CONFIG, ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.megatron_names import KeyMapper, OutputSpec, Piece, model_shape
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
+from merge_pipeline.json_files import read_json_object
 
 MANIFEST = "ckpt_contents.json"
 VALUE_ROLES = ("critic", "reward")
@@ -54,12 +54,19 @@ class MegatronLayout:
     role: str  # as the manifest records it, else the role folder's name
 
     def describe(self) -> dict:
-        return {"layout_schema": self.schema, "model_weights": str(self.dist_dir if self.weights == DIST_FORMAT else self.hf_dir)}
+        return {
+            "layout_schema": self.schema,
+            "model_weights": str(self.dist_dir if self.weights == DIST_FORMAT else self.hf_dir),
+        }
 
 
 def is_megatron_dir(role_dir: Path) -> bool:
     """A folder verl's Megatron checkpoint manager wrote, in any layout schema."""
-    v2 = (role_dir / MANIFEST).is_file() or (role_dir / "model" / "dist_ckpt").is_dir() or (role_dir / "model" / "huggingface").is_dir()
+    v2 = (
+        (role_dir / MANIFEST).is_file()
+        or (role_dir / "model" / "dist_ckpt").is_dir()
+        or (role_dir / "model" / "huggingface").is_dir()
+    )
     return v2 or (role_dir / "dist_ckpt").is_dir() or any((role_dir / "huggingface").glob("*.safetensors"))
 
 
@@ -69,18 +76,29 @@ def find_layout(role_dir: Path) -> MegatronLayout:
     if manifest.is_file():
         return _layout_from_manifest(role_dir, manifest)
     if (role_dir / "model" / "dist_ckpt").is_dir() or (role_dir / "model" / "huggingface").is_dir():
-        return MegatronLayout("v2 without ckpt_contents.json", None, role_dir / "model" / "dist_ckpt", role_dir / "model" / "huggingface", role_dir.name)
+        return MegatronLayout(
+            "v2 without ckpt_contents.json",
+            None,
+            role_dir / "model" / "dist_ckpt",
+            role_dir / "model" / "huggingface",
+            role_dir.name,
+        )
     return MegatronLayout("v1", None, role_dir / "dist_ckpt", role_dir / "huggingface", role_dir.name)
 
 
 def _layout_from_manifest(role_dir: Path, manifest: Path) -> MegatronLayout:
     data = read_json_object(manifest)
     if data.get("schema_version") != 2:
-        raise MergeError(manifest, f"schema_version {data.get('schema_version')!r}: only verl's layout schema 2 is known")
+        raise MergeError(
+            manifest, f"schema_version {data.get('schema_version')!r}: only verl's layout schema 2 is known"
+        )
     contents = data.get("contents")
     model = contents.get("model") if isinstance(contents, dict) else None
     if not isinstance(model, dict):
-        raise MergeError(manifest, f"no contents.model entry: this checkpoint saved no model weights (save_contents {data.get('save_contents')})")
+        raise MergeError(
+            manifest,
+            f"no contents.model entry: this checkpoint saved no model weights (save_contents {data.get('save_contents')})",
+        )
     weights = model.get("format")
     if weights not in (DIST_FORMAT, HF_FORMAT):
         raise MergeError(manifest, f"contents.model.format {weights!r} is not {DIST_FORMAT!r} or {HF_FORMAT!r}")
@@ -93,7 +111,9 @@ def _layout_from_manifest(role_dir: Path, manifest: Path) -> MegatronLayout:
     else:  # shards only, no HF export: there may be no config at all (then --hf_model_path)
         hf_dir = role_dir / "model" / "huggingface"
     role = data.get("role") if isinstance(data.get("role"), str) else role_dir.name
-    return MegatronLayout("v2", weights, model_dir if weights == DIST_FORMAT else role_dir / "model" / "dist_ckpt", hf_dir, role)
+    return MegatronLayout(
+        "v2", weights, model_dir if weights == DIST_FORMAT else role_dir / "model" / "dist_ckpt", hf_dir, role
+    )
 
 
 def _manifest_path(role_dir: Path, manifest: Path, name: str, entry: dict) -> Path:
@@ -103,7 +123,14 @@ def _manifest_path(role_dir: Path, manifest: Path, name: str, entry: dict) -> Pa
     return role_dir / relative
 
 
-def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embedding: bool | None, trust_remote_code: bool, hf_model_path: str | Path | None = None) -> CheckpointPlan:
+def plan_megatron(
+    role_dir: Path,
+    *,
+    is_value_model: bool | None,
+    tie_word_embedding: bool | None,
+    trust_remote_code: bool,
+    hf_model_path: str | Path | None = None,
+) -> CheckpointPlan:
     """Describe every HF tensor of a Megatron role folder; ``MergeError`` naming the file on bad input.
 
     ``is_value_model`` / ``tie_word_embedding``: ``None`` means decide from the checkpoint
@@ -124,9 +151,19 @@ def plan_megatron(role_dir: Path, *, is_value_model: bool | None, tie_word_embed
         if layout.weights == DIST_FORMAT:
             raise MergeError(dist_dir, f"{MANIFEST} says the model weights are here, but it holds no model tensors")
         # The bridge's HF files (verl's default); any dist checkpoint holds optimizer and RNG state only.
-        return plan_hf_safetensors(role_dir, layout.hf_dir, is_value_model=is_value_model, hf_model_path=hf_model_path, layout=layout.describe())
-    model_config = load_model_config(layout.hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path)
-    return _plan_dist_checkpoint(role_dir, layout, checkpoint, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding)
+        return plan_hf_safetensors(
+            role_dir,
+            layout.hf_dir,
+            is_value_model=is_value_model,
+            hf_model_path=hf_model_path,
+            layout=layout.describe(),
+        )
+    model_config = load_model_config(
+        layout.hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path
+    )
+    return _plan_dist_checkpoint(
+        role_dir, layout, checkpoint, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding
+    )
 
 
 # Megatron LoRA parameters: Megatron-Bridge's ``.adapter.linear_in/out``, or ``lora_`` names.
@@ -141,10 +178,15 @@ def _refuse_unexported_adapter(role_dir: Path, layout: MegatronLayout, stored: d
     where = None
     if (role_dir / "adapter_checkpoint").is_dir():
         where = role_dir / "adapter_checkpoint"
-    elif any(_ADAPTER_KEY.search(key) for key in stored) or (layout.weights == HF_FORMAT and _manifest_says_peft(role_dir)):
+    elif any(_ADAPTER_KEY.search(key) for key in stored) or (
+        layout.weights == HF_FORMAT and _manifest_says_peft(role_dir)
+    ):
         where = layout.dist_dir
     if where is not None:
-        raise MergeError(where, f"holds a LoRA adapter only as Megatron shards and there is no PEFT export in {layout.hf_dir.relative_to(role_dir)}/{ADAPTER_DIR}/: lora_alpha and the target modules are not recorded, so it cannot be converted exactly (export it with verl's bridge, or merge a checkpoint saved with it)")
+        raise MergeError(
+            where,
+            f"holds a LoRA adapter only as Megatron shards and there is no PEFT export in {layout.hf_dir.relative_to(role_dir)}/{ADAPTER_DIR}/: lora_alpha and the target modules are not recorded, so it cannot be converted exactly (export it with verl's bridge, or merge a checkpoint saved with it)",
+        )
 
 
 def _manifest_says_peft(role_dir: Path) -> bool:
@@ -156,7 +198,16 @@ def _holds_files(folder: Path) -> bool:
     return folder.is_dir() and any(folder.iterdir())
 
 
-def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, checkpoint: _DistCheckpoint, stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, is_value_model: bool | None, tie_word_embedding: bool | None) -> CheckpointPlan:
+def _plan_dist_checkpoint(
+    role_dir: Path,
+    layout: MegatronLayout,
+    checkpoint: _DistCheckpoint,
+    stored: dict[str, TensorStorageMetadata],
+    config: dict,
+    config_path: Path,
+    is_value_model: bool | None,
+    tie_word_embedding: bool | None,
+) -> CheckpointPlan:
     dist_dir = layout.dist_dir
     metadata_path = dist_dir / ".metadata"
     shapes = {k: tuple(v.size) for k, v in stored.items()}
@@ -165,9 +216,14 @@ def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, checkpoint: _D
     value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
     tied = bool(text.get("tie_word_embeddings", False)) if tie_word_embedding is None else tie_word_embedding
     if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
-        raise MergeError(metadata_path, f"no {lm}output_layer.weight and {config_path.name} does not tie word embeddings (pass --tie-word-embedding if they are tied)")
+        raise MergeError(
+            metadata_path,
+            f"no {lm}output_layer.weight and {config_path.name} does not tie word embeddings (pass --tie-word-embedding if they are tied)",
+        )
     try:
-        specs = KeyMapper(shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path).outputs()
+        specs = KeyMapper(
+            shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path
+        ).outputs()
     except MergeError as exc:
         if checkpoint.key_prefix and exc.path == metadata_path:  # name the layout the keys came from
             raise MergeError(exc.path, f"Megatron-FSDP checkpoint (one DCP of DTensors): {exc.problem}") from None
@@ -175,7 +231,10 @@ def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, checkpoint: _D
 
     files: dict[str, SourceFile] = {}
     try:
-        tensors = {key: _locate(dist_dir, key, stored[key], checkpoint, files) for key in sorted({p.key for s in specs for p in s.pieces})}
+        tensors = {
+            key: _locate(dist_dir, key, stored[key], checkpoint, files)
+            for key in sorted({p.key for s in specs for p in s.pieces})
+        }
         _check_no_shared_bytes(tensors.values(), dist_dir / ".metadata")
         planned = [_planned(spec, tensors) for spec in specs]
         if value_model and f"{lm}output_layer.bias" not in shapes:
@@ -186,7 +245,9 @@ def _plan_dist_checkpoint(role_dir: Path, layout: MegatronLayout, checkpoint: _D
         raise
     planned.sort(key=lambda t: _natural_key(t.name))
     facts = {**layout.describe(), **_layout(role_dir, checkpoint, tensors.values(), files, tied)}
-    return CheckpointPlan("megatron", role_dir, layout.hf_dir, planned, list(files.values()), is_value_model=value_model, layout=facts)
+    return CheckpointPlan(
+        "megatron", role_dir, layout.hf_dir, planned, list(files.values()), is_value_model=value_model, layout=facts
+    )
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -198,10 +259,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     _ALLOWED = {
         "torch.distributed.checkpoint.metadata": {
-            "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+            "Metadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
         },
-        "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"},
+        "torch.distributed.checkpoint.planner": {
+            "SavePlan",
+            "WriteItem",
+            "WriteItemType",
+            "TensorWriteData",
+            "BytesIOWriteData",
+        },
         "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
         "torch.serialization": {"_get_layout"},
         "torch": {"Size"},
@@ -260,8 +333,15 @@ def read_dcp_metadata(path: Path) -> Metadata:
             metadata = _MetadataUnpickler(f).load()
     except Exception as exc:  # any unpickling failure means the same thing: not readable metadata
         raise MergeError(path, f"corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
-        raise MergeError(path, f"corrupt DCP metadata: expected a torch.distributed.checkpoint Metadata, found {type(metadata).__name__}")
+    if (
+        not isinstance(metadata, Metadata)
+        or not isinstance(metadata.state_dict_metadata, dict)
+        or not isinstance(metadata.storage_data, dict)
+    ):
+        raise MergeError(
+            path,
+            f"corrupt DCP metadata: expected a torch.distributed.checkpoint Metadata, found {type(metadata).__name__}",
+        )
     return metadata
 
 
@@ -271,7 +351,10 @@ def _check_backend(path: Path) -> None:
         raise MergeError(path, "missing: a Megatron dist checkpoint has a metadata.json naming its backend")
     backend = read_json_object(path).get("sharded_backend")
     if backend != "torch_dist":
-        raise MergeError(path, f"sharded_backend is {backend!r}; only 'torch_dist' checkpoints can be read (re-save with the torch_dist backend)")
+        raise MergeError(
+            path,
+            f"sharded_backend is {backend!r}; only 'torch_dist' checkpoints can be read (re-save with the torch_dist backend)",
+        )
 
 
 def _decide_value_model(output_shape: tuple[int, ...] | None, requested: bool | None, metadata_path: Path) -> bool:
@@ -282,7 +365,10 @@ def _decide_value_model(output_shape: tuple[int, ...] | None, requested: bool | 
         found = "no output_layer" if output_shape is None else f"output_layer.weight has {output_shape[0]} rows"
         raise MergeError(metadata_path, f"value model requested but {found}; a value head has one row")
     if not requested and one_row:
-        raise MergeError(metadata_path, "output_layer.weight has one row (a value head) but the merge was told this is not a value model")
+        raise MergeError(
+            metadata_path,
+            "output_layer.weight has one row (a value head) but the merge was told this is not a value model",
+        )
     return requested
 
 
@@ -333,7 +419,9 @@ class _FileRange(io.RawIOBase):
         return n
 
 
-def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, checkpoint: _DistCheckpoint, files: dict[str, SourceFile]) -> _StoredTensor:
+def _locate(
+    dist_dir: Path, key: str, meta: TensorStorageMetadata, checkpoint: _DistCheckpoint, files: dict[str, SourceFile]
+) -> _StoredTensor:
     metadata_path = dist_dir / ".metadata"
     metadata = checkpoint.metadata
     shape, dtype = tuple(meta.size), meta.properties.dtype
@@ -344,7 +432,10 @@ def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, checkpoint: _
         if info is None:
             raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
         if getattr(info, "transform_descriptors", None):
-            raise MergeError(metadata_path, f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)")
+            raise MergeError(
+                metadata_path,
+                f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)",
+            )
         relative_path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
         path = _chunk_file(dist_dir, relative_path, key)
         if relative_path not in files:
@@ -353,10 +444,21 @@ def _locate(dist_dir: Path, key: str, meta: TensorStorageMetadata, checkpoint: _
             files[relative_path] = SourceFile(path)
         file = files[relative_path]
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {offset!r:.40}, length {length!r:.40}")
+            raise MergeError(
+                metadata_path,
+                f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {offset!r:.40}, length {length!r:.40}",
+            )
         if offset + length > file.size:
-            raise MergeError(file.path, f"{key}: chunk ends at byte {offset + length} but the file has {file.size} bytes (truncated)")
-        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), _chunk_bytes(file, offset, length, key, tuple(chunk.sizes), dtype)))
+            raise MergeError(
+                file.path, f"{key}: chunk ends at byte {offset + length} but the file has {file.size} bytes (truncated)"
+            )
+        chunks.append(
+            _Chunk(
+                tuple(chunk.offsets),
+                tuple(chunk.sizes),
+                _chunk_bytes(file, offset, length, key, tuple(chunk.sizes), dtype),
+            )
+        )
     return _StoredTensor(key, shape, dtype, tuple(chunks))
 
 
@@ -379,7 +481,9 @@ def _check_no_shared_bytes(tensors: Iterable[_StoredTensor], metadata_path: Path
     runs: dict[Path, list[tuple[int, int, str]]] = {}
     for tensor in tensors:
         for chunk in tensor.chunks:
-            runs.setdefault(chunk.data.file.path, []).append((chunk.data.offset, chunk.data.offset + chunk.data.length, tensor.key))
+            runs.setdefault(chunk.data.file.path, []).append(
+                (chunk.data.offset, chunk.data.offset + chunk.data.length, tensor.key)
+            )
     for path, ranges in runs.items():
         ranges.sort()
         for (_, end, key), (start, _, other) in zip(ranges, ranges[1:]):
@@ -387,7 +491,9 @@ def _check_no_shared_bytes(tensors: Iterable[_StoredTensor], metadata_path: Path
                 raise MergeError(metadata_path, f"{key} and {other}: chunks share bytes {start}..{end} of {path.name}")
 
 
-def _chunk_bytes(file: SourceFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype) -> ByteRun:
+def _chunk_bytes(
+    file: SourceFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype
+) -> ByteRun:
     """Find the raw bytes inside one chunk's ``torch.save`` archive (reads its pickle only)."""
     try:
         meta = load_meta_archive(io.BufferedReader(_FileRange(file, offset, length)), file.path)
@@ -413,12 +519,19 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path:
     boxes = []
     for c in chunks:
         offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
-        if not all(isinstance(v, tuple) and len(v) == len(shape) and all(type(i) is int for i in v) for v in (offsets, sizes)):
+        if not all(
+            isinstance(v, tuple) and len(v) == len(shape) and all(type(i) is int for i in v) for v in (offsets, sizes)
+        ):
             shown = [tuple(v) if isinstance(v, tuple) else v for v in (offsets, sizes)]  # torch.Size prints long
-            raise MergeError(metadata_path, f"{key}: chunk at {shown[0]!r:.80} of size {shown[1]!r:.80} is not a block of a tensor of shape {shape}")
+            raise MergeError(
+                metadata_path,
+                f"{key}: chunk at {shown[0]!r:.80} of size {shown[1]!r:.80} is not a block of a tensor of shape {shape}",
+            )
         offsets, sizes = tuple(offsets), tuple(sizes)
         if any(o < 0 or n < 0 or o + n > total for o, n, total in zip(offsets, sizes, shape)):
-            raise MergeError(metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}")
+            raise MergeError(
+                metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}"
+            )
         boxes.append((offsets, sizes))
     boxes.sort()
     for i, (offsets, sizes) in enumerate(boxes):
@@ -455,11 +568,17 @@ def _parts(tensor: _StoredTensor, piece: Piece) -> list[_Part]:
             continue
         # In the chunk, dims before k are fixed and dims after k are the chunk's whole extent, so
         # the selected rows are one contiguous byte range.
-        position = [piece.index[d] - chunk.offsets[d] for d in range(k)] + [start - chunk.offsets[k]] + [0] * (len(tensor.shape) - k - 1)
+        position = (
+            [piece.index[d] - chunk.offsets[d] for d in range(k)]
+            + [start - chunk.offsets[k]]
+            + [0] * (len(tensor.shape) - k - 1)
+        )
         element = _flat_index(position, chunk.sizes)
         row_elements = math.prod(chunk.sizes[k + 1 :])
         item = tensor.dtype.itemsize
-        columns = tuple(slice(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d]) for d in range(k + 1, len(tensor.shape)))
+        columns = tuple(
+            slice(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d]) for d in range(k + 1, len(tensor.shape))
+        )
         run = ByteRun(chunk.data.file, chunk.data.offset + element * item, (stop - start) * row_elements * item)
         parts.append(_Part((start - lo, stop - lo), columns, run))
     parts.sort(key=lambda p: (p.rows[0], tuple(s.start for s in p.columns)))
@@ -478,9 +597,16 @@ def _planned(spec: OutputSpec, tensors: dict[str, _StoredTensor]) -> PlannedTens
     trailing = first.shape[len(spec.pieces[0].index) + 1 :]
     shape = (sum(p.rows[1] - p.rows[0] for p in spec.pieces),) + trailing
     pieces = [(p, _parts(tensors[p.key], p)) for p in spec.pieces]
-    whole_rows = all(s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing))
+    whole_rows = all(
+        s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing)
+    )
     if whole_rows:
-        return PlannedTensor(spec.name, shape, first.dtype, StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype))
+        return PlannedTensor(
+            spec.name,
+            shape,
+            first.dtype,
+            StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype),
+        )
     return PlannedTensor(spec.name, shape, first.dtype, Computed(lambda: _assemble(shape, first.dtype, pieces)))
 
 
@@ -509,7 +635,13 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _layout(role_dir: Path, checkpoint: _DistCheckpoint, tensors: Iterable[_StoredTensor], files: dict[str, SourceFile], tied: bool) -> dict:
+def _layout(
+    role_dir: Path,
+    checkpoint: _DistCheckpoint,
+    tensors: Iterable[_StoredTensor],
+    files: dict[str, SourceFile],
+    tied: bool,
+) -> dict:
     """Facts for ``inspect`` and the manifest (language model only); parallel sizes from
     transformer_config.json when present."""
     tensors = [t for t in tensors if not t.key.startswith("vision_model.")]
@@ -517,7 +649,12 @@ def _layout(role_dir: Path, checkpoint: _DistCheckpoint, tensors: Iterable[_Stor
     transformer_config = role_dir / "transformer_config.json"
     if transformer_config.is_file():
         settings = read_json_object(transformer_config)
-        names = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size", "vpp": "virtual_pipeline_model_parallel_size"}
+        names = {
+            "tp": "tensor_model_parallel_size",
+            "pp": "pipeline_model_parallel_size",
+            "ep": "expert_model_parallel_size",
+            "vpp": "virtual_pipeline_model_parallel_size",
+        }
         parallel = {short: settings.get(long) for short, long in names.items()}
     layers = {int(m[1]) for t in tensors for m in [re.search(r"decoder\.layers\.(\d+)\.", t.key)] if m}
     stacked = [t.shape[0] for t in tensors if re.search(r"(^|\.)decoder\.layers\.[a-z]", t.key)]

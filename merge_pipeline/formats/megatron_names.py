@@ -84,7 +84,9 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     architecture = architectures[0]
     if architecture not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
-        raise MergeError(config_path, f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported})")
+        raise MergeError(
+            config_path, f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported})"
+        )
     text = config.get("text_config") or config
     try:
         heads = int(text["num_attention_heads"])
@@ -176,8 +178,12 @@ _VISION_GLOBALS = {
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
 # Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1).
-_EXPERT_PARAM = re.compile(r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)")
-_ATTRIBUTE = re.compile(r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight)(?P<half>_[wv])?")
+_EXPERT_PARAM = re.compile(
+    r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
+)
+_ATTRIBUTE = re.compile(
+    r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight)(?P<half>_[wv])?"
+)
 
 
 @dataclass(frozen=True)
@@ -250,7 +256,10 @@ class KeyMapper:
                 specs.extend(mapped)
         if unmapped:
             shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
-            raise MergeError(self.metadata_path, f"{len(unmapped)} checkpoint tensor(s) have no Hugging Face name for {self.model.architecture}: {shown}")
+            raise MergeError(
+                self.metadata_path,
+                f"{len(unmapped)} checkpoint tensor(s) have no Hugging Face name for {self.model.architecture}: {shown}",
+            )
         seen: dict[str, str] = {}
         for spec in specs:
             first = spec.pieces[0].key
@@ -321,7 +330,9 @@ class KeyMapper:
             table = {**_TEXT_LINEARS, p.module: (_MLA_RENAMES[p.module], None)}
         return self._convert(p, table, layer_prefix)
 
-    def _convert(self, p: _LayerParam, table: dict[str, tuple[object, str | None]], prefix: str) -> list[OutputSpec] | None:
+    def _convert(
+        self, p: _LayerParam, table: dict[str, tuple[object, str | None]], prefix: str
+    ) -> list[OutputSpec] | None:
         entry = table.get(p.module)
         if entry is None:
             return None
@@ -329,7 +340,11 @@ class KeyMapper:
         if p.attr.startswith("layer_norm_"):
             if fused_norm is None or p.half:
                 return None
-            return [OutputSpec(f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", (Piece(p.key, p.index, (0, p.rows)),))]
+            return [
+                OutputSpec(
+                    f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", (Piece(p.key, p.index, (0, p.rows)),)
+                )
+            ]
         if p.attr not in ("weight", "bias"):
             return None
         names = {"shared": self.model.naming.shared_experts, "expert": p.expert}
@@ -343,7 +358,10 @@ class KeyMapper:
             if p.rows % 2:
                 raise MergeError(self.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
             half = p.rows // 2
-            return [OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)), OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),))]
+            return [
+                OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
+                OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
+            ]
         if isinstance(conversion, _GroupedQKV) and not p.half:
             return self._split_grouped_qkv(p, prefix + conversion.prefix)
         if isinstance(conversion, _VisionQKV) and not p.half:
@@ -353,7 +371,10 @@ class KeyMapper:
     def _split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
         m = self.model
         if m.attention_heads % m.kv_heads:
-            raise MergeError(self.config_path, f"num_attention_heads {m.attention_heads} is not a multiple of num_key_value_heads {m.kv_heads}")
+            raise MergeError(
+                self.config_path,
+                f"num_attention_heads {m.attention_heads} is not a multiple of num_key_value_heads {m.kv_heads}",
+            )
         q_rows = m.attention_heads // m.kv_heads * m.head_dim
         group_rows = q_rows + 2 * m.head_dim
         if p.rows != m.kv_heads * group_rows:
@@ -371,9 +392,16 @@ class KeyMapper:
     def _reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
         heads = self.model.vision_heads
         if not heads or p.rows % (3 * heads):
-            raise MergeError(self.config_path, f"sizes disagree with the checkpoint: {p.key} has {p.rows} rows, not 3 x vision_config.num_heads ({heads}) x head_dim")
+            raise MergeError(
+                self.config_path,
+                f"sizes disagree with the checkpoint: {p.key} has {p.rows} rows, not 3 x vision_config.num_heads ({heads}) x head_dim",
+            )
         head_dim = p.rows // (3 * heads)
-        pieces = tuple(Piece(p.key, p.index, ((3 * h + part) * head_dim, (3 * h + part + 1) * head_dim)) for part in range(3) for h in range(heads))
+        pieces = tuple(
+            Piece(p.key, p.index, ((3 * h + part) * head_dim, (3 * h + part + 1) * head_dim))
+            for part in range(3)
+            for h in range(heads)
+        )
         return OutputSpec(name, pieces)
 
 

@@ -83,7 +83,10 @@ def load_meta_archive(stream: BinaryIO, path: Path) -> object:
     if byteorder is not None:
         order = _read_record(stream, byteorder, path, limit=16)
         if order != b"little":
-            raise MergeError(path, f"records are stored {order.decode(errors='replace')!r}-endian; only little-endian checkpoints can be merged (re-save it on a little-endian machine)")
+            raise MergeError(
+                path,
+                f"records are stored {order.decode(errors='replace')!r}-endian; only little-endian checkpoints can be merged (re-save it on a little-endian machine)",
+            )
     pickled = records.get(f"{prefix}/data.pkl")
     if pickled is None:
         raise MergeError(path, "not a torch.save archive (no data.pkl record)")
@@ -92,7 +95,13 @@ def load_meta_archive(stream: BinaryIO, path: Path) -> object:
     def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
         kind, storage_type, key, _location, numel = saved_id
         dtype = getattr(storage_type, "dtype", None)
-        if kind != "storage" or not isinstance(dtype, torch.dtype) or not isinstance(key, str) or type(numel) is not int or numel < 0:
+        if (
+            kind != "storage"
+            or not isinstance(dtype, torch.dtype)
+            or not isinstance(key, str)
+            or type(numel) is not int
+            or numel < 0
+        ):
             raise MergeError(path, f"malformed storage reference {saved_id!r:.100}")
         nbytes = numel * dtype.itemsize
         if key not in storages:
@@ -100,7 +109,10 @@ def load_meta_archive(stream: BinaryIO, path: Path) -> object:
             if record is None:
                 raise MergeError(path, f"the pickle refers to storage data/{key}, which the archive does not hold")
             if record.file_size != nbytes:
-                raise MergeError(path, f"storage record data/{key} holds {record.file_size} bytes but the pickle declares {numel} x {dtype} = {nbytes} bytes")
+                raise MergeError(
+                    path,
+                    f"storage record data/{key} holds {record.file_size} bytes but the pickle declares {numel} x {dtype} = {nbytes} bytes",
+                )
             storage = torch.UntypedStorage(nbytes, device="meta")
             storage._checkpoint_offset = _data_offset(stream, record, path)
             storage._checkpoint_nbytes = nbytes  # a view's set_() may grow a meta storage: keep the true size
@@ -144,7 +156,10 @@ def _stored_records(stream: BinaryIO, path: Path) -> dict[str, zipfile.ZipInfo]:
             raise MergeError(path, f"record {info.filename} appears twice in the zip directory")
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
             what = "encrypted" if info.flag_bits & 0x1 else f"compressed record (method {info.compress_type})"
-            raise MergeError(path, f"{what}: {info.filename}; torch.save writes records uncompressed, so this file was re-packed by a zip tool (re-save it with torch.save)")
+            raise MergeError(
+                path,
+                f"{what}: {info.filename}; torch.save writes records uncompressed, so this file was re-packed by a zip tool (re-save it with torch.save)",
+            )
         records[info.filename] = info
     return records
 
@@ -163,7 +178,10 @@ def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, path: Path) -> int:
     offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
     end = stream.seek(0, io.SEEK_END)
     if info.file_size != info.compress_size or offset + info.file_size > end:
-        raise MergeError(path, f"record {info.filename}: data ends at byte {offset + info.compress_size} but the file has {end} bytes (truncated)")
+        raise MergeError(
+            path,
+            f"record {info.filename}: data ends at byte {offset + info.compress_size} but the file has {end} bytes (truncated)",
+        )
     return offset
 
 
@@ -183,15 +201,25 @@ def stored_tensor(path: Path, name: str, tensor: torch.Tensor, file_size: int) -
         raise MergeError(path, f"{name}: cannot locate the tensor's bytes in the archive")
     item = tensor.element_size()
     if any(s < 0 for s in tensor.stride()) or tensor.storage_offset() < 0:
-        raise MergeError(path, f"{name}: negative stride {tuple(tensor.stride())} or storage offset {tensor.storage_offset()}")
+        raise MergeError(
+            path, f"{name}: negative stride {tuple(tensor.stride())} or storage offset {tensor.storage_offset()}"
+        )
     if tensor.numel():
         last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
         if (last + 1) * item > nbytes:
-            raise MergeError(path, f"{name}: view (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}, offset {tensor.storage_offset()}) reaches element {last} but its storage holds {nbytes // item}")
+            raise MergeError(
+                path,
+                f"{name}: view (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}, offset {tensor.storage_offset()}) reaches element {last} but its storage holds {nbytes // item}",
+            )
         # A view with more elements than its storage repeats bytes (stride 0): torch.load would
         # accept it, but no trainer saves weights so, and its output would be bounded by nothing.
         if tensor.numel() * item > nbytes:
-            raise MergeError(path, f"{name}: view of {tensor.numel()} elements overlaps itself in a storage of {nbytes // item} (stride {tuple(tensor.stride())})")
+            raise MergeError(
+                path,
+                f"{name}: view of {tensor.numel()} elements overlaps itself in a storage of {nbytes // item} (stride {tuple(tensor.stride())})",
+            )
     if offset + nbytes > file_size:
-        raise MergeError(path, f"{name}: data ends at byte {offset + nbytes} but the file has {file_size} bytes (truncated)")
+        raise MergeError(
+            path, f"{name}: data ends at byte {offset + nbytes} but the file has {file_size} bytes (truncated)"
+        )
     return StoredTensor(tensor, offset)

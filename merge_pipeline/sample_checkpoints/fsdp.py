@@ -145,7 +145,9 @@ def write_fsdp_checkpoint(
             _wait(launcher, scratch, spec.world_size, timeout)
 
 
-def write_nemo_automodel_checkpoint(role_dir: Path, spec: FsdpSpec, *, reference_dir: Path | None = None, max_shard_size: str = "5GB") -> None:
+def write_nemo_automodel_checkpoint(
+    role_dir: Path, spec: FsdpSpec, *, reference_dir: Path | None = None, max_shard_size: str = "5GB"
+) -> None:
     """The NeMo-Automodel engine's role folder: consolidated HF safetensors written by transformers,
     with config, generation config and tokenizer, in ``<role_dir>/model/``. No ranks are started."""
     from transformers import GenerationConfig
@@ -520,10 +522,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--critic", action="store_true")
     parser.add_argument("--lora", type=int, nargs=2, metavar=("R", "ALPHA"))
     parser.add_argument("--mesh", type=int, nargs=2, metavar=("R", "F"), help="2-D HSDP mesh (replicas, shards)")
-    parser.add_argument("--mesh-dim-name", dest="mesh_dim_names", action="append", help="name of each mesh dim, in order (e.g. dp_shard)")
-    parser.add_argument("--placements", nargs=2, metavar=("P0", "P1"), help="DTensor placements on the 2-D mesh instead of FSDP: S<d> or R")
-    parser.add_argument("--lora-only", action="store_true", help="keep only the lora_* tensors (checkpoint.save_lora_only)")
-    parser.add_argument("--layout", choices=_LAYOUTS, default=defaults.layout, help="sft: the SFT trainer's step folder (pass global_step_N as the folder)")
+    parser.add_argument(
+        "--mesh-dim-name",
+        dest="mesh_dim_names",
+        action="append",
+        help="name of each mesh dim, in order (e.g. dp_shard)",
+    )
+    parser.add_argument(
+        "--placements",
+        nargs=2,
+        metavar=("P0", "P1"),
+        help="DTensor placements on the 2-D mesh instead of FSDP: S<d> or R",
+    )
+    parser.add_argument(
+        "--lora-only", action="store_true", help="keep only the lora_* tensors (checkpoint.save_lora_only)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=_LAYOUTS,
+        default=defaults.layout,
+        help="sft: the SFT trainer's step folder (pass global_step_N as the folder)",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--reference-dir", type=Path, help="also write the unsharded weights and config here")
     parser.add_argument("--timeout", type=float, default=300)

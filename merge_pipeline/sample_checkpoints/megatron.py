@@ -25,13 +25,14 @@ plain transcription of the mapping in FORMATS.md, so a reader bug cannot hide in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import shutil
-import struct
 import os
 import re
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,15 +45,45 @@ from pathlib import Path
 import torch
 
 _TINY = dict(
-    layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128, experts=4, experts_per_token=2,
-    moe_ffn=32, shared_ffn=48, norm_eps=1e-6, rope_theta=10000.0, max_positions=64,
+    layers=4,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    ffn=96,
+    vocab=128,
+    experts=4,
+    experts_per_token=2,
+    moe_ffn=32,
+    shared_ffn=48,
+    norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_positions=64,
 )
 SIZE_PRESETS = {
     "tiny": _TINY,
     # ~247M parameters: the benchmark model (benchmarks/megatron_probe.py).
-    "250m": {**_TINY, "layers": 12, "hidden": 1024, "heads": 16, "kv_heads": 16, "head_dim": 64, "ffn": 3584, "vocab": 32000},
+    "250m": {
+        **_TINY,
+        "layers": 12,
+        "hidden": 1024,
+        "heads": 16,
+        "kv_heads": 16,
+        "head_dim": 64,
+        "ffn": 3584,
+        "vocab": 32000,
+    },
     # ~1.1B parameters, TinyLlama's shapes: the benchmark's 1B Megatron model (issue 14).
-    "1b": {**_TINY, "layers": 22, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 64, "ffn": 5632, "vocab": 32000},
+    "1b": {
+        **_TINY,
+        "layers": 22,
+        "hidden": 2048,
+        "heads": 32,
+        "kv_heads": 4,
+        "head_dim": 64,
+        "ffn": 5632,
+        "vocab": 32000,
+    },
     # Qwen2-MoE with shared_expert_intermediate_size 0: megatron-core builds no shared expert.
     "tiny_no_shared_expert": {**_TINY, "shared_ffn": 0},
 }
@@ -152,7 +183,9 @@ def sample_tokens() -> torch.Tensor:
     return torch.tensor([3, 17, 42, 5, 99, 64, 7, 120, 33, 8, 71, 2])
 
 
-def write_megatron_samples(root: Path, variants: Iterable[Variant], *, timeout: float = 600, layout: str = "v1") -> dict[str, MegatronSample]:
+def write_megatron_samples(
+    root: Path, variants: Iterable[Variant], *, timeout: float = 600, layout: str = "v1"
+) -> dict[str, MegatronSample]:
     """Write each variant under ``root/<name>``; megatron-core variants share one torchrun job."""
     variants = list(variants)
     samples = {v.name: MegatronSample(v, root / v.name / "actor", root / v.name / "reference") for v in variants}
@@ -201,8 +234,17 @@ def _dist_dir(role_dir: Path, v: Variant, layout: str) -> Path:
 
 
 def _run_megatron_job(root: Path, dist_dirs: dict[Variant, Path], timeout: float) -> None:
-    entries = [{"variant": dataclasses.asdict(v), "out_dir": str(root / v.name), "dist_dir": str(dist_dir)} for v, dist_dir in dist_dirs.items()]
-    run_torchrun_job(root, "merge_pipeline.sample_checkpoints.megatron_worker", {"timeout": int(timeout), "variants": entries}, nproc=2, timeout=timeout)
+    entries = [
+        {"variant": dataclasses.asdict(v), "out_dir": str(root / v.name), "dist_dir": str(dist_dir)}
+        for v, dist_dir in dist_dirs.items()
+    ]
+    run_torchrun_job(
+        root,
+        "merge_pipeline.sample_checkpoints.megatron_worker",
+        {"timeout": int(timeout), "variants": entries},
+        nproc=2,
+        timeout=timeout,
+    )
 
 
 def run_torchrun_job(root: Path, module: str, job: dict, *, nproc: int, timeout: float) -> None:
@@ -215,10 +257,24 @@ def run_torchrun_job(root: Path, module: str, job: dict, *, nproc: int, timeout:
         port = probe.getsockname()[1]
         probe.close()
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(port), "-m", module, str(job_path),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            module,
+            str(job_path),
         ]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1",
+        }
         log_path = root / "megatron_job.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -250,28 +306,63 @@ def _hf_config(v: Variant):
 
     model_type, architecture = _FAMILIES[v.family]
     text = dict(
-        vocab_size=v.sizes["vocab"], hidden_size=v.sizes["hidden"], intermediate_size=v.sizes["ffn"], num_hidden_layers=v.num_layers,
-        num_attention_heads=v.sizes["heads"], num_key_value_heads=v.sizes["kv_heads"], max_position_embeddings=v.sizes["max_positions"],
-        rms_norm_eps=v.sizes["norm_eps"], rope_parameters={"rope_type": "default", "rope_theta": v.sizes["rope_theta"]},
-        tie_word_embeddings=v.tied, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=v.sizes["vocab"],
+        hidden_size=v.sizes["hidden"],
+        intermediate_size=v.sizes["ffn"],
+        num_hidden_layers=v.num_layers,
+        num_attention_heads=v.sizes["heads"],
+        num_key_value_heads=v.sizes["kv_heads"],
+        max_position_embeddings=v.sizes["max_positions"],
+        rms_norm_eps=v.sizes["norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": v.sizes["rope_theta"]},
+        tie_word_embeddings=v.tied,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
-    moe = dict(num_experts=v.sizes["experts"], num_experts_per_tok=v.sizes["experts_per_token"], moe_intermediate_size=v.sizes["moe_ffn"])
+    moe = dict(
+        num_experts=v.sizes["experts"],
+        num_experts_per_tok=v.sizes["experts_per_token"],
+        moe_intermediate_size=v.sizes["moe_ffn"],
+    )
     if v.family == "qwen2_moe":
-        text.update(moe, shared_expert_intermediate_size=v.sizes["shared_ffn"], norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+        text.update(
+            moe,
+            shared_expert_intermediate_size=v.sizes["shared_ffn"],
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     elif v.family == "qwen3_moe":
         text.update(moe, head_dim=v.sizes["head_dim"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     elif v.family == "deepseek_v3":
         text.update(
-            n_routed_experts=v.sizes["experts"], num_experts_per_tok=v.sizes["experts_per_token"], moe_intermediate_size=v.sizes["moe_ffn"],
-            n_shared_experts=MLA_SIZES["shared_experts"], first_k_dense_replace=1, n_group=1, topk_group=1,
-            q_lora_rank=MLA_SIZES["q_lora_rank"], kv_lora_rank=MLA_SIZES["kv_lora_rank"], qk_nope_head_dim=MLA_SIZES["qk_nope"],
-            qk_rope_head_dim=MLA_SIZES["qk_rope"], v_head_dim=MLA_SIZES["v_head"], num_key_value_heads=v.sizes["heads"],
+            n_routed_experts=v.sizes["experts"],
+            num_experts_per_tok=v.sizes["experts_per_token"],
+            moe_intermediate_size=v.sizes["moe_ffn"],
+            n_shared_experts=MLA_SIZES["shared_experts"],
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=MLA_SIZES["q_lora_rank"],
+            kv_lora_rank=MLA_SIZES["kv_lora_rank"],
+            qk_nope_head_dim=MLA_SIZES["qk_nope"],
+            qk_rope_head_dim=MLA_SIZES["qk_rope"],
+            v_head_dim=MLA_SIZES["v_head"],
+            num_key_value_heads=v.sizes["heads"],
         )
     if v.family == "qwen2_5_vl":
         vs = VISION_SIZES
         vision = dict(
-            depth=vs["depth"], hidden_size=vs["hidden"], num_heads=vs["heads"], intermediate_size=vs["ffn"], out_hidden_size=v.sizes["hidden"],
-            patch_size=vs["patch"], temporal_patch_size=vs["temporal_patch"], spatial_merge_size=vs["merge"], fullatt_block_indexes=[vs["depth"] - 1],
+            depth=vs["depth"],
+            hidden_size=vs["hidden"],
+            num_heads=vs["heads"],
+            intermediate_size=vs["ffn"],
+            out_hidden_size=v.sizes["hidden"],
+            patch_size=vs["patch"],
+            temporal_patch_size=vs["temporal_patch"],
+            spatial_merge_size=vs["merge"],
+            fullatt_block_indexes=[vs["depth"] - 1],
         )
         config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=v.tied)
     else:
@@ -303,7 +394,10 @@ def _write_hf_weights(hf_dir: Path, weights: dict[str, torch.Tensor]) -> None:
         filename = f"model-{i + 1:05d}-of-{len(halves):05d}.safetensors"
         save_file({k: weights[k].contiguous() for k in part}, hf_dir / filename)
         weight_map.update({k: filename for k in part})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+        "weight_map": weight_map,
+    }
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -344,32 +438,52 @@ def _mla_shapes(s: dict) -> dict[str, tuple[int, ...]]:
     differ), fused q/kv norms, experts stacked within a layer, router expert bias."""
     m = MLA_SIZES
     H, E = s["hidden"], s["experts"]
-    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (s["vocab"], H), "decoder.final_layernorm.weight": (H,), "output_layer.weight": (s["vocab"], H)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "embedding.word_embeddings.weight": (s["vocab"], H),
+        "decoder.final_layernorm.weight": (H,),
+        "output_layer.weight": (s["vocab"], H),
+    }
     for i in range(m["layers"]):
         p = f"decoder.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "self_attention.linear_q_down_proj.weight": (m["q_lora_rank"], H),
-            p + "self_attention.linear_q_up_proj.layer_norm_weight": (m["q_lora_rank"],),
-            p + "self_attention.linear_q_up_proj.weight": (s["heads"] * (m["qk_nope"] + m["qk_rope"]), m["q_lora_rank"]),
-            p + "self_attention.linear_kv_down_proj.weight": (m["kv_lora_rank"] + m["qk_rope"], H),
-            p + "self_attention.linear_kv_up_proj.layer_norm_weight": (m["kv_lora_rank"],),
-            p + "self_attention.linear_kv_up_proj.weight": (s["heads"] * (m["qk_nope"] + m["v_head"]), m["kv_lora_rank"]),
-            p + "self_attention.linear_proj.weight": (H, s["heads"] * m["v_head"]),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "self_attention.linear_q_down_proj.weight": (m["q_lora_rank"], H),
+                p + "self_attention.linear_q_up_proj.layer_norm_weight": (m["q_lora_rank"],),
+                p + "self_attention.linear_q_up_proj.weight": (
+                    s["heads"] * (m["qk_nope"] + m["qk_rope"]),
+                    m["q_lora_rank"],
+                ),
+                p + "self_attention.linear_kv_down_proj.weight": (m["kv_lora_rank"] + m["qk_rope"], H),
+                p + "self_attention.linear_kv_up_proj.layer_norm_weight": (m["kv_lora_rank"],),
+                p + "self_attention.linear_kv_up_proj.weight": (
+                    s["heads"] * (m["qk_nope"] + m["v_head"]),
+                    m["kv_lora_rank"],
+                ),
+                p + "self_attention.linear_proj.weight": (H, s["heads"] * m["v_head"]),
+            }
+        )
         if i == 0:
-            shapes.update({p + "mlp.linear_fc1.layer_norm_weight": (H,), p + "mlp.linear_fc1.weight": (2 * s["ffn"], H), p + "mlp.linear_fc2.weight": (H, s["ffn"])})
+            shapes.update(
+                {
+                    p + "mlp.linear_fc1.layer_norm_weight": (H,),
+                    p + "mlp.linear_fc1.weight": (2 * s["ffn"], H),
+                    p + "mlp.linear_fc2.weight": (H, s["ffn"]),
+                }
+            )
         else:
             shared = s["moe_ffn"] * m["shared_experts"]
-            shapes.update({
-                p + "pre_mlp_layernorm.weight": (H,),
-                p + "mlp.router.weight": (E, H),
-                p + "mlp.router.expert_bias": (E,),
-                p + "mlp.experts.experts.linear_fc1.weight": (E, 2 * s["moe_ffn"], H),
-                p + "mlp.experts.experts.linear_fc2.weight": (E, H, s["moe_ffn"]),
-                p + "mlp.shared_experts.linear_fc1.weight": (2 * shared, H),
-                p + "mlp.shared_experts.linear_fc2.weight": (H, shared),
-            })
+            shapes.update(
+                {
+                    p + "pre_mlp_layernorm.weight": (H,),
+                    p + "mlp.router.weight": (E, H),
+                    p + "mlp.router.expert_bias": (E,),
+                    p + "mlp.experts.experts.linear_fc1.weight": (E, 2 * s["moe_ffn"], H),
+                    p + "mlp.experts.experts.linear_fc2.weight": (E, H, s["moe_ffn"]),
+                    p + "mlp.shared_experts.linear_fc1.weight": (2 * shared, H),
+                    p + "mlp.shared_experts.linear_fc2.weight": (H, shared),
+                }
+            )
     return shapes
 
 
@@ -406,14 +520,23 @@ def _write_handmade(v: Variant, dist_dir: Path, full: dict[str, torch.Tensor]) -
     dist_dir.mkdir(parents=True, exist_ok=True)
     if v.hf_weights:
         # Optimizer state only: Adam moments under megatron's "optimizer.state." keys.
-        state = {f"optimizer.state.{kind}.{key}": torch.zeros_like(t, dtype=torch.float32) for key, t in full.items() for kind in ("exp_avg", "exp_avg_sq")}
+        state = {
+            f"optimizer.state.{kind}.{key}": torch.zeros_like(t, dtype=torch.float32)
+            for key, t in full.items()
+            for kind in ("exp_avg", "exp_avg_sq")
+        }
     else:
         state = dict(full)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dist_dir)), no_dist=True)
     torch.save({}, dist_dir / "common.pt")
-    backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+    backend = {
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
     (dist_dir / "metadata.json").write_text(json.dumps(backend))
 
 
@@ -426,7 +549,12 @@ V2_MODES = {
     "hybrid": (True, True, False, ["model", "hf_model", "optimizer", "extra"]),
     "bridge_peft": (True, False, True, ["model", "optimizer", "extra"]),
 }
-V2_HF, V2_DIST, V2_OPTIMIZER, V2_EXTRA = "model/huggingface", "model/dist_ckpt", "optimizer/dist_ckpt", "extra/dist_ckpt"
+V2_HF, V2_DIST, V2_OPTIMIZER, V2_EXTRA = (
+    "model/huggingface",
+    "model/dist_ckpt",
+    "optimizer/dist_ckpt",
+    "extra/dist_ckpt",
+)
 
 
 def verl_manifest(mode: str, *, role: str, arch: str, global_step: int = 1, world_size: int = 2) -> dict:
@@ -443,12 +571,20 @@ def verl_manifest(mode: str, *, role: str, arch: str, global_step: int = 1, worl
             contents["model"] = model
         if "hf_model" in save_contents:
             # verl's note is a one-element tuple (a trailing comma), so JSON has a list
-            note = "HF export alongside Megatron model shards under model/dist_ckpt/" if dist_weights else "deduplicated with 'model' on the HF path"
+            note = (
+                "HF export alongside Megatron model shards under model/dist_ckpt/"
+                if dist_weights
+                else "deduplicated with 'model' on the HF path"
+            )
             contents["hf_model"] = {"path": V2_HF, "format": "huggingface", "note": [note]}
     if dist_weights:
         contents["model"] = {"path": V2_DIST, "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
     if hf_weights and peft:
-        contents["peft_adapters"] = {"path": V2_DIST, "format": "megatron_dist_checkpoint", "note": "PEFT adapter shards sit next to base-model HF weights, under model/dist_ckpt/."}
+        contents["peft_adapters"] = {
+            "path": V2_DIST,
+            "format": "megatron_dist_checkpoint",
+            "note": "PEFT adapter shards sit next to base-model HF weights, under model/dist_ckpt/.",
+        }
     if "optimizer" in save_contents:
         contents["optimizer"] = {"path": V2_OPTIMIZER, "format": "megatron_dist_checkpoint"}
         contents["lr_scheduler"] = {"path": V2_OPTIMIZER, "format": "megatron_dist_checkpoint", "key": "lr_scheduler"}
@@ -457,19 +593,37 @@ def verl_manifest(mode: str, *, role: str, arch: str, global_step: int = 1, worl
         contents["transformer_config"] = {"path": "transformer_config.json", "format": "json"}
     directories = {}
     if hf_weights:
-        contents["hf_config"] = {"path": V2_HF, "format": "huggingface", "note": "config.json, tokenizer, and optional generation_config.json"}
+        contents["hf_config"] = {
+            "path": V2_HF,
+            "format": "huggingface",
+            "note": "config.json, tokenizer, and optional generation_config.json",
+        }
         contents["tokenizer"] = {"path": V2_HF, "format": "huggingface"}
-        directories[V2_HF] = "HuggingFace-format artifacts written via mbridge: model weights, config.json, tokenizer files, and optional generation_config.json."
+        directories[V2_HF] = (
+            "HuggingFace-format artifacts written via mbridge: model weights, config.json, tokenizer files, and optional generation_config.json."
+        )
     if dist_weights or (hf_weights and peft):
-        directories[V2_DIST] = "Megatron dist_checkpointing shards for model weights (or PEFT adapter shards when mbridge is enabled)."
+        directories[V2_DIST] = (
+            "Megatron dist_checkpointing shards for model weights (or PEFT adapter shards when mbridge is enabled)."
+        )
     if "optimizer" in save_contents:
-        directories[V2_OPTIMIZER] = "Megatron dist_checkpointing shards for the optimizer state (includes lr_scheduler when present)."
+        directories[V2_OPTIMIZER] = (
+            "Megatron dist_checkpointing shards for the optimizer state (includes lr_scheduler when present)."
+        )
     if "extra" in save_contents:
         directories[V2_EXTRA] = "Megatron dist_checkpointing shards for extra state (rng_state)."
     return {
-        "schema_version": 2, "framework": "megatron", "role": role, "arch": arch, "global_step": global_step, "world_size": world_size,
+        "schema_version": 2,
+        "framework": "megatron",
+        "role": role,
+        "arch": arch,
+        "global_step": global_step,
+        "world_size": world_size,
         "backend": {"has_bridge": bridge, "use_dist_checkpointing": dist, "peft": peft},
-        "save_contents": save_contents, "contents": contents, "directories": directories, "saved_any_dist_ckpt": True,
+        "save_contents": save_contents,
+        "contents": contents,
+        "directories": directories,
+        "saved_any_dist_ckpt": True,
     }
 
 
@@ -544,7 +698,10 @@ def write_peft_adapter(reference_dir: Path, adapter_dir: Path, *, seed: int = 7)
 
     with warnings.catch_warnings():  # peft calls a transformers method deprecated in 5.x
         warnings.simplefilter("ignore", FutureWarning)
-        model = peft.get_peft_model(_reference_model(reference_dir), peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        model = peft.get_peft_model(
+            _reference_model(reference_dir),
+            peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
+        )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -573,7 +730,10 @@ def _reference_text(full: dict[str, torch.Tensor], v: Variant, src: str, dst: st
                 return full[f"{src}decoder.layers.{i}.{name}"]
         return None
 
-    out = {f"{dst}embed_tokens.weight": full[f"{src}embedding.word_embeddings.weight"], f"{dst}norm.weight": full[f"{src}decoder.final_layernorm.weight"]}
+    out = {
+        f"{dst}embed_tokens.weight": full[f"{src}embedding.word_embeddings.weight"],
+        f"{dst}norm.weight": full[f"{src}decoder.final_layernorm.weight"],
+    }
     head = full.get(f"{src}output_layer.weight")
     if v.value_model:
         out["score.weight"] = head
@@ -582,14 +742,19 @@ def _reference_text(full: dict[str, torch.Tensor], v: Variant, src: str, dst: st
         out["lm_head.weight"] = head
     for i in range(v.num_layers):
         p = f"{dst}layers.{i}."
-        out[p + "input_layernorm.weight"] = layer(i, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
-        out[p + "post_attention_layernorm.weight"] = layer(i, "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+        out[p + "input_layernorm.weight"] = layer(
+            i, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"
+        )
+        out[p + "post_attention_layernorm.weight"] = layer(
+            i, "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"
+        )
         out[p + "self_attn.o_proj.weight"] = layer(i, "self_attention.linear_proj.weight")
+        of_layer = functools.partial(layer, i)
         if v.family == "deepseek_v3":
-            out.update(_reference_mla(lambda name: layer(i, name), p))
+            out.update(_reference_mla(of_layer, p))
         else:
-            out.update(_reference_gqa(lambda name: layer(i, name), p, v))
-        out.update(_reference_mlp(lambda name: layer(i, name), full, f"{src}decoder.layers.", i, p, v))
+            out.update(_reference_gqa(of_layer, p, v))
+        out.update(_reference_mlp(of_layer, full, f"{src}decoder.layers.", i, p, v))
     return {k: t for k, t in out.items() if t is not None}
 
 
@@ -630,7 +795,9 @@ def _gate_up(get: Callable[[str], torch.Tensor | None], fc1: str) -> tuple[torch
     return None if gate is None else (gate, get(f"{fc1}.weight_v"))
 
 
-def _reference_mlp(get, full: dict[str, torch.Tensor], layers: str, i: int, p: str, v: Variant) -> dict[str, torch.Tensor]:
+def _reference_mlp(
+    get, full: dict[str, torch.Tensor], layers: str, i: int, p: str, v: Variant
+) -> dict[str, torch.Tensor]:
     out = {}
     dense = _gate_up(get, "mlp.linear_fc1")
     if dense is not None:
@@ -656,7 +823,9 @@ def _reference_mlp(get, full: dict[str, torch.Tensor], layers: str, i: int, p: s
                 return stacked[e]
             return full.get(f"{layers}{i}.mlp.experts.experts.{e}.{name}")
 
-        out[p + f"mlp.experts.{e}.gate_proj.weight"], out[p + f"mlp.experts.{e}.up_proj.weight"] = _gate_up(expert, "linear_fc1")
+        out[p + f"mlp.experts.{e}.gate_proj.weight"], out[p + f"mlp.experts.{e}.up_proj.weight"] = _gate_up(
+            expert, "linear_fc1"
+        )
         out[p + f"mlp.experts.{e}.down_proj.weight"] = expert("linear_fc2.weight")
     return out
 
@@ -691,14 +860,27 @@ def _reference_vision(full: dict[str, torch.Tensor], dst: str) -> dict[str, torc
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m merge_pipeline.sample_checkpoints.megatron", description="Write sample Megatron-Core role folders as verl lays them out.")
+    parser = argparse.ArgumentParser(
+        prog="python -m merge_pipeline.sample_checkpoints.megatron",
+        description="Write sample Megatron-Core role folders as verl lays them out.",
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS), help="repeatable; default: all")
-    parser.add_argument("--layout", choices=("v1", "v2"), default="v2", help="v2: verl 0.9 (ckpt_contents.json, model/...); v1: legacy dist_ckpt/ + huggingface/")
+    parser.add_argument(
+        "--layout",
+        choices=("v1", "v2"),
+        default="v2",
+        help="v2: verl 0.9 (ckpt_contents.json, model/...); v1: legacy dist_ckpt/ + huggingface/",
+    )
     args = parser.parse_args(argv)
-    samples = write_megatron_samples(args.out, [VARIANTS[name] for name in args.variant or sorted(VARIANTS)], layout=args.layout)
+    samples = write_megatron_samples(
+        args.out, [VARIANTS[name] for name in args.variant or sorted(VARIANTS)], layout=args.layout
+    )
     for sample in samples.values():
-        print(f"{sample.variant.name}: {sample.role_dir}" + (f" (original model: {sample.original_dir})" if sample.original_dir else ""))
+        print(
+            f"{sample.variant.name}: {sample.role_dir}"
+            + (f" (original model: {sample.original_dir})" if sample.original_dir else "")
+        )
 
 
 if __name__ == "__main__":

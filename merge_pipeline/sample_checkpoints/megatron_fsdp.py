@@ -61,7 +61,11 @@ def write_megatron_fsdp_sample(root: Path, *, world_size: int = 3, timeout: floa
     full = _handmade_weights(v)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(megatron_fsdp_state(full), out / "model_state.pt")
-    job = {"state": str(out / "model_state.pt"), "dist_dir": str(sample.role_dir / "model" / "dist_ckpt"), "timeout": int(timeout)}
+    job = {
+        "state": str(out / "model_state.pt"),
+        "dist_dir": str(sample.role_dir / "model" / "dist_ckpt"),
+        "timeout": int(timeout),
+    }
     run_torchrun_job(out, "merge_pipeline.sample_checkpoints.megatron_fsdp", job, nproc=world_size, timeout=timeout)
     (out / "model_state.pt").unlink()
     config = _hf_config(v)
@@ -92,12 +96,16 @@ def _rank_main(job_path: Path) -> None:
         def sharded(tensor: torch.Tensor) -> DTensor:
             chunks = torch.chunk(tensor, world_size, dim=0)
             local = chunks[rank] if rank < len(chunks) else tensor[:0]
-            return DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False, shape=tensor.shape, stride=tensor.stride())
+            return DTensor.from_local(
+                local.clone(), mesh, [Shard(0)], run_check=False, shape=tensor.shape, stride=tensor.stride()
+            )
 
         model = torch.load(job["state"], weights_only=True)
         state = {key: sharded(t) for key, t in model.items()}
         for key, t in model.items():
-            state[f"optimizer.state.{key.removeprefix('model.')}.exp_avg"] = sharded(torch.zeros_like(t, dtype=torch.float32))
+            state[f"optimizer.state.{key.removeprefix('model.')}.exp_avg"] = sharded(
+                torch.zeros_like(t, dtype=torch.float32)
+            )
         state[f"rng_state.(0, {rank}).0.torch_rng_state"] = torch.get_rng_state()
         dcp.save(state, storage_writer=dcp.FileSystemWriter(job["dist_dir"]))
     finally:
@@ -107,7 +115,9 @@ def _rank_main(job_path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m merge_pipeline.sample_checkpoints.megatron_fsdp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m merge_pipeline.sample_checkpoints.megatron_fsdp", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--world-size", type=int, default=3)
     args = parser.parse_args(argv)

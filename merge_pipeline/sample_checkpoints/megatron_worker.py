@@ -87,7 +87,9 @@ def _build_model(v: Variant, config):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=v.sizes["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=v.sizes["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm
+    )
     model = GPTModel(
         config,
         spec,
@@ -154,7 +156,9 @@ def _forward_logits(model, out_dir: Path) -> None:
 def _write_variant(v: Variant, out_dir: Path, dist_dir: Path) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp, expert_model_parallel_size=v.ep)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp, expert_model_parallel_size=v.ep
+    )
     try:
         model = _build_model(v, _transformer_config(v))
         full = _fill(model, v)
@@ -174,7 +178,11 @@ def _write_transformer_config(config, path: Path) -> None:
     """verl saves the TransformerConfig in the role folder; its plain fields are what readers use."""
     from dataclasses import fields
 
-    plain = {f.name: getattr(config, f.name) for f in fields(config) if isinstance(getattr(config, f.name), (bool, int, float, str, type(None)))}
+    plain = {
+        f.name: getattr(config, f.name)
+        for f in fields(config)
+        if isinstance(getattr(config, f.name), (bool, int, float, str, type(None)))
+    }
     path.write_text(json.dumps(plain, indent=2, sort_keys=True))
 
 

@@ -10,13 +10,24 @@ import tempfile
 from pathlib import Path
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package `chromium`
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1600,1000", "--virtual-time-budget=15000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1600,1000",
+    "--virtual-time-budget=15000",
+]
 
 
 def _run(url: str, *output_flags: str, timeout: float = 120) -> str:
     with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
         command = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *output_flags, url]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             out, err = process.communicate(timeout=timeout)
         finally:

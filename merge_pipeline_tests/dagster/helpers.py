@@ -27,7 +27,9 @@ class Roots:
     output: Path
 
     def settings(self, settle_seconds: float = 60.0) -> MergeSettings:
-        return MergeSettings(checkpoint_roots=[str(self.checkpoints)], output_root=str(self.output), settle_seconds=settle_seconds)
+        return MergeSettings(
+            checkpoint_roots=[str(self.checkpoints)], output_root=str(self.output), settle_seconds=settle_seconds
+        )
 
     def target(self, key: str) -> Path:
         return self.settings().target_dir(CheckpointKey.parse(key))
@@ -39,14 +41,25 @@ class Roots:
         ``link``: hard links instead of copies (many steps at no disk cost; never write to them).
         """
         role_dir = self.checkpoints / step_dir / sample.role_dir.name
-        shutil.copytree(sample.role_dir, role_dir, copy_function=os.link if link else shutil.copy)  # fresh mtimes, as if just saved
+        shutil.copytree(
+            sample.role_dir, role_dir, copy_function=os.link if link else shutil.copy
+        )  # fresh mtimes, as if just saved
         if tracker is not None:
             (role_dir.parent.parent / TRACKER).write_text(str(tracker))
         return role_dir
 
 
-def materialize(instance, settings: MergeSettings, key: str, *, merge_config: dict | None = None, selection=CHAIN) -> dg.ExecuteInProcessResult:
+def materialize(
+    instance, settings: MergeSettings, key: str, *, merge_config: dict | None = None, selection=CHAIN
+) -> dg.ExecuteInProcessResult:
     """Run the merge chain (and its checks) for one partition, as the merge job does; failures are returned."""
     instance.add_dynamic_partitions("checkpoints", [key])
     run_config = {"ops": {"hf_model": {"config": merge_config}}} if merge_config else None
-    return dg.materialize(selection, partition_key=key, instance=instance, resources={"settings": settings}, run_config=run_config, raise_on_error=False)
+    return dg.materialize(
+        selection,
+        partition_key=key,
+        instance=instance,
+        resources={"settings": settings},
+        run_config=run_config,
+        raise_on_error=False,
+    )

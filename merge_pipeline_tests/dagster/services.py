@@ -21,15 +21,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
-
 VENV_BIN = Path(sys.executable).parent
 
 SENSOR_TICKS_QUERY = """
 query Ticks($sensor: SensorSelector!) {
   sensorOrError(sensorSelector: $sensor) { ... on Sensor { sensorState { ticks(limit: 1) { status } } } }
 }"""
-LOCATIONS_QUERY = "{ workspaceOrError { ... on Workspace { locationEntries { name locationOrLoadError { __typename } } } } }"
+LOCATIONS_QUERY = (
+    "{ workspaceOrError { ... on Workspace { locationEntries { name locationOrLoadError { __typename } } } } }"
+)
 RUNS_QUERY = """
 query Runs($filter: RunsFilter) {
   runsOrError(filter: $filter) { ... on Runs { results { runId status startTime endTime tags { key value } } } }
@@ -43,7 +43,11 @@ class Dagster:
     logs: list[Path]
 
     def graphql(self, query: str, variables: dict) -> dict:
-        request = urllib.request.Request(f"{self.url}/graphql", data=json.dumps({"query": query, "variables": variables}).encode(), headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.url}/graphql",
+            data=json.dumps({"query": query, "variables": variables}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
             body = json.load(response)
         assert "errors" not in body, body["errors"]
@@ -55,7 +59,11 @@ class Dagster:
 
     def wait_for_sensor_tick(self, sensor: str, timeout: float = 240) -> None:
         """Until the daemon has evaluated ``sensor`` once: from then on a new checkpoint meets a running system."""
-        selector = {"repositoryLocationName": "merge_pipeline", "repositoryName": "__repository__", "sensorName": sensor}
+        selector = {
+            "repositoryLocationName": "merge_pipeline",
+            "repositoryName": "__repository__",
+            "sensorName": sensor,
+        }
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = self.graphql(SENSOR_TICKS_QUERY, {"sensor": selector})["sensorOrError"]
@@ -79,7 +87,9 @@ def _default_sigint() -> None:
 
 
 @contextlib.contextmanager
-def running_dagster_dev(project: Path, env: dict[str, str], log: Path, *, command: str = "dagster", start_timeout: float = 300) -> Iterator[Dagster]:
+def running_dagster_dev(
+    project: Path, env: dict[str, str], log: Path, *, command: str = "dagster", start_timeout: float = 300
+) -> Iterator[Dagster]:
     """Plain ``dagster dev`` (or ``dg dev``) in ``project`` on 127.0.0.1, as a user starts it: no
     DAGSTER_HOME, no -w; stopped on exit whatever happens. Its instance lives in the
     ``.tmp_dagster_home_*`` folder it makes."""
@@ -87,7 +97,15 @@ def running_dagster_dev(project: Path, env: dict[str, str], log: Path, *, comman
     dagster = Dagster(f"http://127.0.0.1:{port}", project, [log])
     env = {k: v for k, v in {**os.environ, **env}.items() if k != "DAGSTER_HOME"}
     with open(log, "wb") as out:
-        process = subprocess.Popen([str(VENV_BIN / command), "dev", "--host", "127.0.0.1", "--port", str(port)], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
+        process = subprocess.Popen(
+            [str(VENV_BIN / command), "dev", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=project,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
     try:
         _wait_until_serving(dagster, [process], start_timeout)
         yield dagster

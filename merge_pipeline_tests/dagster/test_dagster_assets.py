@@ -38,7 +38,9 @@ def test_chain_publishes_a_bit_exact_verified_folder(fsdp_checkpoint, roots, ins
     assert set(merged) == set(reference)
     for name, tensor in reference.items():
         assert same_bits(merged[name], tensor.to(dtype) if dtype else tensor), name
-    assert json.loads((target / "config.json").read_text())["dtype"] == str(dtype or torch.float32).removeprefix("torch.")
+    assert json.loads((target / "config.json").read_text())["dtype"] == str(dtype or torch.float32).removeprefix(
+        "torch."
+    )
     assert (target / "model.safetensors.index.json").is_file() == (merge_config == SHARDED)
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks == {"loads_on_meta_device": True, "index_matches_shards": True, "manifest_sha256": True}
@@ -52,24 +54,46 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
 
     result = materialize(instance, settings, "run/global_step_3/actor", merge_config={**SHARDED, "dtype": "bfloat16"})
 
-    metadata = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
+    metadata = {
+        e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()
+    }
     assert set(metadata) == {"hf_model"}  # the checkpoint is the trainer's: the sensor records it
     published = metadata["hf_model"]
-    assert published["backend"].value == "fsdp" and published["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
-    assert (published["world_size"].value, published["fsdp_version"].value, published["architecture"].value) == (2, 2, "Qwen2ForCausalLM")
-    assert published["parameters"].value == sum(t.numel() for t in load_file(sample.reference_dir / "model.safetensors").values())
+    assert (
+        published["backend"].value == "fsdp"
+        and published["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
+    )
+    assert (published["world_size"].value, published["fsdp_version"].value, published["architecture"].value) == (
+        2,
+        2,
+        "Qwen2ForCausalLM",
+    )
+    assert published["parameters"].value == sum(
+        t.numel() for t in load_file(sample.reference_dir / "model.safetensors").values()
+    )
     assert published["tensors"].value == 27 and published["throughput"].value.endswith("/s")
-    assert published["dtype"].value == "bfloat16" and published["tensor dtypes"].value == {"float32 -> bfloat16": 27}  # what was written
+    assert published["dtype"].value == "bfloat16" and published["tensor dtypes"].value == {
+        "float32 -> bfloat16": 27
+    }  # what was written
     assert published["peak_rss_bytes"].value > 0 and "peak RSS (whole process)" in published
     target = roots.target("run/global_step_3/actor")
-    assert published["path"].value == str(target) and published["source"].value == str(sample_dir := roots.checkpoints / "run/global_step_3/actor") and sample_dir.is_dir()
-    assert not any("staging" in str(v.value) for v in published.values()), "no metadata points at the staging folder, which is gone"
+    assert (
+        published["path"].value == str(target)
+        and published["source"].value == str(sample_dir := roots.checkpoints / "run/global_step_3/actor")
+        and sample_dir.is_dir()
+    )
+    assert not any("staging" in str(v.value) for v in published.values()), (
+        "no metadata points at the staging folder, which is gone"
+    )
     manifest = json.loads((target / MANIFEST).read_text())["files"]
     assert len(manifest) == 9 and {p.name for p in target.iterdir()} - {MANIFEST} == set(manifest)
     for name, f in manifest.items():  # every sha256 in full, readable in the Markdown table
         assert f"| {name} | " in published["files"].value and f"`{f['sha256']}`" in published["files"].value
     checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
-    assert {name: (m["tensors"].value, m["weight files"].value, m["files in manifest"].value, m["problem count"].value) for name, m in checks.items()} == dict.fromkeys(checks, (27, 3, 9, 0))
+    assert {
+        name: (m["tensors"].value, m["weight files"].value, m["files in manifest"].value, m["problem count"].value)
+        for name, m in checks.items()
+    } == dict.fromkeys(checks, (27, 3, 9, 0))
 
 
 def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkeypatch):
@@ -86,10 +110,18 @@ def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkey
 @pytest.fixture(scope="module")
 def megatron_samples(tmp_path_factory):
     """A real megatron-core TP=2 dist checkpoint, and verl's default layout (weights as HF safetensors)."""
-    return write_megatron_samples(tmp_path_factory.mktemp("megatron"), [VARIANTS["qwen2_tp2"], VARIANTS["qwen2_hf_weights"]])
+    return write_megatron_samples(
+        tmp_path_factory.mktemp("megatron"), [VARIANTS["qwen2_tp2"], VARIANTS["qwen2_hf_weights"]]
+    )
 
 
-@pytest.mark.parametrize("name, parallel", [("qwen2_tp2", {"tp": 2, "pp": 1, "sharded_backend": "torch_dist"}), ("qwen2_hf_weights", {"weights": "huggingface safetensors"})])
+@pytest.mark.parametrize(
+    "name, parallel",
+    [
+        ("qwen2_tp2", {"tp": 2, "pp": 1, "sharded_backend": "torch_dist"}),
+        ("qwen2_hf_weights", {"weights": "huggingface safetensors"}),
+    ],
+)
 def test_megatron_checkpoints_flow_through_the_same_assets(megatron_samples, roots, instance, name, parallel):
     sample = megatron_samples[name]
     roots.drop(sample, f"{name}/global_step_1", tracker=1)
@@ -101,6 +133,12 @@ def test_megatron_checkpoints_flow_through_the_same_assets(megatron_samples, roo
     reference = load_file(sample.reference_dir / "model.safetensors")
     merged = load_safetensors_dir(roots.target(key))
     assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
-    assert all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
-    [metadata] = [e.materialization.metadata for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "hf_model"]
+    assert (
+        all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
+    )
+    [metadata] = [
+        e.materialization.metadata
+        for e in result.get_asset_materialization_events()
+        if e.asset_key.to_user_string() == "hf_model"
+    ]
     assert metadata["backend"].value == "megatron" and {k: metadata[k].value for k in parallel} == parallel

@@ -23,23 +23,39 @@ DG = os.path.join(os.path.dirname(sys.executable), "dg")
 
 def test_workspace_and_dg_load_the_definitions_module():
     [location] = yaml.safe_load((PROJECT_ROOT / "workspace.yaml").read_text())["load_from"]
-    assert location["python_module"] == {"module_name": "merge_pipeline.definitions", "attribute": "defs", "location_name": "merge_pipeline"}
+    assert location["python_module"] == {
+        "module_name": "merge_pipeline.definitions",
+        "attribute": "defs",
+        "location_name": "merge_pipeline",
+    }
     project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["dg"]
-    assert project["directory_type"] == "project" and project["project"]["code_location_target_module"] == "merge_pipeline.definitions"
+    assert (
+        project["directory_type"] == "project"
+        and project["project"]["code_location_target_module"] == "merge_pipeline.definitions"
+    )
 
 
 def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"} | {"DAGSTER_DISABLE_TELEMETRY": "1", "HOME": str(tmp_path)}
-    checked = subprocess.run([DG, "check", "defs"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"} | {
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+        "HOME": str(tmp_path),
+    }
+    checked = subprocess.run(
+        [DG, "check", "defs"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert checked.returncode == 0, checked.stderr[-3000:]
-    listed = subprocess.run([DG, "list", "defs", "--json"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    listed = subprocess.run(
+        [DG, "list", "defs", "--json"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert listed.returncode == 0, listed.stderr[-3000:]
     for name in ("hf_model", "checkpoint", "merge_checkpoint", "new_checkpoint_sensor", "merge_failure_webhook"):
         assert name in listed.stdout, name
 
 
 def test_dg_dev_serves_the_location_from_the_project_root(tmp_path):
-    with running_dagster_dev(PROJECT_ROOT, {"DAGSTER_DISABLE_TELEMETRY": "1"}, tmp_path / "dg_dev.log", command="dg") as served:
+    with running_dagster_dev(
+        PROJECT_ROOT, {"DAGSTER_DISABLE_TELEMETRY": "1"}, tmp_path / "dg_dev.log", command="dg"
+    ) as served:
         [entry] = served.graphql(LOCATIONS_QUERY, {})["workspaceOrError"]["locationEntries"]
     assert entry == {"name": "merge_pipeline", "locationOrLoadError": {"__typename": "RepositoryLocation"}}
 
@@ -59,7 +75,11 @@ def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_with_its_ch
 def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy():
     specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
     for name in ("checkpoint", "hf_model"):
-        assert specs[name].owners == ["team:training-infra"] and specs[name].group_name == "merge" and specs[name].tags["stage"]
+        assert (
+            specs[name].owners == ["team:training-infra"]
+            and specs[name].group_name == "merge"
+            and specs[name].tags["stage"]
+        )
     assert {"safetensors", "huggingface"} <= specs["hf_model"].kinds and "pytorch" in specs["checkpoint"].kinds
     assert "dagster/code_references" in specs["hf_model"].metadata
     assert specs["hf_model"].freshness_policy.fail_window.to_timedelta().total_seconds() == 30 * 60
@@ -68,12 +88,16 @@ def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy()
 
 def test_sensors_run_by_default_and_the_hub_schedule_only_with_an_organization(tmp_path):
     assert defs.resolve_sensor_def("new_checkpoint_sensor").default_status == dg.DefaultSensorStatus.RUNNING
-    assert defs.resolve_sensor_def("merge_failure_webhook").default_status == dg.DefaultSensorStatus.RUNNING  # inert without a URL
+    assert (
+        defs.resolve_sensor_def("merge_failure_webhook").default_status == dg.DefaultSensorStatus.RUNNING
+    )  # inert without a URL
     code = "from merge_pipeline.definitions import defs; print(defs.resolve_schedule_def('publish_latest_steps').default_status.value)"
     statuses = {}
     for org in ("", "my-org"):
         env = {**os.environ, "MERGE_PIPELINE_HUB_ORG": org, "PYTHONPATH": str(PROJECT_ROOT)}
-        statuses[org] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+        statuses[org] = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120
+        ).stdout.strip()
     assert statuses == {"": "STOPPED", "my-org": "RUNNING"}
 
 
@@ -85,12 +109,21 @@ def test_dagster_yaml_queues_runs_limits_heavy_merges_and_retries_crashes(tmp_pa
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
         assert concurrency.run_queue_config.tag_concurrency_limits == [{"key": HEAVY_TAG, "limit": 1}]
         # run granularity: a run holding hf_model waits in the queue for the pool's one slot, whoever launched it
-        assert (concurrency.pool_config.default_pool_limit, concurrency.pool_config.pool_granularity.value) == (1, "run")
-        assert instance.run_retries_enabled and instance.run_retries_max_retries == 2 and not instance.run_retries_retry_on_asset_or_op_failure
+        assert (concurrency.pool_config.default_pool_limit, concurrency.pool_config.pool_granularity.value) == (
+            1,
+            "run",
+        )
+        assert (
+            instance.run_retries_enabled
+            and instance.run_retries_max_retries == 2
+            and not instance.run_retries_retry_on_asset_or_op_failure
+        )
         assert instance.root_directory == str(tmp_path) and (tmp_path / "history" / "runs.db").exists()
     settings = yaml.safe_load((PROJECT_ROOT / "dagster.yaml").read_text())
     assert settings["telemetry"] == {"enabled": False} and settings["nux"] == {"enabled": False}
-    assert "storage" not in settings  # Dagster's default, in the instance folder: plain `dagster dev` needs no DAGSTER_HOME
+    assert (
+        "storage" not in settings
+    )  # Dagster's default, in the instance folder: plain `dagster dev` needs no DAGSTER_HOME
 
 
 def test_env_example_lists_every_setting_the_code_reads():
@@ -110,9 +143,31 @@ def test_dg_launch_merges_one_partition(fsdp_checkpoint, roots, instance, tmp_pa
     roots.drop(sample, "run/global_step_1", tracker=1)
     key = "run/global_step_1/actor"
     instance.add_dynamic_partitions("checkpoints", [key])
-    env = {**os.environ, "DAGSTER_DISABLE_TELEMETRY": "1", "HOME": str(tmp_path), "MERGE_PIPELINE_CHECKPOINT_ROOTS": str(roots.checkpoints), "MERGE_PIPELINE_OUTPUT_ROOT": str(roots.output)}
+    env = {
+        **os.environ,
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+        "HOME": str(tmp_path),
+        "MERGE_PIPELINE_CHECKPOINT_ROOTS": str(roots.checkpoints),
+        "MERGE_PIPELINE_OUTPUT_ROOT": str(roots.output),
+    }
 
-    launched = subprocess.run([DG, "launch", "--assets", "hf_model", "--partition", key, "--config-json", '{"ops": {"hf_model": {"config": {"max_shard_size": "200KB"}}}}'], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    launched = subprocess.run(
+        [
+            DG,
+            "launch",
+            "--assets",
+            "hf_model",
+            "--partition",
+            key,
+            "--config-json",
+            '{"ops": {"hf_model": {"config": {"max_shard_size": "200KB"}}}}',
+        ],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
     assert launched.returncode == 0, launched.stderr[-3000:]
     merged, reference = load_safetensors_dir(roots.target(key)), load_file(sample.reference_dir / "model.safetensors")

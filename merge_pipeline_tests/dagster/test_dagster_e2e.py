@@ -41,7 +41,13 @@ query Sensor($sensor: SensorSelector!) { sensorOrError(sensorSelector: $sensor) 
 
 def clean_copy(destination) -> None:
     """The project's files as a fresh clone has them: tracked and not ignored, no .venv, no instance."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=PROJECT_ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=PROJECT_ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         if (PROJECT_ROOT / name).is_file():
             (destination / name).parent.mkdir(parents=True, exist_ok=True)
@@ -52,7 +58,9 @@ def clean_copy(destination) -> None:
 def settings(tmp_path_factory) -> MergeSettings:
     base = tmp_path_factory.mktemp("e2e")
     (base / "checkpoints").mkdir()
-    return MergeSettings(checkpoint_roots=[str(base / "checkpoints")], output_root=str(base / "merged"), settle_seconds=3600)
+    return MergeSettings(
+        checkpoint_roots=[str(base / "checkpoints")], output_root=str(base / "merged"), settle_seconds=3600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +70,19 @@ def dagster(settings, tmp_path_factory):
     assert not list(project.glob(".tmp_dagster_home_*")) and (project / "dagster.yaml").is_file()
     example = (project / ".env.example").read_text()
     (project / ".env").write_text(  # what a user does: copy .env.example and set the roots; Dagster loads it
-        example.replace("MERGE_PIPELINE_CHECKPOINT_ROOTS=demo/checkpoints", f"MERGE_PIPELINE_CHECKPOINT_ROOTS={settings.checkpoint_roots[0]}")
+        example.replace(
+            "MERGE_PIPELINE_CHECKPOINT_ROOTS=demo/checkpoints",
+            f"MERGE_PIPELINE_CHECKPOINT_ROOTS={settings.checkpoint_roots[0]}",
+        )
         .replace("MERGE_PIPELINE_OUTPUT_ROOT=demo/merged", f"MERGE_PIPELINE_OUTPUT_ROOT={settings.output_root}")
-        .replace("MERGE_PIPELINE_SETTLE_SECONDS=60", f"MERGE_PIPELINE_SETTLE_SECONDS={settings.settle_seconds:g}")  # only the tracker completes a step
+        .replace(
+            "MERGE_PIPELINE_SETTLE_SECONDS=60", f"MERGE_PIPELINE_SETTLE_SECONDS={settings.settle_seconds:g}"
+        )  # only the tracker completes a step
         .replace("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS=10", "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS=2")
     )
-    with running_dagster_dev(project, {"PYTHONPATH": str(project)}, tmp_path_factory.mktemp("logs") / "dagster_dev.log") as served:
+    with running_dagster_dev(
+        project, {"PYTHONPATH": str(project)}, tmp_path_factory.mktemp("logs") / "dagster_dev.log"
+    ) as served:
         served.wait_for_sensor_tick("new_checkpoint_sensor")
         assert list(project.glob(".tmp_dagster_home_*")), "the instance lives in dagster dev's own folder"
         yield served
@@ -113,15 +128,25 @@ def test_sensor_merges_a_dropped_checkpoint_bit_exact(merged, dagster, settings,
     assert set(output) == set(reference) and all(same_bits(output[n], t) for n, t in reference.items())
     record_property("checkpoint_to_published_seconds", round(latency, 1))
     record_property("sensor_run_seconds", round(run_seconds(run), 1))
-    print(f"checkpoint dropped -> merged folder published: {latency:.1f} s; the sensor's run took {run_seconds(run):.1f} s")
+    print(
+        f"checkpoint dropped -> merged folder published: {latency:.1f} s; the sensor's run took {run_seconds(run):.1f} s"
+    )
     assert latency < 120
 
 
-def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors(merged, dagster, settings, record_property):
+def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors(
+    merged, dagster, settings, record_property
+):
     """The UI's Materialize (one partition, overwrite in the Launchpad) launches the implicit asset job."""
     _, sensor_run, _ = merged
     params = {
-        "selector": {"repositoryLocationName": "merge_pipeline", "repositoryName": "__repository__", "pipelineName": "__ASSET_JOB", "assetSelection": [{"path": ["hf_model"]}], "assetCheckSelection": [{"assetKey": {"path": ["hf_model"]}, "name": c} for c in CHECK_NAMES]},
+        "selector": {
+            "repositoryLocationName": "merge_pipeline",
+            "repositoryName": "__repository__",
+            "pipelineName": "__ASSET_JOB",
+            "assetSelection": [{"path": ["hf_model"]}],
+            "assetCheckSelection": [{"assetKey": {"path": ["hf_model"]}, "name": c} for c in CHECK_NAMES],
+        },
         "mode": "default",
         "runConfigData": {"ops": {"hf_model": {"config": {"overwrite": True, "dtype": "bfloat16"}}}},
         "executionMetadata": {"tags": [{"key": "dagster/partition", "value": KEY}]},
@@ -137,7 +162,10 @@ def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors
     ui, sensor = run_seconds(run), run_seconds(sensor_run)
     record_property("ui_run_seconds", round(ui, 1))
     print(f"run time: UI-launched {ui:.1f} s, sensor-launched {sensor:.1f} s")
-    assert ui < max(2 * sensor, sensor + 15), (ui, sensor)  # one process: no per-step torch import (was 40-53 s vs ~5 s)
+    assert ui < max(2 * sensor, sensor + 15), (
+        ui,
+        sensor,
+    )  # one process: no per-step torch import (was 40-53 s vs ~5 s)
 
 
 def test_checks_are_offered_only_with_the_merge(dagster):
@@ -163,7 +191,11 @@ def test_a_broken_checkpoint_fails_in_one_line_and_the_sensor_says_so(failed, da
     run, rank_file = failed
     assert run["status"] == "FAILURE"
     assert not settings.target_dir(CheckpointKey.parse(BROKEN)).exists()
-    selector = {"repositoryLocationName": "merge_pipeline", "repositoryName": "__repository__", "sensorName": "new_checkpoint_sensor"}
+    selector = {
+        "repositoryLocationName": "merge_pipeline",
+        "repositoryName": "__repository__",
+        "sensorName": "new_checkpoint_sensor",
+    }
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         [last] = dagster.graphql(SENSOR, {"sensor": selector})["sensorOrError"]["sensorState"]["ticks"]

@@ -44,7 +44,13 @@ def webhook_receiver():
 def failure_context(instance, result, webhook: AlertWebhook) -> dg.RunFailureSensorContext:
     run = instance.get_run_by_id(result.run_id)
     [run_failure] = [e for e in result.all_events if e.event_type_value == "PIPELINE_FAILURE"]
-    return dg.build_run_status_sensor_context(sensor_name="merge_failure_webhook", dagster_event=run_failure, dagster_instance=instance, dagster_run=run, resources={"alert_webhook": webhook}).for_run_failure()
+    return dg.build_run_status_sensor_context(
+        sensor_name="merge_failure_webhook",
+        dagster_event=run_failure,
+        dagster_instance=instance,
+        dagster_run=run,
+        resources={"alert_webhook": webhook},
+    ).for_run_failure()
 
 
 def test_a_failed_run_is_posted_to_the_webhook(fsdp_checkpoint, roots, instance, monkeypatch):
@@ -88,4 +94,8 @@ def test_settings_are_read_from_the_environment_when_used(tmp_path, monkeypatch)
     monkeypatch.setenv("MERGE_PIPELINE_OUTPUT_ROOT", str(tmp_path / "merged"))
     monkeypatch.setenv("MERGE_PIPELINE_SETTLE_SECONDS", "5")
 
-    assert (settings.roots, settings.output_dir, settings.settle_time) == ([tmp_path / "a", tmp_path / "b"], tmp_path / "merged", 5.0)
+    assert (settings.roots, settings.output_dir, settings.settle_time) == (
+        [tmp_path / "a", tmp_path / "b"],
+        tmp_path / "merged",
+        5.0,
+    )

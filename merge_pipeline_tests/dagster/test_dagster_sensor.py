@@ -21,7 +21,9 @@ from merge_pipeline_tests.helpers import tree_digest
 
 
 def tick(instance, settings, cursor=None) -> dg.SensorResult:
-    return new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings}))
+    return new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings})
+    )
 
 
 def requested(result: dg.SensorResult) -> list[str]:
@@ -49,7 +51,9 @@ def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, root
     assert (added.partitions_def_name, list(added.partition_keys)) == ("checkpoints", keys)
     assert json.loads(result.cursor) == keys
     # each saved checkpoint recorded as the external asset's event, with where it is and why it counts as complete
-    assert [(e.asset_key.to_user_string(), e.partition) for e in result.asset_events] == [("checkpoint", k) for k in keys]
+    assert [(e.asset_key.to_user_string(), e.partition) for e in result.asset_events] == [
+        ("checkpoint", k) for k in keys
+    ]
     assert [e.metadata["path"].value for e in result.asset_events] == [str(actor), str(critic)]
     assert result.asset_events[1].metadata["completeness"].value == "latest_checkpointed_iteration.txt says 5 >= 5"
 
@@ -60,7 +64,9 @@ def test_partial_checkpoint_waits_until_the_trainer_says_it_is_done(fsdp_checkpo
 
     waiting = tick(instance, settings)
     assert requested(waiting) == [] and waiting.dynamic_partitions_requests == []
-    assert waiting.skip_reason.skip_message.startswith("waiting for 1 partial checkpoint(s): run/global_step_6/actor (latest_checkpointed_iteration.txt says 5; a file changed")
+    assert waiting.skip_reason.skip_message.startswith(
+        "waiting for 1 partial checkpoint(s): run/global_step_6/actor (latest_checkpointed_iteration.txt says 5; a file changed"
+    )
 
     (roots.checkpoints / "run" / TRACKER).write_text("6")
     assert requested(tick(instance, settings, waiting.cursor)) == ["run/global_step_6/actor"]
@@ -142,7 +148,14 @@ def test_steps_already_merged_are_skipped(fsdp_checkpoint, roots, instance):
 
 def test_finds_steps_up_to_three_levels_deep_and_maps_keys_back(fsdp_checkpoint, roots, instance):
     sample = fsdp_checkpoint(ACTOR)
-    for step_dir in ["global_step_1", "a/global_step_1", "a/b/global_step_1", "a/b/c/global_step_1", ".trash/global_step_1", "merged/x/global_step_1"]:
+    for step_dir in [
+        "global_step_1",
+        "a/global_step_1",
+        "a/b/global_step_1",
+        "a/b/c/global_step_1",
+        ".trash/global_step_1",
+        "merged/x/global_step_1",
+    ]:
         roots.drop(sample, step_dir, link=True)
         (roots.checkpoints / step_dir).parent.joinpath(TRACKER).write_text("1")
     settings = MergeSettings(checkpoint_roots=[str(roots.checkpoints)], output_root=str(roots.checkpoints / "merged"))
@@ -154,7 +167,17 @@ def test_finds_steps_up_to_three_levels_deep_and_maps_keys_back(fsdp_checkpoint,
         assert settings.role_dir(CheckpointKey.parse(key)) == roots.checkpoints / key.removeprefix("checkpoints/")
 
 
-@pytest.mark.parametrize("key", ["global_step_1/actor", "run/global_step_x/actor", "run/global_step_1/reward", "../run/global_step_1/actor", "/abs/global_step_1/actor", "a//b/global_step_1/actor"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "global_step_1/actor",
+        "run/global_step_x/actor",
+        "run/global_step_1/reward",
+        "../run/global_step_1/actor",
+        "/abs/global_step_1/actor",
+        "a//b/global_step_1/actor",
+    ],
+)
 def test_malformed_partition_keys_are_refused(key):
     with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor|critic>"):
         CheckpointKey.parse(key)
@@ -167,7 +190,9 @@ def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_chec
     settings = roots.settings()
     first = tick(instance, settings)
     instance.add_dynamic_partitions("checkpoints", requested(first))
-    merge_checkpoint(roots.checkpoints / "run/global_step_1/actor", roots.target("run/global_step_1/actor"), show_progress=False)
+    merge_checkpoint(
+        roots.checkpoints / "run/global_step_1/actor", roots.target("run/global_step_1/actor"), show_progress=False
+    )
     merged = tree_digest(roots.target("run/global_step_1/actor"))
     shutil.rmtree(roots.checkpoints / "run" / "global_step_1")  # merged, then rotated away
     shutil.rmtree(roots.checkpoints / "run" / "global_step_2")  # rotated away before its merge
@@ -175,7 +200,9 @@ def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_chec
     after = tick(instance, settings, first.cursor)
 
     [removed] = after.dynamic_partitions_requests
-    assert isinstance(removed, dg.DeleteDynamicPartitionsRequest) and list(removed.partition_keys) == ["run/global_step_2/actor"]
+    assert isinstance(removed, dg.DeleteDynamicPartitionsRequest) and list(removed.partition_keys) == [
+        "run/global_step_2/actor"
+    ]
     assert tree_digest(roots.target("run/global_step_1/actor")) == merged
     # an unreadable root proves nothing: no partition is removed while it cannot be read
     shutil.rmtree(roots.checkpoints)
@@ -192,4 +219,7 @@ def test_skip_reason_lists_partitions_whose_last_merge_failed(fsdp_checkpoint, r
 
     reason = tick(instance, settings, first.cursor).skip_reason.skip_message
 
-    assert reason == "no new checkpoints (1 known) | last merge failed for 1: run/global_step_1/actor (see Runs; re-execute or backfill them)"
+    assert (
+        reason
+        == "no new checkpoints (1 known) | last merge failed for 1: run/global_step_1/actor (see Runs; re-execute or backfill them)"
+    )

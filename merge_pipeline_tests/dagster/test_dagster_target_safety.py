@@ -20,7 +20,10 @@ def test_overwrite_refuses_a_folder_it_did_not_write(fsdp_checkpoint, roots, ins
 
     result = materialize(instance, roots.settings(), KEY, merge_config={"overwrite": True})
 
-    assert failure(result) == ("hf_model", f"{target}: is not empty and has no merge_manifest.json from merge_pipeline: not replaced, even with overwrite: true in hf_model's run config (move it away or choose another MERGE_PIPELINE_OUTPUT_ROOT)")
+    assert failure(result) == (
+        "hf_model",
+        f"{target}: is not empty and has no merge_manifest.json from merge_pipeline: not replaced, even with overwrite: true in hf_model's run config (move it away or choose another MERGE_PIPELINE_OUTPUT_ROOT)",
+    )
     assert tree_digest(target) == before and not staging_path(target).exists()
 
 
@@ -30,5 +33,10 @@ def test_merge_step_fails_in_one_line_while_a_merge_writes_the_target(fsdp_check
 
     with merge_in_progress(target, role_dir) as merge:
         result = materialize(instance, roots.settings(), KEY)
-        assert failure(result) == ("hf_model", f"{target}: another merge (pid {merge.pid}) is writing this target right now")
-        assert (staging_path(target) / "model.safetensors").read_bytes() == b"a merge half way", "the running merge's staging must survive"
+        assert failure(result) == (
+            "hf_model",
+            f"{target}: another merge (pid {merge.pid}) is writing this target right now",
+        )
+        assert (staging_path(target) / "model.safetensors").read_bytes() == b"a merge half way", (
+            "the running merge's staging must survive"
+        )

@@ -25,8 +25,12 @@ def test_torchrun_launcher_matches_in_process(fsdp_checkpoint, roots, instance):
     in_process = materialize(instance, settings, "ip/global_step_1/actor", merge_config=INPROCESS)
 
     assert by_torchrun.success and in_process.success
-    weights = {name: digest for name, digest in tree_digest(roots.target("tr/global_step_1/actor")).items() if name != MANIFEST}
-    assert weights == {name: digest for name, digest in tree_digest(roots.target("ip/global_step_1/actor")).items() if name != MANIFEST}
+    weights = {
+        name: digest for name, digest in tree_digest(roots.target("tr/global_step_1/actor")).items() if name != MANIFEST
+    }
+    assert weights == {
+        name: digest for name, digest in tree_digest(roots.target("ip/global_step_1/actor")).items() if name != MANIFEST
+    }
     ours, theirs = weights_metadata(by_torchrun), weights_metadata(in_process)
     assert set(ours) - {"peak RSS (largest rank)"} == set(theirs) - {"peak RSS (whole process)"}
     for key in ("tensors", "bytes", "dtype", "max_shard_size", "files"):

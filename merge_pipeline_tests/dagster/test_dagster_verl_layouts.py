@@ -32,7 +32,9 @@ def test_sensor_finds_an_sft_step_folder_and_the_chain_merges_it(fsdp_checkpoint
     settings = roots.settings(settle_seconds=3600)
 
     def tick(cursor=None) -> dg.SensorResult:
-        return new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings}))
+        return new_checkpoint_sensor(
+            dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings})
+        )
 
     waiting = tick()
     assert not waiting.run_requests
@@ -44,7 +46,9 @@ def test_sensor_finds_an_sft_step_folder_and_the_chain_merges_it(fsdp_checkpoint
 
     result = materialize(instance, settings, KEY)
     assert result.success
-    assert all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
+    assert (
+        all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
+    )
     target = roots.output / "run" / "global_step_4"
     merged = load_safetensors_dir(target)
     reference = load_file(sample.reference_dir / "model.safetensors")
@@ -59,7 +63,11 @@ def test_chain_publishes_a_lora_only_checkpoint_as_a_checked_adapter(fsdp_checkp
     result = materialize(instance, roots.settings(), key)
 
     assert result.success
-    assert {e.check_name: e.passed for e in result.get_asset_check_evaluations()} == {"loads_on_meta_device": True, "index_matches_shards": True, "manifest_sha256": True}
+    assert {e.check_name: e.passed for e in result.get_asset_check_evaluations()} == {
+        "loads_on_meta_device": True,
+        "index_matches_shards": True,
+        "manifest_sha256": True,
+    }
     adapter = load_file(roots.target(key) / "adapter_model.safetensors")
     reference = load_file(sample.reference_dir / "model.safetensors")
     assert set(adapter) == {n.replace(".default.", ".") for n in reference if ".lora_" in n}
@@ -75,7 +83,9 @@ def test_chain_publishes_a_nemo_automodel_checkpoint(tmp_path, roots, instance):
     result = materialize(instance, roots.settings(), key)
 
     assert result.success
-    assert all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
+    assert (
+        all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
+    )
     merged = load_safetensors_dir(roots.target(key))
     reference = load_file(tmp_path / "reference" / "model.safetensors")
     assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
@@ -88,4 +98,7 @@ def test_adapter_check_finds_a_rank_that_disagrees_with_the_config(fsdp_checkpoi
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "r": 8}))
 
     problems = meta_load_problems(tmp_path / "adapter")
-    assert len(problems) == 16 and "model.layers.0.self_attn.k_proj.lora_A.weight: rank 4, but adapter_config.json says r=8" in problems[0]
+    assert (
+        len(problems) == 16
+        and "model.layers.0.self_attn.k_proj.lora_A.weight: rank 4, but adapter_config.json says r=8" in problems[0]
+    )

@@ -17,8 +17,14 @@ from merge_pipeline_tests.dagster.helpers import ACTOR
 def tick(capfd, instance, settings, cursor=None) -> tuple[dg.SensorResult, list[str]]:
     """One evaluation; returns its result and the warnings it logged (Dagster's console log, on stderr)."""
     capfd.readouterr()
-    result = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings}))
-    warnings = [line.split(" - WARNING - ", 1)[1] for line in capfd.readouterr().err.splitlines() if " - dagster - WARNING - " in line]
+    result = new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings})
+    )
+    warnings = [
+        line.split(" - WARNING - ", 1)[1]
+        for line in capfd.readouterr().err.splitlines()
+        if " - dagster - WARNING - " in line
+    ]
     return result, warnings
 
 
@@ -58,7 +64,10 @@ def test_missing_root_is_reported(capfd, roots, instance, tmp_path):
 
     result, warnings = tick(capfd, instance, settings)
 
-    assert result.skip_reason.skip_message == f"not watched: {missing}: the checkpoint root does not exist | no new checkpoints (0 known)"
+    assert (
+        result.skip_reason.skip_message
+        == f"not watched: {missing}: the checkpoint root does not exist | no new checkpoints (0 known)"
+    )
     assert warnings == [f"{missing}: the checkpoint root does not exist"]
 
 
@@ -75,7 +84,9 @@ def test_unreadable_root_is_reported(capfd, roots, instance, tmp_path, kind):
     result, warnings = tick(capfd, instance, MergeSettings(checkpoint_roots=[str(root)], output_root=str(roots.output)))
 
     assert warnings == [f"{root}: the checkpoint root cannot be read ({problem})"]
-    assert result.skip_reason.skip_message.startswith(f"not watched: {root}: the checkpoint root cannot be read ({problem})")
+    assert result.skip_reason.skip_message.startswith(
+        f"not watched: {root}: the checkpoint root cannot be read ({problem})"
+    )
 
 
 def test_output_root_inside_a_checkpoint_root_is_reported(capfd, roots, instance):

@@ -25,7 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def sequential_bytes(tensors: list[OutputTensor]) -> bytes:
     """The plain path: the header, then each whole tensor in its output dtype, one after another."""
-    return build_header(tensors) + b"".join(t.planned.load().to(t.dtype).reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
+    return build_header(tensors) + b"".join(
+        t.planned.load().to(t.dtype).reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors
+    )
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
@@ -50,9 +52,18 @@ def test_pipelined_output_and_digest_equal_the_sequential_path(fsdp_checkpoint, 
 def test_built_tensors_are_written_in_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_writer, "_CHUNK_BYTES", 64)
     g = torch.Generator().manual_seed(1)
-    values = {"a": torch.randn(37, 11, generator=g), "b": torch.randn(5, generator=g).to(torch.float16), "c": torch.randn(300, generator=g)}
-    tensors = [OutputTensor(PlannedTensor(n, tuple(t.shape), t.dtype, Computed(lambda t=t: t.clone())), t.dtype) for n, t in values.items()]
-    tensors.append(OutputTensor(PlannedTensor("d", (300,), torch.float32, Computed(lambda: values["c"].clone())), torch.bfloat16))
+    values = {
+        "a": torch.randn(37, 11, generator=g),
+        "b": torch.randn(5, generator=g).to(torch.float16),
+        "c": torch.randn(300, generator=g),
+    }
+    tensors = [
+        OutputTensor(PlannedTensor(n, tuple(t.shape), t.dtype, Computed(lambda t=t: t.clone())), t.dtype)
+        for n, t in values.items()
+    ]
+    tensors.append(
+        OutputTensor(PlannedTensor("d", (300,), torch.float32, Computed(lambda: values["c"].clone())), torch.bfloat16)
+    )
     digest = hashlib.sha256()
     write_safetensors(tmp_path / "x.safetensors", tensors, digest=digest)
     assert (tmp_path / "x.safetensors").read_bytes() == sequential_bytes(tensors)
@@ -82,9 +93,15 @@ def test_plain_fsdp_merge_imports_no_transformers_dagster_or_hub_client(fsdp_che
         f"rc = main(['merge', '--backend', 'fsdp', '--local_dir', {str(sample.role_dir)!r}, '--target_dir', {str(tmp_path / 'out')!r}, '--no-progress'])\n"
         "print(json.dumps([rc, sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'dagster', 'huggingface_hub', 'httpx', 'requests'))]))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rc, imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert rc == 0 and (tmp_path / "out" / "model.safetensors").is_file()
     # Only the Hub library's shard split (HF's exact file split, ~7 ms): no client, no HTTP stack.
-    assert [m for m in imported if not m.startswith(("huggingface_hub.serialization", "huggingface_hub.utils", "huggingface_hub.constants"))] == ["huggingface_hub"]
+    assert [
+        m
+        for m in imported
+        if not m.startswith(("huggingface_hub.serialization", "huggingface_hub.utils", "huggingface_hub.constants"))
+    ] == ["huggingface_hub"]

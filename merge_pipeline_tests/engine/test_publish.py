@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.engine.manifest import MANIFEST, write_manifest
-from merge_pipeline.engine.publish import _exchange, _replace_with_two_renames, check_target, lock_path, locked_target, previous_path, staged_output, staging_path
+from merge_pipeline.engine.publish import (
+    _exchange,
+    _replace_with_two_renames,
+    check_target,
+    lock_path,
+    locked_target,
+    previous_path,
+    staged_output,
+    staging_path,
+)
 from merge_pipeline.errors import MergeError
 from merge_pipeline_tests.helpers import merge_in_progress, tree_digest
 
@@ -47,7 +56,11 @@ def test_overwrite_replaces_our_folder_or_an_empty_one(tmp_path, source):
     check_target(tmp_path / "empty", source=source, overwrite=True)
 
 
-@pytest.mark.parametrize("manifest", [None, "{not json", '{"tool": {"name": "someone_else"}}'], ids=["no_manifest", "garbage_manifest", "other_tool"])
+@pytest.mark.parametrize(
+    "manifest",
+    [None, "{not json", '{"tool": {"name": "someone_else"}}'],
+    ids=["no_manifest", "garbage_manifest", "other_tool"],
+)
 def test_overwrite_refuses_a_folder_we_did_not_write(tmp_path, source, manifest):
     target = tmp_path / "notes"
     target.mkdir()
@@ -61,7 +74,12 @@ def test_overwrite_refuses_a_folder_we_did_not_write(tmp_path, source, manifest)
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_target_overlapping_the_input_is_refused(tmp_path, source, overwrite):
     (tmp_path / "link").symlink_to(source)
-    cases = {source: "is the input checkpoint", tmp_path / "link": "is the input checkpoint", source / "merged": "lies inside the input checkpoint", tmp_path: "contains the input checkpoint"}
+    cases = {
+        source: "is the input checkpoint",
+        tmp_path / "link": "is the input checkpoint",
+        source / "merged": "lies inside the input checkpoint",
+        tmp_path: "contains the input checkpoint",
+    }
     for target, problem in cases.items():
         with pytest.raises(MergeError, match=f"^{target}: {problem} {source}"):
             check_target(target, source=source, overwrite=overwrite)
@@ -170,7 +188,9 @@ def test_lock_of_a_killed_writer_is_taken_over_and_said(tmp_path, source, caplog
 def test_a_second_writer_is_refused_and_touches_nothing(tmp_path, source):
     target = our_folder(tmp_path / "out", b"old")
     with merge_in_progress(target, source) as holder:
-        with pytest.raises(MergeError, match=rf"^{target}: another merge \(pid {holder.pid}\) is writing this target right now$"):
+        with pytest.raises(
+            MergeError, match=rf"^{target}: another merge \(pid {holder.pid}\) is writing this target right now$"
+        ):
             with staged_output(target, source=source, overwrite=True):
                 pass
         assert (staging_path(target) / "model.safetensors").read_bytes() == b"a merge half way"

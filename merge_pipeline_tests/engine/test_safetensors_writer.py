@@ -42,7 +42,9 @@ def test_round_trip_and_header_rules(tmp_path, tensors):
     header = json.loads(raw[8 : 8 + header_len])
     assert header.pop("__metadata__") == {"format": "pt"}
     offsets = [header[n]["data_offsets"] for n in tensors]
-    assert offsets[0][0] == 0 and all(prev[1] == nxt[0] for prev, nxt in zip(offsets, offsets[1:])), "data in header order, no gaps"
+    assert offsets[0][0] == 0 and all(prev[1] == nxt[0] for prev, nxt in zip(offsets, offsets[1:])), (
+        "data in header order, no gaps"
+    )
     assert offsets[-1][1] == len(raw) - 8 - header_len
     loaded = load_file(path)
     assert set(loaded) == set(tensors)

@@ -190,7 +190,9 @@ class FakeHub:
     def _file(self, path: str, data: bytes) -> File:
         return File(len(data), self._store(data), _is_lfs(path, len(data), data[:512]), git_blob_oid(data))
 
-    def _commit(self, repo: Repo, branch: str, message: str, added: dict[str, bytes | File], deleted: list[str]) -> Commit:
+    def _commit(
+        self, repo: Repo, branch: str, message: str, added: dict[str, bytes | File], deleted: list[str]
+    ) -> Commit:
         parent = repo.resolve(branch)
         tree = dict(parent.tree) if parent else {}
         for path in deleted:
@@ -286,7 +288,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             user = hub._user(self.headers)
             if rule is not None:
-                raise HubError(rule.status, f"injected {rule.status}" + (f"; request headers: {dict(self.headers)}" if rule.echo_headers else ""))
+                raise HubError(
+                    rule.status,
+                    f"injected {rule.status}"
+                    + (f"; request headers: {dict(self.headers)}" if rule.echo_headers else ""),
+                )
             status, payload, headers = self._route(hub, method, user, body)
         except HubError as err:
             status, headers = err.status, {"X-Error-Message": err.message}
@@ -399,7 +405,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(400, "this test Hub lists whole trees only (recursive=true)")
         folders = {path.rsplit("/", depth)[0] for path in commit.tree for depth in range(1, path.count("/") + 1)}
         entries = [f.entry(path) for path, f in sorted(commit.tree.items())]
-        entries += [{"type": "directory", "path": p, "size": 0, "oid": git_blob_oid(p.encode())} for p in sorted(folders)]
+        entries += [
+            {"type": "directory", "path": p, "size": 0, "oid": git_blob_oid(p.encode())} for p in sorted(folders)
+        ]
         start = int(self.query.get("cursor", 0))
         headers = {}
         if start + page_size < len(entries):
@@ -411,7 +419,11 @@ class _Handler(BaseHTTPRequestHandler):
         files = []
         for item in payload["files"]:
             sample = base64.b64decode(item["sample"])
-            info = {"path": item["path"], "uploadMode": "lfs" if _is_lfs(item["path"], item["size"], sample) else "regular", "shouldIgnore": False}
+            info = {
+                "path": item["path"],
+                "uploadMode": "lfs" if _is_lfs(item["path"], item["size"], sample) else "regular",
+                "shouldIgnore": False,
+            }
             existing = commit.tree.get(item["path"])
             if existing is not None:  # lets the client skip unchanged files
                 info["oid"] = existing.sha256 if existing.lfs else existing.git_oid

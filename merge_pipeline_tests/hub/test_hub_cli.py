@@ -23,7 +23,13 @@ def test_merge_and_upload_with_a_stored_login(hub, fsdp_checkpoint, tmp_path):
     """
     env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "HUGGING_FACE_"))}
     env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), PYTHONWARNINGS="ignore")
-    login = subprocess.run([Path(sys.executable).parent / "hf", "auth", "login", "--token", WRITER], env=env, capture_output=True, text=True, timeout=120)
+    login = subprocess.run(
+        [Path(sys.executable).parent / "hf", "auth", "login", "--token", WRITER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert login.returncode == 0, login.stderr
     target = tmp_path / "merged"
     merge = [
@@ -31,13 +37,18 @@ def test_merge_and_upload_with_a_stored_login(hub, fsdp_checkpoint, tmp_path):
         "--hf_upload_path", "org/run-a", "--private", "--revision", "step-1", "--commit-message", "step 1 of run a",
     ]  # fmt: skip
 
-    done = subprocess.run([sys.executable, "-m", "merge_pipeline", *map(str, merge)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "merge_pipeline", *map(str, merge)], env=env, capture_output=True, text=True, timeout=300
+    )
 
     assert done.returncode == 0, done.stderr
     repo = hub.repos[("model", "org/run-a")]
     files = len(list(target.iterdir())) + 1  # and the model card
     commit_url = f"{hub.endpoint}/org/run-a/commit/{repo.branches['step-1']}"
-    assert done.stdout.splitlines()[-1] == f"uploaded to {hub.endpoint}/org/run-a/tree/step-1: {files} of {files} files sent, all verified ({commit_url})"
+    assert (
+        done.stdout.splitlines()[-1]
+        == f"uploaded to {hub.endpoint}/org/run-a/tree/step-1: {files} of {files} files sent, all verified ({commit_url})"
+    )
     assert repo.private and repo.resolve("step-1").message == "step 1 of run a"
     uploaded = {p: hashlib.sha256(data).hexdigest() for p, data in hub.tree("org/run-a", "step-1").items()}
     assert {p: d for p, d in uploaded.items() if p not in ("README.md", ".gitattributes")} == tree_digest(target)
@@ -52,7 +63,10 @@ def test_upload_retries_a_5xx_and_debug_logs_show_no_token(hub, merged_folder, c
     code, out, err = run_cli(capsys, "-v", "upload", merged_folder, "org/run-b")
 
     assert code == 0, err
-    assert "hub: attempt 1 of 4 failed (HTTP 500 on POST /api/models/org/run-b/commit/main); retrying in 2 s" in caplog.text
+    assert (
+        "hub: attempt 1 of 4 failed (HTTP 500 on POST /api/models/org/run-b/commit/main); retrying in 2 s"
+        in caplog.text
+    )
     assert out.startswith(f"uploaded to {hub.endpoint}/org/run-b: 11 of 11 files sent, all verified")
     assert not [t for t in TOKENS if t in out + err + caplog.text]
 
@@ -63,20 +77,30 @@ def test_upload_errors_are_one_line(hub, merged_folder, monkeypatch, capsys):
     code, _, err = run_cli(capsys, "upload", merged_folder, "org/run-c")
 
     assert code == 1
-    assert error_lines(err) == err.splitlines() == [f"error: {hub.endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"]
+    assert (
+        error_lines(err)
+        == err.splitlines()
+        == [
+            f"error: {hub.endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"
+        ]
+    )
 
 
 def upload_process(*argv, **env) -> subprocess.CompletedProcess:
     """`merge-pipeline upload` as a user runs it: its own process, real stderr, logging as the CLI sets it up."""
     command = [sys.executable, "-m", "merge_pipeline", "upload", *map(str, argv)]
-    return subprocess.run(command, env={**os.environ, "PYTHONWARNINGS": "ignore", **env}, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command, env={**os.environ, "PYTHONWARNINGS": "ignore", **env}, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_a_failed_upload_prints_one_line_and_none_of_the_http_clients(hub, merged_folder):
     done = upload_process(merged_folder, "org/run-d", HF_TOKEN="hf_revoked" + WRITER)
 
     assert done.returncode == 1
-    assert done.stderr.splitlines() == [f"error: {hub.endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"]
+    assert done.stderr.splitlines() == [
+        f"error: {hub.endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"
+    ]
     assert done.stdout == ""
 
 
@@ -93,5 +117,10 @@ def test_a_hub_that_never_answers_fails_in_bounded_time_with_one_line(hub, merge
         f"error: org/run-e: cannot reach {endpoint} (ReadTimeout: timed out on POST /api/repos/create): "
         f"resume with `merge-pipeline upload {merged_folder} org/run-e` (files already on the Hub are not sent again)"
     )
-    assert len(retries) == 3 and all(re.fullmatch(r"hub: attempt \d of 4 failed \(ReadTimeout: timed out on POST /api/repos/create\); retrying in \d s", line) for line in retries)
+    assert len(retries) == 3 and all(
+        re.fullmatch(
+            r"hub: attempt \d of 4 failed \(ReadTimeout: timed out on POST /api/repos/create\); retrying in \d s", line
+        )
+        for line in retries
+    )
     assert not [t for t in TOKENS if t in done.stdout + done.stderr]

@@ -44,7 +44,9 @@ def test_round_trip_is_byte_identical_and_leaves_the_folder_alone(hub, merged_fo
     assert {p: d for p, d in downloaded.items() if p not in ("README.md", ".gitattributes")} == before
     assert (result.repo_id, result.revision, result.url) == ("org/ppo-qwen", "main", f"{hub.endpoint}/org/ppo-qwen")
     assert result.files == len(before) + 1 and set(result.sent) == set(before) | {"README.md"}
-    assert result.bytes == sum(p.stat().st_size for p in merged_folder.iterdir()) + (download / "README.md").stat().st_size
+    assert (
+        result.bytes == sum(p.stat().st_size for p in merged_folder.iterdir()) + (download / "README.md").stat().st_size
+    )
     head = hub.repos[("model", "org/ppo-qwen")].branches["main"]
     assert result.commit_url == f"{hub.endpoint}/org/ppo-qwen/commit/{head}"
     assert len(lfs_puts(hub)) == 3  # the weight shards went through LFS, once each
@@ -56,7 +58,15 @@ def test_model_card_describes_the_checkpoint(hub, merged_folder):
     manifest = read_manifest(merged_folder)
     assert not [token for token in TOKENS if token in card]
     assert card.startswith("---\nlibrary_name: transformers\n")
-    for row in ("| run | `ppo-qwen` |", "| step | 7 |", "| role | `actor` |", "| backend | fsdp |", "| world size | 2 |", "| dtype | float32 |", f"| tool | merge_pipeline {__version__} |"):
+    for row in (
+        "| run | `ppo-qwen` |",
+        "| step | 7 |",
+        "| role | `actor` |",
+        "| backend | fsdp |",
+        "| world size | 2 |",
+        "| dtype | float32 |",
+        f"| tool | merge_pipeline {__version__} |",
+    ):
         assert row in card
     assert f"| source checkpoint | `{manifest['source']['role_dir']}` |" in card
     for path, entry in manifest["files"].items():
@@ -87,7 +97,12 @@ def test_revision_is_a_branch_created_if_missing(hub, merged_folder):
 
     repo = hub.repos[("model", "org/ppo-qwen")]
     assert set(hub.tree("org/ppo-qwen", "main")) == {".gitattributes"}  # main untouched
-    assert set(hub.tree("org/ppo-qwen", "step-7")) == {*read_manifest(merged_folder)["files"], MANIFEST, "README.md", ".gitattributes"}
+    assert set(hub.tree("org/ppo-qwen", "step-7")) == {
+        *read_manifest(merged_folder)["files"],
+        MANIFEST,
+        "README.md",
+        ".gitattributes",
+    }
     assert repo.resolve("step-7").message == "PPO step 7"
     assert result.url == f"{hub.endpoint}/org/ppo-qwen/tree/step-7"
     assert upload(merged_folder, revision="step-7").sent == ()  # exists now: reused, nothing sent
@@ -95,7 +110,10 @@ def test_revision_is_a_branch_created_if_missing(hub, merged_folder):
 
 def test_default_commit_message_names_the_checkpoint(hub, merged_folder):
     upload(merged_folder)
-    assert hub.repos[("model", "org/ppo-qwen")].resolve("main").message == f"Upload ppo-qwen/global_step_7/actor (merge_pipeline {__version__})"
+    assert (
+        hub.repos[("model", "org/ppo-qwen")].resolve("main").message
+        == f"Upload ppo-qwen/global_step_7/actor (merge_pipeline {__version__})"
+    )
 
 
 def test_rerun_sends_only_what_is_missing_and_removes_stale_files(hub, merged_folder):
@@ -120,7 +138,10 @@ def test_5xx_on_the_first_commit_is_retried_without_resending_data(hub, merged_f
 
     assert [r.status for r in hub.sent("POST", "/commit/main$")] == [503, 200]
     assert len(lfs_puts(hub)) == len(set(lfs_puts(hub))) == 3  # the second attempt sent no LFS data again
-    assert "hub: attempt 1 of 3 failed (HTTP 503 on POST /api/models/org/ppo-qwen/commit/main); retrying in 0.01 s" in caplog.text
+    assert (
+        "hub: attempt 1 of 3 failed (HTTP 503 on POST /api/models/org/ppo-qwen/commit/main); retrying in 0.01 s"
+        in caplog.text
+    )
 
 
 def test_dropped_connection_during_an_lfs_upload_is_retried(hub, merged_folder):
@@ -160,7 +181,10 @@ def test_a_hub_holding_other_bytes_fails_loudly(hub, merged_folder):
     stored = json.loads(hub.tree("org/ppo-qwen")[MANIFEST])["files"]["model-00002-of-00003.safetensors"]["sha256"]
     head = hub.repos[("model", "org/ppo-qwen")].branches["main"]
     bad = hashlib.sha256(hub.tree("org/ppo-qwen")["model-00002-of-00003.safetensors"]).hexdigest()
-    assert str(error.value) == f"org/ppo-qwen@main (commit {head[:12]}) does not hold what was merged: model-00002-of-00003.safetensors has sha256 {bad} on the Hub, {stored} in the manifest"
+    assert (
+        str(error.value)
+        == f"org/ppo-qwen@main (commit {head[:12]}) does not hold what was merged: model-00002-of-00003.safetensors has sha256 {bad} on the Hub, {stored} in the manifest"
+    )
 
 
 def test_local_problems_are_refused_before_any_upload(hub, merged_folder, tmp_path):
@@ -168,13 +192,21 @@ def test_local_problems_are_refused_before_any_upload(hub, merged_folder, tmp_pa
     with pytest.raises(MergeError, match=r"^'ppo-qwen' is not a Hub repo id: expected ORG/NAME$"):
         upload(folder, "ppo-qwen")
     (folder / "config.json").write_text((folder / "config.json").read_text().replace("float32", "bfloat16"))
-    with pytest.raises(MergeError, match=r"config\.json: changed since the merge \(sha256 \w+, merge_manifest.json says \w+\): merge again$"):
+    with pytest.raises(
+        MergeError,
+        match=r"config\.json: changed since the merge \(sha256 \w+, merge_manifest.json says \w+\): merge again$",
+    ):
         upload(folder)
     (folder / "extra.txt").write_text("x")
-    with pytest.raises(MergeError, match=r"changed: does not match its merge_manifest.json \(not listed: extra.txt\): merge again$"):
+    with pytest.raises(
+        MergeError, match=r"changed: does not match its merge_manifest.json \(not listed: extra.txt\): merge again$"
+    ):
         upload(folder)
     (folder / MANIFEST).unlink()
-    with pytest.raises(MergeError, match=r"changed: has no merge_manifest.json: only folders written by `merge-pipeline merge` can be uploaded$"):
+    with pytest.raises(
+        MergeError,
+        match=r"changed: has no merge_manifest.json: only folders written by `merge-pipeline merge` can be uploaded$",
+    ):
         upload(folder)
     assert not [r for r in hub.requests if r.method in ("POST", "PUT")]  # refused before writing anything
 
@@ -199,15 +231,29 @@ def test_an_unreachable_hub_is_retried_then_reported(hub, merged_folder, monkeyp
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("bad token", "{endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"),
-        ("read-only token", 'org/ppo-qwen: the token may not write there (403 Forbidden: You don\'t have the rights to write a model under the namespace "org"): use a token with write access to org'),
-        ("other namespace", 'org/ppo-qwen: the token may not write there (403 Forbidden: You don\'t have the rights to write a model under the namespace "org"): use a token with write access to org'),
-        ("not a hub", "org/ppo-qwen: not found at {endpoint} (HTTP 404 on POST /not-a-hub/api/repos/create): check HF_ENDPOINT, the repo name, and that the token can see it"),
+        (
+            "bad token",
+            "{endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`",
+        ),
+        (
+            "read-only token",
+            'org/ppo-qwen: the token may not write there (403 Forbidden: You don\'t have the rights to write a model under the namespace "org"): use a token with write access to org',
+        ),
+        (
+            "other namespace",
+            'org/ppo-qwen: the token may not write there (403 Forbidden: You don\'t have the rights to write a model under the namespace "org"): use a token with write access to org',
+        ),
+        (
+            "not a hub",
+            "org/ppo-qwen: not found at {endpoint} (HTTP 404 on POST /not-a-hub/api/repos/create): check HF_ENDPOINT, the repo name, and that the token can see it",
+        ),
         ("dataset repo", "org/ppo-qwen exists on {endpoint} as a dataset repo, not a model repo: choose another name"),
         ("no token", "no Hugging Face token for {endpoint}: set HF_TOKEN or run `hf auth login`"),
     ],
 )
-def test_errors_are_one_line_and_never_show_the_token(hub, merged_folder, monkeypatch, tmp_path, capsys, caplog, case, expected):
+def test_errors_are_one_line_and_never_show_the_token(
+    hub, merged_folder, monkeypatch, tmp_path, capsys, caplog, case, expected
+):
     endpoint = hub.endpoint
     if case == "bad token":
         monkeypatch.setenv("HF_TOKEN", "hf_notAtoken" + WRITER)  # contains a real token: must not leak either
@@ -234,8 +280,11 @@ def test_errors_are_one_line_and_never_show_the_token(hub, merged_folder, monkey
     assert not [token for token in TOKENS if token in seen]
 
 
-
-USER_FILES = {"NOTES.md": b"lr 1e-6 was too high\n", "eval/gsm8k.json": b'{"accuracy": 0.71}\n', "model_extra.py": b"# user code\n"}
+USER_FILES = {
+    "NOTES.md": b"lr 1e-6 was too high\n",
+    "eval/gsm8k.json": b'{"accuracy": 0.71}\n',
+    "model_extra.py": b"# user code\n",
+}
 
 
 def test_a_new_merge_removes_only_the_stale_files_of_our_earlier_upload(hub, merged_folder, unsharded_folder):
@@ -279,7 +328,10 @@ def test_a_readme_we_did_not_write_is_kept_without_the_card(hub, merged_folder, 
     assert tree["README.md"] == readme
     assert set(tree) == {*tree_digest(merged_folder), "README.md", ".gitattributes"}
     assert "README.md" not in result.sent and result.files == len(tree_digest(merged_folder))
-    assert "hub: org/ppo-qwen@main: its README.md was not written by merge_pipeline: kept as it is, without the model card" in caplog.text
+    assert (
+        "hub: org/ppo-qwen@main: its README.md was not written by merge_pipeline: kept as it is, without the model card"
+        in caplog.text
+    )
     assert upload(merged_folder).sent == ()
 
 
@@ -322,7 +374,9 @@ def test_a_hub_that_never_answers_times_out_then_is_retried_then_reported(hub, m
             upload(merged_folder)
         elapsed = time.monotonic() - started
 
-    assert str(error.value).startswith(f"org/ppo-qwen: cannot reach {endpoint} (ReadTimeout: timed out on POST /api/repos/create): resume with")
+    assert str(error.value).startswith(
+        f"org/ppo-qwen: cannot reach {endpoint} (ReadTimeout: timed out on POST /api/repos/create): resume with"
+    )
     assert caplog.text.count("hub: attempt") == FAST.attempts - 1
     assert elapsed < FAST.attempts * 0.5 + 10
 
@@ -332,7 +386,10 @@ def test_a_bad_timeout_is_one_line(hub, merged_folder, monkeypatch, value):
     monkeypatch.setenv("MERGE_PIPELINE_HUB_TIMEOUT", value)
     with pytest.raises(MergeError) as error:
         upload(merged_folder)
-    assert str(error.value) == f"Hub timeout {value!r} (--hub-timeout or MERGE_PIPELINE_HUB_TIMEOUT): expected a number of seconds > 0"
+    assert (
+        str(error.value)
+        == f"Hub timeout {value!r} (--hub-timeout or MERGE_PIPELINE_HUB_TIMEOUT): expected a number of seconds > 0"
+    )
     assert not hub.requests
 
 

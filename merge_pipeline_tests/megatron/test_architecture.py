@@ -44,11 +44,15 @@ def test_every_problem_is_listed_in_one_line(tied_llama):
 
 def test_moe_experts_are_expected_per_expert_as_on_the_hub(megatron_samples):
     """transformers 5 fuses experts in memory; the files keep one tensor per expert."""
-    expected = expected_tensors(megatron_samples["qwen2_moe_ep2"].role_dir / "huggingface", value_model=False, trust_remote_code=False)
+    expected = expected_tensors(
+        megatron_samples["qwen2_moe_ep2"].role_dir / "huggingface", value_model=False, trust_remote_code=False
+    )
     assert expected["model.layers.0.mlp.experts.3.gate_proj.weight"] == (32, 64)
     assert "model.layers.0.mlp.shared_expert_gate.weight" in expected
 
 
 def test_value_model_expects_a_score_head(megatron_samples):
-    expected = expected_tensors(megatron_samples["qwen2_value"].role_dir / "huggingface", value_model=True, trust_remote_code=False)
+    expected = expected_tensors(
+        megatron_samples["qwen2_value"].role_dir / "huggingface", value_model=True, trust_remote_code=False
+    )
     assert expected["score.weight"] == (1, 64) and "lm_head.weight" not in expected

@@ -15,7 +15,18 @@ from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_
 
 
 def merge(capsys, sample, target, *flags, backend="megatron"):
-    code, out, err = run_cli(capsys, "merge", "--backend", backend, "--local_dir", sample.role_dir, "--target_dir", target, "--no-progress", *flags)
+    code, out, err = run_cli(
+        capsys,
+        "merge",
+        "--backend",
+        backend,
+        "--local_dir",
+        sample.role_dir,
+        "--target_dir",
+        target,
+        "--no-progress",
+        *flags,
+    )
     assert code == 0, err
     return out
 
@@ -68,7 +79,9 @@ def test_value_model_merges_to_token_classification(megatron_samples, tmp_path, 
 
 def test_test_command_confirms_the_reference(megatron_samples, capsys):
     sample = megatron_samples["qwen3_moe_tp2_per_layer"]
-    code, out, err = run_cli(capsys, "test", "--backend", "megatron", "--local_dir", sample.role_dir, "--test_hf_dir", sample.reference_dir)
+    code, out, err = run_cli(
+        capsys, "test", "--backend", "megatron", "--local_dir", sample.role_dir, "--test_hf_dir", sample.reference_dir
+    )
     assert code == 0, err
     assert "match" in out
 
@@ -78,7 +91,17 @@ def test_bad_input_exits_with_one_line_and_no_target(fresh_megatron, tmp_path, c
     victim = sorted((sample.role_dir / "dist_ckpt").glob("*.distcp"))[0]
     victim.unlink()
     before = tree_digest(sample.role_dir)
-    code, _, err = run_cli(capsys, "merge", "--backend", "megatron", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+    code, _, err = run_cli(
+        capsys,
+        "merge",
+        "--backend",
+        "megatron",
+        "--local_dir",
+        sample.role_dir,
+        "--target_dir",
+        tmp_path / "out",
+        "--no-progress",
+    )
     assert code != 0
     lines = error_lines(err)
     assert len(lines) == 1 and victim.name in lines[0]

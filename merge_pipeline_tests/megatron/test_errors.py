@@ -115,7 +115,9 @@ def test_a_key_with_no_hf_name_is_an_error_not_dropped(fresh_megatron):
 
     def rename(metadata):
         key = "decoder.layers.self_attention.linear_proj.weight"
-        metadata.state_dict_metadata["decoder.layers.self_attention.mystery_proj.weight"] = metadata.state_dict_metadata.pop(key)
+        metadata.state_dict_metadata["decoder.layers.self_attention.mystery_proj.weight"] = (
+            metadata.state_dict_metadata.pop(key)
+        )
 
     rewrite_metadata(dist_dir, rename)
     with pytest.raises(MergeError, match="no Hugging Face name .*mystery_proj") as error:

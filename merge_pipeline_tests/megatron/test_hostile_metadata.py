@@ -77,17 +77,23 @@ def test_symlink_inside_dist_ckpt_still_merges(role, megatron_samples):
     repoint_file(dist_dir, "__0_0.distcp", "alias.distcp")
     with plan(role) as planned, plan(megatron_samples[SAMPLE].role_dir) as original:
         for ours, theirs in zip(planned.tensors, original.tensors, strict=True):
-            assert ours.name == theirs.name and torch.equal(ours.load().view(torch.uint8), theirs.load().view(torch.uint8)), ours.name
+            assert ours.name == theirs.name and torch.equal(
+                ours.load().view(torch.uint8), theirs.load().view(torch.uint8)
+            ), ours.name
 
 
 def test_two_tensors_reading_the_same_bytes_are_refused(role):
     """post_attention_layernorm silently becoming a copy of input_layernorm."""
 
     def share(metadata):
-        metadata.storage_data[storage_index(metadata, POST_NORM)] = metadata.storage_data[storage_index(metadata, INPUT_NORM)]
+        metadata.storage_data[storage_index(metadata, POST_NORM)] = metadata.storage_data[
+            storage_index(metadata, INPUT_NORM)
+        ]
 
     rewrite_metadata(role / "dist_ckpt", share)
-    with pytest.raises(MergeError, match=f"{POST_NORM} and {INPUT_NORM}: chunks share bytes .* of __0_0.distcp") as error:
+    with pytest.raises(
+        MergeError, match=f"{POST_NORM} and {INPUT_NORM}: chunks share bytes .* of __0_0.distcp"
+    ) as error:
         plan(role)
     assert error.value.path == role / "dist_ckpt" / ".metadata"
 
@@ -118,5 +124,8 @@ def test_chunk_offsets_of_the_wrong_rank_are_refused(role):
         metadata.state_dict_metadata["embedding.word_embeddings.weight"].chunks[1].offsets = torch.Size([64])
 
     rewrite_metadata(role / "dist_ckpt", one_dimensional)
-    with pytest.raises(MergeError, match=r"embedding.word_embeddings.weight: chunk at \(64,\) .* is not a block of a tensor of shape \(128, 64\)"):
+    with pytest.raises(
+        MergeError,
+        match=r"embedding.word_embeddings.weight: chunk at \(64,\) .* is not a block of a tensor of shape \(128, 64\)",
+    ):
         plan(role)

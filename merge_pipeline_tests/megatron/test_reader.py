@@ -53,7 +53,9 @@ def test_tensors_whose_rows_are_whole_are_byte_copies(megatron_samples):
     row-parallel weight stored in column chunks (o_proj, down_proj under TP) is assembled."""
     with plan(megatron_samples["qwen2_tp2"]) as p:
         computed = {t.name for t in p.tensors if isinstance(t.source, Computed)}
-        assert computed == {f"model.layers.{i}.{n}" for i in range(4) for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight")}
+        assert computed == {
+            f"model.layers.{i}.{n}" for i in range(4) for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+        }
         qkv = next(t for t in p.tensors if t.name == "model.layers.1.self_attn.q_proj.weight")
         assert isinstance(qkv.source, StoredBytes) and len(qkv.source.runs) == 2  # one run per KV group
 
@@ -65,7 +67,10 @@ def test_one_layer_at_a_time(megatron_samples):
         reads = []
         for f in p.files:
             original = f.read_into
-            f.read_into = lambda buffer, offset, original=original: (reads.append(len(buffer)), original(buffer, offset))[1]
+            f.read_into = lambda buffer, offset, original=original: (
+                reads.append(len(buffer)),
+                original(buffer, offset),
+            )[1]
         o_proj.load()
         assert sum(reads) == o_proj.nbytes()
 

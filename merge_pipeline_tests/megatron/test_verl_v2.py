@@ -22,7 +22,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import new_checkpoint_sensor
-from merge_pipeline.sample_checkpoints.megatron import LORA_ALPHA, LORA_R, LORA_TARGETS, arrange_v2, sample_tokens, write_bridge_weights
+from merge_pipeline.sample_checkpoints.megatron import (
+    LORA_ALPHA,
+    LORA_R,
+    LORA_TARGETS,
+    arrange_v2,
+    sample_tokens,
+    write_bridge_weights,
+)
 from merge_pipeline_tests.dagster.helpers import materialize
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
@@ -85,7 +92,9 @@ def test_real_v2_dist_checkpoint_needs_and_uses_hf_model_path(megatron_v2_sample
     merged_ok(capsys, role, tmp_path / "out", "--hf_model_path", sample.original_dir)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (sample.original_dir / "tokenizer.json").read_bytes()
-    torch.testing.assert_close(logits(tmp_path / "out"), torch.load(sample.logits_path, weights_only=True), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        logits(tmp_path / "out"), torch.load(sample.logits_path, weights_only=True), atol=2e-5, rtol=2e-5
+    )
     code, out, err = run_cli(capsys, "inspect", role, "--json", "--hf_model_path", sample.original_dir)
     assert code == 0, err
     info = json.loads(out)
@@ -116,7 +125,11 @@ def test_hybrid_reads_the_shards_the_manifest_names(v2, tmp_path, capsys):
     merged_ok(capsys, sample.role_dir, tmp_path / "out")
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     layout = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]["layout"]
-    assert (layout["layout_schema"], layout["model_weights"], layout["tp"]) == ("v2", str(sample.role_dir / "model" / "dist_ckpt"), 2)
+    assert (layout["layout_schema"], layout["model_weights"], layout["tp"]) == (
+        "v2",
+        str(sample.role_dir / "model" / "dist_ckpt"),
+        2,
+    )
 
 
 @pytest.mark.parametrize("mode", ["dist", "bridge"])
@@ -185,13 +198,21 @@ def test_hf_model_path_must_describe_the_same_model(v2, tmp_path, capsys):
     original = tmp_path / "original"
     shutil.copytree(sample.original_dir, original)
     config = json.loads((original / "config.json").read_text())
-    (original / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8, "architectures": ["LlamaForCausalLM"]}))
+    (original / "config.json").write_text(
+        json.dumps({**config, "num_hidden_layers": 8, "architectures": ["LlamaForCausalLM"]})
+    )
     line = one_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
-    assert line.startswith(f"error: {original / 'config.json'}: ") and "num_hidden_layers 4 vs 8" in line and "architectures" in line
+    assert (
+        line.startswith(f"error: {original / 'config.json'}: ")
+        and "num_hidden_layers 4 vs 8" in line
+        and "architectures" in line
+    )
 
     (original / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))  # not a size: fine
     merged_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"  # the checkpoint's own config won
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    )  # the checkpoint's own config won
 
 
 def test_hf_model_path_without_config_is_named(v2, tmp_path, capsys):
@@ -217,13 +238,19 @@ def test_bridge_lora_adapter_base_from_hf_model_path(v2, tmp_path, capsys):
     merged_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     adapter_config = json.loads((tmp_path / "out" / "lora_adapter" / "adapter_config.json").read_text())
-    assert (adapter_config["r"], adapter_config["lora_alpha"], sorted(adapter_config["target_modules"])) == (LORA_R, LORA_ALPHA, LORA_TARGETS)
+    assert (adapter_config["r"], adapter_config["lora_alpha"], sorted(adapter_config["target_modules"])) == (
+        LORA_R,
+        LORA_ALPHA,
+        LORA_TARGETS,
+    )
     trained = load_file(adapter_dir / "adapter_model.safetensors")
     written = load_file(tmp_path / "out" / "lora_adapter" / "adapter_model.safetensors")
     assert set(written) == set(trained) and all(same_bits(written[k], trained[k]) for k in trained)
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "out" / "lora_adapter")
-    expected = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(sample.reference_dir), adapter_dir)
+    expected = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(sample.reference_dir), adapter_dir
+    )
     assert torch.equal(loaded(sample_tokens()[None]).logits, expected(sample_tokens()[None]).logits)
 
     merged_ok(capsys, sample.role_dir, tmp_path / "merged", "--hf_model_path", original, "--merge-lora")
@@ -232,7 +259,10 @@ def test_bridge_lora_adapter_base_from_hf_model_path(v2, tmp_path, capsys):
     merged = load_safetensors_dir(tmp_path / "merged")
     assert set(merged) == set(reference_merge)
     assert all(same_bits(merged[k], reference_merge[k]) for k in merged)
-    assert not same_bits(merged["model.layers.0.self_attn.q_proj.weight"], load_file(sample.reference_dir / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"])
+    assert not same_bits(
+        merged["model.layers.0.self_attn.q_proj.weight"],
+        load_file(sample.reference_dir / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"],
+    )
 
 
 def test_bridge_lora_adapter_beside_base_weights(v2, tmp_path, capsys):
@@ -252,7 +282,9 @@ def test_adapter_only_as_megatron_shards_is_refused(v2, fresh_megatron, tmp_path
     legacy = fresh_megatron("qwen2_hf_weights")
     (legacy.role_dir / "adapter_checkpoint").mkdir()
     line = one_error(capsys, legacy.role_dir, tmp_path / "legacy")
-    assert line.startswith(f"error: {legacy.role_dir / 'adapter_checkpoint'}: ") and "cannot be converted exactly" in line
+    assert (
+        line.startswith(f"error: {legacy.role_dir / 'adapter_checkpoint'}: ") and "cannot be converted exactly" in line
+    )
 
 
 @pytest.mark.parametrize(
@@ -278,13 +310,22 @@ def test_an_adapter_we_cannot_merge_exactly_is_named(v2, tmp_path, capsys, chang
 def test_megatron_fsdp_uneven_dtensor_shards_merge_bit_exact(megatron_fsdp_sample, tmp_path, capsys):
     sample = megatron_fsdp_sample
     dist_dir = sample.role_dir / "model" / "dist_ckpt"
-    chunks = dcp.FileSystemReader(str(dist_dir)).read_metadata().state_dict_metadata["model.decoder.layers.0.self_attention.linear_qkv.weight"].chunks
+    chunks = (
+        dcp.FileSystemReader(str(dist_dir))
+        .read_metadata()
+        .state_dict_metadata["model.decoder.layers.0.self_attention.linear_qkv.weight"]
+        .chunks
+    )
     assert [c.sizes[0] for c in chunks] == [43, 43, 42] and not (dist_dir / "metadata.json").exists()
     before = tree_digest(sample.role_dir)
     merged_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     layout = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]["layout"]
-    assert (layout["sharded_backend"], layout["layer_keys"], layout["files"]) == ("megatron_fsdp (torch DCP of DTensors)", "per-layer", 3)
+    assert (layout["sharded_backend"], layout["layer_keys"], layout["files"]) == (
+        "megatron_fsdp (torch DCP of DTensors)",
+        "per-layer",
+        3,
+    )
     assert tree_digest(sample.role_dir) == before
 
 
@@ -293,12 +334,21 @@ def test_megatron_fsdp_keys_without_a_megatron_name_name_the_layout(megatron_fsd
     shutil.copytree(megatron_fsdp_sample.role_dir, role_dir)
     metadata_path = role_dir / "model" / "dist_ckpt" / ".metadata"
     metadata = dcp.FileSystemReader(str(metadata_path.parent)).read_metadata()
-    old, new = "model.decoder.layers.0.mlp.linear_fc2.weight", "model.decoder.layers.0.self_attention.in_proj.weight"  # a gated-delta-net name
+    old, new = (
+        "model.decoder.layers.0.mlp.linear_fc2.weight",
+        "model.decoder.layers.0.self_attention.in_proj.weight",
+    )  # a gated-delta-net name
     metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
-    metadata.storage_data = {(MetadataIndex(new, i.offset, i.index) if i.fqn == old else i): info for i, info in metadata.storage_data.items()}
+    metadata.storage_data = {
+        (MetadataIndex(new, i.offset, i.index) if i.fqn == old else i): info
+        for i, info in metadata.storage_data.items()
+    }
     metadata_path.write_bytes(pickle.dumps(metadata))
     line = one_error(capsys, role_dir, tmp_path / "out", "--hf_model_path", megatron_fsdp_sample.original_dir)
-    assert line.startswith(f"error: {metadata_path}: Megatron-FSDP checkpoint (one DCP of DTensors): ") and "decoder.layers.0.self_attention.in_proj.weight" in line
+    assert (
+        line.startswith(f"error: {metadata_path}: Megatron-FSDP checkpoint (one DCP of DTensors): ")
+        and "decoder.layers.0.self_attention.in_proj.weight" in line
+    )
 
 
 # ---- item 5: a zero-width shared expert --------------------------------------------------------
@@ -315,9 +365,13 @@ def test_qwen2_moe_without_shared_expert_loads_with_nothing_missing(megatron_sam
     assert all(same_bits(merged[k], reference[k]) for k in reference)
     assert merged["model.layers.0.mlp.shared_expert.down_proj.weight"].shape == (64, 0)
     assert not merged["model.layers.0.mlp.shared_expert_gate.weight"].any()
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info
-    torch.testing.assert_close(logits(tmp_path / "out"), torch.load(sample.logits_path, weights_only=True), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        logits(tmp_path / "out"), torch.load(sample.logits_path, weights_only=True), atol=2e-5, rtol=2e-5
+    )
 
 
 # ---- item 6: the sensor ------------------------------------------------------------------------
