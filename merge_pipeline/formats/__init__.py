@@ -7,11 +7,12 @@ from pathlib import Path
 from merge_pipeline.engine.plan import CheckpointPlan
 from merge_pipeline.errors import MergeError
 
-BACKENDS = ("auto", "fsdp", "megatron", "hf")
+BACKENDS = ("auto", "fsdp", "megatron", "hf", "dcp")
 NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
 
 
 def detect_backend(role_dir: Path) -> str:
+    from merge_pipeline.formats.dcp_checkpoint import is_dcp_dir
     from merge_pipeline.formats.fsdp import is_fsdp_dir
     from merge_pipeline.formats.megatron import is_megatron_dir
 
@@ -19,11 +20,13 @@ def detect_backend(role_dir: Path) -> str:
         return "fsdp"
     if is_megatron_dir(role_dir):
         return "megatron"
+    if is_dcp_dir(role_dir):
+        return "dcp"
     if (role_dir / NEMO_MODEL_DIR / "config.json").is_file() and any((role_dir / NEMO_MODEL_DIR).glob("*.safetensors")):
         return "hf"
     raise MergeError(
         role_dir,
-        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor consolidated HF weights (model/*.safetensors)",
+        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor a DCP folder (.metadata, or pytorch_model_fsdp_0/.metadata, weights/.metadata) nor consolidated HF weights (model/*.safetensors)",
     )
 
 
@@ -59,6 +62,10 @@ def open_checkpoint(
         return plan_hf_safetensors(
             role_dir, role_dir / NEMO_MODEL_DIR, is_value_model=is_value_model or None, backend="hf"
         )
+    if backend == "dcp":
+        from merge_pipeline.formats.dcp_checkpoint import plan_dcp
+
+        return plan_dcp(role_dir, trust_remote_code=trust_remote_code, hf_model_path=hf_model_path)
     from merge_pipeline.formats.megatron import plan_megatron
 
     return plan_megatron(

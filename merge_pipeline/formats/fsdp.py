@@ -8,17 +8,18 @@ must tile its global shape exactly. Nothing is written before all of that holds.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.engine.lora import LORA_META, read_lora_meta
 from merge_pipeline.engine.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.dcp import check_tiling
 from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
 from merge_pipeline.json_files import read_json_object
 
@@ -205,7 +206,8 @@ def _local_region(global_shape, mesh_shape, placements, coord, path, name):
 
 
 def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replicas) -> PlannedTensor:
-    """Pick one shard per distinct region, check the regions tile the tensor, choose how to read it."""
+    """Pick one shard per distinct region, check the regions tile the tensor (the check DCP chunks get too),
+    choose how to read it."""
     regions: dict[tuple, list[RankShard]] = {}
     for s in shards:
         regions.setdefault((s.offset, tuple(s.stored.meta.shape)), []).append(s)
@@ -215,22 +217,13 @@ def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replica
     pieces = [group[0] for (offset, shape), group in regions.items() if all(shape)]
     if 0 in global_shape:
         return PlannedTensor(name, global_shape, dtype, Computed(lambda: torch.empty(global_shape, dtype=dtype)))
+    boxes = [ChunkStorageMetadata(torch.Size(s.offset), s.stored.meta.shape) for s in pieces]
+    check_tiling(name, global_shape, boxes, shards[0].file.path)
     split_dims = _split_dims(global_shape, pieces)
     if len(split_dims) > 1:  # Shard on several tensor dims, e.g. (Shard(0), Shard(1)) of FSDP x TP
-        return PlannedTensor(name, global_shape, dtype, _grid_source(name, global_shape, dtype, pieces))
+        return PlannedTensor(name, global_shape, dtype, _grid_source(global_shape, dtype, pieces))
     split_dim = split_dims[0] if split_dims else 0
     pieces.sort(key=lambda s: s.offset[split_dim] if global_shape else 0)
-    position, total = 0, (global_shape[split_dim] if global_shape else 1)
-    for s in pieces:
-        start = s.offset[split_dim] if global_shape else 0
-        if start != position:
-            raise MergeError(
-                s.file.path,
-                f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at row {position} of dim {split_dim})",
-            )
-        position += s.stored.meta.shape[split_dim] if global_shape else 1
-    if position != total:
-        raise MergeError(shards[0].file.path, f"{name}: shards cover {position} of {total} rows of dim {split_dim}")
     return PlannedTensor(name, global_shape, dtype, _source(global_shape, dtype, pieces, split_dim))
 
 
@@ -239,27 +232,8 @@ def _split_dims(global_shape, pieces: list[RankShard]) -> list[int]:
     return sorted({d for s in pieces for d in range(len(global_shape)) if s.stored.meta.shape[d] != global_shape[d]})
 
 
-def _grid_source(name, global_shape, dtype, pieces: list[RankShard]) -> Computed:
-    """Pieces cut on several dims must form a grid: on each dim their spans tile it, and every
-    combination of spans is one piece. Then each piece is copied into its box of the whole tensor."""
-    spans_per_dim = []
-    for d, total in enumerate(global_shape):
-        spans = sorted({(s.offset[d], s.stored.meta.shape[d]) for s in pieces})
-        position = 0
-        for start, length in spans:
-            if start != position:
-                raise MergeError(
-                    pieces[0].file.path,
-                    f"{name}: shards do not tile the global shape {global_shape} (gap or overlap at index {position} of dim {d})",
-                )
-            position += length
-        if position != total:
-            raise MergeError(pieces[0].file.path, f"{name}: shards cover {position} of {total} indices of dim {d}")
-        spans_per_dim.append(spans)
-    if len(pieces) != math.prod(len(spans) for spans in spans_per_dim):
-        raise MergeError(
-            pieces[0].file.path, f"{name}: {len(pieces)} distinct shards do not form a grid over {global_shape}"
-        )
+def _grid_source(global_shape, dtype, pieces: list[RankShard]) -> Computed:
+    """Pieces cut on several dims (their tiling already checked): each is copied into its box."""
 
     def fill() -> torch.Tensor:
         whole = torch.empty(global_shape, dtype=dtype)

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -287,8 +288,8 @@ def _write_metadata(role_dir: Path, spec: FsdpSpec, config) -> None:
 
 
 @contextlib.contextmanager
-def _launch_ranks(job_path: Path):
-    """Start the rank launcher (``_fork_ranks``) in a new process group; kill the group on leaving."""
+def _launch_ranks(job_path: Path, module: str = _MODULE):
+    """Start the rank launcher (``module``'s ``_fork_ranks``) in a new process group; kill the group on leaving."""
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -301,7 +302,7 @@ def _launch_ranks(job_path: Path):
         "TORCH_CPP_LOG_LEVEL": "ERROR",  # gloo and c10d chatter
         "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    command = [sys.executable, "-m", _MODULE, "--ranks", str(job_path)]
+    command = [sys.executable, "-m", module, "--ranks", str(job_path)]
     with open(job_path.parent / _LAUNCHER_LOG, "wb") as log:
         launcher = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -338,12 +339,13 @@ def _rank_report(log_dir: Path, rank: int, world_size: int, status: str) -> str:
 # --- rank launcher and rank processes -------------------------------------------------------------
 
 
-def _fork_ranks(job_path: Path) -> int:
+def _fork_ranks(job_path: Path, run_rank: Callable[[dict, int], None] | None = None) -> int:
     """Fork one process per rank and wait for them; once one fails, kill the rest.
 
     Forked ranks inherit this process's imports instead of paying seconds of torch start-up each.
     The fork is safe: only one thread runs here, and nothing has touched OpenMP or a process group.
-    Returns the exit code; the output of every rank that failed by itself is printed.
+    Returns the exit code; the output of every rank that failed by itself is printed. ``run_rank``
+    (default: this module's ``_run_rank``) is what each rank does: other sample writers pass theirs.
     """
     import torch._dynamo  # noqa: F401  (DTensor imports it on first use; once here, not per rank)
 
@@ -355,7 +357,7 @@ def _fork_ranks(job_path: Path) -> int:
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
-            _rank_process(job, rank, _rank_log(job_path.parent, rank))
+            _rank_process(job, rank, _rank_log(job_path.parent, rank), run_rank or _run_rank)
         children[pid] = rank
     failed = {}
     while children and not failed:
@@ -374,7 +376,7 @@ def _fork_ranks(job_path: Path) -> int:
     return 1 if failed else 0
 
 
-def _rank_process(job: dict, rank: int, log_path: Path) -> NoReturn:
+def _rank_process(job: dict, rank: int, log_path: Path, run_rank: Callable[[dict, int], None]) -> NoReturn:
     """The body of a forked rank. It ends the process: it must never return into the launcher loop."""
     code = 1
     try:
@@ -382,7 +384,7 @@ def _rank_process(job: dict, rank: int, log_path: Path) -> NoReturn:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
-        _run_rank(job, rank)
+        run_rank(job, rank)
         code = 0
     except BaseException:
         traceback.print_exc()

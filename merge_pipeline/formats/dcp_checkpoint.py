@@ -1,0 +1,201 @@
+"""Plan the merge of a plain torch.distributed.checkpoint folder (``.metadata`` + ``__<rank>_<k>.distcp``).
+
+Trainers that save the model with ``dcp.save`` differ only in where the folder is and how they name
+the model's entries; the bytes are read the same way (``formats/dcp.py``), from metadata alone:
+
+    accelerate FSDP SHARDED_STATE_DICT  <checkpoint>/pytorch_model_fsdp_0/   "model." + HF names
+    NeMo-RL                             <step>/policy/weights/               "model." + HF names
+    NeMo-Automodel                      <checkpoint>/model/ (DCP format)     HF names
+    torchtitan, verl's torchtitan engine <folder>/step-N/                    torchtitan names, beside
+                                         "optimizer.", "lr_scheduler.", "dataloader.", "train_state"
+
+Entries that are not the model's (optimizer, scheduler, data loader and train state, RoPE tables)
+are skipped. torchtitan names are mapped to Llama HF names as torchtitan's own HF state-dict adapter
+(``torchtitan/models/llama3/model/state_dict_adapter.py``, ``to_hf``) does, including its q/k row
+permutation for HF's rotary layout: each output row is one stored row, so the permuted tensor is still
+streamed as byte ranges. None of these folders has to hold a config: ``--hf_model_path`` supplies it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from merge_pipeline.engine.hf_config import CONFIG, load_model_config
+from merge_pipeline.engine.plan import CheckpointPlan, SourceFile
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.dcp import METADATA, check_no_shared_bytes, locate_tensor, plan_tensor, read_dcp_metadata
+from merge_pipeline.formats.megatron_names import OutputSpec, Piece
+
+# Where trainers put the model's DCP folder inside the folder a user points at.
+ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model, model_index 0
+NEMO_RL_DIR = "weights"  # NeMo-RL's policy/weights (policy/optimizer holds the optimizer)
+_WRAPPED = "model."  # accelerate and NeMo-RL save {"model": state_dict}: DCP flattens it to "model.<name>"
+# torchtitan's checkpoint keeps these beside the model (torch's dcp_to_torch_save excludes the same ones).
+_TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+_ROPE_TABLE = "freqs_cis"  # torchtitan's precomputed rotary table: HF recomputes it from the config
+
+_TORCHTITAN_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TORCHTITAN_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def find_dcp_dir(role_dir: Path) -> Path | None:
+    """The DCP folder holding the model: ``role_dir`` itself, or where accelerate / NeMo-RL put it."""
+    for folder in (role_dir, role_dir / ACCELERATE_DIR, role_dir / NEMO_RL_DIR):
+        if (folder / METADATA).is_file():
+            return folder
+    return None
+
+
+def is_dcp_dir(role_dir: Path) -> bool:
+    return find_dcp_dir(role_dir) is not None
+
+
+@dataclass(frozen=True)
+class _Source:
+    name: str  # for inspect and the manifest
+    key_prefix: str  # in front of every model key in the DCP
+
+
+def plan_dcp(
+    role_dir: Path, *, trust_remote_code: bool = False, hf_model_path: str | Path | None = None
+) -> CheckpointPlan:
+    """Describe every HF tensor of a DCP folder; ``MergeError`` naming the file on bad input."""
+    role_dir = Path(role_dir)
+    dcp_dir = find_dcp_dir(role_dir)
+    if dcp_dir is None:
+        raise MergeError(
+            role_dir / METADATA, f"missing: not a DCP folder (nor its {ACCELERATE_DIR}/ or {NEMO_RL_DIR}/)"
+        )
+    metadata_path = dcp_dir / METADATA
+    metadata = read_dcp_metadata(metadata_path)
+    source = _source(dcp_dir, metadata)
+    stored = _model_tensors(metadata, source, metadata_path)
+    # The config: the checkpoint's own (beside the DCP folder or in it), else --hf_model_path.
+    hf_dir = next((d for d in (dcp_dir, role_dir) if (d / CONFIG).is_file()), role_dir / "huggingface")
+    if source.name == "torchtitan":
+        if not (hf_dir / CONFIG).is_file() and hf_model_path is None:
+            raise MergeError(
+                role_dir,
+                "a torchtitan checkpoint holds no Hugging Face config: pass --hf_model_path with the model's HF folder (config.json, tokenizer)",
+            )
+        config = load_model_config(
+            hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path
+        )
+        specs = _torchtitan_outputs(stored, config.raw, config.path, metadata_path)
+    else:
+        specs = [OutputSpec(key, (Piece(key, (), (0, tuple(meta.size)[0])),)) for key, meta in stored.items()]
+
+    files: dict[str, SourceFile] = {}
+    try:
+        tensors = {
+            key: locate_tensor(dcp_dir, key, stored[key], metadata, files, source.key_prefix)
+            for key in {p.key for s in specs for p in s.pieces}
+        }
+        check_no_shared_bytes(tensors.values(), metadata_path)
+        planned = [plan_tensor(spec, tensors) for spec in specs]
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    names = {t.name for t in planned}
+    return CheckpointPlan(
+        "dcp",
+        role_dir,
+        hf_dir,
+        planned,
+        list(files.values()),
+        is_value_model="score.weight" in names and "lm_head.weight" not in names,
+        layout={
+            "dcp_source": source.name,
+            "dcp_folder": str(dcp_dir.relative_to(role_dir)),
+            "stored_tensors": len(tensors),
+            "skipped_entries": len(metadata.state_dict_metadata) - len(stored),
+            "chunks": sum(len(t.chunks) for t in tensors.values()),
+            "files": len(files),
+        },
+    )
+
+
+def _source(dcp_dir: Path, metadata: Metadata) -> _Source:
+    """Which trainer wrote the folder, from its place and its keys."""
+    keys = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+    if "tok_embeddings.weight" in keys:
+        return _Source("torchtitan", "")
+    # Wrapped: every key under "model.", and below it the HF model's own top modules (model.*, lm_head).
+    unwrapped = [k.removeprefix(_WRAPPED) for k in keys if k.startswith(_WRAPPED)]
+    if len(unwrapped) == len(keys) and any(k.startswith(_WRAPPED) or k.startswith("lm_head.") for k in unwrapped):
+        where = {ACCELERATE_DIR: "accelerate FSDP SHARDED_STATE_DICT", NEMO_RL_DIR: "NeMo-RL"}
+        return _Source(where.get(dcp_dir.name, "DCP of HF names under 'model.'"), _WRAPPED)
+    return _Source("DCP of HF names", "")
+
+
+def _model_tensors(metadata: Metadata, source: _Source, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors by their unprefixed names; training state and non-tensor entries skipped."""
+    stored = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata) or not key.startswith(source.key_prefix):
+            continue
+        if key.split(".", 1)[0] in _TRAINING_STATE or key.rsplit(".", 1)[-1] == _ROPE_TABLE:
+            continue
+        if not tuple(meta.size):
+            raise MergeError(metadata_path, f"{key}: a scalar tensor is not a model weight")
+        stored[key.removeprefix(source.key_prefix)] = meta
+    if not stored:
+        raise MergeError(metadata_path, f"holds no model tensors (a {source.name} checkpoint of training state only?)")
+    return stored
+
+
+def _torchtitan_outputs(
+    stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, metadata_path: Path
+) -> list[OutputSpec]:
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1 or kv_heads < 1:
+        raise MergeError(
+            config_path, f"num_attention_heads {heads!r} / num_key_value_heads {kv_heads!r}: not head counts"
+        )
+    specs = []
+    for key, meta in stored.items():
+        layer = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+        if layer and layer[2] in _TORCHTITAN_LAYER:
+            name = f"model.layers.{layer[1]}.{_TORCHTITAN_LAYER[layer[2]]}"
+        else:
+            name = _TORCHTITAN_TOP.get(key)
+        if name is None:
+            raise MergeError(metadata_path, f"{key}: not a torchtitan Llama weight this reader maps to HF names")
+        rows = tuple(meta.size)[0]
+        if key.endswith((".wq.weight", ".wk.weight")):
+            groups = heads if key.endswith(".wq.weight") else kv_heads
+            if rows % (2 * groups):
+                raise MergeError(metadata_path, f"{key}: {rows} rows do not split into {groups} rotary heads")
+            pieces = tuple(Piece(key, (), (row, row + 1)) for row in _rotary_rows(rows, groups))
+        else:
+            pieces = (Piece(key, (), (0, rows)),)
+        specs.append(OutputSpec(name, pieces))
+    return specs
+
+
+def _rotary_rows(rows: int, heads: int) -> list[int]:
+    """For each HF row, the torchtitan row it comes from. torchtitan's ``_permute`` views a head's rows
+    as (half, 2) and transposes them to (2, half): HF row ``b * half + a`` is stored row ``2 * a + b``."""
+    per_head = rows // heads
+    half = per_head // 2
+    return [head * per_head + 2 * (row % half) + row // half for head in range(heads) for row in range(per_head)]
