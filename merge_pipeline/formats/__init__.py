@@ -26,7 +26,7 @@ def detect_backend(role_dir: Path) -> str:
         return "hf"
     raise MergeError(
         role_dir,
-        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor a DCP folder (.metadata, or pytorch_model_fsdp_0/.metadata, weights/.metadata) nor consolidated HF weights (model/*.safetensors)",
+        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor a DCP folder (.metadata in it or in pytorch_model_fsdp_0/, weights/, model/) nor consolidated HF weights (model/*.safetensors)",
     )
 
 

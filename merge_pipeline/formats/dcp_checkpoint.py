@@ -33,6 +33,7 @@ from merge_pipeline.formats.megatron_names import OutputSpec, Piece
 # Where trainers put the model's DCP folder inside the folder a user points at.
 ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model, model_index 0
 NEMO_RL_DIR = "weights"  # NeMo-RL's policy/weights (policy/optimizer holds the optimizer)
+NEMO_AUTOMODEL_DIR = "model"  # NeMo-Automodel's <checkpoint>/model/ in DCP format (optim/ beside it)
 _WRAPPED = "model."  # accelerate and NeMo-RL save {"model": state_dict}: DCP flattens it to "model.<name>"
 # torchtitan's checkpoint keeps these beside the model (torch's dcp_to_torch_save excludes the same ones).
 _TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -58,7 +59,7 @@ _TORCHTITAN_TOP = {
 
 def find_dcp_dir(role_dir: Path) -> Path | None:
     """The DCP folder holding the model: ``role_dir`` itself, or where accelerate / NeMo-RL put it."""
-    for folder in (role_dir, role_dir / ACCELERATE_DIR, role_dir / NEMO_RL_DIR):
+    for folder in (role_dir, role_dir / ACCELERATE_DIR, role_dir / NEMO_RL_DIR, role_dir / NEMO_AUTOMODEL_DIR):
         if (folder / METADATA).is_file():
             return folder
     return None
@@ -82,7 +83,8 @@ def plan_dcp(
     dcp_dir = find_dcp_dir(role_dir)
     if dcp_dir is None:
         raise MergeError(
-            role_dir / METADATA, f"missing: not a DCP folder (nor its {ACCELERATE_DIR}/ or {NEMO_RL_DIR}/)"
+            role_dir / METADATA,
+            f"missing: not a DCP folder (nor are its {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/)",
         )
     metadata_path = dcp_dir / METADATA
     metadata = read_dcp_metadata(metadata_path)
@@ -144,7 +146,7 @@ def _source(dcp_dir: Path, metadata: Metadata) -> _Source:
     if len(unwrapped) == len(keys) and any(k.startswith(_WRAPPED) or k.startswith("lm_head.") for k in unwrapped):
         where = {ACCELERATE_DIR: "accelerate FSDP SHARDED_STATE_DICT", NEMO_RL_DIR: "NeMo-RL"}
         return _Source(where.get(dcp_dir.name, "DCP of HF names under 'model.'"), _WRAPPED)
-    return _Source("DCP of HF names", "")
+    return _Source("NeMo-Automodel" if dcp_dir.name == NEMO_AUTOMODEL_DIR else "DCP of HF names", "")
 
 
 def _model_tensors(metadata: Metadata, source: _Source, metadata_path: Path) -> dict[str, TensorStorageMetadata]:

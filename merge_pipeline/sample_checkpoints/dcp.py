@@ -6,6 +6,9 @@ rank, each ``fully_shard``s a module tree and saves it with ``dcp.save`` the way
 
 - ``accelerate``: accelerate's own ``save_fsdp_model`` / ``save_fsdp_optimizer`` (FSDP plugin,
   SHARDED_STATE_DICT) into ``<checkpoint>/pytorch_model_fsdp_0/`` and ``optimizer_0/``.
+- ``nemo_rl`` / ``nemo_automodel``: what their DCP savers hand to ``dcp.save`` (NeMo-RL wraps the
+  model's state dict under "model", NeMo-Automodel saves it flat), into ``weights/`` or ``model/``.
+  Neither package is installed here (both pin their own torch stacks).
 - ``torchtitan``: torchtitan cannot be installed here (it pins an old huggingface_hub and pulls
   wandb), so the module tree carries torchtitan's Llama names with q/k rows in torchtitan's rotary
   layout (its adapter's ``from_hf``), and the rank saves what torchtitan's CheckpointManager saves:
@@ -46,7 +49,9 @@ from .fsdp import (
 )
 
 _MODULE = "merge_pipeline.sample_checkpoints.dcp"
-SOURCES = ("torchtitan", "accelerate")
+# The folder each writes the model's DCP into, inside the folder it is given.
+MODEL_DIRS = {"torchtitan": ".", "accelerate": "pytorch_model_fsdp_0", "nemo_rl": "weights", "nemo_automodel": "model"}
+SOURCES = tuple(MODEL_DIRS)
 TORCHTITAN_STEP = 10
 
 # torchtitan's Llama names (torchtitan/models/llama3/model/model.py) for each HF name.
@@ -101,7 +106,7 @@ def write_dcp_checkpoint(out_dir: Path, spec: DcpSpec, *, reference_dir: Path, t
         job_path.write_text(json.dumps(job))
         with _launch_ranks(job_path, _MODULE) as launcher:
             _wait(launcher, scratch, spec.world_size, timeout)
-    return out_dir / "pytorch_model_fsdp_0" if spec.source == "accelerate" else out_dir
+    return out_dir / MODEL_DIRS[spec.source]
 
 
 def torchtitan_name(hf_name: str) -> str:
@@ -138,10 +143,13 @@ def _run_rank(job: dict, rank: int) -> None:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
         model = _shard(_rebuild_module(job, load_file(job["weights"])), mesh, fsdp_version=2)
         optimizer = _trained_optimizer(model)
-        if job["source"] == "torchtitan":
-            _save_torchtitan(model, optimizer, Path(job["out_dir"]))
-        else:
-            _save_accelerate(model, optimizer, Path(job["out_dir"]))
+        save = {
+            "torchtitan": _save_torchtitan,
+            "accelerate": _save_accelerate,
+            "nemo_rl": _save_nemo_rl,
+            "nemo_automodel": _save_nemo_automodel,
+        }[job["source"]]
+        save(model, optimizer, Path(job["out_dir"]))
     finally:
         dist.destroy_process_group()
 
@@ -177,6 +185,20 @@ def _save_accelerate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, o
     accelerator = Accelerator(cpu=True)
     save_fsdp_model(plugin, accelerator, model, str(out_dir))
     save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(out_dir))
+
+
+def _save_nemo_rl(model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy_dir: Path) -> None:
+    """As NeMo-RL's native_checkpoint.save_checkpoint: ``{"model": ModelState(model)}`` into
+    ``policy/weights``, ``{"optim": OptimizerState(...)}`` into ``policy/optimizer``."""
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=policy_dir / "weights")
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=policy_dir / "optimizer")
+
+
+def _save_nemo_automodel(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: Path) -> None:
+    """As NeMo-Automodel's Checkpointer with model_save_format "torch_save": ModelState's flat HF state
+    dict into ``model/``, the optimizer into ``optim/``."""
+    dcp.save(get_model_state_dict(model), checkpoint_id=out_dir / "model")
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=out_dir / "optim")
 
 
 # --- command line -------------------------------------------------------------------------------
