@@ -97,7 +97,8 @@ def test_torchtitan_stores_permuted_rows_and_the_plan_streams_them(dcp_sample):
     stored = dcp.FileSystemReader(str(sample.model_dir)).read_metadata().state_dict_metadata
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torchtitan_name(name) in stored and name not in stored
-    assert any(key.startswith("optimizer.") for key in stored)  # training state beside the model, skipped
+    # Training state and the rotary table beside the model, skipped.
+    assert "freqs_cis" in stored and any(key.startswith("optimizer.") for key in stored)
     with open_checkpoint(sample.folder, hf_model_path=str(sample.original_dir)) as plan:
         assert plan.backend == "dcp" and plan.layout["dcp_source"] == "torchtitan"
         q_proj = next(t for t in plan.tensors if t.name == name)

@@ -141,7 +141,10 @@ def _run_rank(job: dict, rank: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-        model = _shard(_rebuild_module(job, load_file(job["weights"])), mesh, fsdp_version=2)
+        module = _rebuild_module(job, load_file(job["weights"]))
+        if job["source"] == "torchtitan":  # its Llama keeps the rotary table as a persistent buffer
+            module.register_buffer("freqs_cis", torch.polar(torch.ones(64, 8), torch.arange(512.0).view(64, 8)))
+        model = _shard(module, mesh, fsdp_version=2)
         optimizer = _trained_optimizer(model)
         save = {
             "torchtitan": _save_torchtitan,
