@@ -54,7 +54,8 @@ MODEL_DIRS = {"torchtitan": ".", "accelerate": "pytorch_model_fsdp_0", "nemo_rl"
 SOURCES = tuple(MODEL_DIRS)
 TORCHTITAN_STEP = 10
 
-# torchtitan's Llama names (torchtitan/models/llama3/model/model.py) for each HF name.
+# torchtitan's Llama names (torchtitan/models/llama3/model/model.py) for each HF name. Written out here,
+# not taken from the reader's table: a sample built from the reader's own table could not catch a wrong entry.
 _TORCHTITAN_LAYER = {
     "self_attn.q_proj": "attention.wq",
     "self_attn.k_proj": "attention.wk",
