@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from merge_pipeline.engine.outputs import DEFAULT_MAX_SIDE_FILE_SIZE, DTYPE_CHOICES, MergeOptions
-from merge_pipeline.engine.progress import human_bytes
 from merge_pipeline.errors import MergeError, os_error, printable
-from merge_pipeline.formats import BACKENDS
+from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE, DTYPE_CHOICES, MergeOptions
+from merge_pipeline.pipeline import BACKENDS
+from merge_pipeline.progress import human_bytes
 
 log = logging.getLogger("merge_pipeline")
 
@@ -152,7 +152,7 @@ def _options(args: argparse.Namespace, **extra) -> MergeOptions:
 
 def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
-    from merge_pipeline.engine.merge import merge_checkpoint
+    from merge_pipeline.pipeline import merge_checkpoint
 
     options = _options(
         args, max_shard_size=args.max_shard_size, overwrite=args.overwrite, max_side_file_size=args.max_side_file_size
@@ -207,12 +207,9 @@ def _upload(folder: Path, repo_id: str, args: argparse.Namespace) -> int:
 
 
 def _run_test(args: argparse.Namespace) -> int:
-    from merge_pipeline.engine.merge import prepare
-    from merge_pipeline.engine.verify import compare_with_reference
+    from merge_pipeline.pipeline import compare
 
-    plan, _, layout = prepare(args.local_dir, _options(args), args.backend)
-    with plan:
-        result = compare_with_reference(layout, args.test_hf_dir.absolute(), atol=args.atol)
+    result = compare(args.local_dir, args.test_hf_dir, _options(args), backend=args.backend, atol=args.atol)
     for diff, name in result.worst:
         print(f"  {diff:.3g}  {printable(name)}")
     for name in result.missing:
@@ -232,7 +229,7 @@ def _run_test(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from merge_pipeline.engine.inspect import describe
+    from merge_pipeline.pipeline import describe
 
     info = describe(
         args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code, hf_model_path=args.hf_model_path

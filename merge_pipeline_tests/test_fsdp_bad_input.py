@@ -12,10 +12,9 @@ import shutil
 import pytest
 import torch
 
-from merge_pipeline.engine.hf_folder import copy_side_files
-from merge_pipeline.engine.merge import finish_folder, prepare, write_weights
-from merge_pipeline.engine.outputs import MergeOptions
 from merge_pipeline.engine.publish import staged_output
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import finish_folder, prepare, write_side_files, write_weights
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
@@ -212,12 +211,14 @@ def test_checkpoint_deleted_mid_merge_still_merges_exactly(tmp_path, fsdp_checkp
     """Trainer rotation rmtree's the step after planning: open files keep the bytes readable."""
     sample = fresh_copy(fsdp_checkpoint(SPEC))
     options = MergeOptions()
-    plan, config, layout = prepare(sample.role_dir, options)
-    with plan, staged_output(tmp_path / "out", source=sample.role_dir, overwrite=False) as staging:
-        copy_side_files(config.path.parent, staging, confine_to=config.confine_to)
+    with (
+        prepare(sample.role_dir, options) as prepared,
+        staged_output(tmp_path / "out", source=sample.role_dir, overwrite=False) as staging,
+    ):
+        write_side_files(prepared, staging, options)
         shutil.rmtree(sample.role_dir)
-        write_weights(layout, staging, show_progress=False)
-        finish_folder(plan, config, layout, staging, options)
+        report = write_weights(prepared.outputs, staging, show_progress=False)
+        finish_folder(prepared, staging, options, report)
     merged = load_safetensors_dir(tmp_path / "out")
     from safetensors.torch import load_file
 

@@ -176,7 +176,7 @@ def test_repacked_stored_archive_merges_bit_exact(capsys, tmp_path, fsdp_checkpo
 PEAK_RSS_OF_A_MERGE = """
 import sys
 from merge_pipeline.cli import main
-from merge_pipeline.engine.merge import peak_rss_bytes
+from merge_pipeline.pipeline import peak_rss_bytes
 code = main(sys.argv[1:])
 print("peak_rss_bytes", peak_rss_bytes())
 sys.exit(code)

@@ -9,7 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from merge_pipeline.engine.manifest import MANIFEST, sha256_file
+from merge_pipeline.hf.manifest import MANIFEST, sha256_file
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bits
 

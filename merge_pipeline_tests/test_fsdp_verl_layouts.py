@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.engine.manifest import MANIFEST
+from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.model_card import CheckpointName
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest

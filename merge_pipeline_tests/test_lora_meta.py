@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from merge_pipeline.engine.manifest import MANIFEST
+from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.engine.manifest import MANIFEST
 from merge_pipeline.engine.publish import previous_path, staging_path
+from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.folder_checks import index_problems, manifest_problems, meta_load_problems, weight_files
 from merge_pipeline.defs.partitions import checkpoint_partitions
-from merge_pipeline.engine.manifest import read_manifest
+from merge_pipeline.hf.folder_checks import index_problems, manifest_problems, meta_load_problems, weight_files
+from merge_pipeline.hf.manifest import read_manifest
 
 HF_MODEL = dg.AssetKey("hf_model")
 

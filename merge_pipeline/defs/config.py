@@ -7,7 +7,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from merge_pipeline.engine.outputs import DEFAULT_MAX_SIDE_FILE_SIZE, DTYPE_CHOICES, MergeOptions
+from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE, DTYPE_CHOICES, MergeOptions
 
 
 class MergeConfig(dg.Config):

@@ -19,8 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from merge_pipeline.distributed import write_weights_distributed
-from merge_pipeline.engine.outputs import MergeOptions
 from merge_pipeline.errors import MergeError
+from merge_pipeline.options import MergeOptions
 
 REPORT_MESSAGE = "weights_written"  # the custom Pipes messages rank 0 sends
 ERROR_MESSAGE = "merge_failed"

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from merge_pipeline.engine.manifest import MANIFEST
-from merge_pipeline.engine.merge import prepare
 from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.pipeline import prepare
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits

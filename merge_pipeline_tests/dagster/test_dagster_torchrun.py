@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from merge_pipeline.engine.manifest import MANIFEST
+from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from merge_pipeline.engine.architecture import check_plan_against_architecture, expected_tensors
-from merge_pipeline.engine.plan import Computed, PlannedTensor
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors
+from merge_pipeline.plan import Computed, PlannedTensor
 
 
 def planned(shapes: dict[str, tuple[int, ...]]) -> list[PlannedTensor]:

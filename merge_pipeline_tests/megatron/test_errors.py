@@ -9,9 +9,9 @@ import struct
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from merge_pipeline.engine.architecture import check_plan_against_architecture, expected_tensors
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.megatron import plan_megatron
+from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors
 
 
 def plan(role_dir, **flags):

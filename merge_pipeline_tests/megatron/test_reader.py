@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.engine.architecture import check_plan_against_architecture, expected_tensors
-from merge_pipeline.engine.plan import Computed, StoredBytes
 from merge_pipeline.formats.megatron import plan_megatron
+from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors
+from merge_pipeline.plan import Computed, StoredBytes
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS
 from merge_pipeline_tests.helpers import same_bits
 

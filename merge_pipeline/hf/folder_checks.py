@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 
 import transformers
 
-from merge_pipeline.engine.manifest import file_sums, read_manifest
-from merge_pipeline.engine.merge import INDEX
-from merge_pipeline.engine.safetensors_writer import SAFETENSORS_DTYPES
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.architecture import model_class
+from merge_pipeline.hf.config import CONFIG
+from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
+from merge_pipeline.hf.manifest import file_sums, read_manifest
+from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
 
-SINGLE_FILE = "model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_FILE = "adapter_model.safetensors"
-_ADAPTER_TENSOR = re.compile(r"^base_model\.model\..+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
-
-
-def read_header(path: Path) -> dict[str, dict]:
-    """A safetensors file's tensor entries (dtype, shape, data_offsets), read from its header alone."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header
+_ADAPTER_TENSOR = re.compile(rf"^{re.escape(PEFT_PREFIX)}.+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
 
 
 def weight_files(folder: Path) -> dict[str, dict[str, dict]]:
@@ -35,7 +25,7 @@ def weight_files(folder: Path) -> dict[str, dict[str, dict]]:
 
 def is_adapter_folder(folder: Path) -> bool:
     """A PEFT adapter alone (a LoRA-only checkpoint merged without its base model): no config.json."""
-    return (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file()
+    return (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG).is_file()
 
 
 def meta_load_problems(folder: Path) -> list[str]:
@@ -43,11 +33,13 @@ def meta_load_problems(folder: Path) -> list[str]:
     if is_adapter_folder(folder):
         return adapter_problems(folder)
     config = transformers.AutoConfig.from_pretrained(folder)
-    architecture = (config.architectures or [None])[0]
-    model_class = getattr(transformers, architecture or "", None)
-    if model_class is None:
-        return [f"config.json names architecture {architecture!r}, which transformers does not have"]
-    model, info = model_class.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
+    try:
+        # The class the merge checked the plan against: the value-model head is in config.json by now.
+        model_type = model_class(config, folder / CONFIG, value_model=False, trust_remote_code=False)
+    except MergeError as exc:
+        return [exc.problem]
+    architecture = model_type.__name__
+    model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
@@ -98,7 +90,7 @@ def index_problems(folder: Path) -> list[str]:
         f"{f} holds {n}, which the index does not map" for n, f in sorted(stored.items()) if n not in weight_map
     ]
     problems += [f"{f} is not referenced by the index" for f in sorted(set(files) - set(weight_map.values()))]
-    total = sum(e["data_offsets"][1] - e["data_offsets"][0] for tensors in files.values() for e in tensors.values())
+    total = sum(e["nbytes"] for tensors in files.values() for e in tensors.values())
     if index["metadata"]["total_size"] != total:
         problems.append(f"index total_size {index['metadata']['total_size']} != {total} bytes of tensor data")
     return problems

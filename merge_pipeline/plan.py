@@ -7,6 +7,7 @@ bounded by the largest single tensor, never by the model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -50,6 +51,25 @@ class SourceFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def close_all(files: list[SourceFile]) -> None:
+    for f in files:
+        f.close()
+
+
+@contextlib.contextmanager
+def closed_on_failure(files: list[SourceFile]) -> Iterator[None]:
+    """Close ``files`` (as the list stands then) if the block raises; on success they stay open for the writer."""
+    with contextlib.ExitStack() as on_failure:
+        on_failure.callback(close_all, files)
+        yield
+        on_failure.pop_all()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how config.json, the manifest and ``inspect`` name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -157,16 +177,17 @@ class LoraInfo:
 class CheckpointPlan:
     """Everything the engine needs to turn one role folder into an HF folder."""
 
-    backend: str  # "fsdp" | "megatron"
+    backend: str  # the name of the reader that planned it (formats.BACKENDS)
     role_dir: Path
     hf_dir: Path | None  # the checkpoint's huggingface/ folder (config, tokenizer, ...)
     tensors: list[PlannedTensor]  # model tensors, HF names (LoRA names as PEFT wrote them)
     files: list[SourceFile]  # every input file the tensors read from
     is_value_model: bool = False
     lora: LoraInfo | None = None
-    # True when the names were produced by a mapping (Megatron -> HF) that must be checked against
-    # the architecture; False when they are the trained HF model's own state-dict keys (FSDP).
-    names_mapped: bool = True
+    # True when the names must be checked against the architecture config.json describes: they were
+    # produced by a mapping (Megatron -> HF) or taken from a base model; False when they are the
+    # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
+    check_against_architecture: bool = True
     # Backend facts shown by `inspect` and recorded in the manifest (world size, mesh, TP/PP, ...).
     layout: dict[str, Any] = field(default_factory=dict)
 
@@ -180,8 +201,7 @@ class CheckpointPlan:
         return sum(t.numel for t in self.tensors)
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
+        close_all(self.files)
 
     def __enter__(self) -> CheckpointPlan:
         return self

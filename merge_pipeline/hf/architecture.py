@@ -18,8 +18,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.core_model_loading import revert_weight_conversion
 
-from merge_pipeline.engine.plan import Computed, PlannedTensor
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, first_line
+from merge_pipeline.plan import Computed, PlannedTensor
 
 
 class ExpectedTensors(dict[str, tuple[int, ...]]):
@@ -40,21 +40,21 @@ def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: 
     try:
         config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise MergeError(config_path, f"transformers cannot read it: {str(exc).splitlines()[0]}") from None
+        raise MergeError(config_path, f"transformers cannot read it: {first_line(exc)}") from None
     if value_model:
         config.num_labels = 1
-    model_class = _model_class(config, config_path, value_model=value_model, trust_remote_code=trust_remote_code)
+    chosen = model_class(config, config_path, value_model=value_model, trust_remote_code=trust_remote_code)
     try:
         with torch.device("meta"):
             model = (
-                model_class.from_config(config, trust_remote_code=trust_remote_code)
-                if model_class.__name__.startswith("Auto")
-                else model_class(config)
+                chosen.from_config(config, trust_remote_code=trust_remote_code)
+                if chosen.__name__.startswith("Auto")
+                else chosen(config)
             )
     except Exception as exc:  # a config transformers accepts but cannot build from: name it, whatever the cause
         raise MergeError(
             config_path,
-            f"cannot build {getattr(model_class, '__name__', model_class)} from it ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+            f"cannot build {getattr(chosen, '__name__', chosen)} from it ({type(exc).__name__}: {first_line(exc)})",
         ) from None
     state = model.state_dict(keep_vars=True)  # parameters themselves, so tied names share one object
     groups: dict[int, set[str]] = {}
@@ -64,9 +64,10 @@ def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: 
     return ExpectedTensors(shapes, [g for g in groups.values() if len(g) > 1])
 
 
-def _model_class(config, config_path: Path, *, value_model: bool, trust_remote_code: bool):
-    """The class to build: the architecture config.json names, or an Auto class for value models
-    (verl's critic config still names the causal LM) and remote-code models."""
+def model_class(config, config_path: Path, *, value_model: bool, trust_remote_code: bool):
+    """The class to build from a config (the one rule for the merge's check and the folder checks): the
+    architecture config.json names, or an Auto class for value models (verl's critic config still
+    names the causal LM) and remote-code models."""
     if value_model:
         return AutoModelForTokenClassification
     architectures = getattr(config, "architectures", None) or []

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.input_files import contained_file
 from merge_pipeline.json_files import read_json_object
+from merge_pipeline.plan import dtype_name
 
 CONFIG = "config.json"
 
@@ -36,7 +37,7 @@ class ModelConfig:
             config = AutoConfig.from_pretrained(self.path.parent, trust_remote_code=self.trust_remote_code)
         except ValueError as exc:
             hint = "" if self.trust_remote_code else " (pass --trust-remote-code for a remote-code model)"
-            raise MergeError(self.path, f"transformers cannot read it: {str(exc).splitlines()[0]}{hint}") from None
+            raise MergeError(self.path, f"transformers cannot read it: {first_line(exc)}{hint}") from None
         return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
     @property
@@ -132,10 +133,9 @@ def _check_same_model(checkpoint: ModelConfig, original: ModelConfig) -> None:
 def output_config(model: ModelConfig, *, dtype: torch.dtype, tied: bool, value_model: bool) -> dict:
     """config.json for the merged folder: the source's, with dtype, tying and value head made true."""
     out = dict(model.raw)
-    dtype_name = str(dtype).removeprefix("torch.")
-    out["dtype"] = dtype_name
+    out["dtype"] = dtype_name(dtype)
     if "torch_dtype" in out:  # older transformers spell it so; keep both in agreement
-        out["torch_dtype"] = dtype_name
+        out["torch_dtype"] = dtype_name(dtype)
     if tied and not model.tie_word_embeddings:
         out["tie_word_embeddings"] = True
     if not tied and not value_model and model.tie_word_embeddings:  # --untie-word-embedding: lm_head is kept
