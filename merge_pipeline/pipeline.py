@@ -32,7 +32,7 @@ from merge_pipeline.engine.safetensors_writer import write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.formats import BACKENDS as BACKENDS
-from merge_pipeline.formats import open_checkpoint
+from merge_pipeline.formats import fsdp, open_checkpoint
 from merge_pipeline.formats.hf import read_hf_weights
 from merge_pipeline.hf.config import ModelConfig, load_model_config
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
@@ -42,6 +42,9 @@ from merge_pipeline.plan import CheckpointPlan, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
 
 log = logging.getLogger("merge_pipeline")
+
+# Discovery knows an SFT step folder (the model saved straight into global_step_<N>/) by FSDP rank files.
+FSDP_RANK_FILE = fsdp.MODEL_FILE
 
 
 @dataclass
