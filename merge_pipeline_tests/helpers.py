@@ -1,4 +1,4 @@
-"""Small helpers shared by the engine and CLI tests."""
+"""Small helpers shared by the tests (fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 
 from merge_pipeline.cli import main
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import CheckpointPlan
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -43,6 +45,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
     )
+
+
+def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
+    """The Megatron reader's plan of ``role_dir`` with these merge options (as ``--backend megatron``)."""
+    from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
+
+    return READER.plan(Path(role_dir), MergeOptions(**options))
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -115,16 +115,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def good_target(capsys, tmp_path, fsdp_checkpoint):
-    target = tmp_path / "targets" / "published"
-    code, _, err = run_cli(
-        capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", target, "--no-progress"
-    )
-    assert code == 0, err
-    return target
-
-
 @pytest.mark.parametrize("corrupt", CASES, ids=[c.__name__ for c in CASES])
 def test_bad_input_fails_cleanly(capsys, fsdp_checkpoint, fresh_copy, good_target, corrupt):
     sample = fresh_copy(fsdp_checkpoint(SPEC))

@@ -18,16 +18,6 @@ SPEC = FsdpSpec(world_size=3, with_optimizer=False)
 SECRET = "HF_TOKEN=hf_fake_secret_that_must_never_be_copied"
 
 
-@pytest.fixture
-def good_target(capsys, tmp_path, fsdp_checkpoint):
-    target = tmp_path / "targets" / "published"
-    code, _, err = run_cli(
-        capsys, "merge", "--local_dir", fsdp_checkpoint(SPEC).role_dir, "--target_dir", target, "--no-progress"
-    )
-    assert code == 0, err
-    return target
-
-
 def secret_outside(tmp_path):
     outside = tmp_path / "elsewhere" / "environ"
     outside.parent.mkdir()

@@ -83,7 +83,11 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
         raise MergeError(plan.role_dir, "--merge-lora given but the checkpoint has no LoRA tensors")
 
     is_value_model = plan.is_value_model or options.is_value_model
-    if options.is_value_model and not plan.is_value_model and any(t.name.endswith("lm_head.weight") for t in tensors):
+    if (
+        options.is_value_model
+        and not plan.is_value_model
+        and any(t.name.endswith(config.lm_head_name) for t in tensors)
+    ):
         raise MergeError(
             plan.role_dir, "--is-value-model given but the checkpoint has lm_head.weight and no value head (score.*)"
         )

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
+from merge_pipeline.hf.config import has_value_head
 from merge_pipeline.hf.lora import LORA_META, read_lora_meta
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.options import MergeOptions
@@ -54,15 +55,13 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
     lora = None
     if (role_dir / LORA_META).exists():
         lora = read_lora_meta(role_dir / LORA_META)
-    names = {t.name for t in tensors}
     return CheckpointPlan(
         backend="fsdp",
         role_dir=role_dir,
         hf_dir=role_dir / "huggingface",
         tensors=tensors,
         files=files,
-        is_value_model=any(n.endswith("score.weight") for n in names)
-        and not any(n.endswith("lm_head.weight") for n in names),
+        is_value_model=has_value_head(t.name for t in tensors),
         lora=lora,
         check_against_architecture=False,
         layout={"world_size": world_size, "fsdp_version": fsdp_version, **mesh},

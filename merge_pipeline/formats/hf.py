@@ -21,6 +21,7 @@ import struct
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.config import VALUE_HEAD, has_value_head
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, lora_module, peft_base_names
 from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE
 from merge_pipeline.json_files import read_json_object
@@ -86,10 +87,9 @@ def plan_hf_safetensors(
         if lora is not None:
             info, adapter = _plan_adapter(lora, files)
             planned = _peft_names(planned, adapter, info, lora)
-        names = {t.name for t in planned}
-        value_model = "score.weight" in names or f"{PEFT_PREFIX}score.weight" in names
+        value_model = has_value_head(t.name for t in planned)
         if is_value_model and not value_model:
-            raise MergeError(hf_dir, "value model requested but the weights have no score.weight")
+            raise MergeError(hf_dir, f"value model requested but the weights have no {VALUE_HEAD}")
     facts = {
         **(layout or {}),
         "weights": "huggingface safetensors",

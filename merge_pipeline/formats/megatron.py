@@ -165,7 +165,14 @@ def plan_megatron(
         layout.hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path
     )
     return _plan_dist_checkpoint(
-        role_dir, layout, checkpoint, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding
+        role_dir,
+        layout,
+        checkpoint,
+        stored,
+        model_config.raw,
+        model_config.path,
+        is_value_model,
+        model_config.tie_word_embeddings if tie_word_embedding is None else tie_word_embedding,
     )
 
 
@@ -209,15 +216,13 @@ def _plan_dist_checkpoint(
     config: dict,
     config_path: Path,
     is_value_model: bool | None,
-    tie_word_embedding: bool | None,
+    tied: bool,
 ) -> CheckpointPlan:
     dist_dir = layout.dist_dir
     metadata_path = dist_dir / ".metadata"
     shapes = {k: tuple(v.size) for k, v in stored.items()}
-    text = config.get("text_config") or config
     lm = "language_model." if "text_config" in config else ""
     value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
-    tied = bool(text.get("tie_word_embeddings", False)) if tie_word_embedding is None else tie_word_embedding
     if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
         raise MergeError(
             metadata_path,

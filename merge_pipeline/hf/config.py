@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -14,6 +15,14 @@ from merge_pipeline.json_files import read_json_object
 from merge_pipeline.plan import dtype_name
 
 CONFIG = "config.json"
+LM_HEAD = "lm_head.weight"
+VALUE_HEAD = "score.weight"  # a value model's (critic, reward) head: *ForTokenClassification with one label
+
+
+def has_value_head(names: Iterable[str]) -> bool:
+    """Weights of a value model: a score head and no LM head (names may carry a prefix, PEFT's for one)."""
+    names = list(names)
+    return any(n.endswith(VALUE_HEAD) for n in names) and not any(n.endswith(LM_HEAD) for n in names)
 
 
 @dataclass
@@ -42,7 +51,7 @@ class ModelConfig:
 
     @property
     def lm_head_name(self) -> str:
-        return "lm_head.weight"
+        return LM_HEAD
 
     @property
     def architecture(self) -> str | None:

@@ -10,17 +10,12 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.megatron import plan_megatron
 from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors
-
-
-def plan(role_dir, **flags):
-    options = {"is_value_model": None, "tie_word_embedding": None, "trust_remote_code": False, **flags}
-    return plan_megatron(role_dir, **options)
+from merge_pipeline_tests.helpers import megatron_plan
 
 
 def planned_and_checked(role_dir):
-    with plan(role_dir) as p:
+    with megatron_plan(role_dir) as p:
         hf_dir = role_dir / "huggingface"
         expected = expected_tensors(hf_dir, value_model=p.is_value_model, trust_remote_code=False)
         check_plan_against_architecture(p.tensors, expected, hf_dir / "config.json")
@@ -44,7 +39,7 @@ def test_missing_distcp_file(fresh_megatron):
     victim = role / "dist_ckpt" / "__1_0.distcp"
     victim.unlink()
     with pytest.raises(MergeError) as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == victim and "missing" in str(error.value)
 
 
@@ -53,7 +48,7 @@ def test_corrupt_metadata(fresh_megatron):
     path = role / "dist_ckpt" / ".metadata"
     path.write_bytes(path.read_bytes()[:500])
     with pytest.raises(MergeError, match="corrupt DCP metadata") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == path
 
 
@@ -62,7 +57,7 @@ def test_metadata_that_would_run_code_is_refused(fresh_megatron):
     path = role / "dist_ckpt" / ".metadata"
     path.write_bytes(pickle.dumps(print))  # any global outside the DCP classes
     with pytest.raises(MergeError, match="refused to load builtins.print") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == path
 
 
@@ -70,7 +65,7 @@ def test_metadata_json_of_another_backend(fresh_megatron):
     role = fresh_megatron("qwen2_tp2").role_dir
     edit_json(role / "dist_ckpt" / "metadata.json", sharded_backend="zarr")
     with pytest.raises(MergeError, match="'zarr'") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == role / "dist_ckpt" / "metadata.json"
 
 
@@ -79,7 +74,7 @@ def test_config_sizes_disagreeing_with_the_tensors(fresh_megatron):
     config = role / "huggingface" / "config.json"
     edit_json(config, num_key_value_heads=4)  # QKV rows no longer add up
     with pytest.raises(MergeError, match="sizes disagree") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == config
 
 
@@ -96,7 +91,7 @@ def test_no_huggingface_config(fresh_megatron):
     role = fresh_megatron("qwen2_tp2").role_dir
     (role / "huggingface" / "config.json").unlink()
     with pytest.raises(MergeError, match="not found") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == role / "huggingface" / "config.json"
 
 
@@ -105,7 +100,7 @@ def test_unsupported_architecture_is_named(fresh_megatron):
     config = role / "huggingface" / "config.json"
     edit_json(config, architectures=["GPT2LMHeadModel"])
     with pytest.raises(MergeError, match="unsupported architecture GPT2LMHeadModel") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == config
 
 
@@ -121,7 +116,7 @@ def test_a_key_with_no_hf_name_is_an_error_not_dropped(fresh_megatron):
 
     rewrite_metadata(dist_dir, rename)
     with pytest.raises(MergeError, match="no Hugging Face name .*mystery_proj") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == dist_dir / ".metadata"
 
 
@@ -146,7 +141,7 @@ def test_chunks_that_leave_a_gap_are_refused(fresh_megatron):
 
     rewrite_metadata(role / "dist_ckpt", drop_chunk)
     with pytest.raises(MergeError, match="do not cover the whole tensor"):
-        plan(role)
+        megatron_plan(role)
 
 
 def test_truncated_distcp_file(fresh_megatron):
@@ -154,20 +149,20 @@ def test_truncated_distcp_file(fresh_megatron):
     victim = role / "dist_ckpt" / "__0_1.distcp"
     victim.write_bytes(victim.read_bytes()[:1000])
     with pytest.raises(MergeError, match="truncated") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == victim
 
 
 def test_value_flag_contradicting_the_checkpoint(megatron_samples):
     with pytest.raises(MergeError, match="value model requested but output_layer.weight has 128 rows"):
-        plan(megatron_samples["qwen2_tp2"].role_dir, is_value_model=True)
+        megatron_plan(megatron_samples["qwen2_tp2"].role_dir, is_value_model=True)
 
 
 def test_untied_config_without_output_layer(fresh_megatron):
     role = fresh_megatron("llama_tied_pp2").role_dir
     edit_json(role / "huggingface" / "config.json", tie_word_embeddings=False)
     with pytest.raises(MergeError, match="--tie-word-embedding"):
-        plan(role)
+        megatron_plan(role)
 
 
 def test_hf_weights_header_out_of_bounds(fresh_megatron):
@@ -175,7 +170,7 @@ def test_hf_weights_header_out_of_bounds(fresh_megatron):
     victim = role / "huggingface" / "model-00001-of-00002.safetensors"
     victim.write_bytes(struct.pack("<Q", 1 << 40) + victim.read_bytes()[8:])
     with pytest.raises(MergeError, match="header length") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == victim
 
 
@@ -187,5 +182,5 @@ def test_hf_weights_index_naming_the_wrong_file(fresh_megatron):
     index["weight_map"][name] = next(f for f in set(index["weight_map"].values()) if f != index["weight_map"][name])
     index_path.write_text(json.dumps(index))
     with pytest.raises(MergeError, match="model.norm.weight is in .* but the index says") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == index_path
