@@ -188,7 +188,8 @@ class CheckpointPlan:
     # produced by a mapping (Megatron -> HF) or taken from a base model; False when they are the
     # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
     check_against_architecture: bool = True
-    # Backend facts shown by `inspect` and recorded in the manifest (world size, mesh, TP/PP, ...).
+    # How the checkpoint is laid out (world size, mesh, TP/PP, layout schema, ...), as `inspect` shows it and
+    # the manifest records it. ("layout" is always the input folder's; the output is the engine's OutputPlan.)
     layout: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
 
 TORCHRUN = {"max_shard_size": "200KB", "launcher": "torchrun", "nproc_per_node": 2}

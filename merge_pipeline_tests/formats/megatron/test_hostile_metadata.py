@@ -15,7 +15,8 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline_tests.megatron.test_errors import plan, rewrite_metadata
+from merge_pipeline_tests.formats.megatron.test_errors import rewrite_metadata
+from merge_pipeline_tests.helpers import megatron_plan
 
 SAMPLE = "qwen2_tp2"
 INPUT_NORM = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"  # [layers, hidden], fp32
@@ -47,7 +48,7 @@ def test_parent_directory_in_a_file_name_is_refused(role):
     shutil.copy(dist_dir / "__0_0.distcp", role / "__0_0.distcp")  # readable, but outside dist_ckpt/
     repoint_file(dist_dir, "__0_0.distcp", "../__0_0.distcp")
     with pytest.raises(MergeError, match=r"chunk file '\.\./__0_0\.distcp' lies outside dist_ckpt/") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == dist_dir / ".metadata"
 
 
@@ -56,7 +57,7 @@ def test_absolute_file_name_is_refused(role, tmp_path):
     shutil.copy(role / "dist_ckpt" / "__0_0.distcp", elsewhere)
     repoint_file(role / "dist_ckpt", "__0_0.distcp", str(elsewhere))
     with pytest.raises(MergeError, match="lies outside dist_ckpt/") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == role / "dist_ckpt" / ".metadata"
 
 
@@ -67,7 +68,7 @@ def test_symlink_out_of_dist_ckpt_is_refused(role, tmp_path):
     os.symlink(elsewhere, dist_dir / "link.distcp")
     repoint_file(dist_dir, "__0_0.distcp", "link.distcp")
     with pytest.raises(MergeError, match="symlink out of dist_ckpt/") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == dist_dir / "link.distcp"
 
 
@@ -75,7 +76,7 @@ def test_symlink_inside_dist_ckpt_still_merges(role, megatron_samples):
     dist_dir = role / "dist_ckpt"
     os.symlink("__0_0.distcp", dist_dir / "alias.distcp")
     repoint_file(dist_dir, "__0_0.distcp", "alias.distcp")
-    with plan(role) as planned, plan(megatron_samples[SAMPLE].role_dir) as original:
+    with megatron_plan(role) as planned, megatron_plan(megatron_samples[SAMPLE].role_dir) as original:
         for ours, theirs in zip(planned.tensors, original.tensors, strict=True):
             assert ours.name == theirs.name and torch.equal(
                 ours.load().view(torch.uint8), theirs.load().view(torch.uint8)
@@ -94,7 +95,7 @@ def test_two_tensors_reading_the_same_bytes_are_refused(role):
     with pytest.raises(
         MergeError, match=f"{POST_NORM} and {INPUT_NORM}: chunks share bytes .* of __0_0.distcp"
     ) as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == role / "dist_ckpt" / ".metadata"
 
 
@@ -105,7 +106,7 @@ def test_negative_byte_offset_is_refused(role):
 
     rewrite_metadata(role / "dist_ckpt", before_the_file)
     with pytest.raises(MergeError, match=f"{INPUT_NORM}: chunk at .* has byte range offset -100") as error:
-        plan(role)
+        megatron_plan(role)
     assert error.value.path == role / "dist_ckpt" / ".metadata"
 
 
@@ -116,7 +117,7 @@ def test_chunks_overlapping_in_the_global_tensor_are_refused(role):
 
     rewrite_metadata(role / "dist_ckpt", overlap)
     with pytest.raises(MergeError, match=r"embedding.word_embeddings.weight: saved chunks overlap at \(32, 0\)"):
-        plan(role)
+        megatron_plan(role)
 
 
 def test_chunk_offsets_of_the_wrong_rank_are_refused(role):
@@ -128,4 +129,4 @@ def test_chunk_offsets_of_the_wrong_rank_are_refused(role):
         MergeError,
         match=r"embedding.word_embeddings.weight: chunk at \(64,\) .* is not a block of a tensor of shape \(128, 64\)",
     ):
-        plan(role)
+        megatron_plan(role)

@@ -15,7 +15,7 @@ from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems
 from merge_pipeline.pipeline import merge_checkpoint
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
-from merge_pipeline_tests.dagster.helpers import materialize
+from merge_pipeline_tests.defs.helpers import materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
 SFT = FsdpSpec(layout="sft")

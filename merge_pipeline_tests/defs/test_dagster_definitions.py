@@ -14,8 +14,8 @@ import yaml
 
 from merge_pipeline.definitions import defs
 from merge_pipeline.defs.jobs import HEAVY_TAG
-from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
-from merge_pipeline_tests.dagster.services import LOCATIONS_QUERY, running_dagster_dev
+from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
+from merge_pipeline_tests.defs.services import LOCATIONS_QUERY, running_dagster_dev
 
 CHECKS = ["index_matches_shards", "loads_on_meta_device", "manifest_sha256"]
 DG = os.path.join(os.path.dirname(sys.executable), "dg")
@@ -136,7 +136,7 @@ def test_env_example_lists_every_setting_the_code_reads():
 def test_dg_launch_merges_one_partition(fsdp_checkpoint, roots, instance, tmp_path):
     from safetensors.torch import load_file
 
-    from merge_pipeline_tests.dagster.helpers import ACTOR
+    from merge_pipeline_tests.defs.helpers import ACTOR
     from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
     sample = fsdp_checkpoint(ACTOR)

@@ -4,8 +4,8 @@ replaced, and a merge running on the same target fails the step in one line inst
 from __future__ import annotations
 
 from merge_pipeline.engine.publish import staging_path
-from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
-from merge_pipeline_tests.dagster.test_dagster_failures import failure
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.test_dagster_failures import failure
 from merge_pipeline_tests.helpers import merge_in_progress, tree_digest
 
 KEY = "run/global_step_2/actor"

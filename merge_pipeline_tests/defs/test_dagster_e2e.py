@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline_tests.dagster import browser
-from merge_pipeline_tests.dagster.helpers import ACTOR, PROJECT_ROOT
-from merge_pipeline_tests.dagster.services import Dagster, running_dagster_dev
+from merge_pipeline_tests.defs import browser
+from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
+from merge_pipeline_tests.defs.services import Dagster, running_dagster_dev
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
 KEY = "e2e_run/global_step_1/actor"

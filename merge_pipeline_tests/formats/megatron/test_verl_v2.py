@@ -30,7 +30,7 @@ from merge_pipeline.sample_checkpoints.megatron import (
     sample_tokens,
     write_bridge_weights,
 )
-from merge_pipeline_tests.dagster.helpers import materialize
+from merge_pipeline_tests.defs.helpers import materialize
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 

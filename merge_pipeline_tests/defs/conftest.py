@@ -7,7 +7,7 @@ import shutil
 import dagster as dg
 import pytest
 
-from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT, Roots
+from merge_pipeline_tests.defs.helpers import PROJECT_ROOT, Roots
 
 
 @pytest.fixture

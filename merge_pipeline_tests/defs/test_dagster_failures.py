@@ -7,7 +7,7 @@ import json
 import dagster as dg
 
 from merge_pipeline.engine.publish import staging_path
-from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
 
 KEY = "run/global_step_2/actor"

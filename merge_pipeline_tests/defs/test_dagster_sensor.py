@@ -16,7 +16,7 @@ from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.pipeline import merge_checkpoint
-from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
 from merge_pipeline_tests.helpers import tree_digest
 
 

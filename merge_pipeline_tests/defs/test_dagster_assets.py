@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from merge_pipeline.engine.publish import staging_path
-from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.hf.manifest import MANIFEST, write_manifest
 from merge_pipeline.pipeline import prepare
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
-from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
 SHARDED = {"max_shard_size": "200KB"}  # the 0.8 MB test model in several shards, with an index
@@ -105,6 +105,24 @@ def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkey
 
     assert materialize(instance, roots.settings(), "run/global_step_3/actor").success
     assert len(plans) == 1
+
+
+def test_the_manifest_takes_the_weights_digests_from_the_write(fsdp_checkpoint, roots, instance, monkeypatch):
+    """The weights are hashed while they are written; the manifest never reads them back (issue 14)."""
+    from merge_pipeline import pipeline
+
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_4", tracker=4)
+    supplied = []
+
+    def recording(folder, body, known=None):
+        supplied.append(known)
+        return write_manifest(folder, body, known)
+
+    monkeypatch.setattr(pipeline, "write_manifest", recording)
+    assert materialize(instance, roots.settings(), "run/global_step_4/actor", merge_config=SHARDED).success
+    files = json.loads((roots.target("run/global_step_4/actor") / MANIFEST).read_text())["files"]
+    weights = {name: entry["sha256"] for name, entry in files.items() if name.endswith(".safetensors")}
+    assert len(weights) > 1 and supplied == [weights]
 
 
 @pytest.fixture(scope="module")

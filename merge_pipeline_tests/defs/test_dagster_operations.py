@@ -11,7 +11,7 @@ import dagster as dg
 
 from merge_pipeline.defs.alerts import AlertWebhook, merge_failure_webhook
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 
 KEY = "run/global_step_2/actor"
 

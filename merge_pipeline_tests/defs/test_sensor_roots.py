@@ -11,7 +11,7 @@ from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline_tests.dagster.helpers import ACTOR
+from merge_pipeline_tests.defs.helpers import ACTOR
 
 
 def tick(capfd, instance, settings, cursor=None) -> tuple[dg.SensorResult, list[str]]:
