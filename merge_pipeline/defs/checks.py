@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 
 from merge_pipeline.defs.partitions import checkpoint_partitions
+from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.folder_checks import index_problems, manifest_problems, meta_load_problems, weight_files
 from merge_pipeline.hf.manifest import read_manifest
 
@@ -85,7 +86,7 @@ def _counts(folder: Path) -> dict[str, int]:
     try:
         shards = weight_files(folder)
         files = read_manifest(folder)["files"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, MergeError):
         return {}  # the checks themselves say what is wrong
     return {
         "weight files": len(shards),

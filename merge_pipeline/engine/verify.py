@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from merge_pipeline.engine.outputs import OutputPlan
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE
-from merge_pipeline.input_files import open_regular
+from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, open_safetensors
 from merge_pipeline.json_files import read_json_object
 
 
@@ -49,19 +44,8 @@ def reference_files(reference_dir: Path) -> dict[str, Path]:
     single = reference_dir / SINGLE_FILE
     if not single.is_file():
         raise MergeError(reference_dir, f"no {SINGLE_FILE} or {INDEX}")
-    with _open_reference(single) as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
-
-
-@contextlib.contextmanager
-def _open_reference(path: Path) -> Iterator:
-    """``safe_open`` a reference file; a missing, special or unreadable one is one line naming it."""
-    os.close(open_regular(path))  # checked first: safe_open would block on a FIFO
-    try:
-        with safe_open(path, "pt") as f:
-            yield f
-    except SafetensorError as exc:
-        raise MergeError(path, f"not a readable safetensors file ({exc})") from None
 
 
 def compare_with_reference(
@@ -74,7 +58,7 @@ def compare_with_reference(
     result.unexpected = sorted(set(files) - set(ours))
     diffs = []
     for name in sorted(set(ours) & set(files)):
-        with _open_reference(files[name]) as f:
+        with open_safetensors(files[name]) as f:
             reference = f.get_tensor(name)
         mine = ours[name].planned.load()
         result.compared += 1

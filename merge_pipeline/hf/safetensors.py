@@ -6,11 +6,17 @@ header, the offsets and the dtypes); a reader that needs byte offsets parses the
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import open_regular
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,10 +40,21 @@ SAFETENSORS_DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator:
+    """``safe_open`` a finished file; a missing, special or malformed one is one line naming it."""
+    os.close(open_regular(path))  # checked first: safe_open would block on a FIFO
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise MergeError(path, f"not a readable safetensors file ({exc})") from None
+
+
 def read_header(path: Path) -> dict[str, dict]:
     """name -> dtype (as the header spells it), shape and data bytes of each tensor; ``safe_open`` validates the header."""
     entries = {}
-    with safe_open(path, "pt") as f:
+    with open_safetensors(path) as f:
         for name in f.keys():
             entry = f.get_slice(name)
             dtype, shape = entry.get_dtype(), entry.get_shape()
