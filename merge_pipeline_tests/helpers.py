@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -43,6 +44,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
     )
+
+
+def config_says_tied(role_dir: Path) -> Path:
+    """Switch an FSDP checkpoint's config.json to tie_word_embeddings true, as a mismatched config would be."""
+    path = role_dir / "huggingface" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
+    return path
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

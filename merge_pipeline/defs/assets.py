@@ -76,17 +76,17 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
     place only if all passed.
     """
     key = CheckpointKey.parse(context.partition_key)
-    options = config.options()
     target = settings.target_dir(key)
     started = time.monotonic()
     with one_line_failure():
+        options = config.options()  # tie and untie together are refused in one line, as by the CLI
         role_dir = settings.role_dir(key)
         state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
         if not state.complete:
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
         # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its staging.
         with locked_target(target, source=role_dir, overwrite=options.overwrite) as locked:
-            plan, model_config, layout = prepare(role_dir, options)
+            plan, model_config, layout = prepare(role_dir, options, options.backend)
             with plan:
                 staging = locked.new_staging()
                 try:

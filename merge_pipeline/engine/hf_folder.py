@@ -9,9 +9,10 @@ import re
 from pathlib import Path
 
 from merge_pipeline.engine.hf_config import CONFIG, ModelConfig, output_config
-from merge_pipeline.engine.outputs import ADAPTER_DIR, DEFAULT_MAX_SIDE_FILE_SIZE, OutputLayout
+from merge_pipeline.engine.outputs import ADAPTER_DIR, OutputLayout
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.input_files import contained_file, open_regular
+from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE
 
 log = logging.getLogger(__name__)
 

@@ -14,38 +14,13 @@ from merge_pipeline.engine.lora import LORA_META, has_lora_tensors, split_lora
 from merge_pipeline.engine.plan import CheckpointPlan, LoraInfo, PlannedTensor
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
+from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
-# Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
-DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
-
-
-@dataclass(frozen=True)
-class MergeOptions:
-    """What the user asked for; the same fields back the CLI flags and the Dagster run config."""
-
-    dtype: str = "auto"  # auto = keep each tensor's stored dtype: never lose precision unasked
-    max_shard_size: str | int = "5GB"
-    merge_lora: bool = False
-    tie_word_embedding: bool = False  # force tying even if config.json does not say so
-    untie_word_embedding: bool = False  # keep lm_head.weight and write tie_word_embeddings false
-    is_value_model: bool = False  # force the value-model (critic) layout
-    trust_remote_code: bool = False
-    verify_replicas: bool = False
-    overwrite: bool = False
-    hf_model_path: str | None = None  # original HF model folder: config/tokenizer when the checkpoint has none
-    max_side_file_size: str | int = DEFAULT_MAX_SIDE_FILE_SIZE  # each file copied from huggingface/
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_CHOICES:
-            raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
-        if self.tie_word_embedding and self.untie_word_embedding:
-            raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from merge_pipeline.engine.plan import CheckpointPlan
 from merge_pipeline.errors import MergeError
+from merge_pipeline.options import BACKENDS
 
-BACKENDS = ("auto", "fsdp", "megatron", "hf")
 NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
 
 
