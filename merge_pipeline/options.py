@@ -6,7 +6,7 @@ Each field carries its help text, choices and the CLI commands that take it as m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 
 from merge_pipeline.errors import MergeError
 
@@ -67,11 +67,11 @@ class MergeOptions:
 OPTION_FIELDS = fields(MergeOptions)
 
 
-def cli_flags(option) -> tuple[str, ...]:
+def cli_flags(option: Field) -> tuple[str, ...]:
     """The CLI spellings of an option field: ``--max-shard-size`` for ``max_shard_size``, unless it names its own."""
     return option.metadata.get("flags") or ("--" + option.name.replace("_", "-"),)
 
 
-def options_of(command: str) -> list:
+def options_of(command: str) -> list[Field]:
     """The option fields the CLI command ``command`` takes."""
     return [option for option in OPTION_FIELDS if command in option.metadata["commands"]]

@@ -9,8 +9,10 @@ import pytest
 
 from merge_pipeline.cli import _options, build_parser
 from merge_pipeline.defs.config import MergeConfig
+from merge_pipeline.engine.merge import prepare
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import OPTION_FIELDS, MergeOptions
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
 
 LAUNCHER_FIELDS = {"launcher", "nproc_per_node", "nnodes", "rdzv_endpoint"}  # Dagster's own
@@ -96,6 +98,15 @@ def test_cli_flags_reach_the_options():
 def test_an_unknown_backend_is_refused_in_one_line():
     with pytest.raises(MergeError, match=r"^--backend must be one of auto, fsdp, megatron, hf, not 'nemo'$"):
         MergeOptions(backend="nemo")
+
+
+def test_the_engine_opens_the_checkpoint_as_the_options_backend_says(fsdp_checkpoint):
+    role_dir = fsdp_checkpoint(FsdpSpec()).role_dir
+    with pytest.raises(MergeError, match=f"^{re.escape(str(role_dir))}/huggingface: no model weights"):
+        prepare(role_dir, MergeOptions(backend="megatron"))
+    plan, _, _ = prepare(role_dir, MergeOptions(backend="megatron"), "fsdp")  # a format named by the caller wins
+    with plan:
+        assert plan.backend == "fsdp"
 
 
 def test_the_dagster_guide_lists_every_run_config_field():

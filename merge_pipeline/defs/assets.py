@@ -86,7 +86,7 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
         # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its staging.
         with locked_target(target, source=role_dir, overwrite=options.overwrite) as locked:
-            plan, model_config, layout = prepare(role_dir, options, options.backend)
+            plan, model_config, layout = prepare(role_dir, options)
             with plan:
                 staging = locked.new_staging()
                 try:

@@ -6,6 +6,7 @@ same default; the launcher fields are Dagster's own.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import dagster as dg
@@ -14,7 +15,7 @@ from pydantic import Field, create_model
 from merge_pipeline.options import OPTION_FIELDS, MergeOptions
 
 
-def _config_type(option) -> object:
+def _config_type(option: dataclasses.Field) -> object:
     """Dagster's config types have no unions but Optional: sizes are given as strings there (5GB, 500MB)."""
     if option.metadata["choices"]:
         return Literal[option.metadata["choices"]]

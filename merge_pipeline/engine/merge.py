@@ -68,10 +68,13 @@ def peak_rss_bytes() -> int:
 def prepare(
     local_dir: str | Path, options: MergeOptions, backend: str = "auto"
 ) -> tuple[CheckpointPlan, ModelConfig, OutputLayout]:
-    """Open and validate the checkpoint and decide every output file, reading no tensor data."""
+    """Open and validate the checkpoint and decide every output file, reading no tensor data.
+
+    ``backend``: the format named by the caller; "auto" leaves the choice to ``options.backend``.
+    """
     plan = open_checkpoint(
         local_dir,
-        backend,
+        options.backend if backend == "auto" else backend,
         verify_replicas=options.verify_replicas,
         is_value_model=options.is_value_model,
         tie_word_embedding=options.tie_word_embedding,
