@@ -11,7 +11,7 @@ from merge_pipeline.cli import _options, build_parser
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.engine.merge import prepare
 from merge_pipeline.errors import MergeError
-from merge_pipeline.options import OPTION_FIELDS, MergeOptions
+from merge_pipeline.options import OPTION_FIELDS, MergeOptions, cli_flags
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
 
@@ -28,6 +28,7 @@ def test_every_option_is_a_merge_flag_with_its_help_and_default():
     flags = command_flags("merge")
     for option in OPTION_FIELDS:
         action = flags[option.name]
+        assert action.option_strings == list(cli_flags(option)), option.name
         assert action.help == option.metadata["help"] and action.help, option.name
         assert action.default == option.default, option.name
         assert action.choices == option.metadata["choices"], option.name
