@@ -123,10 +123,10 @@ def _process_group(timeout_seconds: float | None):
         dist.destroy_process_group()
 
 
-def _prepare_everywhere(local_dir, options: MergeOptions, backend: str) -> Prepared:
+def _prepare_everywhere(local_dir, options: MergeOptions) -> Prepared:
     """Every rank validates and plans (metadata only); all fail together on the first problem."""
     prepared: list[Prepared] = []
-    _agree(_attempt(lambda: prepared.append(prepare(local_dir, options, backend))))
+    _agree(_attempt(lambda: prepared.append(prepare(local_dir, options))))
     return prepared[0]
 
 
@@ -148,7 +148,7 @@ def _write_share(
 
 
 def write_weights_distributed(
-    local_dir: str | Path, backend: str, staging: Path, options: MergeOptions
+    local_dir: str | Path, staging: Path, options: MergeOptions
 ) -> tuple[WriteReport, int] | None:
     """Only the weight shards into an existing staging folder, as Dagster's merged_state_dict needs.
 
@@ -156,7 +156,7 @@ def write_weights_distributed(
     The wait for other ranks is $MERGE_PIPELINE_DIST_TIMEOUT (or the default).
     """
     with _process_group(None) as (rank, world):
-        with _prepare_everywhere(local_dir, options, backend) as prepared:
+        with _prepare_everywhere(local_dir, options) as prepared:
             written = _write_share(prepared.outputs, staging, rank, world, show_progress=False)
             return written if rank == 0 else None
 
@@ -166,7 +166,6 @@ def merge_distributed(
     target_dir: str | Path,
     options: MergeOptions,
     *,
-    backend: str = "auto",
     show_progress: bool = True,
     timeout_seconds: float | None = None,
 ) -> MergeResult | None:
@@ -179,7 +178,7 @@ def merge_distributed(
     started = time.monotonic()
     with _process_group(timeout_seconds) as (rank, world):
         lead = rank == 0
-        prepared = _prepare_everywhere(local_dir, options, backend)
+        prepared = _prepare_everywhere(local_dir, options)
         plan, outputs = prepared.plan, prepared.outputs
         staging = staging_path(target)
         with prepared, contextlib.ExitStack() as publishing:

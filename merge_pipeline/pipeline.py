@@ -94,9 +94,9 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def prepare(local_dir: str | Path, options: MergeOptions, backend: str = "auto") -> Prepared:
+def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
     """Open and validate the checkpoint and decide every output file, reading no tensor data."""
-    plan = open_checkpoint(local_dir, options, backend)
+    plan = open_checkpoint(local_dir, options)
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = _with_base_weights(plan, Path(options.hf_model_path).absolute())
@@ -228,14 +228,13 @@ def merge_checkpoint(
     target_dir: str | Path,
     options: MergeOptions | None = None,
     *,
-    backend: str = "auto",
     show_progress: bool = True,
 ) -> MergeResult:
     started = time.monotonic()
     options = options or MergeOptions()
     target = Path(target_dir).absolute()
     check_target(target, source=local_dir, overwrite=options.overwrite)
-    prepared = prepare(local_dir, options, backend)
+    prepared = prepare(local_dir, options)
     plan, outputs = prepared.plan, prepared.outputs
     with prepared, staged_output(target, source=local_dir, overwrite=options.overwrite) as staging:
         write_side_files(prepared, staging, options)
@@ -255,18 +254,18 @@ def merge_checkpoint(
     )
 
 
-def describe(
-    local_dir: Path, *, backend: str = "auto", trust_remote_code: bool = False, hf_model_path: str | None = None
-) -> dict:
+def describe(local_dir: Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
-    options = MergeOptions(trust_remote_code=trust_remote_code, hf_model_path=hf_model_path)
-    with open_checkpoint(local_dir, options, backend) as plan:
+    with open_checkpoint(local_dir, options) as plan:
         dtypes = Counter()
         for t in plan.tensors:
             dtypes[dtype_name(t.dtype)] += t.numel
         try:
             config = load_model_config(
-                plan.hf_dir, trust_remote_code=trust_remote_code, role_dir=plan.role_dir, hf_model_path=hf_model_path
+                plan.hf_dir,
+                trust_remote_code=options.trust_remote_code,
+                role_dir=plan.role_dir,
+                hf_model_path=options.hf_model_path,
             )
             architecture, tied = config.architecture, config.tie_word_embeddings
         except MergeError as exc:
@@ -288,9 +287,7 @@ def describe(
         }
 
 
-def compare(
-    local_dir: str | Path, reference_dir: Path, options: MergeOptions, *, backend: str = "auto", atol: float = 0.0
-) -> Comparison:
+def compare(local_dir: str | Path, reference_dir: Path, options: MergeOptions, *, atol: float = 0.0) -> Comparison:
     """``test``: what the checkpoint merges to, tensor by tensor against a reference HF folder."""
-    with prepare(local_dir, options, backend) as prepared:
+    with prepare(local_dir, options) as prepared:
         return compare_with_reference(prepared.outputs, Path(reference_dir).absolute(), atol=atol)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +53,13 @@ def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
     from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
 
     return READER.plan(Path(role_dir), MergeOptions(**options))
+
+
+def config_says_tied(role_dir: Path) -> Path:
+    """Switch an FSDP checkpoint's config.json to tie_word_embeddings true, as a mismatched config would be."""
+    path = role_dir / "huggingface" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
+    return path
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -8,6 +8,7 @@ checks against that staging folder, and publish (rename into place) only if ever
 failure at any stage leaves no staging folder and no published folder, and materializes nothing.
 """
 
+import dataclasses
 import json
 import time
 import warnings
@@ -74,10 +75,10 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
     place only if all passed.
     """
     key = CheckpointKey.parse(context.partition_key)
-    options = config.options()
     target = settings.target_dir(key)
     started = time.monotonic()
     with one_line_failure():
+        options = config.options()  # tie and untie together are refused in one line, as by the CLI
         role_dir = settings.role_dir(key)
         state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
         if not state.complete:
@@ -91,7 +92,9 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
             plan = prepared.plan
             write_side_files(prepared, staging, options)
             if config.launcher == "torchrun":
-                written = write_with_torchrun(context, WeightJob(role_dir, plan.backend, staging, options), config)
+                written = write_with_torchrun(
+                    context, WeightJob(role_dir, staging, dataclasses.replace(options, backend=plan.backend)), config
+                )
             else:
                 written = write_in_process(prepared.outputs, staging)
             manifest = finish_folder(prepared, staging, options, written.report)

@@ -23,9 +23,8 @@ from merge_pipeline.pipeline import OutputPlan, WriteReport, peak_rss_bytes, wri
 @dataclass(frozen=True)
 class WeightJob:
     role_dir: Path
-    backend: str
     staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
-    options: MergeOptions
+    options: MergeOptions  # with the backend the plan found: the ranks do not detect it again
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ def write_with_torchrun(context: dg.AssetExecutionContext, job: WeightJob, confi
         str(config.nproc_per_node),
         "-m",
         "merge_pipeline.defs.torchrun_weights",
-        *command_line(job.role_dir, job.backend, job.staging, job.options),
+        *command_line(job.role_dir, job.staging, job.options),
     ]
     context.log.info("launching: %s", " ".join(command))
     try:

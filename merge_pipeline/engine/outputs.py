@@ -14,10 +14,10 @@ from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
-from merge_pipeline.options import MergeOptions
+from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"

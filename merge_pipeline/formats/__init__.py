@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Protocol
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.options import MergeOptions
+from merge_pipeline.options import BACKENDS, MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 
 # Reader modules, in the order ``auto`` tries them: the first whose detect() says yes plans the folder.
-READERS = ("fsdp", "megatron", "hf")
-BACKENDS = ("auto", *READERS)
+# Their names are the --backend choices (options.BACKENDS, which the CLI and Dagster offer).
+READERS = BACKENDS[1:]
 
 
 class Reader(Protocol):
@@ -43,9 +43,10 @@ def detect_backend(role_dir: Path) -> str:
     raise MergeError(role_dir, "neither " + " nor ".join(reader(name).looks_for for name in READERS))
 
 
-def open_checkpoint(role_dir: str | Path, options: MergeOptions, backend: str = "auto") -> CheckpointPlan:
+def open_checkpoint(role_dir: str | Path, options: MergeOptions) -> CheckpointPlan:
     """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``."""
     role_dir = Path(role_dir).absolute()
     if not role_dir.is_dir():
         raise MergeError(role_dir, "not a directory" if role_dir.exists() else "does not exist")
-    return reader(detect_backend(role_dir) if backend == "auto" else backend).plan(role_dir, options)
+    backend = detect_backend(role_dir) if options.backend == "auto" else options.backend
+    return reader(backend).plan(role_dir, options)

@@ -13,7 +13,14 @@ import transformers
 from safetensors.torch import load_file
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline_tests.helpers import (
+    config_says_tied,
+    error_lines,
+    load_safetensors_dir,
+    run_cli,
+    same_bits,
+    tree_digest,
+)
 
 UNTIED = FsdpSpec()
 TIED = FsdpSpec(tie_word_embeddings=True)
@@ -21,12 +28,6 @@ TIED = FsdpSpec(tie_word_embeddings=True)
 
 def merge(capsys, role_dir, target, *flags):
     return run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
-
-
-def config_says_tied(role_dir):
-    path = role_dir / "huggingface" / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
-    return path
 
 
 def test_tied_config_with_a_trained_lm_head_is_refused(capsys, tmp_path, fsdp_checkpoint, fresh_copy):

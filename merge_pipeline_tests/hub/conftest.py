@@ -46,8 +46,8 @@ def merged_folder(fsdp_checkpoint, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hub_merge")
     role_dir = root / "ppo-qwen" / "global_step_7" / "actor"
     shutil.copytree(fsdp_checkpoint(FsdpSpec()).role_dir, role_dir)
-    options = MergeOptions(max_shard_size="300KB")
-    return merge_checkpoint(role_dir, root / "merged", options, backend="fsdp", show_progress=False).target_dir
+    options = MergeOptions(backend="fsdp", max_shard_size="300KB")
+    return merge_checkpoint(role_dir, root / "merged", options, show_progress=False).target_dir
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +56,7 @@ def unsharded_folder(fsdp_checkpoint, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hub_merge_unsharded")
     role_dir = root / "ppo-qwen" / "global_step_8" / "actor"
     shutil.copytree(fsdp_checkpoint(FsdpSpec()).role_dir, role_dir)
-    return merge_checkpoint(role_dir, root / "merged", backend="fsdp", show_progress=False).target_dir
+    return merge_checkpoint(role_dir, root / "merged", MergeOptions(backend="fsdp"), show_progress=False).target_dir
 
 
 @contextlib.contextmanager
