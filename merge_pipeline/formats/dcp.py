@@ -1,346 +1,223 @@
-"""torch.distributed.checkpoint (DCP) folders read from their metadata alone.
+"""Plan the merge of a plain torch.distributed.checkpoint folder (``.metadata`` + ``__<rank>_<k>.distcp``).
 
-A DCP folder holds ``.metadata`` (a pickle: every tensor's global shape and dtype and, per saved chunk,
-which ``.distcp`` file holds it at which byte range) and the ``.distcp`` files. Each chunk is a
-``torch.save`` archive whose pickle we read onto the meta device to find where its raw bytes start.
-That describes every tensor as file ranges with no process group and no tensor data read: the
-Megatron-Core reader (``formats/megatron.py``) and the plain DCP reader (``formats/dcp_checkpoint.py``)
-both plan from here, and ``check_tiling`` is the one check that saved pieces cover a tensor exactly once.
+Trainers that save the model with ``dcp.save`` differ only in where the folder is and how they name
+the model's entries; the bytes are read the same way (``formats/dcp_files.py``), from metadata alone:
+
+    accelerate FSDP SHARDED_STATE_DICT  <checkpoint>/pytorch_model_fsdp_0/   "model." + HF names
+    NeMo-RL                             <step>/policy/weights/               "model." + HF names
+    NeMo-Automodel                      <checkpoint>/model/ (DCP format)     HF names
+    torchtitan, verl's torchtitan engine <folder>/step-N/                    torchtitan names, beside
+                                         "optimizer.", "lr_scheduler.", "dataloader.", "train_state"
+
+Entries that are not the model's (optimizer, scheduler, data loader and train state, RoPE tables)
+are skipped. torchtitan names are mapped to Llama HF names as torchtitan's own HF state-dict adapter
+(``torchtitan/models/llama3/model/state_dict_adapter.py``, ``to_hf``) does, including its q/k row
+permutation for HF's rotary layout: each output row is one stored row, so the permuted tensor is still
+streamed as byte ranges. None of these folders has to hold a config: ``--hf_model_path`` supplies it.
 """
 
 from __future__ import annotations
 
-import io
-import math
-import os
-import pickle
-from collections.abc import Iterable
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from merge_pipeline.engine.plan import ByteRun, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.dcp_files import (
+    METADATA,
+    check_no_shared_bytes,
+    locate_tensor,
+    plan_tensor,
+    read_dcp_metadata,
+)
 from merge_pipeline.formats.megatron_names import OutputSpec, Piece
-from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
+from merge_pipeline.hf.config import CONFIG, has_value_head, load_model_config
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import CheckpointPlan, SourceFile
 
-METADATA = ".metadata"
+# Where trainers put the model's DCP folder inside the folder a user points at.
+ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model, model_index 0
+NEMO_RL_DIR = "weights"  # NeMo-RL's policy/weights (policy/optimizer holds the optimizer)
+NEMO_AUTOMODEL_DIR = "model"  # NeMo-Automodel's <checkpoint>/model/ in DCP format (optim/ beside it)
+_WRAPPED = "model."  # accelerate and NeMo-RL save {"model": state_dict}: DCP flattens it to "model.<name>"
+# torchtitan's checkpoint keeps these beside the model (torch's dcp_to_torch_save excludes the same ones).
+_TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+_ROPE_TABLE = "freqs_cis"  # torchtitan's precomputed rotary table: HF recomputes it from the config
 
-# ---- metadata -------------------------------------------------------------------------------------
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` with only the classes torch writes there: a checkpoint file
-    must never be able to run code (torch's own reader uses plain ``pickle.load``)."""
-
-    _ALLOWED = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata",
-            "TensorStorageMetadata",
-            "TensorProperties",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        },
-        "torch.distributed.checkpoint.planner": {
-            "SavePlan",
-            "WriteItem",
-            "WriteItemType",
-            "TensorWriteData",
-            "BytesIOWriteData",
-        },
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "torch": {"Size"},
-        "collections": {"OrderedDict"},
-        "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id of a single-process save
-    }
-
-    def find_class(self, module: str, name: str) -> object:
-        if name in self._ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+_TORCHTITAN_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TORCHTITAN_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
-def read_dcp_metadata(path: Path) -> Metadata:
-    if not path.is_file():
-        raise MergeError(path, "missing: a torch_dist checkpoint needs its .metadata file")
-    try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as exc:  # any unpickling failure means the same thing: not readable metadata
-        raise MergeError(path, f"corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
-    if (
-        not isinstance(metadata, Metadata)
-        or not isinstance(metadata.state_dict_metadata, dict)
-        or not isinstance(metadata.storage_data, dict)
-    ):
+def find_dcp_dir(role_dir: Path) -> Path | None:
+    """The DCP folder holding the model: ``role_dir`` itself, or where accelerate / NeMo-RL put it."""
+    for folder in (role_dir, role_dir / ACCELERATE_DIR, role_dir / NEMO_RL_DIR, role_dir / NEMO_AUTOMODEL_DIR):
+        if (folder / METADATA).is_file():
+            return folder
+    return None
+
+
+def is_dcp_dir(role_dir: Path) -> bool:
+    return find_dcp_dir(role_dir) is not None
+
+
+@dataclass(frozen=True)
+class _Source:
+    name: str  # for inspect and the manifest
+    key_prefix: str  # in front of every model key in the DCP
+
+
+def plan_dcp(
+    role_dir: Path, *, trust_remote_code: bool = False, hf_model_path: str | Path | None = None
+) -> CheckpointPlan:
+    """Describe every HF tensor of a DCP folder; ``MergeError`` naming the file on bad input."""
+    role_dir = Path(role_dir)
+    dcp_dir = find_dcp_dir(role_dir)
+    if dcp_dir is None:
         raise MergeError(
-            path,
-            f"corrupt DCP metadata: expected a torch.distributed.checkpoint Metadata, found {type(metadata).__name__}",
+            role_dir / METADATA,
+            f"missing: not a DCP folder (nor are its {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/)",
         )
-    return metadata
-
-
-# ---- where each chunk's bytes are ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DcpChunk:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    data: ByteRun  # the chunk's row-major bytes
-
-
-@dataclass(frozen=True)
-class DcpTensor:
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    chunks: tuple[DcpChunk, ...]
-
-
-class _FileRange(io.RawIOBase):
-    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive."""
-
-    def __init__(self, file: SourceFile, offset: int, length: int):
-        super().__init__()
-        self.file, self.offset, self.length, self.position = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        self.position = base + position
-        return self.position
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.position))
-        if n:
-            self.file.read_into(memoryview(buffer)[:n], self.offset + self.position)
-        self.position += n
-        return n
-
-
-def locate_tensor(
-    dist_dir: Path,
-    key: str,
-    meta: TensorStorageMetadata,
-    metadata: Metadata,
-    files: dict[str, SourceFile],
-    key_prefix: str = "",
-) -> DcpTensor:
-    """Where each chunk of ``key`` (stored as ``key_prefix + key``) lies; opens its files into ``files``."""
-    metadata_path = dist_dir / METADATA
-    shape, dtype = tuple(meta.size), meta.properties.dtype
-    check_tiling(key, shape, meta.chunks, metadata_path)
-    chunks = []
-    for chunk in meta.chunks:
-        info = metadata.storage_data.get(MetadataIndex(key_prefix + key, chunk.offsets))
-        if info is None:
-            raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
-        if getattr(info, "transform_descriptors", None):
+    metadata_path = dcp_dir / METADATA
+    metadata = read_dcp_metadata(metadata_path)
+    source = _source(dcp_dir, metadata)
+    stored = _model_tensors(metadata, source, metadata_path)
+    # The config: the checkpoint's own (beside the DCP folder or in it), else --hf_model_path.
+    hf_dir = next((d for d in (dcp_dir, role_dir) if (d / CONFIG).is_file()), role_dir / "huggingface")
+    if source.name == "torchtitan":
+        if not (hf_dir / CONFIG).is_file() and hf_model_path is None:
             raise MergeError(
-                metadata_path,
-                f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)",
+                role_dir,
+                "a torchtitan checkpoint holds no Hugging Face config: pass --hf_model_path with the model's HF folder (config.json, tokenizer)",
             )
-        relative_path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
-        path = _chunk_file(dist_dir, relative_path, key)
-        if relative_path not in files:
-            if not path.is_file():
-                raise MergeError(path, f"missing: .metadata stores chunks of {key} in it")
-            files[relative_path] = SourceFile(path)
-        file = files[relative_path]
-        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise MergeError(
-                metadata_path,
-                f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {offset!r:.40}, length {length!r:.40}",
-            )
-        if offset + length > file.size:
-            raise MergeError(
-                file.path, f"{key}: chunk ends at byte {offset + length} but the file has {file.size} bytes (truncated)"
-            )
-        chunks.append(
-            DcpChunk(
-                tuple(chunk.offsets),
-                tuple(chunk.sizes),
-                _chunk_bytes(file, offset, length, key, tuple(chunk.sizes), dtype),
-            )
+        config = load_model_config(
+            hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path
         )
-    return DcpTensor(key, shape, dtype, tuple(chunks))
+        specs = _torchtitan_outputs(stored, config.raw, config.path, metadata_path)
+    else:
+        specs = [OutputSpec(key, (Piece(key, (), (0, tuple(meta.size)[0])),)) for key, meta in stored.items()]
 
-
-def _chunk_file(dist_dir: Path, relative_path: object, key: str) -> Path:
-    """The file .metadata names for a chunk; it must stay inside ``dist_ckpt/``, symlinks resolved."""
-    metadata_path = dist_dir / METADATA
-    if not isinstance(relative_path, str) or not relative_path or "\0" in relative_path:
-        raise MergeError(metadata_path, f"{key}: chunk file name {relative_path!r:.80} is not a file name")
-    relative = Path(relative_path)
-    if relative.is_absolute() or ".." in relative.parts:
-        raise MergeError(metadata_path, f"{key}: chunk file {relative_path!r} lies outside {dist_dir.name}/")
-    path = dist_dir / relative
-    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(dist_dir)):
-        raise MergeError(path, f"{key}: chunk file is a symlink out of {dist_dir.name}/ (to {os.path.realpath(path)})")
-    return path
-
-
-def check_no_shared_bytes(tensors: Iterable[DcpTensor], metadata_path: Path) -> None:
-    """Two chunks reading the same bytes of a file means corrupt metadata, not a model."""
-    runs: dict[Path, list[tuple[int, int, str]]] = {}
-    for tensor in tensors:
-        for chunk in tensor.chunks:
-            runs.setdefault(chunk.data.file.path, []).append(
-                (chunk.data.offset, chunk.data.offset + chunk.data.length, tensor.key)
-            )
-    for path, ranges in runs.items():
-        ranges.sort()
-        for (_, end, key), (start, _, other) in zip(ranges, ranges[1:]):
-            if start < end:
-                raise MergeError(metadata_path, f"{key} and {other}: chunks share bytes {start}..{end} of {path.name}")
-
-
-def _chunk_bytes(
-    file: SourceFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype
-) -> ByteRun:
-    """Find the raw bytes inside one chunk's ``torch.save`` archive (reads its pickle only)."""
+    files: dict[str, SourceFile] = {}
     try:
-        meta = load_meta_archive(io.BufferedReader(_FileRange(file, offset, length)), file.path)
-    except MergeError as exc:
-        raise MergeError(file.path, f"{key}: chunk at byte {offset}: {exc.problem}") from None
-    if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != sizes or meta.dtype != dtype:
-        found = f"{tuple(meta.shape)} {meta.dtype}" if isinstance(meta, torch.Tensor) else type(meta).__name__
-        raise MergeError(file.path, f"{key}: chunk at byte {offset} holds {found}, .metadata says {sizes} {dtype}")
-    run = stored_tensor(file.path, key, meta, length).byte_run(file)
-    if run is None:
-        raise MergeError(file.path, f"{key}: chunk at byte {offset} is not stored contiguously")
-    return ByteRun(file, offset + run.offset, run.length)
-
-
-def check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: Path) -> None:
-    """The chunks must cover the global tensor exactly once: each inside its bounds, no two
-    overlapping (garbage would win), and their sizes adding up to the whole (no gap). Pairs are
-    compared in a sweep along dim 0, so a crafted chunk list costs no more than a real one."""
-    if not all(type(n) is int and n >= 0 for n in shape):
-        raise MergeError(metadata_path, f"{key}: invalid shape {shape}")
-    if not isinstance(chunks, list):
-        raise MergeError(metadata_path, f"{key}: chunk list is a {type(chunks).__name__}")
-    boxes = []
-    for c in chunks:
-        offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
-        if not all(
-            isinstance(v, tuple) and len(v) == len(shape) and all(type(i) is int for i in v) for v in (offsets, sizes)
-        ):
-            shown = [tuple(v) if isinstance(v, tuple) else v for v in (offsets, sizes)]  # torch.Size prints long
-            raise MergeError(
-                metadata_path,
-                f"{key}: chunk at {shown[0]!r:.80} of size {shown[1]!r:.80} is not a block of a tensor of shape {shape}",
-            )
-        offsets, sizes = tuple(offsets), tuple(sizes)
-        if any(o < 0 or n < 0 or o + n > total for o, n, total in zip(offsets, sizes, shape)):
-            raise MergeError(
-                metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}"
-            )
-        boxes.append((offsets, sizes))
-    boxes.sort()
-    for i, (offsets, sizes) in enumerate(boxes):
-        for other, other_sizes in boxes[i + 1 :]:
-            if other[0] >= offsets[0] + sizes[0]:
-                break  # sorted by dim-0 start: no later chunk reaches back into this one
-            if all(min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
-                raise MergeError(metadata_path, f"{key}: saved chunks overlap at {other}")
-    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
-        raise MergeError(metadata_path, f"{key}: saved chunks do not cover the whole tensor {shape}")
-
-
-# ---- HF tensors as file ranges -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Part:
-    """The bytes one chunk contributes to a piece: rows ``rows`` (piece-relative), columns ``columns``."""
-
-    rows: tuple[int, int]
-    columns: tuple[slice, ...]  # over the dimensions after the row dimension
-    run: ByteRun
-
-
-def _parts(tensor: DcpTensor, piece: Piece) -> list[_Part]:
-    k = len(piece.index)
-    lo, hi = piece.rows
-    parts = []
-    for chunk in tensor.chunks:
-        if any(not chunk.offsets[d] <= piece.index[d] < chunk.offsets[d] + chunk.sizes[d] for d in range(k)):
-            continue
-        start, stop = max(lo, chunk.offsets[k]), min(hi, chunk.offsets[k] + chunk.sizes[k])
-        if start >= stop:
-            continue
-        # In the chunk, dims before k are fixed and dims after k are the chunk's whole extent, so
-        # the selected rows are one contiguous byte range.
-        position = (
-            [piece.index[d] - chunk.offsets[d] for d in range(k)]
-            + [start - chunk.offsets[k]]
-            + [0] * (len(tensor.shape) - k - 1)
-        )
-        element = _flat_index(position, chunk.sizes)
-        row_elements = math.prod(chunk.sizes[k + 1 :])
-        item = tensor.dtype.itemsize
-        columns = tuple(
-            slice(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d]) for d in range(k + 1, len(tensor.shape))
-        )
-        run = ByteRun(chunk.data.file, chunk.data.offset + element * item, (stop - start) * row_elements * item)
-        parts.append(_Part((start - lo, stop - lo), columns, run))
-    parts.sort(key=lambda p: (p.rows[0], tuple(s.start for s in p.columns)))
-    return parts
-
-
-def _flat_index(position: list[int], sizes: tuple[int, ...]) -> int:
-    flat = 0
-    for p, n in zip(position, sizes):
-        flat = flat * n + p
-    return flat
-
-
-def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTensor:
-    first = tensors[spec.pieces[0].key]
-    trailing = first.shape[len(spec.pieces[0].index) + 1 :]
-    shape = (sum(p.rows[1] - p.rows[0] for p in spec.pieces),) + trailing
-    pieces = [(p, _parts(tensors[p.key], p)) for p in spec.pieces]
-    whole_rows = all(
-        s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing)
+        tensors = {
+            key: locate_tensor(dcp_dir, key, stored[key], metadata, files, source.key_prefix)
+            for key in {p.key for s in specs for p in s.pieces}
+        }
+        check_no_shared_bytes(tensors.values(), metadata_path)
+        planned = [plan_tensor(spec, tensors) for spec in specs]
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return CheckpointPlan(
+        "dcp",
+        role_dir,
+        hf_dir,
+        planned,
+        list(files.values()),
+        is_value_model=has_value_head(t.name for t in planned),
+        layout={
+            "dcp_source": source.name,
+            "dcp_folder": str(dcp_dir.relative_to(role_dir)),
+            "stored_tensors": len(tensors),
+            "skipped_entries": len(metadata.state_dict_metadata) - len(stored),
+            "chunks": sum(len(t.chunks) for t in tensors.values()),
+            "files": len(files),
+        },
     )
-    if whole_rows:
-        return PlannedTensor(
-            spec.name,
-            shape,
-            first.dtype,
-            StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype),
+
+
+def _source(dcp_dir: Path, metadata: Metadata) -> _Source:
+    """Which trainer wrote the folder, from its place and its keys."""
+    keys = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+    if "tok_embeddings.weight" in keys:
+        return _Source("torchtitan", "")
+    # Wrapped: every key under "model.", and below it the HF model's own top modules (model.*, lm_head).
+    unwrapped = [k.removeprefix(_WRAPPED) for k in keys if k.startswith(_WRAPPED)]
+    if len(unwrapped) == len(keys) and any(k.startswith(_WRAPPED) or k.startswith("lm_head.") for k in unwrapped):
+        where = {ACCELERATE_DIR: "accelerate FSDP SHARDED_STATE_DICT", NEMO_RL_DIR: "NeMo-RL"}
+        return _Source(where.get(dcp_dir.name, "DCP of HF names under 'model.'"), _WRAPPED)
+    return _Source("NeMo-Automodel" if dcp_dir.name == NEMO_AUTOMODEL_DIR else "DCP of HF names", "")
+
+
+def _model_tensors(metadata: Metadata, source: _Source, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors by their unprefixed names; training state and non-tensor entries skipped."""
+    stored = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata) or not key.startswith(source.key_prefix):
+            continue
+        if key.split(".", 1)[0] in _TRAINING_STATE or key.rsplit(".", 1)[-1] == _ROPE_TABLE:
+            continue
+        if not tuple(meta.size):
+            raise MergeError(metadata_path, f"{key}: a scalar tensor is not a model weight")
+        stored[key.removeprefix(source.key_prefix)] = meta
+    if not stored:
+        raise MergeError(metadata_path, f"holds no model tensors (a {source.name} checkpoint of training state only?)")
+    return stored
+
+
+def _torchtitan_outputs(
+    stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, metadata_path: Path
+) -> list[OutputSpec]:
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1 or kv_heads < 1:
+        raise MergeError(
+            config_path, f"num_attention_heads {heads!r} / num_key_value_heads {kv_heads!r}: not head counts"
         )
-    return PlannedTensor(spec.name, shape, first.dtype, Computed(lambda: _assemble(shape, first.dtype, pieces)))
+    specs = []
+    for key, meta in stored.items():
+        layer = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+        if layer and layer[2] in _TORCHTITAN_LAYER:
+            name = f"model.layers.{layer[1]}.{_TORCHTITAN_LAYER[layer[2]]}"
+        else:
+            name = _TORCHTITAN_TOP.get(key)
+        if name is None:
+            raise MergeError(metadata_path, f"{key}: not a torchtitan Llama weight this reader maps to HF names")
+        rows = tuple(meta.size)[0]
+        if key.endswith((".wq.weight", ".wk.weight")):
+            groups = heads if key.endswith(".wq.weight") else kv_heads
+            if rows % (2 * groups):
+                raise MergeError(metadata_path, f"{key}: {rows} rows do not split into {groups} rotary heads")
+            pieces = tuple(Piece(key, (), (row, row + 1)) for row in _rotary_rows(rows, groups))
+        else:
+            pieces = (Piece(key, (), (0, rows)),)
+        specs.append(OutputSpec(name, pieces))
+    return specs
 
 
-def _assemble(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[tuple[Piece, list[_Part]]]) -> torch.Tensor:
-    """Build a tensor whose rows are split by columns across chunks (row-parallel layers)."""
-    out = torch.empty(shape, dtype=dtype)
-    row = 0
-    for piece, parts in pieces:
-        for part in parts:
-            rows = part.rows[1] - part.rows[0]
-            buffer = bytearray(part.run.length)
-            part.run.file.read_into(memoryview(buffer), part.run.offset)
-            block = torch.frombuffer(buffer, dtype=dtype).view(rows, *(s.stop - s.start for s in part.columns))
-            out[(slice(row + part.rows[0], row + part.rows[1]), *part.columns)] = block
-        row += piece.rows[1] - piece.rows[0]
-    return out
+def _rotary_rows(rows: int, heads: int) -> list[int]:
+    """For each HF row, the torchtitan row it comes from. torchtitan's ``_permute`` views a head's rows
+    as (half, 2) and transposes them to (2, half): HF row ``b * half + a`` is stored row ``2 * a + b``."""
+    per_head = rows // heads
+    half = per_head // 2
+    return [head * per_head + 2 * (row % half) + row // half for head in range(heads) for row in range(per_head)]
+
+
+class _DcpReader:
+    name = "dcp"
+    looks_for = f"a DCP folder (.metadata in it or in {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/)"
+
+    def detect(self, role_dir: Path) -> bool:
+        return is_dcp_dir(role_dir)
+
+    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
+        return plan_dcp(role_dir, trust_remote_code=options.trust_remote_code, hf_model_path=options.hf_model_path)
+
+
+READER = _DcpReader()

@@ -1,0 +1,373 @@
+"""torch.distributed.checkpoint (DCP) folders read from their metadata alone.
+
+A DCP folder holds ``.metadata`` (a pickle: every tensor's global shape and dtype and, per saved chunk,
+which ``.distcp`` file holds it at which byte range) and the ``.distcp`` files. Each chunk is a
+``torch.save`` archive whose pickle we read onto the meta device to find where its raw bytes start.
+That describes every tensor as file ranges with no process group and no tensor data read: the
+Megatron-Core reader (``formats/megatron.py``) and the plain DCP reader (``formats/dcp.py``)
+both plan from here, and ``check_tiling`` is the one check that saved pieces cover a tensor exactly once.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.megatron_names import OutputSpec, Piece
+from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
+from merge_pipeline.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile, StoredBytes
+
+METADATA = ".metadata"
+
+# ---- metadata -------------------------------------------------------------------------------------
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` with only the classes torch writes there: a checkpoint file
+    must never be able to run code (torch's own reader uses plain ``pickle.load``)."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.planner": {
+            "SavePlan",
+            "WriteItem",
+            "WriteItemType",
+            "TensorWriteData",
+            "BytesIOWriteData",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "collections": {"OrderedDict"},
+        "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id of a single-process save
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        if name in self._ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    if not path.is_file():
+        raise MergeError(path, "missing: a torch_dist checkpoint needs its .metadata file")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:  # any unpickling failure means the same thing: not readable metadata
+        raise MergeError(path, f"corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+    if (
+        not isinstance(metadata, Metadata)
+        or not isinstance(metadata.state_dict_metadata, dict)
+        or not isinstance(metadata.storage_data, dict)
+    ):
+        raise MergeError(
+            path,
+            f"corrupt DCP metadata: expected a torch.distributed.checkpoint Metadata, found {type(metadata).__name__}",
+        )
+    return metadata
+
+
+# ---- where each chunk's bytes are ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: ByteRun  # the chunk's row-major bytes
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[DcpChunk, ...]
+
+
+class _FileRange(io.RawIOBase):
+    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive."""
+
+    def __init__(self, file: SourceFile, offset: int, length: int):
+        super().__init__()
+        self.file, self.offset, self.length, self.position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = base + position
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.position))
+        if n:
+            self.file.read_into(memoryview(buffer)[:n], self.offset + self.position)
+        self.position += n
+        return n
+
+
+def locate_tensor(
+    dist_dir: Path,
+    key: str,
+    meta: TensorStorageMetadata,
+    metadata: Metadata,
+    files: dict[str, SourceFile],
+    key_prefix: str = "",
+) -> DcpTensor:
+    """Where each chunk of ``key`` (stored as ``key_prefix + key``) lies; opens its files into ``files``."""
+    metadata_path = dist_dir / METADATA
+    shape, dtype = tuple(meta.size), meta.properties.dtype
+    check_tiling(key, shape, meta.chunks, metadata_path)
+    chunks = []
+    for chunk in meta.chunks:
+        info = metadata.storage_data.get(MetadataIndex(key_prefix + key, chunk.offsets))
+        if info is None:
+            raise MergeError(metadata_path, f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry")
+        if getattr(info, "transform_descriptors", None):
+            raise MergeError(
+                metadata_path,
+                f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)",
+            )
+        relative_path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
+        path = _chunk_file(dist_dir, relative_path, key)
+        if relative_path not in files:
+            if not path.is_file():
+                raise MergeError(path, f"missing: .metadata stores chunks of {key} in it")
+            files[relative_path] = SourceFile(path)
+        file = files[relative_path]
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise MergeError(
+                metadata_path,
+                f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {offset!r:.40}, length {length!r:.40}",
+            )
+        if offset + length > file.size:
+            raise MergeError(
+                file.path, f"{key}: chunk ends at byte {offset + length} but the file has {file.size} bytes (truncated)"
+            )
+        chunks.append(
+            DcpChunk(
+                tuple(chunk.offsets),
+                tuple(chunk.sizes),
+                _chunk_bytes(file, offset, length, key, tuple(chunk.sizes), dtype),
+            )
+        )
+    return DcpTensor(key, shape, dtype, tuple(chunks))
+
+
+def _chunk_file(dist_dir: Path, relative_path: object, key: str) -> Path:
+    """The file .metadata names for a chunk; it must stay inside ``dist_ckpt/``, symlinks resolved."""
+    metadata_path = dist_dir / METADATA
+    if not isinstance(relative_path, str) or not relative_path or "\0" in relative_path:
+        raise MergeError(metadata_path, f"{key}: chunk file name {relative_path!r:.80} is not a file name")
+    relative = Path(relative_path)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise MergeError(metadata_path, f"{key}: chunk file {relative_path!r} lies outside {dist_dir.name}/")
+    path = dist_dir / relative
+    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(dist_dir)):
+        raise MergeError(path, f"{key}: chunk file is a symlink out of {dist_dir.name}/ (to {os.path.realpath(path)})")
+    return path
+
+
+def check_no_shared_bytes(tensors: Iterable[DcpTensor], metadata_path: Path) -> None:
+    """Two chunks reading the same bytes of a file means corrupt metadata, not a model."""
+    runs: dict[Path, list[tuple[int, int, str]]] = {}
+    for tensor in tensors:
+        for chunk in tensor.chunks:
+            runs.setdefault(chunk.data.file.path, []).append(
+                (chunk.data.offset, chunk.data.offset + chunk.data.length, tensor.key)
+            )
+    for path, ranges in runs.items():
+        ranges.sort()
+        for (_, end, key), (start, _, other) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise MergeError(metadata_path, f"{key} and {other}: chunks share bytes {start}..{end} of {path.name}")
+
+
+def _chunk_bytes(
+    file: SourceFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype
+) -> ByteRun:
+    """Find the raw bytes inside one chunk's ``torch.save`` archive (reads its pickle only)."""
+    try:
+        meta = load_meta_archive(io.BufferedReader(_FileRange(file, offset, length)), file.path)
+    except MergeError as exc:
+        raise MergeError(file.path, f"{key}: chunk at byte {offset}: {exc.problem}") from None
+    if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != sizes or meta.dtype != dtype:
+        found = f"{tuple(meta.shape)} {meta.dtype}" if isinstance(meta, torch.Tensor) else type(meta).__name__
+        raise MergeError(file.path, f"{key}: chunk at byte {offset} holds {found}, .metadata says {sizes} {dtype}")
+    run = stored_tensor(file.path, key, meta, length).byte_run(file)
+    if run is None:
+        raise MergeError(file.path, f"{key}: chunk at byte {offset} is not stored contiguously")
+    return ByteRun(file, offset + run.offset, run.length)
+
+
+def check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: Path) -> None:
+    """The chunks must cover the global tensor exactly once: each inside its bounds, no two
+    overlapping (garbage would win), and their sizes adding up to the whole (no gap). Pairs are
+    compared in a sweep along dim 0, so a crafted chunk list costs no more than a real one."""
+    if not all(type(n) is int and n >= 0 for n in shape):
+        raise MergeError(metadata_path, f"{key}: invalid shape {shape}")
+    if not isinstance(chunks, list):
+        raise MergeError(metadata_path, f"{key}: chunk list is a {type(chunks).__name__}")
+    boxes = []
+    for c in chunks:
+        offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+        if not all(
+            isinstance(v, tuple) and len(v) == len(shape) and all(type(i) is int for i in v) for v in (offsets, sizes)
+        ):
+            shown = [tuple(v) if isinstance(v, tuple) else v for v in (offsets, sizes)]  # torch.Size prints long
+            raise MergeError(
+                metadata_path,
+                f"{key}: chunk at {shown[0]!r:.80} of size {shown[1]!r:.80} is not a block of a tensor of shape {shape}",
+            )
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        if any(o < 0 or n < 0 or o + n > total for o, n, total in zip(offsets, sizes, shape)):
+            raise MergeError(
+                metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}"
+            )
+        boxes.append((offsets, sizes))
+    boxes.sort()
+    for i, (offsets, sizes) in enumerate(boxes):
+        for other, other_sizes in boxes[i + 1 :]:
+            if other[0] >= offsets[0] + sizes[0]:
+                break  # sorted by dim-0 start: no later chunk reaches back into this one
+            if all(min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
+                raise MergeError(metadata_path, f"{key}: saved chunks overlap at {other}")
+    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
+        raise MergeError(metadata_path, f"{key}: saved chunks do not cover the whole tensor {shape}")
+
+
+# ---- HF tensors as file ranges -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The bytes one chunk contributes to a piece: rows ``rows`` (piece-relative), columns ``columns``."""
+
+    rows: tuple[int, int]
+    columns: tuple[slice, ...]  # over the dimensions after the row dimension
+    run: ByteRun
+
+
+def _parts(tensor: DcpTensor, piece: Piece) -> list[_Part]:
+    k = len(piece.index)
+    lo, hi = piece.rows
+    parts = []
+    for chunk in tensor.chunks:
+        if any(not chunk.offsets[d] <= piece.index[d] < chunk.offsets[d] + chunk.sizes[d] for d in range(k)):
+            continue
+        start, stop = max(lo, chunk.offsets[k]), min(hi, chunk.offsets[k] + chunk.sizes[k])
+        if start >= stop:
+            continue
+        # In the chunk, dims before k are fixed and dims after k are the chunk's whole extent, so
+        # the selected rows are one contiguous byte range.
+        position = (
+            [piece.index[d] - chunk.offsets[d] for d in range(k)]
+            + [start - chunk.offsets[k]]
+            + [0] * (len(tensor.shape) - k - 1)
+        )
+        element = _flat_index(position, chunk.sizes)
+        row_elements = math.prod(chunk.sizes[k + 1 :])
+        item = tensor.dtype.itemsize
+        columns = tuple(
+            slice(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d]) for d in range(k + 1, len(tensor.shape))
+        )
+        run = ByteRun(chunk.data.file, chunk.data.offset + element * item, (stop - start) * row_elements * item)
+        parts.append(_Part((start - lo, stop - lo), columns, run))
+    parts.sort(key=lambda p: (p.rows[0], tuple(s.start for s in p.columns)))
+    return parts
+
+
+def _flat_index(position: list[int], sizes: tuple[int, ...]) -> int:
+    flat = 0
+    for p, n in zip(position, sizes):
+        flat = flat * n + p
+    return flat
+
+
+def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTensor:
+    first = tensors[spec.pieces[0].key]
+    trailing = first.shape[len(spec.pieces[0].index) + 1 :]
+    shape = (sum(p.rows[1] - p.rows[0] for p in spec.pieces),) + trailing
+    pieces = [(p, _parts(tensors[p.key], p)) for p in spec.pieces]
+    whole_rows = all(
+        s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing)
+    )
+    if whole_rows:
+        return PlannedTensor(
+            spec.name,
+            shape,
+            first.dtype,
+            StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype),
+        )
+    return PlannedTensor(spec.name, shape, first.dtype, _RowBlocks(shape, first.dtype, pieces))
+
+
+class _RowBlocks:
+    """A tensor whose rows are split by columns across chunks (row-parallel layers under TP).
+
+    Streamed in blocks of whole rows, each filled from every chunk's slice of those rows, so memory
+    stays at two blocks whatever the tensor's size.
+    """
+
+    block_bytes = READ_PIECE_BYTES
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pieces: list[tuple[Piece, list[_Part]]]):
+        self.shape, self.dtype = shape, dtype
+        self.parts: list[tuple[int, _Part]] = []  # (first output row of the part, part)
+        row = 0
+        for piece, parts in pieces:
+            self.parts.extend((row + part.rows[0], part) for part in parts)
+            row += piece.rows[1] - piece.rows[0]
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        rows, trailing = self.shape[0], self.shape[1:]
+        row_bytes = math.prod(trailing) * self.dtype.itemsize
+        step = max(1, self.block_bytes // max(row_bytes, 1))
+        block = torch.empty((min(step, rows), *trailing), dtype=self.dtype)
+        scratch = torch.empty(block.numel() * self.dtype.itemsize, dtype=torch.uint8)
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            for first, part in self.parts:
+                count = part.rows[1] - part.rows[0]
+                lo, hi = max(start, first), min(stop, first + count)
+                if lo >= hi:
+                    continue
+                widths = [s.stop - s.start for s in part.columns]
+                part_row_bytes = math.prod(widths) * self.dtype.itemsize
+                view = memoryview(scratch.numpy())[: (hi - lo) * part_row_bytes]
+                part.run.file.read_into(view, part.run.offset + (lo - first) * part_row_bytes)
+                rows_read = torch.frombuffer(view, dtype=self.dtype).view(hi - lo, *widths)
+                block[(slice(lo - start, hi - start), *part.columns)] = rows_read
+            yield block[: stop - start].reshape(-1)
