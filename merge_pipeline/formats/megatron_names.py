@@ -80,6 +80,7 @@ class ModelShape:
     vision_heads: int | None
     value_model: bool
     num_layers: int | None  # decoder layers: multi-token-prediction layer k is HF layer num_layers + k
+    mtp_layers: int  # num_nextn_predict_layers
 
 
 def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
@@ -102,8 +103,17 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     vision = config.get("vision_config") or {}
     vision_heads = vision.get("num_heads")
     num_layers = text.get("num_hidden_layers")
+    mtp_layers = text.get("num_nextn_predict_layers") or 0
     return ModelShape(
-        architecture, ARCHITECTURES[architecture], heads, kv_heads, head_dim, vision_heads, value_model, num_layers
+        architecture,
+        ARCHITECTURES[architecture],
+        heads,
+        kv_heads,
+        head_dim,
+        vision_heads,
+        value_model,
+        num_layers,
+        mtp_layers,
     )
 
 
@@ -260,6 +270,12 @@ class KeyMapper:
         self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
 
     def outputs(self) -> list[OutputSpec]:
+        if self.mtp_modules and len(self.mtp_modules) != self.model.mtp_layers:
+            raise MergeError(
+                self.config_path,
+                f"the checkpoint has {len(self.mtp_modules)} multi-token-prediction module(s) (mtp.layers.*) "
+                f"but num_nextn_predict_layers is {self.model.mtp_layers}",
+            )
         specs: list[OutputSpec] = []
         unmapped: list[str] = []
         for key, shape in self.shapes.items():

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from merge_pipeline.cli import main
 from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
-from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits, tree_digest
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp"]
 SIZES = SIZE_PRESETS["tiny"]
@@ -117,3 +117,20 @@ def test_mtp_module_is_layer_num_hidden_layers_with_deepseek_names(merged):
     assert same_bits(files["model.layers.2.embed_tokens.weight"], files["model.embed_tokens.weight"])
     assert same_bits(files["model.layers.2.shared_head.head.weight"], files["lm_head.weight"])
     assert files["model.layers.2.embed_tokens.weight"].shape == (vocab, hidden)
+
+
+def test_mtp_modules_the_config_does_not_declare_are_one_line(fresh_megatron, tmp_path, capsys):
+    """MTP trained on a model whose config.json says no MTP layers: refused, naming the setting."""
+    sample = fresh_megatron("deepseek_v3_mtp")
+    config_path = sample.role_dir / "huggingface" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "num_nextn_predict_layers": 0}))
+    before = tree_digest(sample.role_dir)
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
+    )
+    assert code != 0
+    lines = error_lines(err)
+    assert len(lines) == 1 and "config.json" in lines[0]
+    assert "1 multi-token-prediction module(s) (mtp.layers.*) but num_nextn_predict_layers is 0" in lines[0]
+    assert not (tmp_path / "out").exists()
+    assert tree_digest(sample.role_dir) == before
