@@ -7,7 +7,7 @@ from pathlib import Path
 from merge_pipeline.engine.plan import CheckpointPlan
 from merge_pipeline.errors import MergeError
 
-BACKENDS = ("auto", "fsdp", "megatron", "hf")
+BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed")
 NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
 
 
@@ -19,11 +19,15 @@ def detect_backend(role_dir: Path) -> str:
         return "fsdp"
     if is_megatron_dir(role_dir):
         return "megatron"
+    from merge_pipeline.formats.deepspeed import is_deepspeed_dir
+
+    if is_deepspeed_dir(role_dir):
+        return "deepspeed"
     if (role_dir / NEMO_MODEL_DIR / "config.json").is_file() and any((role_dir / NEMO_MODEL_DIR).glob("*.safetensors")):
         return "hf"
     raise MergeError(
         role_dir,
-        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor consolidated HF weights (model/*.safetensors)",
+        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor consolidated HF weights (model/*.safetensors) nor DeepSpeed ZeRO (latest, *_optim_states.pt)",
     )
 
 
@@ -53,6 +57,10 @@ def open_checkpoint(
         from merge_pipeline.formats.fsdp import plan_fsdp
 
         return plan_fsdp(role_dir, verify_replicas=verify_replicas)
+    if backend == "deepspeed":
+        from merge_pipeline.formats.deepspeed import plan_deepspeed
+
+        return plan_deepspeed(role_dir)
     if backend == "hf":
         from merge_pipeline.formats.hf import plan_hf_safetensors
 
