@@ -65,7 +65,9 @@ def tag_dir(path: Path) -> Path:
 
 def is_deepspeed_dir(path: Path) -> bool:
     """A save dir (``latest``) or a tag folder (rank files); the reader checks the rest."""
-    return (path / LATEST).is_file() or any(_OPTIM_STATES.match(p.name) or _MODEL_STATES.match(p.name) for p in path.iterdir())
+    return (path / LATEST).is_file() or any(
+        _OPTIM_STATES.match(p.name) or _MODEL_STATES.match(p.name) for p in path.iterdir()
+    )
 
 
 def plan_deepspeed(path: Path) -> CheckpointPlan:
@@ -110,7 +112,8 @@ def plan_deepspeed(path: Path) -> CheckpointPlan:
         hf_dir=path if (path / "config.json").is_file() else None,  # the HF Trainer saves it beside `latest`
         tensors=_strip_wrapper_prefix(tensors),
         files=files,
-        is_value_model=any(n.endswith("score.weight") for n in names) and not any(n.endswith("lm_head.weight") for n in names),
+        is_value_model=any(n.endswith("score.weight") for n in names)
+        and not any(n.endswith("lm_head.weight") for n in names),
         names_mapped=True,  # names of whatever module DeepSpeed wrapped: checked against the architecture
         layout={
             "zero_stage": stage,
@@ -242,7 +245,9 @@ def _zero12_params(files, flat, shapes, paddings) -> list[PlannedTensor]:
         available = sum(run.length for run in vector) // 4
         group_paddings = paddings[g] if paddings is not None else [0] * len(group)
         if len(group_paddings) != len(group) or not all(type(p) is int and p >= 0 for p in group_paddings):
-            raise MergeError(files[0].path, f"param_alignment_paddings[{g}] does not match the group's {len(group)} parameters")
+            raise MergeError(
+                files[0].path, f"param_alignment_paddings[{g}] does not match the group's {len(group)} parameters"
+            )
         offset = 0
         for (name, shape), padding in zip(group.items(), group_paddings):
             numel = math.prod(shape)

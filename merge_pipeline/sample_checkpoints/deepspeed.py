@@ -54,9 +54,7 @@ class DeepSpeedSpec:
             raise ValueError(f"stage must be 1, 2 or 3, not {self.stage}")
 
 
-def write_deepspeed_checkpoints(
-    jobs: list[tuple[Path, Path, DeepSpeedSpec]], *, timeout: float = 600
-) -> None:
+def write_deepspeed_checkpoints(jobs: list[tuple[Path, Path, DeepSpeedSpec]], *, timeout: float = 600) -> None:
     """For each ``(save_dir, reference_dir, spec)``: train with DeepSpeed and save into ``save_dir``;
     ``reference_dir`` gets ``config.json`` and the trained weights (``TRAINED_WEIGHTS``).
 
@@ -155,7 +153,9 @@ def _run_ranks(job_path: Path) -> None:
     deepspeed.init_distributed("gloo")
     try:
         for save_dir, reference_dir, spec in json.loads(job_path.read_text()):
-            _train_and_save(Path(save_dir), Path(reference_dir), DeepSpeedSpec(**{**spec, "frozen": tuple(spec["frozen"])}))
+            _train_and_save(
+                Path(save_dir), Path(reference_dir), DeepSpeedSpec(**{**spec, "frozen": tuple(spec["frozen"])})
+            )
     finally:
         dist.destroy_process_group()
 
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     defaults = DeepSpeedSpec()
     parser = argparse.ArgumentParser(
-        prog=f"python -m {_MODULE}", description="Train a tiny model with DeepSpeed ZeRO on CPU and save its checkpoint."
+        prog=f"python -m {_MODULE}",
+        description="Train a tiny model with DeepSpeed ZeRO on CPU and save its checkpoint.",
     )
     parser.add_argument("save_dir", type=Path, help="the folder engine.save_checkpoint writes (gets `latest`)")
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=defaults.stage)

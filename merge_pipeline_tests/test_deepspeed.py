@@ -1,0 +1,177 @@
+"""DeepSpeed ZeRO 1/2/3 checkpoints, trained and saved by DeepSpeed on CPU, merge bit for bit.
+
+The peer is DeepSpeed's own ``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``), run on
+the same folder; the trained model is what DeepSpeed itself gathered at the end of training.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from merge_pipeline.sample_checkpoints.deepspeed import TRAINED_WEIGHTS, DeepSpeedSpec, write_deepspeed_checkpoints
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+
+FROZEN = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
+VARIANTS = {
+    # OpenRLHF's ckpt folder: no HF files beside it, the config comes from --hf_model_path.
+    "zero1": DeepSpeedSpec(stage=1, hf_files=False),
+    "zero2-tied-frozen": DeepSpeedSpec(stage=2, tie_word_embeddings=True, frozen=FROZEN),
+    "zero3-tied-frozen": DeepSpeedSpec(stage=3, tie_word_embeddings=True, frozen=FROZEN),
+}
+
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """variant -> (save dir holding ``latest``, reference dir). Written by one torchrun. Read only."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    folders = {name: (root / name / "ckpt", root / name / "reference") for name in VARIANTS}
+    write_deepspeed_checkpoints([(*folders[name], spec) for name, spec in VARIANTS.items()])
+    return folders
+
+
+@pytest.fixture(scope="session")
+def zero_to_fp32(deepspeed_checkpoints):
+    """What DeepSpeed's own converter makes of each checkpoint (weights only)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return {
+        name: get_fp32_state_dict_from_zero_checkpoint(str(save_dir))
+        for name, (save_dir, _) in deepspeed_checkpoints.items()
+    }
+
+
+def merge(capsys, save_dir: Path, reference_dir: Path, target: Path, *flags) -> tuple[int, str, str]:
+    return run_cli(
+        capsys,
+        "merge",
+        "--local_dir",
+        save_dir,
+        "--target_dir",
+        target,
+        "--hf_model_path",
+        reference_dir,
+        "--no-progress",
+        *flags,
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merge_is_bit_exact_against_zero_to_fp32_and_the_trained_model(
+    capsys, tmp_path, deepspeed_checkpoints, zero_to_fp32, variant
+):
+    save_dir, reference_dir = deepspeed_checkpoints[variant]
+    code, _, err = merge(capsys, save_dir, reference_dir, tmp_path / "out")
+    assert code == 0, err
+    merged = load_safetensors_dir(tmp_path / "out")
+    peer = zero_to_fp32[variant]
+    trained = load_file(reference_dir / TRAINED_WEIGHTS)
+    tied = VARIANTS[variant].tie_word_embeddings
+    assert set(merged) == set(peer) - ({"lm_head.weight"} if tied else set())
+    assert set(peer) == set(trained)
+    for name, tensor in merged.items():
+        assert same_bits(tensor, peer[name].contiguous()), name
+        assert same_bits(tensor, trained[name]), name
+    for name in VARIANTS[variant].frozen:  # trained frozen: still the initial weights, but merged all the same
+        assert name in merged
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["tie_word_embeddings"] is tied
+
+
+def test_merged_folder_loads_and_gives_the_trained_logits(capsys, tmp_path, deepspeed_checkpoints):
+    save_dir, reference_dir = deepspeed_checkpoints["zero3-tied-frozen"]
+    code, _, err = merge(capsys, save_dir, reference_dir, tmp_path / "out")
+    assert code == 0, err
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(reference_dir))
+    reference.load_state_dict(load_file(reference_dir / TRAINED_WEIGHTS))
+    tokens = torch.tensor([[1, 5, 17, 1002, 40]])
+    with torch.no_grad():
+        assert torch.equal(merged(tokens).logits, reference.eval()(tokens).logits)
+    # The HF Trainer layout: the tokenizer saved beside `latest` is copied.
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (save_dir / "tokenizer.json").read_bytes()
+
+
+def test_bfloat16_output_is_the_fp32_weights_rounded(capsys, tmp_path, deepspeed_checkpoints, zero_to_fp32):
+    save_dir, reference_dir = deepspeed_checkpoints["zero2-tied-frozen"]
+    code, _, err = merge(capsys, save_dir, reference_dir, tmp_path / "out", "--dtype", "bfloat16")
+    assert code == 0, err
+    merged = load_safetensors_dir(tmp_path / "out")
+    for name, tensor in merged.items():
+        assert same_bits(tensor, zero_to_fp32["zero2-tied-frozen"][name].to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_tag_folder_and_save_dir_merge_alike(capsys, tmp_path, deepspeed_checkpoints):
+    save_dir, reference_dir = deepspeed_checkpoints["zero1"]
+    tag = (save_dir / "latest").read_text().strip()
+    assert merge(capsys, save_dir, reference_dir, tmp_path / "a")[0] == 0
+    assert merge(capsys, save_dir / tag, reference_dir, tmp_path / "b", "--backend", "deepspeed")[0] == 0
+    assert load_safetensors_dir(tmp_path / "a").keys() == load_safetensors_dir(tmp_path / "b").keys()
+    for name, tensor in load_safetensors_dir(tmp_path / "a").items():
+        assert same_bits(tensor, load_safetensors_dir(tmp_path / "b")[name]), name
+
+
+def test_inspect_describes_stage_world_size_and_parameters(capsys, deepspeed_checkpoints, zero_to_fp32):
+    save_dir, _ = deepspeed_checkpoints["zero3-tied-frozen"]
+    code, out, err = run_cli(capsys, "inspect", save_dir, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert (info["backend"], info["zero_stage"], info["dp_world_size"]) == ("deepspeed", 3, 2)
+    assert info["parameters"] == sum(t.numel() for t in zero_to_fp32["zero3-tied-frozen"].values())
+    assert info["dtypes"] == {"float32": info["parameters"]}
+    assert info["architecture"] == "LlamaForCausalLM" and info["tied_word_embeddings"] is True
+
+
+def _copy(save_dir: Path, dst: Path) -> tuple[Path, Path]:
+    shutil.copytree(save_dir, dst)
+    return dst, dst / (dst / "latest").read_text().strip()
+
+
+def _refused(capsys, save_dir: Path, reference_dir: Path, target: Path, bad_file: Path, problem: str) -> None:
+    before = tree_digest(save_dir)
+    code, _, err = merge(capsys, save_dir, reference_dir, target)
+    assert code != 0
+    [line] = error_lines(err)
+    assert str(bad_file) in line and problem in line, line
+    assert not target.exists()
+    assert tree_digest(save_dir) == before
+
+
+def test_truncated_optimizer_file_is_refused(capsys, tmp_path, deepspeed_checkpoints):
+    save_dir, reference_dir = deepspeed_checkpoints["zero3-tied-frozen"]
+    copy, tag = _copy(save_dir, tmp_path / "ckpt")
+    bad = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size - 5000])
+    _refused(capsys, copy, reference_dir, tmp_path / "out", bad, "")
+
+
+def test_missing_rank_file_is_refused(capsys, tmp_path, deepspeed_checkpoints):
+    save_dir, reference_dir = deepspeed_checkpoints["zero2-tied-frozen"]
+    copy, tag = _copy(save_dir, tmp_path / "ckpt")
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    _refused(capsys, copy, reference_dir, tmp_path / "out", tag, "partition_count says 2")
+
+
+def test_global_outside_the_allow_list_is_refused(capsys, tmp_path, deepspeed_checkpoints):
+    """The real rank-0 optimizer file, its LossScaler global renamed to one DeepSpeed never saves."""
+    save_dir, reference_dir = deepspeed_checkpoints["zero1"]
+    copy, tag = _copy(save_dir, tmp_path / "ckpt")
+    bad = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with zipfile.ZipFile(bad) as archive:
+        records = {info.filename: archive.read(info) for info in archive.infolist()}
+    pickle_name = next(name for name in records if name.endswith("/data.pkl"))
+    scaler = b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n"  # torch.save's protocol 2: GLOBAL opcode
+    assert scaler in records[pickle_name]
+    records[pickle_name] = records[pickle_name].replace(scaler, b"csubprocess\nPopen\n")
+    with zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records.items():
+            archive.writestr(name, data)
+    _refused(capsys, copy, reference_dir, tmp_path / "out", bad, "subprocess.Popen")
