@@ -150,7 +150,24 @@ def test_truncated_optimizer_file_is_refused(capsys, tmp_path, deepspeed_checkpo
     copy, tag = _copy(save_dir, tmp_path / "ckpt")
     bad = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size - 5000])
-    _refused(capsys, copy, reference_dir, tmp_path / "out", bad, "")
+    _refused(capsys, copy, reference_dir, tmp_path / "out", bad, "truncated")
+
+
+@pytest.mark.parametrize(
+    ("foreign_file", "problem"),
+    [
+        ("zero_pp_rank_1_mp_rank_00_optim_states.pt", "ZeRO stage/partition count differ from rank 0's"),
+        ("mp_rank_00_model_states.pt", "but param_shapes lists"),
+    ],
+)
+def test_file_from_another_checkpoint_is_refused(capsys, tmp_path, deepspeed_checkpoints, foreign_file, problem):
+    """A ZeRO-2 run's file dropped into a ZeRO-1 run's folder: other stage, other trainable parameters."""
+    save_dir, reference_dir = deepspeed_checkpoints["zero1"]
+    copy, tag = _copy(save_dir, tmp_path / "ckpt")
+    other, _ = deepspeed_checkpoints["zero2-tied-frozen"]
+    shutil.copyfile(other / (other / "latest").read_text().strip() / foreign_file, tag / foreign_file)
+    named = tag / foreign_file if "optim" in foreign_file else tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    _refused(capsys, copy, reference_dir, tmp_path / "out", named, problem)
 
 
 def test_missing_rank_file_is_refused(capsys, tmp_path, deepspeed_checkpoints):

@@ -235,18 +235,26 @@ def _fp32(name: str, shape: tuple[int, ...], runs: list[ByteRun]) -> PlannedTens
 
 def _zero12_params(files, flat, shapes, paddings) -> list[PlannedTensor]:
     world_size = len(files)
-    if len(flat[0]) != len(shapes) or (paddings is not None and len(paddings) != len(shapes)):
+    if len(flat[0]) != len(shapes) or not (
+        paddings is None or isinstance(paddings, list) and len(paddings) == len(shapes)
+    ):
         raise MergeError(
-            files[0].path, f"{len(flat[0])} fp32 partitions for {len(shapes)} parameter groups of param_shapes"
+            files[0].path,
+            f"{len(flat[0])} fp32 partitions for {len(shapes)} parameter groups in param_shapes (or param_alignment_paddings lacks one list per group)",
         )
     tensors = []
     for g, group in enumerate(shapes):
         vector = [flat[r][g] for r in range(world_size)]  # the group: every rank's partition in rank order
         available = sum(run.length for run in vector) // 4
         group_paddings = paddings[g] if paddings is not None else [0] * len(group)
-        if len(group_paddings) != len(group) or not all(type(p) is int and p >= 0 for p in group_paddings):
+        if (
+            not isinstance(group_paddings, list)
+            or len(group_paddings) != len(group)
+            or not all(type(p) is int and p >= 0 for p in group_paddings)
+        ):
             raise MergeError(
-                files[0].path, f"param_alignment_paddings[{g}] does not match the group's {len(group)} parameters"
+                files[0].path,
+                f"param_alignment_paddings[{g}] has {len(group_paddings)} entries but param_shapes lists {len(group)} parameters in group {g} (files of different checkpoints?)",
             )
         offset = 0
         for (name, shape), padding in zip(group.items(), group_paddings):
