@@ -23,6 +23,8 @@ FROZEN = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
 VARIANTS = {
     # OpenRLHF's ckpt folder: no HF files beside it, the config comes from --hf_model_path.
     "zero1": DeepSpeedSpec(stage=1, hf_files=False),
+    # OpenRLHF's default: bf16 module (frozen parameters stay bf16), fp32 master weights in the optimizer files.
+    "zero2-bf16-frozen": DeepSpeedSpec(stage=2, bf16=True, frozen=FROZEN, hf_files=False),
     "zero2-tied-frozen": DeepSpeedSpec(stage=2, tie_word_embeddings=True, frozen=FROZEN),
     "zero3-tied-frozen": DeepSpeedSpec(stage=3, tie_word_embeddings=True, frozen=FROZEN),
 }
@@ -78,9 +80,10 @@ def test_merge_is_bit_exact_against_zero_to_fp32_and_the_trained_model(
     assert set(peer) == set(trained)
     for name, tensor in merged.items():
         assert same_bits(tensor, peer[name].contiguous()), name
-        assert same_bits(tensor, trained[name]), name
-    for name in VARIANTS[variant].frozen:  # trained frozen: still the initial weights, but merged all the same
-        assert name in merged
+        # bf16 training: the module DeepSpeed gathered holds the fp32 master weights rounded to bf16.
+        assert same_bits(tensor.to(trained[name].dtype), trained[name]), name
+    for name in VARIANTS[variant].frozen:  # as the module stored them: bf16 under bf16 training, as zero_to_fp32
+        assert merged[name].dtype == (torch.bfloat16 if VARIANTS[variant].bf16 else torch.float32), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dtype"] == "float32" and config["tie_word_embeddings"] is tied
 
@@ -95,8 +98,10 @@ def test_merged_folder_loads_and_gives_the_trained_logits(capsys, tmp_path, deep
     tokens = torch.tensor([[1, 5, 17, 1002, 40]])
     with torch.no_grad():
         assert torch.equal(merged(tokens).logits, reference.eval()(tokens).logits)
-    # The HF Trainer layout: the tokenizer saved beside `latest` is copied.
+    # The HF Trainer layout: the tokenizer saved beside `latest` is copied; DeepSpeed's own files are not.
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (save_dir / "tokenizer.json").read_bytes()
+    assert {"latest", "zero_to_fp32.py"} <= {p.name for p in save_dir.iterdir()}
+    assert not {"latest", "zero_to_fp32.py", "zero_to_torch.py"} & {p.name for p in (tmp_path / "out").iterdir()}
 
 
 def test_bfloat16_output_is_the_fp32_weights_rounded(capsys, tmp_path, deepspeed_checkpoints, zero_to_fp32):

@@ -46,6 +46,7 @@ class DeepSpeedSpec:
     vocab_size: int = 1003
     tie_word_embeddings: bool = False
     frozen: tuple[str, ...] = ()  # parameter names trained with requires_grad=False
+    bf16: bool = False  # DeepSpeed's bf16 mode (OpenRLHF's default): bf16 module, fp32 master weights
     hf_files: bool = True  # config.json + tokenizer beside `latest` (HF Trainer); False: OpenRLHF's ckpt folder
     seed: int = 0
 
@@ -180,6 +181,7 @@ def _train_and_save(save_dir: Path, reference_dir: Path, spec: DeepSpeedSpec) ->
         "zero_optimization": {"stage": spec.stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "steps_per_print": 1000,
+        "bf16": {"enabled": spec.bf16},
     }
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
