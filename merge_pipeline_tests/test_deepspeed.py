@@ -7,6 +7,7 @@ the same folder; the trained model is what DeepSpeed itself gathered at the end 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -182,18 +183,38 @@ def test_missing_rank_file_is_refused(capsys, tmp_path, deepspeed_checkpoints):
     _refused(capsys, copy, reference_dir, tmp_path / "out", tag, "partition_count says 2")
 
 
+def _rewrite_pickle(path: Path, change) -> None:
+    """Rewrite the pickle of a real torch.save archive with ``change(bytes) -> bytes``."""
+    with zipfile.ZipFile(path) as archive:
+        records = {info.filename: archive.read(info) for info in archive.infolist()}
+    pickle_name = next(name for name in records if name.endswith("/data.pkl"))
+    changed = change(records[pickle_name])
+    assert changed != records[pickle_name], "the pattern to change was not found"
+    records[pickle_name] = changed
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records.items():
+            archive.writestr(name, data)
+
+
 def test_global_outside_the_allow_list_is_refused(capsys, tmp_path, deepspeed_checkpoints):
     """The real rank-0 optimizer file, its LossScaler global renamed to one DeepSpeed never saves."""
     save_dir, reference_dir = deepspeed_checkpoints["zero1"]
     copy, tag = _copy(save_dir, tmp_path / "ckpt")
     bad = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    with zipfile.ZipFile(bad) as archive:
-        records = {info.filename: archive.read(info) for info in archive.infolist()}
-    pickle_name = next(name for name in records if name.endswith("/data.pkl"))
     scaler = b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n"  # torch.save's protocol 2: GLOBAL opcode
-    assert scaler in records[pickle_name]
-    records[pickle_name] = records[pickle_name].replace(scaler, b"csubprocess\nPopen\n")
-    with zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as archive:
-        for name, data in records.items():
-            archive.writestr(name, data)
+    _rewrite_pickle(bad, lambda data: data.replace(scaler, b"csubprocess\nPopen\n"))
     _refused(capsys, copy, reference_dir, tmp_path / "out", bad, "subprocess.Popen")
+
+
+def test_unknown_zero_stage_is_refused(capsys, tmp_path, deepspeed_checkpoints):
+    """Every rank's ZeroStageEnum(1) rewritten to 4: the pickle is ZeroStageEnum, a memo op, BININT1 1, TUPLE1."""
+    save_dir, reference_dir = deepspeed_checkpoints["zero1"]
+    copy, tag = _copy(save_dir, tmp_path / "ckpt")
+    stage_one = re.compile(rb"(ZeroStageEnum\n(?:q.|r....)K)\x01\x85", re.DOTALL)
+    for rank in (0, 1):
+        _rewrite_pickle(
+            tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            lambda d: stage_one.sub(lambda m: m[1] + b"\x04\x85", d),
+        )
+    bad = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    _refused(capsys, copy, reference_dir, tmp_path / "out", bad, "ZeRO stage 4 is not one this reader knows")
