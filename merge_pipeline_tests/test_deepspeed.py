@@ -24,8 +24,9 @@ FROZEN = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
 VARIANTS = {
     # OpenRLHF's ckpt folder: no HF files beside it, the config comes from --hf_model_path.
     "zero1": DeepSpeedSpec(stage=1, hf_files=False),
-    # OpenRLHF's default: bf16 module (frozen parameters stay bf16), fp32 master weights in the optimizer files.
-    "zero2-bf16-frozen": DeepSpeedSpec(stage=2, bf16=True, frozen=FROZEN, hf_files=False),
+    # OpenRLHF's defaults: its Actor wrapper (names model.model.*), a bf16 module (frozen parameters stay
+    # bf16) with fp32 master weights in the optimizer files, ZeRO 2, no HF files in the ckpt folder.
+    "openrlhf-zero2-bf16-frozen": DeepSpeedSpec(stage=2, bf16=True, frozen=FROZEN, hf_files=False, openrlhf_actor=True),
     "zero2-tied-frozen": DeepSpeedSpec(stage=2, tie_word_embeddings=True, frozen=FROZEN),
     "zero3-tied-frozen": DeepSpeedSpec(stage=3, tie_word_embeddings=True, frozen=FROZEN),
 }
@@ -74,7 +75,10 @@ def test_merge_is_bit_exact_against_zero_to_fp32_and_the_trained_model(
     code, _, err = merge(capsys, save_dir, reference_dir, tmp_path / "out")
     assert code == 0, err
     merged = load_safetensors_dir(tmp_path / "out")
-    peer = zero_to_fp32[variant]
+    # zero_to_fp32 keeps the names of the module DeepSpeed wrapped: OpenRLHF's Actor adds "model.".
+    strip = "model." if VARIANTS[variant].openrlhf_actor else ""
+    assert all(name.startswith(strip) for name in zero_to_fp32[variant])
+    peer = {name.removeprefix(strip): tensor for name, tensor in zero_to_fp32[variant].items()}
     trained = load_file(reference_dir / TRAINED_WEIGHTS)
     tied = VARIANTS[variant].tie_word_embeddings
     assert set(merged) == set(peer) - ({"lm_head.weight"} if tied else set())

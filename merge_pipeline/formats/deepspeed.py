@@ -93,7 +93,7 @@ def plan_deepspeed(path: Path) -> CheckpointPlan:
             models.append(_model_state(p))
         model_files = files[world_size:]
         tensors = _buffers(model_files[0], models[0])
-        tensors += _frozen(model_files, models, world_size)
+        tensors += _frozen(model_files, models)
         flat = _flat_partitions(files[:world_size], optim, stage)
         if stage == 3:
             tensors += _zero3_params(files[:world_size], flat, _param_shapes(model_files[0], models[0]), world_size)
@@ -119,7 +119,7 @@ def plan_deepspeed(path: Path) -> CheckpointPlan:
             "zero_stage": stage,
             "dp_world_size": world_size,
             "tag": folder.name,
-            "ds_version": models[0].get("ds_version"),
+            "ds_version": models[0]["ds_version"] if isinstance(models[0].get("ds_version"), str) else None,
         },
     )
 
@@ -154,6 +154,11 @@ def _model_state(path: Path) -> dict:
     for key, kind in (("module", dict), ("param_shapes", list), ("buffer_names", list), ("shared_params", dict)):
         if not isinstance(state.get(key), kind):
             raise MergeError(path, f"not a DeepSpeed model state: {key!r} is not a {kind.__name__}")
+    for key in ("frozen_param_shapes", "frozen_param_fragments"):  # absent or None when nothing is frozen
+        if not isinstance(state.get(key) or {}, dict):
+            raise MergeError(path, f"{key!r} is not a dict")
+    if not all(isinstance(name, str) for name in state["buffer_names"]):
+        raise MergeError(path, "'buffer_names' holds something other than names")
     return state
 
 
@@ -329,7 +334,7 @@ def _buffers(file: SourceFile, model: dict) -> list[PlannedTensor]:
     return tensors
 
 
-def _frozen(files: list[SourceFile], models: list[dict], world_size: int) -> list[PlannedTensor]:
+def _frozen(files: list[SourceFile], models: list[dict]) -> list[PlannedTensor]:
     """requires_grad=False parameters: whole in the one model file (ZeRO 1/2), or one fragment per
     rank's model file, concatenated and cut to size (ZeRO 3)."""
     shapes = models[0].get("frozen_param_shapes") or {}
@@ -342,15 +347,17 @@ def _frozen(files: list[SourceFile], models: list[dict], world_size: int) -> lis
             fragment = (model.get("frozen_param_fragments") or {}).get(name)
             runs.append(_stored(f, f"frozen_param_fragments[{name!r}]", fragment))
             dtypes.add(fragment.dtype)
-        held = sum(run.length for run in runs)
-        item = torch.empty((), dtype=next(iter(dtypes))).element_size()
-        exact = len(files) == 1
-        if len(dtypes) != 1 or held < numel * item or (exact and held != numel * item):
-            raise MergeError(
-                files[-1].path, f"frozen parameter {name}: fragments of {held // item} elements for shape {shape}"
-            )
+        if len(dtypes) != 1:
+            raise MergeError(files[-1].path, f"frozen parameter {name}: fragments of dtypes {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
-        tensors.append(PlannedTensor(name, shape, dtype, StoredBytes(tuple(_cut(runs, numel * item)), dtype)))
+        held, needed = sum(run.length for run in runs), numel * dtype.itemsize
+        # ZeRO 1/2 stores the whole tensor; ZeRO 3's fragments may end in padding.
+        if held < needed or (len(files) == 1 and held != needed):
+            raise MergeError(
+                files[-1].path,
+                f"frozen parameter {name}: fragments of {held // dtype.itemsize} elements for shape {shape}",
+            )
+        tensors.append(PlannedTensor(name, shape, dtype, StoredBytes(tuple(_cut(runs, needed)), dtype)))
     return tensors
 
 

@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 _MODULE = "merge_pipeline.sample_checkpoints.deepspeed"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAINED_WEIGHTS = "trained.safetensors"  # beside the checkpoint folders, in the reference folder
@@ -47,6 +49,7 @@ class DeepSpeedSpec:
     tie_word_embeddings: bool = False
     frozen: tuple[str, ...] = ()  # parameter names trained with requires_grad=False
     bf16: bool = False  # DeepSpeed's bf16 mode (OpenRLHF's default): bf16 module, fp32 master weights
+    openrlhf_actor: bool = False  # train the model inside OpenRLHF's Actor wrapper (``self.model``)
     hf_files: bool = True  # config.json + tokenizer beside `latest` (HF Trainer); False: OpenRLHF's ckpt folder
     seed: int = 0
 
@@ -163,7 +166,6 @@ def _run_ranks(job_path: Path) -> None:
 
 def _train_and_save(save_dir: Path, reference_dir: Path, spec: DeepSpeedSpec) -> None:
     import deepspeed
-    import torch
     import torch.distributed as dist
     import transformers
     from safetensors.torch import save_file
@@ -184,7 +186,8 @@ def _train_and_save(save_dir: Path, reference_dir: Path, spec: DeepSpeedSpec) ->
         "bf16": {"enabled": spec.bf16},
     }
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    module = _Actor(model) if spec.openrlhf_actor else model
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config)
     rank = dist.get_rank()
     for step in range(TRAIN_STEPS):  # each rank its own tokens: the gradients are really averaged
         tokens = torch.randint(0, spec.vocab_size, (1, 16), generator=torch.Generator().manual_seed(100 * step + rank))
@@ -192,12 +195,23 @@ def _train_and_save(save_dir: Path, reference_dir: Path, spec: DeepSpeedSpec) ->
         engine.step()
     engine.save_checkpoint(str(save_dir))
     # The trained weights, gathered by DeepSpeed; tied parameters are saved under each name.
-    params = list(engine.module.parameters())
+    params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params) if spec.stage == 3 else contextlib.nullcontext():
         if rank == 0:
-            state = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
+            state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
             save_file(state, reference_dir / TRAINED_WEIGHTS, metadata={"format": "pt"})
     dist.barrier()
+
+
+class _Actor(torch.nn.Module):
+    """OpenRLHF's ``Actor``: the HF model as ``self.model``, so DeepSpeed saves ``model.model.*`` names."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return self.model(**inputs)
 
 
 # --- command line -------------------------------------------------------------------------------
