@@ -231,11 +231,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=defaults.stage)
     parser.add_argument("--world-size", type=int, default=defaults.world_size)
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num-attention-heads", type=int, default=defaults.num_attention_heads)
+    parser.add_argument("--num-key-value-heads", type=int, default=defaults.num_key_value_heads)
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
     parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--freeze", action="append", default=[], help="parameter name to train frozen")
+    parser.add_argument("--bf16", action="store_true", help="DeepSpeed's bf16 mode (fp32 master weights)")
+    parser.add_argument("--openrlhf-actor", action="store_true", help="wrap the model as OpenRLHF's Actor does")
     parser.add_argument("--no-hf-files", action="store_true", help="no config.json/tokenizer beside `latest`")
     parser.add_argument("--reference-dir", type=Path, help="default: SAVE_DIR/../reference")
     args = parser.parse_args(argv)
@@ -243,11 +247,15 @@ def main(argv: list[str] | None = None) -> None:
         stage=args.stage,
         world_size=args.world_size,
         hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
         num_layers=args.num_layers,
         intermediate_size=args.intermediate_size,
         vocab_size=args.vocab_size,
         tie_word_embeddings=args.tie_word_embeddings,
         frozen=tuple(args.freeze),
+        bf16=args.bf16,
+        openrlhf_actor=args.openrlhf_actor,
         hf_files=not args.no_hf_files,
     )
     write_deepspeed_checkpoints([(args.save_dir, args.reference_dir or args.save_dir.parent / "reference", spec)])
