@@ -101,6 +101,9 @@ def plan_deepspeed(path: Path) -> CheckpointPlan:
             paddings = optim[0].get("param_alignment_paddings")
             tensors += _zero12_params(files[:world_size], flat, _param_shapes(model_files[0], models[0]), paddings)
         tensors += _shared(model_files[0], models[0], tensors)
+        if stage != 3:
+            tensors += _unrecorded_frozen(model_files[0], models[0], tensors)
+        _check_unique(model_files[0], tensors)
     except BaseException:
         for f in files:
             f.close()
@@ -168,9 +171,10 @@ def _stage_and_world_size(paths: list[Path], optim: list[dict]) -> tuple[int, in
         raise MergeError(paths[0], f"ZeRO stage {stage!r} is not one this reader knows (1, 2 or 3)")
     counts = optim[0].get("partition_count")
     # ZeRO 2: one count per parameter group (expert groups may differ); the largest is the dp world.
-    world_size = max(counts) if isinstance(counts, list) and counts else counts
-    if type(world_size) is not int or world_size < 1:
-        raise MergeError(paths[0], f"partition_count {counts!r} is not a positive integer")
+    per_group = counts if isinstance(counts, list) and counts else [counts]
+    if not all(type(c) is int and c >= 1 for c in per_group):
+        raise MergeError(paths[0], f"partition_count {counts!r:.80} is not a positive integer (or a list of them)")
+    world_size = max(per_group)
     if world_size != len(paths):
         raise MergeError(
             paths[0].parent,
@@ -372,6 +376,30 @@ def _shared(file: SourceFile, model: dict, tensors: list[PlannedTensor]) -> list
             t = by_name[source]
             shared.append(PlannedTensor(name, t.shape, t.dtype, t.source))
     return shared
+
+
+def _unrecorded_frozen(file: SourceFile, model: dict, tensors: list[PlannedTensor]) -> list[PlannedTensor]:
+    """ZeRO 1 saves no ``frozen_param_*`` (DeepSpeed records them only when it partitions gradients),
+    so zero_to_fp32 silently leaves frozen parameters out. ZeRO 1/2 keep every parameter whole in the
+    module state dict, and a frozen one has no other copy: take what nothing else provides from there."""
+    planned = {t.name for t in tensors}
+    missing = []
+    for name, value in model["module"].items():
+        if name not in planned:
+            run = _stored(file, name, value)
+            missing.append(PlannedTensor(name, tuple(value.shape), value.dtype, StoredBytes((run,), value.dtype)))
+    return missing
+
+
+def _check_unique(file: SourceFile, tensors: list[PlannedTensor]) -> None:
+    """A name listed twice (buffer, frozen, trainable, shared) would be two different tensors."""
+    seen = set()
+    for t in tensors:
+        if t.name in seen:
+            raise MergeError(
+                file.path, f"{t.name} is listed twice among the buffers, frozen, trained and shared parameters"
+            )
+        seen.add(t.name)
 
 
 def _strip_wrapper_prefix(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
