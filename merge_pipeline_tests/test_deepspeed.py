@@ -223,3 +223,20 @@ def test_unknown_zero_stage_is_refused(capsys, tmp_path, deepspeed_checkpoints):
         )
     bad = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     _refused(capsys, copy, reference_dir, tmp_path / "out", bad, "ZeRO stage 4 is not one this reader knows")
+
+
+def test_fp16_dynamic_loss_scaler_loads_as_plain_data(tmp_path):
+    """fp16 training (not possible on this CPU accelerator) pickles DeepSpeed's DynamicLossScaler:
+    the stand-in keeps its state and runs none of its code."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from merge_pipeline.formats.deepspeed import ALLOWED_GLOBALS
+    from merge_pipeline.formats.torch_files import load_meta_state_dict
+
+    scaler = DynamicLossScaler(
+        init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+    )
+    torch.save({"loss_scaler": scaler}, tmp_path / "optim.pt")
+    loaded = load_meta_state_dict(tmp_path / "optim.pt", ALLOWED_GLOBALS)["loss_scaler"]
+    assert not isinstance(loaded, DynamicLossScaler)
+    assert vars(loaded) == vars(scaler)
