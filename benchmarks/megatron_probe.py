@@ -31,8 +31,8 @@ def _peak_rss_mib() -> float:
 
 
 def measure_plan(role_dir: Path) -> dict:
-    from merge_pipeline.engine.plan import StoredBytes
     from merge_pipeline.formats.megatron import plan_megatron
+    from merge_pipeline.plan import StoredBytes
 
     baseline = _peak_rss_mib()
     started = time.monotonic()

@@ -13,10 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from merge_pipeline.engine.outputs import DEFAULT_MAX_SIDE_FILE_SIZE, DTYPE_CHOICES, MergeOptions
-from merge_pipeline.engine.progress import human_bytes
 from merge_pipeline.errors import MergeError, os_error, printable
-from merge_pipeline.formats import BACKENDS
+from merge_pipeline.options import OPTION_FIELDS, MergeOptions, cli_flags, options_of
+from merge_pipeline.progress import human_bytes
 
 log = logging.getLogger("merge_pipeline")
 
@@ -24,44 +23,32 @@ EXIT_ERROR = 1
 EXIT_MISMATCH = 3
 
 
-def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="checkpoint format (default: detect)")
+def _option_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """One flag per ``MergeOptions`` field that ``command`` takes: spelling, help, default and choices from the schema."""
+    for option in options_of(command):
+        meta = option.metadata
+        if isinstance(option.default, bool):  # off unless given
+            parser.add_argument(*cli_flags(option), dest=option.name, action="store_true", help=meta["help"])
+        else:
+            parser.add_argument(
+                *cli_flags(option),
+                dest=option.name,
+                default=option.default,
+                choices=meta["choices"],
+                metavar=meta.get("metavar"),
+                help=meta["help"],
+            )
+
+
+def _checkpoint_flags(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument(
         "--local_dir", required=True, type=Path, help="role folder, e.g. checkpoints/global_step_100/actor"
     )
-    parser.add_argument(
-        "--tie-word-embedding", action="store_true", help="tie lm_head to the embeddings (also read from config.json)"
-    )
-    parser.add_argument(
-        "--untie-word-embedding",
-        action="store_true",
-        help="keep a trained lm_head that differs from the embeddings; config.json then says tie_word_embeddings false",
-    )
-    parser.add_argument(
-        "--is-value-model", action="store_true", help="a critic / value model (also detected from the checkpoint)"
-    )
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="allow config.json to name remote-code classes"
-    )
+    _option_flags(parser, command)
     parser.add_argument(
         "--use_cpu_initialization",
         action="store_true",
         help="accepted for verl compatibility; merging always runs on CPU",
-    )
-    parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="output dtype (default auto: keep the stored dtype)"
-    )
-    parser.add_argument(
-        "--merge-lora", action="store_true", help="fold LoRA into the base weights instead of writing lora_adapter/"
-    )
-    parser.add_argument(
-        "--hf_model_path",
-        "--hf-model-path",
-        metavar="DIR",
-        help="the original HF model folder (the trainer's model.path): config, tokenizer and LoRA base weights when the checkpoint holds none",
-    )
-    parser.add_argument(
-        "--verify-replicas", action="store_true", help="check that replica groups of a 2-D mesh hold identical bytes"
     )
 
 
@@ -85,20 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     merge = commands.add_parser("merge", help="merge a checkpoint role folder into an HF folder")
-    _checkpoint_flags(merge)
+    _checkpoint_flags(merge, "merge")
     merge.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
-    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, HF-style (default 5GB)")
-    merge.add_argument(
-        "--overwrite", action="store_true", help="replace an existing target once the new one is complete"
-    )
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
     _hub_flags(merge)
     merge.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    merge.add_argument(
-        "--max-side-file-size",
-        default=DEFAULT_MAX_SIDE_FILE_SIZE,
-        help=f"largest file copied from huggingface/ (tokenizer, templates, ...), HF-style (default {DEFAULT_MAX_SIDE_FILE_SIZE})",
-    )
     merge.add_argument(
         "--dist-timeout",
         type=float,
@@ -108,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.set_defaults(run=_run_merge)
 
     test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
-    _checkpoint_flags(test)
+    _checkpoint_flags(test, "test")
     test.add_argument("--test_hf_dir", required=True, type=Path, help="reference HF folder")
     test.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bit-exact)")
     test.set_defaults(run=_run_test)
@@ -121,14 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint without loading tensor data")
     inspect.add_argument("local_dir", type=Path)
-    inspect.add_argument("--backend", choices=BACKENDS, default="auto")
-    inspect.add_argument("--trust-remote-code", action="store_true")
-    inspect.add_argument(
-        "--hf_model_path",
-        "--hf-model-path",
-        metavar="DIR",
-        help="the original HF model folder, for a checkpoint with no config",
-    )
+    _option_flags(inspect, "inspect")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)
     return parser
@@ -137,22 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _options(args: argparse.Namespace, **extra) -> MergeOptions:
     if getattr(args, "use_cpu_initialization", False):
         log.info("--use_cpu_initialization is accepted for verl compatibility and ignored: merging always runs on CPU")
-    return MergeOptions(
-        dtype=args.dtype,
-        merge_lora=args.merge_lora,
-        tie_word_embedding=args.tie_word_embedding,
-        untie_word_embedding=args.untie_word_embedding,
-        is_value_model=args.is_value_model,
-        trust_remote_code=args.trust_remote_code,
-        verify_replicas=args.verify_replicas,
-        hf_model_path=args.hf_model_path,
-        **extra,
-    )
+    given = {option.name: getattr(args, option.name) for option in OPTION_FIELDS if hasattr(args, option.name)}
+    return MergeOptions(**{**given, **extra})
 
 
 def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
-    from merge_pipeline.engine.merge import merge_checkpoint
+    from merge_pipeline.pipeline import merge_checkpoint
 
     options = _options(
         args, max_shard_size=args.max_shard_size, overwrite=args.overwrite, max_side_file_size=args.max_side_file_size
@@ -162,7 +124,6 @@ def _run_merge(args: argparse.Namespace) -> int:
             args.local_dir,
             args.target_dir,
             options,
-            backend=args.backend,
             show_progress=not args.no_progress,
             timeout_seconds=args.dist_timeout,
         )
@@ -172,9 +133,7 @@ def _run_merge(args: argparse.Namespace) -> int:
                 "WORLD_SIZE=%s is set but torchrun did not start this process: merging in this one process",
                 printable(os.environ["WORLD_SIZE"]),
             )
-        result = merge_checkpoint(
-            args.local_dir, args.target_dir, options, backend=args.backend, show_progress=not args.no_progress
-        )
+        result = merge_checkpoint(args.local_dir, args.target_dir, options, show_progress=not args.no_progress)
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
     print(
@@ -207,12 +166,9 @@ def _upload(folder: Path, repo_id: str, args: argparse.Namespace) -> int:
 
 
 def _run_test(args: argparse.Namespace) -> int:
-    from merge_pipeline.engine.merge import prepare
-    from merge_pipeline.engine.verify import compare_with_reference
+    from merge_pipeline.pipeline import compare
 
-    plan, _, layout = prepare(args.local_dir, _options(args), args.backend)
-    with plan:
-        result = compare_with_reference(layout, args.test_hf_dir.absolute(), atol=args.atol)
+    result = compare(args.local_dir, args.test_hf_dir, _options(args), atol=args.atol)
     for diff, name in result.worst:
         print(f"  {diff:.3g}  {printable(name)}")
     for name in result.missing:
@@ -232,11 +188,9 @@ def _run_test(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from merge_pipeline.engine.inspect import describe
+    from merge_pipeline.pipeline import describe
 
-    info = describe(
-        args.local_dir, backend=args.backend, trust_remote_code=args.trust_remote_code, hf_model_path=args.hf_model_path
-    )
+    info = describe(args.local_dir, _options(args))
     if args.json:
         print(json.dumps(info, indent=2))
     else:

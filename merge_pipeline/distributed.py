@@ -17,11 +17,22 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from merge_pipeline.engine.hf_folder import copy_side_files
-from merge_pipeline.engine.merge import MergeResult, WriteReport, finish_folder, peak_rss_bytes, prepare, write_weights
-from merge_pipeline.engine.outputs import MergeOptions, ShardFile
-from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError, os_error
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import (
+    MergeResult,
+    OutputPlan,
+    Prepared,
+    ShardFile,
+    WriteReport,
+    finish_folder,
+    peak_rss_bytes,
+    prepare,
+    staged_output,
+    staging_path,
+    write_side_files,
+    write_weights,
+)
 
 log = logging.getLogger("merge_pipeline")
 
@@ -112,30 +123,32 @@ def _process_group(timeout_seconds: float | None):
         dist.destroy_process_group()
 
 
-def _prepare_everywhere(local_dir, options: MergeOptions, backend: str):
+def _prepare_everywhere(local_dir, options: MergeOptions) -> Prepared:
     """Every rank validates and plans (metadata only); all fail together on the first problem."""
-    prepared: list = []
-    _agree(_attempt(lambda: prepared.extend(prepare(local_dir, options, backend))))
-    return prepared
+    prepared: list[Prepared] = []
+    _agree(_attempt(lambda: prepared.append(prepare(local_dir, options))))
+    return prepared[0]
 
 
-def _write_share(layout, staging: Path, rank: int, world: int, *, show_progress: bool) -> tuple[WriteReport, int]:
+def _write_share(
+    outputs: OutputPlan, staging: Path, rank: int, world: int, *, show_progress: bool
+) -> tuple[WriteReport, int]:
     """Write this rank's whole shard files; return the report of all ranks and their largest peak RSS."""
-    mine = assign_shards(layout.files, world)[rank]
-    log.info("rank %d/%d writes %d of %d weight files", rank, world, len(mine), len(layout.files))
+    mine = assign_shards(outputs.files, world)[rank]
+    log.info("rank %d/%d writes %d of %d weight files", rank, world, len(mine), len(outputs.files))
     reports: list[WriteReport] = []
-    _agree(_attempt(lambda: reports.append(write_weights(layout, staging, files=mine, show_progress=show_progress))))
+    _agree(_attempt(lambda: reports.append(write_weights(outputs, staging, files=mine, show_progress=show_progress))))
     everyone: list[tuple[WriteReport, int] | None] = [None] * world
     with _peers_answer():
         dist.all_gather_object(everyone, (reports[0], peak_rss_bytes()))
     # Files in plan order, the time of the slowest rank.
     by_name = {f["filename"]: f for report, _ in everyone for f in report.files}
-    whole = WriteReport([by_name[f.filename] for f in layout.files], max(report.seconds for report, _ in everyone))
+    whole = WriteReport([by_name[f.filename] for f in outputs.files], max(report.seconds for report, _ in everyone))
     return whole, max(peak for _, peak in everyone)
 
 
 def write_weights_distributed(
-    local_dir: str | Path, backend: str, staging: Path, options: MergeOptions
+    local_dir: str | Path, staging: Path, options: MergeOptions
 ) -> tuple[WriteReport, int] | None:
     """Only the weight shards into an existing staging folder, as Dagster's merged_state_dict needs.
 
@@ -143,9 +156,8 @@ def write_weights_distributed(
     The wait for other ranks is $MERGE_PIPELINE_DIST_TIMEOUT (or the default).
     """
     with _process_group(None) as (rank, world):
-        plan, _, layout = _prepare_everywhere(local_dir, options, backend)
-        with plan:
-            written = _write_share(layout, staging, rank, world, show_progress=False)
+        with _prepare_everywhere(local_dir, options) as prepared:
+            written = _write_share(prepared.outputs, staging, rank, world, show_progress=False)
             return written if rank == 0 else None
 
 
@@ -154,7 +166,6 @@ def merge_distributed(
     target_dir: str | Path,
     options: MergeOptions,
     *,
-    backend: str = "auto",
     show_progress: bool = True,
     timeout_seconds: float | None = None,
 ) -> MergeResult | None:
@@ -167,31 +178,32 @@ def merge_distributed(
     started = time.monotonic()
     with _process_group(timeout_seconds) as (rank, world):
         lead = rank == 0
-        plan, config, layout = _prepare_everywhere(local_dir, options, backend)
+        prepared = _prepare_everywhere(local_dir, options)
+        plan, outputs = prepared.plan, prepared.outputs
         staging = staging_path(target)
-        with plan, contextlib.ExitStack() as publishing:
+        with prepared, contextlib.ExitStack() as publishing:
 
             def open_staging() -> None:
                 publishing.enter_context(staged_output(target, source=local_dir, overwrite=options.overwrite))
-                copy_side_files(config.path.parent, staging, options.max_side_file_size, confine_to=config.confine_to)
+                write_side_files(prepared, staging, options)
 
             _agree(_attempt(open_staging) if lead else None)
-            written, _ = _write_share(layout, staging, rank, world, show_progress=show_progress and lead)
+            written, _ = _write_share(outputs, staging, rank, world, show_progress=show_progress and lead)
             manifest: list[dict] = []
 
             def finish_and_publish() -> None:
-                manifest.append(finish_folder(plan, config, layout, staging, options, written))
+                manifest.append(finish_folder(prepared, staging, options, written))
                 publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
 
             _agree(_attempt(finish_and_publish) if lead else None)
         if not lead:
             return None
-        tensors = sum(len(f.tensors) for f in layout.files)
+        tensors = sum(len(f.tensors) for f in outputs.files)
         return MergeResult(
             target,
             plan.parameter_count,
             tensors,
-            layout.total_bytes,
+            outputs.total_bytes,
             time.monotonic() - started,
             peak_rss_bytes(),
             manifest[0],

@@ -31,10 +31,18 @@ class MergeError(Exception):
         super().__init__(f"{printable(str(self.path))}: {self.problem}" if self.path is not None else self.problem)
 
 
-def os_error(exc: OSError, path: str | Path | None = None) -> MergeError:
-    """The one line for an OSError: the file the OS names, else ``path`` (write, fsync and copy errors name none)."""
+def os_error(exc: OSError, path: str | Path | None = None, *, doing: str | None = None) -> MergeError:
+    """The one line for an OSError: the file the OS names, else ``path`` (write, fsync and copy errors name none),
+    and the OS's words, after ``doing`` ("cannot open") when given."""
     named = exc.filename if isinstance(exc.filename, (str, os.PathLike)) else None  # not a descriptor number
-    return MergeError(named or path, exc.strerror or str(exc))
+    problem = exc.strerror or str(exc)
+    return MergeError(named or path, f"{doing}: {problem}" if doing else problem)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message ("" if it has none): a library's long message, cut to name the cause."""
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
 
 
 @contextlib.contextmanager

@@ -56,8 +56,8 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from merge_pipeline import __version__
-from merge_pipeline.engine.manifest import MANIFEST, read_manifest
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.manifest import MANIFEST, read_manifest
 from merge_pipeline.model_card import CARD, CheckpointName, readme_to_publish, render_card
 
 log = logging.getLogger("merge_pipeline")

@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, os_error
 
 _KINDS = {
     stat.S_IFIFO: "FIFO",
@@ -35,7 +35,7 @@ def open_regular(path: Path) -> int:
     except FileNotFoundError:
         raise MergeError(path, "file not found") from None
     except OSError as exc:
-        raise MergeError(path, f"cannot open: {exc.strerror}") from None
+        raise os_error(exc, path, doing="cannot open") from None
     try:
         _require_regular(path, os.fstat(fd).st_mode)
     except BaseException:

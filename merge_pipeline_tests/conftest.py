@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
+from merge_pipeline_tests.helpers import run_cli
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,20 @@ def fresh_copy(tmp_path):
     """``fresh_copy(sample) -> SampleCheckpoint`` whose role folder this test may change."""
     numbers = itertools.count()
     return lambda sample: copy_checkpoint(sample, tmp_path / f"copy_{next(numbers)}" / sample.role_dir.name)
+
+
+@pytest.fixture
+def good_target(capsys, tmp_path, fsdp_checkpoint):
+    """A published merge of a 3-rank FSDP checkpoint, for tests that check a failing merge leaves it as it was."""
+    target = tmp_path / "targets" / "published"
+    code, _, err = run_cli(
+        capsys,
+        "merge",
+        "--local_dir",
+        fsdp_checkpoint(FsdpSpec(world_size=3, with_optimizer=False)).role_dir,
+        "--target_dir",
+        target,
+        "--no-progress",
+    )
+    assert code == 0, err
+    return target

@@ -1,9 +1,10 @@
-"""Small helpers shared by the engine and CLI tests."""
+"""Small helpers shared by the tests (fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,8 @@ import torch
 from safetensors import safe_open
 
 from merge_pipeline.cli import main
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import CheckpointPlan
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -43,6 +46,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
     )
+
+
+def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
+    """The Megatron reader's plan of ``role_dir`` with these merge options (as ``--backend megatron``)."""
+    from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
+
+    return READER.plan(Path(role_dir), MergeOptions(**options))
+
+
+def config_says_tied(role_dir: Path) -> Path:
+    """Switch an FSDP checkpoint's config.json to tie_word_embeddings true, as a mismatched config would be."""
+    path = role_dir / "huggingface" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
+    return path
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

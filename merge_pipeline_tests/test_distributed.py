@@ -11,8 +11,8 @@ import torch
 
 from merge_pipeline.distributed import assign_shards
 from merge_pipeline.engine.outputs import ShardFile
-from merge_pipeline.engine.plan import Computed, PlannedTensor
 from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import run_cli, torchrun, tree_digest
 

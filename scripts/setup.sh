@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with its test extras. Idempotent; safe to re-run.
+# Create .venv and install the project with its test extras (which pull the megatron and bench extras:
+# everything the tests, the demo and the benchmarks need). Idempotent; safe to re-run.
 # torch is pinned to 2.13.0 in pyproject.toml: on this CPU machine pip takes that CPU wheel from
 # local disk, where a bare `torch` requirement would pull a multi-GB CUDA build.
 set -euo pipefail

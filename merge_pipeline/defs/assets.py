@@ -8,6 +8,7 @@ checks against that staging folder, and publish (rename into place) only if ever
 failure at any stage leaves no staging folder and no published folder, and materializes nothing.
 """
 
+import dataclasses
 import json
 import time
 import warnings
@@ -24,12 +25,10 @@ from merge_pipeline.defs.metadata import sha256_table, value
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
-from merge_pipeline.engine.hf_folder import copy_side_files
-from merge_pipeline.engine.manifest import MANIFEST
-from merge_pipeline.engine.merge import finish_folder, prepare
-from merge_pipeline.engine.progress import human_bytes
-from merge_pipeline.engine.publish import locked_target
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
+from merge_pipeline.progress import human_bytes
 
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
@@ -76,47 +75,40 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
     place only if all passed.
     """
     key = CheckpointKey.parse(context.partition_key)
-    options = config.options()
     target = settings.target_dir(key)
     started = time.monotonic()
     with one_line_failure():
+        options = config.options()  # tie and untie together are refused in one line, as by the CLI
         role_dir = settings.role_dir(key)
         state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
         if not state.complete:
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
-        # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its staging.
-        with locked_target(target, source=role_dir, overwrite=options.overwrite) as locked:
-            plan, model_config, layout = prepare(role_dir, options)
-            with plan:
-                staging = locked.new_staging()
-                try:
-                    copy_side_files(
-                        model_config.path.parent,
-                        staging,
-                        options.max_side_file_size,
-                        confine_to=model_config.confine_to,
-                    )
-                    if config.launcher == "torchrun":
-                        written = write_with_torchrun(
-                            context, WeightJob(role_dir, plan.backend, staging, options), config
-                        )
-                    else:
-                        written = write_in_process(layout, staging)
-                    manifest = finish_folder(plan, model_config, layout, staging, options)
-                    check_results = check_staged_folder(staging)
-                    failed = [r.check_name for r in check_results if not r.passed]
-                    if failed:
-                        yield from check_results
-                        raise dg.Failure(
-                            description=f"{target}: not published: blocking check(s) {', '.join(failed)} failed on the merged folder (see the checks' problems)",
-                            metadata={
-                                "file": dg.MetadataValue.path(str(role_dir)),
-                                "next step": "fix the checkpoint or report the problem; then re-execute this run",
-                            },
-                        )
-                    locked.publish()
-                finally:
-                    locked.discard_staging()  # gone by rename on success; never half-published
+        # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its
+        # staging. The staging folder is published when the block ends normally, removed when it raises.
+        with (
+            staged_output(target, source=role_dir, overwrite=options.overwrite) as staging,
+            prepare(role_dir, options) as prepared,
+        ):
+            plan = prepared.plan
+            write_side_files(prepared, staging, options)
+            if config.launcher == "torchrun":
+                written = write_with_torchrun(
+                    context, WeightJob(role_dir, staging, dataclasses.replace(options, backend=plan.backend)), config
+                )
+            else:
+                written = write_in_process(prepared.outputs, staging)
+            manifest = finish_folder(prepared, staging, options, written.report)
+            check_results = check_staged_folder(staging)
+            failed = [r.check_name for r in check_results if not r.passed]
+            if failed:
+                yield from check_results
+                raise dg.Failure(
+                    description=f"{target}: not published: blocking check(s) {', '.join(failed)} failed on the merged folder (see the checks' problems)",
+                    metadata={
+                        "file": dg.MetadataValue.path(str(role_dir)),
+                        "next step": "fix the checkpoint or report the problem; then re-execute this run",
+                    },
+                )
     report = written.report
     throughput = report.bytes / max(report.seconds, 1e-9)
     decisions = manifest["decisions"]
@@ -128,7 +120,7 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
             "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
             "backend": plan.backend,
             **{k: value(v) for k, v in plan.layout.items()},
-            "architecture": model_config.architecture,
+            "architecture": prepared.config.architecture,
             "parameters": manifest["parameters"],
             "tensors": report.tensors,
             "dtype": decisions["config_dtype"],  # what config.json says and the weights hold, after `dtype`

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.folder_checks import index_problems, manifest_problems, meta_load_problems, weight_files
 from merge_pipeline.defs.partitions import checkpoint_partitions
-from merge_pipeline.engine.manifest import read_manifest
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.folder_checks import index_problems, manifest_problems, meta_load_problems, weight_files
+from merge_pipeline.hf.manifest import read_manifest
 
 HF_MODEL = dg.AssetKey("hf_model")
 
@@ -85,7 +86,7 @@ def _counts(folder: Path) -> dict[str, int]:
     try:
         shards = weight_files(folder)
         files = read_manifest(folder)["files"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, MergeError):
         return {}  # the checks themselves say what is wrong
     return {
         "weight files": len(shards),

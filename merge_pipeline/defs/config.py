@@ -1,35 +1,38 @@
-"""Per-run merge options, set in the Launchpad (or a sensor's run config) for ``hf_model``."""
+"""Per-run merge options, set in the Launchpad (or a sensor's run config) for ``hf_model``.
+
+Every ``MergeOptions`` field is a config field here, with the CLI's help as its description and the
+same default; the launcher fields are Dagster's own.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, create_model
 
-from merge_pipeline.engine.outputs import DEFAULT_MAX_SIDE_FILE_SIZE, DTYPE_CHOICES, MergeOptions
+from merge_pipeline.options import OPTION_FIELDS, MergeOptions
 
 
-class MergeConfig(dg.Config):
-    dtype: Literal[DTYPE_CHOICES] = Field(
-        default="auto",
-        description="output dtype; auto keeps what the checkpoint stores (never loses precision unasked)",
-    )
-    max_shard_size: str = Field(default="5GB", description="largest safetensors shard, HF style (e.g. 5GB, 500MB)")
-    merge_lora: bool = Field(
-        default=False, description="fold LoRA into the base weights instead of writing lora_adapter/"
-    )
-    max_side_file_size: str = Field(
-        default=DEFAULT_MAX_SIDE_FILE_SIZE,
-        description="largest file copied from the checkpoint's huggingface/ folder (tokenizer, templates, ...), HF style",
-    )
-    overwrite: bool = Field(
-        default=False, description="replace an existing merged folder, once the new one is complete"
-    )
-    hf_model_path: str | None = Field(
-        default=None,
-        description="the original HF model folder (the trainer's model.path): config, tokenizer and LoRA base weights when the checkpoint holds none",
-    )
+def _config_type(option: dataclasses.Field) -> object:
+    """Dagster's config types have no unions but Optional: sizes are given as strings there (5GB, 500MB)."""
+    if option.metadata["choices"]:
+        return Literal[option.metadata["choices"]]
+    return str | None if option.default is None else type(option.default)
+
+
+_MergeOptionsConfig = create_model(
+    "_MergeOptionsConfig",
+    __base__=dg.Config,
+    **{
+        option.name: (_config_type(option), Field(default=option.default, description=option.metadata["help"]))
+        for option in OPTION_FIELDS
+    },
+)
+
+
+class MergeConfig(_MergeOptionsConfig):
     launcher: Literal["inprocess", "torchrun"] = Field(
         default="inprocess",
         description="write the shards in the run's process, or across processes (and nodes) with torchrun",
@@ -43,11 +46,4 @@ class MergeConfig(dg.Config):
     rdzv_endpoint: str = Field(default="127.0.0.1:29400", description="torchrun: rendezvous host:port when nnodes > 1")
 
     def options(self) -> MergeOptions:
-        return MergeOptions(
-            dtype=self.dtype,
-            max_shard_size=self.max_shard_size,
-            merge_lora=self.merge_lora,
-            overwrite=self.overwrite,
-            hf_model_path=self.hf_model_path,
-            max_side_file_size=self.max_side_file_size,
-        )
+        return MergeOptions(**{option.name: getattr(self, option.name) for option in OPTION_FIELDS})

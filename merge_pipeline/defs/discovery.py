@@ -18,7 +18,7 @@ from pathlib import Path
 
 from merge_pipeline.defs.partitions import ROLES, STEP_DIR, STEP_ROLE, CheckpointKey
 from merge_pipeline.errors import MergeError, printable
-from merge_pipeline.formats.fsdp import MODEL_FILE
+from merge_pipeline.pipeline import FSDP_RANK_FILE
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_MANIFEST = "ckpt_contents.json"  # verl's Megatron layout v2: rank 0 writes it last, atomically
@@ -166,7 +166,7 @@ def newest_change(folder: Path) -> float | None:
 def _holds_model_files(folder: Path) -> bool:
     try:
         with os.scandir(folder) as entries:
-            return any(MODEL_FILE.match(e.name) for e in entries)
+            return any(FSDP_RANK_FILE.match(e.name) for e in entries)
     except OSError:  # deleted meanwhile
         return False
 

@@ -10,18 +10,14 @@ from collections.abc import Iterator
 import dagster as dg
 
 from merge_pipeline.errors import MergeError, os_error
+from merge_pipeline.options import OPTION_FIELDS, cli_flags
 
 RUN_CONFIG = "hf_model's run config"
 # CLI flag in an engine message -> where a Dagster user sets the same thing (MergeConfig's fields)
 _IN_DAGSTER = {
+    **{flag: option.name for option in OPTION_FIELDS for flag in cli_flags(option)},
     "pass --overwrite": f"set overwrite: true in {RUN_CONFIG}",
     "--overwrite": f"overwrite: true in {RUN_CONFIG}",
-    "--dtype": "dtype",
-    "--max-shard-size": "max_shard_size",
-    "--max-side-file-size": "max_side_file_size",
-    "--merge-lora": "merge_lora",
-    "--hf_model_path": "hf_model_path",
-    "--hf-model-path": "hf_model_path",
     "--target_dir": "MERGE_PIPELINE_OUTPUT_ROOT",
 }
 _FLAG = re.compile("|".join(re.escape(f) for f in sorted(_IN_DAGSTER, key=len, reverse=True)) + r"(?![\w-])")

@@ -25,8 +25,8 @@ from merge_pipeline.defs.checks import FOLDER_CHECKS
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.engine.progress import human_bytes
 from merge_pipeline.hub import UploadResult, upload_folder_verified
+from merge_pipeline.progress import human_bytes
 
 GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import dagster as dg
 
-from merge_pipeline.engine.progress import human_bytes
+from merge_pipeline.progress import human_bytes
 
 
 def value(v: object) -> dg.MetadataValue:

@@ -5,7 +5,7 @@ logs and the write report back to the run. Every rank's own output goes to the r
 through the subprocess's stdout/stderr.
 
     torchrun --nproc_per_node P -m merge_pipeline.defs.torchrun_weights \
-        --local_dir D --backend B --staging S --options '{"dtype": "bfloat16", ...}'
+        --local_dir D --staging S --options '{"dtype": "bfloat16", ...}'
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from merge_pipeline.distributed import write_weights_distributed
-from merge_pipeline.engine.outputs import MergeOptions
 from merge_pipeline.errors import MergeError
+from merge_pipeline.options import MergeOptions
 
 REPORT_MESSAGE = "weights_written"  # the custom Pipes messages rank 0 sends
 ERROR_MESSAGE = "merge_failed"
@@ -29,19 +29,16 @@ ERROR_MESSAGE = "merge_failed"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m merge_pipeline.defs.torchrun_weights")
     parser.add_argument("--local_dir", type=Path, required=True)
-    parser.add_argument("--backend", default="auto")
     parser.add_argument("--staging", type=Path, required=True)
     parser.add_argument("--options", type=json.loads, required=True, help="MergeOptions fields as JSON")
     return parser.parse_args(argv)
 
 
-def command_line(role_dir: Path, backend: str, staging: Path, options: MergeOptions) -> list[str]:
+def command_line(role_dir: Path, staging: Path, options: MergeOptions) -> list[str]:
     """The arguments after ``-m merge_pipeline.defs.torchrun_weights``: the inverse of ``parse_args``."""
     return [
         "--local_dir",
         str(role_dir),
-        "--backend",
-        backend,
         "--staging",
         str(staging),
         "--options",
@@ -56,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     options = MergeOptions(**args.options)
     if rank != 0:
         try:
-            write_weights_distributed(args.local_dir, args.backend, args.staging, options)
+            write_weights_distributed(args.local_dir, args.staging, options)
         except MergeError as exc:  # every rank raised the same agreed error; rank 0 reports it
             print(f"error: {exc}", file=sys.stderr)
         return 0
@@ -65,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     with open_dagster_pipes() as pipes:
         pipes.log.info(f"torchrun merge of {args.local_dir} into {args.staging}: {os.environ.get('WORLD_SIZE')} ranks")
         try:
-            report, peak_rss = write_weights_distributed(args.local_dir, args.backend, args.staging, options)
+            report, peak_rss = write_weights_distributed(args.local_dir, args.staging, options)
         except MergeError as exc:
             # A clean, agreed failure: the asset raises this one line, so torchrun itself succeeds.
             pipes.report_custom_message({"kind": ERROR_MESSAGE, "message": str(exc)})

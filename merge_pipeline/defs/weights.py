@@ -15,17 +15,16 @@ import dagster as dg
 
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE, command_line
-from merge_pipeline.engine.merge import WriteReport, peak_rss_bytes, write_weights
-from merge_pipeline.engine.outputs import MergeOptions, OutputLayout
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, first_line
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import OutputPlan, WriteReport, peak_rss_bytes, write_weights
 
 
 @dataclass(frozen=True)
 class WeightJob:
     role_dir: Path
-    backend: str
     staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
-    options: MergeOptions
+    options: MergeOptions  # with the backend the plan found: the ranks do not detect it again
 
 
 @dataclass(frozen=True)
@@ -35,8 +34,8 @@ class WrittenWeights:
     peak_rss_label: str  # whose peak: the run's whole process (Dagster and imports included), or the largest rank
 
 
-def write_in_process(layout: OutputLayout, staging: Path) -> WrittenWeights:
-    report = write_weights(layout, staging)
+def write_in_process(outputs: OutputPlan, staging: Path) -> WrittenWeights:
+    report = write_weights(outputs, staging)
     return WrittenWeights(report, peak_rss_bytes(), "peak RSS (whole process)")
 
 
@@ -63,7 +62,7 @@ def write_with_torchrun(context: dg.AssetExecutionContext, job: WeightJob, confi
         str(config.nproc_per_node),
         "-m",
         "merge_pipeline.defs.torchrun_weights",
-        *command_line(job.role_dir, job.backend, job.staging, job.options),
+        *command_line(job.role_dir, job.staging, job.options),
     ]
     context.log.info("launching: %s", " ".join(command))
     try:
@@ -71,7 +70,7 @@ def write_with_torchrun(context: dg.AssetExecutionContext, job: WeightJob, confi
     except dg.DagsterPipesExecutionError as exc:  # a rank died (killed, out of memory): no report came back
         raise MergeError(
             job.staging,
-            f"torchrun failed before the ranks agreed on a result ({str(exc).splitlines()[0]}); each rank's output is in the run's logs",
+            f"torchrun failed before the ranks agreed on a result ({first_line(exc)}); each rank's output is in the run's logs",
         ) from None
     messages = {m.get("kind"): m for m in invocation.get_custom_messages()}
     if ERROR_MESSAGE in messages:

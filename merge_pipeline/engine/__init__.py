@@ -1,4 +1,5 @@
-"""Backend-agnostic merge engine: plan -> streaming safetensors writer -> HF folder -> atomic publish.
+"""The writer: output decisions (dtype, tying, LoRA, shards), the streaming safetensors writer, the HF
+folder's other files, atomic publish, and the comparison with a reference folder.
 
-Never imports dagster: the orchestration layer calls in, never the other way.
+It takes a ``CheckpointPlan`` and knows no reader: ``merge_pipeline.pipeline`` hands it the plan.
 """

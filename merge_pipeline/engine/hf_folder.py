@@ -1,4 +1,4 @@
-"""Assemble the non-weight files of an HF folder: config, tokenizer and friends, LoRA adapter config."""
+"""Assemble the non-weight files of an HF folder: index, config, tokenizer and friends, LoRA adapter config."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import os
 import re
 from pathlib import Path
 
-from merge_pipeline.engine.hf_config import CONFIG, ModelConfig, output_config
-from merge_pipeline.engine.outputs import ADAPTER_DIR, DEFAULT_MAX_SIDE_FILE_SIZE, OutputLayout
+from merge_pipeline.engine.outputs import ADAPTER_DIR, OutputPlan
 from merge_pipeline.errors import MergeError, printable
+from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
+from merge_pipeline.hf.safetensors import INDEX
 from merge_pipeline.input_files import contained_file, open_regular
+from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +89,32 @@ def _copy_capped(src: Path, dst: Path, limit: int) -> None:
     dst.write_bytes(data)
 
 
-def write_configs(model: ModelConfig, layout: OutputLayout, out_dir: Path) -> None:
-    if not layout.adapter_only:  # an adapter folder has no model config: PEFT reads adapter_config.json
-        config = output_config(model, dtype=layout.config_dtype, tied=layout.tied, value_model=layout.is_value_model)
+def write_index(outputs: OutputPlan, out_dir: Path) -> None:
+    if not outputs.sharded:
+        return
+    weight_map = {t.planned.name: shard.filename for shard in outputs.shards for t in shard.tensors}
+    index = {"metadata": {"total_size": sum(s.nbytes for s in outputs.shards)}, "weight_map": weight_map}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_configs(model: ModelConfig, outputs: OutputPlan, out_dir: Path) -> None:
+    if not outputs.adapter_only:  # an adapter folder has no model config: PEFT reads adapter_config.json
+        config = output_config(model, dtype=outputs.config_dtype, tied=outputs.tied, value_model=outputs.is_value_model)
         write_json(out_dir / CONFIG, config)
-    if layout.adapter is None:
+    if outputs.adapter is None:
         return
     from peft import LoraConfig  # imported only for LoRA runs: peft pulls in much of transformers (~1.5 s)
 
-    adapter_dir = out_dir if layout.adapter_only else out_dir / ADAPTER_DIR
+    adapter_dir = out_dir if outputs.adapter_only else out_dir / ADAPTER_DIR
     adapter_dir.mkdir(exist_ok=True)
     lora = LoraConfig(
-        r=layout.lora.r,
-        lora_alpha=layout.lora.lora_alpha,
-        target_modules=layout.lora_targets,
-        task_type=layout.lora.task_type,
+        r=outputs.lora.r,
+        lora_alpha=outputs.lora.lora_alpha,
+        target_modules=outputs.lora_targets,
+        task_type=outputs.lora.task_type,
         # With base weights, they sit in the parent folder; an adapter alone names no base (the
         # checkpoint does not record where the base model was): the user passes it to PEFT.
-        base_model_name_or_path=None if layout.adapter_only else "..",
+        base_model_name_or_path=None if outputs.adapter_only else "..",
         inference_mode=True,
     )
     lora.save_pretrained(str(adapter_dir))

@@ -1,27 +1,15 @@
-"""LoRA checkpoints (PEFT names) -> base weights plus an adapter, or merged weights.
-
-A PEFT-wrapped model's state dict names its tensors
-``base_model.model.<module>.base_layer.weight``, ``<module>.lora_A.<adapter>.weight`` and
-``<module>.lora_B.<adapter>.weight``; everything else is ``base_model.model.<name>``.
-"""
+"""LoRA checkpoints (PEFT names) -> base weights plus an adapter, or merged weights."""
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline.json_files import read_json_object
-
-PEFT_PREFIX = "base_model.model."
-LORA_META = "lora_train_meta.json"
-_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?:(?P<adapter>[^.]+)\.)?weight$")
+from merge_pipeline.hf.lora import LORA_META, PEFT_PREFIX, is_adapter_only, lora_module, peft_base_names
+from merge_pipeline.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor, SourceFile, closed_on_failure
 
 
 @dataclass
@@ -31,49 +19,21 @@ class LoraSplit:
     target_modules: list[str]
 
 
-def read_lora_meta(path: Path) -> LoraInfo:
-    """verl's ``lora_train_meta.json``: ``r`` a positive integer, ``lora_alpha`` any finite number."""
-    meta = read_json_object(path)
-    r, alpha, task_type = meta.get("r"), meta.get("lora_alpha"), meta.get("task_type", "CAUSAL_LM")
-    if type(r) is not int or r <= 0:  # type(): a JSON true is a bool, and bool is an int subclass
-        raise MergeError(path, f"'r' must be a positive integer, found {r!r:.40}")
-    if type(alpha) not in (int, float) or not math.isfinite(alpha):
-        raise MergeError(path, f"'lora_alpha' must be a finite number, found {alpha!r:.40}")
-    if not isinstance(task_type, str):
-        raise MergeError(path, f"'task_type' must be a string, found {task_type!r:.40}")
-    return LoraInfo(r=r, lora_alpha=alpha, task_type=task_type)
-
-
-def has_lora_tensors(tensors: list[PlannedTensor]) -> bool:
-    return any(_LORA.match(t.name) for t in tensors)
-
-
-def is_adapter_only(tensors: list[PlannedTensor]) -> bool:
-    """Only LoRA tensors, no base weights: what verl's ``checkpoint.save_lora_only=True`` saves."""
-    return bool(tensors) and all(_LORA.match(t.name) for t in tensors)
-
-
-def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
-    """An adapter-only plan completed with the base model's weights from ``base_dir``'s safetensors.
+def with_base_weights(
+    plan: CheckpointPlan, base_dir: Path, base: list[PlannedTensor], files: list[SourceFile]
+) -> CheckpointPlan:
+    """An adapter-only plan completed with the base model's weights (``base``, read from ``base_dir``).
 
     The base tensors get the names a PEFT-wrapped model gives them (``<module>.base_layer.weight``
     for a LoRA target), so the plan reads as a full LoRA checkpoint. Every target's base weight
     must exist with the shape the adapter's B·A has; the whole key set is checked against the
-    architecture later (``names_mapped``), since these names do not come from the checkpoint.
+    architecture later (``check_against_architecture``), since these names do not come from the checkpoint.
     """
-    from merge_pipeline.formats.hf import read_hf_weights
-
-    base_dir = Path(base_dir).absolute()
-    if not base_dir.is_dir():
-        raise MergeError(
-            base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist"
-        )
-    base, files = read_hf_weights(base_dir)
-    try:
+    with closed_on_failure(files):
         lora_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # module (no PEFT prefix) -> {"A": shape, "B": shape}
         for t in plan.tensors:
-            m = _LORA.match(t.name)
-            lora_shapes.setdefault(m["module"].removeprefix(PEFT_PREFIX), {})[m["which"]] = t.shape
+            module, which = lora_module(t.name)
+            lora_shapes.setdefault(module.removeprefix(PEFT_PREFIX), {})[which] = t.shape
         by_name = {t.name: t for t in base}
         missing = sorted(f"{module}.weight" for module in lora_shapes if f"{module}.weight" not in by_name)
         if missing:
@@ -92,28 +52,11 @@ def with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
                     f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained",
                 )
         renamed = peft_base_names(base, lora_shapes)
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
     # The config and tokenizer stay the checkpoint's; load_model_config falls back to the base folder's.
     layout = {**plan.layout, "base_model": str(base_dir)}
-    return replace(plan, tensors=renamed + plan.tensors, files=plan.files + files, names_mapped=True, layout=layout)
-
-
-def peft_base_names(base: list[PlannedTensor], targets: Collection[str]) -> list[PlannedTensor]:
-    """Base model tensors named as a PEFT-wrapped model's state dict names them: ``base_model.model.<name>``,
-    and ``<module>.base_layer.weight`` for each LoRA target module (``targets``: names without the prefix)."""
-    renamed = []
-    for t in base:
-        module = t.name.removesuffix(".weight")
-        name = (
-            f"{PEFT_PREFIX}{module}.base_layer.weight"
-            if module in targets and t.name.endswith(".weight")
-            else PEFT_PREFIX + t.name
-        )
-        renamed.append(PlannedTensor(name, t.shape, t.dtype, t.source))
-    return renamed
+    return replace(
+        plan, tensors=renamed + plan.tensors, files=plan.files + files, check_against_architecture=True, layout=layout
+    )
 
 
 def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, where) -> LoraSplit:
@@ -122,8 +65,9 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
     pairs: dict[str, dict[str, PlannedTensor]] = {}
     base: list[PlannedTensor] = []
     for t in tensors:
-        if m := _LORA.match(t.name):
-            pairs.setdefault(m["module"], {})[m["which"]] = t
+        if found := lora_module(t.name):
+            module, which = found
+            pairs.setdefault(module, {})[which] = t
     adapter_only = is_adapter_only(tensors)
     if adapter_only and merge:
         raise MergeError(
@@ -139,7 +83,7 @@ def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, whe
 
     scale = info.lora_alpha / info.r
     for t in tensors:
-        if _LORA.match(t.name):
+        if lora_module(t.name):
             continue
         name = _base_name(t.name)
         module = t.name.removesuffix(".base_layer.weight")
@@ -180,12 +124,6 @@ def _check_lora_shapes(
             where,
             f"LoRA module {module}: lora_B {b.shape} @ lora_A {a.shape} does not fit the base weight {weight.shape} (A is r x in, B is out x r)",
         )
-
-
-def lora_module(name: str) -> tuple[str, str] | None:
-    """``(module, "A" | "B")`` of a LoRA tensor name, ``None`` for any other tensor."""
-    m = _LORA.match(name)
-    return (m["module"], m["which"]) if m else None
 
 
 def _base_name(name: str) -> str:

@@ -9,43 +9,18 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from merge_pipeline.engine.hf_config import ModelConfig
-from merge_pipeline.engine.lora import LORA_META, has_lora_tensors, split_lora
-from merge_pipeline.engine.plan import CheckpointPlan, LoraInfo, PlannedTensor
+from merge_pipeline.engine.lora import split_lora
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.config import ModelConfig
+from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
+from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
+from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
-ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
-# Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
-DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
-
-
-@dataclass(frozen=True)
-class MergeOptions:
-    """What the user asked for; the same fields back the CLI flags and the Dagster run config."""
-
-    dtype: str = "auto"  # auto = keep each tensor's stored dtype: never lose precision unasked
-    max_shard_size: str | int = "5GB"
-    merge_lora: bool = False
-    tie_word_embedding: bool = False  # force tying even if config.json does not say so
-    untie_word_embedding: bool = False  # keep lm_head.weight and write tie_word_embeddings false
-    is_value_model: bool = False  # force the value-model (critic) layout
-    trust_remote_code: bool = False
-    verify_replicas: bool = False
-    overwrite: bool = False
-    hf_model_path: str | None = None  # original HF model folder: config/tokenizer when the checkpoint has none
-    max_side_file_size: str | int = DEFAULT_MAX_SIDE_FILE_SIZE  # each file copied from huggingface/
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_CHOICES:
-            raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
-        if self.tie_word_embedding and self.untie_word_embedding:
-            raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
 
 
 @dataclass(frozen=True)
@@ -59,7 +34,7 @@ class ShardFile:
 
 
 @dataclass
-class OutputLayout:
+class OutputPlan:
     """The complete list of files and tensors to write, fixed before a byte is written."""
 
     shards: list[ShardFile]
@@ -84,8 +59,13 @@ class OutputLayout:
     def sharded(self) -> bool:
         return len(self.shards) > 1
 
+    @property
+    def planned_tensors(self) -> list[PlannedTensor]:
+        """The model's tensors as planned (source names and dtypes), the adapter's left out."""
+        return [t.planned for shard in self.shards for t in shard.tensors]
 
-def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> OutputLayout:
+
+def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> OutputPlan:
     if not plan.tensors:
         raise MergeError(plan.role_dir, "checkpoint holds no tensors")
     tensors = plan.tensors
@@ -103,7 +83,11 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
         raise MergeError(plan.role_dir, "--merge-lora given but the checkpoint has no LoRA tensors")
 
     is_value_model = plan.is_value_model or options.is_value_model
-    if options.is_value_model and not plan.is_value_model and any(t.name.endswith("lm_head.weight") for t in tensors):
+    if (
+        options.is_value_model
+        and not plan.is_value_model
+        and any(t.name.endswith(config.lm_head_name) for t in tensors)
+    ):
         raise MergeError(
             plan.role_dir, "--is-value-model given but the checkpoint has lm_head.weight and no value head (score.*)"
         )
@@ -130,7 +114,7 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     model = [OutputTensor(t, _output_dtype(t, requested)) for t in tensors]
     adapter_out = [OutputTensor(t, _output_dtype(t, requested)) for t in adapter]
     adapter_only = not model  # checkpoint.save_lora_only and no --hf_model_path to take the base from
-    return OutputLayout(
+    return OutputPlan(
         shards=_split_shards(model, options.max_shard_size) if model else [],
         adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out))
         if adapter_out

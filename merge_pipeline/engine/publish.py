@@ -26,8 +26,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from merge_pipeline.engine.manifest import MANIFEST
-from merge_pipeline.errors import MergeError, naming
+from merge_pipeline.errors import MergeError, naming, os_error
+from merge_pipeline.hf.manifest import MANIFEST
 
 log = logging.getLogger("merge_pipeline")
 
@@ -110,7 +110,7 @@ def locked_target(target: str | Path, *, source: str | Path, overwrite: bool) ->
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise MergeError(target.parent, f"cannot create: {exc.strerror}") from None
+        raise os_error(exc, target.parent, doing="cannot create") from None
     with _exclusive_lock(target):
         with naming(target):
             _restore_or_remove_previous(target)

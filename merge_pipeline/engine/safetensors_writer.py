@@ -23,23 +23,9 @@ from typing import Any
 
 import torch
 
-from merge_pipeline.engine.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
 from merge_pipeline.errors import MergeError, naming
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+from merge_pipeline.hf.safetensors import SAFETENSORS_DTYPES
+from merge_pipeline.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
 
 # copy_file_range moves at most this much per call (the kernel copies, no user-space buffer);
 # small enough that the hasher re-reads each piece from the page cache while the next is copied.

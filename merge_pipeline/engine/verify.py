@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from merge_pipeline.engine.merge import INDEX
-from merge_pipeline.engine.outputs import OutputLayout
+from merge_pipeline.engine.outputs import OutputPlan
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import open_regular
+from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, open_safetensors
 from merge_pipeline.json_files import read_json_object
 
 
@@ -46,35 +41,24 @@ def reference_files(reference_dir: Path) -> dict[str, Path]:
         ):
             raise MergeError(index, "not a safetensors index: no 'weight_map' of tensor name -> file name")
         return {name: reference_dir / filename for name, filename in weight_map.items()}
-    single = reference_dir / "model.safetensors"
+    single = reference_dir / SINGLE_FILE
     if not single.is_file():
-        raise MergeError(reference_dir, "no model.safetensors or model.safetensors.index.json")
-    with _open_reference(single) as f:
+        raise MergeError(reference_dir, f"no {SINGLE_FILE} or {INDEX}")
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
-@contextlib.contextmanager
-def _open_reference(path: Path) -> Iterator:
-    """``safe_open`` a reference file; a missing, special or unreadable one is one line naming it."""
-    os.close(open_regular(path))  # checked first: safe_open would block on a FIFO
-    try:
-        with safe_open(path, "pt") as f:
-            yield f
-    except SafetensorError as exc:
-        raise MergeError(path, f"not a readable safetensors file ({exc})") from None
-
-
 def compare_with_reference(
-    layout: OutputLayout, reference_dir: Path, *, atol: float = 0.0, worst: int = 5
+    outputs: OutputPlan, reference_dir: Path, *, atol: float = 0.0, worst: int = 5
 ) -> Comparison:
     files = reference_files(reference_dir)
     result = Comparison()
-    ours = {t.planned.name: t for shard in layout.shards for t in shard.tensors}
+    ours = {t.planned.name: t for shard in outputs.shards for t in shard.tensors}
     result.missing = sorted(set(ours) - set(files))
     result.unexpected = sorted(set(files) - set(ours))
     diffs = []
     for name in sorted(set(ours) & set(files)):
-        with _open_reference(files[name]) as f:
+        with open_safetensors(files[name]) as f:
             reference = f.get_tensor(name)
         mine = ours[name].planned.load()
         result.compared += 1

@@ -1,78 +1,52 @@
-"""Format readers: each turns a role folder into a ``CheckpointPlan`` without loading tensor data."""
+"""Format readers: each turns a role folder into a ``CheckpointPlan`` without loading tensor data.
+
+A reader is a module of this package, named by its backend, exposing ``READER``: an object with a
+``name``, ``detect(folder)`` and ``plan(folder, options)`` (the ``Reader`` protocol). Adding a
+format means adding its module and its name to ``READERS``; nothing else here changes.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Protocol
 
-from merge_pipeline.engine.plan import CheckpointPlan
 from merge_pipeline.errors import MergeError
+from merge_pipeline.options import BACKENDS, MergeOptions
+from merge_pipeline.plan import CheckpointPlan
 
-BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed")
-NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
+# Reader modules, in the order ``auto`` tries them: the first whose detect() says yes plans the folder.
+# Their names are the --backend choices (options.BACKENDS, which the CLI and Dagster offer).
+READERS = BACKENDS[1:]
+
+
+class Reader(Protocol):
+    name: str  # the --backend value, and the module's name
+    looks_for: str  # what detect() looks for, for the error when no reader recognises a folder
+
+    def detect(self, role_dir: Path) -> bool: ...
+
+    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan: ...
+
+
+def reader(name: str) -> Reader:
+    """The reader of ``--backend name``; imported only when asked for (Megatron's pulls in megatron-core types)."""
+    if name not in READERS:
+        raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    return importlib.import_module(f"{__name__}.{name}").READER
 
 
 def detect_backend(role_dir: Path) -> str:
-    from merge_pipeline.formats.fsdp import is_fsdp_dir
-    from merge_pipeline.formats.megatron import is_megatron_dir
-
-    if is_fsdp_dir(role_dir):
-        return "fsdp"
-    if is_megatron_dir(role_dir):
-        return "megatron"
-    from merge_pipeline.formats.deepspeed import is_deepspeed_dir
-
-    if is_deepspeed_dir(role_dir):
-        return "deepspeed"
-    if (role_dir / NEMO_MODEL_DIR / "config.json").is_file() and any((role_dir / NEMO_MODEL_DIR).glob("*.safetensors")):
-        return "hf"
-    raise MergeError(
-        role_dir,
-        "neither an FSDP checkpoint (model_world_size_*_rank_*.pt) nor a Megatron one (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/) nor consolidated HF weights (model/*.safetensors) nor DeepSpeed ZeRO (latest, *_optim_states.pt)",
-    )
+    for name in READERS:
+        if reader(name).detect(role_dir):
+            return name
+    raise MergeError(role_dir, "neither " + " nor ".join(reader(name).looks_for for name in READERS))
 
 
-def open_checkpoint(
-    role_dir: str | Path,
-    backend: str = "auto",
-    *,
-    verify_replicas: bool = False,
-    is_value_model: bool = False,
-    tie_word_embedding: bool = False,
-    trust_remote_code: bool = False,
-    hf_model_path: str | None = None,
-) -> CheckpointPlan:
-    """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``.
-
-    ``hf_model_path``: the original HF model folder, for a config (and LoRA base weights) the
-    checkpoint does not hold.
-    """
+def open_checkpoint(role_dir: str | Path, options: MergeOptions) -> CheckpointPlan:
+    """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``."""
     role_dir = Path(role_dir).absolute()
     if not role_dir.is_dir():
         raise MergeError(role_dir, "not a directory" if role_dir.exists() else "does not exist")
-    if backend not in BACKENDS:
-        raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
-    if backend == "auto":
-        backend = detect_backend(role_dir)
-    if backend == "fsdp":
-        from merge_pipeline.formats.fsdp import plan_fsdp
-
-        return plan_fsdp(role_dir, verify_replicas=verify_replicas)
-    if backend == "deepspeed":
-        from merge_pipeline.formats.deepspeed import plan_deepspeed
-
-        return plan_deepspeed(role_dir)
-    if backend == "hf":
-        from merge_pipeline.formats.hf import plan_hf_safetensors
-
-        return plan_hf_safetensors(
-            role_dir, role_dir / NEMO_MODEL_DIR, is_value_model=is_value_model or None, backend="hf"
-        )
-    from merge_pipeline.formats.megatron import plan_megatron
-
-    return plan_megatron(
-        role_dir,
-        is_value_model=is_value_model or None,
-        tie_word_embedding=tie_word_embedding or None,
-        trust_remote_code=trust_remote_code,
-        hf_model_path=hf_model_path,
-    )
+    backend = detect_backend(role_dir) if options.backend == "auto" else options.backend
+    return reader(backend).plan(role_dir, options)

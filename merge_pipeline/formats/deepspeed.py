@@ -22,9 +22,19 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.torch_files import load_meta_state_dict, stored_tensor
+from merge_pipeline.hf.config import CONFIG, has_value_head
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import (
+    ByteRun,
+    CheckpointPlan,
+    Computed,
+    PlannedTensor,
+    SourceFile,
+    StoredBytes,
+    closed_on_failure,
+)
 
 LATEST = "latest"
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -74,7 +84,7 @@ def plan_deepspeed(path: Path) -> CheckpointPlan:
     folder = tag_dir(path)
     optim_paths = _rank_files(folder)
     files: list[SourceFile] = []
-    try:
+    with closed_on_failure(files):
         optim = []
         for p in optim_paths:
             files.append(SourceFile(p))
@@ -104,20 +114,14 @@ def plan_deepspeed(path: Path) -> CheckpointPlan:
         if stage != 3:
             tensors += _unrecorded_frozen(model_files[0], models[0], tensors)
         _check_unique(model_files[0], tensors)
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
-    names = {t.name for t in tensors}
     return CheckpointPlan(
         backend="deepspeed",
         role_dir=path,
-        hf_dir=path if (path / "config.json").is_file() else None,  # the HF Trainer saves it beside `latest`
+        hf_dir=path if (path / CONFIG).is_file() else None,  # the HF Trainer saves it beside `latest`
         tensors=_strip_wrapper_prefix(tensors),
         files=files,
-        is_value_model=any(n.endswith("score.weight") for n in names)
-        and not any(n.endswith("lm_head.weight") for n in names),
-        names_mapped=True,  # names of whatever module DeepSpeed wrapped: checked against the architecture
+        is_value_model=has_value_head(t.name for t in tensors),
+        check_against_architecture=True,  # names of whatever module DeepSpeed wrapped
         layout={
             "zero_stage": stage,
             "dp_world_size": world_size,
@@ -410,3 +414,17 @@ def _strip_wrapper_prefix(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
     if not wrapped:
         return tensors
     return [PlannedTensor(t.name.removeprefix("model."), t.shape, t.dtype, t.source) for t in tensors]
+
+
+class _DeepSpeedReader:
+    name = "deepspeed"
+    looks_for = f"DeepSpeed ZeRO ({LATEST}, *_optim_states.pt)"
+
+    def detect(self, role_dir: Path) -> bool:
+        return is_deepspeed_dir(role_dir)
+
+    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
+        return plan_deepspeed(role_dir)
+
+
+READER = _DeepSpeedReader()

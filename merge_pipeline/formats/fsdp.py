@@ -16,11 +16,13 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from merge_pipeline.engine.lora import LORA_META, read_lora_meta
-from merge_pipeline.engine.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
+from merge_pipeline.hf.config import has_value_head
+from merge_pipeline.hf.lora import LORA_META, read_lora_meta
 from merge_pipeline.json_files import read_json_object
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes, closed_on_failure
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
@@ -44,30 +46,24 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
     world_size, fsdp_version = _world_size(role_dir)
     paths = [role_dir / f"model_world_size_{world_size}_rank_{r}.pt" for r in range(world_size)]
     files: list[SourceFile] = []
-    try:
+    with closed_on_failure(files):
         states = []
         for path in paths:
             files.append(SourceFile(path))
             states.append(load_meta_state_dict(path))
         tensors, mesh = _plan_tensors(files, states, world_size, verify_replicas)
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
     lora = None
     if (role_dir / LORA_META).exists():
         lora = read_lora_meta(role_dir / LORA_META)
-    names = {t.name for t in tensors}
     return CheckpointPlan(
         backend="fsdp",
         role_dir=role_dir,
         hf_dir=role_dir / "huggingface",
         tensors=tensors,
         files=files,
-        is_value_model=any(n.endswith("score.weight") for n in names)
-        and not any(n.endswith("lm_head.weight") for n in names),
+        is_value_model=has_value_head(t.name for t in tensors),
         lora=lora,
-        names_mapped=False,
+        check_against_architecture=False,
         layout={"world_size": world_size, "fsdp_version": fsdp_version, **mesh},
     )
 
@@ -298,3 +294,17 @@ def _check_replicas_equal(name, group: list[RankShard]) -> None:
     for s in group[1:]:
         if not torch.equal(_read_piece(s).reshape(-1).view(torch.uint8), reference.reshape(-1).view(torch.uint8)):
             raise MergeError(s.file.path, f"{name}: replica differs from rank {group[0].rank}'s copy of the same shard")
+
+
+class _FsdpReader:
+    name = "fsdp"
+    looks_for = "an FSDP checkpoint (model_world_size_*_rank_*.pt)"
+
+    def detect(self, role_dir: Path) -> bool:
+        return is_fsdp_dir(role_dir)
+
+    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
+        return plan_fsdp(role_dir, verify_replicas=options.verify_replicas)
+
+
+READER = _FsdpReader()

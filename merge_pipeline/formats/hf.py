@@ -20,17 +20,25 @@ import math
 import struct
 from pathlib import Path
 
-from merge_pipeline.engine.lora import PEFT_PREFIX, lora_module, peft_base_names
-from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, LoraInfo, PlannedTensor, SourceFile, StoredBytes
-from merge_pipeline.engine.safetensors_writer import SAFETENSORS_DTYPES
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.config import VALUE_HEAD, has_value_head
+from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, lora_module, peft_base_names
+from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE
 from merge_pipeline.json_files import read_json_object
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import (
+    ByteRun,
+    CheckpointPlan,
+    LoraInfo,
+    PlannedTensor,
+    SourceFile,
+    StoredBytes,
+    closed_on_failure,
+    dtype_name,
+)
 
-INDEX = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
 ADAPTER_DIR = "adapter"  # verl: model/huggingface/adapter/, Megatron-Bridge's PEFT export
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The safetensors format caps the header at 100 MB; a larger length field means a damaged file.
 _MAX_HEADER = 100_000_000
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -47,7 +55,7 @@ def plan_hf_safetensors(
     is_value_model: bool | None = None,
     hf_model_path: str | Path | None = None,
     layout: dict | None = None,
-    backend: str = "megatron",
+    backend: str,
 ) -> CheckpointPlan:
     """Plan the safetensors weights in ``hf_dir`` (plus a PEFT adapter in ``hf_dir/adapter``)."""
     role_dir, hf_dir = Path(role_dir), Path(hf_dir)
@@ -73,25 +81,20 @@ def plan_hf_safetensors(
             )
 
     files: list[SourceFile] = []
-    try:
+    with closed_on_failure(files):
         planned = _plan_weight_files(weights_dir, files)
         info = None
         if lora is not None:
             info, adapter = _plan_adapter(lora, files)
             planned = _peft_names(planned, adapter, info, lora)
-        names = {t.name for t in planned}
-        value_model = "score.weight" in names or f"{PEFT_PREFIX}score.weight" in names
+        value_model = has_value_head(t.name for t in planned)
         if is_value_model and not value_model:
-            raise MergeError(hf_dir, "value model requested but the weights have no score.weight")
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
+            raise MergeError(hf_dir, f"value model requested but the weights have no {VALUE_HEAD}")
     facts = {
         **(layout or {}),
         "weights": "huggingface safetensors",
         "files": len(files),
-        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in planned}),
+        "dtypes": sorted({dtype_name(t.dtype) for t in planned}),
     }
     if lora is not None:
         facts["lora_adapter"] = str(lora.parent)
@@ -106,12 +109,8 @@ def read_hf_weights(folder: Path) -> tuple[list[PlannedTensor], list[SourceFile]
     if not has_hf_weights(folder):
         raise MergeError(folder, f"no model weights: no {SINGLE_FILE} or {INDEX} here")
     files: list[SourceFile] = []
-    try:
+    with closed_on_failure(files):
         return _plan_weight_files(folder, files), files
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
 
 
 def _plan_weight_files(folder: Path, files: list[SourceFile]) -> list[PlannedTensor]:
@@ -148,7 +147,7 @@ def _plan_adapter(config_path: Path, files: list[SourceFile]) -> tuple[LoraInfo,
                 config_path,
                 f"{key}={config[key]!r} is not supported: only plain LoRA (W + lora_alpha / r * B @ A) merges exactly",
             )
-    weights = config_path.parent / ADAPTER_WEIGHTS
+    weights = config_path.parent / ADAPTER_FILE
     if not weights.is_file():
         raise MergeError(weights, f"missing: {ADAPTER_CONFIG} is beside it but the adapter weights are not")
     file = SourceFile(weights)
@@ -162,7 +161,7 @@ def _peft_names(
     """Name base and adapter tensors as a PEFT-wrapped model's state dict does; check that each
     adapter pair fits the weight it adapts (A: r x in, B: out x r)."""
     shapes = {t.name: t.shape for t in base}
-    weights_file = config_path.parent / ADAPTER_WEIGHTS
+    weights_file = config_path.parent / ADAPTER_FILE
     targets = set()
     for t in adapter:
         found = lora_module(t.name)
@@ -274,3 +273,22 @@ def _check_names(planned: list[PlannedTensor], weight_map: dict[str, str] | None
         absent = sorted(set(weight_map) - set(where))
         if absent:
             raise MergeError(index_path, f"{len(absent)} tensor(s) listed but in no file: {', '.join(absent[:5])}")
+
+
+class _HfReader:
+    """A role folder holding consolidated HF safetensors (NeMo-Automodel); verl's bridge output is Megatron's."""
+
+    name = "hf"
+    looks_for = f"consolidated HF weights ({NEMO_MODEL_DIR}/*.safetensors)"
+
+    def detect(self, role_dir: Path) -> bool:
+        model_dir = role_dir / NEMO_MODEL_DIR
+        return (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors"))
+
+    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
+        return plan_hf_safetensors(
+            role_dir, role_dir / NEMO_MODEL_DIR, is_value_model=options.is_value_model or None, backend=self.name
+        )
+
+
+READER = _HfReader()

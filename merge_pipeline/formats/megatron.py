@@ -28,13 +28,15 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from merge_pipeline.engine.hf_config import load_model_config
-from merge_pipeline.engine.plan import ByteRun, CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.hf import ADAPTER_CONFIG, ADAPTER_DIR, plan_hf_safetensors
+from merge_pipeline.formats.hf import ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.megatron_names import KeyMapper, OutputSpec, Piece, model_shape
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
+from merge_pipeline.hf.config import load_model_config
+from merge_pipeline.hf.lora import ADAPTER_CONFIG
 from merge_pipeline.json_files import read_json_object
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import ByteRun, CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes, dtype_name
 
 MANIFEST = "ckpt_contents.json"
 VALUE_ROLES = ("critic", "reward")
@@ -157,12 +159,20 @@ def plan_megatron(
             is_value_model=is_value_model,
             hf_model_path=hf_model_path,
             layout=layout.describe(),
+            backend="megatron",
         )
     model_config = load_model_config(
         layout.hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path
     )
     return _plan_dist_checkpoint(
-        role_dir, layout, checkpoint, stored, model_config.raw, model_config.path, is_value_model, tie_word_embedding
+        role_dir,
+        layout,
+        checkpoint,
+        stored,
+        model_config.raw,
+        model_config.path,
+        is_value_model,
+        model_config.tie_word_embeddings if tie_word_embedding is None else tie_word_embedding,
     )
 
 
@@ -206,15 +216,13 @@ def _plan_dist_checkpoint(
     config: dict,
     config_path: Path,
     is_value_model: bool | None,
-    tie_word_embedding: bool | None,
+    tied: bool,
 ) -> CheckpointPlan:
     dist_dir = layout.dist_dir
     metadata_path = dist_dir / ".metadata"
     shapes = {k: tuple(v.size) for k, v in stored.items()}
-    text = config.get("text_config") or config
     lm = "language_model." if "text_config" in config else ""
     value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
-    tied = bool(text.get("tie_word_embeddings", False)) if tie_word_embedding is None else tie_word_embedding
     if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
         raise MergeError(
             metadata_path,
@@ -663,9 +671,29 @@ def _layout(
         **parallel,
         "num_layers": max(stacked + [max(layers) + 1 if layers else 0]),
         "layer_keys": "per-layer" if layers else "stacked",
-        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in tensors}),
+        "dtypes": sorted({dtype_name(t.dtype) for t in tensors}),
         "stored_tensors": len(tensors),
         "chunks": sum(len(t.chunks) for t in tensors),
         "files": len(files),
         "tie_word_embeddings": tied,
     }
+
+
+class _MegatronReader:
+    name = "megatron"
+    looks_for = "a Megatron checkpoint (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/)"
+
+    def detect(self, role_dir: Path) -> bool:
+        return is_megatron_dir(role_dir)
+
+    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
+        return plan_megatron(
+            role_dir,
+            is_value_model=options.is_value_model or None,
+            tie_word_embedding=options.tie_word_embedding or None,
+            trust_remote_code=options.trust_remote_code,
+            hf_model_path=options.hf_model_path,
+        )
+
+
+READER = _MegatronReader()

@@ -3,7 +3,7 @@
 Pure bookkeeping: given every tensor key of a dist checkpoint with its global shape and the model's
 ``config.json``, say which rows of which stored tensors make up each HF tensor. No file is read here.
 
-Layouts (see FORMATS.md): layers are stacked on a leading axis (``decoder.layers.<param>`` [L, ...])
+Layouts (see docs/LAYOUTS.md, "Megatron"): layers are stacked on a leading axis (``decoder.layers.<param>`` [L, ...])
 or stored one key per layer (``decoder.layers.<i>.<param>``); experts likewise ([L, E, ...],
 [E, ...] or ``experts.<e>.``). Fused QKV rows are ``[q heads | k | v]`` per KV group; a gated fc1 is
 ``[gate; up]`` or two keys ``_w`` (gate) and ``_v`` (up).

@@ -28,9 +28,9 @@ import torch
 import torch.distributed.tensor  # noqa: F401  (puts DTensor and its placements on the safe list)
 from torch._weights_only_unpickler import Unpickler as WeightsOnlyUnpickler  # what torch.load(weights_only=True) runs
 
-from merge_pipeline.engine.plan import ByteRun, SourceFile
 from merge_pipeline.errors import MergeError
 from merge_pipeline.input_files import open_regular
+from merge_pipeline.plan import ByteRun, SourceFile
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, as zipfile reads it
 _LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"

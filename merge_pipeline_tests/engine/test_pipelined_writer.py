@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from merge_pipeline.engine import safetensors_writer
-from merge_pipeline.engine.manifest import MANIFEST, sha256_file, write_manifest
-from merge_pipeline.engine.merge import prepare, write_weights
-from merge_pipeline.engine.outputs import MergeOptions
-from merge_pipeline.engine.plan import Computed, PlannedTensor
 from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header, write_safetensors
+from merge_pipeline.hf.manifest import MANIFEST, sha256_file, write_manifest
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import prepare, write_weights
+from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.engine.manifest import MANIFEST, write_manifest
 from merge_pipeline.engine.publish import (
     _exchange,
     _replace_with_two_renames,
@@ -22,6 +21,7 @@ from merge_pipeline.engine.publish import (
     staging_path,
 )
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.manifest import MANIFEST, write_manifest
 from merge_pipeline_tests.helpers import merge_in_progress, tree_digest
 
 

@@ -11,8 +11,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file
 
 from merge_pipeline.engine.outputs import _split_shards
-from merge_pipeline.engine.plan import Computed, PlannedTensor
 from merge_pipeline.engine.safetensors_writer import OutputTensor, write_safetensors
+from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline_tests.helpers import same_bits
 
 

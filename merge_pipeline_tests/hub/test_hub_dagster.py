@@ -13,9 +13,9 @@ from merge_pipeline import __version__
 from merge_pipeline.defs.assets import hf_model
 from merge_pipeline.defs.hub import HuggingFaceHub, hub_model, publish_latest_steps
 from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.engine.merge import merge_checkpoint
 from merge_pipeline.errors import MergeError
-from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
+from merge_pipeline.pipeline import merge_checkpoint
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint
 

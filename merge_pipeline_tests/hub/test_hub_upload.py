@@ -15,8 +15,8 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError
 
 from merge_pipeline import __version__
-from merge_pipeline.engine.manifest import MANIFEST, read_manifest
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.manifest import MANIFEST, read_manifest
 from merge_pipeline.hub import RetryPolicy, upload_folder_verified
 from merge_pipeline.model_card import CARD_END, CARD_START
 from merge_pipeline_tests.helpers import tree_digest

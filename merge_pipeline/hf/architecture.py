@@ -1,0 +1,139 @@
+"""The tensors a Hugging Face architecture expects, and a check of a plan against them.
+
+The model is built from config.json on the meta device (no memory, no weights), so the expected
+names and shapes come from transformers itself, for any backend. Names are the on-disk checkpoint
+names: transformers 5 fuses some weights in memory (MoE experts) and un-fuses them when saving,
+and we apply the same reversal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers.core_model_loading import revert_weight_conversion
+
+from merge_pipeline.errors import MergeError, first_line
+from merge_pipeline.plan import Computed, PlannedTensor
+
+
+class ExpectedTensors(dict[str, tuple[int, ...]]):
+    """Name -> shape of every tensor the architecture holds.
+
+    ``optional`` are names that may be left out: a tied weight is one parameter under two names
+    (``lm_head.weight`` and ``model.embed_tokens.weight``), and a checkpoint may store either
+    or both.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tied_groups: list[set[str]]):
+        super().__init__(shapes)
+        self.tied_groups = tied_groups
+
+
+def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: bool) -> ExpectedTensors:
+    config_path = Path(config_dir) / "config.json"
+    try:
+        config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise MergeError(config_path, f"transformers cannot read it: {first_line(exc)}") from None
+    if value_model:
+        config.num_labels = 1
+    chosen = model_class(config, config_path, value_model=value_model, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            model = (
+                chosen.from_config(config, trust_remote_code=trust_remote_code)
+                if chosen.__name__.startswith("Auto")
+                else chosen(config)
+            )
+    except Exception as exc:  # a config transformers accepts but cannot build from: name it, whatever the cause
+        raise MergeError(
+            config_path,
+            f"cannot build {getattr(chosen, '__name__', chosen)} from it ({type(exc).__name__}: {first_line(exc)})",
+        ) from None
+    state = model.state_dict(keep_vars=True)  # parameters themselves, so tied names share one object
+    groups: dict[int, set[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), set()).add(name)
+    shapes = {name: tuple(tensor.shape) for name, tensor in revert_weight_conversion(model, state).items()}
+    return ExpectedTensors(shapes, [g for g in groups.values() if len(g) > 1])
+
+
+def model_class(config, config_path: Path, *, value_model: bool, trust_remote_code: bool):
+    """The class to build from a config (the one rule for the merge's check and the folder checks): the
+    architecture config.json names, or an Auto class for value models (verl's critic config still
+    names the causal LM) and remote-code models."""
+    if value_model:
+        return AutoModelForTokenClassification
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and hasattr(transformers, architectures[0]):
+        return getattr(transformers, architectures[0])
+    if trust_remote_code or not architectures:
+        return AutoModelForCausalLM
+    raise MergeError(
+        config_path,
+        f"unsupported architecture {architectures[0]}: transformers has no such model (pass --trust-remote-code for a remote-code model)",
+    )
+
+
+def check_plan_against_architecture(
+    plan_tensors: Iterable[PlannedTensor], expected: ExpectedTensors, config_path: Path
+) -> None:
+    """Every planned tensor must be one the architecture holds, with its shape, and every expected
+    tensor must be planned (a tied duplicate may be left out). One ``MergeError`` lists all problems."""
+    plan_tensors = list(plan_tensors)
+    planned = {t.name: t.shape for t in plan_tensors}
+    optional = {name for group in expected.tied_groups if group & planned.keys() for name in group}
+    optional |= {t.name for t in inert_absent_tensors(plan_tensors, expected)}
+    unexpected = sorted(set(planned) - set(expected))
+    missing = sorted(set(expected) - set(planned) - optional)
+    mismatched = [
+        f"{name} {planned[name]} vs {expected[name]}"
+        for name in sorted(set(planned) & set(expected))
+        if tuple(planned[name]) != tuple(expected[name])
+    ]
+    problems = []
+    for label, names in (
+        ("unexpected (no such tensor in the architecture)", unexpected),
+        ("missing", missing),
+        ("shape mismatch (checkpoint vs config)", mismatched),
+    ):
+        if names:
+            shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
+            problems.append(f"{len(names)} {label}: {shown}")
+    if problems:
+        raise MergeError(config_path, "checkpoint does not match the architecture: " + "; ".join(problems))
+
+
+def inert_absent_tensors(plan_tensors: Iterable[PlannedTensor], expected: ExpectedTensors) -> list[PlannedTensor]:
+    """Expected tensors the checkpoint has no key for because they cannot change the output, planned
+    as zeros so that ``from_pretrained`` finds every tensor it expects (it reports a zero-element
+    one as missing too).
+
+    These are tensors with zero elements (Qwen2-MoE with ``shared_expert_intermediate_size: 0``
+    has a shared expert of width 0) and the gate of such a zero-width shared expert: Megatron
+    builds neither, and the gate only scales that branch's output, which is always 0.
+    """
+    plan_tensors = list(plan_tensors)
+    planned = {t.name for t in plan_tensors}
+    absent = {name: shape for name, shape in expected.items() if name not in planned}
+    inert = {name: shape for name, shape in absent.items() if math.prod(shape) == 0}
+    for name, shape in absent.items():
+        branch = name.removesuffix("_gate.weight") + "."
+        if name.endswith(".shared_expert_gate.weight") and all(
+            math.prod(s) == 0 for n, s in expected.items() if n.startswith(branch)
+        ):
+            inert[name] = shape
+    numel = Counter()
+    for t in plan_tensors:
+        numel[t.dtype] += t.numel
+    dtype = numel.most_common(1)[0][0] if numel else torch.float32
+    return [
+        PlannedTensor(name, shape, dtype, Computed(lambda shape=shape: torch.zeros(shape, dtype=dtype)))
+        for name, shape in sorted(inert.items())
+    ]

@@ -1,0 +1,110 @@
+"""Checks of a published HF folder, as plain functions: each returns the problems it found (none = pass)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import transformers
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.architecture import model_class
+from merge_pipeline.hf.config import CONFIG
+from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
+from merge_pipeline.hf.manifest import file_sums, read_manifest
+from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
+
+_ADAPTER_TENSOR = re.compile(rf"^{re.escape(PEFT_PREFIX)}.+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
+
+
+def weight_files(folder: Path) -> dict[str, dict[str, dict]]:
+    """file name -> its tensor entries, for the model weights (not a LoRA adapter's)."""
+    return {p.name: read_header(p) for p in sorted(folder.glob("model*.safetensors"))}
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    """A PEFT adapter alone (a LoRA-only checkpoint merged without its base model): no config.json."""
+    return (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG).is_file()
+
+
+def meta_load_problems(folder: Path) -> list[str]:
+    """Build the model class config.json names on the meta device from the folder: every weight must load as stored."""
+    if is_adapter_folder(folder):
+        return adapter_problems(folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    try:
+        # The class the merge checked the plan against: the value-model head is in config.json by now.
+        model_type = model_class(config, folder / CONFIG, value_model=False, trust_remote_code=False)
+    except MergeError as exc:
+        return [exc.problem]
+    architecture = model_type.__name__
+    model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
+    expected = model.state_dict()
+    problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
+    problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
+    problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
+    for name, entry in sorted((n, e) for tensors in weight_files(folder).values() for n, e in tensors.items()):
+        if name in expected and SAFETENSORS_DTYPES.get(expected[name].dtype) != entry["dtype"]:
+            problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
+    return problems
+
+
+def adapter_problems(folder: Path) -> list[str]:
+    """Without the base model PEFT cannot load the adapter here; check what it will read: a LoRA
+    config, and only lora_A / lora_B tensors of its target modules with its rank."""
+    from peft import LoraConfig
+
+    config = LoraConfig.from_pretrained(folder)
+    tensors = read_header(folder / ADAPTER_FILE)
+    problems = [] if tensors else [f"{ADAPTER_FILE} holds no tensors"]
+    for name, entry in sorted(tensors.items()):
+        match = _ADAPTER_TENSOR.match(name)
+        if not match or match["module"] not in set(config.target_modules or ()):
+            problems.append(f"not a LoRA tensor of a target module in {ADAPTER_CONFIG}: {name}")
+            continue
+        rank = entry["shape"][0] if match["which"] == "A" else entry["shape"][-1]
+        if rank != config.r:
+            problems.append(f"{name}: rank {rank}, but {ADAPTER_CONFIG} says r={config.r}")
+    return problems
+
+
+def index_problems(folder: Path) -> list[str]:
+    """The index names every stored tensor, in the file that holds it, with the right total size."""
+    if is_adapter_folder(folder):
+        return []  # one adapter_model.safetensors, never sharded
+    files = weight_files(folder)
+    if not (folder / INDEX).is_file():
+        return (
+            []
+            if list(files) == [SINGLE_FILE]
+            else [f"no {INDEX}, and the weights are {sorted(files)} rather than one {SINGLE_FILE}"]
+        )
+    index = json.loads((folder / INDEX).read_text())
+    stored = {name: file for file, tensors in files.items() for name in tensors}
+    weight_map = index["weight_map"]
+    problems = [
+        f"index maps {n} to {f}, which does not hold it" for n, f in sorted(weight_map.items()) if stored.get(n) != f
+    ]
+    problems += [
+        f"{f} holds {n}, which the index does not map" for n, f in sorted(stored.items()) if n not in weight_map
+    ]
+    problems += [f"{f} is not referenced by the index" for f in sorted(set(files) - set(weight_map.values()))]
+    total = sum(e["nbytes"] for tensors in files.values() for e in tensors.values())
+    if index["metadata"]["total_size"] != total:
+        problems.append(f"index total_size {index['metadata']['total_size']} != {total} bytes of tensor data")
+    return problems
+
+
+def manifest_problems(folder: Path) -> list[str]:
+    """Every file the manifest lists is there with its size and sha256, and no other file is."""
+    recorded = read_manifest(folder)["files"]
+    actual = file_sums(folder)
+    problems = [f"{name}: in the manifest, not in the folder" for name in sorted(set(recorded) - set(actual))]
+    problems += [f"{name}: in the folder, not in the manifest" for name in sorted(set(actual) - set(recorded))]
+    problems += [
+        f"{name}: sha256 or size differs from the manifest"
+        for name in sorted(set(actual) & set(recorded))
+        if actual[name] != recorded[name]
+    ]
+    return problems

@@ -1,0 +1,77 @@
+"""The merge options, described once: the CLI's flags and Dagster's run config are both built from ``MergeOptions``.
+
+Each field carries its help text, choices and the CLI commands that take it as metadata;
+``OPTION_FIELDS`` lists them in order. Dagster's ``hf_model`` takes them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import Field, dataclass, field, fields
+
+from merge_pipeline.errors import MergeError
+
+BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
+DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
+READING = ("merge", "test", "inspect")  # how to open the checkpoint: every command
+TENSORS = ("merge", "test")  # what tensors come out: also compared by `test`
+FOLDER = ("merge",)  # how the folder is written
+
+
+def _option(default, help: str, *, commands=TENSORS, choices: tuple[str, ...] | None = None, **cli):
+    """A field of ``MergeOptions``; ``cli``: its own CLI spellings (``flags``) and ``metavar``."""
+    return field(default=default, metadata={"help": help, "commands": commands, "choices": choices, **cli})
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """What the user asked for; the same fields back the CLI flags and the Dagster run config."""
+
+    backend: str = _option("auto", "checkpoint format (default: detect)", commands=READING, choices=BACKENDS)
+    tie_word_embedding: bool = _option(False, "tie lm_head to the embeddings (also read from config.json)")
+    untie_word_embedding: bool = _option(
+        False,
+        "keep a trained lm_head that differs from the embeddings; config.json then says tie_word_embeddings false",
+    )
+    is_value_model: bool = _option(False, "a critic / value model (also detected from the checkpoint)")
+    trust_remote_code: bool = _option(False, "allow config.json to name remote-code classes", commands=READING)
+    # auto = keep each tensor's stored dtype: never lose precision unasked
+    dtype: str = _option("auto", "output dtype (default auto: keep the stored dtype)", choices=DTYPE_CHOICES)
+    merge_lora: bool = _option(False, "fold LoRA into the base weights instead of writing lora_adapter/")
+    hf_model_path: str | None = _option(
+        None,
+        "the original HF model folder (the trainer's model.path): config, tokenizer and LoRA base weights when the checkpoint holds none",
+        commands=READING,
+        flags=("--hf_model_path", "--hf-model-path"),  # verl's spelling first
+        metavar="DIR",
+    )
+    verify_replicas: bool = _option(False, "check that replica groups of a 2-D mesh hold identical bytes")
+    max_shard_size: str | int = _option("5GB", "largest safetensors shard, HF-style (default 5GB)", commands=FOLDER)
+    overwrite: bool = _option(False, "replace an existing target once the new one is complete", commands=FOLDER)
+    max_side_file_size: str | int = _option(
+        DEFAULT_MAX_SIDE_FILE_SIZE,
+        f"largest file copied from huggingface/ (tokenizer, templates, ...), HF-style (default {DEFAULT_MAX_SIDE_FILE_SIZE})",
+        commands=FOLDER,
+    )
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
+        if self.tie_word_embedding and self.untie_word_embedding:
+            raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
+
+
+OPTION_FIELDS = fields(MergeOptions)
+
+
+def cli_flags(option: Field) -> tuple[str, ...]:
+    """The CLI spellings of an option field: ``--max-shard-size`` for ``max_shard_size``, unless it names its own."""
+    return option.metadata.get("flags") or ("--" + option.name.replace("_", "-"),)
+
+
+def options_of(command: str) -> list[Field]:
+    """The option fields the CLI command ``command`` takes."""
+    return [option for option in OPTION_FIELDS if command in option.metadata["commands"]]

@@ -1,0 +1,293 @@
+"""The merge, start to end: the only module that uses both the readers (``formats``) and the writer (``engine``).
+
+    prepare   open and validate the checkpoint, decide every output file (no tensor data read)
+    write     side files, then the weights, into a staging folder
+    finish    index, configs and the manifest (reusing the digests computed while writing)
+    publish   ``staged_output``: the one staging folder + target lock, renamed into place on success
+    merge     all of the above in one process; ``describe`` and ``compare`` for ``inspect`` and ``test``
+
+The stages are separate functions so the Dagster asset and the torchrun launcher can run them one
+at a time, on one plan built once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import resource
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from merge_pipeline import __version__
+from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
+from merge_pipeline.engine.lora import with_base_weights
+from merge_pipeline.engine.outputs import OutputPlan, ShardFile, plan_outputs
+from merge_pipeline.engine.publish import check_target
+from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
+from merge_pipeline.engine.publish import staging_path as staging_path
+from merge_pipeline.engine.safetensors_writer import write_safetensors
+from merge_pipeline.engine.verify import Comparison, compare_with_reference
+from merge_pipeline.errors import MergeError, naming
+from merge_pipeline.formats import BACKENDS as BACKENDS
+from merge_pipeline.formats import fsdp, open_checkpoint
+from merge_pipeline.formats.hf import read_hf_weights
+from merge_pipeline.hf.config import ModelConfig, load_model_config
+from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
+from merge_pipeline.hf.manifest import write_manifest
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.plan import CheckpointPlan, dtype_name
+from merge_pipeline.progress import ByteProgress, human_bytes
+
+log = logging.getLogger("merge_pipeline")
+
+# Discovery knows an SFT step folder (the model saved straight into global_step_<N>/) by FSDP rank files.
+FSDP_RANK_FILE = fsdp.MODEL_FILE
+
+
+@dataclass
+class WriteReport:
+    files: list[dict] = field(default_factory=list)  # filename, bytes, tensors, sha256
+    seconds: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(f["bytes"] for f in self.files)
+
+    @property
+    def tensors(self) -> int:
+        return sum(f["tensors"] for f in self.files)
+
+
+@dataclass
+class MergeResult:
+    target_dir: Path
+    parameters: int
+    tensors: int
+    tensor_bytes: int  # bytes of tensor data written (file sizes add the headers)
+    seconds: float
+    peak_rss_bytes: int
+    manifest: dict
+
+
+class Prepared(NamedTuple):
+    """A validated plan, built once and handed on: the input (open files), its config, the output files."""
+
+    plan: CheckpointPlan
+    config: ModelConfig
+    outputs: OutputPlan
+
+    def __enter__(self) -> Prepared:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.plan.close()
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak RSS (VmHWM); ru_maxrss would carry over the parent's peak across exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
+    """Open and validate the checkpoint and decide every output file, reading no tensor data."""
+    plan = open_checkpoint(local_dir, options)
+    try:
+        if options.hf_model_path and is_adapter_only(plan.tensors):
+            plan = _with_base_weights(plan, Path(options.hf_model_path).absolute())
+        config = load_model_config(
+            plan.hf_dir,
+            trust_remote_code=options.trust_remote_code,
+            role_dir=plan.role_dir,
+            hf_model_path=options.hf_model_path,
+        )
+        outputs = plan_outputs(plan, config, options)
+        if plan.check_against_architecture:
+            outputs = _check_against_architecture(plan, config, outputs, options)
+    except BaseException:
+        plan.close()
+        raise
+    return Prepared(plan, config, outputs)
+
+
+def _with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
+    if not base_dir.is_dir():
+        raise MergeError(
+            base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist"
+        )
+    return with_base_weights(plan, base_dir, *read_hf_weights(base_dir))
+
+
+def _check_against_architecture(
+    plan: CheckpointPlan, config: ModelConfig, outputs: OutputPlan, options: MergeOptions
+) -> OutputPlan:
+    """Key set and every shape against the architecture config.json describes, so nothing is dropped
+    silently and nothing the model needs is left out."""
+    # Imported here: the module imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
+    from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors, inert_absent_tensors
+
+    expected = expected_tensors(
+        config.path.parent, value_model=outputs.is_value_model, trust_remote_code=options.trust_remote_code
+    )
+    inert = inert_absent_tensors(outputs.planned_tensors, expected)
+    if inert:  # e.g. a zero-width shared expert: written too, so from_pretrained misses nothing
+        plan.tensors.extend(inert)
+        outputs = plan_outputs(plan, config, options)
+    check_plan_against_architecture(outputs.planned_tensors, expected, config.path)
+    return outputs
+
+
+def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -> None:
+    """Tokenizer and friends, first: a trainer deleting the checkpoint mid-merge cannot take them away."""
+    config = prepared.config
+    copy_side_files(config.path.parent, out_dir, options.max_side_file_size, confine_to=config.confine_to)
+
+
+def write_weights(
+    outputs: OutputPlan, out_dir: Path, *, files: list[ShardFile] | None = None, show_progress: bool = True
+) -> WriteReport:
+    """Stream the weight files (all, or the given subset) into ``out_dir``."""
+    files = outputs.files if files is None else files
+    progress = ByteProgress(sum(f.nbytes for f in files), "writing weights", enabled=show_progress)
+    report = WriteReport()
+    try:
+        for shard in files:
+            path = out_dir / shard.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
+            size = write_safetensors(path, shard.tensors, progress, digest=digest)
+            report.files.append(
+                {"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors), "sha256": digest.hexdigest()}
+            )
+    finally:
+        progress.close()
+    report.seconds = time.monotonic() - progress.started
+    return report
+
+
+def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, written: WriteReport) -> dict:
+    """Index, configs and manifest: everything but the weights and the side files.
+
+    ``written``: the report of the weights written into ``out_dir``; the manifest takes their sha256
+    from it rather than reading the weights again.
+    """
+    plan, config, outputs = prepared
+    with naming(out_dir):
+        write_index(outputs, out_dir)
+        write_configs(config, outputs, out_dir)
+        known = {f["filename"]: f["sha256"] for f in written.files}
+        return write_manifest(out_dir, manifest_body(plan, outputs, options), known)
+
+
+def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptions) -> dict:
+    return {
+        "tool": {"name": "merge_pipeline", "version": __version__},
+        "source": {
+            "backend": plan.backend,
+            "role_dir": str(plan.role_dir),
+            "role": plan.role,
+            "layout": plan.layout,
+            "inputs": [{"path": str(f.path), "size": f.size} for f in plan.files],
+        },
+        "options": asdict(options),
+        "decisions": {
+            "config_dtype": dtype_name(outputs.config_dtype),
+            "tensor_dtypes": _dtype_decisions(outputs),
+            "tied_word_embeddings": outputs.tied,
+            "dropped_tensors": outputs.dropped,
+            "value_model": outputs.is_value_model,
+            "lora": {
+                "r": outputs.lora.r,
+                "lora_alpha": outputs.lora.lora_alpha,
+                "merged": options.merge_lora,
+                "target_modules": outputs.lora_targets,
+            }
+            if outputs.lora
+            else None,
+        },
+        "parameters": plan.parameter_count,
+        "tensors": sum(len(f.tensors) for f in outputs.files),
+    }
+
+
+def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:
+    """Counts of ``source -> output`` dtype pairs, so a lossy cast is visible in the manifest."""
+    counts = Counter(
+        f"{dtype_name(t.planned.dtype)} -> {dtype_name(t.dtype)}" for f in outputs.files for t in f.tensors
+    )
+    return dict(counts)
+
+
+def merge_checkpoint(
+    local_dir: str | Path,
+    target_dir: str | Path,
+    options: MergeOptions | None = None,
+    *,
+    show_progress: bool = True,
+) -> MergeResult:
+    started = time.monotonic()
+    options = options or MergeOptions()
+    target = Path(target_dir).absolute()
+    check_target(target, source=local_dir, overwrite=options.overwrite)
+    prepared = prepare(local_dir, options)
+    plan, outputs = prepared.plan, prepared.outputs
+    with prepared, staged_output(target, source=local_dir, overwrite=options.overwrite) as staging:
+        write_side_files(prepared, staging, options)
+        report = write_weights(outputs, staging, show_progress=show_progress)
+        manifest = finish_folder(prepared, staging, options, report)
+    seconds = time.monotonic() - started
+    log.info(
+        "merged %s -> %s: %d tensors, %s in %.1f s",
+        plan.role_dir,
+        target,
+        report.tensors,
+        human_bytes(report.bytes),
+        seconds,
+    )
+    return MergeResult(
+        target, plan.parameter_count, report.tensors, outputs.total_bytes, seconds, peak_rss_bytes(), manifest
+    )
+
+
+def describe(local_dir: Path, options: MergeOptions) -> dict:
+    """``inspect``: what a checkpoint holds, from metadata only."""
+    with open_checkpoint(local_dir, options) as plan:
+        dtypes = Counter()
+        for t in plan.tensors:
+            dtypes[dtype_name(t.dtype)] += t.numel
+        try:
+            config = load_model_config(
+                plan.hf_dir,
+                trust_remote_code=options.trust_remote_code,
+                role_dir=plan.role_dir,
+                hf_model_path=options.hf_model_path,
+            )
+            architecture, tied = config.architecture, config.tie_word_embeddings
+        except MergeError as exc:
+            architecture, tied = f"unknown ({exc.problem})", None
+        return {
+            "backend": plan.backend,
+            "role": plan.role,
+            "path": str(plan.role_dir),
+            **plan.layout,
+            "architecture": architecture,
+            "parameters": plan.parameter_count,
+            "tensors": len(plan.tensors),
+            "dtypes": dict(dtypes),
+            "bytes": sum(t.nbytes() for t in plan.tensors),
+            "lora": has_lora_tensors(plan.tensors),
+            "value_model": plan.is_value_model,
+            "tied_word_embeddings": tied,
+            "files": [{"path": str(f.path), "size": f.size} for f in plan.files],
+        }
+
+
+def compare(local_dir: str | Path, reference_dir: Path, options: MergeOptions, *, atol: float = 0.0) -> Comparison:
+    """``test``: what the checkpoint merges to, tensor by tensor against a reference HF folder."""
+    with prepare(local_dir, options) as prepared:
+        return compare_with_reference(prepared.outputs, Path(reference_dir).absolute(), atol=atol)

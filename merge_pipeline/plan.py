@@ -1,0 +1,211 @@
+"""The merge plan: what a format reader hands the writer.
+
+A reader describes every output tensor (HF name, shape, source dtype, where its bytes come from)
+without loading tensor data. The writer consumes the plan one tensor at a time, so peak memory is
+bounded by the largest single tensor, never by the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import open_regular
+
+# Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
+READ_PIECE_BYTES = 8 * 1024 * 1024
+
+
+class SourceFile:
+    """An input file opened once, at planning time.
+
+    Holding the descriptor means a trainer that deletes the checkpoint folder mid-merge (rotation)
+    cannot pull the bytes away from under us: Linux keeps an unlinked open file readable.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd = open_regular(self.path)  # never a FIFO or device: those would block or never end
+        self.size = os.fstat(self.fd).st_size
+
+    def read_into(self, buffer: memoryview, offset: int) -> None:
+        """Fill ``buffer`` with the bytes at ``offset``; a short read means the file was truncated."""
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if n == 0:
+                raise MergeError(
+                    self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
+                )
+            done += n
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def close_all(files: list[SourceFile]) -> None:
+    for f in files:
+        f.close()
+
+
+@contextlib.contextmanager
+def closed_on_failure(files: list[SourceFile]) -> Iterator[None]:
+    """Close ``files`` (as the list stands then) if the block raises; on success they stay open for the writer."""
+    with contextlib.ExitStack() as on_failure:
+        on_failure.callback(close_all, files)
+        yield
+        on_failure.pop_all()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how config.json, the manifest and ``inspect`` name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ByteRun:
+    """``length`` contiguous bytes of ``file`` starting at ``offset``."""
+
+    file: SourceFile
+    offset: int
+    length: int
+
+
+class TensorSource(Protocol):
+    """Where a tensor's bytes come from.
+
+    ``pieces()`` yields contiguous CPU tensors of the source dtype whose flattened concatenation is
+    the tensor in row-major order. A piece is valid only until the next one is requested (sources
+    may reuse one buffer), so consumers copy or write each piece before asking for more. ``byte_runs()`` returns the same bytes as plain file ranges when
+    the tensor is a straight concatenation of stored bytes (then the writer copies bytes and does no
+    per-element work), or ``None``.
+    """
+
+    def pieces(self) -> Iterator[torch.Tensor]: ...
+
+    def byte_runs(self) -> list[ByteRun] | None: ...
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """A tensor whose row-major bytes are the concatenation of file ranges (e.g. Shard(0) chunks)."""
+
+    runs: tuple[ByteRun, ...]
+    dtype: torch.dtype
+
+    def byte_runs(self) -> list[ByteRun]:
+        return list(self.runs)
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        step = max(item, READ_PIECE_BYTES // item * item)
+        # One buffer, reused; torch.empty, not bytearray: no pass zeroing bytes about to be read over.
+        buffer = memoryview(
+            torch.empty(min(step, max((run.length for run in self.runs), default=0)), dtype=torch.uint8).numpy()
+        )
+        for run in self.runs:
+            for start in range(0, run.length, step):
+                length = min(step, run.length - start)
+                view = buffer[:length]
+                run.file.read_into(view, run.offset + start)
+                yield torch.frombuffer(view, dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class Computed:
+    """A tensor that needs work to build (a concatenation on dim > 0, a LoRA merge, a QKV split).
+
+    ``build`` returns the whole tensor; it is called only when the writer reaches it.
+    """
+
+    build: Callable[[], torch.Tensor]
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        yield self.build().contiguous()
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the dtype the source yields
+    source: TensorSource
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        return self.numel * torch.empty((), dtype=dtype or self.dtype).element_size()
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor in memory (for work that needs it all: LoRA merges, comparisons)."""
+        whole = torch.empty(self.numel, dtype=self.dtype)
+        position = 0
+        for piece in self.source.pieces():
+            whole[position : position + piece.numel()].copy_(piece.reshape(-1))
+            position += piece.numel()
+        return whole.view(self.shape)
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """LoRA training settings recorded beside the checkpoint (verl's ``lora_train_meta.json``)."""
+
+    r: int
+    lora_alpha: int | float  # exactly as the file says: 16.5 stays 16.5 (PEFT scales by alpha / r)
+    task_type: str = "CAUSAL_LM"
+
+
+@dataclass
+class CheckpointPlan:
+    """Everything the engine needs to turn one role folder into an HF folder."""
+
+    backend: str  # the name of the reader that planned it (formats.BACKENDS)
+    role_dir: Path
+    hf_dir: Path | None  # the checkpoint's huggingface/ folder (config, tokenizer, ...)
+    tensors: list[PlannedTensor]  # model tensors, HF names (LoRA names as PEFT wrote them)
+    files: list[SourceFile]  # every input file the tensors read from
+    is_value_model: bool = False
+    lora: LoraInfo | None = None
+    # True when the names must be checked against the architecture config.json describes: they were
+    # produced by a mapping (Megatron -> HF) or taken from a base model; False when they are the
+    # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
+    check_against_architecture: bool = True
+    # How the checkpoint is laid out (world size, mesh, TP/PP, layout schema, ...), as `inspect` shows it and
+    # the manifest records it. ("layout" is always the input folder's; the output is the engine's OutputPlan.)
+    layout: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        # The SFT trainer saves the model in global_step_<N>/ itself: no role folder to name it.
+        return "model" if re.fullmatch(r"global_step_\d+", self.role_dir.name) else self.role_dir.name
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def close(self) -> None:
+        close_all(self.files)
+
+    def __enter__(self) -> CheckpointPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

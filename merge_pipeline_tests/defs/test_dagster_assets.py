@@ -1,0 +1,162 @@
+"""The asset chain, materialized for real FSDP checkpoints in a real instance, merges bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.hf.manifest import MANIFEST, write_manifest
+from merge_pipeline.pipeline import prepare
+from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
+from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+SHARDED = {"max_shard_size": "200KB"}  # the 0.8 MB test model in several shards, with an index
+
+
+@pytest.mark.parametrize(
+    "spec, merge_config, dtype",
+    [(ACTOR, SHARDED, None), (CRITIC, None, None), (ACTOR, {"dtype": "bfloat16"}, torch.bfloat16)],
+    ids=["actor-sharded", "critic", "actor-bf16"],
+)
+def test_chain_publishes_a_bit_exact_verified_folder(fsdp_checkpoint, roots, instance, spec, merge_config, dtype):
+    sample = fsdp_checkpoint(spec)
+    roots.drop(sample, "proj/exp/global_step_7", tracker=7)
+    key = f"proj/exp/global_step_7/{sample.role_dir.name}"
+    settings = roots.settings()
+
+    result = materialize(instance, settings, key, merge_config=merge_config)
+
+    assert result.success
+    target = roots.target(key)
+    reference = load_file(sample.reference_dir / "model.safetensors")
+    merged = load_safetensors_dir(target)
+    assert set(merged) == set(reference)
+    for name, tensor in reference.items():
+        assert same_bits(merged[name], tensor.to(dtype) if dtype else tensor), name
+    assert json.loads((target / "config.json").read_text())["dtype"] == str(dtype or torch.float32).removeprefix(
+        "torch."
+    )
+    assert (target / "model.safetensors.index.json").is_file() == (merge_config == SHARDED)
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks == {"loads_on_meta_device": True, "index_matches_shards": True, "manifest_sha256": True}
+    assert not staging_path(target).exists()
+
+
+def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    roots.drop(sample, "run/global_step_3", tracker=3)
+    settings = roots.settings()
+
+    result = materialize(instance, settings, "run/global_step_3/actor", merge_config={**SHARDED, "dtype": "bfloat16"})
+
+    metadata = {
+        e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()
+    }
+    assert set(metadata) == {"hf_model"}  # the checkpoint is the trainer's: the sensor records it
+    published = metadata["hf_model"]
+    assert (
+        published["backend"].value == "fsdp"
+        and published["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
+    )
+    assert (published["world_size"].value, published["fsdp_version"].value, published["architecture"].value) == (
+        2,
+        2,
+        "Qwen2ForCausalLM",
+    )
+    assert published["parameters"].value == sum(
+        t.numel() for t in load_file(sample.reference_dir / "model.safetensors").values()
+    )
+    assert published["tensors"].value == 27 and published["throughput"].value.endswith("/s")
+    assert published["dtype"].value == "bfloat16" and published["tensor dtypes"].value == {
+        "float32 -> bfloat16": 27
+    }  # what was written
+    assert published["peak_rss_bytes"].value > 0 and "peak RSS (whole process)" in published
+    target = roots.target("run/global_step_3/actor")
+    assert (
+        published["path"].value == str(target)
+        and published["source"].value == str(sample_dir := roots.checkpoints / "run/global_step_3/actor")
+        and sample_dir.is_dir()
+    )
+    assert not any("staging" in str(v.value) for v in published.values()), (
+        "no metadata points at the staging folder, which is gone"
+    )
+    manifest = json.loads((target / MANIFEST).read_text())["files"]
+    assert len(manifest) == 9 and {p.name for p in target.iterdir()} - {MANIFEST} == set(manifest)
+    for name, f in manifest.items():  # every sha256 in full, readable in the Markdown table
+        assert f"| {name} | " in published["files"].value and f"`{f['sha256']}`" in published["files"].value
+    checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
+    assert {
+        name: (m["tensors"].value, m["weight files"].value, m["files in manifest"].value, m["problem count"].value)
+        for name, m in checks.items()
+    } == dict.fromkeys(checks, (27, 3, 9, 0))
+
+
+def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkeypatch):
+    from merge_pipeline.defs import assets
+
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_3", tracker=3)
+    plans = []
+    monkeypatch.setattr(assets, "prepare", lambda *a, **k: plans.append(a) or prepare(*a, **k))
+
+    assert materialize(instance, roots.settings(), "run/global_step_3/actor").success
+    assert len(plans) == 1
+
+
+def test_the_manifest_takes_the_weights_digests_from_the_write(fsdp_checkpoint, roots, instance, monkeypatch):
+    """The weights are hashed while they are written; the manifest never reads them back (issue 14)."""
+    from merge_pipeline import pipeline
+
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_4", tracker=4)
+    supplied = []
+
+    def recording(folder, body, known=None):
+        supplied.append(known)
+        return write_manifest(folder, body, known)
+
+    monkeypatch.setattr(pipeline, "write_manifest", recording)
+    assert materialize(instance, roots.settings(), "run/global_step_4/actor", merge_config=SHARDED).success
+    files = json.loads((roots.target("run/global_step_4/actor") / MANIFEST).read_text())["files"]
+    weights = {name: entry["sha256"] for name, entry in files.items() if name.endswith(".safetensors")}
+    assert len(weights) > 1 and supplied == [weights]
+
+
+@pytest.fixture(scope="module")
+def megatron_samples(tmp_path_factory):
+    """A real megatron-core TP=2 dist checkpoint, and verl's default layout (weights as HF safetensors)."""
+    return write_megatron_samples(
+        tmp_path_factory.mktemp("megatron"), [VARIANTS["qwen2_tp2"], VARIANTS["qwen2_hf_weights"]]
+    )
+
+
+@pytest.mark.parametrize(
+    "name, parallel",
+    [
+        ("qwen2_tp2", {"tp": 2, "pp": 1, "sharded_backend": "torch_dist"}),
+        ("qwen2_hf_weights", {"weights": "huggingface safetensors"}),
+    ],
+)
+def test_megatron_checkpoints_flow_through_the_same_assets(megatron_samples, roots, instance, name, parallel):
+    sample = megatron_samples[name]
+    roots.drop(sample, f"{name}/global_step_1", tracker=1)
+    key = f"{name}/global_step_1/actor"
+
+    result = materialize(instance, roots.settings(), key)
+
+    assert result.success
+    reference = load_file(sample.reference_dir / "model.safetensors")
+    merged = load_safetensors_dir(roots.target(key))
+    assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
+    assert (
+        all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
+    )
+    [metadata] = [
+        e.materialization.metadata
+        for e in result.get_asset_materialization_events()
+        if e.asset_key.to_user_string() == "hf_model"
+    ]
+    assert metadata["backend"].value == "megatron" and {k: metadata[k].value for k in parallel} == parallel

@@ -1,0 +1,175 @@
+"""The code location as `dagster dev` / `dg` load it, and the instance dagster.yaml configures."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import dagster as dg
+import yaml
+
+from merge_pipeline.definitions import defs
+from merge_pipeline.defs.jobs import HEAVY_TAG
+from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
+from merge_pipeline_tests.defs.services import LOCATIONS_QUERY, running_dagster_dev
+
+CHECKS = ["index_matches_shards", "loads_on_meta_device", "manifest_sha256"]
+DG = os.path.join(os.path.dirname(sys.executable), "dg")
+
+
+def test_workspace_and_dg_load_the_definitions_module():
+    [location] = yaml.safe_load((PROJECT_ROOT / "workspace.yaml").read_text())["load_from"]
+    assert location["python_module"] == {
+        "module_name": "merge_pipeline.definitions",
+        "attribute": "defs",
+        "location_name": "merge_pipeline",
+    }
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["dg"]
+    assert (
+        project["directory_type"] == "project"
+        and project["project"]["code_location_target_module"] == "merge_pipeline.definitions"
+    )
+
+
+def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"} | {
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+        "HOME": str(tmp_path),
+    }
+    checked = subprocess.run(
+        [DG, "check", "defs"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    listed = subprocess.run(
+        [DG, "list", "defs", "--json"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    for name in ("hf_model", "checkpoint", "merge_checkpoint", "new_checkpoint_sensor", "merge_failure_webhook"):
+        assert name in listed.stdout, name
+
+
+def test_dg_dev_serves_the_location_from_the_project_root(tmp_path):
+    with running_dagster_dev(
+        PROJECT_ROOT, {"DAGSTER_DISABLE_TELEMETRY": "1"}, tmp_path / "dg_dev.log", command="dg"
+    ) as served:
+        [entry] = served.graphql(LOCATIONS_QUERY, {})["workspaceOrError"]["locationEntries"]
+    assert entry == {"name": "merge_pipeline", "locationOrLoadError": {"__typename": "RepositoryLocation"}}
+
+
+def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_with_its_checks():
+    job = defs.resolve_job_def("merge_checkpoint")
+    assert set(job.graph.node_dict) == {"hf_model"} and job.tags[HEAVY_TAG] == "merge"
+    # the UI's Materialize button, backfills and `dg launch --assets` run the implicit asset job
+    for every in (job, defs.resolve_implicit_global_asset_job_def(), defs.resolve_job_def("publish_to_hub")):
+        assert every.executor_def is dg.in_process_executor, every.name
+    hf_model = defs.resolve_assets_def("hf_model")
+    assert sorted(k.name for k in hf_model.check_keys) == CHECKS and all(s.blocking for s in hf_model.check_specs)
+    assert not hf_model.can_subset  # the checks run inside the merge step, on the staged folder: never on their own
+    assert hf_model.op.pool == "merge" and hf_model.partitions_def.name == "checkpoints"
+
+
+def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy():
+    specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
+    for name in ("checkpoint", "hf_model"):
+        assert (
+            specs[name].owners == ["team:training-infra"]
+            and specs[name].group_name == "merge"
+            and specs[name].tags["stage"]
+        )
+    assert {"safetensors", "huggingface"} <= specs["hf_model"].kinds and "pytorch" in specs["checkpoint"].kinds
+    assert "dagster/code_references" in specs["hf_model"].metadata
+    assert specs["hf_model"].freshness_policy.fail_window.to_timedelta().total_seconds() == 30 * 60
+    assert not defs.resolve_assets_def("checkpoint").is_executable  # the trainer writes it
+
+
+def test_sensors_run_by_default_and_the_hub_schedule_only_with_an_organization(tmp_path):
+    assert defs.resolve_sensor_def("new_checkpoint_sensor").default_status == dg.DefaultSensorStatus.RUNNING
+    assert (
+        defs.resolve_sensor_def("merge_failure_webhook").default_status == dg.DefaultSensorStatus.RUNNING
+    )  # inert without a URL
+    code = "from merge_pipeline.definitions import defs; print(defs.resolve_schedule_def('publish_latest_steps').default_status.value)"
+    statuses = {}
+    for org in ("", "my-org"):
+        env = {**os.environ, "MERGE_PIPELINE_HUB_ORG": org, "PYTHONPATH": str(PROJECT_ROOT)}
+        statuses[org] = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120
+        ).stdout.strip()
+    assert statuses == {"": "STOPPED", "my-org": "RUNNING"}
+
+
+def test_dagster_yaml_queues_runs_limits_heavy_merges_and_retries_crashes(tmp_path, monkeypatch):
+    shutil.copy(PROJECT_ROOT / "dagster.yaml", tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        concurrency = instance.get_concurrency_config()
+        assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+        assert concurrency.run_queue_config.tag_concurrency_limits == [{"key": HEAVY_TAG, "limit": 1}]
+        # run granularity: a run holding hf_model waits in the queue for the pool's one slot, whoever launched it
+        assert (concurrency.pool_config.default_pool_limit, concurrency.pool_config.pool_granularity.value) == (
+            1,
+            "run",
+        )
+        assert (
+            instance.run_retries_enabled
+            and instance.run_retries_max_retries == 2
+            and not instance.run_retries_retry_on_asset_or_op_failure
+        )
+        assert instance.root_directory == str(tmp_path) and (tmp_path / "history" / "runs.db").exists()
+    settings = yaml.safe_load((PROJECT_ROOT / "dagster.yaml").read_text())
+    assert settings["telemetry"] == {"enabled": False} and settings["nux"] == {"enabled": False}
+    assert (
+        "storage" not in settings
+    )  # Dagster's default, in the instance folder: plain `dagster dev` needs no DAGSTER_HOME
+
+
+def test_env_example_lists_every_setting_the_code_reads():
+    example = (PROJECT_ROOT / ".env.example").read_text()
+    source = "".join(p.read_text() for p in (PROJECT_ROOT / "merge_pipeline" / "defs").glob("*.py"))
+    read = set(re.findall(r"\b(MERGE_PIPELINE_[A-Z_]+)\b", source)) - {"MERGE_PIPELINE_DIST_TIMEOUT"}
+    assert read and all(re.search(rf"^#? ?{name}=", example, re.M) for name in read), read
+
+
+def test_dg_launch_merges_one_partition(fsdp_checkpoint, roots, instance, tmp_path):
+    from safetensors.torch import load_file
+
+    from merge_pipeline_tests.defs.helpers import ACTOR
+    from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+    sample = fsdp_checkpoint(ACTOR)
+    roots.drop(sample, "run/global_step_1", tracker=1)
+    key = "run/global_step_1/actor"
+    instance.add_dynamic_partitions("checkpoints", [key])
+    env = {
+        **os.environ,
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+        "HOME": str(tmp_path),
+        "MERGE_PIPELINE_CHECKPOINT_ROOTS": str(roots.checkpoints),
+        "MERGE_PIPELINE_OUTPUT_ROOT": str(roots.output),
+    }
+
+    launched = subprocess.run(
+        [
+            DG,
+            "launch",
+            "--assets",
+            "hf_model",
+            "--partition",
+            key,
+            "--config-json",
+            '{"ops": {"hf_model": {"config": {"max_shard_size": "200KB"}}}}',
+        ],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    merged, reference = load_safetensors_dir(roots.target(key)), load_file(sample.reference_dir / "model.safetensors")
+    assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
+    assert (roots.target(key) / "model.safetensors.index.json").is_file()

@@ -1,0 +1,222 @@
+"""End to end, as a user runs it: a clean copy of the project, a `.env` made from `.env.example`, plain
+`dagster dev` with no DAGSTER_HOME; a checkpoint dropped into the watched root gets merged by the sensor,
+a re-merge launched the way the UI's Materialize button does runs about as fast, a broken checkpoint
+fails in one line, and headless Chromium shows the asset graph, a partition, the checks and the failed run.
+
+One `dagster dev` serves the module: starting it costs most of the time here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from merge_pipeline.defs.discovery import TRACKER
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline_tests.defs import browser
+from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
+from merge_pipeline_tests.defs.services import Dagster, running_dagster_dev
+from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+KEY = "e2e_run/global_step_1/actor"
+BROKEN = "e2e_run/global_step_2/actor"
+RUN_TIMEOUT = 240
+FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
+CHECK_NAMES = ("index_matches_shards", "loads_on_meta_device", "manifest_sha256")
+LAUNCH = """
+mutation Launch($params: ExecutionParams!) {
+  launchPipelineExecution(executionParams: $params) { __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } }
+}"""
+CHECKS = """
+query Checks { assetNodeOrError(assetKey: {path: ["hf_model"]}) { ... on AssetNode {
+  assetChecksOrError { ... on AssetChecks { checks { name blocking canExecuteIndividually } } } } } }"""
+SENSOR = """
+query Sensor($sensor: SensorSelector!) { sensorOrError(sensorSelector: $sensor) { ... on Sensor { sensorState { ticks(limit: 1) { skipReason } } } } }"""
+
+
+def clean_copy(destination) -> None:
+    """The project's files as a fresh clone has them: tracked and not ignored, no .venv, no instance."""
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=PROJECT_ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, listed):
+        if (PROJECT_ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT_ROOT / name, destination / name)
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory) -> MergeSettings:
+    base = tmp_path_factory.mktemp("e2e")
+    (base / "checkpoints").mkdir()
+    return MergeSettings(
+        checkpoint_roots=[str(base / "checkpoints")], output_root=str(base / "merged"), settle_seconds=3600
+    )
+
+
+@pytest.fixture(scope="module")
+def dagster(settings, tmp_path_factory):
+    project = tmp_path_factory.mktemp("project")
+    clean_copy(project)
+    assert not list(project.glob(".tmp_dagster_home_*")) and (project / "dagster.yaml").is_file()
+    example = (project / ".env.example").read_text()
+    (project / ".env").write_text(  # what a user does: copy .env.example and set the roots; Dagster loads it
+        example.replace(
+            "MERGE_PIPELINE_CHECKPOINT_ROOTS=demo/checkpoints",
+            f"MERGE_PIPELINE_CHECKPOINT_ROOTS={settings.checkpoint_roots[0]}",
+        )
+        .replace("MERGE_PIPELINE_OUTPUT_ROOT=demo/merged", f"MERGE_PIPELINE_OUTPUT_ROOT={settings.output_root}")
+        .replace(
+            "MERGE_PIPELINE_SETTLE_SECONDS=60", f"MERGE_PIPELINE_SETTLE_SECONDS={settings.settle_seconds:g}"
+        )  # only the tracker completes a step
+        .replace("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS=10", "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS=2")
+    )
+    with running_dagster_dev(
+        project, {"PYTHONPATH": str(project)}, tmp_path_factory.mktemp("logs") / "dagster_dev.log"
+    ) as served:
+        served.wait_for_sensor_tick("new_checkpoint_sensor")
+        assert list(project.glob(".tmp_dagster_home_*")), "the instance lives in dagster dev's own folder"
+        yield served
+
+
+def wait_for_run(dagster: Dagster, key: str, *, after: int = 0) -> dict:
+    """The newest run of partition ``key`` once it finished, when more than ``after`` runs exist."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline:
+        runs = dagster.partition_runs(key)
+        if len(runs) > after and runs[0]["status"] in FINISHED:
+            return runs[0]
+        time.sleep(0.5)
+    pytest.fail(f"no finished run for {key} after {RUN_TIMEOUT} s\n{dagster.log_tail()}")
+
+
+def drop(settings: MergeSettings, sample, key: str) -> None:
+    """A checkpoint saved the way verl saves one: the role folder, then the tracker."""
+    parsed = CheckpointKey.parse(key)
+    shutil.copytree(sample.role_dir, settings.roots[0] / parsed.path, copy_function=shutil.copy)  # fresh mtimes
+    (settings.roots[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
+
+
+@pytest.fixture(scope="module")
+def merged(dagster, settings, fsdp_checkpoint):
+    sample = fsdp_checkpoint(ACTOR)
+    drop(settings, sample, KEY)
+    dropped = time.monotonic()
+    run = wait_for_run(dagster, KEY)
+    return sample, run, time.monotonic() - dropped
+
+
+def run_seconds(run: dict) -> float:
+    return run["endTime"] - run["startTime"]
+
+
+def test_sensor_merges_a_dropped_checkpoint_bit_exact(merged, dagster, settings, record_property):
+    sample, run, latency = merged
+
+    assert run["status"] == "SUCCESS", dagster.log_tail()
+    reference = load_file(sample.reference_dir / "model.safetensors")
+    output = load_safetensors_dir(settings.target_dir(CheckpointKey.parse(KEY)))
+    assert set(output) == set(reference) and all(same_bits(output[n], t) for n, t in reference.items())
+    record_property("checkpoint_to_published_seconds", round(latency, 1))
+    record_property("sensor_run_seconds", round(run_seconds(run), 1))
+    print(
+        f"checkpoint dropped -> merged folder published: {latency:.1f} s; the sensor's run took {run_seconds(run):.1f} s"
+    )
+    assert latency < 120
+
+
+def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors(
+    merged, dagster, settings, record_property
+):
+    """The UI's Materialize (one partition, overwrite in the Launchpad) launches the implicit asset job."""
+    _, sensor_run, _ = merged
+    params = {
+        "selector": {
+            "repositoryLocationName": "merge_pipeline",
+            "repositoryName": "__repository__",
+            "pipelineName": "__ASSET_JOB",
+            "assetSelection": [{"path": ["hf_model"]}],
+            "assetCheckSelection": [{"assetKey": {"path": ["hf_model"]}, "name": c} for c in CHECK_NAMES],
+        },
+        "mode": "default",
+        "runConfigData": {"ops": {"hf_model": {"config": {"overwrite": True, "dtype": "bfloat16"}}}},
+        "executionMetadata": {"tags": [{"key": "dagster/partition", "value": KEY}]},
+    }
+    launched = dagster.graphql(LAUNCH, {"params": params})["launchPipelineExecution"]
+    assert launched["__typename"] == "LaunchRunSuccess", launched
+
+    run = wait_for_run(dagster, KEY, after=1)
+
+    assert run["status"] == "SUCCESS" and run["runId"] == launched["run"]["runId"], dagster.log_tail()
+    merged_again = load_safetensors_dir(settings.target_dir(CheckpointKey.parse(KEY)))
+    assert {str(t.dtype) for t in merged_again.values()} == {"torch.bfloat16"}
+    ui, sensor = run_seconds(run), run_seconds(sensor_run)
+    record_property("ui_run_seconds", round(ui, 1))
+    print(f"run time: UI-launched {ui:.1f} s, sensor-launched {sensor:.1f} s")
+    assert ui < max(2 * sensor, sensor + 15), (
+        ui,
+        sensor,
+    )  # one process: no per-step torch import (was 40-53 s vs ~5 s)
+
+
+def test_checks_are_offered_only_with_the_merge(dagster):
+    checks = dagster.graphql(CHECKS, {})["assetNodeOrError"]["assetChecksOrError"]["checks"]
+    assert sorted((c["name"], c["blocking"], c["canExecuteIndividually"]) for c in checks) == [
+        (name, True, "REQUIRES_MATERIALIZATION") for name in CHECK_NAMES
+    ]
+
+
+@pytest.fixture(scope="module")
+def failed(merged, dagster, settings, fsdp_checkpoint):
+    """A checkpoint whose rank file was cut short: the sensor's run fails in one line."""
+    sample = fsdp_checkpoint(ACTOR)
+    parsed = CheckpointKey.parse(BROKEN)
+    shutil.copytree(sample.role_dir, settings.roots[0] / parsed.path, copy_function=shutil.copy)
+    rank_file = settings.roots[0] / parsed.path / "model_world_size_2_rank_1.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])
+    (settings.roots[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
+    return wait_for_run(dagster, BROKEN), rank_file
+
+
+def test_a_broken_checkpoint_fails_in_one_line_and_the_sensor_says_so(failed, dagster, settings):
+    run, rank_file = failed
+    assert run["status"] == "FAILURE"
+    assert not settings.target_dir(CheckpointKey.parse(BROKEN)).exists()
+    selector = {
+        "repositoryLocationName": "merge_pipeline",
+        "repositoryName": "__repository__",
+        "sensorName": "new_checkpoint_sensor",
+    }
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        [last] = dagster.graphql(SENSOR, {"sensor": selector})["sensorOrError"]["sensorState"]["ticks"]
+        if last["skipReason"] and "last merge failed" in last["skipReason"]:
+            break
+        time.sleep(1)
+    assert f"last merge failed for 1: {BROKEN}" in last["skipReason"]
+
+
+def test_the_ui_shows_the_graph_a_partition_the_checks_and_the_failed_run(merged, failed, dagster, tmp_path):
+    run, rank_file = failed
+    graph = f"{dagster.url}/locations/merge_pipeline/asset-groups/merge"
+
+    dom = browser.dump_dom_showing(graph, ">hf_model<", "2 partitions")
+    browser.screenshot(graph, tmp_path / "asset_graph.png")
+    partition = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=partitions&partition={KEY}", BROKEN)
+    checks = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=checks", *CHECK_NAMES)
+    run_page = browser.dump_dom_showing(f"{dagster.url}/runs/{run['runId']}", "not a torch.save zip archive")
+
+    assert ">checkpoint<" in dom and ">hf_model<" in dom and "2 partitions" in dom
+    assert (tmp_path / "asset_graph.png").stat().st_size > 20_000
+    assert KEY in partition and BROKEN in partition
+    assert all(name in checks for name in CHECK_NAMES)
+    assert str(rank_file) in run_page and "not a torch.save zip archive" in run_page

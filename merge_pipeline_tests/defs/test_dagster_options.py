@@ -1,0 +1,75 @@
+"""Options Dagster's run config lacked before the one schema: set there, they merge as the CLI's flags do."""
+
+from __future__ import annotations
+
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_tests.defs.helpers import materialize
+from merge_pipeline_tests.defs.test_dagster_failures import assert_nothing_published, failure
+from merge_pipeline_tests.helpers import config_says_tied, error_lines, load_safetensors_dir, run_cli, same_bits
+
+UNTIED = FsdpSpec()  # a trained lm_head that differs from the embeddings
+KEY = "run/global_step_2/actor"
+
+
+def test_untie_word_embedding_in_the_run_config_merges_as_the_cli_flag(
+    capsys, fsdp_checkpoint, roots, instance, tmp_path
+):
+    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+    config_says_tied(role_dir)  # tying would drop the trained lm_head: refused unless untied
+    cli_dir = tmp_path / "cli"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", role_dir, "--target_dir", cli_dir, "--no-progress", "--untie-word-embedding"
+    )
+    assert code == 0, err
+
+    result = materialize(instance, roots.settings(), KEY, merge_config={"untie_word_embedding": True})
+
+    assert result.success
+    target = roots.target(KEY)
+    assert (target / "config.json").read_bytes() == (cli_dir / "config.json").read_bytes()
+    merged, by_cli = load_safetensors_dir(target), load_safetensors_dir(cli_dir)
+    assert "lm_head.weight" in merged and set(merged) == set(by_cli)
+    for name, tensor in by_cli.items():
+        assert same_bits(merged[name], tensor), name
+
+
+def test_without_untie_the_run_fails_naming_the_run_config_field(capsys, fsdp_checkpoint, roots, instance, tmp_path):
+    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+    config = config_says_tied(role_dir)
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "cli", "--no-progress")
+    [cli_line] = error_lines(err)
+    assert code == 1 and "--untie-word-embedding" in cli_line
+
+    result = materialize(instance, roots.settings(), KEY)
+
+    step, description = failure(result)
+    assert step == "hf_model" and description.startswith(f"{config}: tie_word_embeddings is true")
+    assert description == cli_line.removeprefix("error: ").replace("--untie-word-embedding", "untie_word_embedding")
+    assert_nothing_published(instance, roots)
+
+
+def test_backend_in_the_run_config_reads_the_checkpoint_as_that_format(
+    capsys, fsdp_checkpoint, roots, instance, tmp_path
+):
+    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "cli", "--backend", "megatron"
+    )
+    [cli_line] = error_lines(err)
+    assert code == 1 and cli_line.startswith(f"error: {role_dir}/huggingface: no model weights")
+
+    result = materialize(instance, roots.settings(), KEY, merge_config={"backend": "megatron"})
+
+    assert failure(result) == ("hf_model", cli_line.removeprefix("error: "))
+    assert_nothing_published(instance, roots)
+
+
+def test_tie_and_untie_together_fail_in_one_line(fsdp_checkpoint, roots, instance):
+    roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+
+    result = materialize(
+        instance, roots.settings(), KEY, merge_config={"tie_word_embedding": True, "untie_word_embedding": True}
+    )
+
+    assert failure(result) == ("hf_model", "tie_word_embedding and untie_word_embedding contradict each other")
+    assert_nothing_published(instance, roots)

@@ -1,0 +1,225 @@
+"""``new_checkpoint_sensor`` over real FSDP checkpoint folders: complete vs partial, idempotent, rotation-proof."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import dagster as dg
+import pytest
+
+from merge_pipeline.defs.discovery import TRACKER, completeness
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
+from merge_pipeline.errors import MergeError
+from merge_pipeline.pipeline import merge_checkpoint
+from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.helpers import tree_digest
+
+
+def tick(instance, settings, cursor=None) -> dg.SensorResult:
+    return new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings})
+    )
+
+
+def requested(result: dg.SensorResult) -> list[str]:
+    return [r.partition_key for r in result.run_requests or []]
+
+
+def age(folder, seconds: float) -> None:
+    """Make every file and folder under ``folder`` look last changed ``seconds`` ago."""
+    then = time.time() - seconds
+    for path in [folder, *folder.rglob("*")]:
+        os.utime(path, (then, then))
+
+
+def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, roots, instance):
+    actor = roots.drop(fsdp_checkpoint(ACTOR), "proj/exp/global_step_5")
+    critic = roots.drop(fsdp_checkpoint(CRITIC), "proj/exp/global_step_5", tracker=5)
+
+    result = tick(instance, roots.settings())
+
+    keys = ["proj/exp/global_step_5/actor", "proj/exp/global_step_5/critic"]
+    assert requested(result) == keys
+    assert [r.run_key for r in result.run_requests] == keys
+    assert [r.tags[SOURCE_TAG] for r in result.run_requests] == [str(actor), str(critic)]
+    [added] = result.dynamic_partitions_requests
+    assert (added.partitions_def_name, list(added.partition_keys)) == ("checkpoints", keys)
+    assert json.loads(result.cursor) == keys
+    # each saved checkpoint recorded as the external asset's event, with where it is and why it counts as complete
+    assert [(e.asset_key.to_user_string(), e.partition) for e in result.asset_events] == [
+        ("checkpoint", k) for k in keys
+    ]
+    assert [e.metadata["path"].value for e in result.asset_events] == [str(actor), str(critic)]
+    assert result.asset_events[1].metadata["completeness"].value == "latest_checkpointed_iteration.txt says 5 >= 5"
+
+
+def test_partial_checkpoint_waits_until_the_trainer_says_it_is_done(fsdp_checkpoint, roots, instance):
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_6", tracker=5)  # tracker still at the previous step
+    settings = roots.settings(settle_seconds=3600)
+
+    waiting = tick(instance, settings)
+    assert requested(waiting) == [] and waiting.dynamic_partitions_requests == []
+    assert waiting.skip_reason.skip_message.startswith(
+        "waiting for 1 partial checkpoint(s): run/global_step_6/actor (latest_checkpointed_iteration.txt says 5; a file changed"
+    )
+
+    (roots.checkpoints / "run" / TRACKER).write_text("6")
+    assert requested(tick(instance, settings, waiting.cursor)) == ["run/global_step_6/actor"]
+
+
+def test_without_tracker_a_checkpoint_is_complete_once_settled(fsdp_checkpoint, roots, instance):
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1")
+    settings = roots.settings(settle_seconds=60)
+    assert requested(tick(instance, settings)) == []  # just written
+
+    age(role_dir, 30)
+    assert requested(tick(instance, settings)) == []
+    assert not completeness(role_dir, 1, 60).complete
+
+    age(role_dir, 61)
+    assert requested(tick(instance, settings)) == ["run/global_step_1/actor"]
+
+
+def test_repeated_ticks_request_each_checkpoint_once(fsdp_checkpoint, roots, instance):
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
+    settings = roots.settings()
+
+    first = tick(instance, settings)
+    second = tick(instance, settings, first.cursor)
+    third = tick(instance, settings, second.cursor)
+
+    assert requested(first) == ["run/global_step_1/actor"]
+    assert requested(second) == requested(third) == [] and third.cursor == first.cursor
+    assert third.skip_reason.skip_message == "no new checkpoints (1 known)"
+    # A lost cursor asks again, under the same run key: Dagster launches a run key only once.
+    assert [r.run_key for r in tick(instance, settings).run_requests] == [r.run_key for r in first.run_requests]
+
+
+def test_folders_deleted_by_rotation_leave_the_cursor(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    for step in (1, 2, 3):
+        roots.drop(sample, f"run/global_step_{step}", tracker=step, link=True)
+    settings = roots.settings()
+    first = tick(instance, settings)
+    assert len(requested(first)) == 3
+
+    shutil.rmtree(roots.checkpoints / "run" / "global_step_1")
+    shutil.rmtree(roots.checkpoints / "run" / "global_step_2" / "actor")
+    after = tick(instance, settings, first.cursor)
+
+    assert requested(after) == [] and json.loads(after.cursor) == ["run/global_step_3/actor"]
+    shutil.rmtree(roots.checkpoints)  # the whole root gone: nothing to do, no error
+    assert json.loads(tick(instance, settings, after.cursor).cursor) == []
+
+
+def test_hundreds_of_steps_cost_one_cheap_scan(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    for step in range(1, 301):
+        roots.drop(sample, f"run/global_step_{step}", link=True)
+    (roots.checkpoints / "run" / TRACKER).write_text("300")
+    settings = roots.settings()
+
+    first = tick(instance, settings)
+    started = time.monotonic()
+    second = tick(instance, settings, first.cursor)
+    seconds = time.monotonic() - started
+
+    assert len(requested(first)) == 300 and len(set(r.run_key for r in first.run_requests)) == 300
+    assert requested(second) == [] and len(json.loads(second.cursor)) == 300
+    assert seconds < 2, f"a tick over 300 known steps took {seconds:.2f} s"
+
+
+def test_steps_already_merged_are_skipped(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    merged_by_hand = roots.drop(sample, "run/global_step_1", link=True)
+    roots.drop(sample, "run/global_step_2", tracker=2, link=True)
+    merge_checkpoint(merged_by_hand, roots.target("run/global_step_1/actor"), show_progress=False)
+
+    result = tick(instance, roots.settings())
+
+    assert requested(result) == ["run/global_step_2/actor"]
+    assert json.loads(result.cursor) == ["run/global_step_1/actor", "run/global_step_2/actor"]
+
+
+def test_finds_steps_up_to_three_levels_deep_and_maps_keys_back(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    for step_dir in [
+        "global_step_1",
+        "a/global_step_1",
+        "a/b/global_step_1",
+        "a/b/c/global_step_1",
+        ".trash/global_step_1",
+        "merged/x/global_step_1",
+    ]:
+        roots.drop(sample, step_dir, link=True)
+        (roots.checkpoints / step_dir).parent.joinpath(TRACKER).write_text("1")
+    settings = MergeSettings(checkpoint_roots=[str(roots.checkpoints)], output_root=str(roots.checkpoints / "merged"))
+
+    keys = requested(tick(instance, settings))
+
+    assert keys == ["checkpoints/global_step_1/actor", "a/global_step_1/actor", "a/b/global_step_1/actor"]
+    for key in keys:
+        assert settings.role_dir(CheckpointKey.parse(key)) == roots.checkpoints / key.removeprefix("checkpoints/")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "global_step_1/actor",
+        "run/global_step_x/actor",
+        "run/global_step_1/reward",
+        "../run/global_step_1/actor",
+        "/abs/global_step_1/actor",
+        "a//b/global_step_1/actor",
+    ],
+)
+def test_malformed_partition_keys_are_refused(key):
+    with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor|critic>"):
+        CheckpointKey.parse(key)
+
+
+def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(ACTOR)
+    for step in (1, 2, 3):
+        roots.drop(sample, f"run/global_step_{step}", tracker=step, link=True)
+    settings = roots.settings()
+    first = tick(instance, settings)
+    instance.add_dynamic_partitions("checkpoints", requested(first))
+    merge_checkpoint(
+        roots.checkpoints / "run/global_step_1/actor", roots.target("run/global_step_1/actor"), show_progress=False
+    )
+    merged = tree_digest(roots.target("run/global_step_1/actor"))
+    shutil.rmtree(roots.checkpoints / "run" / "global_step_1")  # merged, then rotated away
+    shutil.rmtree(roots.checkpoints / "run" / "global_step_2")  # rotated away before its merge
+
+    after = tick(instance, settings, first.cursor)
+
+    [removed] = after.dynamic_partitions_requests
+    assert isinstance(removed, dg.DeleteDynamicPartitionsRequest) and list(removed.partition_keys) == [
+        "run/global_step_2/actor"
+    ]
+    assert tree_digest(roots.target("run/global_step_1/actor")) == merged
+    # an unreadable root proves nothing: no partition is removed while it cannot be read
+    shutil.rmtree(roots.checkpoints)
+    assert tick(instance, settings, after.cursor).dynamic_partitions_requests == []
+
+
+def test_skip_reason_lists_partitions_whose_last_merge_failed(fsdp_checkpoint, roots, instance):
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
+    rank_file = role_dir / "model_world_size_2_rank_0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])
+    settings = roots.settings()
+    first = tick(instance, settings)
+    assert not materialize(instance, settings, "run/global_step_1/actor").success
+
+    reason = tick(instance, settings, first.cursor).skip_reason.skip_message
+
+    assert (
+        reason
+        == "no new checkpoints (1 known) | last merge failed for 1: run/global_step_1/actor (see Runs; re-execute or backfill them)"
+    )

@@ -1,0 +1,58 @@
+"""The architecture check: transformers' meta-device model is the judge of names and shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors
+from merge_pipeline.plan import Computed, PlannedTensor
+
+
+def planned(shapes: dict[str, tuple[int, ...]]) -> list[PlannedTensor]:
+    return [PlannedTensor(name, shape, None, Computed(lambda: None)) for name, shape in shapes.items()]
+
+
+@pytest.fixture(scope="module")
+def tied_llama(megatron_samples):
+    hf_dir = megatron_samples["llama_tied_pp2"].role_dir / "huggingface"
+    return hf_dir, expected_tensors(hf_dir, value_model=False, trust_remote_code=False)
+
+
+def test_tied_lm_head_may_be_present_or_absent(tied_llama):
+    hf_dir, expected = tied_llama
+    assert {"lm_head.weight", "model.embed_tokens.weight"} in expected.tied_groups
+    check_plan_against_architecture(planned(expected), expected, hf_dir / "config.json")
+    without_head = {k: v for k, v in expected.items() if k != "lm_head.weight"}
+    check_plan_against_architecture(planned(without_head), expected, hf_dir / "config.json")
+
+
+def test_every_problem_is_listed_in_one_line(tied_llama):
+    hf_dir, expected = tied_llama
+    shapes = dict(expected)
+    del shapes["model.layers.0.mlp.up_proj.weight"]
+    shapes["model.layers.0.mlp.extra.weight"] = (1, 1)
+    shapes["model.norm.weight"] = (3,)
+    with pytest.raises(MergeError) as error:
+        check_plan_against_architecture(planned(shapes), expected, hf_dir / "config.json")
+    message = str(error.value)
+    assert "\n" not in message and error.value.path == hf_dir / "config.json"
+    assert "1 unexpected" in message and "model.layers.0.mlp.extra.weight" in message
+    assert "1 missing: model.layers.0.mlp.up_proj.weight" in message
+    assert "model.norm.weight (3,) vs (64,)" in message
+
+
+def test_moe_experts_are_expected_per_expert_as_on_the_hub(megatron_samples):
+    """transformers 5 fuses experts in memory; the files keep one tensor per expert."""
+    expected = expected_tensors(
+        megatron_samples["qwen2_moe_ep2"].role_dir / "huggingface", value_model=False, trust_remote_code=False
+    )
+    assert expected["model.layers.0.mlp.experts.3.gate_proj.weight"] == (32, 64)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in expected
+
+
+def test_value_model_expects_a_score_head(megatron_samples):
+    expected = expected_tensors(
+        megatron_samples["qwen2_value"].role_dir / "huggingface", value_model=True, trust_remote_code=False
+    )
+    assert expected["score.weight"] == (1, 64) and "lm_head.weight" not in expected

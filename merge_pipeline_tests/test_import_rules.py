@@ -1,0 +1,144 @@
+"""The package's arrows point one way (issue 12): every import, function-level ones included, read with ast.
+
+Layers, lowest first: shared leaves (errors, files, options, the plan types) < ``hf`` (the Hugging Face
+folder format) < ``formats`` (readers) and ``engine`` (the writer), which know nothing of each other
+< ``pipeline`` (the one module using both) < ``distributed`` and ``hub`` < ``cli`` and ``defs``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "merge_pipeline"
+
+# Layer of each top-level part of the package; an import may only go to the same layer or a lower one.
+LAYERS = {
+    "__init__": 0,
+    "errors": 0,
+    "input_files": 0,
+    "json_files": 0,
+    "options": 0,
+    "progress": 0,
+    "plan": 0,
+    "model_card": 0,
+    "hf": 1,
+    "formats": 2,
+    "engine": 2,
+    "sample_checkpoints": 2,
+    "pipeline": 3,
+    "distributed": 4,
+    "hub": 4,
+    "cli": 5,
+    "defs": 5,
+    "definitions": 5,
+    "__main__": 6,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules ``path`` imports anywhere in its body (``from a import b`` counts a.b if a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.update(
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            )
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {
+        name: {m for m in imports_of(path, modules) if m in modules and m != name} for name, path in modules.items()
+    }
+
+
+def part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    found = []
+    for importer, imported in sorted(edges.items()):
+        for target in sorted(imported):
+            a, b = part(importer), part(target)
+            if LAYERS[b] > LAYERS[a]:
+                found.append(f"upward: {importer} -> {target}")
+            if a in ("engine", "formats") and b in ("pipeline", "cli", "defs", "definitions", "distributed", "hub"):
+                found.append(f"{a} imports {b}: {importer} -> {target}")
+            if {a, b} == {"engine", "formats"}:
+                found.append(f"engine and formats are independent: {importer} -> {target}")
+            if a in ("cli", "defs", "definitions") and b in ("formats", "engine"):
+                found.append(f"{a} must go through pipeline: {importer} -> {target}")
+    return found
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_every_part_of_the_package_has_a_layer() -> None:
+    assert sorted({part(m) for m in all_modules()} - LAYERS.keys()) == []
+
+
+def test_imports_point_down_and_through_pipeline() -> None:
+    assert violations(graph()) == []
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_private_dagster_api(path: Path) -> None:
+    private = [
+        name
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+        if name.startswith("dagster._") or name.startswith("dagster_pipes._")
+    ]
+    assert private == []
