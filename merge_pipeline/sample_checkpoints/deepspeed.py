@@ -154,6 +154,7 @@ def _run_ranks(job_path: Path) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    _skip_shm_all_reduce()
     deepspeed.init_distributed("gloo")
     try:
         for save_dir, reference_dir, spec in json.loads(job_path.read_text()):
@@ -162,6 +163,18 @@ def _run_ranks(job_path: Path) -> None:
             )
     finally:
         dist.destroy_process_group()
+
+
+def _skip_shm_all_reduce() -> None:
+    """Keep ``init_distributed`` from compiling DeepSpeed's shared-memory all-reduce (a C++ op: minutes,
+    and a compiler, on a fresh machine). It only speeds up inference all-reduces; training uses gloo's."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    # deepspeed.comm.torch.build_shm_op builds the op only if this table calls it compatible.
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def _train_and_save(save_dir: Path, reference_dir: Path, spec: DeepSpeedSpec) -> None:
