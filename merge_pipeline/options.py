@@ -10,7 +10,7 @@ from dataclasses import Field, dataclass, field, fields
 
 from merge_pipeline.errors import MergeError
 
-BACKENDS = ("auto", "fsdp", "megatron", "hf", "dcp")
+BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed", "dcp")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
 DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"

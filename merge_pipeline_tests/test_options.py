@@ -97,7 +97,9 @@ def test_cli_flags_reach_the_options():
 
 
 def test_an_unknown_backend_is_refused_in_one_line():
-    with pytest.raises(MergeError, match=r"^--backend must be one of auto, fsdp, megatron, hf, dcp, not 'nemo'$"):
+    with pytest.raises(
+        MergeError, match=r"^--backend must be one of auto, fsdp, megatron, hf, deepspeed, dcp, not 'nemo'$"
+    ):
         MergeOptions(backend="nemo")
 
 

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 # Weights in huggingface/ are never copied: the merged weights replace them.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
+# Training state a trainer saves beside config.json (DeepSpeed's tag file and converter scripts, the
+# HF Trainer's state): not part of a model folder, and zero_to_fp32.py is no model's remote code.
+_TRAINING_STATE_FILES = ("latest", "zero_to_fp32.py", "zero_to_torch.py", "trainer_state.json")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -48,7 +51,11 @@ def copy_side_files(
     limit = parse_size(max_file_size, "--max-side-file-size")
     copied = []
     for src in sorted(hf_dir.iterdir()):
-        if src.name == CONFIG or src.name.endswith(_WEIGHT_SUFFIXES + _WEIGHT_INDEXES) or src.is_dir():
+        if (
+            src.name in (CONFIG, *_TRAINING_STATE_FILES)
+            or src.name.endswith(_WEIGHT_SUFFIXES + _WEIGHT_INDEXES)
+            or src.is_dir()
+        ):
             continue
         if confine_to is not None:
             contained_file(src, confine_to)

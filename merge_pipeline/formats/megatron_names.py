@@ -6,7 +6,8 @@ Pure bookkeeping: given every tensor key of a dist checkpoint with its global sh
 Layouts (see docs/LAYOUTS.md, "Megatron"): layers are stacked on a leading axis (``decoder.layers.<param>`` [L, ...])
 or stored one key per layer (``decoder.layers.<i>.<param>``); experts likewise ([L, E, ...],
 [E, ...] or ``experts.<e>.``). Fused QKV rows are ``[q heads | k | v]`` per KV group; a gated fc1 is
-``[gate; up]`` or two keys ``_w`` (gate) and ``_v`` (up).
+``[gate; up]`` or two keys ``_w`` (gate) and ``_v`` (up). Multi-token-prediction modules
+(``mtp.layers.<k>.``, DeepSeek-V3) become the HF layers after the decoder's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Naming:
     text_prefix: str = "model."  # embed_tokens, layers.<i>, norm
     shared_experts: str = "shared_experts"  # Qwen2-MoE says "shared_expert"
     vision_prefix: str | None = None  # vision-language models: the vision tower
+    moe: str = "mlp"  # the MoE block of a layer: router "<moe>.gate", experts "<moe>.experts.<e>."
+    expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
 
 
 # The on-disk (Hub) names; transformers 5 renames them to model.language_model.* / model.visual.* on load.
@@ -54,6 +57,7 @@ _VISION_LANGUAGE = Naming(text_prefix="model.", vision_prefix="visual.")
 ARCHITECTURES: dict[str, Naming] = {
     "LlamaForCausalLM": Naming(),
     "MistralForCausalLM": Naming(),
+    "MixtralForCausalLM": Naming(moe="block_sparse_moe", expert_linears=("w1", "w3", "w2")),
     "Qwen2ForCausalLM": Naming(),
     "Qwen3ForCausalLM": Naming(),
     "Qwen2MoeForCausalLM": Naming(shared_experts="shared_expert"),
@@ -75,6 +79,8 @@ class ModelShape:
     head_dim: int
     vision_heads: int | None
     value_model: bool
+    num_layers: int | None  # decoder layers: multi-token-prediction layer k is HF layer num_layers + k
+    mtp_layers: int  # num_nextn_predict_layers
 
 
 def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
@@ -96,7 +102,19 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         raise MergeError(config_path, f"missing or invalid attention size {exc}") from None
     vision = config.get("vision_config") or {}
     vision_heads = vision.get("num_heads")
-    return ModelShape(architecture, ARCHITECTURES[architecture], heads, kv_heads, head_dim, vision_heads, value_model)
+    num_layers = text.get("num_hidden_layers")
+    mtp_layers = text.get("num_nextn_predict_layers") or 0
+    return ModelShape(
+        architecture,
+        ARCHITECTURES[architecture],
+        heads,
+        kv_heads,
+        head_dim,
+        vision_heads,
+        value_model,
+        num_layers,
+        mtp_layers,
+    )
 
 
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
@@ -141,11 +159,11 @@ _TEXT_LINEARS: dict[str, tuple[object, str | None]] = {
     "self_attention.linear_kv_up_proj": (_Copy("self_attn.kv_b_proj"), "self_attn.kv_a_layernorm"),
     "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
     "mlp.linear_fc2": (_Copy("mlp.down_proj"), None),
-    "mlp.router": (_Copy("mlp.gate"), None),
+    "mlp.router": (_Copy("{moe}.gate"), None),
     "mlp.shared_experts.linear_fc1": (_GateUp("mlp.{shared}.gate_proj", "mlp.{shared}.up_proj"), None),
     "mlp.shared_experts.linear_fc2": (_Copy("mlp.{shared}.down_proj"), None),
-    "mlp.experts.linear_fc1": (_GateUp("mlp.experts.{expert}.gate_proj", "mlp.experts.{expert}.up_proj"), None),
-    "mlp.experts.linear_fc2": (_Copy("mlp.experts.{expert}.down_proj"), None),
+    "mlp.experts.linear_fc1": (_GateUp("{moe}.experts.{expert}.{gate}", "{moe}.experts.{expert}.{up}"), None),
+    "mlp.experts.linear_fc2": (_Copy("{moe}.experts.{expert}.{down}"), None),
     "input_layernorm": (_Copy("input_layernorm"), None),
     "pre_mlp_layernorm": (_Copy("post_attention_layernorm"), None),
     "self_attention.q_layernorm": (_Copy("self_attn.q_norm"), None),
@@ -175,6 +193,11 @@ _VISION_GLOBALS = {
     "projection.encoder.linear_fc1": "merger.mlp.0",
     "projection.encoder.linear_fc2": "merger.mlp.2",
 }
+
+# Multi-token prediction (DeepSeek-V3): megatron-core's MTP module k is HF layer num_hidden_layers + k, holding
+# the norms of its two inputs, their projection, a decoder layer and the norm before the shared output head.
+_MTP_KEY = re.compile(r"mtp\.layers\.(?P<module>\d+)\.(?P<param>.+)")
+_MTP_MODULES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "shared_head.norm"}
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
 # Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1).
@@ -244,8 +267,15 @@ class KeyMapper:
         self.config_path = config_path
         self.metadata_path = metadata_path
         self.is_mla = any(".linear_kv_down_proj." in k for k in shapes)
+        self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
 
     def outputs(self) -> list[OutputSpec]:
+        if self.mtp_modules and len(self.mtp_modules) != self.model.mtp_layers:
+            raise MergeError(
+                self.config_path,
+                f"the checkpoint has {len(self.mtp_modules)} multi-token-prediction module(s) (mtp.layers.*) "
+                f"but num_nextn_predict_layers is {self.model.mtp_layers}",
+            )
         specs: list[OutputSpec] = []
         unmapped: list[str] = []
         for key, shape in self.shapes.items():
@@ -290,8 +320,15 @@ class KeyMapper:
         if self.model.value_model:
             top_level["output_layer.bias"] = "score.bias"
         if local in top_level:
-            return [_whole(top_level[local], key, shape)]
-        params = _layer_params(key, local, shape)
+            return [_whole(top_level[local], key, shape)] + [
+                _whole(name, key, shape) for name in self._mtp_copies_of_shared(local)
+            ]
+        mtp = _MTP_KEY.fullmatch(local)
+        if mtp is not None:
+            return self._map_mtp(key, int(mtp["module"]), mtp["param"], shape)
+        return self._map_text_layers(_layer_params(key, local, shape))
+
+    def _map_text_layers(self, params: Iterator[_LayerParam] | None) -> list[OutputSpec] | None:
         if params is None:
             return None
         out: list[OutputSpec] = []
@@ -301,6 +338,32 @@ class KeyMapper:
                 return None
             out.extend(mapped)
         return out
+
+    def _map_mtp(self, key: str, module: int, param: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
+        if self.model.num_layers is None:
+            return None
+        layer = self.model.num_layers + module
+        name, _, attr = param.rpartition(".")
+        if name in _MTP_MODULES and attr == "weight":
+            return [_whole(f"{self.model.naming.text_prefix}layers.{layer}.{_MTP_MODULES[name]}.weight", key, shape)]
+        if not param.startswith("transformer_layer."):
+            return None
+        local = f"decoder.layers.{layer}.{param.removeprefix('transformer_layer.')}"
+        return self._map_text_layers(_layer_params(key, local, shape))
+
+    def _mtp_copies_of_shared(self, local: str) -> list[str]:
+        """MTP layers share the embedding and the output head; DeepSeek-V3's checkpoints (and vLLM's
+        loader) still have both under each MTP layer, as ``embed_tokens`` and ``shared_head.head``."""
+        if not self.mtp_modules or self.model.num_layers is None:
+            return []
+        if local == "embedding.word_embeddings.weight":
+            names = ["embed_tokens"] if "output_layer.weight" in self.shapes else ["embed_tokens", "shared_head.head"]
+        elif local == "output_layer.weight" and not self.model.value_model:
+            names = ["shared_head.head"]
+        else:
+            return []
+        prefix = self.model.naming.text_prefix
+        return [f"{prefix}layers.{self.model.num_layers + k}.{name}.weight" for k in self.mtp_modules for name in names]
 
     def _map_vision(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
         prefix = self.model.naming.vision_prefix
@@ -347,7 +410,9 @@ class KeyMapper:
             ]
         if p.attr not in ("weight", "bias"):
             return None
-        names = {"shared": self.model.naming.shared_experts, "expert": p.expert}
+        naming = self.model.naming
+        names = dict(zip(("gate", "up", "down"), naming.expert_linears, strict=True))
+        names.update(shared=naming.shared_experts, expert=p.expert, moe=naming.moe)
         whole = (0, p.rows)
         if isinstance(conversion, _Copy) and not p.half:
             return [OutputSpec(f"{prefix}{conversion.name.format(**names)}.{p.attr}", (Piece(p.key, p.index, whole),))]

@@ -19,6 +19,7 @@ import pickle
 import re
 import struct
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -60,23 +61,26 @@ class _QuietDeviceMesh(logging.Filter):
 logging.getLogger("torch.distributed.device_mesh").addFilter(_QuietDeviceMesh())
 
 
-def load_meta_state_dict(path: Path) -> dict[str, object]:
+def load_meta_state_dict(path: Path, allowed_globals: Mapping[str, object] | None = None) -> dict[str, object]:
     """Unpickle a state dict safely onto the meta device; one-line ``MergeError`` on any problem."""
     with os.fdopen(open_regular(path), "rb") as stream:  # never a FIFO or device
         if os.fstat(stream.fileno()).st_size == 0:
             raise MergeError(path, "file is empty")
         if not zipfile.is_zipfile(stream):
             raise MergeError(path, "not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)")
-        state = load_meta_archive(stream, path)
+        state = load_meta_archive(stream, path, allowed_globals)
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise MergeError(path, f"expected a state dict of name -> tensor, found {type(state).__name__}")
     return state
 
 
-def load_meta_archive(stream: BinaryIO, path: Path) -> object:
+def load_meta_archive(stream: BinaryIO, path: Path, allowed_globals: Mapping[str, object] | None = None) -> object:
     """What ``torch.load(stream, map_location="meta", weights_only=True)`` returns, with each
     storage's ``_checkpoint_offset`` (data start, relative to ``stream``) read from its record's
-    local header and its declared size (``_checkpoint_nbytes``) checked against the record."""
+    local header and its declared size (``_checkpoint_nbytes``) checked against the record.
+
+    ``allowed_globals``: full global name -> the object to build in its place, added to torch's
+    allow-list for this load only (a reader's inert stand-ins for its trainer's plain-data classes)."""
     records = _stored_records(stream, path)
     prefix = next(iter(records)).split("/", 1)[0]  # torch names every record <archive>/...
     byteorder = records.get(f"{prefix}/byteorder")
@@ -123,8 +127,10 @@ def load_meta_archive(stream: BinaryIO, path: Path) -> object:
 
     unpickler = WeightsOnlyUnpickler(io.BytesIO(_read_record(stream, pickled, path)), encoding="utf-8")
     unpickler.persistent_load = persistent_load
+    extra_globals = [(obj, name) for name, obj in (allowed_globals or {}).items()]
     try:
-        return unpickler.load()
+        with torch.serialization.safe_globals(extra_globals):
+            return unpickler.load()
     except MergeError:
         raise
     except Exception as exc:  # a hostile pickle can raise anything; it must still be one line

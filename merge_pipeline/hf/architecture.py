@@ -27,12 +27,19 @@ class ExpectedTensors(dict[str, tuple[int, ...]]):
 
     ``optional`` are names that may be left out: a tied weight is one parameter under two names
     (``lm_head.weight`` and ``model.embed_tokens.weight``), and a checkpoint may store either
-    or both.
+    or both. Each of ``all_or_none_groups`` is either wholly present or wholly absent (a
+    multi-token-prediction layer: trained or not).
     """
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tied_groups: list[set[str]]):
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        tied_groups: list[set[str]],
+        all_or_none_groups: list[set[str]] = (),
+    ):
         super().__init__(shapes)
         self.tied_groups = tied_groups
+        self.all_or_none_groups = list(all_or_none_groups)
 
 
 def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: bool) -> ExpectedTensors:
@@ -61,7 +68,37 @@ def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: 
     for name, tensor in state.items():
         groups.setdefault(id(tensor), set()).add(name)
     shapes = {name: tuple(tensor.shape) for name, tensor in revert_weight_conversion(model, state).items()}
-    return ExpectedTensors(shapes, [g for g in groups.values() if len(g) > 1])
+    mtp_layers = _multi_token_prediction_layers(config, shapes)
+    for layer in mtp_layers:
+        shapes.update(layer)
+    return ExpectedTensors(shapes, [g for g in groups.values() if len(g) > 1], [set(layer) for layer in mtp_layers])
+
+
+def _multi_token_prediction_layers(config, shapes: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:
+    """DeepSeek-V3's MTP layers (``num_nextn_predict_layers``): transformers builds none and skips them
+    on load, but checkpoints keep them (vLLM / SGLang load them for speculative decoding). Layer
+    ``num_hidden_layers + k`` is a decoder layer like the last one, plus the norms of its two inputs,
+    their projection, the head's norm, and copies of the embedding and the output head."""
+    count = getattr(config, "num_nextn_predict_layers", None) or 0
+    if not count:
+        return []
+    last = f"model.layers.{config.num_hidden_layers - 1}."
+    hidden, vocab = config.hidden_size, config.vocab_size
+    layers = []
+    for k in range(count):
+        prefix = f"model.layers.{config.num_hidden_layers + k}."
+        layer = {prefix + name.removeprefix(last): shape for name, shape in shapes.items() if name.startswith(last)}
+        for name, shape in (
+            ("enorm", (hidden,)),
+            ("hnorm", (hidden,)),
+            ("eh_proj", (hidden, 2 * hidden)),
+            ("shared_head.norm", (hidden,)),
+            ("shared_head.head", (vocab, hidden)),
+            ("embed_tokens", (vocab, hidden)),
+        ):
+            layer[f"{prefix}{name}.weight"] = shape
+        layers.append(layer)
+    return layers
 
 
 def model_class(config, config_path: Path, *, value_model: bool, trust_remote_code: bool):
@@ -90,6 +127,7 @@ def check_plan_against_architecture(
     planned = {t.name: t.shape for t in plan_tensors}
     optional = {name for group in expected.tied_groups if group & planned.keys() for name in group}
     optional |= {t.name for t in inert_absent_tensors(plan_tensors, expected)}
+    optional |= {name for group in expected.all_or_none_groups if not group & planned.keys() for name in group}
     unexpected = sorted(set(planned) - set(expected))
     missing = sorted(set(expected) - set(planned) - optional)
     mismatched = [

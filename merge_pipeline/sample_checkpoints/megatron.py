@@ -13,9 +13,11 @@ config and tokenizer are in ``<out>/<variant>/hf_model/``, the trainer's origina
 with the bridge for ``hf_weights`` variants. ``arrange_v2`` copies a v1 sample into any v2 mode.
 
 Most variants are written by megatron-core itself (``megatron_worker``, two ranks under torchrun, gloo,
-CPU). Layouts it cannot write on CPU are written with ``torch.distributed.checkpoint.save`` directly,
-with the key names and shapes of the real format: multi-latent attention (its core attention needs
-TransformerEngine), vision-language models, and the HF-safetensors layout.
+CPU), DeepSeek-V3's multi-latent attention and multi-token prediction included (local layer spec;
+its core attention is megatron-core's own, given the value width that only TransformerEngine's takes).
+Layouts it cannot write on CPU are written with ``torch.distributed.checkpoint.save`` directly, with
+the key names and shapes of the real format: the TransformerEngine spec's names for MLA (norms fused
+into the linears), vision-language models, and the HF-safetensors layout.
 
 Every stored tensor gets values that depend only on its checkpoint key (``global_values``). The
 reference is built from those whole tensors by ``reference_weights``, a separate, deliberately
@@ -87,7 +89,7 @@ SIZE_PRESETS = {
     # Qwen2-MoE with shared_expert_intermediate_size 0: megatron-core builds no shared expert.
     "tiny_no_shared_expert": {**_TINY, "shared_ffn": 0},
 }
-# DeepSeek-V3 (multi-latent attention): layer 0 dense, layer 1 MoE.
+# DeepSeek-V3 (multi-latent attention): layer 0 dense, layer 1 MoE (and so are multi-token-prediction layers).
 MLA_SIZES = dict(layers=2, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, shared_experts=1)
 # Qwen2.5-VL vision tower.
 VISION_SIZES = dict(depth=2, hidden=32, heads=2, ffn=48, patch=14, temporal_patch=2, merge=2)
@@ -97,10 +99,10 @@ _FAMILIES = {  # family -> (model_type, causal-LM architecture)
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
-_HANDMADE = {"deepseek_v3", "qwen2_5_vl"}  # megatron-core cannot write these on CPU
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class Variant:
     logits: bool = False  # record megatron-core's forward pass (TP/EP only: PP needs a schedule)
     hf_weights: bool = False  # verl's default: weights as HF safetensors, dist_ckpt without model tensors
     size: str = "tiny"  # a key of SIZE_PRESETS
+    te_spec: bool = False  # key names of the TransformerEngine layer spec, which megatron-core cannot run on CPU
+    mtp_layers: int = 0  # DeepSeek-V3 multi-token-prediction modules (megatron-core's mtp_num_layers)
 
     @property
     def sizes(self) -> dict:
@@ -124,11 +128,12 @@ class Variant:
 
     @property
     def handmade(self) -> bool:
-        return self.family in _HANDMADE or self.hf_weights
+        # megatron-core cannot write a vision-language model on CPU
+        return self.family == "qwen2_5_vl" or self.te_spec or self.hf_weights
 
     @property
     def is_moe(self) -> bool:
-        return self.family in ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+        return self.family in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 
     @property
     def qkv_bias(self) -> bool:
@@ -151,7 +156,9 @@ VARIANTS = {
         Variant("qwen2_moe_ep2", "qwen2_moe", ep=2, logits=True),
         Variant("qwen3_moe_tp2_per_layer", "qwen3_moe", tp=2, per_layer_keys=True, logits=True),
         Variant("qwen2_value", "qwen2", value_model=True),
-        Variant("deepseek_v3_mla", "deepseek_v3"),
+        Variant("deepseek_v3_mla", "deepseek_v3", te_spec=True),
+        Variant("deepseek_v3_mtp", "deepseek_v3", ep=2, mtp_layers=1, logits=True),
+        Variant("mixtral_ep2", "mixtral", ep=2, logits=True),
         Variant("qwen2_5_vl", "qwen2_5_vl"),
         Variant("qwen2_hf_weights", "qwen2", hf_weights=True),
         Variant("qwen2_moe_no_shared_expert", "qwen2_moe", logits=True, size="tiny_no_shared_expert"),
@@ -335,6 +342,14 @@ def _hf_config(v: Variant):
         )
     elif v.family == "qwen3_moe":
         text.update(moe, head_dim=v.sizes["head_dim"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif v.family == "mixtral":  # every layer MoE; intermediate_size is the width of one expert
+        text.update(
+            num_local_experts=v.sizes["experts"],
+            num_experts_per_tok=v.sizes["experts_per_token"],
+            intermediate_size=v.sizes["moe_ffn"],
+            head_dim=v.sizes["head_dim"],
+            sliding_window=None,
+        )
     elif v.family == "deepseek_v3":
         text.update(
             n_routed_experts=v.sizes["experts"],
@@ -350,6 +365,7 @@ def _hf_config(v: Variant):
             qk_rope_head_dim=MLA_SIZES["qk_rope"],
             v_head_dim=MLA_SIZES["v_head"],
             num_key_value_heads=v.sizes["heads"],
+            num_nextn_predict_layers=v.mtp_layers,
         )
     if v.family == "qwen2_5_vl":
         vs = VISION_SIZES
@@ -730,6 +746,10 @@ def _reference_text(full: dict[str, torch.Tensor], v: Variant, src: str, dst: st
                 return full[f"{src}decoder.layers.{i}.{name}"]
         return None
 
+    def mtp_layer(k: int, *names: str) -> torch.Tensor | None:
+        """The decoder layer of multi-token-prediction module k."""
+        return next((full[key] for n in names if (key := f"mtp.layers.{k}.transformer_layer.{n}") in full), None)
+
     out = {
         f"{dst}embed_tokens.weight": full[f"{src}embedding.word_embeddings.weight"],
         f"{dst}norm.weight": full[f"{src}decoder.final_layernorm.weight"],
@@ -741,21 +761,33 @@ def _reference_text(full: dict[str, torch.Tensor], v: Variant, src: str, dst: st
     elif head is not None:
         out["lm_head.weight"] = head
     for i in range(v.num_layers):
-        p = f"{dst}layers.{i}."
-        out[p + "input_layernorm.weight"] = layer(
-            i, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"
-        )
-        out[p + "post_attention_layernorm.weight"] = layer(
-            i, "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"
-        )
-        out[p + "self_attn.o_proj.weight"] = layer(i, "self_attention.linear_proj.weight")
-        of_layer = functools.partial(layer, i)
-        if v.family == "deepseek_v3":
-            out.update(_reference_mla(of_layer, p))
-        else:
-            out.update(_reference_gqa(of_layer, p, v))
-        out.update(_reference_mlp(of_layer, full, f"{src}decoder.layers.", i, p, v))
+        out.update(_reference_layer(functools.partial(layer, i), f"{dst}layers.{i}.", v))
+    for k in range(v.mtp_layers):
+        # DeepSeek-V3 names: HF layer num_hidden_layers + k, with copies of the shared embedding and head.
+        p, m = f"{dst}layers.{v.num_layers + k}.", f"mtp.layers.{k}."
+        out.update(_reference_layer(functools.partial(mtp_layer, k), p, v))
+        out[p + "enorm.weight"] = full[m + "enorm.weight"]
+        out[p + "hnorm.weight"] = full[m + "hnorm.weight"]
+        out[p + "eh_proj.weight"] = full[m + "eh_proj.weight"]
+        out[p + "shared_head.norm.weight"] = full[m + "final_layernorm.weight"]
+        out[p + "shared_head.head.weight"] = full["output_layer.weight"].clone()  # a second copy on disk
+        out[p + "embed_tokens.weight"] = full["embedding.word_embeddings.weight"].clone()
     return {k: t for k, t in out.items() if t is not None}
+
+
+def _reference_layer(get: Callable[..., torch.Tensor | None], p: str, v: Variant) -> dict[str, torch.Tensor]:
+    """One decoder layer; ``get(*spellings)`` finds a parameter of it."""
+    out = {
+        p + "input_layernorm.weight": get("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+        p + "post_attention_layernorm.weight": get("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+        p + "self_attn.o_proj.weight": get("self_attention.linear_proj.weight"),
+    }
+    if v.family == "deepseek_v3":
+        out.update(_reference_mla(get, p))
+    else:
+        out.update(_reference_gqa(get, p, v))
+    out.update(_reference_mlp(get, p, v))
+    return out
 
 
 def _reference_gqa(get: Callable[[str], torch.Tensor | None], p: str, v: Variant) -> dict[str, torch.Tensor]:
@@ -774,14 +806,17 @@ def _reference_gqa(get: Callable[[str], torch.Tensor | None], p: str, v: Variant
     return out
 
 
-def _reference_mla(get: Callable[[str], torch.Tensor | None], p: str) -> dict[str, torch.Tensor]:
+def _reference_mla(get: Callable[..., torch.Tensor | None], p: str) -> dict[str, torch.Tensor]:
+    """The compressed q / kv norms: fused into the up projections (TransformerEngine spec) or separate."""
     a = "self_attention."
     return {
         p + "self_attn.q_a_proj.weight": get(a + "linear_q_down_proj.weight"),
-        p + "self_attn.q_a_layernorm.weight": get(a + "linear_q_up_proj.layer_norm_weight"),
+        p + "self_attn.q_a_layernorm.weight": get(a + "linear_q_up_proj.layer_norm_weight", a + "q_layernorm.weight"),
         p + "self_attn.q_b_proj.weight": get(a + "linear_q_up_proj.weight"),
         p + "self_attn.kv_a_proj_with_mqa.weight": get(a + "linear_kv_down_proj.weight"),
-        p + "self_attn.kv_a_layernorm.weight": get(a + "linear_kv_up_proj.layer_norm_weight"),
+        p + "self_attn.kv_a_layernorm.weight": get(
+            a + "linear_kv_up_proj.layer_norm_weight", a + "kv_layernorm.weight"
+        ),
         p + "self_attn.kv_b_proj.weight": get(a + "linear_kv_up_proj.weight"),
     }
 
@@ -795,16 +830,19 @@ def _gate_up(get: Callable[[str], torch.Tensor | None], fc1: str) -> tuple[torch
     return None if gate is None else (gate, get(f"{fc1}.weight_v"))
 
 
-def _reference_mlp(
-    get, full: dict[str, torch.Tensor], layers: str, i: int, p: str, v: Variant
-) -> dict[str, torch.Tensor]:
+def _reference_mlp(get: Callable[..., torch.Tensor | None], p: str, v: Variant) -> dict[str, torch.Tensor]:
     out = {}
     dense = _gate_up(get, "mlp.linear_fc1")
     if dense is not None:
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = dense
         out[p + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
         return out
-    out[p + "mlp.gate.weight"] = get("mlp.router.weight")
+    moe, (w_gate, w_up, w_down) = (
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+        if v.family == "mixtral"
+        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
+    out[p + f"{moe}.gate.weight"] = get("mlp.router.weight")
     out[p + "mlp.gate.e_score_correction_bias"] = get("mlp.router.expert_bias")
     shared_name = "shared_expert" if v.family == "qwen2_moe" else "shared_experts"
     shared = _gate_up(get, "mlp.shared_experts.linear_fc1")
@@ -819,14 +857,11 @@ def _reference_mlp(
         def expert(name: str, e: int = e) -> torch.Tensor | None:
             # [L, E, ...] stacked, [E, ...] per layer, or one key per layer and expert.
             stacked = get(f"mlp.experts.experts.{name}")
-            if stacked is not None:
-                return stacked[e]
-            return full.get(f"{layers}{i}.mlp.experts.experts.{e}.{name}")
+            return stacked[e] if stacked is not None else get(f"mlp.experts.experts.{e}.{name}")
 
-        out[p + f"mlp.experts.{e}.gate_proj.weight"], out[p + f"mlp.experts.{e}.up_proj.weight"] = _gate_up(
-            expert, "linear_fc1"
-        )
-        out[p + f"mlp.experts.{e}.down_proj.weight"] = expert("linear_fc2.weight")
+        experts = f"{p}{moe}.experts.{e}."
+        out[experts + f"{w_gate}.weight"], out[experts + f"{w_up}.weight"] = _gate_up(expert, "linear_fc1")
+        out[experts + f"{w_down}.weight"] = expert("linear_fc2.weight")
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from merge_pipeline.sample_checkpoints.megatron import Variant, global_values, sample_tokens
+from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, Variant, global_values, sample_tokens
 
 
 def _patch_for_cpu() -> None:
@@ -35,31 +35,59 @@ def _patch_for_cpu() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+    # Its TransformerEngine extension module imports without TransformerEngine, so multi-latent
+    # attention believes TE is there and calls isinstance(linear_proj, None).
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
 
 
 def _transformer_config(v: Variant):
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = getattr(torch, v.dtype)
-    moe = {}
+    specific = {}  # settings of the model family
     if v.is_moe:
-        moe = dict(
+        specific = dict(
             num_moe_experts=v.sizes["experts"],
             moe_router_topk=v.sizes["experts_per_token"],
             moe_ffn_hidden_size=v.sizes["moe_ffn"],
             moe_token_dispatcher_type="allgather",  # the only dispatcher that runs on CPU
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            # Qwen2-MoE: softmax over all experts, then top-k, no renormalisation.
+            # Qwen2-MoE: softmax over all experts, then top-k, no renormalisation. Mixtral, Qwen3-MoE:
+            # softmax over the top-k logits (= softmax, top-k, renormalise, as transformers does).
             moe_router_pre_softmax=v.family == "qwen2_moe",
         )
         if v.family == "qwen2_moe" and v.sizes["shared_ffn"]:  # 0: no shared expert at all
-            moe.update(moe_shared_expert_intermediate_size=v.sizes["shared_ffn"], moe_shared_expert_gate=True)
-    return TransformerConfig(
-        num_layers=v.sizes["layers"],
+            specific.update(moe_shared_expert_intermediate_size=v.sizes["shared_ffn"], moe_shared_expert_gate=True)
+    config_class = TransformerConfig
+    if v.family == "deepseek_v3":  # as DeepseekV3Config's defaults: sigmoid router, scaled, group of one
+        config_class = MLATransformerConfig
+        m = MLA_SIZES
+        specific.update(
+            moe_shared_expert_intermediate_size=v.sizes["moe_ffn"] * m["shared_experts"],
+            moe_layer_freq=[0] + [1] * (m["layers"] - 1),  # first_k_dense_replace=1
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=2.5,
+            q_lora_rank=m["q_lora_rank"],
+            kv_lora_rank=m["kv_lora_rank"],
+            qk_head_dim=m["qk_nope"],
+            qk_pos_emb_head_dim=m["qk_rope"],
+            v_head_dim=m["v_head"],
+            rope_type="rope",
+            rotary_base=v.sizes["rope_theta"],
+            mtp_num_layers=v.mtp_layers or None,
+            num_query_groups=v.sizes["heads"],  # MLA: every head has its own key and value
+        )
+    else:
+        specific.update(num_query_groups=v.sizes["kv_heads"])
+    return config_class(
+        num_layers=v.num_layers,
         hidden_size=v.sizes["hidden"],
         num_attention_heads=v.sizes["heads"],
-        num_query_groups=v.sizes["kv_heads"],
         kv_channels=v.sizes["head_dim"],
         ffn_hidden_size=v.sizes["ffn"],
         normalization="RMSNorm",
@@ -68,7 +96,7 @@ def _transformer_config(v: Variant):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=v.qkv_bias,
-        qk_layernorm=v.qk_norm,
+        qk_layernorm=v.qk_norm or v.family == "deepseek_v3",  # MLA: the compressed q and kv norms
         use_cpu_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -78,18 +106,29 @@ def _transformer_config(v: Variant):
         expert_model_parallel_size=v.ep,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        **moe,
+        **specific,
     )
 
 
 def _build_model(v: Variant, config):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(
-        num_experts=v.sizes["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
     )
+
+    mtp_spec = None
+    if v.family == "deepseek_v3":  # dense and MoE layers: one spec per layer
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=v.sizes["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm
+        )
     model = GPTModel(
         config,
         spec,
@@ -101,11 +140,27 @@ def _build_model(v: Variant, config):
         position_embedding_type="rope",
         rotary_base=v.sizes["rope_theta"],
         parallel_output=False,  # gather logits over TP ranks
+        mtp_block_spec=mtp_spec,
     )
     if v.value_model and parallel_state.is_pipeline_last_stage():
         # verl's critic replaces the LM head with a bias-free Linear of one output.
         model.output_layer = torch.nn.Linear(v.sizes["hidden"], 1, bias=False, dtype=config.params_dtype)
     return model.eval()
+
+
+def _mla_core_attention():
+    """megatron-core's local DotProductAttention, told the width of MLA's values: multi-latent
+    attention passes ``k_channels`` / ``v_channels`` (query/key and value head sizes differ), which
+    only TransformerEngine's attention accepts. The scale comes from MLA as ``softmax_scale``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # the output is heads x value width, not x kv_channels
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
 
 
 def _metadata(v: Variant) -> dict | None:
@@ -148,7 +203,19 @@ def _forward_logits(model, out_dir: Path) -> None:
     # True = masked. Passing the mask avoids megatron's default causal mask, which is built on CUDA.
     causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)[None, None]
     with torch.no_grad():
-        logits = model(tokens, positions, causal)
+        if model.mtp_process:
+            # With MTP the model returns losses (it needs labels); the main head's logits are the
+            # output layer's last call (the MTP modules' come first), copied before the loss
+            # computation overwrites them in place.
+            calls = []
+            hook = model.output_layer.register_forward_hook(
+                lambda module, args, output: calls.append(output[0].clone())
+            )
+            model(tokens, positions, causal, labels=tokens)
+            hook.remove()
+            logits = calls[-1].transpose(0, 1)  # [s, b, V] -> [b, s, V], as GPTModel returns it
+        else:
+            logits = model(tokens, positions, causal)
     if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_expert_model_parallel_rank() == 0:
         torch.save(logits[0].float().clone(), out_dir / "megatron_logits.pt")
 

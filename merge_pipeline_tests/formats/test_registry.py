@@ -20,7 +20,9 @@ def test_backends_are_auto_and_the_registered_readers():
 
 
 def test_an_unknown_backend_is_one_line_listing_the_known_ones():
-    with pytest.raises(MergeError, match=r"^--backend must be one of auto, fsdp, megatron, hf, dcp, not 'zip'$"):
+    with pytest.raises(
+        MergeError, match=r"^--backend must be one of auto, fsdp, megatron, hf, deepspeed, dcp, not 'zip'$"
+    ):
         reader("zip")
 
 

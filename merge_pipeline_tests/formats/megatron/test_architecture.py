@@ -56,3 +56,19 @@ def test_value_model_expects_a_score_head(megatron_samples):
         megatron_samples["qwen2_value"].role_dir / "huggingface", value_model=True, trust_remote_code=False
     )
     assert expected["score.weight"] == (1, 64) and "lm_head.weight" not in expected
+
+
+def test_mtp_layer_is_expected_whole_or_not_at_all(megatron_samples):
+    """DeepSeek-V3's config keeps ``num_nextn_predict_layers`` whether or not the run trained MTP:
+    a checkpoint without the MTP layer is fine, one with part of it is not."""
+    hf_dir = megatron_samples["deepseek_v3_mtp"].role_dir / "huggingface"
+    expected = expected_tensors(hf_dir, value_model=False, trust_remote_code=False)
+    mtp_layer = {name for name in expected if name.startswith("model.layers.2.")}
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight"} <= mtp_layer
+    assert expected["model.layers.2.eh_proj.weight"] == (64, 128)
+    check_plan_against_architecture(planned(expected), expected, hf_dir / "config.json")
+    without_mtp = {k: v for k, v in expected.items() if k not in mtp_layer}
+    check_plan_against_architecture(planned(without_mtp), expected, hf_dir / "config.json")
+    partial = {k: v for k, v in expected.items() if k != "model.layers.2.eh_proj.weight"}
+    with pytest.raises(MergeError, match="1 missing: model.layers.2.eh_proj.weight"):
+        check_plan_against_architecture(planned(partial), expected, hf_dir / "config.json")

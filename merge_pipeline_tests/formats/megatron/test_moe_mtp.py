@@ -1,0 +1,137 @@
+"""Megatron MoE and multi-token-prediction models verl trains: Mixtral (``block_sparse_moe``, no shared
+expert, EP=2) and DeepSeek-V3 (multi-latent attention, dense then MoE layers, sigmoid router with
+expert bias, one MTP module, EP=2), both written by megatron-core on gloo ranks. Merged from the CLI,
+bit-exact, and the merged folder computes what megatron-core computed.
+
+Qwen3-MoE (QK-norm, no bias) is proven the same way by
+``test_cli.py::test_merged_model_reproduces_megatron_logits[qwen3_moe_tp2_per_layer]``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from merge_pipeline.cli import main
+from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+
+FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp"]
+SIZES = SIZE_PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def merged(megatron_samples, tmp_path_factory):
+    """Each variant merged once with ``merge-pipeline merge`` (backend detected), inputs untouched."""
+    targets = {}
+    for name in FAMILIES:
+        role_dir = megatron_samples[name].role_dir
+        before = tree_digest(role_dir)
+        target = tmp_path_factory.mktemp(name) / "out"
+        assert main(["merge", "--local_dir", str(role_dir), "--target_dir", str(target), "--no-progress"]) == 0
+        assert tree_digest(role_dir) == before
+        targets[name] = target
+    return targets
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_merged_files_hold_the_source_weights_bit_for_bit(megatron_samples, merged, name):
+    files = load_safetensors_dir(merged[name])
+    reference = load_file(megatron_samples[name].reference_dir / "model.safetensors")
+    assert set(files) == set(reference)
+    assert [k for k in reference if not same_bits(files[k], reference[k])] == []
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_merged_model_reproduces_megatron_logits(megatron_samples, merged, name):
+    model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        merged[name], dtype=torch.float32, output_loading_info=True
+    )
+    assert not loading["missing_keys"] and not loading["mismatched_keys"]
+    # transformers has no MTP module: it skips layer num_hidden_layers (2), and only that.
+    assert all(k.startswith("model.layers.2.") for k in loading["unexpected_keys"])
+    assert bool(loading["unexpected_keys"]) == (name == "deepseek_v3_mtp")
+    with torch.no_grad():
+        logits = model.eval()(sample_tokens()[None]).logits[0]
+    expected = torch.load(megatron_samples[name].logits_path, weights_only=True)
+    assert expected.abs().max() > 1.0  # not a degenerate model
+    # Both sides run float32 from the same bits; they differ only in operation order (megatron-core's
+    # baddbmm attention vs transformers' SDPA, expert outputs summed by the allgather dispatcher's
+    # scatter-add vs transformers' index_add, softmax of the top-k logits vs softmax-top-k-renormalise).
+    # Measured: max |difference| 1.0e-6 (Mixtral) and 1.3e-6 (DeepSeek-V3) on logits up to 2.5, i.e.
+    # a few float32 ulps. Mistakes measured on the same folders: two experts swapped 0.59, gate/up
+    # halves swapped 0.88, router bias dropped 0.80, one MLA norm reversed 0.07.
+    torch.testing.assert_close(logits, expected, atol=5e-6, rtol=0)
+
+
+def test_mixtral_experts_keep_the_hub_names(merged):
+    """As MixtralForCausalLM checkpoints on the Hub: transformers 5 renames ``block_sparse_moe`` to
+    ``mlp`` and fuses w1/w3 into ``gate_up_proj`` on load, and reverses both when saving."""
+    names = set(load_safetensors_dir(merged["mixtral_ep2"]))
+    moe = "model.layers.3.block_sparse_moe."
+    experts = {f"{moe}experts.{e}.{w}.weight" for e in range(SIZES["experts"]) for w in ("w1", "w2", "w3")}
+    assert experts | {f"{moe}gate.weight"} <= names
+    assert not [n for n in names if ".mlp." in n or "shared" in n]
+
+
+def test_mtp_module_is_layer_num_hidden_layers_with_deepseek_names(merged):
+    """megatron-core's ``mtp.layers.0.*`` -> ``model.layers.2.*`` as in DeepSeek-V3's own checkpoint
+    (and vLLM's deepseek_mtp loader), copied bit for bit from the stored tensors."""
+    out = merged["deepseek_v3_mtp"]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (2, 1)
+    files = load_safetensors_dir(out)
+    hidden, vocab, m = SIZES["hidden"], SIZES["vocab"], MLA_SIZES
+    mtp = "mtp.layers.0."
+    own = {  # HF name -> (megatron-core key, shape)
+        "enorm.weight": (mtp + "enorm.weight", (hidden,)),
+        "hnorm.weight": (mtp + "hnorm.weight", (hidden,)),
+        "eh_proj.weight": (mtp + "eh_proj.weight", (hidden, 2 * hidden)),
+        "shared_head.norm.weight": (mtp + "final_layernorm.weight", (hidden,)),
+        "self_attn.q_a_proj.weight": (
+            mtp + "transformer_layer.self_attention.linear_q_down_proj.weight",
+            (m["q_lora_rank"], hidden),
+        ),
+        "self_attn.kv_a_layernorm.weight": (
+            mtp + "transformer_layer.self_attention.kv_layernorm.weight",
+            (m["kv_lora_rank"],),
+        ),
+        "mlp.gate.e_score_correction_bias": (mtp + "transformer_layer.mlp.router.expert_bias", (SIZES["experts"],)),
+        "mlp.shared_experts.down_proj.weight": (
+            mtp + "transformer_layer.mlp.shared_experts.linear_fc2.weight",
+            (hidden, SIZES["moe_ffn"]),
+        ),
+    }
+    for name, (key, shape) in own.items():
+        assert same_bits(files[f"model.layers.2.{name}"], global_values(key, shape, torch.float32)), name
+    experts = global_values(
+        mtp + "transformer_layer.mlp.experts.experts.linear_fc2.weight",
+        (SIZES["experts"], hidden, SIZES["moe_ffn"]),
+        torch.float32,
+    )
+    assert same_bits(files["model.layers.2.mlp.experts.3.down_proj.weight"], experts[3])
+    # The embedding and output head are shared; DeepSeek-V3 stores them again in the MTP layer.
+    assert same_bits(files["model.layers.2.embed_tokens.weight"], files["model.embed_tokens.weight"])
+    assert same_bits(files["model.layers.2.shared_head.head.weight"], files["lm_head.weight"])
+    assert files["model.layers.2.embed_tokens.weight"].shape == (vocab, hidden)
+
+
+def test_mtp_modules_the_config_does_not_declare_are_one_line(fresh_megatron, tmp_path, capsys):
+    """MTP trained on a model whose config.json says no MTP layers: refused, naming the setting."""
+    sample = fresh_megatron("deepseek_v3_mtp")
+    config_path = sample.role_dir / "huggingface" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "num_nextn_predict_layers": 0}))
+    before = tree_digest(sample.role_dir)
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
+    )
+    assert code != 0
+    lines = error_lines(err)
+    assert len(lines) == 1 and "config.json" in lines[0]
+    assert "1 multi-token-prediction module(s) (mtp.layers.*) but num_nextn_predict_layers is 0" in lines[0]
+    assert not (tmp_path / "out").exists()
+    assert tree_digest(sample.role_dir) == before
