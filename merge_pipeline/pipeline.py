@@ -32,7 +32,7 @@ from merge_pipeline.engine.safetensors_writer import write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.formats import BACKENDS as BACKENDS
-from merge_pipeline.formats import dcp, deepspeed, detect_backend, fsdp, open_checkpoint
+from merge_pipeline.formats import dcp, deepspeed, fsdp, open_checkpoint
 from merge_pipeline.formats.dcp import find_dcp_dir as find_dcp_dir
 from merge_pipeline.formats.deepspeed import missing_optimizer_states as missing_optimizer_states
 from merge_pipeline.formats.hf import read_hf_weights
@@ -89,14 +89,6 @@ class Prepared(NamedTuple):
 
     def __exit__(self, *exc: object) -> None:
         self.plan.close()
-
-
-def plannable_backend(folder: Path) -> str | None:
-    """The backend ``--backend auto`` would plan ``folder`` with; None when no reader recognises it."""
-    try:
-        return detect_backend(folder)
-    except (MergeError, OSError):  # OSError: deleted meanwhile
-        return None
 
 
 def peak_rss_bytes() -> int:

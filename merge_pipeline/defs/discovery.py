@@ -34,7 +34,6 @@ from merge_pipeline.pipeline import (
     FSDP_RANK_FILE,
     find_dcp_dir,
     missing_optimizer_states,
-    plannable_backend,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -152,8 +151,8 @@ def completeness(role_dir: Path, step: int, settle_seconds: float, *, now: float
     verl: its Megatron manifest is there, or the tracker beside ``global_step_<N>`` says >= N.
     DeepSpeed: ``latest`` names this tag (or a later one) and every rank's optimizer states are there.
     DCP (torchtitan, accelerate, NeMo-RL): ``.metadata`` is there and the settle time passed. Else
-    nothing under the folder changed for the settle time. Besides, a reader must recognise a
-    non-verl folder: only a folder the merge can plan is offered.
+    nothing under the folder changed for the settle time. The DCP and DeepSpeed tests are the
+    readers' own (through ``pipeline``): a folder they pass is one the reader's detection recognises.
     """
     newest = newest_change(role_dir)
     if newest is None:
@@ -163,15 +162,11 @@ def completeness(role_dir: Path, step: int, settle_seconds: float, *, now: float
     if stack is VERL:
         return _verl_completeness(role_dir, step, settle_seconds, newest, age)
     if stack is DEEPSPEED:
-        state = _deepspeed_completeness(role_dir.parent, role_dir.name, step, settle_seconds, newest, age)
-    elif (role_dir / DEEPSPEED_LATEST).is_file():  # the HF Trainer's checkpoint-<N>/ as a DeepSpeed save dir
+        return _deepspeed_completeness(role_dir.parent, role_dir.name, step, settle_seconds, newest, age)
+    if (role_dir / DEEPSPEED_LATEST).is_file():  # the HF Trainer's checkpoint-<N>/ as a DeepSpeed save dir
         tag = _read_latest(role_dir) or ""
-        state = _deepspeed_completeness(role_dir, tag, None, settle_seconds, newest, age)
-    else:
-        state = _dcp_completeness(role_dir, settle_seconds, newest, age)
-    if state.complete and plannable_backend(role_dir) is None:
-        return Completeness(False, f"{state.reason}; but no reader recognises the folder", newest)
-    return state
+        return _deepspeed_completeness(role_dir, tag, None, settle_seconds, newest, age)
+    return _dcp_completeness(role_dir, settle_seconds, newest, age)
 
 
 def _stack_of(role_dir: Path) -> StepFolder:
@@ -217,7 +212,7 @@ def _deepspeed_completeness(
     if missing is None:
         return _settled(f"{says}; the model states do not say the dp world size", settle_seconds, newest, age)
     if missing:
-        return Completeness(False, f"{says}, but {missing[0]} is missing ({len(missing)} of the ranks')", newest)
+        return Completeness(False, f"{says}, but {len(missing)} rank file(s) missing: {', '.join(missing[:3])}", newest)
     return Completeness(True, f"{says} and every rank's *_optim_states.pt is there", newest)
 
 

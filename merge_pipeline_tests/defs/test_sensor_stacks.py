@@ -106,7 +106,7 @@ def test_a_half_written_save_is_not_offered_and_the_skip_reason_says_why(
     second = tick(instance, settings, first.cursor)
     assert requested(second) == []
     assert (
-        "ds/ckpt/global_step2 (DeepSpeed: latest names this tag, but zero_pp_rank_1_mp_rank_00_optim_states.pt is missing (1 of the ranks'))"
+        "ds/ckpt/global_step2 (DeepSpeed: latest names this tag, but 1 rank file(s) missing: zero_pp_rank_1_mp_rank_00_optim_states.pt)"
         in second.skip_reason.skip_message
     )
 
@@ -121,6 +121,14 @@ def test_a_half_written_save_is_not_offered_and_the_skip_reason_says_why(
     assert completeness(save_dir / "global_step2", 2, 3600).reason == (
         "DeepSpeed: latest names the later tag global_step3 and every rank's *_optim_states.pt is there"
     )
+    # Model states that cannot be read (still being copied) do not tell the dp world size: the settle time decides.
+    model_states = save_dir / "global_step3" / "mp_rank_00_model_states.pt"
+    model_states.write_bytes(model_states.read_bytes()[:100])
+    waiting = completeness(save_dir / "global_step3", 3, 3600)
+    assert not waiting.complete and waiting.reason.startswith(
+        "DeepSpeed: latest names this tag; the model states do not say the dp world size; a file changed"
+    )
+    assert completeness(save_dir / "global_step3", 3, 0).complete
 
 
 @pytest.mark.parametrize(
