@@ -207,6 +207,10 @@ def _deepspeed_completeness(
             f"DeepSpeed: {DEEPSPEED_LATEST} names {named or 'nothing'}, not {tag} yet (DeepSpeed writes it after every rank's files)",
             newest,
         )
+    if "/" in tag or tag in (".", "..") or not (save_dir / tag).is_dir():  # a hostile `latest` leads nowhere else
+        return Completeness(
+            False, f"DeepSpeed: {DEEPSPEED_LATEST} names {tag!r}, which is no tag folder beside it", newest
+        )
     says = f"DeepSpeed: {DEEPSPEED_LATEST} names {'this tag' if named == tag else f'the later tag {named}'}"
     missing = missing_optimizer_states(save_dir / tag)
     if missing is None:

@@ -131,6 +131,16 @@ def test_a_half_written_save_is_not_offered_and_the_skip_reason_says_why(
     assert completeness(save_dir / "global_step3", 3, 0).complete
 
 
+def test_a_latest_file_naming_no_tag_folder_is_not_offered(roots, deepspeed_checkpoints):
+    checkpoint = place(deepspeed_checkpoints[DEEPSPEED][0], roots.checkpoints, "hf/checkpoint-2")
+    for tag in ("../../global_step2", "global_step9"):
+        (checkpoint / "latest").write_text(tag)
+        state = completeness(checkpoint, 2, 0)
+        assert (
+            not state.complete and state.reason == f"DeepSpeed: latest names {tag!r}, which is no tag folder beside it"
+        )
+
+
 @pytest.mark.parametrize(
     ("step_dir", "stack"), [("step-010", "torchtitan names step folders step-<N>"), ("checkpoint-٣", "the HF Trainer")]
 )
