@@ -32,7 +32,9 @@ from merge_pipeline.engine.safetensors_writer import write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.formats import BACKENDS as BACKENDS
-from merge_pipeline.formats import fsdp, open_checkpoint
+from merge_pipeline.formats import dcp, deepspeed, fsdp, open_checkpoint
+from merge_pipeline.formats.dcp import find_dcp_dir as find_dcp_dir
+from merge_pipeline.formats.deepspeed import missing_optimizer_states as missing_optimizer_states
 from merge_pipeline.formats.hf import read_hf_weights
 from merge_pipeline.hf.config import ModelConfig, load_model_config
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
@@ -43,8 +45,11 @@ from merge_pipeline.progress import ByteProgress, human_bytes
 
 log = logging.getLogger("merge_pipeline")
 
-# Discovery knows an SFT step folder (the model saved straight into global_step_<N>/) by FSDP rank files.
+# Discovery knows an SFT step folder (the model saved straight into global_step_<N>/) by FSDP rank files,
+# and asks the DCP and DeepSpeed readers (above) whether a save is finished.
 FSDP_RANK_FILE = fsdp.MODEL_FILE
+ACCELERATE_DCP_DIR = dcp.ACCELERATE_DIR
+DEEPSPEED_LATEST = deepspeed.LATEST
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Shared fixtures: real verl-style FSDP checkpoints, each written once per test session.
+"""Shared fixtures: real verl-style FSDP, DCP and DeepSpeed checkpoints, each written once per test session.
 
 The cached folders are shared by every test that asks for the same spec: never modify them.
 A test that changes, deletes or adds files works on ``fresh_copy(sample)`` instead.
@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from merge_pipeline.sample_checkpoints.dcp import DcpSpec, write_dcp_checkpoint
+from merge_pipeline.sample_checkpoints.deepspeed import write_deepspeed_checkpoints
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
-from merge_pipeline_tests.helpers import run_cli
+from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_cli
 
 
 @dataclass(frozen=True)
@@ -69,3 +71,28 @@ def good_target(capsys, tmp_path, fsdp_checkpoint):
     )
     assert code == 0, err
     return target
+
+
+@pytest.fixture(scope="session")
+def dcp_sample(tmp_path_factory):
+    """``dcp_sample(source) -> DcpSample``, written on first use of each source. Read only."""
+    cache: dict[str, DcpSample] = {}
+
+    def get(source: str) -> DcpSample:
+        if source not in cache:
+            root = tmp_path_factory.mktemp(source)
+            folder = root / DCP_FOLDERS[source]
+            model_dir = write_dcp_checkpoint(folder, DcpSpec(source=source), reference_dir=root / "original")
+            cache[source] = DcpSample(folder, model_dir, root / "original")
+        return cache[source]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """variant (``helpers.VARIANTS``) -> (save dir holding ``latest``, reference dir). Written by one torchrun. Read only."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    folders = {name: (root / name / "ckpt", root / name / "reference") for name in VARIANTS}
+    write_deepspeed_checkpoints([(*folders[name], spec) for name, spec in VARIANTS.items()])
+    return folders

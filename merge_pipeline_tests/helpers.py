@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from merge_pipeline.cli import main
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
+from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -130,3 +132,33 @@ def merge_in_progress(target: Path, source: Path) -> Iterator[subprocess.Popen]:
         yield holder
     finally:
         holder.communicate(timeout=60)
+
+
+# --- the DCP and DeepSpeed samples (fixtures dcp_sample, deepspeed_checkpoints in conftest.py) ---
+
+# The folder a user points the merge at, as each trainer lays it out.
+DCP_FOLDERS = {
+    "torchtitan": "checkpoint/step-10",
+    "accelerate": "output/checkpoint-1",
+    "nemo_rl": "results/step_1/policy",
+    "nemo_automodel": "checkpoints/epoch_0_step_1",
+}
+
+
+@dataclass(frozen=True)
+class DcpSample:
+    folder: Path  # what the merge is pointed at
+    model_dir: Path  # the DCP folder holding the model (.metadata)
+    original_dir: Path  # the HF model training started from: weights, config, tokenizer
+
+
+FROZEN = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
+VARIANTS = {
+    # OpenRLHF's ckpt folder: no HF files beside it, the config comes from --hf_model_path.
+    "zero1": DeepSpeedSpec(stage=1, hf_files=False, frozen=FROZEN),
+    # OpenRLHF's defaults: its Actor wrapper (names model.model.*), a bf16 module (frozen parameters stay
+    # bf16) with fp32 master weights in the optimizer files, ZeRO 2, no HF files in the ckpt folder.
+    "openrlhf-zero2-bf16-frozen": DeepSpeedSpec(stage=2, bf16=True, frozen=FROZEN, hf_files=False, openrlhf_actor=True),
+    "zero2-tied-frozen": DeepSpeedSpec(stage=2, tie_word_embeddings=True, frozen=FROZEN),
+    "zero3-tied-frozen": DeepSpeedSpec(stage=3, tie_word_embeddings=True, frozen=FROZEN),
+}

@@ -1,4 +1,4 @@
-"""``new_checkpoint_sensor``: one merge run per complete checkpoint role folder under the watched roots.
+"""``new_checkpoint_sensor``: one merge run per complete checkpoint folder (``partitions.STEP_FOLDERS``) under the watched roots.
 
 Each tick lists the roots (a few directory listings, however many steps there are), skips every key
 the cursor already holds, and looks closer only at new folders: already merged -> remembered and
@@ -33,7 +33,7 @@ INTERVAL_SECONDS = int(
     job=merge_checkpoint_job,
     minimum_interval_seconds=INTERVAL_SECONDS,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Watches MERGE_PIPELINE_CHECKPOINT_ROOTS for complete global_step_<N>/<role> folders and merges each once.",
+    description="Watches MERGE_PIPELINE_CHECKPOINT_ROOTS for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: partitions.STEP_FOLDERS) and merges each once.",
 )
 def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
     seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged

@@ -80,6 +80,21 @@ def is_deepspeed_dir(path: Path) -> bool:
     )
 
 
+def missing_optimizer_states(folder: Path) -> list[str] | None:
+    """The ``*_optim_states.pt`` files the model states' ``dp_world_size`` calls for that ``folder``
+    (a tag folder) lacks; None when no model state file can be read to tell (not written yet)."""
+    try:
+        names = [p.name for p in folder.iterdir()]
+        model_states = sorted(n for n in names if _MODEL_STATES.match(n))
+        world_size = load_meta_state_dict(folder / model_states[0], ALLOWED_GLOBALS).get("dp_world_size")
+    except (IndexError, MergeError, OSError):
+        return None
+    if type(world_size) is not int or world_size < 1:
+        return None
+    ranks = {int(m.group(1)) for n in names if (m := _OPTIM_STATES.match(n)) and int(m.group(2)) == 0}
+    return [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size) if r not in ranks]
+
+
 def plan_deepspeed(path: Path) -> CheckpointPlan:
     folder = tag_dir(path)
     optim_paths = _rank_files(folder)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,40 +17,10 @@ from safetensors.torch import load_file
 
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.sample_checkpoints.dcp import SOURCES, DcpSpec, torchtitan_name, write_dcp_checkpoint
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline.sample_checkpoints.dcp import SOURCES, torchtitan_name
+from merge_pipeline_tests.helpers import DcpSample, error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
-# The folder a user points the merge at, as each trainer lays it out.
-FOLDERS = {
-    "torchtitan": "checkpoint/step-10",
-    "accelerate": "output/checkpoint-1",
-    "nemo_rl": "results/step_1/policy",
-    "nemo_automodel": "checkpoints/epoch_0_step_1",
-}
 TOKENS = torch.tensor([[1, 5, 17, 1002, 40]])
-
-
-@dataclass(frozen=True)
-class DcpSample:
-    folder: Path  # what the merge is pointed at
-    model_dir: Path  # the DCP folder holding the model (.metadata)
-    original_dir: Path  # the HF model training started from: weights, config, tokenizer
-
-
-@pytest.fixture(scope="session")
-def dcp_sample(tmp_path_factory):
-    """``dcp_sample(source) -> DcpSample``, written on first use of each source. Read only."""
-    cache: dict[str, DcpSample] = {}
-
-    def get(source: str) -> DcpSample:
-        if source not in cache:
-            root = tmp_path_factory.mktemp(source)
-            folder = root / FOLDERS[source]
-            model_dir = write_dcp_checkpoint(folder, DcpSpec(source=source), reference_dir=root / "original")
-            cache[source] = DcpSample(folder, model_dir, root / "original")
-        return cache[source]
-
-    return get
 
 
 @pytest.fixture

@@ -17,28 +17,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.deepspeed import TRAINED_WEIGHTS, DeepSpeedSpec, write_deepspeed_checkpoints
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
-
-FROZEN = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
-VARIANTS = {
-    # OpenRLHF's ckpt folder: no HF files beside it, the config comes from --hf_model_path.
-    "zero1": DeepSpeedSpec(stage=1, hf_files=False, frozen=FROZEN),
-    # OpenRLHF's defaults: its Actor wrapper (names model.model.*), a bf16 module (frozen parameters stay
-    # bf16) with fp32 master weights in the optimizer files, ZeRO 2, no HF files in the ckpt folder.
-    "openrlhf-zero2-bf16-frozen": DeepSpeedSpec(stage=2, bf16=True, frozen=FROZEN, hf_files=False, openrlhf_actor=True),
-    "zero2-tied-frozen": DeepSpeedSpec(stage=2, tie_word_embeddings=True, frozen=FROZEN),
-    "zero3-tied-frozen": DeepSpeedSpec(stage=3, tie_word_embeddings=True, frozen=FROZEN),
-}
-
-
-@pytest.fixture(scope="session")
-def deepspeed_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """variant -> (save dir holding ``latest``, reference dir). Written by one torchrun. Read only."""
-    root = tmp_path_factory.mktemp("deepspeed")
-    folders = {name: (root / name / "ckpt", root / name / "reference") for name in VARIANTS}
-    write_deepspeed_checkpoints([(*folders[name], spec) for name, spec in VARIANTS.items()])
-    return folders
+from merge_pipeline.sample_checkpoints.deepspeed import TRAINED_WEIGHTS
+from merge_pipeline_tests.helpers import VARIANTS, error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 
 @pytest.fixture(scope="session")

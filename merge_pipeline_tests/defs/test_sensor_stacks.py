@@ -1,0 +1,163 @@
+"""``new_checkpoint_sensor`` over the step folders of the DCP and DeepSpeed stacks (torchtitan, the HF
+Trainer / accelerate, NeMo-RL, DeepSpeed save dirs), with real checkpoints from the sample writers:
+one partition each, merged by the run exactly as by the CLI, and a half-written save never offered."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from merge_pipeline.defs.discovery import completeness
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.sensors import new_checkpoint_sensor
+from merge_pipeline.errors import MergeError
+from merge_pipeline_tests.defs.helpers import materialize
+from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bits
+
+DEEPSPEED = "zero2-tied-frozen"  # config.json and tokenizer beside `latest`, as the HF Trainer saves them
+DCP_DONE = "DCP: .metadata present (dcp.save's coordinator writes it after every rank's data)"
+DEEPSPEED_DONE = "DeepSpeed: latest names this tag and every rank's *_optim_states.pt is there"
+
+
+def tick(instance, settings, cursor=None) -> dg.SensorResult:
+    return new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=cursor, resources={"settings": settings})
+    )
+
+
+def requested(result: dg.SensorResult) -> list[str]:
+    return [r.partition_key for r in result.run_requests or []]
+
+
+def place(source: Path, root: Path, folder: str) -> Path:
+    """A copy of a sample checkpoint at ``root/folder``, with fresh mtimes, as its trainer just saved it."""
+    shutil.copytree(source, root / folder, copy_function=shutil.copy)
+    return root / folder
+
+
+@pytest.fixture
+def stacks(roots, dcp_sample, deepspeed_checkpoints) -> dict[str, tuple[Path, Path | None]]:
+    """One checkpoint of each stack under the watched root: partition key -> (its folder, the
+    hf_model_path its merge needs: None when the checkpoint holds its config)."""
+    save_dir, reference_dir = deepspeed_checkpoints[DEEPSPEED]
+    titan, accelerate, nemo_rl = (dcp_sample(source) for source in ("torchtitan", "accelerate", "nemo_rl"))
+    root = roots.checkpoints
+    return {
+        "titan/checkpoint/step-10": (place(titan.folder, root, "titan/checkpoint/step-10"), titan.original_dir),
+        "openrlhf/ckpt/global_step2": (place(save_dir, root, "openrlhf/ckpt") / "global_step2", reference_dir),
+        "hf/checkpoint-2": (place(save_dir, root, "hf/checkpoint-2"), None),
+        "acc/checkpoint-1": (place(accelerate.folder, root, "acc/checkpoint-1"), accelerate.original_dir),
+        "nemo/step_1/policy": (place(nemo_rl.folder, root, "nemo/step_1/policy"), nemo_rl.original_dir),
+    }
+
+
+def test_each_stack_gets_one_partition_merged_as_the_cli_merges_it(capsys, tmp_path, roots, instance, stacks):
+    settings = roots.settings(settle_seconds=0)
+
+    result = tick(instance, settings)
+
+    assert sorted(requested(result)) == sorted(stacks)
+    why = {e.partition: e.metadata["completeness"].value for e in result.asset_events}
+    for key, (folder, _) in stacks.items():
+        assert why[key].startswith(DEEPSPEED_DONE if "global_step2" in key or "checkpoint-2" in key else DCP_DONE)
+        parsed = CheckpointKey.parse(key)
+        assert str(parsed) == key and settings.role_dir(parsed) == folder
+    assert {str(f.key): f.role_dir for f in settings.find_checkpoints().found} == {k: f for k, (f, _) in stacks.items()}
+
+    for number, (key, (folder, hf_model_path)) in enumerate(stacks.items()):
+        config = {"hf_model_path": str(hf_model_path)} if hf_model_path else None
+        assert materialize(instance, settings, key, merge_config=config).success, key
+        flags = ["--hf_model_path", hf_model_path] if hf_model_path else []
+        cli_target = tmp_path / "cli" / str(number)
+        code, _, err = run_cli(
+            capsys, "merge", "--local_dir", folder, "--target_dir", cli_target, "--no-progress", *flags
+        )
+        assert code == 0, err
+        by_sensor, by_cli = load_safetensors_dir(roots.target(key)), load_safetensors_dir(cli_target)
+        assert by_sensor.keys() == by_cli.keys() and by_cli, key
+        assert all(same_bits(by_sensor[name], by_cli[name]) for name in by_cli), key
+
+
+def test_a_half_written_save_is_not_offered_and_the_skip_reason_says_why(
+    roots, instance, dcp_sample, deepspeed_checkpoints
+):
+    titan = place(dcp_sample("torchtitan").folder, roots.checkpoints, "titan/step-10")
+    save_dir = place(deepspeed_checkpoints[DEEPSPEED][0], roots.checkpoints, "ds/ckpt")
+    metadata, aside = titan / ".metadata", roots.checkpoints.parent / "metadata.aside"
+    metadata.rename(aside)  # dcp.save: every rank's data written, the coordinator's .metadata not yet
+    (save_dir / "latest").write_text("global_step1")  # DeepSpeed: the new tag written, `latest` not yet
+    settings = roots.settings(settle_seconds=0)
+
+    first = tick(instance, settings)
+
+    assert requested(first) == []
+    assert first.skip_reason.skip_message == (
+        "waiting for 2 partial checkpoint(s): "
+        "titan/step-10 (DCP: no .metadata yet (dcp.save's coordinator writes it after every rank's data)); "
+        "ds/ckpt/global_step2 (DeepSpeed: latest names global_step1, not global_step2 yet (DeepSpeed writes it after every rank's files))"
+    )
+
+    (save_dir / "latest").write_text("global_step2")
+    rank_1 = save_dir / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank_1.rename(aside.with_name("rank_1.aside"))  # copied over by hand, one rank's file still missing
+    second = tick(instance, settings, first.cursor)
+    assert requested(second) == []
+    assert (
+        "ds/ckpt/global_step2 (DeepSpeed: latest names this tag, but 1 rank file(s) missing: zero_pp_rank_1_mp_rank_00_optim_states.pt)"
+        in second.skip_reason.skip_message
+    )
+
+    aside.with_name("rank_1.aside").rename(rank_1)
+    aside.rename(metadata)
+    assert not completeness(titan, 10, 3600).complete  # .metadata alone is not enough: the settle time too
+    assert requested(tick(instance, settings, second.cursor)) == ["titan/step-10", "ds/ckpt/global_step2"]
+
+    # A tag older than the one `latest` names was finished before the newer save began.
+    shutil.copytree(save_dir / "global_step2", save_dir / "global_step3")
+    (save_dir / "latest").write_text("global_step3")
+    assert completeness(save_dir / "global_step2", 2, 3600).reason == (
+        "DeepSpeed: latest names the later tag global_step3 and every rank's *_optim_states.pt is there"
+    )
+    # Model states that cannot be read (still being copied) do not tell the dp world size: the settle time decides.
+    model_states = save_dir / "global_step3" / "mp_rank_00_model_states.pt"
+    model_states.write_bytes(model_states.read_bytes()[:100])
+    waiting = completeness(save_dir / "global_step3", 3, 3600)
+    assert not waiting.complete and waiting.reason.startswith(
+        "DeepSpeed: latest names this tag; the model states do not say the dp world size; a file changed"
+    )
+    assert completeness(save_dir / "global_step3", 3, 0).complete
+
+
+def test_a_latest_file_naming_no_tag_folder_is_not_offered(roots, deepspeed_checkpoints):
+    checkpoint = place(deepspeed_checkpoints[DEEPSPEED][0], roots.checkpoints, "hf/checkpoint-2")
+    for tag in ("../../global_step2", "global_step9"):
+        (checkpoint / "latest").write_text(tag)
+        state = completeness(checkpoint, 2, 0)
+        assert (
+            not state.complete and state.reason == f"DeepSpeed: latest names {tag!r}, which is no tag folder beside it"
+        )
+
+
+@pytest.mark.parametrize(
+    ("step_dir", "stack"), [("step-010", "torchtitan names step folders step-<N>"), ("checkpoint-٣", "the HF Trainer")]
+)
+def test_step_folders_of_other_stacks_that_do_not_map_back_are_skipped(roots, instance, dcp_sample, step_dir, stack):
+    place(dcp_sample("torchtitan").folder, roots.checkpoints, f"run/{step_dir}")
+
+    result = tick(instance, roots.settings(settle_seconds=0))
+
+    assert requested(result) == []
+    assert result.skip_reason.skip_message.startswith(
+        f"not watched: {roots.checkpoints / 'run' / step_dir}: skipped: {stack}"
+    )
+
+
+@pytest.mark.parametrize(
+    "key", ["run/step-010", "run/checkpoint-٣", "run/step_1", "run/step-1/policy", "run/global_step2/actor"]
+)
+def test_partition_keys_of_other_stacks_name_only_their_folders(key):
+    with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor"):
+        CheckpointKey.parse(key)
