@@ -79,6 +79,8 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
     started = time.monotonic()
     with one_line_failure():
         options = config.options()  # tie and untie together are refused in one line, as by the CLI
+        if options.hf_model_path is None and settings.base_model_dir:  # the sensor's runs carry no run config
+            options = dataclasses.replace(options, hf_model_path=settings.base_model_dir)
         role_dir = settings.role_dir(key)
         state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
         if not state.complete:

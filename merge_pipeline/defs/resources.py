@@ -8,6 +8,9 @@ A field left unset is read from the environment when a run or a sensor tick uses
                                      (default ``./demo/merged``)
 ``MERGE_PIPELINE_SETTLE_SECONDS``    a step without the trainer's tracker file counts as complete once
                                      no file under it changed for this long (default 60)
+``MERGE_PIPELINE_HF_MODEL_PATH``     the original HF model folder, for checkpoints that hold no config
+                                     (torchtitan, accelerate, NeMo-RL, OpenRLHF's DeepSpeed, verl's
+                                     dist_ckpt without HF files), when the run config names none
 Relative paths resolve against the directory Dagster was started from.
 """
 
@@ -22,10 +25,11 @@ from pydantic import Field
 from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
 
-ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR = (
+ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
     "MERGE_PIPELINE_OUTPUT_ROOT",
     "MERGE_PIPELINE_SETTLE_SECONDS",
+    "MERGE_PIPELINE_HF_MODEL_PATH",
 )
 
 
@@ -41,6 +45,10 @@ class MergeSettings(dg.ConfigurableResource):
     settle_seconds: float | None = Field(
         default=None,
         description=f"without the trainer's tracker file, a step is complete once no file under it changed for this long; unset: ${SETTLE_VAR}, else 60",
+    )
+    hf_model_path: str | None = Field(
+        default=None,
+        description=f"the original HF model folder for checkpoints that hold no config (torchtitan, accelerate, NeMo-RL, OpenRLHF's DeepSpeed), so the sensor's runs merge them; a run config's hf_model_path wins; unset: ${HF_MODEL_VAR}, else none",
     )
 
     @property
@@ -61,6 +69,10 @@ class MergeSettings(dg.ConfigurableResource):
     @property
     def settle_time(self) -> float:
         return self.settle_seconds if self.settle_seconds is not None else float(dg.EnvVar(SETTLE_VAR).get_value("60"))
+
+    @property
+    def base_model_dir(self) -> str | None:
+        return self.hf_model_path if self.hf_model_path is not None else dg.EnvVar(HF_MODEL_VAR).get_value() or None
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""

@@ -26,9 +26,12 @@ class Roots:
     checkpoints: Path
     output: Path
 
-    def settings(self, settle_seconds: float = 60.0) -> MergeSettings:
+    def settings(self, settle_seconds: float = 60.0, **fields) -> MergeSettings:
         return MergeSettings(
-            checkpoint_roots=[str(self.checkpoints)], output_root=str(self.output), settle_seconds=settle_seconds
+            checkpoint_roots=[str(self.checkpoints)],
+            output_root=str(self.output),
+            settle_seconds=settle_seconds,
+            **fields,
         )
 
     def target(self, key: str) -> Path:

@@ -161,3 +161,24 @@ def test_step_folders_of_other_stacks_that_do_not_map_back_are_skipped(roots, in
 def test_partition_keys_of_other_stacks_name_only_their_folders(key):
     with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor"):
         CheckpointKey.parse(key)
+
+
+def test_the_settings_hf_model_path_lets_the_sensors_run_merge_a_checkpoint_without_config(
+    capsys, tmp_path, roots, instance, dcp_sample
+):
+    """torchtitan saves no config: the sensor's run (no run config) takes it from the settings."""
+    titan = dcp_sample("torchtitan")
+    folder = place(titan.folder, roots.checkpoints, "titan/step-10")
+    settings = roots.settings(settle_seconds=0, hf_model_path=str(titan.original_dir))
+    assert requested(tick(instance, settings)) == ["titan/step-10"]
+
+    assert not materialize(instance, roots.settings(settle_seconds=0), "titan/step-10").success  # needs it
+    assert materialize(instance, settings, "titan/step-10").success
+
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", folder, "--target_dir", tmp_path / "cli", "--hf_model_path", titan.original_dir
+    )
+    assert code == 0, err
+    by_sensor, by_cli = load_safetensors_dir(roots.target("titan/step-10")), load_safetensors_dir(tmp_path / "cli")
+    assert by_sensor.keys() == by_cli.keys() and by_cli
+    assert all(same_bits(by_sensor[name], by_cli[name]) for name in by_cli)
