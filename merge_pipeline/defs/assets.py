@@ -1,6 +1,6 @@
 """The merge as two assets: the trainer's ``checkpoint`` folder (external), and the published ``hf_model`` folder.
 
-Both are partitioned by checkpoint role (``<run_name>/global_step_<N>/<role>``); everything
+Both are partitioned by checkpoint (``<run_name>/global_step_<N>/<role>`` for verl; see ``partitions``); everything
 ``hf_model`` needs is derived from the partition key and the ``settings`` resource, so nothing passes
 between them but the dependency. ``hf_model`` is one step, because its stages share the merge plan and the target's
 lock: plan once, write the whole folder into the staging folder beside the target, run the blocking
@@ -45,7 +45,7 @@ checkpoint = dg.AssetSpec(
     owners=OWNERS,
     kinds={"pytorch"},
     tags={"stage": "source"},
-    description="A trainer's role folder (global_step_<N>/<role>) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
+    description="A trainer's checkpoint folder (global_step_<N>/<role>, or another stack's step folder) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
 )
 
 

@@ -4,7 +4,7 @@ A field left unset is read from the environment when a run or a sensor tick uses
 ``dagster dev`` and ``dg dev`` load ``.env`` from the project root first, see ``.env.example``):
 
 ``MERGE_PIPELINE_CHECKPOINT_ROOTS``  watched folders, os.pathsep-separated (default ``./demo/checkpoints``)
-``MERGE_PIPELINE_OUTPUT_ROOT``       merged folders land in ``<root>/<run_name>/global_step_<N>/<role>/``
+``MERGE_PIPELINE_OUTPUT_ROOT``       merged folders land in ``<root>/<partition key>/`` (e.g. ``<run_name>/global_step_<N>/<role>/``)
                                      (default ``./demo/merged``)
 ``MERGE_PIPELINE_SETTLE_SECONDS``    a step without the trainer's tracker file counts as complete once
                                      no file under it changed for this long (default 60)
@@ -36,11 +36,11 @@ ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
 class MergeSettings(dg.ConfigurableResource):
     checkpoint_roots: list[str] | None = Field(
         default=None,
-        description=f"folders watched for global_step_<N>/<role> checkpoints; unset: ${ROOTS_VAR}, else ./demo/checkpoints",
+        description=f"folders watched for checkpoints (verl global_step_<N>/<role>, DeepSpeed global_step<N>, torchtitan step-<N>, checkpoint-<N>, NeMo-RL step_<N>/policy); unset: ${ROOTS_VAR}, else ./demo/checkpoints",
     )
     output_root: str | None = Field(
         default=None,
-        description=f"merged HF folders land in <output_root>/<run_name>/global_step_<N>/<role>/; unset: ${OUTPUT_VAR}, else ./demo/merged",
+        description=f"merged HF folders land in <output_root>/<partition key>/ (e.g. <run_name>/global_step_<N>/<role>/); unset: ${OUTPUT_VAR}, else ./demo/merged",
     )
     settle_seconds: float | None = Field(
         default=None,
