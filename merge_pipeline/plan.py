@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,14 +53,15 @@ class SourceFile:
             self.fd = -1
 
 
-def close_all(files: list[SourceFile]) -> None:
+def close_all(files: Iterable[SourceFile]) -> None:
     for f in files:
         f.close()
 
 
 @contextlib.contextmanager
-def closed_on_failure(files: list[SourceFile]) -> Iterator[None]:
-    """Close ``files`` (as the list stands then) if the block raises; on success they stay open for the writer."""
+def closed_on_failure(files: Iterable[SourceFile]) -> Iterator[None]:
+    """Close ``files`` (as the list, or a dict's values view, stands then) if the block raises; on success
+    they stay open for the writer."""
     with contextlib.ExitStack() as on_failure:
         on_failure.callback(close_all, files)
         yield

@@ -27,15 +27,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.dcp_files import (
     METADATA,
-    check_no_shared_bytes,
-    locate_tensor,
-    plan_tensor,
+    plan_specs,
     read_dcp_metadata,
 )
 from merge_pipeline.formats.megatron_names import OutputSpec, Piece
 from merge_pipeline.hf.config import CONFIG, has_value_head, load_model_config
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.plan import CheckpointPlan, SourceFile
+from merge_pipeline.plan import CheckpointPlan
 
 # Where trainers put the model's DCP folder inside the folder a user points at.
 ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model, model_index 0
@@ -112,24 +110,13 @@ def plan_dcp(
     else:
         specs = [OutputSpec(key, (Piece(key, (), (0, tuple(meta.size)[0])),)) for key, meta in stored.items()]
 
-    files: dict[str, SourceFile] = {}
-    try:
-        tensors = {
-            key: locate_tensor(dcp_dir, key, stored[key], metadata, files, source.key_prefix)
-            for key in {p.key for s in specs for p in s.pieces}
-        }
-        check_no_shared_bytes(tensors.values(), metadata_path)
-        planned = [plan_tensor(spec, tensors) for spec in specs]
-    except BaseException:
-        for f in files.values():
-            f.close()
-        raise
+    tensors, planned, files = plan_specs(dcp_dir, specs, stored, metadata, source.key_prefix)
     return CheckpointPlan(
         "dcp",
         role_dir,
         hf_dir,
         planned,
-        list(files.values()),
+        files,
         is_value_model=has_value_head(t.name for t in planned),
         layout={
             "dcp_source": source.name,

@@ -24,7 +24,14 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.megatron_names import OutputSpec, Piece
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
-from merge_pipeline.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile, StoredBytes
+from merge_pipeline.plan import (
+    READ_PIECE_BYTES,
+    ByteRun,
+    PlannedTensor,
+    SourceFile,
+    StoredBytes,
+    closed_on_failure,
+)
 
 METADATA = ".metadata"
 
@@ -311,6 +318,27 @@ def _flat_index(position: list[int], sizes: tuple[int, ...]) -> int:
     for p, n in zip(position, sizes):
         flat = flat * n + p
     return flat
+
+
+def plan_specs(
+    dist_dir: Path,
+    specs: list[OutputSpec],
+    stored: dict[str, TensorStorageMetadata],
+    metadata: Metadata,
+    key_prefix: str = "",
+) -> tuple[dict[str, DcpTensor], list[PlannedTensor], list[SourceFile]]:
+    """Each output of ``specs`` as byte ranges into the chunks it reads, once every stored tensor they
+    read (``stored``: by unprefixed name) is located and no two chunks share bytes. Returns the located
+    tensors, the planned outputs and the files opened (all closed again if anything fails)."""
+    opened: dict[str, SourceFile] = {}
+    with closed_on_failure(opened.values()):
+        tensors = {
+            key: locate_tensor(dist_dir, key, stored[key], metadata, opened, key_prefix)
+            for key in sorted({p.key for spec in specs for p in spec.pieces})
+        }
+        check_no_shared_bytes(tensors.values(), dist_dir / METADATA)
+        planned = [plan_tensor(spec, tensors) for spec in specs]
+    return tensors, planned, list(opened.values())
 
 
 def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTensor:

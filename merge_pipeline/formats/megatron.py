@@ -28,9 +28,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     DcpTensor,
-    check_no_shared_bytes,
-    locate_tensor,
-    plan_tensor,
+    plan_specs,
     read_dcp_metadata,
 )
 from merge_pipeline.formats.hf import ADAPTER_DIR, plan_hf_safetensors
@@ -222,7 +220,7 @@ def _plan_dist_checkpoint(
     tied: bool,
 ) -> CheckpointPlan:
     dist_dir = layout.dist_dir
-    metadata_path = dist_dir / ".metadata"
+    metadata_path = dist_dir / METADATA
     shapes = {k: tuple(v.size) for k, v in stored.items()}
     lm = "language_model." if "text_config" in config else ""
     value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
@@ -240,25 +238,12 @@ def _plan_dist_checkpoint(
             raise MergeError(exc.path, f"Megatron-FSDP checkpoint (one DCP of DTensors): {exc.problem}") from None
         raise
 
-    files: dict[str, SourceFile] = {}
-    try:
-        tensors = {
-            key: locate_tensor(dist_dir, key, stored[key], checkpoint.metadata, files, checkpoint.key_prefix)
-            for key in sorted({p.key for s in specs for p in s.pieces})
-        }
-        check_no_shared_bytes(tensors.values(), dist_dir / METADATA)
-        planned = [plan_tensor(spec, tensors) for spec in specs]
-        if value_model and f"{lm}output_layer.bias" not in shapes:
-            planned.append(_zero_score_bias(tensors[f"{lm}output_layer.weight"].dtype))
-    except BaseException:
-        for f in files.values():
-            f.close()
-        raise
+    tensors, planned, files = plan_specs(dist_dir, specs, stored, checkpoint.metadata, checkpoint.key_prefix)
+    if value_model and f"{lm}output_layer.bias" not in shapes:  # the value head's weight is among the outputs
+        planned.append(_zero_score_bias(tensors[f"{lm}output_layer.weight"].dtype))
     planned.sort(key=lambda t: _natural_key(t.name))
     facts = {**layout.describe(), **_layout(role_dir, checkpoint, tensors.values(), files, tied)}
-    return CheckpointPlan(
-        "megatron", role_dir, layout.hf_dir, planned, list(files.values()), is_value_model=value_model, layout=facts
-    )
+    return CheckpointPlan("megatron", role_dir, layout.hf_dir, planned, files, is_value_model=value_model, layout=facts)
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -340,7 +325,7 @@ def _layout(
     role_dir: Path,
     checkpoint: _DistCheckpoint,
     tensors: Iterable[DcpTensor],
-    files: dict[str, SourceFile],
+    files: list[SourceFile],
     tied: bool,
 ) -> dict:
     """Facts for ``inspect`` and the manifest (language model only); parallel sizes from
