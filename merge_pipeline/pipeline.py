@@ -50,6 +50,7 @@ log = logging.getLogger("merge_pipeline")
 FSDP_RANK_FILE = fsdp.MODEL_FILE
 ACCELERATE_DCP_DIR = dcp.ACCELERATE_DIR
 DEEPSPEED_LATEST = deepspeed.LATEST
+is_deepspeed_tag_name = deepspeed.is_tag_name
 
 
 @dataclass

@@ -33,6 +33,7 @@ from merge_pipeline.pipeline import (
     DEEPSPEED_LATEST,
     FSDP_RANK_FILE,
     find_dcp_dir,
+    is_deepspeed_tag_name,
     missing_optimizer_states,
 )
 
@@ -207,7 +208,7 @@ def _deepspeed_completeness(
             f"DeepSpeed: {DEEPSPEED_LATEST} names {named or 'nothing'}, not {tag} yet (DeepSpeed writes it after every rank's files)",
             newest,
         )
-    if "/" in tag or tag in (".", "..") or not (save_dir / tag).is_dir():  # a hostile `latest` leads nowhere else
+    if not is_deepspeed_tag_name(tag) or not (save_dir / tag).is_dir():  # a hostile `latest` leads nowhere else
         return Completeness(
             False, f"DeepSpeed: {DEEPSPEED_LATEST} names {tag!r}, which is no tag folder beside it", newest
         )

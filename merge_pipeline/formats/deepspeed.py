@@ -60,13 +60,18 @@ ALLOWED_GLOBALS = {
 }
 
 
+def is_tag_name(tag: str) -> bool:
+    """Whether what ``latest`` says can name a folder beside it (and nothing above or below it)."""
+    return bool(_TAG.match(tag)) and tag not in (".", "..")
+
+
 def tag_dir(path: Path) -> Path:
     """The folder holding the rank files: ``path`` itself, or the tag its ``latest`` file names."""
     latest = path / LATEST
     if not latest.is_file():
         return path
     tag = latest.read_text(errors="replace").strip()
-    if not _TAG.match(tag) or tag in (".", ".."):
+    if not is_tag_name(tag):
         raise MergeError(latest, f"names the tag {tag[:80]!r}, which is not a folder name")
     if not (path / tag).is_dir():
         raise MergeError(latest, f"names the tag {tag!r} but there is no folder {tag}/ beside it")
