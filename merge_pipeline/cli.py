@@ -105,20 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(args: argparse.Namespace, **extra) -> MergeOptions:
+def _options(args: argparse.Namespace) -> MergeOptions:
+    """The options the command's flags give (each command has the flags of its options); defaults for the rest."""
     if getattr(args, "use_cpu_initialization", False):
         log.info("--use_cpu_initialization is accepted for verl compatibility and ignored: merging always runs on CPU")
-    given = {option.name: getattr(args, option.name) for option in OPTION_FIELDS if hasattr(args, option.name)}
-    return MergeOptions(**{**given, **extra})
+    return MergeOptions(
+        **{option.name: getattr(args, option.name) for option in OPTION_FIELDS if hasattr(args, option.name)}
+    )
 
 
 def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
     from merge_pipeline.pipeline import merge_checkpoint
 
-    options = _options(
-        args, max_shard_size=args.max_shard_size, overwrite=args.overwrite, max_side_file_size=args.max_side_file_size
-    )
+    options = _options(args)
     if launched_by_torchrun():
         result = merge_distributed(
             args.local_dir,
