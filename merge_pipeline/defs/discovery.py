@@ -28,6 +28,7 @@ from merge_pipeline.defs.partitions import (
     step_folder,
 )
 from merge_pipeline.errors import MergeError, printable
+from merge_pipeline.input_files import read_capped
 from merge_pipeline.pipeline import (
     ACCELERATE_DCP_DIR,
     DEEPSPEED_LATEST,
@@ -35,11 +36,13 @@ from merge_pipeline.pipeline import (
     find_dcp_dir,
     is_deepspeed_tag_name,
     missing_optimizer_states,
+    read_deepspeed_latest,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_MANIFEST = "ckpt_contents.json"  # verl's Megatron layout v2: rank 0 writes it last, atomically
 _MEGATRON_V2_FOLDERS = ("model/dist_ckpt", "model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt")
+MAX_TRACKER_BYTES = 64  # a step number; verl writes a few bytes: a larger file is not a tracker
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root
 _DCP_DONE = ".metadata present (dcp.save's coordinator writes it after every rank's data)"
 
@@ -236,16 +239,17 @@ def _settled(says: str, settle_seconds: float, newest: float, age: float) -> Com
 
 
 def _read_latest(save_dir: Path) -> str | None:
+    """What ``latest`` names; None when there is none, or it is no small regular file (a FIFO never blocks the tick)."""
     try:
-        return (save_dir / DEEPSPEED_LATEST).read_text().strip() or None
-    except (OSError, UnicodeDecodeError):
+        return read_deepspeed_latest(save_dir / DEEPSPEED_LATEST) or None
+    except (MergeError, OSError):
         return None
 
 
 def read_tracker(path: Path) -> int | None:
     try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError, UnicodeDecodeError):
+        return int(read_capped(path, MAX_TRACKER_BYTES, "too large to be a step number").strip())
+    except (MergeError, OSError, ValueError):
         return None
 
 
