@@ -68,23 +68,26 @@ def open_contained(path: Path, folder: Path) -> int:
     """
     fd = open_regular(path)
     try:
-        _require_inside(path, opened_path(fd), folder)
+        require_opened_inside(fd, path, folder)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def opened_path(fd: int) -> Path:
-    """Where the file open on ``fd`` is, as the kernel resolved it when opening (``/proc/self/fd``)."""
-    return Path(os.readlink(f"/proc/self/fd/{fd}"))
+def require_opened_inside(fd: int, path: Path, folder: Path) -> None:
+    """Refuse the file open on ``fd`` (opened as ``path``) unless it lies inside ``folder``.
 
-
-def _require_inside(path: Path, real: Path, folder: Path) -> None:
+    The one rule for symlinks in a checkpoint, weights and side files alike: a link that stays inside
+    the checkpoint folder is followed; one that leads out of it is refused. Where the file is comes
+    from the descriptor (``/proc/self/fd``: the path the kernel resolved when opening), not from
+    ``path`` looked up again.
+    """
+    real = Path(os.readlink(f"/proc/self/fd/{fd}"))
     if not real.is_relative_to(os.path.realpath(folder)):
         raise MergeError(
             path,
-            f"is a symlink to {real}, outside the checkpoint folder {folder}: refused (copy the file into the checkpoint if it belongs there)",
+            f"is a symlink to {real}, outside the checkpoint folder {folder}: refused (copy the file into the checkpoint, or give its real folder)",
         )
 
 

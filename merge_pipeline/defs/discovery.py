@@ -98,7 +98,7 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
     for _ in range(MAX_DEPTH):
         deeper = []
         for folder in level:
-            for entry in _subfolders(folder, not_watched, is_root=folder == root):
+            for entry in _subfolders(folder, not_watched, root=root):
                 if entry.name.startswith(".") or entry in skip:
                     continue
                 found = step_folder(entry.name)
@@ -113,7 +113,7 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
                     continue
                 stack, step = found
                 run_name = root.name if folder == root else folder.relative_to(root).as_posix()
-                roles = [role for role in stack.roles if (entry / role).is_dir()]
+                roles = [role for role in stack.roles if (entry / role).is_dir() and _inside(entry / role, root)]
                 if stack.in_step_folder and not roles and _saved_in_step_folder(stack, entry):
                     yield FoundCheckpoint(CheckpointKey(run_name, step, STEP_ROLE, stack.prefix), entry)
                 for role in roles:
@@ -275,10 +275,17 @@ def _holds_model_files(folder: Path) -> bool:
         return False
 
 
-def _subfolders(folder: Path, not_watched: list[str], *, is_root: bool) -> list[Path]:
+def _inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, symlinks resolved, stays inside the watched ``root``: a link out of it (into
+    someone's private folder) is never followed."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+
+
+def _subfolders(folder: Path, not_watched: list[str], *, root: Path) -> list[Path]:
+    is_root = folder == root
     try:
         with os.scandir(folder) as entries:
-            return sorted(Path(e.path) for e in entries if _is_dir(e))
+            return sorted(Path(e.path) for e in entries if _is_dir(e) and (not e.is_symlink() or _inside(e.path, root)))
     except FileNotFoundError:  # a step folder the trainer's rotation just deleted: nothing to watch
         if is_root:
             not_watched.append(f"{printable(str(folder))}: the checkpoint root does not exist")

@@ -15,7 +15,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
 from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY
-from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
+from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
@@ -224,15 +224,12 @@ def _dominant_dtype(tensors: list[OutputTensor]) -> torch.dtype:
 
 
 def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> list[ShardFile]:
-    try:
-        split = split_state_dict_into_shards_factory(
-            {t.planned.name: t for t in tensors},
-            get_storage_size=lambda t: t.nbytes,
-            filename_pattern=WEIGHTS_PATTERN,
-            max_shard_size=max_shard_size,
-        )
-    except ValueError as exc:
-        raise MergeError(None, f"--max-shard-size {max_shard_size!r}: {exc}") from None
+    split = split_state_dict_into_shards_factory(
+        {t.planned.name: t for t in tensors},
+        get_storage_size=lambda t: t.nbytes,
+        filename_pattern=WEIGHTS_PATTERN,
+        max_shard_size=parse_size(max_shard_size, "--max-shard-size"),  # ours: HF's takes "1e999GB" to a crash
+    )
     by_name = {t.planned.name: t for t in tensors}
     return [
         ShardFile(filename, tuple(by_name[n] for n in names)) for filename, names in split.filename_to_tensors.items()
