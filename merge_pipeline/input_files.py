@@ -48,12 +48,13 @@ def read_capped(path: Path, limit: int, too_large: str, *, inside: Path | None =
     """The whole of a file we do not stream (a tracker, ``latest``, a JSON file, a side file), refused
     above ``limit`` bytes with ``too_large`` as the problem; and unless it lies inside ``inside``, when given.
 
-    Opened once as ``open_regular`` (no FIFO, no device); at most ``limit + 1`` bytes are ever read, so
-    a file that is huge, or grows while we read it, costs no more memory than the cap.
+    Opened once as ``open_regular`` (no FIFO, no device); refused by its size before any read, and
+    at most ``limit + 1`` bytes ever read, so a file that is huge, or grows while we read it, costs no
+    more memory than the cap.
     """
     with os.fdopen(open_regular(path) if inside is None else open_contained(path, inside), "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
+        data = f.read(limit + 1) if os.fstat(f.fileno()).st_size <= limit else None
+    if data is None or len(data) > limit:
         raise MergeError(path, too_large)
     return data
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
-from merge_pipeline_tests.hub.conftest import TOKENS, WRITER, silent_endpoint
+from merge_pipeline_tests.hub.conftest import TOKENS, WRITER, endless_endpoint, silent_endpoint
 
 
 def test_merge_and_upload_with_a_stored_login(hub, fsdp_checkpoint, tmp_path):
@@ -102,6 +102,34 @@ def test_a_failed_upload_prints_one_line_and_none_of_the_http_clients(hub, merge
         f"error: {hub.endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"
     ]
     assert done.stdout == ""
+
+
+UPLOAD_AND_PEAK = """
+import sys
+from merge_pipeline.cli import main
+from merge_pipeline.pipeline import peak_rss_bytes
+code = main(sys.argv[1:])
+print(f"peak {peak_rss_bytes()}")
+sys.exit(code)
+"""
+
+
+def test_a_hub_answering_without_end_costs_bounded_memory_and_one_line(hub, merged_folder):
+    """Every answer is capped (64 MB): the upload fails in one line instead of growing without bound (16.5 GB in 90 s)."""
+    with endless_endpoint() as endpoint:
+        done = subprocess.run(
+            [sys.executable, "-c", UPLOAD_AND_PEAK, "upload", str(merged_folder), "org/run-f"],
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_ENDPOINT": endpoint},
+            capture_output=True,
+            text=True,
+            timeout=20,  # a regression fails here, before it eats the machine's memory
+        )
+
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: the Hub's answer to POST /api/repos/create passed 64 MB: not a Hub answer, refused"
+    ]
+    assert int(done.stdout.split()[-1]) < 700 << 20, done.stdout
 
 
 def test_a_hub_that_never_answers_fails_in_bounded_time_with_one_line(hub, merged_folder):
