@@ -58,7 +58,7 @@ class SourceFile:
 
         The file at the path must still be the one planned, in the state planned. A file deleted
         meanwhile (the trainer's rotation) is fine if the one we hold open is unchanged: deleting it
-        changes only its ctime.
+        changes only its ctime. Run before publishing, and right after any re-open of ``path``.
         """
         try:
             now = FileIdentity.of(os.stat(self.path))

@@ -51,7 +51,11 @@ def open_checkpoint(role_dir: str | Path, options: MergeOptions) -> CheckpointPl
         raise MergeError(role_dir, "not a directory" if role_dir.exists() else "does not exist")
     backend = detect_backend(role_dir) if options.backend == "auto" else options.backend
     plan = reader(backend).plan(role_dir, options)
+    # Weights follow the side files' rule: no link out of the checkpoint. The base model folder
+    # (--hf_model_path, where a LoRA-only checkpoint's base weights come from) is the user's own choice.
+    base = Path(options.hf_model_path).absolute() if options.hf_model_path else None
     with closed_on_failure(plan.files):
-        for f in plan.files:  # weights follow the side files' rule: no link out of the checkpoint
-            require_opened_inside(f.fd, f.path, role_dir)
+        for f in plan.files:
+            if base is None or not f.path.absolute().is_relative_to(base):
+                require_opened_inside(f.fd, f.path, role_dir)
     return plan
