@@ -13,9 +13,10 @@ rename) and, only for a moment during a fallback replace, ``.<name>.previous``. 
 writer leaves behind, the next one that takes the lock cleans up or restores, and logs it.
 
 The parent may be a shared folder (``/tmp``, a team folder) where another user can create these
-names first: each is created without following symlinks (``O_NOFOLLOW``, ``O_EXCL``, relative to the
-parent's descriptor), and one found there that is a symlink, not this user's, or of the wrong type
-is refused in one line and touched in no way (``_refuse_planted``).
+names first: none is ever followed (the lock is opened with ``O_NOFOLLOW`` relative to the parent's
+descriptor, the staging folder made by ``mkdir``, which fails on any existing entry), and one found
+there that is a symlink, not this user's, or of the wrong type is refused in one line and touched
+in no way (``_refuse_planted``).
 """
 
 from __future__ import annotations
