@@ -119,6 +119,10 @@ def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.pipeline import merge_checkpoint
 
     options = _options(args)
+    if args.hf_upload_path:  # a bad repo id, branch or timeout is refused now, not after the merge is published
+        from merge_pipeline.hub import check_upload_settings
+
+        check_upload_settings(args.hf_upload_path, args.revision, args.hub_timeout)
     if launched_by_torchrun():
         result = merge_distributed(
             args.local_dir,

@@ -6,6 +6,7 @@ Each field carries its help text, choices and the CLI commands that take it as m
 
 from __future__ import annotations
 
+import re
 from dataclasses import Field, dataclass, field, fields
 
 from merge_pipeline.errors import MergeError
@@ -17,6 +18,7 @@ DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
 READING = ("merge", "test", "inspect")  # how to open the checkpoint: every command
 TENSORS = ("merge", "test")  # what tensors come out: also compared by `test`
 FOLDER = ("merge",)  # how the folder is written
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
 def _option(default, help: str, *, commands=TENSORS, choices: tuple[str, ...] | None = None, **cli):
@@ -62,6 +64,22 @@ class MergeOptions:
             raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.tie_word_embedding and self.untie_word_embedding:
             raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
+        parse_size(self.max_shard_size, "--max-shard-size")  # checked before any work, not after the plan
+        parse_size(self.max_side_file_size, "--max-side-file-size")
+
+
+def parse_size(size: str | int, flag: str) -> int:
+    """Bytes, at least 1, from an int or an HF-style size ("64MB", "1.5GB"; decimal units)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]?B)?\s*", str(size), re.IGNORECASE)
+        if not match:
+            raise MergeError(None, f"{flag} {size!r}: expected a size such as 64MB or 1GB")
+        value = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
+    if value < 1:
+        raise MergeError(None, f"{flag} {size!r}: must be at least 1 byte")
+    return value
 
 
 OPTION_FIELDS = fields(MergeOptions)

@@ -40,7 +40,7 @@ from merge_pipeline.hf.config import ModelConfig, load_model_config
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
 from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.plan import CheckpointPlan, dtype_name
+from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
 
 log = logging.getLogger("merge_pipeline")
@@ -51,6 +51,7 @@ FSDP_RANK_FILE = fsdp.MODEL_FILE
 ACCELERATE_DCP_DIR = dcp.ACCELERATE_DIR
 DEEPSPEED_LATEST = deepspeed.LATEST
 is_deepspeed_tag_name = deepspeed.is_tag_name
+read_deepspeed_latest = deepspeed.read_latest
 
 
 @dataclass
@@ -180,14 +181,18 @@ def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, writ
     """Index, configs and manifest: everything but the weights and the side files.
 
     ``written``: the report of the weights written into ``out_dir``; the manifest takes their sha256
-    from it rather than reading the weights again.
+    from it rather than reading the weights again. Last, every input file is checked to be still the
+    one planned, unchanged: a trainer re-saving the step meanwhile would leave a folder mixing two saves.
+    Every writer (the CLI, torchrun rank 0 once all ranks wrote, the Dagster asset) publishes only after.
     """
     plan, config, outputs = prepared
     with naming(out_dir):
         write_index(outputs, out_dir)
         write_configs(config, outputs, out_dir)
         known = {f["filename"]: f["sha256"] for f in written.files}
-        return write_manifest(out_dir, manifest_body(plan, outputs, options), known)
+        manifest = write_manifest(out_dir, manifest_body(plan, outputs, options), known)
+    check_unchanged(plan.files)
+    return manifest
 
 
 def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptions) -> dict:

@@ -8,6 +8,7 @@ bounded by the largest single tensor, never by the model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -24,8 +25,23 @@ from merge_pipeline.input_files import open_regular
 READ_PIECE_BYTES = 8 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file, in which state: a rewrite in place changes the times, a save renamed over it the inode."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, found: os.stat_result) -> FileIdentity:
+        return cls(found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
+
+
 class SourceFile:
-    """An input file opened once, at planning time.
+    """An input file opened once, at planning time, and its identity then (``check_unchanged``).
 
     Holding the descriptor means a trainer that deletes the checkpoint folder mid-merge (rotation)
     cannot pull the bytes away from under us: Linux keeps an unlinked open file readable.
@@ -34,7 +50,26 @@ class SourceFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.fd = open_regular(self.path)  # never a FIFO or device: those would block or never end
-        self.size = os.fstat(self.fd).st_size
+        self.identity = FileIdentity.of(os.fstat(self.fd))  # of what was opened, not of a path looked up again
+        self.size = self.identity.size
+
+    def check_unchanged(self) -> None:
+        """Refuse a file rewritten or replaced since it was planned: what we read of it may mix two saves.
+
+        The file at the path must still be the one planned, in the state planned. A file deleted
+        meanwhile (the trainer's rotation) is fine if the one we hold open is unchanged: deleting it
+        changes only its ctime. Run before publishing, and right after any re-open of ``path``.
+        """
+        try:
+            now = FileIdentity.of(os.stat(self.path))
+        except FileNotFoundError:
+            if self.fd < 0:
+                raise _changed(self.path) from None
+            now = dataclasses.replace(FileIdentity.of(os.fstat(self.fd)), ctime_ns=self.identity.ctime_ns)
+        except OSError as exc:
+            raise _changed(self.path) from exc
+        if now != self.identity:
+            raise _changed(self.path)
 
     def read_into(self, buffer: memoryview, offset: int) -> None:
         """Fill ``buffer`` with the bytes at ``offset``; a short read means the file was truncated."""
@@ -51,6 +86,16 @@ class SourceFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _changed(path: Path) -> MergeError:
+    return MergeError(path, "changed while it was being merged: re-run once the save is complete")
+
+
+def check_unchanged(files: Iterable[SourceFile]) -> None:
+    """Before publishing: every input file is still what was planned (``SourceFile.check_unchanged``)."""
+    for f in files:
+        f.check_unchanged()
 
 
 def close_all(files: Iterable[SourceFile]) -> None:

@@ -10,11 +10,12 @@ import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from merge_pipeline.engine.lora import split_lora
-from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
-from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
+from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY
+from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
@@ -114,11 +115,15 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     model = [OutputTensor(t, _output_dtype(t, requested)) for t in tensors]
     adapter_out = [OutputTensor(t, _output_dtype(t, requested)) for t in adapter]
     adapter_only = not model  # checkpoint.save_lora_only and no --hf_model_path to take the base from
+    shards = _split_shards(model, options.max_shard_size) if model else []
+    adapter_file = (
+        ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out)) if adapter_out else None
+    )
+    for files in (shards, [adapter_file] if adapter_file else []):
+        _refuse_what_safetensors_would(files, plan.role_dir)
     return OutputPlan(
-        shards=_split_shards(model, options.max_shard_size) if model else [],
-        adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out))
-        if adapter_out
-        else None,
+        shards=shards,
+        adapter=adapter_file,
         lora=lora if adapter_out or options.merge_lora else None,
         lora_targets=targets,
         tied=tied,
@@ -127,6 +132,26 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
         dropped=dropped,
         adapter_only=adapter_only,
     )
+
+
+def _refuse_what_safetensors_would(files: list[ShardFile], where: Path) -> None:
+    """Only files every safetensors loader opens: each name once (in the model or the adapter), no
+    tensor named like the header's reserved ``__metadata__`` entry, each header within the library's limit."""
+    seen: set[str] = set()
+    for shard in files:
+        for t in shard.tensors:
+            name = t.planned.name
+            if name == METADATA_KEY:
+                raise MergeError(where, f"a tensor is named {METADATA_KEY!r}, which safetensors reserves: refused")
+            if name in seen:
+                raise MergeError(where, f"two tensors are named {name!r}: a safetensors file holds each name once")
+            seen.add(name)
+        header = len(build_header(shard.tensors)) - 8
+        if header > MAX_HEADER_BYTES:
+            raise MergeError(
+                where,
+                f"{shard.filename}: its header (tensor names) would be {header:,} bytes, over the {MAX_HEADER_BYTES:,} bytes safetensors reads: pass a smaller --max-shard-size",
+            )
 
 
 # Input embedding names, so a tied lm_head can be checked against the tensor it is tied to.
@@ -199,15 +224,12 @@ def _dominant_dtype(tensors: list[OutputTensor]) -> torch.dtype:
 
 
 def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> list[ShardFile]:
-    try:
-        split = split_state_dict_into_shards_factory(
-            {t.planned.name: t for t in tensors},
-            get_storage_size=lambda t: t.nbytes,
-            filename_pattern=WEIGHTS_PATTERN,
-            max_shard_size=max_shard_size,
-        )
-    except ValueError as exc:
-        raise MergeError(None, f"--max-shard-size {max_shard_size!r}: {exc}") from None
+    split = split_state_dict_into_shards_factory(
+        {t.planned.name: t for t in tensors},
+        get_storage_size=lambda t: t.nbytes,
+        filename_pattern=WEIGHTS_PATTERN,
+        max_shard_size=parse_size(max_shard_size, "--max-shard-size"),  # ours: HF's takes "1e999GB" to a crash
+    )
     by_name = {t.planned.name: t for t in tensors}
     return [
         ShardFile(filename, tuple(by_name[n] for n in names)) for filename, names in split.filename_to_tensors.items()

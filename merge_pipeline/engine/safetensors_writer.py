@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from merge_pipeline.errors import MergeError, naming
-from merge_pipeline.hf.safetensors import SAFETENSORS_DTYPES
+from merge_pipeline.hf.safetensors import METADATA_KEY, SAFETENSORS_DTYPES
 from merge_pipeline.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
 
 # copy_file_range moves at most this much per call (the kernel copies, no user-space buffer);
@@ -47,7 +47,7 @@ class OutputTensor:
 
 
 def build_header(tensors: Sequence[OutputTensor], metadata: dict[str, str] | None = None) -> bytes:
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    header: dict[str, object] = {METADATA_KEY: metadata or {"format": "pt"}}
     offset = 0
     for t in tensors:
         header[t.planned.name] = {

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Protocol
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.input_files import require_opened_inside
 from merge_pipeline.options import BACKENDS, MergeOptions
-from merge_pipeline.plan import CheckpointPlan
+from merge_pipeline.plan import CheckpointPlan, closed_on_failure
 
 # Reader modules, in the order ``auto`` tries them: the first whose detect() says yes plans the folder.
 # Their names are the --backend choices (options.BACKENDS, which the CLI and Dagster offer).
@@ -49,4 +50,12 @@ def open_checkpoint(role_dir: str | Path, options: MergeOptions) -> CheckpointPl
     if not role_dir.is_dir():
         raise MergeError(role_dir, "not a directory" if role_dir.exists() else "does not exist")
     backend = detect_backend(role_dir) if options.backend == "auto" else options.backend
-    return reader(backend).plan(role_dir, options)
+    plan = reader(backend).plan(role_dir, options)
+    # Weights follow the side files' rule: no link out of the checkpoint. The base model folder
+    # (--hf_model_path, where a LoRA-only checkpoint's base weights come from) is the user's own choice.
+    base = Path(options.hf_model_path).absolute() if options.hf_model_path else None
+    with closed_on_failure(plan.files):
+        for f in plan.files:
+            if base is None or not f.path.absolute().is_relative_to(base):
+                require_opened_inside(f.fd, f.path, role_dir)
+    return plan

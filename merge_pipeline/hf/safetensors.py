@@ -20,6 +20,9 @@ from merge_pipeline.input_files import open_regular
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# The safetensors library refuses a header over 100 MB, and reserves this name in it for string metadata.
+MAX_HEADER_BYTES = 100_000_000
+METADATA_KEY = "__metadata__"
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
