@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import torch
 import transformers
 
 from merge_pipeline.errors import MergeError
@@ -13,7 +14,7 @@ from merge_pipeline.hf.architecture import model_class
 from merge_pipeline.hf.config import CONFIG
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from merge_pipeline.hf.manifest import file_sums, read_manifest
-from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
+from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, TORCH_DTYPES, exact_common_dtype, read_header
 
 _ADAPTER_TENSOR = re.compile(rf"^{re.escape(PEFT_PREFIX)}.+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
 
@@ -45,9 +46,16 @@ def meta_load_problems(folder: Path) -> list[str]:
     problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
     problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
     for name, entry in sorted((n, e) for tensors in weight_files(folder).values() for n, e in tensors.items()):
-        if name in expected and SAFETENSORS_DTYPES.get(expected[name].dtype) != entry["dtype"]:
+        if name in expected and not _loads_unaltered(TORCH_DTYPES[entry["dtype"]], expected[name].dtype):
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
+
+
+def _loads_unaltered(stored: torch.dtype, loaded: torch.dtype) -> bool:
+    """Loaded as stored, or widened without changing a value (bf16 weights in a float32 model)."""
+    if stored == loaded:
+        return True
+    return stored.is_floating_point and loaded.is_floating_point and exact_common_dtype(stored, loaded) == loaded
 
 
 def adapter_problems(folder: Path) -> list[str]:
