@@ -50,6 +50,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def assert_loads_every_stored_value(folder: Path) -> None:
+    """transformers' ``from_pretrained`` with ``dtype="auto"`` (its default) holds every stored tensor unaltered:
+    equal to it, and bit for bit the stored tensor again in the stored dtype (widened exactly, never rounded)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model, info = getattr(transformers, config.architectures[0]).from_pretrained(
+        folder, dtype="auto", output_loading_info=True
+    )
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    loaded = model.state_dict()
+    for name, stored in load_safetensors_dir(folder).items():
+        value = loaded[name]
+        assert torch.equal(value, stored.to(value.dtype)) and same_bits(value.to(stored.dtype), stored), name
+
+
 def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
     """The Megatron reader's plan of ``role_dir`` with these merge options (as ``--backend megatron``)."""
     from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
