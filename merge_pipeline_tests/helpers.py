@@ -80,6 +80,18 @@ def config_says_tied(role_dir: Path) -> Path:
     return path
 
 
+def config_claims_one_more_layer(role_dir: Path) -> str:
+    """Make an FSDP checkpoint's config.json describe one layer more than its rank files hold (the reader
+    cannot tell; the merged folder then fails the meta-device check). Returns a weight the folder lacks."""
+    path = role_dir / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    layers = config["num_hidden_layers"]
+    path.write_text(
+        json.dumps({**config, "num_hidden_layers": layers + 1, "layer_types": config["layer_types"][:1] * (layers + 1)})
+    )
+    return f"model.layers.{layers}.input_layernorm.weight"
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     """Run ``merge-pipeline`` in this process; returns (exit code, stdout, stderr)."""
     code = main([str(a) for a in argv])

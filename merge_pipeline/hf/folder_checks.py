@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import transformers
+from transformers.utils import logging as hf_logging
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.architecture import model_class
@@ -40,7 +43,8 @@ def meta_load_problems(folder: Path) -> list[str]:
     except MergeError as exc:
         return [exc.problem]
     architecture = model_type.__name__
-    model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
+    with _quiet_transformers():  # what it would report (a load report table, a progress bar), problems says
+        model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
@@ -56,6 +60,19 @@ def _loads_unaltered(stored: torch.dtype, loaded: torch.dtype) -> bool:
     if stored == loaded:
         return True
     return stored.is_floating_point and loaded.is_floating_point and exact_common_dtype(stored, loaded) == loaded
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def adapter_problems(folder: Path) -> list[str]:

@@ -83,10 +83,10 @@ def test_an_asked_cast_is_written_and_recorded(capsys, megatron_samples, tmp_pat
 def test_the_sensors_run_publishes_it_and_the_cli_writes_the_same_bytes(
     capsys,
     megatron_samples,
-    roots,
-    instance,
+    roots,  # noqa: F811 - the fixture imported above
+    instance,  # noqa: F811 - the fixture imported above
     monkeypatch,
-    tmp_path,  # noqa: F811 - the fixtures imported above
+    tmp_path,
 ):
     role_dir = arrange_v2(megatron_samples[MIXED], roots.checkpoints / KEY, "hybrid").role_dir
     monkeypatch.setenv(ROOTS_VAR, str(roots.checkpoints))  # as .env sets them for `dagster dev`
