@@ -227,9 +227,11 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
 
 def check_before_publishing(staging: Path, target: Path) -> None:
     """The blocking checks Dagster's ``hf_model`` runs, on the complete staging folder; any failure is one line."""
+    started = time.monotonic()
     problem = refusal(run_blocking_checks(staging))
     if problem:
         raise MergeError(target, problem)
+    log.info("blocking checks passed (%s) in %.1f s", ", ".join(CHECK_NAMES), time.monotonic() - started)
 
 
 def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:

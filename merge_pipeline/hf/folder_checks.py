@@ -13,7 +13,7 @@ import transformers
 from transformers.utils import logging as hf_logging
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.architecture import model_class
+from merge_pipeline.hf.architecture import model_class, multi_token_prediction_prefixes
 from merge_pipeline.hf.config import CONFIG
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from merge_pipeline.hf.manifest import file_sums, read_manifest
@@ -47,7 +47,8 @@ def meta_load_problems(folder: Path) -> list[str]:
         model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
-    problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
+    mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none
+    problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"]) if not k.startswith(mtp)]
     problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
     for name, entry in sorted((n, e) for tensors in weight_files(folder).values() for n, e in tensors.items()):
         if name in expected and not _loads_unaltered(TORCH_DTYPES[entry["dtype"]], expected[name].dtype):
