@@ -37,7 +37,6 @@ from merge_pipeline.formats import dcp, deepspeed, fsdp, open_checkpoint
 from merge_pipeline.formats.dcp import find_dcp_dir as find_dcp_dir
 from merge_pipeline.formats.deepspeed import missing_optimizer_states as missing_optimizer_states
 from merge_pipeline.formats.hf import read_hf_weights
-from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
 from merge_pipeline.hf.config import ModelConfig, load_model_config
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
 from merge_pipeline.hf.manifest import write_manifest
@@ -193,6 +192,9 @@ def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, writ
 
 
 def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptions) -> dict:
+    # Imported here, as the checks: they import transformers (~1 s), which inspect and test of FSDP never need.
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+
     return {
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
@@ -227,6 +229,8 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
 
 def check_before_publishing(staging: Path, target: Path) -> None:
     """The blocking checks Dagster's ``hf_model`` runs, on the complete staging folder; any failure is one line."""
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
+
     started = time.monotonic()
     problem = refusal(run_blocking_checks(staging))
     if problem:
