@@ -25,6 +25,7 @@ from merge_pipeline.pipeline import (
     Prepared,
     ShardFile,
     WriteReport,
+    check_before_publishing,
     finish_folder,
     peak_rss_bytes,
     prepare,
@@ -193,6 +194,7 @@ def merge_distributed(
 
             def finish_and_publish() -> None:
                 manifest.append(finish_folder(prepared, staging, options, written))
+                check_before_publishing(staging, target)
                 publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
 
             _agree(_attempt(finish_and_publish) if lead else None)

@@ -38,8 +38,13 @@ class MergeOptions:
     )
     is_value_model: bool = _option(False, "a critic / value model (also detected from the checkpoint)")
     trust_remote_code: bool = _option(False, "allow config.json to name remote-code classes", commands=READING)
-    # auto = keep each tensor's stored dtype: never lose precision unasked
-    dtype: str = _option("auto", "output dtype (default auto: keep the stored dtype)", choices=DTYPE_CHOICES)
+    # auto = keep each tensor's stored dtype: never lose precision unasked; inspect shows config.json's dtype
+    dtype: str = _option(
+        "auto",
+        "output dtype (default auto: keep each tensor's stored dtype; config.json names the widest, see docs/LAYOUTS.md)",
+        commands=READING,
+        choices=DTYPE_CHOICES,
+    )
     merge_lora: bool = _option(False, "fold LoRA into the base weights instead of writing lora_adapter/")
     hf_model_path: str | None = _option(
         None,

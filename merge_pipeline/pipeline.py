@@ -3,6 +3,7 @@
     prepare   open and validate the checkpoint, decide every output file (no tensor data read)
     write     side files, then the weights, into a staging folder
     finish    index, configs and the manifest (reusing the digests computed while writing)
+    check     the blocking checks (``hf/blocking_checks.py``), the same ones Dagster runs
     publish   ``staged_output``: the one staging folder + target lock, renamed into place on success
     merge     all of the above in one process; ``describe`` and ``compare`` for ``inspect`` and ``test``
 
@@ -24,7 +25,7 @@ from typing import NamedTuple
 from merge_pipeline import __version__
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.lora import with_base_weights
-from merge_pipeline.engine.outputs import OutputPlan, ShardFile, plan_outputs
+from merge_pipeline.engine.outputs import OutputPlan, ShardFile, config_dtype_for, plan_outputs
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
@@ -196,6 +197,9 @@ def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, writ
 
 
 def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptions) -> dict:
+    # Imported here, as the checks: they import transformers (~1 s), which inspect and test of FSDP never need.
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+
     return {
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
@@ -223,7 +227,20 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
         },
         "parameters": plan.parameter_count,
         "tensors": sum(len(f.tensors) for f in outputs.files),
+        # Written before they run: the folder is published only if all of them passed on it.
+        "checks_before_publishing": CHECK_NAMES,
     }
+
+
+def check_before_publishing(staging: Path, target: Path) -> None:
+    """The blocking checks Dagster's ``hf_model`` runs, on the complete staging folder; any failure is one line."""
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
+
+    started = time.monotonic()
+    problem = refusal(run_blocking_checks(staging))
+    if problem:
+        raise MergeError(target, problem)
+    log.info("blocking checks passed (%s) in %.1f s", ", ".join(CHECK_NAMES), time.monotonic() - started)
 
 
 def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:
@@ -251,6 +268,7 @@ def merge_checkpoint(
         write_side_files(prepared, staging, options)
         report = write_weights(outputs, staging, show_progress=show_progress)
         manifest = finish_folder(prepared, staging, options, report)
+        check_before_publishing(staging, target)
     seconds = time.monotonic() - started
     log.info(
         "merged %s -> %s: %d tensors, %s in %.1f s",
@@ -290,6 +308,7 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
             "parameters": plan.parameter_count,
             "tensors": len(plan.tensors),
             "dtypes": dict(dtypes),
+            "config_dtype": dtype_name(config_dtype_for(plan.tensors, options)),  # what --dtype writes to config.json
             "bytes": sum(t.nbytes() for t in plan.tensors),
             "lora": has_lora_tensors(plan.tensors),
             "value_model": plan.is_value_model,

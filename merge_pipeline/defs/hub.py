@@ -21,10 +21,10 @@ import dagster as dg
 from pydantic import Field
 
 from merge_pipeline.defs.assets import hf_model
-from merge_pipeline.defs.checks import FOLDER_CHECKS
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS
 from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.progress import human_bytes
 
@@ -192,7 +192,7 @@ def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: s
         evaluation = record.event_log_entry.dagster_event.asset_check_evaluation_data
         if evaluation.asset_key == hf_model.key and evaluation.partition == partition:
             latest.setdefault(evaluation.check_name, (evaluation.passed, record.run_id))
-    return all(latest.get(c.name) == (True, merge_run_id) for c in FOLDER_CHECKS)
+    return all(latest.get(c.name) == (True, merge_run_id) for c in BLOCKING_CHECKS)
 
 
 defs = dg.Definitions(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
-from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY
+from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
@@ -128,7 +128,7 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
         lora_targets=targets,
         tied=tied,
         is_value_model=is_value_model,
-        config_dtype=_dominant_dtype(model or adapter_out),
+        config_dtype=auto_config_dtype(t.dtype for t in model or adapter_out),
         dropped=dropped,
         adapter_only=adapter_only,
     )
@@ -215,12 +215,25 @@ def _output_dtype(t: PlannedTensor, requested: torch.dtype | None) -> torch.dtyp
     return requested
 
 
-def _dominant_dtype(tensors: list[OutputTensor]) -> torch.dtype:
-    weight: Counter[torch.dtype] = Counter()
-    for t in tensors:
-        if t.dtype.is_floating_point:
-            weight[t.dtype] += t.planned.numel
-    return weight.most_common(1)[0][0] if weight else torch.float32
+def auto_config_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """config.json's dtype for the dtypes written: the narrowest one that holds every stored floating value exactly.
+
+    transformers' ``from_pretrained(dtype="auto")`` builds every floating parameter in config.json's
+    dtype and casts each stored tensor to it, whatever dtype the file says (only a model class's own
+    ``_keep_in_fp32_modules`` are exempt). So a mixed checkpoint (bf16 weights, fp32 norms) must say
+    float32: a majority dtype would round the exceptions on load.
+    """
+    widest: torch.dtype | None = None
+    for dtype in dtypes:
+        if dtype.is_floating_point:
+            widest = dtype if widest is None else exact_common_dtype(widest, dtype)
+    return widest or torch.float32
+
+
+def config_dtype_for(tensors: Iterable[PlannedTensor], options: MergeOptions) -> torch.dtype:
+    """What config.json will say for these tensors under ``--dtype`` (``inspect``, before any plan of the output)."""
+    requested = DTYPES.get(options.dtype)
+    return auto_config_dtype(_output_dtype(t, requested) for t in tensors)
 
 
 def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> list[ShardFile]:
