@@ -75,6 +75,11 @@ class LockedTarget:
         """An empty staging folder; one left by a killed writer is removed first, or with ``keep`` left
         as it is (for ``engine.resume`` to sort out)."""
         if keep and self.staging.is_dir() and not self.staging.is_symlink():
+            log.warning(
+                "%s: %s was left by a merge that did not finish: its finished files are checked for reuse",
+                self.target,
+                self.staging,
+            )
             return self.staging
         if self.staging.exists():
             log.warning("%s: removing %s, left by a merge that did not finish", self.target, self.staging)
