@@ -29,6 +29,9 @@ from merge_pipeline.engine.outputs import OutputPlan, ShardFile, config_dtype_fo
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
+from merge_pipeline.engine.resume import ResumeLog, keep_finished, merge_key
+from merge_pipeline.engine.resume import finished as finished_before
+from merge_pipeline.engine.resume import forget as forget_finished
 from merge_pipeline.engine.safetensors_writer import write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
@@ -157,25 +160,59 @@ def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -
 
 
 def write_weights(
-    outputs: OutputPlan, out_dir: Path, *, files: list[ShardFile] | None = None, show_progress: bool = True
+    outputs: OutputPlan,
+    out_dir: Path,
+    *,
+    files: list[ShardFile] | None = None,
+    show_progress: bool = True,
+    resume: ResumeLog | None = None,
 ) -> WriteReport:
-    """Stream the weight files (all, or the given subset) into ``out_dir``."""
+    """Stream the weight files (all, or the given subset) into ``out_dir``; with ``resume``, keep the
+    files it lists as finished and record each newly finished one."""
     files = outputs.files if files is None else files
-    progress = ByteProgress(sum(f.nbytes for f in files), "writing weights", enabled=show_progress)
+    reused = {shard.filename for shard in files if resume and shard.filename in resume.finished}
+    description = "writing weights"
+    if reused:
+        description += f" ({len(reused)} of {len(files)} files reused from a killed merge)"
+    progress = ByteProgress(sum(f.nbytes for f in files), description, enabled=show_progress)
     report = WriteReport()
     try:
         for shard in files:
+            if shard.filename in reused:
+                report.files.append(resume.finished[shard.filename])
+                progress(shard.nbytes)
+                continue
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)
             digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
             size = write_safetensors(path, shard.tensors, progress, digest=digest)
-            report.files.append(
-                {"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors), "sha256": digest.hexdigest()}
-            )
+            entry = {
+                "filename": shard.filename,
+                "bytes": size,
+                "tensors": len(shard.tensors),
+                "sha256": digest.hexdigest(),
+            }
+            report.files.append(entry)
+            if resume:
+                resume.record(entry)
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
     return report
+
+
+def resume_key(prepared: Prepared, options: MergeOptions) -> str:
+    return merge_key(prepared.plan.files, {"version": __version__, **asdict(options)}, prepared.outputs.files)
+
+
+def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> ResumeLog:
+    """What a killed merge of the same inputs and options finished in ``staging`` (checked), the rest removed."""
+    return keep_finished(staging, resume_key(prepared, options), prepared.outputs.files)
+
+
+def resume_finished(prepared: Prepared, staging: Path, options: MergeOptions) -> ResumeLog:
+    """For torchrun ranks other than 0: the files rank 0's ``resume_killed`` kept."""
+    return finished_before(staging, resume_key(prepared, options), prepared.outputs.files)
 
 
 def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, written: WriteReport) -> dict:
@@ -264,9 +301,11 @@ def merge_checkpoint(
     check_target(target, source=local_dir, overwrite=options.overwrite)
     prepared = prepare(local_dir, options)
     plan, outputs = prepared.plan, prepared.outputs
-    with prepared, staged_output(target, source=local_dir, overwrite=options.overwrite) as staging:
+    with prepared, staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True) as staging:
+        resume = resume_killed(prepared, staging, options)
         write_side_files(prepared, staging, options)
-        report = write_weights(outputs, staging, show_progress=show_progress)
+        report = write_weights(outputs, staging, show_progress=show_progress, resume=resume)
+        forget_finished(staging)
         manifest = finish_folder(prepared, staging, options, report)
         check_before_publishing(staging, target)
     seconds = time.monotonic() - started

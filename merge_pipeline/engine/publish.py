@@ -81,9 +81,17 @@ class LockedTarget:
         self.target, self.overwrite = target, overwrite
         self.staging = staging_path(target)
 
-    def new_staging(self) -> Path:
-        """An empty staging folder; one left by a killed writer is removed first."""
+    def new_staging(self, *, keep: bool = False) -> Path:
+        """An empty staging folder; one left by a killed writer is removed first, or with ``keep`` left
+        as it is (for ``engine.resume`` to sort out)."""
         if _refuse_planted(self.staging, stat.S_IFDIR) is not None:
+            if keep:
+                log.warning(
+                    "%s: %s was left by a merge that did not finish: its finished files are checked for reuse",
+                    self.target,
+                    self.staging,
+                )
+                return self.staging
             log.warning("%s: removing %s, left by a merge that did not finish", self.target, self.staging)
             shutil.rmtree(self.staging)
         self.staging.mkdir()
@@ -130,10 +138,14 @@ def locked_target(target: str | Path, *, source: str | Path, overwrite: bool) ->
 
 
 @contextlib.contextmanager
-def staged_output(target: str | Path, *, source: str | Path, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty staging folder; on success publish it as ``target``, on failure remove it."""
+def staged_output(
+    target: str | Path, *, source: str | Path, overwrite: bool, keep_killed: bool = False
+) -> Iterator[Path]:
+    """Yield an empty staging folder; on success publish it as ``target``, on failure remove it.
+
+    ``keep_killed``: a staging folder left by a killed merge is yielded as it is (``engine.resume``)."""
     with locked_target(target, source=source, overwrite=overwrite) as locked:
-        staging = locked.new_staging()
+        staging = locked.new_staging(keep=keep_killed)
         try:
             yield staging
             locked.publish()

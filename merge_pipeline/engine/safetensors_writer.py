@@ -143,7 +143,8 @@ def _read_ahead(tensors: Sequence[OutputTensor]) -> None:
     """Ask the kernel to start reading these tensors' stored bytes into the page cache (returns at once)."""
     for t in tensors:
         for run in t.planned.source.byte_runs() or ():
-            os.posix_fadvise(run.file.fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
+            with run.file.opened() as fd:
+                os.posix_fadvise(fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
 
 
 class _Stage:
@@ -256,10 +257,15 @@ def _copy_run(
     hasher: _Hasher,
 ) -> int:
     """Copy a file range to ``out_pos`` of ``out_fd``, inside the kernel where the filesystems allow."""
+    with source.opened() as source_fd:
+        return _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, hasher)
+
+
+def _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, hasher) -> int:
     done = 0
     while done < length:
         try:
-            n = os.copy_file_range(source.fd, out_fd, min(_COPY_CHUNK, length - done), offset + done, out_pos + done)
+            n = os.copy_file_range(source_fd, out_fd, min(_COPY_CHUNK, length - done), offset + done, out_pos + done)
         except OSError as exc:
             if exc.errno not in _NO_KERNEL_COPY:
                 raise

@@ -57,5 +57,6 @@ def open_checkpoint(role_dir: str | Path, options: MergeOptions) -> CheckpointPl
     with closed_on_failure(plan.files):
         for f in plan.files:
             if base is None or not f.path.absolute().is_relative_to(base):
-                require_opened_inside(f.fd, f.path, role_dir)
+                with f.opened() as fd:
+                    require_opened_inside(fd, f.path, role_dir)
     return plan
