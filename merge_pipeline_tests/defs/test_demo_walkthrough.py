@@ -55,5 +55,7 @@ def test_every_documented_command_works_after_the_demo(tmp_path):
     assert walk.returncode == 0, output[-5000:]
     assert "virtual environment does not match" not in output and "Traceback" not in output, output[-5000:]
     merged = project / "demo" / "merged" / "demo_run" / "global_step_1" / "actor"
-    assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"  # the documented `dg launch` re-merge
+    assert (
+        json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
+    )  # the documented `dg launch` re-merge
     assert (project / "demo" / "checkpoints" / "demo_run" / "global_step_2" / "actor").is_dir()
