@@ -107,6 +107,7 @@ def test_dagster_yaml_queues_runs_limits_heavy_merges_and_retries_crashes(tmp_pa
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
         concurrency = instance.get_concurrency_config()
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+        assert instance.run_coordinator.dequeue_interval_seconds == 1  # a UI launch leaves the queue within ~1 s
         assert concurrency.run_queue_config.tag_concurrency_limits == [{"key": HEAVY_TAG, "limit": 1}]
         # run granularity: a run holding hf_model waits in the queue for the pool's one slot, whoever launched it
         assert (concurrency.pool_config.default_pool_limit, concurrency.pool_config.pool_granularity.value) == (
