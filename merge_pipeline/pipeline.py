@@ -28,7 +28,7 @@ from merge_pipeline.engine.outputs import OutputPlan, ShardFile, plan_outputs
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
-from merge_pipeline.engine.safetensors_writer import write_safetensors
+from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.formats import BACKENDS as BACKENDS
@@ -159,7 +159,9 @@ def write_weights(
 ) -> WriteReport:
     """Stream the weight files (all, or the given subset) into ``out_dir``."""
     files = outputs.files if files is None else files
-    progress = ByteProgress(sum(f.nbytes for f in files), "writing weights", enabled=show_progress)
+    # the files' sizes, headers included: what the writer counts, so the progress ends at 100% of its total
+    total = sum(len(build_header(f.tensors)) + f.nbytes for f in files)
+    progress = ByteProgress(total, "writing weights", enabled=show_progress)
     report = WriteReport()
     try:
         for shard in files:
@@ -248,7 +250,7 @@ def merge_checkpoint(
         manifest = finish_folder(prepared, staging, options, report)
     seconds = time.monotonic() - started
     log.info(
-        "merged %s -> %s: %d tensors, %s in %.1f s",
+        "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
         plan.role_dir,
         target,
         report.tensors,

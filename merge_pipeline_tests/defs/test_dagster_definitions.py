@@ -84,10 +84,12 @@ def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy()
     assert "dagster/code_references" in specs["hf_model"].metadata
     assert specs["hf_model"].freshness_policy.fail_window.to_timedelta().total_seconds() == 30 * 60
     assert not defs.resolve_assets_def("checkpoint").is_executable  # the trainer writes it
+    assert "`global_step_<N>/<role>`" in specs["checkpoint"].description  # code: markdown keeps the <...>
 
 
 def test_sensors_run_by_default_and_the_hub_schedule_only_with_an_organization(tmp_path):
     assert defs.resolve_sensor_def("new_checkpoint_sensor").default_status == dg.DefaultSensorStatus.RUNNING
+    assert "Off until MERGE_PIPELINE_HUB_ORG is set" in defs.resolve_schedule_def("publish_latest_steps").description
     assert (
         defs.resolve_sensor_def("merge_failure_webhook").default_status == dg.DefaultSensorStatus.RUNNING
     )  # inert without a URL
