@@ -66,7 +66,8 @@ def _hub_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="merge-pipeline", description="Merge sharded FSDP / Megatron checkpoints into Hugging Face folders."
+        prog="merge-pipeline",
+        description="Merge sharded FSDP, Megatron-Core, DeepSpeed and torch DCP checkpoints into Hugging Face folders.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -141,7 +142,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
     print(
-        f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
+        f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)} of tensor data) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
     )
     if args.hf_upload_path:
         return _upload(result.target_dir, args.hf_upload_path, args)
@@ -173,6 +174,8 @@ def _run_test(args: argparse.Namespace) -> int:
     from merge_pipeline.pipeline import compare
 
     result = compare(args.local_dir, args.test_hf_dir, _options(args), atol=args.atol)
+    if result.worst:
+        print("largest differences (max abs diff, tensor):")
     for diff, name in result.worst:
         print(f"  {diff:.3g}  {printable(name)}")
     for name in result.missing:
@@ -187,7 +190,8 @@ def _run_test(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_MISMATCH
-    print(f"OK: {result.compared} tensors match {printable(str(args.test_hf_dir))}")
+    cast = f" after casting to {', '.join(sorted(result.cast_to))}" if result.cast_to else ""
+    print(f"OK: {result.compared} tensors match {printable(str(args.test_hf_dir))}{cast}")
     return 0
 
 

@@ -32,7 +32,7 @@ from merge_pipeline.engine.publish import staging_path as staging_path
 from merge_pipeline.engine.resume import ResumeLog, keep_finished, merge_key
 from merge_pipeline.engine.resume import finished as finished_before
 from merge_pipeline.engine.resume import forget as forget_finished
-from merge_pipeline.engine.safetensors_writer import write_safetensors
+from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.formats import BACKENDS as BACKENDS
@@ -174,13 +174,15 @@ def write_weights(
     description = "writing weights"
     if reused:
         description += f" ({len(reused)} of {len(files)} files reused from a killed merge)"
-    progress = ByteProgress(sum(f.nbytes for f in files), description, enabled=show_progress)
+    # the files' sizes, headers included: what the writer counts, so the progress ends at 100% of its total
+    total = sum(len(build_header(f.tensors)) + f.nbytes for f in files)
+    progress = ByteProgress(total, description, enabled=show_progress)
     report = WriteReport()
     try:
         for shard in files:
             if shard.filename in reused:
                 report.files.append(resume.finished[shard.filename])
-                progress(shard.nbytes)
+                progress(resume.finished[shard.filename]["bytes"])  # the whole file, as the total counts it
                 continue
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -310,7 +312,7 @@ def merge_checkpoint(
         check_before_publishing(staging, target)
     seconds = time.monotonic() - started
     log.info(
-        "merged %s -> %s: %d tensors, %s in %.1f s",
+        "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
         plan.role_dir,
         target,
         report.tensors,

@@ -134,7 +134,8 @@ publish_job = dg.define_asset_job(
     default_status=dg.DefaultScheduleStatus.RUNNING
     if dg.EnvVar("MERGE_PIPELINE_HUB_ORG").get_value()
     else dg.DefaultScheduleStatus.STOPPED,
-    description="Publishes the highest merged step of each run whose checks passed, once per merge of that step.",
+    description="Publishes the highest merged step of each run whose checks passed, once per merge of that step. "
+    "Off until MERGE_PIPELINE_HUB_ORG is set (in .env) when the code location loads; then it runs by default.",
 )
 def publish_latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub):
     if not hub.enabled:
