@@ -17,8 +17,8 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 # torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
-"$VENV/bin/python" -m pip install --quiet torch==2.13.0
+"$VENV/bin/python" -m pip install --quiet torch==2.13.0 tyro numpy safetensors einops
+# Last, so that no later pip run reports torchtitan's declared dependencies as missing.
 "$VENV/bin/python" -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0
-"$VENV/bin/python" -m pip install --quiet tyro numpy safetensors einops torch==2.13.0
 "$VENV/bin/python" -c "import torchtitan.models.llama3, torchtitan.components.checkpoint"
 echo "$PACKAGES" > "$VENV/stamp"

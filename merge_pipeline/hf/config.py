@@ -77,7 +77,7 @@ def load_model_config(
     if not path.is_file():
         if original is not None:
             return _read_config(original, trust_remote_code)
-        if hf_dir.is_dir():
+        if hf_dir.is_dir() and any(hf_dir.iterdir()):  # verl creates huggingface/ empty when it saves none
             raise MergeError(
                 path, "not found: the checkpoint needs huggingface/config.json to build an HF model folder"
             )
