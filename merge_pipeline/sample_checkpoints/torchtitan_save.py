@@ -2,14 +2,16 @@
 
     .venv-torchtitan/bin/python merge_pipeline/sample_checkpoints/torchtitan_save.py OUT --family llama3
 
-``scripts/setup_torchtitan.sh`` builds that venv (torchtitan's dependencies clash with ours), so this file
-imports only torch, torchtitan and safetensors, never merge_pipeline. Two gloo ranks each build the
-family's ``debugmodel`` flavor from torchtitan's own registry, ``fully_shard`` it (torchtitan's
-``parallelize`` calls the same FSDP2 API) and save with torchtitan's ``CheckpointManager`` (with its
-``OptimizersContainer`` and ``LRSchedulersContainer``) into ``OUT/checkpoint/step-1/``. Rank 0 then gathers the
-full state dict, converts it with the family's own ``state_dict_adapter.to_hf`` and writes
-``OUT/expected/model.safetensors`` (what the merge must equal, bit for bit) and ``OUT/hf/config.json``
-(the HF config a user passes as ``--hf_model_path``).
+``scripts/setup_torchtitan.sh`` builds that venv (torchtitan's dependencies clash with ours), so this
+file imports only torch, torchtitan and safetensors, never merge_pipeline. Two gloo ranks each build
+the family's ``debugmodel`` flavor from torchtitan's own registry (cut to two layers), ``fully_shard``
+it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchtitan's
+``CheckpointManager`` (with its AdamW ``OptimizersContainer`` and ``LRSchedulersContainer``) into
+``OUT/<family>/checkpoint/step-1/`` (DCP), then ``step-2/`` as the last step with ``last_save_in_hf``
+(its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``). Rank 0 then
+converts the gathered state dict with the family's own ``state_dict_adapter.to_hf`` and writes
+``OUT/<family>/expected/model.safetensors`` (what a merge must equal, bit for bit) and
+``OUT/<family>/hf/config.json`` (the HF config a user passes as ``--hf_model_path``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ FAMILIES = {
     "deepseek_v3": ("debugmodel", "deepseek_v3"),
 }
 STEP = 1
+LAST_STEP = 2
 
 
 def _spec(family: str):
@@ -91,7 +94,8 @@ def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
         model.init_weights(buffer_device=torch.device("cpu"))
     optimizers = default_adamw(implementation="for-loop").build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=10)
-    manager = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1).build(
+    # Every step saves the DCP; the last one as HF safetensors (``last_save_in_hf``, through to_hf).
+    manager = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_in_hf=True).build(
         dataloader=None,
         model_parts=[model],
         optimizers=optimizers,
@@ -101,6 +105,7 @@ def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
         base_folder=str(out),
     )
     manager.save(curr_step=STEP)
+    manager.save(curr_step=LAST_STEP, last_step=True)
     manager.close()
     # The whole tensors, gathered on every rank (collectives), as the model holds them.
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}

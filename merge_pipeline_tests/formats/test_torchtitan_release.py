@@ -1,6 +1,7 @@
 """Checkpoints written by torchtitan 0.3.0 itself -- its own models (llama3, qwen3 dense and MoE,
 deepseek_v3), ``fully_shard`` on two gloo ranks, its ``CheckpointManager.save`` -- merge from the CLI
-with ``--backend auto`` bit for bit into what each family's own ``state_dict_adapter.to_hf`` gives.
+with ``--backend auto`` bit for bit into what each family's own ``state_dict_adapter.to_hf`` gives;
+so does the last step, which torchtitan saves as HF safetensors (``last_save_in_hf``).
 
 torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/setup.sh``);
 the writer is ``merge_pipeline/sample_checkpoints/torchtitan_save.py``."""
@@ -29,7 +30,7 @@ FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
 
 @pytest.fixture(scope="module")
 def torchtitan_saves(tmp_path_factory) -> Path:
-    """``<root>/<family>/{checkpoint/step-1, expected/model.safetensors, hf/config.json}``."""
+    """``<root>/<family>/{checkpoint/step-1, checkpoint/step-2 (HF), expected/model.safetensors, hf/config.json}``."""
     assert TORCHTITAN_PYTHON.is_file(), f"{TORCHTITAN_PYTHON} missing: run scripts/setup_torchtitan.sh"
     root = tmp_path_factory.mktemp("torchtitan")
     subprocess.run(
@@ -78,3 +79,20 @@ def test_a_family_without_a_torchtitan_mapping_is_one_line_naming_model_type(cap
     [line] = error_lines(err)
     assert "model_type 'mixtral'" in line and "--hf_model_path" in line, line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_save_in_hf_step_folder_is_copied_bit_for_bit(capsys, tmp_path, torchtitan_saves, family):
+    """``last_save_in_hf``: torchtitan's HuggingFaceStorageWriter consolidates the last step into
+    ``model-*.safetensors`` + index (its ``sharded/`` per-rank files beside them are not read)."""
+    saved = torchtitan_saves / family
+    step = saved / "checkpoint" / "step-2"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", step, "--target_dir", tmp_path / "out", "--hf_model_path", saved / "hf",
+        "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    merged = load_safetensors_dir(tmp_path / "out")
+    expected = load_file(saved / "expected" / "model.safetensors")
+    assert set(merged) == set(expected)
+    assert all(same_bits(merged[name], tensor) for name, tensor in expected.items())
