@@ -96,3 +96,12 @@ def test_last_save_in_hf_step_folder_is_copied_bit_for_bit(capsys, tmp_path, tor
     expected = load_file(saved / "expected" / "model.safetensors")
     assert set(merged) == set(expected)
     assert all(same_bits(merged[name], tensor) for name, tensor in expected.items())
+
+
+def test_last_save_in_hf_without_hf_model_path_says_what_to_pass(capsys, tmp_path, torchtitan_saves):
+    step = torchtitan_saves / "llama3" / "checkpoint" / "step-2"
+    code, _, err = run_cli(capsys, "merge", "--local_dir", step, "--target_dir", tmp_path / "out")
+    assert code == 1
+    [line] = error_lines(err)
+    assert "config.json" in line and "--hf_model_path" in line, line
+    assert not (tmp_path / "out").exists()
