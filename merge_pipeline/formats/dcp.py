@@ -10,21 +10,20 @@ the model's entries; the bytes are read the same way (``formats/dcp_files.py``),
                                          "optimizer.", "lr_scheduler.", "dataloader.", "train_state"
 
 Entries that are not the model's (optimizer, scheduler, data loader and train state, RoPE tables)
-are skipped. torchtitan names are mapped to Llama HF names as torchtitan's own HF state-dict adapter
-(``torchtitan/models/llama3/model/state_dict_adapter.py``, ``to_hf``) does, including its q/k row
-permutation for HF's rotary layout: each output row is one stored row, so the permuted tensor is still
-streamed as byte ranges. None of these folders has to hold a config: ``--hf_model_path`` supplies it.
+are skipped. torchtitan names are mapped to HF names as the family's own HF state-dict adapter (``to_hf``) does
+(``formats/torchtitan_names.py``: llama3's q/k row permutation, grouped MoE experts split per expert):
+each output row is one stored row, so every tensor is still streamed as byte ranges. None of these folders has to hold a config: ``--hf_model_path`` supplies it.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats import torchtitan_names
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     plan_specs,
@@ -43,23 +42,6 @@ _WRAPPED = "model."  # accelerate and NeMo-RL save {"model": state_dict}: DCP fl
 # torchtitan's checkpoint keeps these beside the model (torch's dcp_to_torch_save excludes the same ones).
 _TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 _ROPE_TABLE = "freqs_cis"  # torchtitan's precomputed rotary table: HF recomputes it from the config
-
-_TORCHTITAN_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TORCHTITAN_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
 def find_dcp_dir(role_dir: Path) -> Path | None:
@@ -132,7 +114,7 @@ def plan_dcp(
 def _source(dcp_dir: Path, metadata: Metadata) -> _Source:
     """Which trainer wrote the folder, from its place and its keys."""
     keys = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
-    if "tok_embeddings.weight" in keys:
+    if "tok_embeddings.weight" in keys:  # every torchtitan family's embedding
         return _Source("torchtitan", "")
     # Wrapped: every key under "model.", and below it the HF model's own top modules (model.*, lm_head).
     unwrapped = [k.removeprefix(_WRAPPED) for k in keys if k.startswith(_WRAPPED)]
@@ -161,30 +143,49 @@ def _model_tensors(metadata: Metadata, source: _Source, metadata_path: Path) -> 
 def _torchtitan_outputs(
     stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, metadata_path: Path
 ) -> list[OutputSpec]:
+    """The HF tensors as the family's torchtitan ``to_hf`` makes them (``formats/torchtitan_names.py``)."""
+    model_type = config.get("model_type")
+    if model_type not in torchtitan_names.FAMILIES:
+        raise MergeError(
+            config_path,
+            f"model_type {model_type!r}: not a torchtitan family this reader maps "
+            f"({', '.join(sorted(torchtitan_names.FAMILIES))}); pass --hf_model_path with the model's own HF config",
+        )
+    family, table, permuted = torchtitan_names.FAMILIES[model_type]
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
-    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1 or kv_heads < 1:
+    layers = config.get("num_hidden_layers")
+    if not all(isinstance(n, int) and n >= 1 for n in (heads, kv_heads, layers)):
         raise MergeError(
-            config_path, f"num_attention_heads {heads!r} / num_key_value_heads {kv_heads!r}: not head counts"
+            config_path,
+            f"num_attention_heads {heads!r} / num_key_value_heads {kv_heads!r} / num_hidden_layers {layers!r}: not counts",
         )
+    tied = bool(config.get("tie_word_embeddings"))
     specs = []
     for key, meta in stored.items():
-        layer = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
-        if layer and layer[2] in _TORCHTITAN_LAYER:
-            name = f"model.layers.{layer[1]}.{_TORCHTITAN_LAYER[layer[2]]}"
-        else:
-            name = _TORCHTITAN_TOP.get(key)
+        size = tuple(meta.size)
+        if key in torchtitan_names.TOP:
+            specs.append(OutputSpec(torchtitan_names.TOP[key], (Piece(key, (), (0, size[0])),)))
+            continue
+        if key in torchtitan_names.HEADS:
+            if not tied:  # to_hf drops the head of a tied model
+                specs.append(OutputSpec("lm_head.weight", (Piece(key, (), (0, size[0])),)))
+            continue
+        mapped = torchtitan_names.hf_layer_name(key, table, layers)
+        if mapped is None:
+            raise MergeError(metadata_path, f"{key}: not a torchtitan {family} weight this reader maps to HF names")
+        name, inner = mapped
         if name is None:
-            raise MergeError(metadata_path, f"{key}: not a torchtitan Llama weight this reader maps to HF names")
-        rows = tuple(meta.size)[0]
-        if key.endswith((".wq.weight", ".wk.weight")):
-            groups = heads if key.endswith(".wq.weight") else kv_heads
-            if rows % (2 * groups):
-                raise MergeError(metadata_path, f"{key}: {rows} rows do not split into {groups} rotary heads")
-            pieces = tuple(Piece(key, (), (row, row + 1)) for row in _rotary_rows(rows, groups))
+            continue
+        if inner in torchtitan_names.GROUPED_EXPERTS:  # experts on dimension 0, one HF tensor each
+            specs.extend(OutputSpec(name.format(e), (Piece(key, (e,), (0, size[1])),)) for e in range(size[0]))
+        elif permuted and inner.endswith(("wq.weight", "wk.weight")):
+            groups = heads if inner.endswith("wq.weight") else kv_heads
+            if size[0] % (2 * groups):
+                raise MergeError(metadata_path, f"{key}: {size[0]} rows do not split into {groups} rotary heads")
+            specs.append(OutputSpec(name, tuple(Piece(key, (), (r, r + 1)) for r in _rotary_rows(size[0], groups))))
         else:
-            pieces = (Piece(key, (), (0, rows)),)
-        specs.append(OutputSpec(name, pieces))
+            specs.append(OutputSpec(name, (Piece(key, (), (0, size[0])),)))
     return specs
 
 

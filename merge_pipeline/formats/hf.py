@@ -2,7 +2,8 @@
 
 verl's Megatron bridge (the default) saves the model this way, in ``model/huggingface/`` (layout v2)
 or ``huggingface/`` (v1): one ``model.safetensors`` without an index, or shards with one. The
-NeMo-Automodel engine saves consolidated HF safetensors in ``<role>/model/``; the base model of a
+NeMo-Automodel engine saves consolidated HF safetensors in ``<role>/model/``; torchtitan's
+``last_save_in_hf`` leaves an index and its shards in ``step-N/`` itself (config from ``--hf_model_path``); the base model of a
 LoRA-only checkpoint is an HF folder too. Nothing needs converting: each tensor is one byte range of
 a safetensors file, found by reading the file headers only. The headers and the index are checked,
 since a bad one would otherwise become a bad output.
@@ -38,6 +39,7 @@ from merge_pipeline.plan import (
 )
 
 NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
+TORCHTITAN_SHARDS = "sharded"  # torchtitan's HuggingFaceStorageWriter: per-rank files before consolidation
 ADAPTER_DIR = "adapter"  # verl: model/huggingface/adapter/, Megatron-Bridge's PEFT export
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -292,16 +294,29 @@ class _HfReader:
     """A role folder holding consolidated HF safetensors (NeMo-Automodel); verl's bridge output is Megatron's."""
 
     name = "hf"
-    looks_for = f"consolidated HF weights ({NEMO_MODEL_DIR}/*.safetensors)"
+    looks_for = f"consolidated HF weights ({NEMO_MODEL_DIR}/*.safetensors, or {INDEX} beside {TORCHTITAN_SHARDS}/)"
 
     def detect(self, role_dir: Path) -> bool:
-        model_dir = role_dir / NEMO_MODEL_DIR
-        return (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors"))
+        return self._weights_dir(role_dir) is not None
 
     def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
         return plan_hf_safetensors(
-            role_dir, role_dir / NEMO_MODEL_DIR, is_value_model=options.is_value_model or None, backend=self.name
+            role_dir,
+            self._weights_dir(role_dir) or role_dir / NEMO_MODEL_DIR,
+            is_value_model=options.is_value_model or None,
+            hf_model_path=options.hf_model_path,
+            backend=self.name,
         )
+
+    @staticmethod
+    def _weights_dir(role_dir: Path) -> Path | None:
+        """NeMo-Automodel's ``model/`` (with its config), or torchtitan's ``last_save_in_hf`` step folder:
+        the index and consolidated shards beside the writer's per-rank ``sharded/`` (no config:
+        ``--hf_model_path``). Other folders with an index (an HF Trainer's, beside DeepSpeed's) are not claimed."""
+        model_dir = role_dir / NEMO_MODEL_DIR
+        if (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors")):
+            return model_dir
+        return role_dir if (role_dir / INDEX).is_file() and (role_dir / TORCHTITAN_SHARDS).is_dir() else None
 
 
 READER = _HfReader()

@@ -33,6 +33,7 @@ from merge_pipeline.formats.dcp_files import (
 )
 from merge_pipeline.formats.hf import ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.megatron_names import KeyMapper, model_shape
+from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
 from merge_pipeline.hf.config import load_model_config
 from merge_pipeline.hf.lora import ADAPTER_CONFIG
 from merge_pipeline.json_files import read_json_object
@@ -233,6 +234,7 @@ def _plan_dist_checkpoint(
         specs = KeyMapper(
             shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path
         ).outputs()
+        specs = drop_vocab_padding(specs, config, config_path, metadata_path)
     except MergeError as exc:
         if checkpoint.key_prefix and exc.path == metadata_path:  # name the layout the keys came from
             raise MergeError(exc.path, f"Megatron-FSDP checkpoint (one DCP of DTensors): {exc.problem}") from None

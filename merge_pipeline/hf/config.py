@@ -76,9 +76,10 @@ def load_model_config(
     if not path.is_file():
         if original is not None:
             return _read_config(original, trust_remote_code)
-        if hf_dir.is_dir():
+        if hf_dir.is_dir() and any(hf_dir.iterdir()):  # verl creates huggingface/ empty when it saves none
             raise MergeError(
-                path, "not found: the checkpoint needs huggingface/config.json to build an HF model folder"
+                path,
+                f"not found: the checkpoint needs {hf_dir.name}/config.json to build an HF model folder, or --hf_model_path with the original model folder",
             )
         # verl writes no HF files at all when it saves Megatron shards without 'hf_model'.
         raise MergeError(

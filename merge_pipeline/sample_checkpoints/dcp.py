@@ -9,11 +9,12 @@ rank, each ``fully_shard``s a module tree and saves it with ``dcp.save`` the way
 - ``nemo_rl`` / ``nemo_automodel``: what their DCP savers hand to ``dcp.save`` (NeMo-RL wraps the
   model's state dict under "model", NeMo-Automodel saves it flat), into ``weights/`` or ``model/``.
   Neither package is installed here (both pin their own torch stacks).
-- ``torchtitan``: torchtitan cannot be installed here (it pins an old huggingface_hub and pulls
-  wandb), so the module tree carries torchtitan's Llama names with q/k rows in torchtitan's rotary
+- ``torchtitan``: torchtitan's older Llama names (before 0.3: ``attention.wq``, ``output``), reproduced
+  from its source: the module tree carries them with q/k rows in torchtitan's rotary
   layout (its adapter's ``from_hf``), and the rank saves what torchtitan's CheckpointManager saves:
   the model's state dict flattened to the top level beside ``optimizer`` (flattened AdamW state),
-  ``lr_scheduler`` and ``train_state``, into ``step-N/``.
+  ``lr_scheduler`` and ``train_state``, into ``step-N/``. torchtitan 0.3 itself writes its own
+  checkpoints in its own venv: ``torchtitan_save.py``.
 
 Neither writes a config or tokenizer into the checkpoint; the reference folder is the original HF
 model folder (weights, config, tokenizer) a user passes as ``--hf_model_path``.

@@ -1,0 +1,198 @@
+"""A torchtitan 0.3 checkpoint written by torchtitan itself: run with the torchtitan venv's python.
+
+    .venv-torchtitan/bin/python merge_pipeline/sample_checkpoints/torchtitan_save.py OUT --family llama3
+
+``scripts/setup_torchtitan.sh`` builds that venv (torchtitan's dependencies clash with ours), so this
+file imports only torch, torchtitan and safetensors, never merge_pipeline. Two gloo ranks each build
+the family's ``debugmodel`` flavor from torchtitan's own registry (cut to two layers), ``fully_shard``
+it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchtitan's
+``CheckpointManager`` (with its AdamW ``OptimizersContainer`` and ``LRSchedulersContainer``) into
+``OUT/<family>/checkpoint/step-1/`` (DCP), then ``step-2/`` as the last step with ``last_save_in_hf``
+(its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``). Rank 0 then
+converts the gathered state dict with the family's own ``state_dict_adapter.to_hf`` and writes
+``OUT/<family>/expected/model.safetensors`` (what a merge must equal, bit for bit) and
+``OUT/<family>/hf/config.json`` (the HF config a user passes as ``--hf_model_path``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# family -> (torchtitan flavor, HF model_type); the HF config is derived from the torchtitan config below.
+FAMILIES = {
+    "llama3": ("debugmodel", "llama"),
+    "qwen3": ("debugmodel", "qwen3"),
+    "qwen3_moe": ("debugmodel_moe", "qwen3_moe"),
+    "deepseek_v3": ("debugmodel", "deepseek_v3"),
+}
+STEP = 1
+LAST_STEP = 2
+
+
+def _spec(family: str):
+    """The family's registered debug model, cut to two layers (the first MoE one included) to stay small."""
+    module = importlib.import_module(f"torchtitan.models.{family.removesuffix('_moe')}")
+    spec = module.model_registry(FAMILIES[family][0])
+    layers = spec.model.layers
+    if family == "qwen3_moe":  # its debug flavor has 64 experts of 768 rows: 4.8 GB with the optimizer
+        layers = module._build_qwen3_moe_layers(
+            fuse_qkv=True,
+            n_layers=2,
+            dim=spec.model.dim,
+            n_heads=16,
+            n_kv_heads=8,
+            head_dim=128,
+            moe_hidden_dim=64,
+            num_experts=4,
+            top_k=2,
+            attn_backend="flex",
+            rope=layers[0].attention.rope,
+            moe_comm_backend="standard",
+        )
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=layers[:2]))
+
+
+def _run_rank(rank: int, families: list[str], out: str, world_size: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for family in families:
+            _save_family(rank, family, Path(out) / family, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    torch.manual_seed(0)
+    spec = _spec(family)
+    with torch.device("meta"):
+        model = spec.model.build()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    optimizers = default_adamw(implementation="for-loop").build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=10)
+    # Every step saves the DCP; the last one as HF safetensors (``last_save_in_hf``, through to_hf).
+    manager = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_in_hf=True).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": _TrainState()},
+        sd_adapter=spec.state_dict_adapter(spec.model, None),
+        base_folder=str(out),
+    )
+    manager.save(curr_step=STEP)
+    manager.save(curr_step=LAST_STEP, last_step=True)
+    manager.close()
+    # The whole tensors, gathered on every rank (collectives), as the model holds them.
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        _write_expected(out, family, spec, full)
+
+
+class _TrainState:
+    """What torchtitan's Trainer saves as ``train_state`` (its ``state_dict``)."""
+
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(STEP), "ntokens_seen": torch.tensor(0)}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+def _write_expected(out: Path, family: str, spec, full: dict) -> None:
+    from safetensors.torch import save_file
+
+    adapter = spec.state_dict_adapter(spec.model, None)
+    hf = adapter.to_hf({k: v for k, v in full.items() if not k.endswith("freqs_cis")})
+    (out / "expected").mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "expected" / "model.safetensors"))
+    (out / "hf").mkdir(parents=True, exist_ok=True)
+    (out / "hf" / "config.json").write_text(json.dumps(_hf_config(family, spec.model, hf), indent=2))
+
+
+def _hf_config(family: str, config, hf: dict) -> dict:
+    """The HF config of the same model, from torchtitan's config and the converted shapes."""
+    layer = config.layers[0]
+    attention = layer.attention
+    embed = hf["model.embed_tokens.weight"]
+    moe_layers = [i for i, block in enumerate(config.layers) if getattr(block, "moe", None) is not None]
+    base = {
+        "model_type": FAMILIES[family][1],
+        "vocab_size": embed.shape[0],
+        "hidden_size": embed.shape[1],
+        "num_hidden_layers": len(config.layers),
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": getattr(attention, "n_kv_heads", None) or attention.n_heads,
+        "tie_word_embeddings": bool(getattr(config, "enable_weight_tying", False)),
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
+    mlp = next((k for k in hf if k.endswith("mlp.gate_proj.weight")), None)
+    if mlp is not None:
+        base["intermediate_size"] = hf[mlp].shape[0]
+    if family == "llama3":
+        base["architectures"] = ["LlamaForCausalLM"]
+    elif family in ("qwen3", "qwen3_moe"):
+        base["architectures"] = ["Qwen3MoeForCausalLM" if moe_layers else "Qwen3ForCausalLM"]
+        base["head_dim"] = hf["model.layers.0.self_attn.q_norm.weight"].shape[0]
+    elif family == "deepseek_v3":
+        base["architectures"] = ["DeepseekV3ForCausalLM"]
+        base["kv_lora_rank"] = attention.kv_lora_rank
+        base["q_lora_rank"] = attention.q_lora_rank or None
+        base["qk_nope_head_dim"] = attention.qk_nope_head_dim
+        base["qk_rope_head_dim"] = attention.qk_rope_head_dim
+        base["v_head_dim"] = attention.v_head_dim
+        base["first_k_dense_replace"] = moe_layers[0] if moe_layers else len(config.layers)
+    if moe_layers:
+        moe = config.layers[moe_layers[0]].moe
+        expert = next(k for k in hf if ".experts.0.gate_proj.weight" in k)
+        base["num_experts" if family == "qwen3_moe" else "n_routed_experts"] = moe.num_experts
+        base["moe_intermediate_size"] = hf[expert].shape[0]
+        base["num_experts_per_tok"] = moe.router.top_k
+        shared = next((k for k in hf if "shared_experts.gate_proj.weight" in k), None)
+        if shared is not None:
+            base["n_shared_experts"] = hf[shared].shape[0] // hf[expert].shape[0]
+    return base
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--family", choices=FAMILIES, nargs="+", required=True, help="each into OUT/<family>/")
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_run_rank, args=(args.family, str(args.out_dir), args.world_size, port), nprocs=args.world_size)
+    for family in args.family:
+        print(args.out_dir / family / "checkpoint" / f"step-{STEP}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,107 @@
+"""Checkpoints written by torchtitan 0.3.0 itself -- its own models (llama3, qwen3 dense and MoE,
+deepseek_v3), ``fully_shard`` on two gloo ranks, its ``CheckpointManager.save`` -- merge from the CLI
+with ``--backend auto`` bit for bit into what each family's own ``state_dict_adapter.to_hf`` gives;
+so does the last step, which torchtitan saves as HF safetensors (``last_save_in_hf``).
+
+torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/setup.sh``);
+the writer is ``merge_pipeline/sample_checkpoints/torchtitan_save.py``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import transformers
+from safetensors.torch import load_file
+
+import merge_pipeline
+from merge_pipeline.formats import open_checkpoint
+from merge_pipeline.options import MergeOptions
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits
+
+ROOT = Path(merge_pipeline.__file__).resolve().parents[1]
+TORCHTITAN_PYTHON = ROOT / ".venv-torchtitan" / "bin" / "python"
+WRITER = ROOT / "merge_pipeline" / "sample_checkpoints" / "torchtitan_save.py"
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def torchtitan_saves(tmp_path_factory) -> Path:
+    """``<root>/<family>/{checkpoint/step-1, checkpoint/step-2 (HF), expected/model.safetensors, hf/config.json}``."""
+    assert TORCHTITAN_PYTHON.is_file(), f"{TORCHTITAN_PYTHON} missing: run scripts/setup_torchtitan.sh"
+    root = tmp_path_factory.mktemp("torchtitan")
+    subprocess.run(
+        [TORCHTITAN_PYTHON, "-W", "ignore", WRITER, root, "--family", *FAMILIES],
+        check=True,
+        timeout=900,
+        capture_output=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    return root
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merge_equals_the_families_own_to_hf_bit_for_bit(capsys, tmp_path, torchtitan_saves, family):
+    saved = torchtitan_saves / family
+    step = saved / "checkpoint" / "step-1"
+    hf = saved / "hf"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", step, "--target_dir", tmp_path / "out", "--backend", "auto",
+        "--hf_model_path", hf, "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+
+    merged = load_safetensors_dir(tmp_path / "out")
+    expected = load_file(saved / "expected" / "model.safetensors")
+    assert set(merged) == set(expected)
+    for name, tensor in expected.items():
+        assert same_bits(merged[name], tensor), name
+    plan = open_checkpoint(step, MergeOptions(hf_model_path=str(hf)))
+    with plan:
+        assert plan.backend == "dcp" and plan.layout["dcp_source"] == "torchtitan"
+    # The folder is a model transformers builds with nothing missing or left over.
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_a_family_without_a_torchtitan_mapping_is_one_line_naming_model_type(capsys, tmp_path, torchtitan_saves):
+    config = json.loads((torchtitan_saves / "llama3" / "hf" / "config.json").read_text())
+    shutil.copytree(torchtitan_saves / "llama3" / "hf", tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
+    step = torchtitan_saves / "llama3" / "checkpoint" / "step-1"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", step, "--target_dir", tmp_path / "out", "--hf_model_path", tmp_path / "hf"
+    )
+    assert code == 1
+    [line] = error_lines(err)
+    assert "model_type 'mixtral'" in line and "--hf_model_path" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_save_in_hf_step_folder_is_copied_bit_for_bit(capsys, tmp_path, torchtitan_saves, family):
+    """``last_save_in_hf``: torchtitan's HuggingFaceStorageWriter consolidates the last step into
+    ``model-*.safetensors`` + index (its ``sharded/`` per-rank files beside them are not read)."""
+    saved = torchtitan_saves / family
+    step = saved / "checkpoint" / "step-2"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", step, "--target_dir", tmp_path / "out", "--hf_model_path", saved / "hf",
+        "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    merged = load_safetensors_dir(tmp_path / "out")
+    expected = load_file(saved / "expected" / "model.safetensors")
+    assert set(merged) == set(expected)
+    assert all(same_bits(merged[name], tensor) for name, tensor in expected.items())
+
+
+def test_last_save_in_hf_without_hf_model_path_says_what_to_pass(capsys, tmp_path, torchtitan_saves):
+    step = torchtitan_saves / "llama3" / "checkpoint" / "step-2"
+    code, _, err = run_cli(capsys, "merge", "--local_dir", step, "--target_dir", tmp_path / "out")
+    assert code == 1
+    [line] = error_lines(err)
+    assert "config.json" in line and "--hf_model_path" in line, line
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build .venv-torchtitan: torchtitan 0.3.0 in its own venv (its dependencies -- huggingface_hub 1.x,
+# wandb, datasets -- clash with ours), for the tests whose checkpoints torchtitan itself writes
+# (merge_pipeline/sample_checkpoints/torchtitan_save.py). Only what its model, fully_shard and
+# CheckpointManager save path import is installed: torchtitan, spmd_types and triton (imported by its
+# MoE token dispatcher even on CPU) without their declared dependencies, which would pull a CUDA torch.
+# A second run is a no-op: the stamp file records what was installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-torchtitan
+PACKAGES="torch==2.13.0 torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0 tyro numpy safetensors einops"
+if [ -f "$VENV/stamp" ] && [ "$(cat "$VENV/stamp")" = "$PACKAGES" ]; then
+    exit 0
+fi
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+# torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
+"$VENV/bin/python" -m pip install --quiet torch==2.13.0 tyro numpy safetensors einops
+# Last, so that no later pip run reports torchtitan's declared dependencies as missing.
+"$VENV/bin/python" -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0
+"$VENV/bin/python" -c "import torchtitan.models.llama3, torchtitan.components.checkpoint"
+echo "$PACKAGES" > "$VENV/stamp"
