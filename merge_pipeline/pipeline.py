@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from merge_pipeline import __version__
+from merge_pipeline.engine.fp8 import fp8_outputs
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.lora import with_base_weights
 from merge_pipeline.engine.outputs import OutputPlan, ShardFile, plan_outputs
@@ -115,6 +116,8 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
         outputs = plan_outputs(plan, config, options)
         if plan.check_against_architecture:
             outputs = _check_against_architecture(plan, config, outputs, options)
+        if options.dtype == "fp8":
+            outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
     except BaseException:
         plan.close()
         raise
@@ -215,6 +218,7 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
             }
             if outputs.lora
             else None,
+            **({"fp8": outputs.fp8.summary()} if outputs.fp8 else {}),
         },
         "parameters": plan.parameter_count,
         "tensors": sum(len(f.tensors) for f in outputs.files),
@@ -275,7 +279,7 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
             )
             architecture, tied = config.architecture, config.tie_word_embeddings
         except MergeError as exc:
-            architecture, tied = f"unknown ({exc.problem})", None
+            architecture, tied, config = f"unknown ({exc.problem})", None, None
         return {
             "backend": plan.backend,
             "role": plan.role,
@@ -290,7 +294,14 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
             "value_model": plan.is_value_model,
             "tied_word_embeddings": tied,
             "files": [{"path": str(f.path), "size": f.size} for f in plan.files],
+            **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
         }
+
+
+def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
+    """``inspect --dtype fp8``: what a merge would quantize and keep (after LoRA folding and tying)."""
+    outputs = fp8_outputs(plan_outputs(plan, config, options), options.fp8_block_size, "5GB", plan.role_dir)
+    return outputs.fp8.summary()
 
 
 def compare(local_dir: str | Path, reference_dir: Path, options: MergeOptions, *, atol: float = 0.0) -> Comparison:

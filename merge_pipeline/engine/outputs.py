@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -17,7 +18,11 @@ from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
+if TYPE_CHECKING:
+    from merge_pipeline.engine.fp8 import Fp8Decisions
+
+# fp8 is no cast: engine/fp8.py rewrites the plan (tensors are planned here in their stored dtype first).
+DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
@@ -46,6 +51,7 @@ class OutputPlan:
     config_dtype: torch.dtype
     dropped: list[str] = field(default_factory=list)  # e.g. a tied lm_head.weight
     adapter_only: bool = False  # no base weights: the folder is a PEFT adapter, not a model
+    fp8: Fp8Decisions | None = None  # --dtype fp8: what was quantized and what kept (engine/fp8.py)
 
     @property
     def files(self) -> list[ShardFile]:
@@ -115,7 +121,7 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     adapter_out = [OutputTensor(t, _output_dtype(t, requested)) for t in adapter]
     adapter_only = not model  # checkpoint.save_lora_only and no --hf_model_path to take the base from
     return OutputPlan(
-        shards=_split_shards(model, options.max_shard_size) if model else [],
+        shards=split_shards(model, options.max_shard_size) if model else [],
         adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out))
         if adapter_out
         else None,
@@ -198,11 +204,18 @@ def _dominant_dtype(tensors: list[OutputTensor]) -> torch.dtype:
     return weight.most_common(1)[0][0] if weight else torch.float32
 
 
-def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> list[ShardFile]:
+def split_shards(
+    tensors: list[OutputTensor], max_shard_size: str | int, *, followers: dict[str, OutputTensor] | None = None
+) -> list[ShardFile]:
+    """HF-style shards of ``tensors``; each of ``followers`` (by the name it follows) is written right after
+    its tensor, in the same shard (an FP8 weight's scales: computed while the weight is written)."""
+    followers = followers or {}
     try:
         split = split_state_dict_into_shards_factory(
             {t.planned.name: t for t in tensors},
-            get_storage_size=lambda t: t.nbytes,
+            get_storage_size=lambda t: (
+                t.nbytes + (followers[t.planned.name].nbytes if t.planned.name in followers else 0)
+            ),
             filename_pattern=WEIGHTS_PATTERN,
             max_shard_size=max_shard_size,
         )
@@ -210,5 +223,9 @@ def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> lis
         raise MergeError(None, f"--max-shard-size {max_shard_size!r}: {exc}") from None
     by_name = {t.planned.name: t for t in tensors}
     return [
-        ShardFile(filename, tuple(by_name[n] for n in names)) for filename, names in split.filename_to_tensors.items()
+        ShardFile(
+            filename,
+            tuple(t for n in names for t in (by_name[n], followers.get(n)) if t is not None),
+        )
+        for filename, names in split.filename_to_tensors.items()
     ]

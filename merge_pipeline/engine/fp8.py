@@ -1,0 +1,232 @@
+"""``--dtype fp8``: linear weights block-quantized to FP8 on their way to disk (DeepSeek-V3 / Qwen3-FP8 layout).
+
+Each quantized ``<module>.weight`` is written as ``float8_e4m3fn`` and followed, in the same shard,
+by ``<module>.weight_scale_inv``: one fp32 per ``block x block`` tile, such that
+``weight ~= fp8.float() * scale_inv`` (what transformers' ``Fp8Dequantize``, vLLM and SGLang do on
+load). Everything else is kept in higher precision (bfloat16) and named in config.json's
+``quantization_config.modules_to_not_convert``.
+
+The scale rule is transformers' own FP8 quantizer (``Fp8Quantize._quantize_one`` in
+``transformers/integrations/finegrained_fp8.py``, the reverse of its loader): per tile
+``scale = 448 / amax``, ``scale_inv = 1 / scale`` in fp32, ``fp8 = clamp(x * scale, -448, 448)``
+cast with round-to-nearest-even; an all-zero tile gets ``scale = scale_inv = 1``. One deviation,
+where that rule would write NaN: a tile whose amax is so small that ``448 / amax`` overflows is
+treated as a zero tile (its values are below FP8's range: they dequantize to zero either way).
+
+The weight is quantized as its rows arrive, one band of ``block`` rows at a time: memory holds one
+band, never the tensor (unless the source itself builds the whole tensor, e.g. a LoRA merge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from merge_pipeline.engine.outputs import OutputPlan, split_shards
+from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.errors import MergeError
+from merge_pipeline.plan import PlannedTensor
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+SCALE_DTYPE = torch.float32
+KEPT_DTYPE = torch.bfloat16  # what FP8 releases keep their embeddings, norms and heads in
+SCALE_SUFFIX = "_scale_inv"
+
+# 2-D weights that are no linear layer of the decoder, or that FP8 releases and loaders keep in high
+# precision: embeddings, LM / value heads, MoE routers (transformers' routers are no nn.Linear; vLLM
+# reads them unquantized), DeepSeek-V3 MTP's eh_proj (vLLM builds it as a plain nn.Linear).
+_KEPT_NAMES = re.compile(
+    r"(^|\.)(embed_tokens|embed_in|wte|wpe|word_embeddings|embed_positions|position_embeddings"
+    r"|lm_head|score|head|gate|router|shared_expert_gate|eh_proj)\.weight$"
+)
+# Modules whose whole subtree stays in high precision: vision / audio towers and their projectors.
+_KEPT_TOWERS = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "audio_tower")
+
+
+@dataclass
+class Fp8Decisions:
+    """What ``--dtype fp8`` quantizes and keeps: config.json's ``quantization_config``, ``inspect`` and the manifest."""
+
+    block: int
+    quantized: list[str] = field(default_factory=list)  # weight names
+    kept: list[str] = field(default_factory=list)  # module names (towers by prefix) left unquantized
+    off_grid: list[str] = field(default_factory=list)  # linear weights kept because a dim is no multiple of block
+
+    @property
+    def quantization_config(self) -> dict:
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [self.block, self.block],
+            "modules_to_not_convert": self.kept,
+        }
+
+    def summary(self) -> dict:
+        return {
+            "block": self.block,
+            "quantized_weights": len(self.quantized),
+            "kept_modules": self.kept,
+            "off_grid": self.off_grid,
+        }
+
+
+def decide_fp8(tensors: list[PlannedTensor], block: int, where: Path) -> Fp8Decisions:
+    """Which weights are quantized, from their names and shapes alone: the one place this is decided."""
+    decisions = Fp8Decisions(block)
+    towers: dict[str, None] = {}
+    for t in tensors:
+        if t.dtype in (FP8, torch.float8_e5m2) or t.name.endswith(SCALE_SUFFIX):
+            raise MergeError(where, f"{t.name} is already quantized: merge with --dtype auto to keep it as it is")
+        if len(t.shape) != 2 or not t.name.endswith(".weight") or not t.dtype.is_floating_point:
+            continue  # norms, biases, convolutions, buffers
+        module = t.name.removesuffix(".weight")
+        tower = _tower(module)
+        if tower:
+            towers[tower] = None
+        elif _KEPT_NAMES.search(t.name):
+            decisions.kept.append(module)
+        elif t.shape[0] % block or t.shape[1] % block:
+            decisions.kept.append(module)
+            decisions.off_grid.append(t.name)
+        else:
+            decisions.quantized.append(t.name)
+    decisions.kept = sorted([*towers, *decisions.kept])  # the same list whatever order the reader planned
+    return decisions
+
+
+def _tower(module: str) -> str | None:
+    parts = module.split(".")
+    for index, part in enumerate(parts):
+        if part in _KEPT_TOWERS:
+            return ".".join(parts[: index + 1])
+    return None
+
+
+def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, where: Path) -> OutputPlan:
+    """The output plan with linear weights quantized (each followed by its scales) and the rest in bfloat16."""
+    if outputs.adapter is not None:
+        raise MergeError(
+            where,
+            "--dtype fp8 quantizes base weights that a separate LoRA adapter cannot be applied to: add --merge-lora",
+        )
+    model = [t for shard in outputs.shards for t in shard.tensors]
+    decisions = decide_fp8([t.planned for t in model], block, where)
+    quantized = set(decisions.quantized)
+    tensors: list[OutputTensor] = []
+    followers: dict[str, OutputTensor] = {}
+    for t in model:
+        if t.planned.name in quantized:
+            weight, scales = quantized_pair(t.planned, block)
+            tensors.append(weight)
+            followers[weight.planned.name] = scales
+        else:
+            tensors.append(OutputTensor(t.planned, KEPT_DTYPE if t.dtype.is_floating_point else t.dtype))
+    return dataclasses.replace(
+        outputs,
+        shards=split_shards(tensors, max_shard_size, followers=followers),
+        config_dtype=KEPT_DTYPE,
+        fp8=decisions,
+    )
+
+
+def quantized_pair(weight: PlannedTensor, block: int) -> tuple[OutputTensor, OutputTensor]:
+    """The FP8 weight and its ``weight_scale_inv``, both computed in one pass over the source rows."""
+    source = _Fp8Bands(weight, block)
+    rows, cols = weight.shape
+    grid = (rows // block, cols // block)
+    return (
+        OutputTensor(PlannedTensor(weight.name, weight.shape, FP8, source), FP8),
+        OutputTensor(PlannedTensor(weight.name + SCALE_SUFFIX, grid, SCALE_DTYPE, _Scales(source)), SCALE_DTYPE),
+    )
+
+
+def quantize_band(band: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and the (1, cols / block) fp32 ``scale_inv`` of one ``block x cols`` band of a weight."""
+    rows, cols = band.shape
+    tiles = band.to(torch.float32).view(rows, cols // block, block)
+    amax = tiles.abs().amax(dim=(0, 2))
+    if not torch.isfinite(amax).all():
+        raise ValueError("holds inf or NaN")
+    scale = FP8_MAX / amax
+    usable = (amax > 0) & torch.isfinite(scale)  # zero tiles (and tiles below FP8's range) dequantize to zero
+    scale = torch.where(usable, scale, torch.ones_like(scale))
+    scale_inv = (1.0 / scale).to(SCALE_DTYPE)
+    quantized = (tiles * scale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized.view(rows, cols), scale_inv.view(1, -1)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 ``weight * scale_inv`` per tile: what the FP8 loaders compute."""
+    rows, cols = weight.shape
+    tiles = weight.to(torch.float32).view(rows // block, block, cols // block, block)
+    return (tiles * scale_inv[:, None, :, None]).view(rows, cols)
+
+
+class _Fp8Bands:
+    """A ``TensorSource`` of FP8 bytes: the source's row-major pieces gathered into bands of ``block``
+    rows, each quantized as it completes. The scales are kept for the ``weight_scale_inv`` that follows."""
+
+    def __init__(self, weight: PlannedTensor, block: int):
+        self.weight, self.block = weight, block
+        self.scales: torch.Tensor | None = None
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        rows, cols = self.weight.shape
+        band_numel = self.block * cols
+        scales = torch.empty(rows // self.block, cols // self.block, dtype=SCALE_DTYPE)
+        band: torch.Tensor | None = None  # a band gathered from pieces that end inside it
+        filled = done = 0
+        for piece in self.weight.source.pieces():
+            piece = piece.reshape(-1)
+            while piece.numel():
+                if filled == 0 and piece.numel() >= band_numel:  # a whole band in the piece: no copy
+                    whole, piece = piece[:band_numel], piece[band_numel:]
+                    yield self._quantize(whole, scales, done)
+                    done += 1
+                    continue
+                if band is None:
+                    band = torch.empty(band_numel, dtype=self.weight.dtype)
+                n = min(band_numel - filled, piece.numel())
+                band[filled : filled + n].copy_(piece[:n])
+                filled, piece = filled + n, piece[n:]
+                if filled == band_numel:
+                    yield self._quantize(band, scales, done)
+                    filled, done = 0, done + 1
+        if filled or done != scales.shape[0]:
+            raise RuntimeError(f"{self.weight.name}: source gave {done * band_numel + filled} of {rows * cols} values")
+        self.scales = scales
+
+    def _quantize(self, flat: torch.Tensor, scales: torch.Tensor, index: int) -> torch.Tensor:
+        try:
+            quantized, scales[index : index + 1] = quantize_band(flat.view(self.block, -1), self.block)
+        except ValueError as exc:
+            raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized to FP8") from None
+        return quantized
+
+
+@dataclass(frozen=True)
+class _Scales:
+    """The ``weight_scale_inv`` of a quantized weight: kept from its pass when it was written just before
+    (always, in this writer's order); otherwise the weight's bands are quantized again to get them."""
+
+    weight: _Fp8Bands
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        if self.weight.scales is None:
+            for _ in self.weight.pieces():
+                pass
+        scales, self.weight.scales = self.weight.scales, None  # written once: free it
+        yield scales
