@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -14,12 +13,10 @@ from merge_pipeline.engine.lora import split_lora
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
+from merge_pipeline.hf.fp8 import Fp8Decisions
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
-
-if TYPE_CHECKING:
-    from merge_pipeline.engine.fp8 import Fp8Decisions
 
 # fp8 is no cast: engine/fp8.py rewrites the plan (tensors are planned here in their stored dtype first).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}

@@ -13,8 +13,9 @@ from transformers import FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 from transformers.quantizers.auto import AutoHfQuantizer
 
-from merge_pipeline.engine.fp8 import FP8, decide_fp8, dequantize, quantized_pair
+from merge_pipeline.engine.fp8 import quantized_pair
 from merge_pipeline.hf.architecture import expected_tensors
+from merge_pipeline.hf.fp8 import FP8, decide_fp8, dequantize
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bits, torchrun, tree_digest
