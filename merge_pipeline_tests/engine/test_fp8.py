@@ -16,6 +16,7 @@ from transformers.quantizers.auto import AutoHfQuantizer
 from merge_pipeline.engine.fp8 import quantized_pair
 from merge_pipeline.hf.architecture import expected_tensors
 from merge_pipeline.hf.fp8 import FP8, decide_fp8, dequantize
+from merge_pipeline.model_card import render_card
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bits, torchrun, tree_digest
@@ -170,6 +171,9 @@ def test_llama_fp8_folder_loads_in_transformers(capsys, tmp_path, fsdp_checkpoin
     assert written["model.norm.weight"].dtype == written["lm_head.weight"].dtype == torch.bfloat16
     manifest = json.loads((tmp_path / "fp8" / "merge_manifest.json").read_text())
     assert manifest["decisions"]["fp8"]["quantized_weights"] == 14
+    card = render_card(manifest, "org/model")
+    assert "| weights | 14 linear weights in FP8 (e4m3, one scale per 128x128 block) |" in card
+    assert "| kept in bfloat16 | `lm_head`, `model.embed_tokens` (and every norm and bias) |" in card
     ours, theirs = _check_loads_like_the_bf16_merge(
         tmp_path / "fp8", tmp_path / "bf16", load_file(sample.reference_dir / "model.safetensors"), 128
     )
