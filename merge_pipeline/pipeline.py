@@ -38,6 +38,7 @@ from merge_pipeline.formats.dcp import find_dcp_dir as find_dcp_dir
 from merge_pipeline.formats.deepspeed import missing_optimizer_states as missing_optimizer_states
 from merge_pipeline.formats.hf import read_hf_weights
 from merge_pipeline.hf.config import ModelConfig, load_model_config
+from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
 from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
@@ -113,6 +114,8 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
             role_dir=plan.role_dir,
             hf_model_path=options.hf_model_path,
         )
+        if options.dtype == "fp8":
+            refuse_quantized(plan.tensors, plan.role_dir)  # said before the architecture check names the scales
         outputs = plan_outputs(plan, config, options)
         if plan.check_against_architecture:
             outputs = _check_against_architecture(plan, config, outputs, options)

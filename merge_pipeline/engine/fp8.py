@@ -13,8 +13,9 @@ cast with round-to-nearest-even; an all-zero tile gets ``scale = scale_inv = 1``
 where that rule would write NaN: a tile whose amax is so small that ``448 / amax`` overflows is
 treated as a zero tile (its values are below FP8's range: they dequantize to zero either way).
 
-The weight is quantized as its rows arrive, one band of ``block`` rows at a time: memory holds one
-band, never the tensor (unless the source itself builds the whole tensor, e.g. a LoRA merge).
+The weight is quantized as its rows arrive, in bands of ``block`` rows: memory holds one read piece's
+worth of bands (at least one band), never the tensor (unless the source itself builds the whole
+tensor, e.g. a LoRA merge).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from merge_pipeline.engine.outputs import OutputPlan, split_shards
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, decide_fp8
-from merge_pipeline.plan import PlannedTensor
+from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor
 
 
 def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, where: Path) -> OutputPlan:
@@ -71,24 +72,28 @@ def quantized_pair(weight: PlannedTensor, block: int) -> tuple[OutputTensor, Out
     )
 
 
-def quantize_band(band: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 values and the (1, cols / block) fp32 ``scale_inv`` of one ``block x cols`` band of a weight."""
-    rows, cols = band.shape
-    tiles = band.to(torch.float32).view(rows, cols // block, block)
-    amax = tiles.abs().amax(dim=(0, 2))
+def quantize_bands(bands: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and fp32 ``scale_inv`` (one per tile) of whole bands of ``block`` rows of a weight."""
+    rows, cols = bands.shape
+    tiles = bands.to(torch.float32).view(rows // block, block, cols // block, block)
+    amax = tiles.abs().amax(dim=(1, 3))
     if not torch.isfinite(amax).all():
         raise ValueError("holds inf or NaN")
     scale = FP8_MAX / amax
     usable = (amax > 0) & torch.isfinite(scale)  # zero tiles (and tiles below FP8's range) dequantize to zero
     scale = torch.where(usable, scale, torch.ones_like(scale))
     scale_inv = (1.0 / scale).to(SCALE_DTYPE)
-    quantized = (tiles * scale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return quantized.view(rows, cols), scale_inv.view(1, -1)
+    quantized = (tiles * scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized.view(rows, cols), scale_inv
 
 
 class _Fp8Bands:
     """A ``TensorSource`` of FP8 bytes: the source's row-major pieces gathered into bands of ``block``
-    rows, each quantized as it completes. The scales are kept for the ``weight_scale_inv`` that follows."""
+    rows, quantized as they complete. The scales are kept for the ``weight_scale_inv`` that follows.
+
+    Bands are quantized a group at a time, as many as fit in one read piece (at least one): each
+    torch call then covers megabytes, since per-call overhead (thread hand-offs on a busy machine)
+    would otherwise dominate narrow weights."""
 
     def __init__(self, weight: PlannedTensor, block: int):
         self.weight, self.block = weight, block
@@ -99,35 +104,38 @@ class _Fp8Bands:
 
     def pieces(self) -> Iterator[torch.Tensor]:
         rows, cols = self.weight.shape
-        band_numel = self.block * cols
-        scales = torch.empty(rows // self.block, cols // self.block, dtype=SCALE_DTYPE)
-        band: torch.Tensor | None = None  # a band gathered from pieces that end inside it
-        filled = done = 0
+        band_numel, bands = self.block * cols, rows // self.block
+        per_group = max(1, min(bands, READ_PIECE_BYTES // (band_numel * SCALE_DTYPE.itemsize)))
+        scales = torch.empty(bands, cols // self.block, dtype=SCALE_DTYPE)
+        group: torch.Tensor | None = None  # bands gathered from pieces that end inside them
+        filled = done = 0  # values in ``group``; bands quantized
         for piece in self.weight.source.pieces():
             piece = piece.reshape(-1)
             while piece.numel():
-                if filled == 0 and piece.numel() >= band_numel:  # a whole band in the piece: no copy
-                    whole, piece = piece[:band_numel], piece[band_numel:]
-                    yield self._quantize(whole, scales, done)
-                    done += 1
+                wanted = min(per_group, bands - done) * band_numel
+                if filled == 0 and piece.numel() >= wanted:  # whole bands in the piece: no copy
+                    yield self._quantize(piece[:wanted], scales, done)
+                    piece, done = piece[wanted:], done + wanted // band_numel
                     continue
-                if band is None:
-                    band = torch.empty(band_numel, dtype=self.weight.dtype)
-                n = min(band_numel - filled, piece.numel())
-                band[filled : filled + n].copy_(piece[:n])
+                if group is None:
+                    group = torch.empty(per_group * band_numel, dtype=self.weight.dtype)
+                n = min(wanted - filled, piece.numel())
+                group[filled : filled + n].copy_(piece[:n])
                 filled, piece = filled + n, piece[n:]
-                if filled == band_numel:
-                    yield self._quantize(band, scales, done)
-                    filled, done = 0, done + 1
-        if filled or done != scales.shape[0]:
+                if filled == wanted:
+                    yield self._quantize(group[:wanted], scales, done)
+                    filled, done = 0, done + wanted // band_numel
+        if filled or done != bands:
             raise RuntimeError(f"{self.weight.name}: source gave {done * band_numel + filled} of {rows * cols} values")
         self.scales = scales
 
-    def _quantize(self, flat: torch.Tensor, scales: torch.Tensor, index: int) -> torch.Tensor:
+    def _quantize(self, flat: torch.Tensor, scales: torch.Tensor, first: int) -> torch.Tensor:
+        cols = self.weight.shape[1]
         try:
-            quantized, scales[index : index + 1] = quantize_band(flat.view(self.block, -1), self.block)
+            quantized, tile_scales = quantize_bands(flat.view(-1, cols), self.block)
         except ValueError as exc:
             raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized to FP8") from None
+        scales[first : first + len(tile_scales)] = tile_scales
         return quantized
 
 

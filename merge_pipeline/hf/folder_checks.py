@@ -11,6 +11,7 @@ import transformers
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.architecture import model_class
 from merge_pipeline.hf.config import CONFIG
+from merge_pipeline.hf.fp8 import SCALE_SUFFIX
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from merge_pipeline.hf.manifest import file_sums, read_manifest
 from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
@@ -44,8 +45,10 @@ def meta_load_problems(folder: Path) -> list[str]:
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
     problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
-    for name, entry in sorted((n, e) for tensors in weight_files(folder).values() for n, e in tensors.items()):
-        if name in expected and SAFETENSORS_DTYPES.get(expected[name].dtype) != entry["dtype"]:
+    stored = {n: e for tensors in weight_files(folder).values() for n, e in tensors.items()}
+    for name, entry in sorted(stored.items()):
+        quantized = name + SCALE_SUFFIX in stored  # an FP8 weight with its scales: loads dequantized without a GPU
+        if name in expected and not quantized and SAFETENSORS_DTYPES.get(expected[name].dtype) != entry["dtype"]:
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
 

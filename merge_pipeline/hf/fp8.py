@@ -64,11 +64,10 @@ class Fp8Decisions:
 
 def decide_fp8(tensors: list[PlannedTensor], block: int, where: Path) -> Fp8Decisions:
     """Which weights are quantized, from their names and shapes alone: the one place this is decided."""
+    refuse_quantized(tensors, where)
     decisions = Fp8Decisions(block)
     towers: dict[str, None] = {}
     for t in tensors:
-        if t.dtype in (FP8, torch.float8_e5m2) or t.name.endswith(SCALE_SUFFIX):
-            raise MergeError(where, f"{t.name} is already quantized: merge with --dtype auto to keep it as it is")
         if len(t.shape) != 2 or not t.name.endswith(".weight") or not t.dtype.is_floating_point:
             continue  # norms, biases, convolutions, buffers
         module = t.name.removesuffix(".weight")
@@ -84,6 +83,13 @@ def decide_fp8(tensors: list[PlannedTensor], block: int, where: Path) -> Fp8Deci
             decisions.quantized.append(t.name)
     decisions.kept = sorted([*towers, *decisions.kept])  # the same list whatever order the reader planned
     return decisions
+
+
+def refuse_quantized(tensors: list[PlannedTensor], where: Path) -> None:
+    """FP8 weights are not quantized again: one line naming the first."""
+    for t in tensors:
+        if t.dtype in (FP8, torch.float8_e5m2) or t.name.endswith(SCALE_SUFFIX):
+            raise MergeError(where, f"{t.name} is already quantized: --dtype fp8 takes unquantized weights")
 
 
 def _tower(module: str) -> str | None:

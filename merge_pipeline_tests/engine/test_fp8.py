@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ from transformers.quantizers.auto import AutoHfQuantizer
 
 from merge_pipeline.engine.fp8 import quantized_pair
 from merge_pipeline.hf.architecture import expected_tensors
+from merge_pipeline.hf.folder_checks import meta_load_problems
 from merge_pipeline.hf.fp8 import FP8, decide_fp8, dequantize
 from merge_pipeline.model_card import render_card
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bits, torchrun, tree_digest
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, torchrun, tree_digest
 
 LLAMA = FsdpSpec(
     arch="llama", world_size=2, hidden_size=256, intermediate_size=512, vocab_size=1003, with_optimizer=False
@@ -68,7 +70,8 @@ def _write_pair(weight: torch.Tensor, block: int, source=None) -> tuple[torch.Te
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantizer_is_bit_identical_to_the_reference(dtype):
     torch.manual_seed(0)
-    weight = (torch.randn(384, 512) * torch.logspace(-3, 1, 512)).to(dtype)
+    cols = 16384  # a band of 128 rows is one 8 MB read piece: three bands, quantized one group each
+    weight = (torch.randn(384, cols) * torch.logspace(-3, 1, cols)).to(dtype)
     weight[:128, 128:256] = 0  # a zero tile
     weight[128:256, :128] = 3e-39  # a tile below FP8's range: transformers' rule would write NaN for its zeros
     weight[128, 0] = 0
@@ -76,7 +79,7 @@ def test_quantizer_is_bit_identical_to_the_reference(dtype):
     expected_q, expected_s = reference_quantize(weight, block)
     theirs = Fp8Quantize(AutoHfQuantizer.from_config(FineGrainedFP8Config(weight_block_size=(block, block))))
     ran = theirs._quantize_one("m.weight", weight)
-    for source in (None, _Pieces(weight, 1000)):  # one whole piece, and pieces across band boundaries
+    for source in (None, _Pieces(weight, 100_003)):  # one whole piece, and pieces across band boundaries
         q, s = _write_pair(weight, block, source)
         on_grid = torch.ones_like(s, dtype=torch.bool)
         on_grid[1, 0] = False  # the sub-range tile: the one place the rules differ (see engine/fp8.py)
@@ -171,6 +174,7 @@ def test_llama_fp8_folder_loads_in_transformers(capsys, tmp_path, fsdp_checkpoin
     assert written["model.norm.weight"].dtype == written["lm_head.weight"].dtype == torch.bfloat16
     manifest = json.loads((tmp_path / "fp8" / "merge_manifest.json").read_text())
     assert manifest["decisions"]["fp8"]["quantized_weights"] == 14
+    assert meta_load_problems(tmp_path / "fp8") == []  # the check Dagster runs on every merged folder
     card = render_card(manifest, "org/model")
     assert "| weights | 14 linear weights in FP8 (e4m3, one scale per 128x128 block) |" in card
     assert "| kept in bfloat16 | `lm_head`, `model.embed_tokens` (and every norm and bias) |" in card
@@ -258,6 +262,13 @@ def test_moe_fp8_folder_loads_in_transformers(capsys, tmp_path):
     ]
     written = load_safetensors_dir(tmp_path / "fp8")
     assert written["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == FP8
+    again = tmp_path / "again" / "actor"
+    shutil.copytree(tmp_path / "fp8", again / "model")
+    code, _, err = run_cli(capsys, "merge", "--local_dir", again, "--target_dir", tmp_path / "twice", "--dtype", "fp8")
+    assert code == 1 and not (tmp_path / "twice").exists()
+    assert error_lines(err) == [
+        f"error: {again}: model.layers.0.mlp.experts.0.down_proj.weight is already quantized: --dtype fp8 takes unquantized weights"
+    ]
     ours, theirs = _check_loads_like_the_bf16_merge(
         tmp_path / "fp8", tmp_path / "bf16", load_safetensors_dir(role_dir / "model"), 32
     )
