@@ -303,7 +303,9 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
 
 def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
     """``inspect --dtype fp8``: what a merge would quantize and keep (after LoRA folding and tying)."""
-    outputs = fp8_outputs(plan_outputs(plan, config, options), options.fp8_block_size, "5GB", plan.role_dir)
+    outputs = fp8_outputs(
+        plan_outputs(plan, config, options), options.fp8_block_size, options.max_shard_size, plan.role_dir
+    )
     return outputs.fp8.summary()
 
 
