@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import OutputPlan, split_shards
+from merge_pipeline.engine.outputs import (
+    OutputPlan,
+    _split_shards,
+)  # the one HF shard split (name kept: other branches use it)
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, decide_fp8
@@ -55,7 +58,7 @@ def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, wher
             tensors.append(OutputTensor(t.planned, KEPT_DTYPE if t.dtype.is_floating_point else t.dtype))
     return dataclasses.replace(
         outputs,
-        shards=split_shards(tensors, max_shard_size, followers=followers),
+        shards=_split_shards(tensors, max_shard_size, followers=followers),
         config_dtype=KEPT_DTYPE,
         fp8=decisions,
     )

@@ -118,7 +118,7 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     adapter_out = [OutputTensor(t, _output_dtype(t, requested)) for t in adapter]
     adapter_only = not model  # checkpoint.save_lora_only and no --hf_model_path to take the base from
     return OutputPlan(
-        shards=split_shards(model, options.max_shard_size) if model else [],
+        shards=_split_shards(model, options.max_shard_size) if model else [],
         adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out))
         if adapter_out
         else None,
@@ -201,7 +201,7 @@ def _dominant_dtype(tensors: list[OutputTensor]) -> torch.dtype:
     return weight.most_common(1)[0][0] if weight else torch.float32
 
 
-def split_shards(
+def _split_shards(
     tensors: list[OutputTensor], max_shard_size: str | int, *, followers: dict[str, OutputTensor] | None = None
 ) -> list[ShardFile]:
     """HF-style shards of ``tensors``; each of ``followers`` (by the name it follows) is written right after
