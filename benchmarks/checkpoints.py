@@ -138,6 +138,18 @@ def ensure_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) 
     return Checkpoint(size, root / "global_step_1" / "actor", spec)
 
 
+def ensure_world_size_checkpoint(
+    size: str, world_size: int, cache_dir: Path = DEFAULT_CACHE, *, log=print
+) -> Checkpoint:
+    """The same weights as ``size``, saved at ``world_size`` ranks by torch's fake process group (one
+    process plays every rank: ``merge_pipeline.sample_checkpoints.fsdp_fake_pg``), named ``size@wsN``."""
+    spec = {**spec_for(size), "world_size": world_size, "writer": "fake_pg"}
+    name = f"{size}@ws{world_size}"
+    description = f"the {size} FSDP checkpoint at world size {world_size} (fake process group)"
+    root = _cached(cache_dir, f"fsdp-{size}-ws{world_size}", spec, ["{staging}/global_step_1/actor"], description, log)
+    return Checkpoint(name, root / "global_step_1" / "actor", spec)
+
+
 def ensure_megatron_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
     """A cached Megatron-Core checkpoint (Llama, TP=2) of a ``MEGATRON_SIZES`` size."""
     if size not in MEGATRON_SIZES:
@@ -167,9 +179,13 @@ def _write(role_dir: Path, spec: dict) -> None:
     import torch
 
     from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
+    from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
 
     fields = dict(spec, dtype=getattr(torch, spec["dtype"]))
-    write_fsdp_checkpoint(role_dir, FsdpSpec(**fields), timeout=1800)
+    if fields.pop("writer", None) == "fake_pg":
+        write_fake_pg_checkpoint(role_dir, FsdpSpec(**fields))
+    else:
+        write_fsdp_checkpoint(role_dir, FsdpSpec(**fields), timeout=1800)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from benchmarks.checkpoints import (
     Checkpoint,
     ensure_checkpoint,
     ensure_megatron_checkpoint,
+    ensure_world_size_checkpoint,
 )
 from benchmarks.compare import compare_folders
 from benchmarks.measure import prepare_cache, raw_copy, remove, run_child, weight_bytes
@@ -93,6 +94,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         action="append",
         help="benchmark this existing FSDP role folder instead of generated sizes (repeatable)",
+    )
+    parser.add_argument(
+        "--world-sizes",
+        default="",
+        help="also each FSDP size re-saved at these world sizes (e.g. 4,64,1024; torch's fake process group writes them)",
     )
     parser.add_argument("--quick", action="store_true", help="the small size only, one repeat")
     parser.add_argument("--repeat", type=int, default=5, help="measurements per figure (default 5)")
@@ -173,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
                 ensure_checkpoint(size.strip(), args.cache_dir, log=log)
                 for size in args.sizes.split(",")
                 if size.strip()
+            ]
+            checkpoints += [
+                ensure_world_size_checkpoint(size.strip(), int(world_size), args.cache_dir, log=log)
+                for size in args.sizes.split(",")
+                if size.strip()
+                for world_size in args.world_sizes.split(",")
+                if world_size.strip()
             ]
         if "megatron" in backends:
             checkpoints += [

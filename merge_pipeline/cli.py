@@ -67,7 +67,8 @@ def _hub_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="merge-pipeline", description="Merge sharded FSDP / Megatron checkpoints into Hugging Face folders."
+        prog="merge-pipeline",
+        description="Merge sharded FSDP, Megatron-Core, DeepSpeed and torch DCP checkpoints into Hugging Face folders.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +121,10 @@ def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.pipeline import merge_checkpoint
 
     options = _options(args)
+    if args.hf_upload_path:  # a bad repo id, branch or timeout is refused now, not after the merge is published
+        from merge_pipeline.hub import check_upload_settings
+
+        check_upload_settings(args.hf_upload_path, args.revision, args.hub_timeout)
     if launched_by_torchrun():
         result = merge_distributed(
             args.local_dir,
@@ -139,7 +144,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         return 0
     fp8 = result.manifest["decisions"].get("fp8")
     print(
-        f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)}) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
+        f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)} of tensor data) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
         + (
             f"; fp8: {fp8['quantized_weights']} weights quantized in {fp8['block']}x{fp8['block']} blocks,"
             f" {len(fp8['kept_modules'])} modules kept in bfloat16 ({len(fp8['off_grid'])} off the block grid)"
@@ -177,6 +182,8 @@ def _run_test(args: argparse.Namespace) -> int:
     from merge_pipeline.pipeline import compare
 
     result = compare(args.local_dir, args.test_hf_dir, _options(args), atol=args.atol)
+    if result.worst:
+        print("largest differences (max abs diff, tensor):")
     for diff, name in result.worst:
         print(f"  {diff:.3g}  {printable(name)}")
     for name in result.missing:
@@ -191,7 +198,8 @@ def _run_test(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_MISMATCH
-    print(f"OK: {result.compared} tensors match {printable(str(args.test_hf_dir))}")
+    cast = f" after casting to {', '.join(sorted(result.cast_to))}" if result.cast_to else ""
+    print(f"OK: {result.compared} tensors match {printable(str(args.test_hf_dir))}{cast}")
     return 0
 
 

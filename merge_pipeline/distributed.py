@@ -23,11 +23,16 @@ from merge_pipeline.pipeline import (
     MergeResult,
     OutputPlan,
     Prepared,
+    ResumeLog,
     ShardFile,
     WriteReport,
+    check_before_publishing,
     finish_folder,
+    forget_finished,
     peak_rss_bytes,
     prepare,
+    resume_finished,
+    resume_killed,
     staged_output,
     staging_path,
     write_side_files,
@@ -131,13 +136,17 @@ def _prepare_everywhere(local_dir, options: MergeOptions) -> Prepared:
 
 
 def _write_share(
-    outputs: OutputPlan, staging: Path, rank: int, world: int, *, show_progress: bool
+    outputs: OutputPlan, staging: Path, rank: int, world: int, *, show_progress: bool, resume: ResumeLog | None = None
 ) -> tuple[WriteReport, int]:
     """Write this rank's whole shard files; return the report of all ranks and their largest peak RSS."""
     mine = assign_shards(outputs.files, world)[rank]
     log.info("rank %d/%d writes %d of %d weight files", rank, world, len(mine), len(outputs.files))
     reports: list[WriteReport] = []
-    _agree(_attempt(lambda: reports.append(write_weights(outputs, staging, files=mine, show_progress=show_progress))))
+
+    def write() -> None:
+        reports.append(write_weights(outputs, staging, files=mine, show_progress=show_progress, resume=resume))
+
+    _agree(_attempt(write))
     everyone: list[tuple[WriteReport, int] | None] = [None] * world
     with _peers_answer():
         dist.all_gather_object(everyone, (reports[0], peak_rss_bytes()))
@@ -184,15 +193,23 @@ def merge_distributed(
         with prepared, contextlib.ExitStack() as publishing:
 
             def open_staging() -> None:
-                publishing.enter_context(staged_output(target, source=local_dir, overwrite=options.overwrite))
+                publishing.enter_context(
+                    staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True)
+                )
+                resume_killed(prepared, staging, options)
                 write_side_files(prepared, staging, options)
 
             _agree(_attempt(open_staging) if lead else None)
-            written, _ = _write_share(outputs, staging, rank, world, show_progress=show_progress and lead)
+            resume = resume_finished(prepared, staging, options)
+            written, _ = _write_share(
+                outputs, staging, rank, world, show_progress=show_progress and lead, resume=resume
+            )
             manifest: list[dict] = []
 
             def finish_and_publish() -> None:
+                forget_finished(staging)
                 manifest.append(finish_folder(prepared, staging, options, written))
+                check_before_publishing(staging, target)
                 publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
 
             _agree(_attempt(finish_and_publish) if lead else None)

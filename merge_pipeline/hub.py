@@ -57,7 +57,8 @@ from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_b
 
 from merge_pipeline import __version__
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.manifest import MANIFEST, read_manifest
+from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.json_files import read_json_object
 from merge_pipeline.model_card import CARD, CheckpointName, readme_to_publish, render_card
 
 log = logging.getLogger("merge_pipeline")
@@ -71,6 +72,12 @@ _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _WEIGHTS = re.compile(r"[^/]+\.safetensors(\.index\.json)?")  # what loaders read from a repo's root
 _READ_MAX = 16 << 20  # a manifest or README on the Hub larger than this is not one of ours
+# Any one answer of the Hub (a page of a tree listing, a small file, a commit's result): a server that
+# streams without end must cost bounded memory. The files we read are at most _READ_MAX.
+MAX_RESPONSE_BYTES = 64 << 20
+# A branch name as git (and so the Hub) takes it: no "..", no component starting with "." or ending in
+# ".lock", no control characters or ~^:?*[\ or space, no "@{", not ending in "/" or ".".
+_BAD_REVISION = re.compile(r"\.\.|//|@\{|(^|/)\.|\.lock(/|$)|[/.]$|^/|^@$|[\x00-\x20\x7f~^:?*\[\\]")
 _CLIENT_LOGGERS = ("httpx2", "httpcore2", "huggingface_hub")
 _HUB_ERRORS = (HfHubHTTPError, httpx2.TransportError, HFValidationError)  # what a user can act on
 
@@ -130,15 +137,17 @@ def upload_folder_verified(
     folder = Path(folder).absolute()
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     token = token or get_token()
-    timeout_s = _timeout_s(timeout_s)
-    if not _REPO_ID.fullmatch(repo_id):
-        raise MergeError(None, f"{repo_id!r} is not a Hub repo id: expected ORG/NAME")
+    timeout_s = check_upload_settings(repo_id, revision, timeout_s)
     if not token:
         raise MergeError(None, f"no Hugging Face token for {endpoint}: set HF_TOKEN or run `hf auth login`")
     if not (folder / MANIFEST).is_file():
         raise MergeError(folder, f"has no {MANIFEST}: only folders written by `merge-pipeline merge` can be uploaded")
-    manifest = read_manifest(folder)
-    name = CheckpointName.from_role_dir(manifest["source"]["role_dir"], manifest["source"].get("role"))
+    manifest = _our_manifest(folder)
+    try:  # the card reads every part of the manifest: one edited by hand may lack or garble any of them
+        name = CheckpointName.from_role_dir(manifest["source"]["role_dir"], manifest["source"].get("role"))
+        card = render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise _not_our_manifest(folder) from None
     upload = _Upload(
         api=HfApi(endpoint=endpoint, token=token, library_name="merge_pipeline", library_version=__version__),
         repo_id=repo_id,
@@ -146,7 +155,7 @@ def upload_folder_verified(
         private=private,
         message=commit_message or f"Upload {name} (merge_pipeline {__version__})",
         folder_files=_local_files(folder, manifest),
-        card=render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"]),
+        card=card,
     )
     _use_timeout(timeout_s)
     with _xet_only_where_spoken(endpoint), _client_output_quiet():
@@ -292,6 +301,65 @@ class _Upload:
                 None,
                 f"{self.repo_id}@{self.revision} (commit {head[:12]}) does not hold what was merged: {'; '.join(problems)}",
             )
+
+
+def check_upload_settings(repo_id: str, revision: str | None, timeout_s: float | None) -> float:
+    """Refuse a bad repo id, branch or timeout before any work (a merge checks them before merging);
+    return the timeout in seconds."""
+    if not _REPO_ID.fullmatch(repo_id):
+        raise MergeError(None, f"{repo_id!r} is not a Hub repo id: expected ORG/NAME")
+    if revision is not None and _BAD_REVISION.search(revision):
+        raise MergeError(None, f"--revision {revision!r}: not a branch name the Hub accepts (git's rules)")
+    return _timeout_s(timeout_s)
+
+
+def _our_manifest(folder: Path) -> dict:
+    """The folder's manifest, refused in one line unless it is ours: our tool, and a file list of safe names."""
+    manifest = read_json_object(folder / MANIFEST)
+    files = manifest.get("files")
+    if not (
+        isinstance(manifest.get("tool"), dict)
+        and manifest["tool"].get("name") == "merge_pipeline"
+        and isinstance(files, dict)
+        and all(
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("sha256"), str)
+            and not os.path.isabs(name)
+            and ".." not in Path(name).parts
+            for name, entry in files.items()
+        )
+    ):
+        raise _not_our_manifest(folder)
+    return manifest
+
+
+def _not_our_manifest(folder: Path) -> MergeError:
+    return MergeError(folder / MANIFEST, "is not a manifest written by merge_pipeline (edited or foreign): merge again")
+
+
+def _cap_response(response: httpx2.Response) -> None:
+    """An event hook: the body of every Hub answer is read through ``_CappedBody``."""
+    response.stream = _CappedBody(response.stream, f"{response.request.method} {response.request.url.path}")
+
+
+class _CappedBody(httpx2.SyncByteStream):
+    def __init__(self, inner: httpx2.SyncByteStream, what: str):
+        self.inner, self.what = inner, what
+
+    def __iter__(self):
+        received = 0
+        for chunk in self.inner:
+            received += len(chunk)
+            if received > MAX_RESPONSE_BYTES:
+                raise MergeError(
+                    None,
+                    f"the Hub's answer to {self.what} passed {MAX_RESPONSE_BYTES >> 20} MB: not a Hub answer, refused",
+                )
+            yield chunk
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def _difference(local: _Local, remote: RepoFile | None) -> str:
@@ -440,6 +508,7 @@ def _use_timeout(seconds: float) -> None:
     library recreates after a failure must keep the timeout); it keeps the library's own hooks.
     """
     hooks = get_session().event_hooks  # huggingface_hub's: offline mode, request ids, debug log
+    hooks = {**hooks, "response": [*hooks.get("response", []), _cap_response]}  # and a cap on every answer's size
     set_client_factory(lambda: httpx2.Client(event_hooks=hooks, follow_redirects=True, timeout=httpx2.Timeout(seconds)))
 
 

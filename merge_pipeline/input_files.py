@@ -44,18 +44,52 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def contained_file(path: Path, folder: Path) -> Path:
-    """The real path of ``path``, refused unless it lies inside ``folder`` (symlinks resolved).
+def read_capped(path: Path, limit: int, too_large: str, *, inside: Path | None = None) -> bytes:
+    """The whole of a file we do not stream (a tracker, ``latest``, a JSON file, a side file), refused
+    above ``limit`` bytes with ``too_large`` as the problem; and unless it lies inside ``inside``, when given.
 
-    A symlink between two files of the checkpoint is fine; one that leaves it is refused.
+    Opened once as ``open_regular`` (no FIFO, no device); refused by its size before any read, and
+    at most ``limit + 1`` bytes ever read, so a file that is huge, or grows while we read it, costs no
+    more memory than the cap.
     """
-    real = Path(os.path.realpath(path))
+    with os.fdopen(open_regular(path) if inside is None else open_contained(path, inside), "rb") as f:
+        data = f.read(limit + 1) if os.fstat(f.fileno()).st_size <= limit else None
+    if data is None or len(data) > limit:
+        raise MergeError(path, too_large)
+    return data
+
+
+def open_contained(path: Path, folder: Path) -> int:
+    """``open_regular(path)``, refused unless the file opened lies inside ``folder`` (symlinks resolved:
+    a symlink between two files of the checkpoint is fine; one that leaves it is refused).
+
+    The check is made on the descriptor (its path as the kernel records it), never on ``path``
+    looked up again: a symlink swapped between a check and the open cannot slip a file from
+    outside the checkpoint in.
+    """
+    fd = open_regular(path)
+    try:
+        require_opened_inside(fd, path, folder)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def require_opened_inside(fd: int, path: Path, folder: Path) -> None:
+    """Refuse the file open on ``fd`` (opened as ``path``) unless it lies inside ``folder``.
+
+    The one rule for symlinks in a checkpoint, weights and side files alike: a link that stays inside
+    the checkpoint folder is followed; one that leads out of it is refused. Where the file is comes
+    from the descriptor (``/proc/self/fd``: the path the kernel resolved when opening), not from
+    ``path`` looked up again.
+    """
+    real = Path(os.readlink(f"/proc/self/fd/{fd}"))
     if not real.is_relative_to(os.path.realpath(folder)):
         raise MergeError(
             path,
-            f"is a symlink to {real}, outside the checkpoint folder {folder}: refused (copy the file into the checkpoint if it belongs there)",
+            f"is a symlink to {real}, outside the checkpoint folder {folder}: refused (copy the file into the checkpoint, or give its real folder)",
         )
-    return real
 
 
 def _require_regular(path: Path, mode: int) -> None:

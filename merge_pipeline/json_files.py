@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import open_regular
+from merge_pipeline.input_files import read_capped
+
+# Larger than any config, index or metadata a checkpoint holds (a 1T-parameter model's
+# model.safetensors.index.json is ~10 MB); a file past it is no such file, and reading it whole would cost
+# several times its size in memory.
+MAX_JSON_BYTES = 64 * 10**6
 
 
-def read_json_object(path: Path) -> dict:
-    with os.fdopen(open_regular(path), "rb") as f:
-        text = f.read()
+def read_json_object(path: Path, *, inside: Path | None = None) -> dict:
+    """The JSON object in ``path``; with ``inside``, refused unless the file lies inside that folder."""
+    text = read_capped(
+        path,
+        MAX_JSON_BYTES,
+        f"is larger than {MAX_JSON_BYTES // 10**6} MB: too large for a JSON config or index",
+        inside=inside,
+    )
     try:
         data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError

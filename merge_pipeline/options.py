@@ -6,6 +6,7 @@ Each field carries its help text, choices and the CLI commands that take it as m
 
 from __future__ import annotations
 
+import re
 from dataclasses import Field, dataclass, field, fields
 
 from merge_pipeline.errors import MergeError
@@ -17,6 +18,7 @@ DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
 READING = ("merge", "test", "inspect")  # how to open the checkpoint: every command
 TENSORS = ("merge", "test")  # what tensors come out: also compared by `test`
 FOLDER = ("merge",)  # how the folder is written
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
 def _option(default, help: str, *, commands=TENSORS, choices: tuple[str, ...] | None = None, **cli):
@@ -36,11 +38,12 @@ class MergeOptions:
     )
     is_value_model: bool = _option(False, "a critic / value model (also detected from the checkpoint)")
     trust_remote_code: bool = _option(False, "allow config.json to name remote-code classes", commands=READING)
-    # auto = keep each tensor's stored dtype: never lose precision unasked
+    # auto = keep each tensor's stored dtype: never lose precision unasked; inspect shows config.json's dtype
     dtype: str = _option(
         "auto",
-        "output dtype (default auto: keep the stored dtype; fp8: linear weights block-quantized to float8_e4m3fn, the rest bfloat16)",
-        commands=READING,  # inspect --dtype fp8 lists what would stay unquantized
+        "output dtype (default auto: keep each tensor's stored dtype; config.json names the widest, see docs/LAYOUTS.md;"
+        " fp8: linear weights block-quantized to float8_e4m3fn, the rest bfloat16)",
+        commands=READING,  # inspect --dtype fp8 also lists what would stay unquantized
         choices=DTYPE_CHOICES,
     )
     fp8_block_size: int = _option(
@@ -72,6 +75,22 @@ class MergeOptions:
             raise MergeError(None, f"--fp8-block-size must be a positive number, not {self.fp8_block_size}")
         if self.tie_word_embedding and self.untie_word_embedding:
             raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
+        parse_size(self.max_shard_size, "--max-shard-size")  # checked before any work, not after the plan
+        parse_size(self.max_side_file_size, "--max-side-file-size")
+
+
+def parse_size(size: str | int, flag: str) -> int:
+    """Bytes, at least 1, from an int or an HF-style size ("64MB", "1.5GB"; decimal units)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]?B)?\s*", str(size), re.IGNORECASE)
+        if not match:
+            raise MergeError(None, f"{flag} {size!r}: expected a size such as 64MB or 1GB")
+        value = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
+    if value < 1:
+        raise MergeError(None, f"{flag} {size!r}: must be at least 1 byte")
+    return value
 
 
 OPTION_FIELDS = fields(MergeOptions)

@@ -3,6 +3,7 @@
     prepare   open and validate the checkpoint, decide every output file (no tensor data read)
     write     side files, then the weights, into a staging folder
     finish    index, configs and the manifest (reusing the digests computed while writing)
+    check     the blocking checks (``hf/blocking_checks.py``), the same ones Dagster runs
     publish   ``staged_output``: the one staging folder + target lock, renamed into place on success
     merge     all of the above in one process; ``describe`` and ``compare`` for ``inspect`` and ``test``
 
@@ -25,11 +26,14 @@ from merge_pipeline import __version__
 from merge_pipeline.engine.fp8 import fp8_outputs
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.lora import with_base_weights
-from merge_pipeline.engine.outputs import OutputPlan, ShardFile, plan_outputs
+from merge_pipeline.engine.outputs import OutputPlan, ShardFile, config_dtype_for, plan_outputs
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
-from merge_pipeline.engine.safetensors_writer import write_safetensors
+from merge_pipeline.engine.resume import ResumeLog, keep_finished, merge_key
+from merge_pipeline.engine.resume import finished as finished_before
+from merge_pipeline.engine.resume import forget as forget_finished
+from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.formats import BACKENDS as BACKENDS
@@ -42,7 +46,7 @@ from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
 from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.plan import CheckpointPlan, dtype_name
+from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
 
 log = logging.getLogger("merge_pipeline")
@@ -53,6 +57,7 @@ FSDP_RANK_FILE = fsdp.MODEL_FILE
 ACCELERATE_DCP_DIR = dcp.ACCELERATE_DIR
 DEEPSPEED_LATEST = deepspeed.LATEST
 is_deepspeed_tag_name = deepspeed.is_tag_name
+read_deepspeed_latest = deepspeed.read_latest
 
 
 @dataclass
@@ -161,42 +166,85 @@ def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -
 
 
 def write_weights(
-    outputs: OutputPlan, out_dir: Path, *, files: list[ShardFile] | None = None, show_progress: bool = True
+    outputs: OutputPlan,
+    out_dir: Path,
+    *,
+    files: list[ShardFile] | None = None,
+    show_progress: bool = True,
+    resume: ResumeLog | None = None,
 ) -> WriteReport:
-    """Stream the weight files (all, or the given subset) into ``out_dir``."""
+    """Stream the weight files (all, or the given subset) into ``out_dir``; with ``resume``, keep the
+    files it lists as finished and record each newly finished one."""
     files = outputs.files if files is None else files
-    progress = ByteProgress(sum(f.nbytes for f in files), "writing weights", enabled=show_progress)
+    reused = {shard.filename for shard in files if resume and shard.filename in resume.finished}
+    description = "writing weights"
+    if reused:
+        description += f" ({len(reused)} of {len(files)} files reused from a killed merge)"
+    # the files' sizes, headers included: what the writer counts, so the progress ends at 100% of its total
+    total = sum(len(build_header(f.tensors)) + f.nbytes for f in files)
+    progress = ByteProgress(total, description, enabled=show_progress)
     report = WriteReport()
     try:
         for shard in files:
+            if shard.filename in reused:
+                report.files.append(resume.finished[shard.filename])
+                progress(resume.finished[shard.filename]["bytes"])  # the whole file, as the total counts it
+                continue
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)
             digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
             size = write_safetensors(path, shard.tensors, progress, digest=digest)
-            report.files.append(
-                {"filename": shard.filename, "bytes": size, "tensors": len(shard.tensors), "sha256": digest.hexdigest()}
-            )
+            entry = {
+                "filename": shard.filename,
+                "bytes": size,
+                "tensors": len(shard.tensors),
+                "sha256": digest.hexdigest(),
+            }
+            report.files.append(entry)
+            if resume:
+                resume.record(entry)
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
     return report
 
 
+def resume_key(prepared: Prepared, options: MergeOptions) -> str:
+    return merge_key(prepared.plan.files, {"version": __version__, **asdict(options)}, prepared.outputs.files)
+
+
+def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> ResumeLog:
+    """What a killed merge of the same inputs and options finished in ``staging`` (checked), the rest removed."""
+    return keep_finished(staging, resume_key(prepared, options), prepared.outputs.files)
+
+
+def resume_finished(prepared: Prepared, staging: Path, options: MergeOptions) -> ResumeLog:
+    """For torchrun ranks other than 0: the files rank 0's ``resume_killed`` kept."""
+    return finished_before(staging, resume_key(prepared, options), prepared.outputs.files)
+
+
 def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, written: WriteReport) -> dict:
     """Index, configs and manifest: everything but the weights and the side files.
 
     ``written``: the report of the weights written into ``out_dir``; the manifest takes their sha256
-    from it rather than reading the weights again.
+    from it rather than reading the weights again. Last, every input file is checked to be still the
+    one planned, unchanged: a trainer re-saving the step meanwhile would leave a folder mixing two saves.
+    Every writer (the CLI, torchrun rank 0 once all ranks wrote, the Dagster asset) publishes only after.
     """
     plan, config, outputs = prepared
     with naming(out_dir):
         write_index(outputs, out_dir)
         write_configs(config, outputs, out_dir)
         known = {f["filename"]: f["sha256"] for f in written.files}
-        return write_manifest(out_dir, manifest_body(plan, outputs, options), known)
+        manifest = write_manifest(out_dir, manifest_body(plan, outputs, options), known)
+    check_unchanged(plan.files)
+    return manifest
 
 
 def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptions) -> dict:
+    # Imported here, as the checks: they import transformers (~1 s), which inspect and test of FSDP never need.
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+
     return {
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
@@ -225,7 +273,20 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
         },
         "parameters": plan.parameter_count,
         "tensors": sum(len(f.tensors) for f in outputs.files),
+        # Written before they run: the folder is published only if all of them passed on it.
+        "checks_before_publishing": CHECK_NAMES,
     }
+
+
+def check_before_publishing(staging: Path, target: Path) -> None:
+    """The blocking checks Dagster's ``hf_model`` runs, on the complete staging folder; any failure is one line."""
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
+
+    started = time.monotonic()
+    problem = refusal(run_blocking_checks(staging))
+    if problem:
+        raise MergeError(target, problem)
+    log.info("blocking checks passed (%s) in %.1f s", ", ".join(CHECK_NAMES), time.monotonic() - started)
 
 
 def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:
@@ -249,13 +310,16 @@ def merge_checkpoint(
     check_target(target, source=local_dir, overwrite=options.overwrite)
     prepared = prepare(local_dir, options)
     plan, outputs = prepared.plan, prepared.outputs
-    with prepared, staged_output(target, source=local_dir, overwrite=options.overwrite) as staging:
+    with prepared, staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True) as staging:
+        resume = resume_killed(prepared, staging, options)
         write_side_files(prepared, staging, options)
-        report = write_weights(outputs, staging, show_progress=show_progress)
+        report = write_weights(outputs, staging, show_progress=show_progress, resume=resume)
+        forget_finished(staging)
         manifest = finish_folder(prepared, staging, options, report)
+        check_before_publishing(staging, target)
     seconds = time.monotonic() - started
     log.info(
-        "merged %s -> %s: %d tensors, %s in %.1f s",
+        "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
         plan.role_dir,
         target,
         report.tensors,
@@ -292,6 +356,7 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
             "parameters": plan.parameter_count,
             "tensors": len(plan.tensors),
             "dtypes": dict(dtypes),
+            "config_dtype": dtype_name(config_dtype_for(plan.tensors, options)),  # what --dtype writes to config.json
             "bytes": sum(t.nbytes() for t in plan.tensors),
             "lora": has_lora_tensors(plan.tensors),
             "value_model": plan.is_value_model,

@@ -8,8 +8,11 @@ bounded by the largest single tensor, never by the model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,33 +27,151 @@ from merge_pipeline.input_files import open_regular
 READ_PIECE_BYTES = 8 * 1024 * 1024
 
 
-class SourceFile:
-    """An input file opened once, at planning time.
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file, in which state: a rewrite in place changes the times, a save renamed over it the inode."""
 
-    Holding the descriptor means a trainer that deletes the checkpoint folder mid-merge (rotation)
-    cannot pull the bytes away from under us: Linux keeps an unlinked open file readable.
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, found: os.stat_result) -> FileIdentity:
+        return cls(found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
+
+
+# At most this many input files are open at once, whatever the world size: a merge of 4096 rank files
+# runs under `ulimit -n 256`. Planning opens, reads and closes each file; the writer opens on demand and
+# closes the least recently used one when another must open.
+MAX_OPEN_FILES = 64
+
+
+class _OpenFiles:
+    """The process's open input descriptors, least recently used first. A descriptor in use (pinned by
+    ``SourceFile.opened``, e.g. by the writer thread's kernel copy) is never closed under it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.fds: OrderedDict[SourceFile, int] = OrderedDict()
+        self.pins: Counter[SourceFile] = Counter()
+
+    def pin(self, file: SourceFile) -> int:
+        with self.lock:
+            fd = self.fds.get(file)
+            if fd is None:
+                self._make_room()
+                fd = self.fds[file] = file._open()
+            self.fds.move_to_end(file)
+            self.pins[file] += 1
+            return fd
+
+    def held(self, file: SourceFile) -> int | None:
+        """The descriptor open on ``file`` now, if any (a deleted file stays readable through it)."""
+        with self.lock:
+            return self.fds.get(file)
+
+    def unpin(self, file: SourceFile) -> None:
+        with self.lock:
+            self.pins[file] -= 1
+            if not self.pins[file]:
+                del self.pins[file]
+
+    def close(self, file: SourceFile) -> None:
+        with self.lock:
+            fd = self.fds.pop(file, None)
+            if fd is not None:
+                os.close(fd)
+
+    def _make_room(self) -> None:
+        idle = [f for f in self.fds if f not in self.pins]
+        for f in idle[: max(0, len(self.fds) - self.limit + 1)]:
+            os.close(self.fds.pop(f))
+
+
+_OPEN = _OpenFiles(MAX_OPEN_FILES)
+
+
+class SourceFile:
+    """An input file: checked and measured at planning time, opened whenever its bytes are read.
+
+    While it stays open (always, for merges of fewer than ``MAX_OPEN_FILES`` files), a trainer that
+    deletes the checkpoint folder mid-merge (rotation) cannot pull the bytes away: Linux keeps an
+    unlinked open file readable. A file re-opened later must still be the same file, or the merge stops.
     """
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.fd = open_regular(self.path)  # never a FIFO or device: those would block or never end
-        self.size = os.fstat(self.fd).st_size
+        self.identity: FileIdentity | None = None
+        with self.opened():  # planning opens each file once: this records its identity
+            self.size = self.identity.size
+
+    def _open(self) -> int:
+        """The one place an input file is opened (again, after its descriptor was closed to keep the count
+        bounded); a re-open must find the very file planned, in the state planned."""
+        fd = open_regular(self.path)  # never a FIFO or device: those would block or never end
+        found = FileIdentity.of(os.fstat(fd))  # of what was opened, not of a path looked up again
+        if self.identity is None:
+            self.identity = found
+        elif found != self.identity:
+            os.close(fd)
+            raise _changed(self.path)
+        return fd
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[int]:
+        """The file's descriptor, kept open while the block runs."""
+        fd = _OPEN.pin(self)
+        try:
+            yield fd
+        finally:
+            _OPEN.unpin(self)
+
+    def check_unchanged(self) -> None:
+        """Refuse a file rewritten or replaced since it was planned: what we read of it may mix two saves.
+
+        The file at the path must still be the one planned, in the state planned. A file deleted
+        meanwhile (the trainer's rotation) is fine if the one we hold open is unchanged: deleting it
+        changes only its ctime. Run before publishing; every re-open checks the same in ``_open``.
+        """
+        try:
+            now = FileIdentity.of(os.stat(self.path))
+        except FileNotFoundError:
+            held = _OPEN.held(self)
+            if held is None:
+                raise _changed(self.path) from None
+            now = dataclasses.replace(FileIdentity.of(os.fstat(held)), ctime_ns=self.identity.ctime_ns)
+        except OSError as exc:
+            raise _changed(self.path) from exc
+        if now != self.identity:
+            raise _changed(self.path)
 
     def read_into(self, buffer: memoryview, offset: int) -> None:
         """Fill ``buffer`` with the bytes at ``offset``; a short read means the file was truncated."""
-        done = 0
-        while done < len(buffer):
-            n = os.preadv(self.fd, [buffer[done:]], offset + done)
-            if n == 0:
-                raise MergeError(
-                    self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
-                )
-            done += n
+        with self.opened() as fd:
+            done = 0
+            while done < len(buffer):
+                n = os.preadv(fd, [buffer[done:]], offset + done)
+                if n == 0:
+                    raise MergeError(
+                        self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
+                    )
+                done += n
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        _OPEN.close(self)
+
+
+def _changed(path: Path) -> MergeError:
+    return MergeError(path, "changed while it was being merged: re-run once the save is complete")
+
+
+def check_unchanged(files: Iterable[SourceFile]) -> None:
+    """Before publishing: every input file is still what was planned (``SourceFile.check_unchanged``)."""
+    for f in files:
+        f.check_unchanged()
 
 
 def close_all(files: Iterable[SourceFile]) -> None:

@@ -50,6 +50,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def assert_loads_every_stored_value(folder: Path) -> None:
+    """transformers' ``from_pretrained`` with ``dtype="auto"`` (its default) holds every stored tensor unaltered:
+    equal to it, and bit for bit the stored tensor again in the stored dtype (widened exactly, never rounded)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model, info = getattr(transformers, config.architectures[0]).from_pretrained(
+        folder, dtype="auto", output_loading_info=True
+    )
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    loaded = model.state_dict()
+    for name, stored in load_safetensors_dir(folder).items():
+        value = loaded[name]
+        assert torch.equal(value, stored.to(value.dtype)) and same_bits(value.to(stored.dtype), stored), name
+
+
 def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
     """The Megatron reader's plan of ``role_dir`` with these merge options (as ``--backend megatron``)."""
     from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
@@ -62,6 +78,18 @@ def config_says_tied(role_dir: Path) -> Path:
     path = role_dir / "huggingface" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
     return path
+
+
+def config_claims_one_more_layer(role_dir: Path) -> str:
+    """Make an FSDP checkpoint's config.json describe one layer more than its rank files hold (the reader
+    cannot tell; the merged folder then fails the meta-device check). Returns a weight the folder lacks."""
+    path = role_dir / "huggingface" / "config.json"
+    config = json.loads(path.read_text())
+    layers = config["num_hidden_layers"]
+    path.write_text(
+        json.dumps({**config, "num_hidden_layers": layers + 1, "layer_types": config["layer_types"][:1] * (layers + 1)})
+    )
+    return f"model.layers.{layers}.input_layernorm.weight"
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from merge_pipeline.progress import human_bytes
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli
 
@@ -41,6 +42,10 @@ def test_console_script_and_module_entry_points(tmp_path, fsdp_checkpoint):
         assert "merged" in done.stdout and (tmp_path / f"out{i}" / "model.safetensors").is_file()
         assert "--use_cpu_initialization is accepted" in done.stderr
         assert "writing weights: 100%" in done.stderr, "plain progress lines when not on a terminal"
+        # the progress total is what is written, headers included, as the summary line says
+        size = human_bytes((tmp_path / f"out{i}" / "model.safetensors").stat().st_size)
+        assert f"writing weights: 100% ({size} of {size}, " in done.stderr, done.stderr
+        assert f"{size} of safetensors files" in done.stderr
 
 
 def test_bad_input_exit_code_from_a_real_process(tmp_path):
@@ -107,8 +112,10 @@ def test_test_command_in_reference_dtype(capsys, tmp_path, fsdp_checkpoint):
         {n: t.to(torch.bfloat16) for n, t in load_file(sample.reference_dir / "model.safetensors").items()},
         bf16 / "model.safetensors",
     )
-    code, _, err = run_cli(capsys, "test", "--local_dir", sample.role_dir, "--test_hf_dir", bf16)
+    code, out, err = run_cli(capsys, "test", "--local_dir", sample.role_dir, "--test_hf_dir", bf16)
     assert code == 0, err
+    assert out.startswith("largest differences (max abs diff, tensor):\n")
+    assert out.strip().endswith(f"match {bf16} after casting to bfloat16")  # the fp32 merge is not bf16 itself
 
 
 def test_unknown_dtype_is_an_argparse_error(capsys, tmp_path, fsdp_checkpoint):

@@ -82,7 +82,7 @@ def test_verl_spellings_and_every_earlier_flag_are_kept():
         "--trust-remote-code",
         "--hf_model_path",
         "--hf-model-path",
-        "--dtype",
+        "--dtype",  # shows the config.json dtype a merge with it writes
         "--fp8-block-size",
         "--json",
     }

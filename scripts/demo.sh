@@ -22,7 +22,11 @@ for arg in "$@"; do
     esac
 done
 
-[ "${MERGE_PIPELINE_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh  # skip: .venv already set up
+if [ "${MERGE_PIPELINE_SKIP_SETUP:-0}" != 1 ]; then  # skip: .venv already set up
+    echo "setting up .venv (scripts/setup.sh): this project with torch 2.13 (CPU), transformers, dagster,"
+    echo "megatron-core, deepspeed and the test tools, about 1.6 GB: 3-4 minutes the first time, seconds after"
+    bash scripts/setup.sh
+fi
 PY=.venv/bin/python
 
 export DAGSTER_HOME=${DAGSTER_HOME:-$PWD/.dagster_home}
@@ -128,12 +132,17 @@ WAITER=$!
 wait "$WAITER"
 WAITER=
 
+# The step to drop next: one past the newest there, so a second demo adds a step instead of moving
+# the tracker backwards.
+NEXT=$(($(find "$RUN_DIR" -maxdepth 1 -name 'global_step_*' -printf '%f\n' | sed 's/^global_step_//' | sort -n | tail -1) + 1))
 cat <<EOF
 
 The demo checkpoint is merged. Open:
     $URL/locations/merge_pipeline/asset-groups/merge
+In another shell, to reach merge-pipeline, dg and this demo's instance (docs/DAGSTER.md, "After the demo"):
+    cd $PWD && source .venv/bin/activate && export DAGSTER_HOME=$DAGSTER_HOME
 Drop another checkpoint into the watched root; the sensor merges it within a minute:
-    $PY -m merge_pipeline.sample_checkpoints.fsdp $RUN_DIR/global_step_2/actor --seed 2 && printf 2 > $RUN_DIR/latest_checkpointed_iteration.txt
+    $PY -m merge_pipeline.sample_checkpoints.fsdp $RUN_DIR/global_step_$NEXT/actor --seed $NEXT && printf $NEXT > $RUN_DIR/latest_checkpointed_iteration.txt
 Merged folders land in $MERGE_PIPELINE_OUTPUT_ROOT.
 EOF
 

@@ -45,7 +45,7 @@ checkpoint = dg.AssetSpec(
     owners=OWNERS,
     kinds={"pytorch"},
     tags={"stage": "source"},
-    description="A trainer's checkpoint folder (global_step_<N>/<role>, or another stack's step folder) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
+    description="A trainer's checkpoint folder (`global_step_<N>/<role>`, or another stack's step folder) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
 )
 
 

@@ -28,6 +28,7 @@ from merge_pipeline.defs.partitions import (
     step_folder,
 )
 from merge_pipeline.errors import MergeError, printable
+from merge_pipeline.input_files import read_capped
 from merge_pipeline.pipeline import (
     ACCELERATE_DCP_DIR,
     DEEPSPEED_LATEST,
@@ -35,11 +36,13 @@ from merge_pipeline.pipeline import (
     find_dcp_dir,
     is_deepspeed_tag_name,
     missing_optimizer_states,
+    read_deepspeed_latest,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_MANIFEST = "ckpt_contents.json"  # verl's Megatron layout v2: rank 0 writes it last, atomically
 _MEGATRON_V2_FOLDERS = ("model/dist_ckpt", "model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt")
+MAX_TRACKER_BYTES = 64  # a step number; verl writes a few bytes: a larger file is not a tracker
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root
 _DCP_DONE = ".metadata present (dcp.save's coordinator writes it after every rank's data)"
 
@@ -95,7 +98,7 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
     for _ in range(MAX_DEPTH):
         deeper = []
         for folder in level:
-            for entry in _subfolders(folder, not_watched, is_root=folder == root):
+            for entry in _subfolders(folder, not_watched, root=root):
                 if entry.name.startswith(".") or entry in skip:
                     continue
                 found = step_folder(entry.name)
@@ -110,7 +113,7 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
                     continue
                 stack, step = found
                 run_name = root.name if folder == root else folder.relative_to(root).as_posix()
-                roles = [role for role in stack.roles if (entry / role).is_dir()]
+                roles = [role for role in stack.roles if (entry / role).is_dir() and _inside(entry / role, root)]
                 if stack.in_step_folder and not roles and _saved_in_step_folder(stack, entry):
                     yield FoundCheckpoint(CheckpointKey(run_name, step, STEP_ROLE, stack.prefix), entry)
                 for role in roles:
@@ -236,16 +239,17 @@ def _settled(says: str, settle_seconds: float, newest: float, age: float) -> Com
 
 
 def _read_latest(save_dir: Path) -> str | None:
+    """What ``latest`` names; None when there is none, or it is no small regular file (a FIFO never blocks the tick)."""
     try:
-        return (save_dir / DEEPSPEED_LATEST).read_text().strip() or None
-    except (OSError, UnicodeDecodeError):
+        return read_deepspeed_latest(save_dir / DEEPSPEED_LATEST) or None
+    except (MergeError, OSError):
         return None
 
 
 def read_tracker(path: Path) -> int | None:
     try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError, UnicodeDecodeError):
+        return int(read_capped(path, MAX_TRACKER_BYTES, "too large to be a step number").strip())
+    except (MergeError, OSError, ValueError):
         return None
 
 
@@ -271,10 +275,17 @@ def _holds_model_files(folder: Path) -> bool:
         return False
 
 
-def _subfolders(folder: Path, not_watched: list[str], *, is_root: bool) -> list[Path]:
+def _inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, symlinks resolved, stays inside the watched ``root``: a link out of it (into
+    someone's private folder) is never followed."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+
+
+def _subfolders(folder: Path, not_watched: list[str], *, root: Path) -> list[Path]:
+    is_root = folder == root
     try:
         with os.scandir(folder) as entries:
-            return sorted(Path(e.path) for e in entries if _is_dir(e))
+            return sorted(Path(e.path) for e in entries if _is_dir(e) and (not e.is_symlink() or _inside(e.path, root)))
     except FileNotFoundError:  # a step folder the trainer's rotation just deleted: nothing to watch
         if is_root:
             not_watched.append(f"{printable(str(folder))}: the checkpoint root does not exist")

@@ -21,10 +21,10 @@ import dagster as dg
 from pydantic import Field
 
 from merge_pipeline.defs.assets import hf_model
-from merge_pipeline.defs.checks import FOLDER_CHECKS
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS
 from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.progress import human_bytes
 
@@ -134,7 +134,8 @@ publish_job = dg.define_asset_job(
     default_status=dg.DefaultScheduleStatus.RUNNING
     if dg.EnvVar("MERGE_PIPELINE_HUB_ORG").get_value()
     else dg.DefaultScheduleStatus.STOPPED,
-    description="Publishes the highest merged step of each run whose checks passed, once per merge of that step.",
+    description="Publishes the highest merged step of each run whose checks passed, once per merge of that step. "
+    "Off until MERGE_PIPELINE_HUB_ORG is set (in .env) when the code location loads; then it runs by default.",
 )
 def publish_latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub):
     if not hub.enabled:
@@ -192,7 +193,7 @@ def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: s
         evaluation = record.event_log_entry.dagster_event.asset_check_evaluation_data
         if evaluation.asset_key == hf_model.key and evaluation.partition == partition:
             latest.setdefault(evaluation.check_name, (evaluation.passed, record.run_id))
-    return all(latest.get(c.name) == (True, merge_run_id) for c in FOLDER_CHECKS)
+    return all(latest.get(c.name) == (True, merge_run_id) for c in BLOCKING_CHECKS)
 
 
 defs = dg.Definitions(

@@ -37,7 +37,8 @@ INTERVAL_SECONDS = int(
 )
 def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
     seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
-    present, requests, waiting, saved = set(), [], [], []
+    present, requests, waiting, saved, found_merged = set(), [], [], [], []
+    partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
     scan = settings.find_checkpoints()
     for note in scan.not_watched:
         context.log.warning(note)
@@ -48,6 +49,9 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
             continue
         if settings.target_dir(found.key).exists():
             seen.add(key)  # merged before (by an earlier run, or by hand with the CLI)
+            if key not in partitions:  # e.g. a fresh instance: show it as merged, marked as found
+                found_merged.append(key)
+                saved.append(_found_merged(found, settings.target_dir(found.key)))
             continue
         state = completeness(found.role_dir, found.key.step, settings.settle_time)
         if not state.complete:
@@ -57,7 +61,6 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
         saved.append(_checkpoint_saved(found, state))
     cursor = json.dumps(sorted(seen & present))
-    partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
     rotated = (
         [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()]
         if scan.all_roots_read
@@ -69,8 +72,9 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
             f"removing {len(rotated)} partition(s) whose checkpoint was deleted before it was merged: {', '.join(rotated[:5])}"
         )
         changes.append(checkpoint_partitions.build_delete_request(rotated))
+    if requests or found_merged:
+        changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests] + found_merged))
     if requests:
-        changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests]))
         return dg.SensorResult(
             run_requests=requests, dynamic_partitions_requests=changes, asset_events=saved, cursor=cursor
         )
@@ -84,7 +88,7 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
     if scan.not_watched:  # a missing root must not read as "nothing new"
         reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
-    return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes)
+    return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes, asset_events=saved)
 
 
 def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMaterialization:
@@ -99,6 +103,21 @@ def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMa
         asset_key=checkpoint.key,
         partition=str(found.key),
         metadata={**metadata, "written_at": dg.MetadataValue.timestamp(state.newest_change)},
+    )
+
+
+def _found_merged(found: FoundCheckpoint, target) -> dg.AssetMaterialization:
+    """A merged folder that was there before this instance knew its checkpoint, recorded as found: not
+    merged or checked by this instance, so it shows as materialized rather than missing."""
+    return dg.AssetMaterialization(
+        asset_key=hf_model.key,
+        partition=str(found.key),
+        description="found already merged (by an earlier Dagster instance or the CLI); not checked by this instance",
+        metadata={
+            "path": dg.MetadataValue.path(str(target)),
+            "source": dg.MetadataValue.path(str(found.role_dir)),
+            "found": True,
+        },
     )
 
 

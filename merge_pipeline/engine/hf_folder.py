@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ADAPTER_DIR, OutputPlan
-from merge_pipeline.errors import MergeError, printable
+from merge_pipeline.errors import printable
 from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
 from merge_pipeline.hf.safetensors import INDEX
-from merge_pipeline.input_files import contained_file, open_regular
-from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE
+from merge_pipeline.input_files import read_capped
+from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +21,6 @@ _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 # Training state a trainer saves beside config.json (DeepSpeed's tag file and converter scripts, the
 # HF Trainer's state): not part of a model folder, and zero_to_fp32.py is no model's remote code.
 _TRAINING_STATE_FILES = ("latest", "zero_to_fp32.py", "zero_to_torch.py", "trainer_state.json")
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -57,9 +54,7 @@ def copy_side_files(
             or src.is_dir()
         ):
             continue
-        if confine_to is not None:
-            contained_file(src, confine_to)
-        _copy_capped(src, out_dir / src.name, limit)
+        _copy_capped(src, out_dir / src.name, limit, confine_to)
         copied.append(src.name)
     if not any(name in copied for name in _TOKENIZER_FILES):
         log.warning(
@@ -68,25 +63,10 @@ def copy_side_files(
     return copied
 
 
-def parse_size(size: str | int, flag: str) -> int:
-    """Bytes from an int or an HF-style size ("64MB", "1.5GB"; decimal units, as --max-shard-size)."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*", size, re.IGNORECASE)
-    if not match:
-        raise MergeError(None, f"{flag} {size!r}: expected a size such as 64MB or 1GB")
-    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
-
-
-def _copy_capped(src: Path, dst: Path, limit: int) -> None:
-    """Copy a regular file of at most ``limit`` bytes."""
-    with os.fdopen(open_regular(src), "rb") as source:
-        data = source.read(limit + 1)  # never more: a file growing while we read cannot get past the limit
-    if len(data) > limit:
-        raise MergeError(
-            src, f"is larger than the side-file limit of {limit:,} bytes: pass --max-side-file-size to raise it"
-        )
-    dst.write_bytes(data)
+def _copy_capped(src: Path, dst: Path, limit: int, confine_to: Path | None) -> None:
+    """Copy a regular file of at most ``limit`` bytes, opened once (from inside ``confine_to`` when given)."""
+    too_large = f"is larger than the side-file limit of {limit:,} bytes: pass --max-side-file-size to raise it"
+    dst.write_bytes(read_capped(src, limit, too_large, inside=confine_to))
 
 
 def write_index(outputs: OutputPlan, out_dir: Path) -> None:

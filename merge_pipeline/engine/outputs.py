@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,12 +10,13 @@ import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from merge_pipeline.engine.lora import split_lora
-from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.fp8 import Fp8Decisions
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
-from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
+from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
+from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
 # fp8 is no cast: engine/fp8.py rewrites the plan (tensors are planned here in their stored dtype first).
@@ -117,19 +118,43 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     model = [OutputTensor(t, _output_dtype(t, requested)) for t in tensors]
     adapter_out = [OutputTensor(t, _output_dtype(t, requested)) for t in adapter]
     adapter_only = not model  # checkpoint.save_lora_only and no --hf_model_path to take the base from
+    shards = _split_shards(model, options.max_shard_size) if model else []
+    adapter_file = (
+        ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out)) if adapter_out else None
+    )
+    for files in (shards, [adapter_file] if adapter_file else []):
+        _refuse_what_safetensors_would(files, plan.role_dir)
     return OutputPlan(
-        shards=_split_shards(model, options.max_shard_size) if model else [],
-        adapter=ShardFile(ADAPTER_FILE if adapter_only else ADAPTER_WEIGHTS, tuple(adapter_out))
-        if adapter_out
-        else None,
+        shards=shards,
+        adapter=adapter_file,
         lora=lora if adapter_out or options.merge_lora else None,
         lora_targets=targets,
         tied=tied,
         is_value_model=is_value_model,
-        config_dtype=_dominant_dtype(model or adapter_out),
+        config_dtype=auto_config_dtype(t.dtype for t in model or adapter_out),
         dropped=dropped,
         adapter_only=adapter_only,
     )
+
+
+def _refuse_what_safetensors_would(files: list[ShardFile], where: Path) -> None:
+    """Only files every safetensors loader opens: each name once (in the model or the adapter), no
+    tensor named like the header's reserved ``__metadata__`` entry, each header within the library's limit."""
+    seen: set[str] = set()
+    for shard in files:
+        for t in shard.tensors:
+            name = t.planned.name
+            if name == METADATA_KEY:
+                raise MergeError(where, f"a tensor is named {METADATA_KEY!r}, which safetensors reserves: refused")
+            if name in seen:
+                raise MergeError(where, f"two tensors are named {name!r}: a safetensors file holds each name once")
+            seen.add(name)
+        header = len(build_header(shard.tensors)) - 8
+        if header > MAX_HEADER_BYTES:
+            raise MergeError(
+                where,
+                f"{shard.filename}: its header (tensor names) would be {header:,} bytes, over the {MAX_HEADER_BYTES:,} bytes safetensors reads: pass a smaller --max-shard-size",
+            )
 
 
 # Input embedding names, so a tied lm_head can be checked against the tensor it is tied to.
@@ -193,12 +218,25 @@ def _output_dtype(t: PlannedTensor, requested: torch.dtype | None) -> torch.dtyp
     return requested
 
 
-def _dominant_dtype(tensors: list[OutputTensor]) -> torch.dtype:
-    weight: Counter[torch.dtype] = Counter()
-    for t in tensors:
-        if t.dtype.is_floating_point:
-            weight[t.dtype] += t.planned.numel
-    return weight.most_common(1)[0][0] if weight else torch.float32
+def auto_config_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """config.json's dtype for the dtypes written: the narrowest one that holds every stored floating value exactly.
+
+    transformers' ``from_pretrained(dtype="auto")`` builds every floating parameter in config.json's
+    dtype and casts each stored tensor to it, whatever dtype the file says (only a model class's own
+    ``_keep_in_fp32_modules`` are exempt). So a mixed checkpoint (bf16 weights, fp32 norms) must say
+    float32: a majority dtype would round the exceptions on load.
+    """
+    widest: torch.dtype | None = None
+    for dtype in dtypes:
+        if dtype.is_floating_point:
+            widest = dtype if widest is None else exact_common_dtype(widest, dtype)
+    return widest or torch.float32
+
+
+def config_dtype_for(tensors: Iterable[PlannedTensor], options: MergeOptions) -> torch.dtype:
+    """What config.json will say for these tensors under ``--dtype`` (``inspect``, before any plan of the output)."""
+    requested = DTYPES.get(options.dtype)
+    return auto_config_dtype(_output_dtype(t, requested) for t in tensors)
 
 
 def _split_shards(
@@ -207,17 +245,12 @@ def _split_shards(
     """HF-style shards of ``tensors``; each of ``followers`` (by the name it follows) is written right after
     its tensor, in the same shard (an FP8 weight's scales: computed while the weight is written)."""
     followers = followers or {}
-    try:
-        split = split_state_dict_into_shards_factory(
-            {t.planned.name: t for t in tensors},
-            get_storage_size=lambda t: (
-                t.nbytes + (followers[t.planned.name].nbytes if t.planned.name in followers else 0)
-            ),
-            filename_pattern=WEIGHTS_PATTERN,
-            max_shard_size=max_shard_size,
-        )
-    except ValueError as exc:
-        raise MergeError(None, f"--max-shard-size {max_shard_size!r}: {exc}") from None
+    split = split_state_dict_into_shards_factory(
+        {t.planned.name: t for t in tensors},
+        get_storage_size=lambda t: t.nbytes + (followers[t.planned.name].nbytes if t.planned.name in followers else 0),
+        filename_pattern=WEIGHTS_PATTERN,
+        max_shard_size=parse_size(max_shard_size, "--max-shard-size"),  # ours: HF's takes "1e999GB" to a crash
+    )
     by_name = {t.planned.name: t for t in tensors}
     return [
         ShardFile(

@@ -11,6 +11,12 @@ Beside ``<parent>/<name>`` live ``.<name>.lock`` (held while anyone touches the 
 the target), ``.<name>.staging`` (the folder being built; the same filesystem, so publishing is a
 rename) and, only for a moment during a fallback replace, ``.<name>.previous``. Whatever a killed
 writer leaves behind, the next one that takes the lock cleans up or restores, and logs it.
+
+The parent may be a shared folder (``/tmp``, a team folder) where another user can create these
+names first: none is ever followed (the lock is opened with ``O_NOFOLLOW`` relative to the parent's
+descriptor, the staging folder made by ``mkdir``, which fails on any existing entry), and one found
+there that is a symlink, not this user's, or of the wrong type is refused in one line and touched
+in no way (``_refuse_planted``).
 """
 
 from __future__ import annotations
@@ -22,18 +28,22 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError, naming, os_error
 from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.input_files import read_capped
 
 log = logging.getLogger("merge_pipeline")
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}  # by the kernel or this filesystem
+_MAX_MANIFEST_BYTES = 64 * 10**6  # ours lists one line per file; a larger one is not ours
 
 
 def staging_path(target: Path) -> Path:
@@ -71,9 +81,17 @@ class LockedTarget:
         self.target, self.overwrite = target, overwrite
         self.staging = staging_path(target)
 
-    def new_staging(self) -> Path:
-        """An empty staging folder; one left by a killed writer is removed first."""
-        if self.staging.exists():
+    def new_staging(self, *, keep: bool = False) -> Path:
+        """An empty staging folder; one left by a killed writer is removed first, or with ``keep`` left
+        as it is (for ``engine.resume`` to sort out)."""
+        if _refuse_planted(self.staging, stat.S_IFDIR) is not None:
+            if keep:
+                log.warning(
+                    "%s: %s was left by a merge that did not finish: its finished files are checked for reuse",
+                    self.target,
+                    self.staging,
+                )
+                return self.staging
             log.warning("%s: removing %s, left by a merge that did not finish", self.target, self.staging)
             shutil.rmtree(self.staging)
         self.staging.mkdir()
@@ -86,6 +104,7 @@ class LockedTarget:
         """Put the complete staging folder at the target; an existing target is swapped out only now."""
         target, staging = self.target, self.staging
         with naming(target):
+            _refuse_planted(staging, stat.S_IFDIR)  # still our folder: in a shared parent it could be swapped
             _fsync_dir(staging)
             if not target.exists():
                 os.rename(staging, target)
@@ -119,10 +138,14 @@ def locked_target(target: str | Path, *, source: str | Path, overwrite: bool) ->
 
 
 @contextlib.contextmanager
-def staged_output(target: str | Path, *, source: str | Path, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty staging folder; on success publish it as ``target``, on failure remove it."""
+def staged_output(
+    target: str | Path, *, source: str | Path, overwrite: bool, keep_killed: bool = False
+) -> Iterator[Path]:
+    """Yield an empty staging folder; on success publish it as ``target``, on failure remove it.
+
+    ``keep_killed``: a staging folder left by a killed merge is yielded as it is (``engine.resume``)."""
     with locked_target(target, source=source, overwrite=overwrite) as locked:
-        staging = locked.new_staging()
+        staging = locked.new_staging(keep=keep_killed)
         try:
             yield staging
             locked.publish()
@@ -154,9 +177,9 @@ def _refuse_foreign(target: Path) -> None:
 
 
 def _written_by_us(folder: Path) -> bool:
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+    try:  # capped and non-blocking: a FIFO or a huge file there is simply not our manifest
+        manifest = json.loads(read_capped(folder / MANIFEST, _MAX_MANIFEST_BYTES, "too large to be our manifest"))
+    except (MergeError, OSError, ValueError):
         return False
     return (
         isinstance(manifest, dict)
@@ -168,7 +191,7 @@ def _written_by_us(folder: Path) -> bool:
 def _restore_or_remove_previous(target: Path) -> None:
     """``.previous`` exists only if a fallback replace was killed: between its renames, or before the cleanup."""
     previous = previous_path(target)
-    if not previous.exists():
+    if _refuse_planted(previous, stat.S_IFDIR) is None:
         return
     if target.exists():
         log.warning("%s: removing %s, the replaced folder a killed merge left behind", target, previous)
@@ -209,27 +232,70 @@ def _replace_with_two_renames(staging: Path, target: Path) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
+def _refuse_planted(path: Path, kind: int) -> os.stat_result | None:
+    """``lstat`` of an entry beside the target that we are about to reuse, remove or rename (None: absent).
+
+    In a shared folder another user can create it first: a symlink (to one of your files), an entry
+    owned by someone else, or one of the wrong type is refused, and left exactly as it is.
+    """
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(found.st_mode):
+        problem = f"is a symlink (to {os.readlink(path)})"
+    elif found.st_uid != os.geteuid():
+        problem = f"belongs to another user (uid {found.st_uid})"
+    elif stat.S_IFMT(found.st_mode) != kind:
+        problem = f"is not a {'folder' if kind == stat.S_IFDIR else 'regular file'}"
+    else:
+        return found
+    raise MergeError(
+        path,
+        f"{problem}: not made by merge_pipeline for you; refused and left untouched (remove it if it is not needed)",
+    )
+
+
 @contextlib.contextmanager
 def _exclusive_lock(target: Path) -> Iterator[None]:
     path = lock_path(target)
     with naming(path):
-        fd = _open_locked(path, target)
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = _open_locked(parent, path, target)
+        except BaseException:
+            os.close(parent)
+            raise
     try:
         yield
     finally:
         # Unlinked while still held: whoever opened this file meanwhile sees that it is gone and retries.
-        path.unlink(missing_ok=True)
+        # Only our own file: an entry someone put in its place meanwhile is not ours to remove.
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path.name, dir_fd=parent, follow_symlinks=False)):
+                os.unlink(path.name, dir_fd=parent)
         os.close(fd)
+        os.close(parent)
 
 
-def _open_locked(path: Path, target: Path) -> int:
-    """A descriptor holding the flock on the file that is at ``path`` now, not on one unlinked meanwhile."""
+def _open_locked(parent: int, path: Path, target: Path) -> int:
+    """A descriptor holding the flock on the file that is at ``path`` now, not on one unlinked meanwhile.
+
+    Opened relative to the ``parent`` folder's descriptor and never through a symlink; a lock file
+    that is not a regular file of this user's is refused before anything is read or written.
+    """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            fd = os.open(path.name, _LOCK_FLAGS, 0o644, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                _refuse_planted(path, stat.S_IFREG)
+            raise
+        try:
+            _refuse_planted_fd(fd, path)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            holder = _pid_in(fd)
             os.close(fd)
             raise MergeError(
                 target, f"another merge{f' (pid {holder})' if holder else ''} is writing this target right now"
@@ -238,15 +304,32 @@ def _open_locked(path: Path, target: Path) -> int:
             os.close(fd)
             raise
         with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
+            if os.path.samestat(os.fstat(fd), os.stat(path.name, dir_fd=parent, follow_symlinks=False)):
                 break
         os.close(fd)  # the holder unlinked it between our open and our flock: lock the new file
-    stale = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    stale = _pid_in(fd)
     if stale:
         log.warning("%s: the merge holding it (pid %s) was killed; cleaning up after it", path, stale)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _refuse_planted_fd(fd: int, path: Path) -> None:
+    """``_refuse_planted`` on what was opened: a file another user put there first is not our lock."""
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode) or opened.st_uid != os.geteuid():
+        _refuse_planted(path, stat.S_IFREG)  # names what is there
+        raise MergeError(path, "changed while it was being opened: refused")
+
+
+def _pid_in(fd: int) -> str | None:
+    """The pid a lock file holds, or None: anything else in it (forged lines, escape codes) is never shown."""
+    content = os.pread(fd, 32, 0)
+    return content.decode().strip() if re.fullmatch(rb"\d{1,10}\n?", content) else None
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -256,7 +339,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

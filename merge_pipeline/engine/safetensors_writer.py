@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from merge_pipeline.errors import MergeError, naming
-from merge_pipeline.hf.safetensors import SAFETENSORS_DTYPES
+from merge_pipeline.hf.safetensors import METADATA_KEY, SAFETENSORS_DTYPES
 from merge_pipeline.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
 
 # copy_file_range moves at most this much per call (the kernel copies, no user-space buffer);
@@ -47,7 +47,7 @@ class OutputTensor:
 
 
 def build_header(tensors: Sequence[OutputTensor], metadata: dict[str, str] | None = None) -> bytes:
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    header: dict[str, object] = {METADATA_KEY: metadata or {"format": "pt"}}
     offset = 0
     for t in tensors:
         header[t.planned.name] = {
@@ -143,7 +143,8 @@ def _read_ahead(tensors: Sequence[OutputTensor]) -> None:
     """Ask the kernel to start reading these tensors' stored bytes into the page cache (returns at once)."""
     for t in tensors:
         for run in t.planned.source.byte_runs() or ():
-            os.posix_fadvise(run.file.fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
+            with run.file.opened() as fd:
+                os.posix_fadvise(fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
 
 
 class _Stage:
@@ -256,10 +257,15 @@ def _copy_run(
     hasher: _Hasher,
 ) -> int:
     """Copy a file range to ``out_pos`` of ``out_fd``, inside the kernel where the filesystems allow."""
+    with source.opened() as source_fd:
+        return _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, hasher)
+
+
+def _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, hasher) -> int:
     done = 0
     while done < length:
         try:
-            n = os.copy_file_range(source.fd, out_fd, min(_COPY_CHUNK, length - done), offset + done, out_pos + done)
+            n = os.copy_file_range(source_fd, out_fd, min(_COPY_CHUNK, length - done), offset + done, out_pos + done)
         except OSError as exc:
             if exc.errno not in _NO_KERNEL_COPY:
                 raise

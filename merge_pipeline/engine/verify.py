@@ -11,6 +11,7 @@ from merge_pipeline.engine.outputs import OutputPlan
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, open_safetensors
 from merge_pipeline.json_files import read_json_object
+from merge_pipeline.plan import dtype_name
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Comparison:
     unexpected: list[str] = field(default_factory=list)  # in the reference, not in the checkpoint
     mismatched: list[tuple[str, str]] = field(default_factory=list)  # (name, what differs)
     worst: list[tuple[float, str]] = field(default_factory=list)  # (max abs diff, name), largest first
+    cast_to: set[str] = field(default_factory=set)  # the reference's dtypes ours were cast to before comparing
 
     @property
     def ok(self) -> bool:
@@ -65,6 +67,8 @@ def compare_with_reference(
         if tuple(reference.shape) != ours[name].planned.shape:
             result.mismatched.append((name, f"shape {ours[name].planned.shape} vs reference {tuple(reference.shape)}"))
             continue
+        if mine.dtype != reference.dtype:
+            result.cast_to.add(dtype_name(reference.dtype))
         mine = mine.to(reference.dtype)  # compare in the reference's dtype, as a merge to it would write
         diff = (mine.double() - reference.double()).abs().max().item() if mine.numel() else 0.0
         diffs.append((diff, name))

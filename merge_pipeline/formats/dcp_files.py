@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.megatron_names import OutputSpec, Piece
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
+from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (
     READ_PIECE_BYTES,
     ByteRun,
@@ -75,12 +76,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
 
 
+# ``.metadata`` holds an entry per tensor and per chunk each rank saved: it scales with tensors x ranks,
+# so its cap does too (the ``.distcp`` files beside it count the ranks). Unpickled, it takes ~10x its size.
+_METADATA_BASE_BYTES = 64 * 2**20
+_METADATA_BYTES_PER_FILE = 4 * 2**20
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     if not path.is_file():
         raise MergeError(path, "missing: a torch_dist checkpoint needs its .metadata file")
+    with os.scandir(path.parent) as entries:
+        files = sum(1 for e in entries if e.name.endswith(".distcp"))
+    cap = _METADATA_BASE_BYTES + _METADATA_BYTES_PER_FILE * files
+    raw = read_capped(
+        path, cap, f"is larger than {cap:,} bytes, more than DCP metadata for {files} .distcp files takes"
+    )
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:  # any unpickling failure means the same thing: not readable metadata
         raise MergeError(path, f"corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
     if (

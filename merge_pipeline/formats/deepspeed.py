@@ -25,6 +25,7 @@ import torch
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.torch_files import load_meta_state_dict, stored_tensor
 from merge_pipeline.hf.config import CONFIG, has_value_head
+from merge_pipeline.input_files import read_capped
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import (
     ByteRun,
@@ -37,6 +38,7 @@ from merge_pipeline.plan import (
 )
 
 LATEST = "latest"
+MAX_LATEST_BYTES = 4096  # a tag name ("global_step100"): a file past this names no tag
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _TAG = re.compile(r"^[\w.-]+$")
@@ -65,12 +67,18 @@ def is_tag_name(tag: str) -> bool:
     return bool(_TAG.match(tag)) and tag not in (".", "..")
 
 
+def read_latest(latest: Path) -> str:
+    """What a ``latest`` file says: one tag name, a few bytes (refused past a cap, never blocking on a FIFO)."""
+    text = read_capped(latest, MAX_LATEST_BYTES, f"is larger than {MAX_LATEST_BYTES} bytes: too large to name a tag")
+    return text.decode(errors="replace").strip()
+
+
 def tag_dir(path: Path) -> Path:
     """The folder holding the rank files: ``path`` itself, or the tag its ``latest`` file names."""
     latest = path / LATEST
     if not latest.is_file():
         return path
-    tag = latest.read_text(errors="replace").strip()
+    tag = read_latest(latest)
     if not is_tag_name(tag):
         raise MergeError(latest, f"names the tag {tag[:80]!r}, which is not a folder name")
     if not (path / tag).is_dir():

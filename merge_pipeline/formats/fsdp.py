@@ -23,7 +23,15 @@ from merge_pipeline.hf.config import has_value_head
 from merge_pipeline.hf.lora import LORA_META, read_lora_meta
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, StoredBytes, closed_on_failure
+from merge_pipeline.plan import (
+    ByteRun,
+    CheckpointPlan,
+    Computed,
+    PlannedTensor,
+    SourceFile,
+    StoredBytes,
+    closed_on_failure,
+)
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
@@ -35,12 +43,24 @@ def is_fsdp_dir(role_dir: Path) -> bool:
 
 @dataclass(frozen=True)
 class RankShard:
-    """One rank's piece of one tensor: where it sits in the global tensor and where its bytes are."""
+    """One rank's piece of one tensor: where it sits in the global tensor and where its bytes are.
+
+    Small on purpose (a plan holds one per tensor and rank): a contiguous piece keeps only its file
+    range; the unpickled meta view is kept only for a strided one, which must be read through it."""
 
     rank: int
     file: SourceFile
-    stored: StoredTensor
     offset: tuple[int, ...]  # position of the piece in the global tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    run: ByteRun | None  # the piece's bytes, when contiguous
+    strided: StoredTensor | None  # otherwise
+
+    @classmethod
+    def of(cls, rank: int, file: SourceFile, stored: StoredTensor, offset: tuple[int, ...]) -> RankShard:
+        run = stored.byte_run(file)
+        meta = stored.meta
+        return cls(rank, file, offset, tuple(meta.shape), meta.dtype, run, None if run is not None else stored)
 
 
 def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPlan:
@@ -48,11 +68,29 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
     paths = [role_dir / f"model_world_size_{world_size}_rank_{r}.pt" for r in range(world_size)]
     files: list[SourceFile] = []
     with closed_on_failure(files):
-        states = []
-        for path in paths:
+        # One rank file at a time: its metadata is checked and reduced to where each piece lies, and the
+        # unpickled state dropped, so planning memory does not hold every rank's DTensors at once.
+        reference: dict[str, torch.Tensor] = {}
+        shards: dict[str, list[RankShard]] = {}
+        irregular: set[str] = set()  # laid out unlike rank 0's: their tiling is checked piece by piece
+        mesh: dict[str, object] = {}
+        for rank, path in enumerate(paths):
             files.append(SourceFile(path))
-            states.append(load_meta_state_dict(path))
-        tensors, mesh = _plan_tensors(files, states, world_size, verify_replicas)
+            state = load_meta_state_dict(path)
+            if rank == 0:
+                reference, shards = state, {name: [] for name in state}
+                mesh = _mesh_info(state, world_size)
+            _check_keys(files[rank], state, reference)
+            coordinates = _Coordinates(rank, world_size, files[rank].path)
+            for name, value in state.items():
+                shards[name].append(_rank_shard(name, rank, files[rank], value, reference[name], coordinates))
+                if rank and not _same_layout(value, reference[name]):
+                    irregular.add(name)
+            del state
+        tensors = [
+            _assemble(name, tuple(first.shape), first.dtype, shards.pop(name), verify_replicas, name in irregular)
+            for name, first in reference.items()
+        ]
     lora = None
     if (role_dir / LORA_META).exists():
         lora = read_lora_meta(role_dir / LORA_META)
@@ -110,77 +148,93 @@ def _world_size(role_dir: Path) -> tuple[int, int | None]:
     return world_size, version
 
 
-def _plan_tensors(files, states, world_size, verify_replicas):
-    keys = list(states[0])
-    for f, state in zip(files, states):
-        if list(state) != keys:
-            diff = sorted(set(state) ^ set(keys))
-            raise MergeError(
-                f.path,
-                f"holds different keys than rank 0 (e.g. {diff[:3]})"
-                if diff
-                else "keys in a different order than rank 0",
-            )
-    mesh_info: dict[str, object] = {}
-    tensors = []
-    for name in keys:
-        planned, info = _plan_one(name, files, [s[name] for s in states], world_size, verify_replicas)
-        tensors.append(planned)
-        mesh_info = mesh_info or info
-    return tensors, mesh_info
+def _check_keys(file: SourceFile, state: dict, reference: dict) -> None:
+    if list(state) != list(reference):
+        diff = sorted(set(state) ^ set(reference))
+        raise MergeError(
+            file.path,
+            f"holds different keys than rank 0 (e.g. {diff[:3]})" if diff else "keys in a different order than rank 0",
+        )
 
 
-def _plan_one(name, files, values, world_size, verify_replicas):
-    first = values[0]
-    if not isinstance(first, torch.Tensor):
-        raise MergeError(files[0].path, f"{name}: expected a tensor, found {type(first).__name__}")
-    if not isinstance(first, DTensor):
-        if world_size != 1:
-            raise MergeError(
-                files[0].path, f"{name}: plain tensor in a world-size-{world_size} checkpoint (expected DTensor shards)"
-            )
-        stored = stored_tensor(files[0].path, name, first, files[0].size)
-        return _assemble(
-            name, tuple(first.shape), first.dtype, [RankShard(0, files[0], stored, (0,) * first.dim())], verify_replicas
-        ), {"mesh_shape": [1]}
+def _mesh_info(state: dict, world_size: int) -> dict[str, object]:
+    """How rank 0's first DTensor is laid out (for ``inspect`` and the manifest)."""
+    first = next((v for v in state.values() if isinstance(v, DTensor)), None)
+    if first is None:
+        return {"mesh_shape": [1]} if world_size == 1 else {}
+    return {
+        "mesh_shape": list(first.device_mesh.shape),
+        "mesh_dim_names": list(first.device_mesh.mesh_dim_names or ()),
+        "placements": [str(p) for p in first.placements],
+    }
 
-    global_shape = tuple(first.shape)
-    shards: list[RankShard] = []
-    for rank, (f, value) in enumerate(zip(files, values)):
-        if not isinstance(value, DTensor):
-            raise MergeError(f.path, f"{name}: expected a DTensor shard, found {type(value).__name__}")
-        if tuple(value.shape) != global_shape or value.dtype != first.dtype:
+
+class _Coordinates:
+    """A rank file's mesh coordinate, checked once per mesh it holds (its tensors share one or two)."""
+
+    def __init__(self, rank: int, world_size: int, path: Path):
+        self.rank, self.world_size, self.path = rank, world_size, path
+        self.checked: dict[int, tuple[int, ...]] = {}  # id(mesh) -> coordinate
+
+    def of(self, name: str, mesh) -> tuple[int, ...]:
+        if (coordinate := self.checked.get(id(mesh))) is not None:
+            return coordinate
+        if mesh.size() != self.world_size:
             raise MergeError(
-                f.path,
-                f"{name}: global shape/dtype {tuple(value.shape)}/{value.dtype} differs from rank 0's {global_shape}/{first.dtype}",
+                self.path, f"{name}: device mesh of {mesh.size()} ranks in a world-size-{self.world_size} checkpoint"
             )
-        mesh = value.device_mesh
-        if mesh.size() != world_size:
-            raise MergeError(
-                f.path, f"{name}: device mesh of {mesh.size()} ranks in a world-size-{world_size} checkpoint"
-            )
-        expected_coord = tuple(int(c) for c in torch.unravel_index(torch.tensor(rank), tuple(mesh.shape)))
+        expected = tuple(int(c) for c in torch.unravel_index(torch.tensor(self.rank), tuple(mesh.shape)))
         coord = mesh.get_coordinate()
-        if coord is None or tuple(coord) != expected_coord:
+        if coord is None or tuple(coord) != expected:
+            raise MergeError(
+                self.path,
+                f"{name}: shard was saved at mesh coordinate {coord}, but this file's rank {self.rank} is coordinate {expected} (rank files swapped or renamed?)",
+            )
+        self.checked[id(mesh)] = expected
+        return expected
+
+
+def _rank_shard(name, rank: int, f: SourceFile, value, first, coordinates: _Coordinates) -> RankShard:
+    """Check one rank's value of ``name`` against rank 0's (``first``); where its piece lies."""
+    if not isinstance(first, torch.Tensor):
+        raise MergeError(f.path, f"{name}: expected a tensor, found {type(first).__name__}")
+    if not isinstance(first, DTensor):
+        if coordinates.world_size != 1:
             raise MergeError(
                 f.path,
-                f"{name}: shard was saved at mesh coordinate {coord}, but this file's rank {rank} is coordinate {expected_coord} (rank files swapped or renamed?)",
+                f"{name}: plain tensor in a world-size-{coordinates.world_size} checkpoint (expected DTensor shards)",
             )
-        offset, local_shape = _local_region(global_shape, mesh.shape, value.placements, expected_coord, f.path, name)
-        local = value._local_tensor
-        if local.dtype != value.dtype:
-            raise MergeError(
-                f.path, f"{name}: local shard is stored as {local.dtype} but the DTensor declares {value.dtype}"
-            )
-        if tuple(local.shape) != local_shape:
-            raise MergeError(
-                f.path,
-                f"{name}: local shard has shape {tuple(local.shape)}, expected {local_shape} for placements {value.placements}",
-            )
-        shards.append(RankShard(rank, f, stored_tensor(f.path, name, local, f.size), offset))
-    info = {"mesh_shape": list(first.device_mesh.shape), "mesh_dim_names": list(first.device_mesh.mesh_dim_names or ())}
-    info["placements"] = [str(p) for p in first.placements]
-    return _assemble(name, global_shape, first.dtype, shards, verify_replicas), info
+        return RankShard.of(0, f, stored_tensor(f.path, name, value, f.size), (0,) * value.dim())
+    global_shape = tuple(first.shape)
+    if not isinstance(value, DTensor):
+        raise MergeError(f.path, f"{name}: expected a DTensor shard, found {type(value).__name__}")
+    if tuple(value.shape) != global_shape or value.dtype != first.dtype:
+        raise MergeError(
+            f.path,
+            f"{name}: global shape/dtype {tuple(value.shape)}/{value.dtype} differs from rank 0's {global_shape}/{first.dtype}",
+        )
+    mesh = value.device_mesh
+    coordinate = coordinates.of(name, mesh)
+    offset, local_shape = _local_region(global_shape, mesh.shape, value.placements, coordinate, f.path, name)
+    local = value._local_tensor
+    if local.dtype != value.dtype:
+        raise MergeError(
+            f.path, f"{name}: local shard is stored as {local.dtype} but the DTensor declares {value.dtype}"
+        )
+    if tuple(local.shape) != local_shape:
+        raise MergeError(
+            f.path,
+            f"{name}: local shard has shape {tuple(local.shape)}, expected {local_shape} for placements {value.placements}",
+        )
+    return RankShard.of(rank, f, stored_tensor(f.path, name, local, f.size), offset)
+
+
+def _same_layout(value, first) -> bool:
+    """Placed like rank 0's value on a mesh of the same shape. Each rank's piece is where torch.chunk puts
+    its (checked) mesh coordinate, so the pieces of such a tensor tile it by construction."""
+    if not isinstance(value, DTensor):
+        return not isinstance(first, DTensor)
+    return value.placements == first.placements and value.device_mesh.shape == first.device_mesh.shape
 
 
 def _local_region(global_shape, mesh_shape, placements, coord, path, name):
@@ -201,20 +255,21 @@ def _local_region(global_shape, mesh_shape, placements, coord, path, name):
     return tuple(offset), tuple(size)
 
 
-def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replicas) -> PlannedTensor:
-    """Pick one shard per distinct region, check the regions tile the tensor (the check DCP chunks get too),
-    choose how to read it."""
+def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replicas, irregular=True) -> PlannedTensor:
+    """Pick one shard per distinct region, check the regions tile the tensor (the check DCP chunks get too)
+    unless every rank placed it alike, choose how to read it."""
     regions: dict[tuple, list[RankShard]] = {}
     for s in shards:
-        regions.setdefault((s.offset, tuple(s.stored.meta.shape)), []).append(s)
+        regions.setdefault((s.offset, s.shape), []).append(s)
     if verify_replicas:
         for group in regions.values():
             _check_replicas_equal(name, group)
     pieces = [group[0] for (offset, shape), group in regions.items() if all(shape)]
     if 0 in global_shape:
         return PlannedTensor(name, global_shape, dtype, Computed(lambda: torch.empty(global_shape, dtype=dtype)))
-    boxes = [ChunkStorageMetadata(torch.Size(s.offset), s.stored.meta.shape) for s in pieces]
-    check_tiling(name, global_shape, boxes, shards[0].file.path)
+    if irregular:
+        boxes = [ChunkStorageMetadata(torch.Size(s.offset), torch.Size(s.shape)) for s in pieces]
+        check_tiling(name, global_shape, boxes, shards[0].file.path)
     split_dims = _split_dims(global_shape, pieces)
     if len(split_dims) > 1:  # Shard on several tensor dims, e.g. (Shard(0), Shard(1)) of FSDP x TP
         return PlannedTensor(name, global_shape, dtype, _grid_source(global_shape, dtype, pieces))
@@ -225,7 +280,7 @@ def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replica
 
 def _split_dims(global_shape, pieces: list[RankShard]) -> list[int]:
     """The dims the pieces are cut on (none when the tensor is whole in one piece)."""
-    return sorted({d for s in pieces for d in range(len(global_shape)) if s.stored.meta.shape[d] != global_shape[d]})
+    return sorted({d for s in pieces for d in range(len(global_shape)) if s.shape[d] != global_shape[d]})
 
 
 def _grid_source(global_shape, dtype, pieces: list[RankShard]) -> Computed:
@@ -234,7 +289,7 @@ def _grid_source(global_shape, dtype, pieces: list[RankShard]) -> Computed:
     def fill() -> torch.Tensor:
         whole = torch.empty(global_shape, dtype=dtype)
         for s in pieces:
-            box = tuple(slice(start, start + length) for start, length in zip(s.offset, s.stored.meta.shape))
+            box = tuple(slice(start, start + length) for start, length in zip(s.offset, s.shape))
             whole[box] = _read_piece(s)
         return whole
 
@@ -242,7 +297,7 @@ def _grid_source(global_shape, dtype, pieces: list[RankShard]) -> Computed:
 
 
 def _source(global_shape, dtype, pieces: list[RankShard], split_dim: int):
-    runs = [s.stored.byte_run(s.file) for s in pieces]
+    runs = [s.run for s in pieces]
     # Pieces split on dim 0 (or a leading run of size-1 dims) are consecutive row-major bytes.
     if all(r is not None for r in runs) and all(d == 1 for d in global_shape[:split_dim]):
         return StoredBytes(tuple(r for r in runs if r.length), dtype)
@@ -254,11 +309,16 @@ def _source(global_shape, dtype, pieces: list[RankShard], split_dim: int):
 
 
 def _read_piece(s: RankShard) -> torch.Tensor:
-    meta = s.stored.meta
+    if s.run is not None:
+        buffer = bytearray(s.run.length)
+        s.file.read_into(memoryview(buffer), s.run.offset)
+        flat = torch.frombuffer(buffer, dtype=s.dtype) if s.run.length else torch.empty(0, dtype=s.dtype)
+        return flat.view(s.shape)
+    meta = s.strided.meta
     item = meta.element_size()
     extent = (meta.storage_offset() + sum((n - 1) * st for n, st in zip(meta.shape, meta.stride())) + 1) * item
     buffer = bytearray(extent)
-    s.file.read_into(memoryview(buffer), s.stored.storage_file_offset)
+    s.file.read_into(memoryview(buffer), s.strided.storage_file_offset)
     flat = torch.frombuffer(buffer, dtype=meta.dtype) if extent else torch.empty(0, dtype=meta.dtype)
     return flat.as_strided(meta.shape, meta.stride(), meta.storage_offset()).clone()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import VALUE_HEAD, has_value_head
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, lora_module, peft_base_names
-from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE
+from merge_pipeline.hf.safetensors import INDEX, MAX_HEADER_BYTES, METADATA_KEY, SAFETENSORS_DTYPES, SINGLE_FILE
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import (
@@ -39,8 +39,6 @@ from merge_pipeline.plan import (
 
 NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
 ADAPTER_DIR = "adapter"  # verl: model/huggingface/adapter/, Megatron-Bridge's PEFT export
-# The safetensors format caps the header at 100 MB; a larger length field means a damaged file.
-_MAX_HEADER = 100_000_000
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
@@ -197,6 +195,19 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
+class _DuplicateName(Exception):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads`` keeps the last of two equal keys; in a header that would pick one of two tensors."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateName(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return found
+
+
 def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
     """One ``PlannedTensor`` per header entry; the header is validated against the file size."""
     if file.size < 8:
@@ -204,7 +215,7 @@ def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
     length_field = bytearray(8)
     file.read_into(memoryview(length_field), 0)
     (header_length,) = struct.unpack("<Q", length_field)
-    if header_length > min(_MAX_HEADER, file.size - 8):
+    if header_length > min(MAX_HEADER_BYTES, file.size - 8):  # past the library's cap: a damaged file
         raise MergeError(
             file.path,
             f"header length {header_length} does not fit the file ({file.size} bytes): truncated or not safetensors",
@@ -212,7 +223,9 @@ def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
     raw = bytearray(header_length)
     file.read_into(memoryview(raw), 8)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateName as exc:  # the safetensors library refuses such a file; we must not pick one
+        raise MergeError(file.path, f"header names the tensor {exc.args[0]!r} twice") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise MergeError(file.path, f"header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -221,7 +234,7 @@ def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
     data_size = file.size - data_start
     tensors = []
     for name, entry in header.items():
-        if name == "__metadata__":
+        if name == METADATA_KEY:
             continue
         dtype, shape, begin, end = _entry(file.path, name, entry, data_size)
         tensors.append(

@@ -79,14 +79,13 @@ def _multi_token_prediction_layers(config, shapes: dict[str, tuple[int, ...]]) -
     on load, but checkpoints keep them (vLLM / SGLang load them for speculative decoding). Layer
     ``num_hidden_layers + k`` is a decoder layer like the last one, plus the norms of its two inputs,
     their projection, the head's norm, and copies of the embedding and the output head."""
-    count = getattr(config, "num_nextn_predict_layers", None) or 0
-    if not count:
+    prefixes = multi_token_prediction_prefixes(config)
+    if not prefixes:
         return []
     last = f"model.layers.{config.num_hidden_layers - 1}."
     hidden, vocab = config.hidden_size, config.vocab_size
     layers = []
-    for k in range(count):
-        prefix = f"model.layers.{config.num_hidden_layers + k}."
+    for prefix in prefixes:
         layer = {prefix + name.removeprefix(last): shape for name, shape in shapes.items() if name.startswith(last)}
         for name, shape in (
             ("enorm", (hidden,)),
@@ -99,6 +98,12 @@ def _multi_token_prediction_layers(config, shapes: dict[str, tuple[int, ...]]) -
             layer[f"{prefix}{name}.weight"] = shape
         layers.append(layer)
     return layers
+
+
+def multi_token_prediction_prefixes(config) -> tuple[str, ...]:
+    """``model.layers.<num_hidden_layers + k>.`` for each MTP layer config.json declares (none for most models)."""
+    count = getattr(config, "num_nextn_predict_layers", None) or 0
+    return tuple(f"model.layers.{config.num_hidden_layers + k}." for k in range(count))
 
 
 def model_class(config, config_path: Path, *, value_model: bool, trust_remote_code: bool):

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from merge_pipeline.errors import MergeError, first_line
-from merge_pipeline.input_files import contained_file
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.plan import dtype_name
 
@@ -86,7 +85,7 @@ def load_model_config(
             path,
             "not found: the checkpoint holds no Hugging Face config; pass --hf_model_path with the original model folder (the trainer's model.path)",
         )
-    contained_file(path, role_dir)  # it is copied (rewritten) into the output, and transformers reads it
+    # It is copied (rewritten) into the output: read once, from inside the checkpoint only.
     config = _read_config(path, trust_remote_code, confine_to=role_dir)
     if original is not None:
         _check_same_model(config, _read_config(original, trust_remote_code))
@@ -94,7 +93,7 @@ def load_model_config(
 
 
 def _read_config(path: Path, trust_remote_code: bool, *, confine_to: Path | None = None) -> ModelConfig:
-    raw = read_json_object(path)
+    raw = read_json_object(path, inside=confine_to)
     if "model_type" not in raw:
         raise MergeError(path, "not a transformers config (no 'model_type')")
     return ModelConfig(path, raw, trust_remote_code, confine_to)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 import transformers
+from transformers.utils import logging as hf_logging
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.architecture import model_class
+from merge_pipeline.hf.architecture import model_class, multi_token_prediction_prefixes
 from merge_pipeline.hf.config import CONFIG
 from merge_pipeline.hf.fp8 import SCALE_SUFFIX
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from merge_pipeline.hf.manifest import file_sums, read_manifest
-from merge_pipeline.hf.safetensors import INDEX, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
+from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, TORCH_DTYPES, exact_common_dtype, read_header
 
 _ADAPTER_TENSOR = re.compile(rf"^{re.escape(PEFT_PREFIX)}.+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
 
@@ -40,17 +44,43 @@ def meta_load_problems(folder: Path) -> list[str]:
     except MergeError as exc:
         return [exc.problem]
     architecture = model_type.__name__
-    model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
+    with _quiet_transformers():  # what it would report (a load report table, a progress bar), problems says
+        model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
-    problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"])]
+    mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none
+    problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"]) if not k.startswith(mtp)]
     problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
     stored = {n: e for tensors in weight_files(folder).values() for n, e in tensors.items()}
     for name, entry in sorted(stored.items()):
         quantized = name + SCALE_SUFFIX in stored  # an FP8 weight with its scales: loads dequantized without a GPU
-        if name in expected and not quantized and SAFETENSORS_DTYPES.get(expected[name].dtype) != entry["dtype"]:
+        if (
+            name in expected
+            and not quantized
+            and not _loads_unaltered(TORCH_DTYPES[entry["dtype"]], expected[name].dtype)
+        ):
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
+
+
+def _loads_unaltered(stored: torch.dtype, loaded: torch.dtype) -> bool:
+    """Loaded as stored, or widened without changing a value (bf16 weights in a float32 model)."""
+    if stored == loaded:
+        return True
+    return stored.is_floating_point and loaded.is_floating_point and exact_common_dtype(stored, loaded) == loaded
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def adapter_problems(folder: Path) -> list[str]:

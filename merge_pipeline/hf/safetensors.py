@@ -20,6 +20,9 @@ from merge_pipeline.input_files import open_regular
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# The safetensors library refuses a header over 100 MB, and reserves this name in it for string metadata.
+MAX_HEADER_BYTES = 100_000_000
+METADATA_KEY = "__metadata__"
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -37,7 +40,15 @@ SAFETENSORS_DTYPES = {
 }
 
 
-_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def exact_common_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The narrowest floating dtype holding every value of both floating dtypes exactly (bf16 and fp32: fp32;
+    bf16 and fp16: fp32). torch promotes no 8-bit float type: float32 holds each exactly."""
+    if a == b:
+        return a
+    return torch.promote_types(*(torch.float32 if d.itemsize == 1 else d for d in (a, b)))
 
 
 @contextlib.contextmanager
@@ -58,5 +69,5 @@ def read_header(path: Path) -> dict[str, dict]:
         for name in f.keys():
             entry = f.get_slice(name)
             dtype, shape = entry.get_dtype(), entry.get_shape()
-            entries[name] = {"dtype": dtype, "shape": shape, "nbytes": math.prod(shape) * _TORCH_DTYPES[dtype].itemsize}
+            entries[name] = {"dtype": dtype, "shape": shape, "nbytes": math.prod(shape) * TORCH_DTYPES[dtype].itemsize}
     return entries

@@ -84,10 +84,12 @@ def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy()
     assert "dagster/code_references" in specs["hf_model"].metadata
     assert specs["hf_model"].freshness_policy.fail_window.to_timedelta().total_seconds() == 30 * 60
     assert not defs.resolve_assets_def("checkpoint").is_executable  # the trainer writes it
+    assert "`global_step_<N>/<role>`" in specs["checkpoint"].description  # code: markdown keeps the <...>
 
 
 def test_sensors_run_by_default_and_the_hub_schedule_only_with_an_organization(tmp_path):
     assert defs.resolve_sensor_def("new_checkpoint_sensor").default_status == dg.DefaultSensorStatus.RUNNING
+    assert "Off until MERGE_PIPELINE_HUB_ORG is set" in defs.resolve_schedule_def("publish_latest_steps").description
     assert (
         defs.resolve_sensor_def("merge_failure_webhook").default_status == dg.DefaultSensorStatus.RUNNING
     )  # inert without a URL
@@ -107,6 +109,7 @@ def test_dagster_yaml_queues_runs_limits_heavy_merges_and_retries_crashes(tmp_pa
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
         concurrency = instance.get_concurrency_config()
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+        assert instance.run_coordinator.dequeue_interval_seconds == 1  # a UI launch leaves the queue within ~1 s
         assert concurrency.run_queue_config.tag_concurrency_limits == [{"key": HEAVY_TAG, "limit": 1}]
         # run granularity: a run holding hf_model waits in the queue for the pool's one slot, whoever launched it
         assert (concurrency.pool_config.default_pool_limit, concurrency.pool_config.pool_granularity.value) == (

@@ -144,6 +144,14 @@ def test_steps_already_merged_are_skipped(fsdp_checkpoint, roots, instance):
 
     assert requested(result) == ["run/global_step_2/actor"]
     assert json.loads(result.cursor) == ["run/global_step_1/actor", "run/global_step_2/actor"]
+    # a fresh instance shows the step merged before as materialized, marked as found
+    [added] = result.dynamic_partitions_requests
+    assert sorted(added.partition_keys) == ["run/global_step_1/actor", "run/global_step_2/actor"]
+    found = [e for e in result.asset_events if e.asset_key == dg.AssetKey("hf_model")]
+    assert [(e.partition, e.metadata["found"].value) for e in found] == [("run/global_step_1/actor", True)]
+    instance.add_dynamic_partitions("checkpoints", list(added.partition_keys))
+    again = tick(instance, roots.settings())  # lost cursor: the known partition is not recorded twice
+    assert not [e for e in again.asset_events or [] if e.asset_key == dg.AssetKey("hf_model")]
 
 
 def test_finds_steps_up_to_three_levels_deep_and_maps_keys_back(fsdp_checkpoint, roots, instance):

@@ -85,7 +85,7 @@ def test_manifest_takes_digests_computed_while_writing(fsdp_checkpoint, tmp_path
     assert json.loads((tmp_path / MANIFEST).read_text())["files"] == manifest["files"]
 
 
-def test_plain_fsdp_merge_imports_no_transformers_dagster_or_hub_client(fsdp_checkpoint, tmp_path):
+def test_plain_fsdp_merge_imports_no_dagster_or_http_client(fsdp_checkpoint, tmp_path):
     sample = fsdp_checkpoint(FsdpSpec())
     code = (
         "import json, sys\n"
@@ -99,9 +99,6 @@ def test_plain_fsdp_merge_imports_no_transformers_dagster_or_hub_client(fsdp_che
     assert done.returncode == 0, done.stderr[-3000:]
     rc, imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert rc == 0 and (tmp_path / "out" / "model.safetensors").is_file()
-    # Only the Hub library's shard split (HF's exact file split, ~7 ms): no client, no HTTP stack.
-    assert [
-        m
-        for m in imported
-        if not m.startswith(("huggingface_hub.serialization", "huggingface_hub.utils", "huggingface_hub.constants"))
-    ] == ["huggingface_hub"]
+    # transformers (and the Hub library it loads) for the blocking checks run before publishing (the
+    # model built on the meta device, as Dagster checks it): no Dagster, no HTTP stack.
+    assert {m.split(".")[0] for m in imported} == {"transformers", "huggingface_hub"}

@@ -7,10 +7,16 @@ with ``--overwrite``: exit 1, one line naming the file, inputs untouched, the ta
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
 
+from merge_pipeline.engine.hf_folder import copy_side_files
+from merge_pipeline.errors import MergeError
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
@@ -171,3 +177,46 @@ def test_bad_size_cap_is_one_line(capsys, tmp_path, fsdp_checkpoint):
     )
     assert code == 1 and error_lines(err) == ["error: --max-side-file-size 'lots': expected a size such as 64MB or 1GB"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_symlink_swapped_while_copying_never_leaks(tmp_path, fsdp_checkpoint, fresh_copy):
+    """Another process flips chat_template.jinja between a file inside the checkpoint and a secret outside,
+    as fast as it can, while side files are copied again and again: the file is checked where it was
+    opened, so each copy is the inside file or refused, never the secret."""
+    sample = fresh_copy(fsdp_checkpoint(SPEC))
+    hf_dir = sample.role_dir / "huggingface"
+    link, secret = hf_dir / "chat_template.jinja", secret_outside(tmp_path)
+    inside = link.rename(sample.role_dir / "template_inside.jinja")
+    flipper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys\nlink, new, a, b = sys.argv[1:]\nwhile True:\n for to in (a, b):\n"
+            "  os.symlink(to, new); os.replace(new, link)",
+            str(link),
+            str(sample.role_dir / "link.new"),
+            str(inside),
+            str(secret),
+        ]
+    )
+    copies = refused = 0
+    try:
+        while not link.is_symlink():
+            time.sleep(0.001)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            out = tmp_path / f"out_{copies}"
+            out.mkdir()
+            try:
+                copy_side_files(hf_dir, out, confine_to=sample.role_dir)
+            except MergeError as exc:
+                assert "outside the checkpoint folder" in str(exc) or "file not found" in str(exc), exc
+                refused += 1
+            else:
+                assert (out / "chat_template.jinja").read_bytes() == inside.read_bytes()
+            shutil.rmtree(out)
+            copies += 1
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert copies > 50 and refused > 0, (copies, refused)  # the race was run, many times, both ways

@@ -18,7 +18,15 @@ import transformers
 from safetensors.torch import load_file
 
 from merge_pipeline.sample_checkpoints.deepspeed import TRAINED_WEIGHTS
-from merge_pipeline_tests.helpers import VARIANTS, error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline_tests.helpers import (
+    VARIANTS,
+    assert_loads_every_stored_value,
+    error_lines,
+    load_safetensors_dir,
+    run_cli,
+    same_bits,
+    tree_digest,
+)
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +80,9 @@ def test_merge_is_bit_exact_against_zero_to_fp32_and_the_trained_model(
         assert merged[name].dtype == (torch.bfloat16 if spec.bf16 else torch.float32), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dtype"] == "float32" and config["tie_word_embeddings"] is spec.tie_word_embeddings
+    if spec.bf16:  # the bf16 module's frozen parameters beside the fp32 master weights: config.json says float32
+        assert {t.dtype for t in merged.values()} == {torch.bfloat16, torch.float32}
+    assert_loads_every_stored_value(tmp_path / "out")
 
 
 def test_merged_folder_loads_and_gives_the_trained_logits(capsys, tmp_path, deepspeed_checkpoints):

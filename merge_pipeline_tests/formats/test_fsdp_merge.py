@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from merge_pipeline.hf.manifest import MANIFEST, sha256_file
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bits
+from merge_pipeline_tests.helpers import assert_loads_every_stored_value, load_safetensors_dir, run_cli, same_bits
 
 LAYOUTS = {
     "fsdp2-ws2": FsdpSpec(),
@@ -62,6 +62,7 @@ def test_merge_is_bit_exact(capsys, tmp_path, fsdp_checkpoint, layout):
         assert same_bits(merged[name], tensor), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dtype"] == str(sample.spec.dtype).removeprefix("torch.")
+    assert_loads_every_stored_value(tmp_path / "out")
 
 
 def test_loads_with_transformers_and_matches_logits(capsys, tmp_path, fsdp_checkpoint):

@@ -7,6 +7,8 @@ import pytest
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import BACKENDS, READERS, detect_backend, reader
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_tests.conftest import copy_checkpoint
+from merge_pipeline_tests.helpers import error_lines, run_cli
 
 
 @pytest.mark.parametrize("name", READERS)
@@ -31,3 +33,24 @@ def test_auto_detection_asks_the_readers_in_order(fsdp_checkpoint, tmp_path):
     with pytest.raises(MergeError) as error:
         detect_backend(tmp_path)
     assert all(reader(name).looks_for in str(error.value) for name in READERS)
+
+
+def test_the_common_wrong_folders_say_what_they_are_and_what_to_pass(fsdp_checkpoint, tmp_path, capsys):
+    sample = fsdp_checkpoint(FsdpSpec())
+    step = tmp_path / "run" / "global_step_1"
+    for role in ("actor", "critic"):
+        copy_checkpoint(sample, step / role)
+    copy_checkpoint(sample, tmp_path / "run" / "global_step_10" / "actor")
+    (tmp_path / "run" / "global_step_9").mkdir()
+    merged = tmp_path / "merged"
+    assert run_cli(capsys, "merge", "--local_dir", str(sample.role_dir), "--target_dir", str(merged))[0] == 0
+    expected = {
+        step: f"holds role folders actor, critic: pass {step / 'actor'}",
+        tmp_path
+        / "run": f"a run folder: the newest step is global_step_10: pass {tmp_path / 'run/global_step_10/actor'}",
+        merged: "is already a merged Hugging Face folder (config.json, *.safetensors): nothing to merge",
+    }
+    for folder, problem in expected.items():
+        code, _, err = run_cli(capsys, "merge", "--local_dir", str(folder), "--target_dir", str(tmp_path / "out"))
+        assert (code, error_lines(err)) == (1, [f"error: {folder}: {problem}"])
+    assert not (tmp_path / "out").exists()

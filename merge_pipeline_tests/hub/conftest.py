@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,37 @@ def silent_endpoint() -> Iterator[str]:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)  # never accept()ed
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def endless_endpoint() -> Iterator[str]:
+    """A Hub whose every answer is 200 and a JSON body that never ends (chunked, a page of file entries forever)."""
+
+    class Endless(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _answer(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            entry = b'{"type": "file", "oid": "0", "size": 1, "path": "x"},' * 1000
+            chunk = b"%x\r\n%s\r\n" % (len(entry), entry)
+            with contextlib.suppress(OSError):  # the client hangs up once it has had enough
+                self.wfile.write(b"1\r\n[\r\n")
+                while True:
+                    self.wfile.write(chunk)
+
+        do_GET = do_POST = do_PUT = do_HEAD = _answer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
-from merge_pipeline_tests.hub.conftest import TOKENS, WRITER, silent_endpoint
+from merge_pipeline_tests.hub.conftest import TOKENS, WRITER, endless_endpoint, silent_endpoint
 
 
 def test_merge_and_upload_with_a_stored_login(hub, fsdp_checkpoint, tmp_path):
@@ -104,6 +108,34 @@ def test_a_failed_upload_prints_one_line_and_none_of_the_http_clients(hub, merge
     assert done.stdout == ""
 
 
+UPLOAD_AND_PEAK = """
+import sys
+from merge_pipeline.cli import main
+from merge_pipeline.pipeline import peak_rss_bytes
+code = main(sys.argv[1:])
+print(f"peak {peak_rss_bytes()}")
+sys.exit(code)
+"""
+
+
+def test_a_hub_answering_without_end_costs_bounded_memory_and_one_line(hub, merged_folder):
+    """Every answer is capped (64 MB): the upload fails in one line instead of growing without bound (16.5 GB in 90 s)."""
+    with endless_endpoint() as endpoint:
+        done = subprocess.run(
+            [sys.executable, "-c", UPLOAD_AND_PEAK, "upload", str(merged_folder), "org/run-f"],
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_ENDPOINT": endpoint},
+            capture_output=True,
+            text=True,
+            timeout=20,  # a regression fails here, before it eats the machine's memory
+        )
+
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: the Hub's answer to POST /api/repos/create passed 64 MB: not a Hub answer, refused"
+    ]
+    assert int(done.stdout.split()[-1]) < 700 << 20, done.stdout
+
+
 def test_a_hub_that_never_answers_fails_in_bounded_time_with_one_line(hub, merged_folder):
     """--hub-timeout 1 and the default retries (4 attempts, 2 + 4 + 8 s apart): about 18 s, not forever."""
     with silent_endpoint() as endpoint:
@@ -124,3 +156,70 @@ def test_a_hub_that_never_answers_fails_in_bounded_time_with_one_line(hub, merge
         for line in retries
     )
     assert not [t for t in TOKENS if t in done.stdout + done.stderr]
+
+
+def edit(manifest: dict, variant: str):
+    """The manifest as a user might have edited it (or another tool written it)."""
+    if variant == "not_json":
+        return "{edited"
+    if variant == "a_list":
+        return [manifest]
+    if variant == "no_source":
+        return {k: v for k, v in manifest.items() if k != "source"}
+    if variant == "files_a_list":
+        return {**manifest, "files": list(manifest["files"])}
+    if variant == "entry_without_sha256":
+        name = next(iter(manifest["files"]))
+        return {**manifest, "files": {**manifest["files"], name: {"size": 1}}}
+    if variant == "role_dir_a_number":
+        return {**manifest, "source": {**manifest["source"], "role_dir": 7}}
+    return {k: v for k, v in manifest.items() if k != "decisions"}  # no_decisions
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["not_json", "a_list", "no_source", "files_a_list", "entry_without_sha256", "role_dir_a_number", "no_decisions"],
+)
+def test_uploading_an_edited_manifest_is_one_line(capsys, hub, merged_folder, tmp_path, variant):
+    folder = tmp_path / "edited"
+    shutil.copytree(merged_folder, folder)
+    manifest = json.loads((folder / "merge_manifest.json").read_text())
+    edited = edit(manifest, variant)
+    (folder / "merge_manifest.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
+
+    code, out, err = run_cli(capsys, "upload", folder, "org/run-g")
+
+    assert code == 1 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith(f"error: {folder / 'merge_manifest.json'}: "), line
+    assert not hub.sent("POST", "/api/repos/create")
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "problem"),
+    [
+        (["--revision", ".."], {}, "--revision '..': not a branch name the Hub accepts (git's rules)"),
+        (["--revision", "a/../main"], {}, "--revision 'a/../main': not a branch name the Hub accepts (git's rules)"),
+        (
+            [],
+            {"MERGE_PIPELINE_HUB_TIMEOUT": "soon"},
+            "Hub timeout 'soon' (--hub-timeout or MERGE_PIPELINE_HUB_TIMEOUT): expected a number of seconds > 0",
+        ),
+    ],
+    ids=["dot_dot", "dot_dot_inside", "timeout_env"],
+)
+def test_hub_settings_are_refused_before_the_merge(
+    capsys, hub, fsdp_checkpoint, tmp_path, monkeypatch, flags, env, problem
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    target = tmp_path / "merged"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", fsdp_checkpoint(FsdpSpec()).role_dir, "--target_dir", target,
+        "--no-progress", "--hf_upload_path", "org/run-h", *flags,
+    )  # fmt: skip
+
+    assert code == 1
+    assert error_lines(err) == [f"error: {problem}"]
+    assert not target.exists(), "refused before merging, not after publishing"
+    assert not hub.sent("POST", "/api/repos/create")

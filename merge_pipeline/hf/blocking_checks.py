@@ -1,0 +1,80 @@
+"""The blocking checks of a merged folder: one list, run before publishing by every entry point.
+
+The CLI (one process or torchrun's rank 0) and Dagster's ``hf_model`` run ``run_blocking_checks`` on
+the complete staging folder, after the manifest and before the rename into place, so they accept or
+refuse the same folders. The manifest names them (``checks_before_publishing``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from merge_pipeline.hf.folder_checks import index_problems, manifest_problems, meta_load_problems
+
+
+@dataclass(frozen=True)
+class FolderCheck:
+    name: str
+    find_problems: Callable[[Path], list[str]]
+    passed_text: str
+    description: str
+
+
+BLOCKING_CHECKS = (
+    FolderCheck(
+        "loads_on_meta_device",
+        meta_load_problems,
+        "every weight loads into the config's architecture with the stored shape and every stored value unaltered",
+        "transformers builds the architecture config.json names on the meta device from this folder: no missing, unexpected or reshaped keys, each weight loaded in its stored dtype or one holding it exactly",
+    ),
+    FolderCheck(
+        "index_matches_shards",
+        index_problems,
+        "the index maps every stored tensor to the file holding it, total_size matches",
+        "model.safetensors.index.json maps exactly the tensors each shard holds, and its total_size is their byte count",
+    ),
+    FolderCheck(
+        "manifest_sha256",
+        manifest_problems,
+        "every file matches the manifest's size and sha256",
+        "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted",
+    ),
+)
+CHECK_NAMES = [c.name for c in BLOCKING_CHECKS]
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    check: FolderCheck
+    problems: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def run_blocking_checks(folder: Path) -> list[CheckOutcome]:
+    """Every blocking check's problems on a complete, not yet published folder (none = passed)."""
+    return [CheckOutcome(check, _problems(check, folder)) for check in BLOCKING_CHECKS]
+
+
+def _problems(check: FolderCheck, folder: Path) -> list[str]:
+    try:
+        return check.find_problems(folder)
+    except Exception as exc:  # noqa: BLE001 - a file that breaks the reader (bad JSON, a config transformers rejects) fails the check, in one line
+        return [f"{type(exc).__name__}: {' '.join(str(exc).split())}"]
+
+
+def refusal(outcomes: list[CheckOutcome]) -> str | None:
+    """The one line saying which checks failed and their first problem; None when all passed."""
+    failed = [o for o in outcomes if not o.passed]
+    if not failed:
+        return None
+    others = sum(len(o.problems) for o in failed) - 1
+    return (
+        f"not published: blocking check(s) {', '.join(o.check.name for o in failed)} failed on the merged folder: "
+        + failed[0].problems[0]
+        + (f" (and {others} more problem(s))" if others else "")
+    )

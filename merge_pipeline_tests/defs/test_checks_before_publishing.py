@@ -1,0 +1,48 @@
+"""The CLI, in one process and under torchrun, runs the blocking checks Dagster's ``hf_model`` runs, on the
+complete staging folder before the rename: the same checkpoint is refused by all three, nothing is
+published, and an existing good folder is kept."""
+
+from __future__ import annotations
+
+from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.helpers import config_claims_one_more_layer, error_lines, run_cli, torchrun, tree_digest
+
+KEY = "run/global_step_2/actor"
+
+
+def refused(capsys, role_dir, target, *flags) -> str:
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
+    [line] = error_lines(err)
+    assert code == 1, err
+    return line
+
+
+def test_cli_torchrun_and_dagster_refuse_the_same_folder(capsys, fsdp_checkpoint, roots, instance, tmp_path):
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2", tracker=2)
+    target = tmp_path / "cli"
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress")
+    assert code == 0, err
+    published = tree_digest(target)
+    missing = config_claims_one_more_layer(role_dir)  # the reader cannot tell; transformers can
+    before = tree_digest(role_dir)
+
+    line = refused(capsys, role_dir, target, "--overwrite")
+
+    assert line.startswith(
+        f"error: {target}: not published: blocking check(s) loads_on_meta_device failed on the merged folder: missing from the weights: {missing} (and "
+    )
+    assert tree_digest(target) == published and not staging_path(target).exists()  # the good folder is kept
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "torchrun", "--no-progress") as run:
+        _, err = run.communicate(timeout=300)
+    # Every rank fails with rank 0's line ("rank 0 failed: ..." on the others; torchrun may stop rank 0 first).
+    assert run.returncode != 0 and line.removeprefix("error: ").replace(str(target), str(tmp_path / "torchrun")) in err
+    assert not (tmp_path / "torchrun").exists() and not staging_path(tmp_path / "torchrun").exists()
+
+    result = materialize(instance, roots.settings(), KEY)
+
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert not result.success and checks == {name: name != "loads_on_meta_device" for name in CHECK_NAMES}
+    assert not roots.target(KEY).exists()
+    assert tree_digest(role_dir) == before

@@ -1,0 +1,101 @@
+"""A merge killed (SIGKILL) after some output files were finished, started again: it reuses them and
+writes only the rest, bit-identical to an uninterrupted merge; a changed option starts over."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.engine.resume import RECORDS
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_tests.helpers import tree_digest
+
+# ~48M parameters (192 MB of fp32 rank files, 96 MB of bf16 output in 6 files): the merge is still
+# writing when the test kills it. Written by torch's fake process group (one process, no gloo ranks).
+SPEC = FsdpSpec(
+    arch="llama",
+    world_size=2,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_layers=4,
+    vocab_size=32000,
+    with_optimizer=False,
+)
+
+
+def _merge_command(role_dir: Path, target: Path, dtype: str = "bfloat16") -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "merge_pipeline",
+        "merge",
+        "--local_dir",
+        str(role_dir),
+        "--target_dir",
+        str(target),
+        "--dtype",
+        dtype,
+        "--max-shard-size",
+        "8MB",
+        "--no-progress",
+    ]
+
+
+def _kill_after(command: list[str], percent: int) -> None:
+    """Start the merge and SIGKILL it as soon as it reports at least ``percent`` of its bytes written."""
+    merge = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in merge.stderr:
+        if (done := re.match(r"writing weights: (\d+)%", line)) and int(done[1]) >= percent:
+            merge.send_signal(signal.SIGKILL)
+            break
+    assert merge.wait() == -signal.SIGKILL, "the merge ended before it could be killed"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    role_dir = tmp_path_factory.mktemp("resume") / "global_step_1" / "actor"
+    write_fake_pg_checkpoint(role_dir, SPEC)
+    target = role_dir.parents[1] / "uninterrupted"
+    subprocess.run(_merge_command(role_dir, target), check=True, capture_output=True)
+    return role_dir, target
+
+
+def test_killed_merge_resumes_with_the_files_it_finished(uninterrupted, tmp_path):
+    role_dir, reference = uninterrupted
+    target = tmp_path / "out"
+    command = _merge_command(role_dir, target)
+    staging = staging_path(target)
+    _kill_after(command, percent=50)
+    done = sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json"))
+    inodes = {name: (staging / name).stat().st_ino for name in done}
+    assert 1 <= len(done) < len(list(reference.glob("*.safetensors")))
+
+    again = subprocess.run(command, capture_output=True, text=True)
+
+    assert again.returncode == 0, again.stderr
+    assert f"({len(done)} of " in again.stderr and "files reused from a killed merge" in again.stderr
+    assert {name: (target / name).stat().st_ino for name in done} == inodes  # kept, not written again
+    assert tree_digest(target) == tree_digest(reference)  # every file, the manifest included
+    assert not (target / RECORDS).exists() and not staging.exists()
+
+
+def test_a_changed_option_starts_over(uninterrupted, tmp_path):
+    role_dir, _ = uninterrupted
+    target = tmp_path / "out"
+    staging = staging_path(target)
+    _kill_after(_merge_command(role_dir, target), percent=50)
+    done = [p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json")]
+    inodes = {name: (staging / name).stat().st_ino for name in done}
+
+    again = subprocess.run(_merge_command(role_dir, target, dtype="float32"), capture_output=True, text=True)
+
+    assert again.returncode == 0, again.stderr
+    assert done and "reused" not in again.stderr
+    assert all((target / name).stat().st_ino != inode for name, inode in inodes.items() if (target / name).exists())
