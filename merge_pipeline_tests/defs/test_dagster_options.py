@@ -80,18 +80,8 @@ def test_fp8_in_the_run_config_merges_as_the_cli_flag_and_passes_the_checks(
 ):
     role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
     flags = {"dtype": "fp8", "fp8_block_size": 32}
-    code, _, err = run_cli(
-        capsys,
-        "merge",
-        "--local_dir",
-        role_dir,
-        "--target_dir",
-        tmp_path / "cli",
-        "--dtype",
-        "fp8",
-        "--fp8-block-size",
-        "32",
-    )
+    cli_flags = ("--dtype", "fp8", "--fp8-block-size", "32")
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "cli", *cli_flags)
     assert code == 0, err
 
     result = materialize(instance, roots.settings(), KEY, merge_config=flags)
