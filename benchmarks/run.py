@@ -66,7 +66,8 @@ from benchmarks.verl_env import (
     verl_merge_command,
 )
 
-DTYPES = {"auto": "float32", "bfloat16": "bfloat16"}  # --dtype value -> output dtype of an fp32 checkpoint
+# --dtype value -> output dtype of an fp32 checkpoint (fp8: its linear weights; the rest is bf16)
+DTYPES = {"auto": "float32", "bfloat16": "bfloat16", "fp8": "float8_e4m3fn"}
 INTERPRETERS = {
     "torch": "import torch, torch.distributed.tensor",
     "torch+transformers": "import torch, torch.distributed.tensor, transformers; from transformers import AutoConfig, PretrainedConfig",

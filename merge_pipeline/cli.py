@@ -35,6 +35,7 @@ def _option_flags(parser: argparse.ArgumentParser, command: str) -> None:
                 dest=option.name,
                 default=option.default,
                 choices=meta["choices"],
+                type=int if isinstance(option.default, int) else None,
                 metavar=meta.get("metavar"),
                 help=meta["help"],
             )
@@ -141,8 +142,15 @@ def _run_merge(args: argparse.Namespace) -> int:
         result = merge_checkpoint(args.local_dir, args.target_dir, options, show_progress=not args.no_progress)
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
+    fp8 = result.manifest["decisions"].get("fp8")
     print(
         f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)} of tensor data) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
+        + (
+            f"; fp8: {fp8['quantized_weights']} weights quantized in {fp8['block']}x{fp8['block']} blocks,"
+            f" {len(fp8['kept_modules'])} modules kept in bfloat16 ({len(fp8['off_grid'])} off the block grid)"
+            if fp8
+            else ""
+        )
     )
     if args.hf_upload_path:
         return _upload(result.target_dir, args.hf_upload_path, args)

@@ -44,6 +44,18 @@ class CheckpointName:
         return f"{self.run}/global_step_{self.step}/{self.role}" if self.run else f"global_step_{self.step}/{self.role}"
 
 
+def _fp8_rows(fp8: dict | None) -> list[tuple[str, str]]:
+    """``--dtype fp8``: what is FP8 and what was kept in higher precision."""
+    if not fp8:
+        return []
+    block = fp8["block"]
+    kept = ", ".join(_code(name) for name in fp8["kept_modules"]) or "nothing"
+    return [
+        ("weights", f"{fp8['quantized_weights']} linear weights in FP8 (e4m3, one scale per {block}x{block} block)"),
+        ("kept in bfloat16", f"{kept} (and every norm and bias)"),
+    ]
+
+
 def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) -> str:
     source, decisions, options = manifest["source"], manifest["decisions"], manifest["options"]
     name = CheckpointName.from_role_dir(source["role_dir"], source.get("role"))
@@ -59,6 +71,7 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) 
         ("backend", source["backend"]),
         ("world size", str(source["layout"].get("world_size", "not recorded"))),
         ("dtype", dtype),
+        *_fp8_rows(decisions.get("fp8")),
         ("parameters", f"{manifest['parameters']:,}"),
         ("tool", tool),
     ]

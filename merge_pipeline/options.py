@@ -12,7 +12,7 @@ from dataclasses import Field, dataclass, field, fields
 from merge_pipeline.errors import MergeError
 
 BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed", "dcp")
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8")
 # Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
 DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
 READING = ("merge", "test", "inspect")  # how to open the checkpoint: every command
@@ -41,9 +41,13 @@ class MergeOptions:
     # auto = keep each tensor's stored dtype: never lose precision unasked; inspect shows config.json's dtype
     dtype: str = _option(
         "auto",
-        "output dtype (default auto: keep each tensor's stored dtype; config.json names the widest, see docs/LAYOUTS.md)",
-        commands=READING,
+        "output dtype (default auto: keep each tensor's stored dtype; config.json names the widest, see docs/LAYOUTS.md;"
+        " fp8: linear weights block-quantized to float8_e4m3fn, the rest bfloat16)",
+        commands=READING,  # inspect --dtype fp8 also lists what would stay unquantized
         choices=DTYPE_CHOICES,
+    )
+    fp8_block_size: int = _option(
+        128, "--dtype fp8: rows and columns of each tile sharing one scale (default 128)", commands=READING
     )
     merge_lora: bool = _option(False, "fold LoRA into the base weights instead of writing lora_adapter/")
     hf_model_path: str | None = _option(
@@ -67,6 +71,8 @@ class MergeOptions:
             raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
+        if self.fp8_block_size < 1:
+            raise MergeError(None, f"--fp8-block-size must be a positive number, not {self.fp8_block_size}")
         if self.tie_word_embedding and self.untie_word_embedding:
             raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
         parse_size(self.max_shard_size, "--max-shard-size")  # checked before any work, not after the plan

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from merge_pipeline import __version__
+from merge_pipeline.engine.fp8 import fp8_outputs
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.lora import with_base_weights
 from merge_pipeline.engine.outputs import OutputPlan, ShardFile, config_dtype_for, plan_outputs
@@ -41,6 +42,7 @@ from merge_pipeline.formats.dcp import find_dcp_dir as find_dcp_dir
 from merge_pipeline.formats.deepspeed import missing_optimizer_states as missing_optimizer_states
 from merge_pipeline.formats.hf import read_hf_weights
 from merge_pipeline.hf.config import ModelConfig, load_model_config
+from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
 from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
@@ -117,9 +119,13 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
             role_dir=plan.role_dir,
             hf_model_path=options.hf_model_path,
         )
+        if options.dtype == "fp8":
+            refuse_quantized(plan.tensors, plan.role_dir)  # said before the architecture check names the scales
         outputs = plan_outputs(plan, config, options)
         if plan.check_against_architecture:
             outputs = _check_against_architecture(plan, config, outputs, options)
+        if options.dtype == "fp8":
+            outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
     except BaseException:
         plan.close()
         raise
@@ -263,6 +269,7 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
             }
             if outputs.lora
             else None,
+            **({"fp8": outputs.fp8.summary()} if outputs.fp8 else {}),
         },
         "parameters": plan.parameter_count,
         "tensors": sum(len(f.tensors) for f in outputs.files),
@@ -339,7 +346,7 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
             )
             architecture, tied = config.architecture, config.tie_word_embeddings
         except MergeError as exc:
-            architecture, tied = f"unknown ({exc.problem})", None
+            architecture, tied, config = f"unknown ({exc.problem})", None, None
         return {
             "backend": plan.backend,
             "role": plan.role,
@@ -355,7 +362,16 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
             "value_model": plan.is_value_model,
             "tied_word_embeddings": tied,
             "files": [{"path": str(f.path), "size": f.size} for f in plan.files],
+            **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
         }
+
+
+def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
+    """``inspect --dtype fp8``: what a merge would quantize and keep (after LoRA folding and tying)."""
+    outputs = fp8_outputs(
+        plan_outputs(plan, config, options), options.fp8_block_size, options.max_shard_size, plan.role_dir
+    )
+    return outputs.fp8.summary()
 
 
 def compare(local_dir: str | Path, reference_dir: Path, options: MergeOptions, *, atol: float = 0.0) -> Comparison:

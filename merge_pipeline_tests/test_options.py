@@ -45,7 +45,8 @@ def test_every_option_is_a_dagster_config_field_with_the_same_description_and_de
         "tie_word_embedding": True,
         "is_value_model": True,
         "trust_remote_code": True,
-        "dtype": "bfloat16",
+        "dtype": "fp8",
+        "fp8_block_size": 64,
         "merge_lora": True,
         "hf_model_path": "/models/base",
         "verify_replicas": True,
@@ -82,6 +83,7 @@ def test_verl_spellings_and_every_earlier_flag_are_kept():
         "--hf_model_path",
         "--hf-model-path",
         "--dtype",  # shows the config.json dtype a merge with it writes
+        "--fp8-block-size",
         "--json",
     }
 
@@ -90,10 +92,15 @@ def test_cli_flags_reach_the_options():
     parser = build_parser()
     args = parser.parse_args(
         ["merge", "--local_dir", "a", "--target_dir", "b", "--backend", "hf", "--untie-word-embedding"]
-        + ["--hf-model-path", "/base", "--max-side-file-size", "2MB"]
+        + ["--hf-model-path", "/base", "--max-side-file-size", "2MB", "--dtype", "fp8", "--fp8-block-size", "64"]
     )
     assert _options(args) == MergeOptions(
-        backend="hf", untie_word_embedding=True, hf_model_path="/base", max_side_file_size="2MB"
+        backend="hf",
+        untie_word_embedding=True,
+        hf_model_path="/base",
+        max_side_file_size="2MB",
+        dtype="fp8",
+        fp8_block_size=64,
     )
 
 

@@ -128,6 +128,7 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
             "dtype": decisions["config_dtype"],  # what config.json says and the weights hold, after `dtype`
             "tensor dtypes": dg.MetadataValue.json(decisions["tensor_dtypes"]),
             "requested dtype": options.dtype,
+            **({"fp8": dg.MetadataValue.json(decisions["fp8"])} if "fp8" in decisions else {}),
             "size": human_bytes(report.bytes),
             "bytes": report.bytes,
             "weights seconds": round(report.seconds, 3),

@@ -80,6 +80,8 @@ def write_index(outputs: OutputPlan, out_dir: Path) -> None:
 def write_configs(model: ModelConfig, outputs: OutputPlan, out_dir: Path) -> None:
     if not outputs.adapter_only:  # an adapter folder has no model config: PEFT reads adapter_config.json
         config = output_config(model, dtype=outputs.config_dtype, tied=outputs.tied, value_model=outputs.is_value_model)
+        if outputs.fp8 is not None:
+            config["quantization_config"] = outputs.fp8.quantization_config
         write_json(out_dir / CONFIG, config)
     if outputs.adapter is None:
         return

@@ -13,12 +13,14 @@ from merge_pipeline.engine.lora import split_lora
 from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
+from merge_pipeline.hf.fp8 import Fp8Decisions
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
 from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
+# fp8 is no cast: engine/fp8.py rewrites the plan (tensors are planned here in their stored dtype first).
+DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
 ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
@@ -47,6 +49,7 @@ class OutputPlan:
     config_dtype: torch.dtype
     dropped: list[str] = field(default_factory=list)  # e.g. a tied lm_head.weight
     adapter_only: bool = False  # no base weights: the folder is a PEFT adapter, not a model
+    fp8: Fp8Decisions | None = None  # --dtype fp8: what was quantized and what kept (engine/fp8.py)
 
     @property
     def files(self) -> list[ShardFile]:
@@ -236,14 +239,23 @@ def config_dtype_for(tensors: Iterable[PlannedTensor], options: MergeOptions) ->
     return auto_config_dtype(_output_dtype(t, requested) for t in tensors)
 
 
-def _split_shards(tensors: list[OutputTensor], max_shard_size: str | int) -> list[ShardFile]:
+def _split_shards(
+    tensors: list[OutputTensor], max_shard_size: str | int, *, followers: dict[str, OutputTensor] | None = None
+) -> list[ShardFile]:
+    """HF-style shards of ``tensors``; each of ``followers`` (by the name it follows) is written right after
+    its tensor, in the same shard (an FP8 weight's scales: computed while the weight is written)."""
+    followers = followers or {}
     split = split_state_dict_into_shards_factory(
         {t.planned.name: t for t in tensors},
-        get_storage_size=lambda t: t.nbytes,
+        get_storage_size=lambda t: t.nbytes + (followers[t.planned.name].nbytes if t.planned.name in followers else 0),
         filename_pattern=WEIGHTS_PATTERN,
         max_shard_size=parse_size(max_shard_size, "--max-shard-size"),  # ours: HF's takes "1e999GB" to a crash
     )
     by_name = {t.planned.name: t for t in tensors}
     return [
-        ShardFile(filename, tuple(by_name[n] for n in names)) for filename, names in split.filename_to_tensors.items()
+        ShardFile(
+            filename,
+            tuple(t for n in names for t in (by_name[n], followers.get(n)) if t is not None),
+        )
+        for filename, names in split.filename_to_tensors.items()
     ]

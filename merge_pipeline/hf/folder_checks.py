@@ -15,6 +15,7 @@ from transformers.utils import logging as hf_logging
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.architecture import model_class, multi_token_prediction_prefixes
 from merge_pipeline.hf.config import CONFIG
+from merge_pipeline.hf.fp8 import SCALE_SUFFIX
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from merge_pipeline.hf.manifest import file_sums, read_manifest
 from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, TORCH_DTYPES, exact_common_dtype, read_header
@@ -50,8 +51,14 @@ def meta_load_problems(folder: Path) -> list[str]:
     mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none
     problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"]) if not k.startswith(mtp)]
     problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
-    for name, entry in sorted((n, e) for tensors in weight_files(folder).values() for n, e in tensors.items()):
-        if name in expected and not _loads_unaltered(TORCH_DTYPES[entry["dtype"]], expected[name].dtype):
+    stored = {n: e for tensors in weight_files(folder).values() for n, e in tensors.items()}
+    for name, entry in sorted(stored.items()):
+        quantized = name + SCALE_SUFFIX in stored  # an FP8 weight with its scales: loads dequantized without a GPU
+        if (
+            name in expected
+            and not quantized
+            and not _loads_unaltered(TORCH_DTYPES[entry["dtype"]], expected[name].dtype)
+        ):
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
 

@@ -73,3 +73,25 @@ def test_tie_and_untie_together_fail_in_one_line(fsdp_checkpoint, roots, instanc
 
     assert failure(result) == ("hf_model", "tie_word_embedding and untie_word_embedding contradict each other")
     assert_nothing_published(instance, roots)
+
+
+def test_fp8_in_the_run_config_merges_as_the_cli_flag_and_passes_the_checks(
+    capsys, fsdp_checkpoint, roots, instance, tmp_path
+):
+    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+    flags = {"dtype": "fp8", "fp8_block_size": 32}
+    cli_flags = ("--dtype", "fp8", "--fp8-block-size", "32")
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "cli", *cli_flags)
+    assert code == 0, err
+
+    result = materialize(instance, roots.settings(), KEY, merge_config=flags)
+
+    assert result.success  # the folder checks (transformers loads it on the meta device) passed
+    target = roots.target(KEY)
+    assert (target / "config.json").read_bytes() == (tmp_path / "cli" / "config.json").read_bytes()
+    merged, by_cli = load_safetensors_dir(target), load_safetensors_dir(tmp_path / "cli")
+    assert set(merged) == set(by_cli) and any(name.endswith("weight_scale_inv") for name in merged)
+    for name, tensor in by_cli.items():
+        assert same_bits(merged[name], tensor), name
+    [materialization] = [m for m in result.asset_materializations_for_node("hf_model")]
+    assert materialization.metadata["fp8"].data["quantized_weights"] == 14

@@ -1,0 +1,160 @@
+"""``--dtype fp8``: linear weights block-quantized to FP8 on their way to disk (DeepSeek-V3 / Qwen3-FP8 layout).
+
+Each quantized ``<module>.weight`` is written as ``float8_e4m3fn`` and followed, in the same shard,
+by ``<module>.weight_scale_inv``: one fp32 per ``block x block`` tile, such that
+``weight ~= fp8.float() * scale_inv`` (what transformers' ``Fp8Dequantize``, vLLM and SGLang do on
+load). Everything else is kept in higher precision (bfloat16) and named in config.json's
+``quantization_config.modules_to_not_convert``.
+
+The scale rule is transformers' own FP8 quantizer (``Fp8Quantize._quantize_one`` in
+``transformers/integrations/finegrained_fp8.py``, the reverse of its loader): per tile
+``scale = 448 / amax``, ``scale_inv = 1 / scale`` in fp32, ``fp8 = clamp(x * scale, -448, 448)``
+cast with round-to-nearest-even; an all-zero tile gets ``scale = scale_inv = 1``. One deviation,
+where that rule would write NaN: a tile whose amax is so small that ``448 / amax`` overflows is
+treated as a zero tile (its values are below FP8's range: they dequantize to zero either way).
+
+The weight is quantized as its rows arrive, in bands of ``block`` rows: memory holds one read piece's
+worth of bands (at least one band), never the tensor (unless the source itself builds the whole
+tensor, e.g. a LoRA merge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from merge_pipeline.engine.outputs import (
+    OutputPlan,
+    _split_shards,
+)  # the one HF shard split (name kept: other branches use it)
+from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, decide_fp8
+from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor
+
+
+def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, where: Path) -> OutputPlan:
+    """The output plan with linear weights quantized (each followed by its scales) and the rest in bfloat16."""
+    if outputs.adapter is not None:
+        raise MergeError(
+            where,
+            "--dtype fp8 quantizes base weights that a separate LoRA adapter cannot be applied to: add --merge-lora",
+        )
+    model = [t for shard in outputs.shards for t in shard.tensors]
+    decisions = decide_fp8([t.planned for t in model], block, where)
+    quantized = set(decisions.quantized)
+    tensors: list[OutputTensor] = []
+    followers: dict[str, OutputTensor] = {}
+    for t in model:
+        if t.planned.name in quantized:
+            weight, scales = quantized_pair(t.planned, block)
+            tensors.append(weight)
+            followers[weight.planned.name] = scales
+        else:
+            tensors.append(OutputTensor(t.planned, KEPT_DTYPE if t.dtype.is_floating_point else t.dtype))
+    return dataclasses.replace(
+        outputs,
+        shards=_split_shards(tensors, max_shard_size, followers=followers),
+        config_dtype=KEPT_DTYPE,
+        fp8=decisions,
+    )
+
+
+def quantized_pair(weight: PlannedTensor, block: int) -> tuple[OutputTensor, OutputTensor]:
+    """The FP8 weight and its ``weight_scale_inv``, both computed in one pass over the source rows."""
+    source = _Fp8Bands(weight, block)
+    rows, cols = weight.shape
+    grid = (rows // block, cols // block)
+    return (
+        OutputTensor(PlannedTensor(weight.name, weight.shape, FP8, source), FP8),
+        OutputTensor(PlannedTensor(weight.name + SCALE_SUFFIX, grid, SCALE_DTYPE, _Scales(source)), SCALE_DTYPE),
+    )
+
+
+def quantize_bands(bands: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and fp32 ``scale_inv`` (one per tile) of whole bands of ``block`` rows of a weight."""
+    rows, cols = bands.shape
+    tiles = bands.to(torch.float32).view(rows // block, block, cols // block, block)
+    amax = tiles.abs().amax(dim=(1, 3))
+    if not torch.isfinite(amax).all():
+        raise ValueError("holds inf or NaN")
+    scale = FP8_MAX / amax
+    usable = (amax > 0) & torch.isfinite(scale)  # zero tiles (and tiles below FP8's range) dequantize to zero
+    scale = torch.where(usable, scale, torch.ones_like(scale))
+    scale_inv = (1.0 / scale).to(SCALE_DTYPE)
+    quantized = (tiles * scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized.view(rows, cols), scale_inv
+
+
+class _Fp8Bands:
+    """A ``TensorSource`` of FP8 bytes: the source's row-major pieces gathered into bands of ``block``
+    rows, quantized as they complete. The scales are kept for the ``weight_scale_inv`` that follows.
+
+    Bands are quantized a group at a time, as many as fit in one read piece (at least one): each
+    torch call then covers megabytes, since per-call overhead (thread hand-offs on a busy machine)
+    would otherwise dominate narrow weights."""
+
+    def __init__(self, weight: PlannedTensor, block: int):
+        self.weight, self.block = weight, block
+        self.scales: torch.Tensor | None = None
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        rows, cols = self.weight.shape
+        band_numel, bands = self.block * cols, rows // self.block
+        per_group = max(1, min(bands, READ_PIECE_BYTES // (band_numel * SCALE_DTYPE.itemsize)))
+        scales = torch.empty(bands, cols // self.block, dtype=SCALE_DTYPE)
+        group: torch.Tensor | None = None  # bands gathered from pieces that end inside them
+        filled = done = 0  # values in ``group``; bands quantized
+        for piece in self.weight.source.pieces():
+            piece = piece.reshape(-1)
+            while piece.numel():
+                wanted = min(per_group, bands - done) * band_numel
+                if filled == 0 and piece.numel() >= wanted:  # whole bands in the piece: no copy
+                    yield self._quantize(piece[:wanted], scales, done)
+                    piece, done = piece[wanted:], done + wanted // band_numel
+                    continue
+                if group is None:
+                    group = torch.empty(per_group * band_numel, dtype=self.weight.dtype)
+                n = min(wanted - filled, piece.numel())
+                group[filled : filled + n].copy_(piece[:n])
+                filled, piece = filled + n, piece[n:]
+                if filled == wanted:
+                    yield self._quantize(group[:wanted], scales, done)
+                    filled, done = 0, done + wanted // band_numel
+        if filled or done != bands:
+            raise RuntimeError(f"{self.weight.name}: source gave {done * band_numel + filled} of {rows * cols} values")
+        self.scales = scales
+
+    def _quantize(self, flat: torch.Tensor, scales: torch.Tensor, first: int) -> torch.Tensor:
+        cols = self.weight.shape[1]
+        try:
+            quantized, tile_scales = quantize_bands(flat.view(-1, cols), self.block)
+        except ValueError as exc:
+            raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized to FP8") from None
+        scales[first : first + len(tile_scales)] = tile_scales
+        return quantized
+
+
+@dataclass(frozen=True)
+class _Scales:
+    """The ``weight_scale_inv`` of a quantized weight: kept from its pass when it was written just before
+    (always, in this writer's order); otherwise the weight's bands are quantized again to get them."""
+
+    weight: _Fp8Bands
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        if self.weight.scales is None:
+            for _ in self.weight.pieces():
+                pass
+        scales, self.weight.scales = self.weight.scales, None  # written once: free it
+        yield scales
