@@ -9,7 +9,6 @@ failure at any stage leaves no staging folder and no published folder, and mater
 """
 
 import dataclasses
-import json
 import time
 import warnings
 from collections.abc import Iterator
@@ -21,14 +20,12 @@ from merge_pipeline.defs.checks import CHECK_SPECS, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.metadata import sha256_table, value
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
-from merge_pipeline.progress import human_bytes
 
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
@@ -56,19 +53,52 @@ def freshness_policy() -> dg.FreshnessPolicy:
     return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
 
 
-@dg.asset(
+# The three stages of one step. Each describes a part of the published folder; none holds data of
+# its own that a later failure could leave behind.
+parallel_config = dg.AssetSpec(
+    "parallel_config",
+    deps=[checkpoint],
     partitions_def=checkpoint_partitions,
     group_name=GROUP,
     owners=OWNERS,
-    deps=[checkpoint],
-    pool=MERGE_POOL,
+    kinds={"pytorch"},
+    tags={"stage": "plan"},
+    description="What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
+)
+state_dict = dg.AssetSpec(
+    "state_dict",
+    deps=[parallel_config],
+    partitions_def=checkpoint_partitions,
+    group_name=GROUP,
+    owners=OWNERS,
+    kinds={"safetensors"},
+    tags={"stage": "weights"},
+    description="The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
+)
+hf_model = dg.AssetSpec(
+    "hf_model",
+    deps=[state_dict],
+    partitions_def=checkpoint_partitions,
+    group_name=GROUP,
+    owners=OWNERS,
     kinds={"safetensors", "huggingface"},
     tags={"stage": "published"},
-    check_specs=CHECK_SPECS,
     freshness_policy=freshness_policy(),
+    description="The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
 )
-def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> Iterator:
-    """The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.
+STAGES = [parallel_config, state_dict, hf_model]
+
+
+@dg.multi_asset(
+    name="hf_model",  # the op's name: run configs say ops: hf_model: config: ...
+    specs=STAGES,
+    partitions_def=checkpoint_partitions,
+    can_subset=False,  # the plan is built once and the three stages are published together, or not at all
+    pool=MERGE_POOL,
+    check_specs=CHECK_SPECS,
+)
+def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> Iterator:
+    """Plan, write, check and publish one checkpoint; then materialize its three stages.
 
     Plans the merge once, writes the folder into a staging folder beside the target under the
     target's lock, runs the three blocking checks against the staging folder, and renames it into
@@ -111,43 +141,33 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
                         "next step": "fix the checkpoint or report the problem; then re-execute this run",
                     },
                 )
-    report = written.report
-    throughput = report.bytes / max(report.seconds, 1e-9)
-    decisions = manifest["decisions"]
+            plan_facts = parallel_config_metadata(prepared, options, manifest)
+    # After publishing: each stage describes its part of the published folder.
+    yield dg.MaterializeResult(asset_key=parallel_config.key, metadata=plan_facts)
     yield dg.MaterializeResult(
+        asset_key=state_dict.key,
         metadata={
-            "path": dg.MetadataValue.path(str(target)),
-            "source": dg.MetadataValue.path(str(role_dir)),
-            "completeness": state.reason,
-            "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
-            "backend": plan.backend,
-            **{k: value(v) for k, v in plan.layout.items()},
-            "architecture": prepared.config.architecture,
-            "parameters": manifest["parameters"],
-            "tensors": report.tensors,
-            "dtype": decisions["config_dtype"],  # what config.json says and the weights hold, after `dtype`
-            "tensor dtypes": dg.MetadataValue.json(decisions["tensor_dtypes"]),
-            "requested dtype": options.dtype,
-            "size": human_bytes(report.bytes),
-            "bytes": report.bytes,
-            "weights seconds": round(report.seconds, 3),
-            "seconds": round(time.monotonic() - started, 3),
-            "throughput": f"{human_bytes(throughput)}/s",
-            written.peak_rss_label: human_bytes(written.peak_rss_bytes),
-            "peak_rss_bytes": written.peak_rss_bytes,
-            "max_shard_size": str(options.max_shard_size),
+            **state_dict_metadata(target, written.report, manifest, (written.peak_rss_label, written.peak_rss_bytes)),
             "launcher": config.launcher
             if config.launcher == "inprocess"
             else f"torchrun x{config.nproc_per_node * config.nnodes}",
-            "manifest": dg.MetadataValue.path(str(target / MANIFEST)),
-            "files": sha256_table(manifest["files"]),
-            "options": dg.MetadataValue.json(json.loads(json.dumps(manifest["options"]))),
         },
-        check_results=check_results,
+        check_results=[r for r in check_results if r.asset_key == state_dict.key],
+    )
+    yield dg.MaterializeResult(
+        asset_key=hf_model.key,
+        metadata={
+            **hf_model_metadata(target, prepared, manifest),
+            "source": dg.MetadataValue.path(str(role_dir)),
+            "completeness": state.reason,
+            "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
+            "seconds": round(time.monotonic() - started, 3),
+        },
+        check_results=[r for r in check_results if r.asset_key == hf_model.key],
     )
 
 
 with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
     warnings.simplefilter("ignore", dg.BetaWarning)
     # The UI's "Code" tab shows where each asset is defined.
-    defs = dg.Definitions(assets=[checkpoint, *dg.with_source_code_references([hf_model])])
+    defs = dg.Definitions(assets=[checkpoint, *dg.with_source_code_references([merge_step])])

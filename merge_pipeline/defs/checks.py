@@ -20,6 +20,9 @@ from merge_pipeline.hf.folder_checks import index_problems, manifest_problems, m
 from merge_pipeline.hf.manifest import read_manifest
 
 HF_MODEL = dg.AssetKey("hf_model")
+# Each check sits on the stage it checks: the index against the shards on the weights (state_dict),
+# the others look at the whole folder (hf_model).
+CHECKED_ASSET = {"index_matches_shards": dg.AssetKey("state_dict")}
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,11 @@ with (
     warnings.simplefilter("ignore", dg.PreviewWarning)
     CHECK_SPECS = [
         dg.AssetCheckSpec(
-            c.name, asset=HF_MODEL, blocking=True, description=c.description, partitions_def=checkpoint_partitions
+            c.name,
+            asset=CHECKED_ASSET.get(c.name, HF_MODEL),
+            blocking=True,
+            description=c.description,
+            partitions_def=checkpoint_partitions,
         )
         for c in FOLDER_CHECKS
     ]
@@ -78,7 +85,9 @@ def _run(check: FolderCheck, folder: Path, counts: dict[str, int]) -> dg.AssetCh
         "problem count": len(problems),
         **counts,
     }
-    return dg.AssetCheckResult(asset_key=HF_MODEL, check_name=check.name, passed=not problems, metadata=metadata)
+    return dg.AssetCheckResult(
+        asset_key=CHECKED_ASSET.get(check.name, HF_MODEL), check_name=check.name, passed=not problems, metadata=metadata
+    )
 
 
 def _counts(folder: Path) -> dict[str, int]:
