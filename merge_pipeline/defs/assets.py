@@ -1,8 +1,9 @@
-"""The merge as two assets: the trainer's ``checkpoint`` folder (external), and the published ``hf_model`` folder.
+"""The merge as assets: the trainer's ``checkpoint`` folder (external), then ``parallel_config`` -> ``state_dict``
+-> ``hf_model``, the three stages of one step (``merge_step``) describing parts of the published folder.
 
-Both are partitioned by checkpoint (``<run_name>/global_step_<N>/<role>`` for verl; see ``partitions``); everything
-``hf_model`` needs is derived from the partition key and the ``settings`` resource, so nothing passes
-between them but the dependency. ``hf_model`` is one step, because its stages share the merge plan and the target's
+All are partitioned by checkpoint (``<run_name>/global_step_<N>/<role>`` for verl; see ``partitions``); everything
+the step needs is derived from the partition key and the ``settings`` resource, so nothing passes
+between assets but the dependency. The stages are one step that cannot be subset, because they share the merge plan and the target's
 lock: plan once, write the whole folder into the staging folder beside the target, run the blocking
 checks against that staging folder, and publish (rename into place) only if every check passed. A
 failure at any stage leaves no staging folder and no published folder, and materializes nothing.
@@ -53,38 +54,44 @@ def freshness_policy() -> dg.FreshnessPolicy:
     return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
 
 
+def _stage(name: str, upstream: dg.AssetSpec, kinds: set[str], stage: str, description: str, **more) -> dg.AssetSpec:
+    """One of the merge step's stages: partitioned, grouped and owned as the rest of the chain."""
+    return dg.AssetSpec(
+        name,
+        deps=[upstream],
+        partitions_def=checkpoint_partitions,
+        group_name=GROUP,
+        owners=OWNERS,
+        kinds=kinds,
+        tags={"stage": stage},
+        description=description,
+        **more,
+    )
+
+
 # The three stages of one step. Each describes a part of the published folder; none holds data of
 # its own that a later failure could leave behind.
-parallel_config = dg.AssetSpec(
+parallel_config = _stage(
     "parallel_config",
-    deps=[checkpoint],
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    owners=OWNERS,
-    kinds={"pytorch"},
-    tags={"stage": "plan"},
-    description="What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
+    checkpoint,
+    {"pytorch"},
+    "plan",
+    "What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
 )
-state_dict = dg.AssetSpec(
+state_dict = _stage(
     "state_dict",
-    deps=[parallel_config],
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    owners=OWNERS,
-    kinds={"safetensors"},
-    tags={"stage": "weights"},
-    description="The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
+    parallel_config,
+    {"safetensors"},
+    "weights",
+    "The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
 )
-hf_model = dg.AssetSpec(
+hf_model = _stage(
     "hf_model",
-    deps=[state_dict],
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    owners=OWNERS,
-    kinds={"safetensors", "huggingface"},
-    tags={"stage": "published"},
+    state_dict,
+    {"safetensors", "huggingface"},
+    "published",
+    "The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
     freshness_policy=freshness_policy(),
-    description="The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
 )
 STAGES = [parallel_config, state_dict, hf_model]
 
