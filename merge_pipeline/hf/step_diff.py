@@ -1,14 +1,13 @@
 """Did training change anything? A merged folder's weights against other folders (the previous step, the base model).
 
-Streams: one tensor of each folder in memory at a time (``safe_open``), so memory is bounded by the
-largest tensor, whatever the model's size. Per tensor: its norm, NaN / Inf counts, and the relative
+Streams: one tensor of each folder in memory at a time (``safe_open``, closed after each tensor), so
+memory is bounded by the largest tensor, whatever the model's size. Per tensor: its norm, NaN / Inf counts, and the relative
 change ``||new - ref|| / ||ref||`` against each reference that holds a tensor of that name and shape.
 ``merge-pipeline diff`` and Dagster's ``step_report`` both build it here and print the same table.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,45 +66,47 @@ class StepDiff:
 
 def diff_folders(folder: Path, references: dict[str, Path]) -> StepDiff:
     """``folder``'s model weights, tensor by tensor, against each reference folder's."""
-    with contextlib.ExitStack() as stack:
-        mine = _open_tensors(stack, folder)
-        theirs = {label: _open_tensors(stack, path) for label, path in references.items()}
-        diff = StepDiff(list(references))
-        for label, handles in theirs.items():
-            diff.only_in_reference[label] = sorted(set(handles) - set(mine))
-        for name in sorted(mine):
-            tensor = mine[name].get_tensor(name)
-            wide = tensor.to(torch.float32)  # exact for bf16 / fp16 / fp32; half the memory of float64
-            diff.tensors.append(
-                TensorChange(
-                    name,
-                    tuple(tensor.shape),
-                    float(torch.linalg.vector_norm(wide)),
-                    int(torch.isnan(wide).sum()),
-                    int(torch.isinf(wide).sum()),
-                    {label: _change(tensor, wide, handles, name) for label, handles in theirs.items()},
-                )
+    mine = _tensor_files(folder)
+    theirs = {label: _tensor_files(path) for label, path in references.items()}
+    diff = StepDiff(
+        list(references), only_in_reference={label: sorted(set(t) - set(mine)) for label, t in theirs.items()}
+    )
+    for name in sorted(mine):
+        tensor = _read(mine[name], name)
+        wide = tensor.to(torch.float32)  # exact for bf16 / fp16 / fp32; half the memory of float64
+        diff.tensors.append(
+            TensorChange(
+                name,
+                tuple(tensor.shape),
+                float(torch.linalg.vector_norm(wide)),
+                int(torch.isnan(wide).sum()),
+                int(torch.isinf(wide).sum()),
+                {label: _change(tensor, wide, files, name) for label, files in theirs.items()},
             )
-            del tensor, wide  # one tensor (and one of each reference) alive at a time
-        return diff
+        )
+        del tensor, wide  # one tensor (and one of a reference) alive at a time
+    return diff
 
 
-def _open_tensors(stack: contextlib.ExitStack, folder: Path) -> dict[str, object]:
-    """Tensor name -> the open shard holding it, for every model*.safetensors of ``folder``."""
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the shard holding it, for every model*.safetensors of ``folder`` (headers validated)."""
     files = weight_files(folder)
     if not files:
         raise MergeError(folder, "no model*.safetensors weights to compare (not a merged Hugging Face folder)")
-    handles = {}
-    for filename, header in files.items():
-        opened = stack.enter_context(open_safetensors(folder / filename))
-        handles.update(dict.fromkeys(header, opened))
-    return handles
+    return {name: folder / filename for filename, header in files.items() for name in header}
 
 
-def _change(tensor: torch.Tensor, wide: torch.Tensor, handles: dict, name: str) -> float | None:
-    if name not in handles:
+def _read(path: Path, name: str) -> torch.Tensor:
+    # Opened per tensor: safe_open maps the whole file, and the pages read stay resident until it is
+    # closed; closing after each tensor keeps memory at one tensor, not one shard (or one model).
+    with open_safetensors(path) as f:
+        return f.get_tensor(name)
+
+
+def _change(tensor: torch.Tensor, wide: torch.Tensor, files: dict[str, Path], name: str) -> float | None:
+    if name not in files:
         return None
-    other = handles[name].get_tensor(name)
+    other = _read(files[name], name)
     if other.shape != tensor.shape:
         return None
     if other.dtype == tensor.dtype and torch.equal(other, tensor):
