@@ -218,15 +218,15 @@ def test_the_ui_shows_the_graph_a_partition_the_checks_and_the_failed_run(merged
     browser.screenshot(graph, tmp_path / "asset_graph.png")
     partition = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=partitions&partition={KEY}", BROKEN)
     checks = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=checks", *CHECKS_ON["hf_model"])
-    stages = {  # every stage a person can open, and the step report with its plot
-        stage: browser.dump_dom_showing(f"{dagster.url}/assets/{stage}?partition={KEY}", KEY)
-        for stage in (*STAGES, "step_report")
+    stages = {  # every stage a person can open, and the step report with its plot and checks
+        stage: browser.dump_dom_showing(f"{dagster.url}/assets/{stage}?partition={KEY}", KEY, *shows)
+        for stage, shows in {**dict.fromkeys(STAGES, ()), "step_report": ("plot", "summary", "NaN")}.items()
     }
     run_page = browser.dump_dom_showing(f"{dagster.url}/runs/{run['runId']}", "not a torch.save zip archive")
 
     assert all(f">{asset}<" in dom for asset in ("checkpoint", *STAGES, "step_report")) and "2 partitions" in dom
     assert all(KEY in page for page in stages.values())
-    (tmp_path / "step_report.html").write_text(stages["step_report"])
+    assert all(text in stages["step_report"] for text in ("plot", "summary", "NaN"))  # its metadata
     assert (tmp_path / "asset_graph.png").stat().st_size > 20_000
     assert KEY in partition and BROKEN in partition
     assert all(name in checks for name in CHECKS_ON["hf_model"])
