@@ -1,4 +1,4 @@
-"""``merge-pipeline merge | test | inspect | upload``: verl's ``model_merger`` flags, plus our own.
+"""``merge-pipeline merge | test | inspect | upload | diff``: verl's ``model_merger`` flags, plus our own.
 
 Every user error ends as one line on stderr (``error: <file>: <problem>``) and a non-zero exit.
 """
@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     _option_flags(inspect, "inspect")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)
+
+    diff = commands.add_parser("diff", help="what changed between two merged folders, tensor by tensor (streamed)")
+    diff.add_argument("before", type=Path, help="a merged folder: the previous step, or the base model")
+    diff.add_argument("after", type=Path, help="a merged folder compared with BEFORE")
+    diff.set_defaults(run=_run_diff)
     return parser
 
 
@@ -214,6 +219,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
             if key != "files":
                 print(f"{key:>20}: {value}")
         print(f"{'files':>20}: {len(info['files'])} ({human_bytes(sum(f['size'] for f in info['files']))})")
+    return 0
+
+
+def _run_diff(args: argparse.Namespace) -> int:
+    from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
+
+    diff = diff_folders(args.after, {"before": args.before})
+    print("\n".join([*summary_lines(diff), "", markdown_table(diff)]))
     return 0
 
 

@@ -7,10 +7,11 @@ most of its time importing torch and transformers again.
 
 import dagster as dg
 
-from merge_pipeline.defs import alerts, assets, hub, jobs, resources, sensors
+from merge_pipeline.defs import alerts, assets, hub, jobs, report, resources, sensors
 
 defs = dg.Definitions.merge(
     assets.defs,
+    report.defs,
     jobs.defs,
     resources.defs,
     sensors.defs,

@@ -334,36 +334,41 @@ def merge_checkpoint(
 def describe(local_dir: Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
     with open_checkpoint(local_dir, options) as plan:
-        dtypes = Counter()
-        for t in plan.tensors:
-            dtypes[dtype_name(t.dtype)] += t.numel
-        try:
-            config = load_model_config(
-                plan.hf_dir,
-                trust_remote_code=options.trust_remote_code,
-                role_dir=plan.role_dir,
-                hf_model_path=options.hf_model_path,
-            )
-            architecture, tied = config.architecture, config.tie_word_embeddings
-        except MergeError as exc:
-            architecture, tied, config = f"unknown ({exc.problem})", None, None
-        return {
-            "backend": plan.backend,
-            "role": plan.role,
-            "path": str(plan.role_dir),
-            **plan.layout,
-            "architecture": architecture,
-            "parameters": plan.parameter_count,
-            "tensors": len(plan.tensors),
-            "dtypes": dict(dtypes),
-            "config_dtype": dtype_name(config_dtype_for(plan.tensors, options)),  # what --dtype writes to config.json
-            "bytes": sum(t.nbytes() for t in plan.tensors),
-            "lora": has_lora_tensors(plan.tensors),
-            "value_model": plan.is_value_model,
-            "tied_word_embeddings": tied,
-            "files": [{"path": str(f.path), "size": f.size} for f in plan.files],
-            **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
-        }
+        return checkpoint_facts(plan, options)
+
+
+def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions) -> dict:
+    """What an opened checkpoint is: ``inspect`` prints these, Dagster's ``parallel_config`` shows them."""
+    dtypes = Counter()
+    for t in plan.tensors:
+        dtypes[dtype_name(t.dtype)] += t.numel
+    try:
+        config = load_model_config(
+            plan.hf_dir,
+            trust_remote_code=options.trust_remote_code,
+            role_dir=plan.role_dir,
+            hf_model_path=options.hf_model_path,
+        )
+        architecture, tied = config.architecture, config.tie_word_embeddings
+    except MergeError as exc:
+        architecture, tied, config = f"unknown ({exc.problem})", None, None
+    return {
+        "backend": plan.backend,
+        "role": plan.role,
+        "path": str(plan.role_dir),
+        **plan.layout,
+        "architecture": architecture,
+        "parameters": plan.parameter_count,
+        "tensors": len(plan.tensors),
+        "dtypes": dict(dtypes),
+        "config_dtype": dtype_name(config_dtype_for(plan.tensors, options)),  # what --dtype writes to config.json
+        "bytes": sum(t.nbytes() for t in plan.tensors),
+        "lora": has_lora_tensors(plan.tensors),
+        "value_model": plan.is_value_model,
+        "tied_word_embeddings": tied,
+        "files": [{"path": str(f.path), "size": f.size} for f in plan.files],
+        **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
+    }
 
 
 def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:

@@ -1,15 +1,15 @@
-"""The merge as two assets: the trainer's ``checkpoint`` folder (external), and the published ``hf_model`` folder.
+"""The merge as assets: the trainer's ``checkpoint`` folder (external), then ``parallel_config`` -> ``state_dict``
+-> ``hf_model``, the three stages of one step (``merge_step``) describing parts of the published folder.
 
-Both are partitioned by checkpoint (``<run_name>/global_step_<N>/<role>`` for verl; see ``partitions``); everything
-``hf_model`` needs is derived from the partition key and the ``settings`` resource, so nothing passes
-between them but the dependency. ``hf_model`` is one step, because its stages share the merge plan and the target's
+All are partitioned by checkpoint (``<run_name>/global_step_<N>/<role>`` for verl; see ``partitions``); everything
+the step needs is derived from the partition key and the ``settings`` resource, so nothing passes
+between assets but the dependency. The stages are one step that cannot be subset, because they share the merge plan and the target's
 lock: plan once, write the whole folder into the staging folder beside the target, run the blocking
 checks against that staging folder, and publish (rename into place) only if every check passed. A
 failure at any stage leaves no staging folder and no published folder, and materializes nothing.
 """
 
 import dataclasses
-import json
 import time
 import warnings
 from collections.abc import Iterator
@@ -21,14 +21,12 @@ from merge_pipeline.defs.checks import CHECK_SPECS, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.metadata import sha256_table, value
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
-from merge_pipeline.progress import human_bytes
 
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
@@ -56,19 +54,58 @@ def freshness_policy() -> dg.FreshnessPolicy:
     return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
 
 
-@dg.asset(
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    owners=OWNERS,
-    deps=[checkpoint],
-    pool=MERGE_POOL,
-    kinds={"safetensors", "huggingface"},
-    tags={"stage": "published"},
-    check_specs=CHECK_SPECS,
+def _stage(name: str, upstream: dg.AssetSpec, kinds: set[str], stage: str, description: str, **more) -> dg.AssetSpec:
+    """One of the merge step's stages: partitioned, grouped and owned as the rest of the chain."""
+    return dg.AssetSpec(
+        name,
+        deps=[upstream],
+        partitions_def=checkpoint_partitions,
+        group_name=GROUP,
+        owners=OWNERS,
+        kinds=kinds,
+        tags={"stage": stage},
+        description=description,
+        **more,
+    )
+
+
+# The three stages of one step. Each describes a part of the published folder; none holds data of
+# its own that a later failure could leave behind.
+parallel_config = _stage(
+    "parallel_config",
+    checkpoint,
+    {"pytorch"},
+    "plan",
+    "What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
+)
+state_dict = _stage(
+    "state_dict",
+    parallel_config,
+    {"safetensors"},
+    "weights",
+    "The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
+)
+hf_model = _stage(
+    "hf_model",
+    state_dict,
+    {"safetensors", "huggingface"},
+    "published",
+    "The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
     freshness_policy=freshness_policy(),
 )
-def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> Iterator:
-    """The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.
+STAGES = [parallel_config, state_dict, hf_model]
+
+
+@dg.multi_asset(
+    name="hf_model",  # the op's name: run configs say ops: hf_model: config: ...
+    specs=STAGES,
+    partitions_def=checkpoint_partitions,
+    can_subset=False,  # the plan is built once and the three stages are published together, or not at all
+    pool=MERGE_POOL,
+    check_specs=CHECK_SPECS,
+)
+def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> Iterator:
+    """Plan, write, check and publish one checkpoint; then materialize its three stages.
 
     Plans the merge once, writes the folder into a staging folder beside the target under the
     target's lock, runs the three blocking checks against the staging folder, and renames it into
@@ -111,44 +148,33 @@ def hf_model(context: dg.AssetExecutionContext, config: MergeConfig, settings: M
                         "next step": "fix the checkpoint or report the problem; then re-execute this run",
                     },
                 )
-    report = written.report
-    throughput = report.bytes / max(report.seconds, 1e-9)
-    decisions = manifest["decisions"]
+            plan_facts = parallel_config_metadata(prepared, options, manifest)
+    # After publishing: each stage describes its part of the published folder.
+    yield dg.MaterializeResult(asset_key=parallel_config.key, metadata=plan_facts)
     yield dg.MaterializeResult(
+        asset_key=state_dict.key,
         metadata={
-            "path": dg.MetadataValue.path(str(target)),
-            "source": dg.MetadataValue.path(str(role_dir)),
-            "completeness": state.reason,
-            "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
-            "backend": plan.backend,
-            **{k: value(v) for k, v in plan.layout.items()},
-            "architecture": prepared.config.architecture,
-            "parameters": manifest["parameters"],
-            "tensors": report.tensors,
-            "dtype": decisions["config_dtype"],  # what config.json says and the weights hold, after `dtype`
-            "tensor dtypes": dg.MetadataValue.json(decisions["tensor_dtypes"]),
-            "requested dtype": options.dtype,
-            **({"fp8": dg.MetadataValue.json(decisions["fp8"])} if "fp8" in decisions else {}),
-            "size": human_bytes(report.bytes),
-            "bytes": report.bytes,
-            "weights seconds": round(report.seconds, 3),
-            "seconds": round(time.monotonic() - started, 3),
-            "throughput": f"{human_bytes(throughput)}/s",
-            written.peak_rss_label: human_bytes(written.peak_rss_bytes),
-            "peak_rss_bytes": written.peak_rss_bytes,
-            "max_shard_size": str(options.max_shard_size),
+            **state_dict_metadata(target, written.report, manifest, (written.peak_rss_label, written.peak_rss_bytes)),
             "launcher": config.launcher
             if config.launcher == "inprocess"
             else f"torchrun x{config.nproc_per_node * config.nnodes}",
-            "manifest": dg.MetadataValue.path(str(target / MANIFEST)),
-            "files": sha256_table(manifest["files"]),
-            "options": dg.MetadataValue.json(json.loads(json.dumps(manifest["options"]))),
         },
-        check_results=check_results,
+        check_results=[r for r in check_results if r.asset_key == state_dict.key],
+    )
+    yield dg.MaterializeResult(
+        asset_key=hf_model.key,
+        metadata={
+            **hf_model_metadata(target, prepared, manifest),
+            "source": dg.MetadataValue.path(str(role_dir)),
+            "completeness": state.reason,
+            "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
+            "seconds": round(time.monotonic() - started, 3),
+        },
+        check_results=[r for r in check_results if r.asset_key == hf_model.key],
     )
 
 
 with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
     warnings.simplefilter("ignore", dg.BetaWarning)
     # The UI's "Code" tab shows where each asset is defined.
-    defs = dg.Definitions(assets=[checkpoint, *dg.with_source_code_references([hf_model])])
+    defs = dg.Definitions(assets=[checkpoint, *dg.with_source_code_references([merge_step])])

@@ -20,6 +20,9 @@ from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
 
 HF_MODEL = dg.AssetKey("hf_model")
+# Each check sits on the stage it checks: the index against the shards on the weights (state_dict),
+# the others look at the whole folder (hf_model).
+CHECKED_ASSET = {"index_matches_shards": dg.AssetKey("state_dict")}
 
 
 with (
@@ -28,7 +31,11 @@ with (
     warnings.simplefilter("ignore", dg.PreviewWarning)
     CHECK_SPECS = [
         dg.AssetCheckSpec(
-            c.name, asset=HF_MODEL, blocking=True, description=c.description, partitions_def=checkpoint_partitions
+            c.name,
+            asset=CHECKED_ASSET.get(c.name, HF_MODEL),
+            blocking=True,
+            description=c.description,
+            partitions_def=checkpoint_partitions,
         )
         for c in BLOCKING_CHECKS
     ]
@@ -50,7 +57,10 @@ def _result(outcome: CheckOutcome, counts: dict[str, int]) -> dg.AssetCheckResul
         **counts,
     }
     return dg.AssetCheckResult(
-        asset_key=HF_MODEL, check_name=outcome.check.name, passed=outcome.passed, metadata=metadata
+        asset_key=CHECKED_ASSET.get(outcome.check.name, HF_MODEL),
+        check_name=outcome.check.name,
+        passed=outcome.passed,
+        metadata=metadata,
     )
 
 

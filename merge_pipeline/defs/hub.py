@@ -20,7 +20,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from merge_pipeline.defs.assets import hf_model
+from merge_pipeline.defs.assets import hf_model, state_dict
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
@@ -164,7 +164,7 @@ def _merged_steps_by_run(instance: dg.DagsterInstance) -> dict[tuple[str, str], 
 def _highest_verified(
     instance: dg.DagsterInstance, steps: list[CheckpointKey], log
 ) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
-    """The highest step whose latest merge passed every check on hf_model, with that merge's record."""
+    """The highest step whose latest merge passed every check of its merge step, with that merge's record."""
     for key in sorted(steps, key=lambda k: k.step, reverse=True):
         merge = _latest(instance, hf_model.key, str(key))
         if _checks_passed(instance, str(key), merge.run_id):
@@ -181,7 +181,7 @@ def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str
 
 
 def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: str) -> bool:
-    """Every check on hf_model passed for this partition in the run that merged it, and none failed since
+    """Every check of the merge step (on hf_model and state_dict) passed for this partition in the run that merged it, and none failed since
     (a check result reported later, e.g. by hand, counts)."""
     # (the event log does not index check evaluations by asset key: filtered here)
     records = instance.get_event_records(
@@ -191,7 +191,7 @@ def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: s
     # newest first, by time: sqlite numbers a runless event (a check result reported by hand) apart from runs' events
     for record in sorted(records, key=lambda r: r.timestamp, reverse=True):
         evaluation = record.event_log_entry.dagster_event.asset_check_evaluation_data
-        if evaluation.asset_key == hf_model.key and evaluation.partition == partition:
+        if evaluation.asset_key in (hf_model.key, state_dict.key) and evaluation.partition == partition:
             latest.setdefault(evaluation.check_name, (evaluation.passed, record.run_id))
     return all(latest.get(c.name) == (True, merge_run_id) for c in BLOCKING_CHECKS)
 

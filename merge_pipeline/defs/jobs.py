@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import hf_model
+from merge_pipeline.defs.assets import merge_step
+from merge_pipeline.defs.report import step_report
 
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
 
 merge_checkpoint_job = dg.define_asset_job(
     "merge_checkpoint",
-    selection=dg.AssetSelection.assets(hf_model),  # with its checks, which run inside its step
+    # the merge step (three stages and their checks), then the step report on the published folder
+    selection=dg.AssetSelection.assets(merge_step, step_report),
     tags={HEAVY_TAG: "merge"},
     # One process for the whole chain (the code location's default executor, so runs started from
     # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of

@@ -18,7 +18,7 @@ from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
 CRITIC = FsdpSpec(arch="llama", critic=True)
-CHAIN = [assets.checkpoint, assets.hf_model]  # the external checkpoint, and hf_model with the checks inside its step
+CHAIN = [assets.checkpoint, assets.merge_step]  # the external checkpoint, and the merge step's stages with their checks
 
 
 @dataclass

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.hf.manifest import MANIFEST, write_manifest
-from merge_pipeline.pipeline import prepare
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import describe, prepare
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
@@ -57,39 +58,46 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
     metadata = {
         e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()
     }
-    assert set(metadata) == {"hf_model"}  # the checkpoint is the trainer's: the sensor records it
-    published = metadata["hf_model"]
-    assert (
-        published["backend"].value == "fsdp"
-        and published["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
-    )
-    assert (published["world_size"].value, published["fsdp_version"].value, published["architecture"].value) == (
-        2,
+    # the checkpoint is the trainer's (the sensor records it); the three stages come from the one merge step
+    assert set(metadata) == {"parallel_config", "state_dict", "hf_model"}
+    plan, weights, published = metadata["parallel_config"], metadata["state_dict"], metadata["hf_model"]
+    sample_dir = roots.checkpoints / "run/global_step_3/actor"
+    inspected = describe(sample_dir, MergeOptions())  # `inspect` and parallel_config show the same facts
+    assert {k: plan[k].value for k in ("backend", "world_size", "fsdp_version", "architecture", "parameters")} == {
+        k: inspected[k] for k in ("backend", "world_size", "fsdp_version", "architecture", "parameters")
+    }
+    assert (plan["backend"].value, plan["world_size"].value, plan["architecture"].value) == (
+        "fsdp",
         2,
         "Qwen2ForCausalLM",
     )
-    assert published["parameters"].value == sum(
+    assert plan["parameters"].value == sum(
         t.numel() for t in load_file(sample.reference_dir / "model.safetensors").values()
     )
-    assert published["tensors"].value == 27 and published["throughput"].value.endswith("/s")
-    assert published["dtype"].value == "bfloat16" and published["tensor dtypes"].value == {
-        "float32 -> bfloat16": 27
-    }  # what was written
-    assert published["peak_rss_bytes"].value > 0 and "peak RSS (whole process)" in published
+    assert plan["dtype"].value == "bfloat16" and plan["tensor dtypes"].value == {"float32 -> bfloat16": 27}
+    assert plan["shards"].value == 3 and plan["lora handling"].value == "no LoRA tensors"
+    assert weights["tensors"].value == 27 and weights["throughput"].value.endswith("/s")
+    assert weights["peak_rss_bytes"].value > 0 and "peak RSS (whole process)" in weights
+    assert published["completeness"].value == "latest_checkpointed_iteration.txt says 3 >= 3"
+    assert published["dtype"].value == "bfloat16"  # what was written
     target = roots.target("run/global_step_3/actor")
-    assert (
-        published["path"].value == str(target)
-        and published["source"].value == str(sample_dir := roots.checkpoints / "run/global_step_3/actor")
-        and sample_dir.is_dir()
-    )
-    assert not any("staging" in str(v.value) for v in published.values()), (
-        "no metadata points at the staging folder, which is gone"
-    )
+    assert published["path"].value == weights["path"].value == str(target)
+    assert published["source"].value == str(sample_dir) and sample_dir.is_dir()
+    for stage in metadata.values():
+        assert not any("staging" in str(v.value) for v in stage.values()), (
+            "no metadata points at the staging folder, which is gone"
+        )
     manifest = json.loads((target / MANIFEST).read_text())["files"]
     assert len(manifest) == 9 and {p.name for p in target.iterdir()} - {MANIFEST} == set(manifest)
     for name, f in manifest.items():  # every sha256 in full, readable in the Markdown table
         assert f"| {name} | " in published["files"].value and f"`{f['sha256']}`" in published["files"].value
+        assert (f"`{f['sha256']}`" in weights["files"].value) == name.endswith(".safetensors")
     checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
+    assert {e.check_name: e.asset_key.to_user_string() for e in result.get_asset_check_evaluations()} == {
+        "index_matches_shards": "state_dict",  # each check on the stage it checks
+        "loads_on_meta_device": "hf_model",
+        "manifest_sha256": "hf_model",
+    }
     assert {
         name: (m["tensors"].value, m["weight files"].value, m["files in manifest"].value, m["problem count"].value)
         for name, m in checks.items()
@@ -157,6 +165,6 @@ def test_megatron_checkpoints_flow_through_the_same_assets(megatron_samples, roo
     [metadata] = [
         e.materialization.metadata
         for e in result.get_asset_materialization_events()
-        if e.asset_key.to_user_string() == "hf_model"
+        if e.asset_key.to_user_string() == "parallel_config"
     ]
     assert metadata["backend"].value == "megatron" and {k: metadata[k].value for k in parallel} == parallel

@@ -48,7 +48,16 @@ def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
         [DG, "list", "defs", "--json"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert listed.returncode == 0, listed.stderr[-3000:]
-    for name in ("hf_model", "checkpoint", "merge_checkpoint", "new_checkpoint_sensor", "merge_failure_webhook"):
+    for name in (
+        "checkpoint",
+        "parallel_config",
+        "state_dict",
+        "hf_model",
+        "step_report",
+        "merge_checkpoint",
+        "new_checkpoint_sensor",
+        "merge_failure_webhook",
+    ):
         assert name in listed.stdout, name
 
 
@@ -62,19 +71,24 @@ def test_dg_dev_serves_the_location_from_the_project_root(tmp_path):
 
 def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_with_its_checks():
     job = defs.resolve_job_def("merge_checkpoint")
-    assert set(job.graph.node_dict) == {"hf_model"} and job.tags[HEAVY_TAG] == "merge"
+    assert set(job.graph.node_dict) == {"hf_model", "step_report"} and job.tags[HEAVY_TAG] == "merge"
     # the UI's Materialize button, backfills and `dg launch --assets` run the implicit asset job
     for every in (job, defs.resolve_implicit_global_asset_job_def(), defs.resolve_job_def("publish_to_hub")):
         assert every.executor_def is dg.in_process_executor, every.name
     hf_model = defs.resolve_assets_def("hf_model")
     assert sorted(k.name for k in hf_model.check_keys) == CHECKS and all(s.blocking for s in hf_model.check_specs)
-    assert not hf_model.can_subset  # the checks run inside the merge step, on the staged folder: never on their own
+    # one step for the three stages: the plan built once, the checks on the staged folder, never on their own
+    assert not hf_model.can_subset and {k.to_user_string() for k in hf_model.keys} == {
+        "parallel_config",
+        "state_dict",
+        "hf_model",
+    }
     assert hf_model.op.pool == "merge" and hf_model.partitions_def.name == "checkpoints"
 
 
 def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy():
     specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
-    for name in ("checkpoint", "hf_model"):
+    for name in ("checkpoint", "parallel_config", "state_dict", "hf_model", "step_report"):
         assert (
             specs[name].owners == ["team:training-infra"]
             and specs[name].group_name == "merge"
@@ -158,8 +172,8 @@ def test_dg_launch_merges_one_partition(fsdp_checkpoint, roots, instance, tmp_pa
         [
             DG,
             "launch",
-            "--assets",
-            "hf_model",
+            "--job",  # the merge step's three stages go together (it cannot be subset), then the step report
+            "merge_checkpoint",
             "--partition",
             key,
             "--config-json",

@@ -27,13 +27,15 @@ KEY = "e2e_run/global_step_1/actor"
 BROKEN = "e2e_run/global_step_2/actor"
 RUN_TIMEOUT = 240
 FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
-CHECK_NAMES = ("index_matches_shards", "loads_on_meta_device", "manifest_sha256")
+CHECKS_ON = {"state_dict": ("index_matches_shards",), "hf_model": ("loads_on_meta_device", "manifest_sha256")}
+CHECK_NAMES = tuple(name for names in CHECKS_ON.values() for name in names)
+STAGES = ("parallel_config", "state_dict", "hf_model")  # one step: the UI's Materialize selects all three
 LAUNCH = """
 mutation Launch($params: ExecutionParams!) {
   launchPipelineExecution(executionParams: $params) { __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } }
 }"""
 CHECKS = """
-query Checks { assetNodeOrError(assetKey: {path: ["hf_model"]}) { ... on AssetNode {
+query Checks($asset: AssetKeyInput!) { assetNodeOrError(assetKey: $asset) { ... on AssetNode {
   assetChecksOrError { ... on AssetChecks { checks { name blocking canExecuteIndividually } } } } } }"""
 RUN_EVENTS = """
 query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events { __typename ... on MessageEvent { timestamp } } } } }"""
@@ -146,8 +148,10 @@ def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors
             "repositoryLocationName": "merge_pipeline",
             "repositoryName": "__repository__",
             "pipelineName": "__ASSET_JOB",
-            "assetSelection": [{"path": ["hf_model"]}],
-            "assetCheckSelection": [{"assetKey": {"path": ["hf_model"]}, "name": c} for c in CHECK_NAMES],
+            "assetSelection": [{"path": [stage]} for stage in STAGES],
+            "assetCheckSelection": [
+                {"assetKey": {"path": [asset]}, "name": c} for asset, names in CHECKS_ON.items() for c in names
+            ],
         },
         "mode": "default",
         "runConfigData": {"ops": {"hf_model": {"config": {"overwrite": True, "dtype": "bfloat16"}}}},
@@ -187,10 +191,11 @@ def run_phases(dagster: Dagster, run_id: str, clicked: float) -> dict[str, float
 
 
 def test_checks_are_offered_only_with_the_merge(dagster):
-    checks = dagster.graphql(CHECKS, {})["assetNodeOrError"]["assetChecksOrError"]["checks"]
-    assert sorted((c["name"], c["blocking"], c["canExecuteIndividually"]) for c in checks) == [
-        (name, True, "REQUIRES_MATERIALIZATION") for name in CHECK_NAMES
-    ]
+    for asset, names in CHECKS_ON.items():  # each on the stage it checks
+        checks = dagster.graphql(CHECKS, {"asset": {"path": [asset]}})["assetNodeOrError"]["assetChecksOrError"]
+        assert sorted((c["name"], c["blocking"], c["canExecuteIndividually"]) for c in checks["checks"]) == [
+            (name, True, "REQUIRES_MATERIALIZATION") for name in names
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +235,17 @@ def test_the_ui_shows_the_graph_a_partition_the_checks_and_the_failed_run(merged
     dom = browser.dump_dom_showing(graph, ">hf_model<", "2 partitions")
     browser.screenshot(graph, tmp_path / "asset_graph.png")
     partition = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=partitions&partition={KEY}", BROKEN)
-    checks = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=checks", *CHECK_NAMES)
+    checks = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=checks", *CHECKS_ON["hf_model"])
+    stages = {  # every stage a person can open, and the step report with its plot and checks
+        stage: browser.dump_dom_showing(f"{dagster.url}/assets/{stage}?partition={KEY}", KEY, *shows)
+        for stage, shows in {**dict.fromkeys(STAGES, ()), "step_report": ("plot", "summary", "NaN")}.items()
+    }
     run_page = browser.dump_dom_showing(f"{dagster.url}/runs/{run['runId']}", "not a torch.save zip archive")
 
-    assert ">checkpoint<" in dom and ">hf_model<" in dom and "2 partitions" in dom
+    assert all(f">{asset}<" in dom for asset in ("checkpoint", *STAGES, "step_report")) and "2 partitions" in dom
+    assert all(KEY in page for page in stages.values())
+    assert all(text in stages["step_report"] for text in ("plot", "summary", "NaN"))  # its metadata
     assert (tmp_path / "asset_graph.png").stat().st_size > 20_000
     assert KEY in partition and BROKEN in partition
-    assert all(name in checks for name in CHECK_NAMES)
+    assert all(name in checks for name in CHECKS_ON["hf_model"])
     assert str(rank_file) in run_page and "not a torch.save zip archive" in run_page

@@ -22,7 +22,12 @@ def failure(result: dg.ExecuteInProcessResult) -> tuple[str, str]:
 def assert_nothing_published(instance, roots, key=KEY):
     target = roots.target(key)
     assert not target.exists() and not staging_path(target).exists()
-    assert instance.get_latest_materialization_event(dg.AssetKey("hf_model")) is None
+    for stage in (
+        "parallel_config",
+        "state_dict",
+        "hf_model",
+    ):  # one step: no stage describes a folder that is not there
+        assert instance.get_latest_materialization_event(dg.AssetKey(stage)) is None, stage
 
 
 def test_corrupt_rank_file_fails_with_one_line_naming_it(fsdp_checkpoint, roots, instance):
@@ -69,6 +74,7 @@ def test_a_failed_blocking_check_publishes_nothing_and_says_so(fsdp_checkpoint, 
         f"{roots.target(KEY)}: not published: blocking check(s) loads_on_meta_device failed on the merged folder (see the checks' problems)",
     )
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert {e.asset_key.to_user_string() for e in checks.values()} == {"state_dict", "hf_model"}
     assert {name: e.passed for name, e in checks.items()} == {
         "loads_on_meta_device": False,
         "index_matches_shards": True,

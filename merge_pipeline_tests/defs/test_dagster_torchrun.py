@@ -11,7 +11,7 @@ INPROCESS = {"max_shard_size": "200KB"}
 
 
 def weights_metadata(result) -> dict:
-    [event] = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "hf_model"]
+    [event] = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == "state_dict"]
     return event.materialization.metadata
 
 
@@ -33,7 +33,7 @@ def test_torchrun_launcher_matches_in_process(fsdp_checkpoint, roots, instance):
     }
     ours, theirs = weights_metadata(by_torchrun), weights_metadata(in_process)
     assert set(ours) - {"peak RSS (largest rank)"} == set(theirs) - {"peak RSS (whole process)"}
-    for key in ("tensors", "bytes", "dtype", "max_shard_size", "files"):
+    for key in ("tensors", "bytes", "weight files", "files"):
         assert ours[key] == theirs[key], key
     assert ours["launcher"].value == "torchrun x2" and theirs["launcher"].value == "inprocess"
     logs = [e.message for e in instance.all_logs(by_torchrun.run_id) if e.message]
