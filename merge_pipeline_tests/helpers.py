@@ -92,6 +92,22 @@ def config_claims_one_more_layer(role_dir: Path) -> str:
     return f"model.layers.{layers}.input_layernorm.weight"
 
 
+def cli_merge_command(role_dir: Path, target: Path, *flags: str) -> list[str]:
+    """``merge`` in a fresh interpreter, for tests that limit, time or kill the process."""
+    return [
+        sys.executable,
+        "-m",
+        "merge_pipeline",
+        "merge",
+        "--local_dir",
+        str(role_dir),
+        "--target_dir",
+        str(target),
+        "--no-progress",
+        *flags,
+    ]
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     """Run ``merge-pipeline`` in this process; returns (exit code, stdout, stderr)."""
     code = main([str(a) for a in argv])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
-from merge_pipeline_tests.helpers import tree_digest
+from merge_pipeline_tests.helpers import cli_merge_command, tree_digest
 
 # ~48M parameters (192 MB of fp32 rank files, 96 MB of bf16 output in 6 files): the merge is still
 # writing when the test kills it. Written by torch's fake process group (one process, no gloo ranks).
@@ -31,21 +30,7 @@ SPEC = FsdpSpec(
 
 
 def _merge_command(role_dir: Path, target: Path, dtype: str = "bfloat16") -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "merge_pipeline",
-        "merge",
-        "--local_dir",
-        str(role_dir),
-        "--target_dir",
-        str(target),
-        "--dtype",
-        dtype,
-        "--max-shard-size",
-        "8MB",
-        "--no-progress",
-    ]
+    return cli_merge_command(role_dir, target, "--dtype", dtype, "--max-shard-size", "8MB")
 
 
 def _kill_after(command: list[str], percent: int) -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import resource
 import subprocess
-import sys
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
-from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+from merge_pipeline_tests.helpers import cli_merge_command, load_safetensors_dir, same_bits
 
 WORLD_SIZE = 1024
 OPEN_FILES = 128
@@ -38,18 +37,10 @@ def test_world_size_1024_merges_bit_exact_under_a_small_file_limit(tmp_path):
     write_fake_pg_checkpoint(role_dir, SPEC, reference_dir=tmp_path / "reference")
     assert len(list(role_dir.glob("model_world_size_*_rank_*.pt"))) == WORLD_SIZE > OPEN_FILES
     target = tmp_path / "out"
-    command = [
-        sys.executable,
-        "-m",
-        "merge_pipeline",
-        "merge",
-        "--local_dir",
-        str(role_dir),
-        "--target_dir",
-        str(target),
-    ]
 
-    merged = subprocess.run([*command, "--no-progress"], capture_output=True, text=True, preexec_fn=_limit_open_files)
+    merged = subprocess.run(
+        cli_merge_command(role_dir, target), capture_output=True, text=True, preexec_fn=_limit_open_files
+    )
 
     assert merged.returncode == 0, merged.stderr
     expected = load_safetensors_dir(tmp_path / "reference")

@@ -103,7 +103,7 @@ def test_the_sensors_run_publishes_it_and_the_cli_writes_the_same_bytes(
 
     assert run.success
     checks = {e.check_name: e.passed for e in run.get_asset_check_evaluations()}
-    assert checks == dict.fromkeys(CHECK_NAMES, True)
+    assert {name: checks.get(name) for name in CHECK_NAMES} == dict.fromkeys(CHECK_NAMES, True)  # the blocking ones
     published = roots.target(KEY)
     assert json.loads((published / "config.json").read_text())["dtype"] == "float32"
     assert_loads_every_stored_value(published)
