@@ -40,13 +40,13 @@ from merge_pipeline.formats import BACKENDS as BACKENDS
 
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
 # a save itself, and whether a save is complete (and why not).
+from merge_pipeline.formats import Completeness as Completeness
 from merge_pipeline.formats import completeness as completeness
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.formats import saved_in_step_folder as saved_in_step_folder
 from merge_pipeline.formats import step_folder as step_folder
 from merge_pipeline.formats import step_folders as step_folders
 from merge_pipeline.formats.base_model import with_base_weights
-from merge_pipeline.formats.step_folders import Completeness as Completeness
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
