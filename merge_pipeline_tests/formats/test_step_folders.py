@@ -12,8 +12,6 @@ from merge_pipeline.formats.step_folders import HF_TRAINER, TRACKER, VERL
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.options import MergeOptions
 
-LATER = time.time() + 3600  # "now", an hour after the files were written: past any settle time
-
 
 def touch(path: Path, text: str = "x") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -21,15 +19,16 @@ def touch(path: Path, text: str = "x") -> Path:
     return path
 
 
-def reason(folder: Path, step: int, *, now: float = LATER) -> tuple[bool, str]:
-    state = completeness(folder, step, 60, now=now)
+def reason(folder: Path, step: int, *, now: float | None = None) -> tuple[bool, str]:
+    """The answer an hour after the files were written (past the settle time), or at ``now``."""
+    state = completeness(folder, step, 60, now=time.time() + 3600 if now is None else now)
     return state.complete, state.reason
 
 
 def test_every_step_folder_is_some_readers_and_no_name_is_two_stacks():
     declared = [folder for name in READERS for folder in reader(name).step_folders]
     assert set(step_folders()) == set(declared) and len(step_folders()) == len(set(declared))
-    assert [f.stack for f in step_folders()] == ["verl", "DeepSpeed", "the HF Trainer", "torchtitan", "NeMo-RL"]
+    assert all(step_folder(f"{folder.prefix}3") == (folder, 3) for folder in step_folders())
     names = ["global_step_3", "global_step3", "checkpoint-3", "step-3", "step_3"]
     assert [step_folder(n)[0].stack for n in names] == ["verl", "DeepSpeed", "the HF Trainer", "torchtitan", "NeMo-RL"]
     assert [step_folder(n) for n in ("global_step_03", "step-٣", "steps-3")] == [None, None, None]
