@@ -1,4 +1,4 @@
-"""Plan a role folder whose weights are already Hugging Face safetensors.
+"""Plan a role folder whose weights are consolidated Hugging Face safetensors (``--backend hf``).
 
 verl's Megatron bridge (the default) saves the model this way, in ``model/huggingface/`` (layout v2)
 or ``huggingface/`` (v1): one ``model.safetensors`` without an index, or shards with one. The
