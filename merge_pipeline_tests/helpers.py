@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from merge_pipeline.cli import main
+from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
@@ -70,7 +71,8 @@ def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
     """The Megatron reader's plan of ``role_dir`` with these merge options (as ``--backend megatron``)."""
     from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
 
-    return READER.plan(Path(role_dir), MergeOptions(**options))
+    options = MergeOptions(**options)
+    return READER.plan(Path(role_dir), options, CheckpointConfig.of(role_dir, options))
 
 
 def config_says_tied(role_dir: Path) -> Path:

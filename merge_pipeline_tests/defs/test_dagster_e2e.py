@@ -15,9 +15,9 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs import browser
 from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
 from merge_pipeline_tests.defs.services import Dagster, running_dagster_dev
