@@ -8,9 +8,13 @@ from __future__ import annotations
 import resource
 import subprocess
 
+import pytest
+
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.helpers import cli_merge_command, load_safetensors_dir, same_bits
+
+pytestmark = pytest.mark.slow
 
 WORLD_SIZE = 1024
 OPEN_FILES = 128
