@@ -31,7 +31,7 @@ WRITES_SAMPLES = {
 
 
 def pytest_collection_modifyitems(items):
-    """The tiers (README "Tests"): ``slow`` also marks every test that writes a sample checkpoint, launches
+    """The tiers (README "The two commands"): ``slow`` also marks every test that writes a sample checkpoint, launches
     torchrun or runs Dagster's processes, so ``-m "not slow"`` leaves the unit tests on small synthetic inputs."""
     for item in items:
         if (
