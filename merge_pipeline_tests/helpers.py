@@ -20,6 +20,19 @@ from merge_pipeline.cli import main
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+
+# A one-layer Llama small enough for thousands of rank files: 1003 vocab rows split unevenly over most world sizes.
+TINY_LLAMA = FsdpSpec(
+    arch="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    vocab_size=1003,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    with_optimizer=False,
+)
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -4,23 +4,13 @@ process group (one process plays every rank), the vocab's 1003 rows split uneven
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
-from merge_pipeline_tests.helpers import assert_bit_exact, merge_ok
+from merge_pipeline_tests.helpers import TINY_LLAMA, assert_bit_exact, merge_ok
 
-SPEC = FsdpSpec(
-    arch="llama",
-    world_size=3,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    vocab_size=1003,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    with_optimizer=False,
-)
+SPEC = replace(TINY_LLAMA, world_size=3)
 
 
 def test_uneven_fsdp2_shards_merge_bit_exact(capsys, tmp_path):
