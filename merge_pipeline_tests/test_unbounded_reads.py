@@ -104,6 +104,7 @@ print(json.dumps({"grew": peak_rss_bytes() - before, "results": results}))
 """
 
 
+@pytest.mark.slow
 def test_1gb_tracker_latest_json_and_metadata_cost_no_memory(tmp_path):
     """Sparse 1 GB files of spaces' worth (zeros on disk): refused by size, not read (was 2.4 to 5.6 GB)."""
     for name in ("latest_checkpointed_iteration.txt", "latest", "ckpt_contents.json", "dist_ckpt/.metadata"):

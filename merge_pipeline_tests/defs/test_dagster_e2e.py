@@ -23,6 +23,8 @@ from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
 from merge_pipeline_tests.defs.services import Dagster, running_dagster_dev
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
+pytestmark = pytest.mark.e2e
+
 KEY = "e2e_run/global_step_1/actor"
 BROKEN = "e2e_run/global_step_2/actor"
 RUN_TIMEOUT = 240
