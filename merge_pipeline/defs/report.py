@@ -13,50 +13,61 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import GROUP, OWNERS, hf_model
+from merge_pipeline.defs.assets import GROUP, OWNERS
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
+from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.step_diff import StepDiff, diff_folders, markdown_table, summary_lines
 
-STEP_REPORT = dg.AssetKey("step_report")
 PREVIOUS, BASE = "previous step", "base model"
 
-with warnings.catch_warnings():  # partitioned checks are a preview in Dagster 1.13
-    warnings.simplefilter("ignore", dg.PreviewWarning)
-    REPORT_CHECKS = [
-        dg.AssetCheckSpec(
-            "weights_changed",
-            asset=STEP_REPORT,
-            partitions_def=checkpoint_partitions,
-            description="the merged weights differ from the base model's and the previous step's: bit-identical means LoRA was never folded, or training changed nothing",
-        ),
-        dg.AssetCheckSpec(
-            "finite",
-            asset=STEP_REPORT,
-            partitions_def=checkpoint_partitions,
-            description="no NaN or Inf in any merged tensor",
-        ),
-    ]
+
+def report_checks(names: Names) -> list[dg.AssetCheckSpec]:
+    with warnings.catch_warnings():  # partitioned checks are a preview in Dagster 1.13
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return [
+            dg.AssetCheckSpec(
+                "weights_changed",
+                asset=names.key("step_report"),
+                partitions_def=names.partitions,
+                description="the merged weights differ from the base model's and the previous step's: bit-identical means LoRA was never folded, or training changed nothing",
+            ),
+            dg.AssetCheckSpec(
+                "finite",
+                asset=names.key("step_report"),
+                partitions_def=names.partitions,
+                description="no NaN or Inf in any merged tensor",
+            ),
+        ]
 
 
-@dg.asset(
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    owners=OWNERS,
-    deps=[hf_model],
-    kinds={"pytorch"},
-    tags={"stage": "report"},
-    check_specs=REPORT_CHECKS,
-)
-def step_report(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.MaterializeResult:
-    """Per tensor: relative change against the previous merged step of the run and the base model, norms, NaN / Inf."""
+def step_report_definition(names: Names) -> dg.AssetsDefinition:
+    @dg.asset(
+        key=names.key("step_report"),
+        partitions_def=names.partitions,
+        group_name=names(GROUP),
+        owners=OWNERS,
+        deps=[names.key("hf_model")],
+        kinds={"pytorch"},
+        tags={"stage": "report"},
+        check_specs=report_checks(names),
+        required_resource_keys={names("settings")},
+    )
+    def step_report(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        """Per tensor: relative change against the previous merged step of the run and the base model, norms, NaN / Inf."""
+        return _report(context, getattr(context.resources, names("settings")), names)
+
+    return step_report
+
+
+def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: Names) -> dg.MaterializeResult:
     key = CheckpointKey.parse(context.partition_key)
     folder = settings.target_dir(key)
     with one_line_failure():
-        references = _references(context.instance, settings, key, folder)
+        references = _references(context.instance, settings, key, folder, names)
         diff = diff_folders(folder, references)
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
@@ -88,12 +99,14 @@ def step_report(context: dg.AssetExecutionContext, settings: MergeSettings) -> d
     )
 
 
-def _references(instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path) -> dict:
+def _references(
+    instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path, names: Names
+) -> dict:
     """The previous merged step of the same run and role, and the base model when it has weights."""
     found = {}
     earlier = [
         k
-        for k in map(CheckpointKey.parse, instance.get_dynamic_partitions(checkpoint_partitions.name))
+        for k in map(CheckpointKey.parse, instance.get_dynamic_partitions(names.partitions.name))
         if (k.run_name, k.role) == (key.run_name, key.role)
         and k.step < key.step
         and weight_files(settings.target_dir(k))
@@ -137,4 +150,4 @@ def _plot_png(diff: StepDiff) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-defs = dg.Definitions(assets=[step_report])
+step_report = step_report_definition(PLAIN)  # this project's own instance

@@ -83,6 +83,3 @@ class MergeSettings(dg.ConfigurableResource):
 
     def target_dir(self, key: CheckpointKey) -> Path:
         return self.output_dir / key.path
-
-
-defs = dg.Definitions(resources={"settings": MergeSettings()})
