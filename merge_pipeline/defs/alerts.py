@@ -63,7 +63,8 @@ def failure_message(context: dg.RunFailureSensorContext) -> dict:
 
 
 def failure_webhook(names: Names) -> dg.SensorDefinition:
-    def merge_failure_webhook(context: dg.RunStatusSensorContext) -> dg.SkipReason | None:
+    def merge_failure_webhook(context: dg.RunStatusSensorContext, **_called_with: object) -> dg.SkipReason | None:
+        # (called directly, Dagster passes the resources as arguments too; the daemon does not)
         context = context.for_run_failure()
         alert_webhook: AlertWebhook = getattr(context.resources, names("alert_webhook"))
         if not _of_this_instance(context.dagster_run, names):

@@ -19,10 +19,11 @@ import dagster as dg
 
 from merge_pipeline.defs.checks import check_specs, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.discovery import completeness
+from merge_pipeline.defs.discovery import Completeness, completeness, newest_change
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.pins import unpin
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
@@ -119,7 +120,12 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
         target's lock, runs the three blocking checks against the staging folder, and renames it into
         place only if all passed.
         """
-        yield from _merge(context, config, getattr(context.resources, names("settings")), names)
+        settings: MergeSettings = getattr(context.resources, names("settings"))
+        try:
+            yield from _merge(context, config, settings, names)
+        finally:  # published or failed: the pin (pin_steps) has done its job
+            if pinned := settings.pinned(CheckpointKey.parse(context.partition_key)):
+                unpin(pinned[0], CheckpointKey.parse(context.partition_key))
 
     with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
         warnings.simplefilter("ignore", dg.BetaWarning)
@@ -136,8 +142,13 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
         options = config.options()  # tie and untie together are refused in one line, as by the CLI
         if options.hf_model_path is None and settings.base_model_dir:  # the sensor's runs carry no run config
             options = dataclasses.replace(options, hf_model_path=settings.base_model_dir)
-        role_dir = settings.role_dir(key)
-        state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
+        pinned = settings.pinned(key)  # the sensor's hard links (pin_steps): the trainer may have deleted the step
+        role_dir = pinned[1] if pinned else settings.role_dir(key)
+        state = (
+            Completeness(True, "pinned by the sensor when complete", newest_change(role_dir))
+            if pinned
+            else completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
+        )
         if not state.complete:
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
         # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its

@@ -130,7 +130,8 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
         description="Publishes the highest merged step of each run whose checks passed, once per merge of that step. "
         "Off until MERGE_PIPELINE_HUB_ORG is set (in .env) when the code location loads; then it runs by default.",
     )
-    def publish_latest_steps(context: dg.ScheduleEvaluationContext):
+    def publish_latest_steps(context: dg.ScheduleEvaluationContext, **_called_with: object):
+        # (called directly, Dagster passes the resources as arguments too; the daemon does not)
         return _latest_steps(context, getattr(context.resources, names("hub")), names)
 
     return hub_model, publish_latest_steps

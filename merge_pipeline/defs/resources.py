@@ -24,6 +24,7 @@ from pydantic import Field
 
 from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.pins import PINS, pin_path
 
 ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
@@ -31,6 +32,7 @@ ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_SETTLE_SECONDS",
     "MERGE_PIPELINE_HF_MODEL_PATH",
 )
+PIN_VAR, PIN_ROOT_VAR = "MERGE_PIPELINE_PIN_STEPS", "MERGE_PIPELINE_PIN_ROOT"
 
 
 class MergeSettings(dg.ConfigurableResource):
@@ -49,6 +51,15 @@ class MergeSettings(dg.ConfigurableResource):
     hf_model_path: str | None = Field(
         default=None,
         description=f"the original HF model folder for checkpoints that hold no config (torchtitan, accelerate, NeMo-RL, OpenRLHF's DeepSpeed), so the sensor's runs merge them; a run config's hf_model_path wins; unset: ${HF_MODEL_VAR}, else none",
+    )
+
+    pin_steps: bool | None = Field(
+        default=None,
+        description=f"hard-link a complete step into a pin folder when its merge is requested, so the trainer's rotation cannot delete it before it is merged; the pin is removed once published or failed; unset: ${PIN_VAR} (1/true), else off",
+    )
+    pin_root: str | None = Field(
+        default=None,
+        description=f"where pins lie; on the checkpoints' filesystem (hard links do not cross filesystems); unset: ${PIN_ROOT_VAR}, else <checkpoint root>/{PINS}",
     )
 
     @property
@@ -73,6 +84,25 @@ class MergeSettings(dg.ConfigurableResource):
     @property
     def base_model_dir(self) -> str | None:
         return self.hf_model_path if self.hf_model_path is not None else dg.EnvVar(HF_MODEL_VAR).get_value() or None
+
+    @property
+    def pins_on(self) -> bool:
+        value = self.pin_steps if self.pin_steps is not None else dg.EnvVar(PIN_VAR).get_value("0")
+        return str(value).lower() in ("1", "true", "yes")
+
+    @property
+    def pin_roots(self) -> list[Path]:
+        chosen = self.pin_root if self.pin_root is not None else dg.EnvVar(PIN_ROOT_VAR).get_value()
+        return [Path(chosen).absolute()] if chosen else [root / PINS for root in self.roots]
+
+    def pin_root_of(self, role_dir: Path) -> Path:
+        """The pin root for a checkpoint folder: the setting, else beside it in its own checkpoint root."""
+        roots = self.pin_roots
+        return roots[0] if len(roots) == 1 else next(r for r in roots if role_dir.is_relative_to(r.parent))
+
+    def pinned(self, key: CheckpointKey) -> tuple[Path, Path] | None:
+        """(pin root, pinned folder) of ``key``, when pinned."""
+        return next(((r, pin_path(r, key)) for r in self.pin_roots if pin_path(r, key).is_dir()), None)
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""

@@ -21,6 +21,7 @@ from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint, complet
 from merge_pipeline.defs.jobs import merge_checkpoint_job
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.pins import pin, stale_pins, unpin
 from merge_pipeline.defs.resources import MergeSettings
 
 SOURCE_TAG = "merge_pipeline/source"
@@ -40,7 +41,8 @@ def checkpoint_sensor(names: Names, interval_seconds: int) -> dg.SensorDefinitio
         required_resource_keys={names("settings")},
         description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: partitions.STEP_FOLDERS) and merges each once.",
     )
-    def new_checkpoint_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+    def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
+        # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)
         return _tick(context, getattr(context.resources, names("settings")), names)
 
     return new_checkpoint_sensor
@@ -70,14 +72,25 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
             waiting.append(f"{key} ({state.reason})")
             continue
         seen.add(key)
+        if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_root_of(found.role_dir), found.key)):
+            context.log.warning(not_pinned)
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
         saved.append(_checkpoint_saved(found, state, names))
     cursor = json.dumps(sorted(seen & present))
     rotated = (
-        [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()]
+        [
+            k
+            for k in partitions
+            if k not in present
+            and not settings.target_dir(CheckpointKey.parse(k)).exists()
+            and not settings.pinned(CheckpointKey.parse(k))  # its merge reads the pin
+        ]
         if scan.all_roots_read
         else []
     )
+    for pin_root, key in stale_pins(context.instance, settings.pin_roots, {r.partition_key for r in requests}):
+        context.log.info(f"removing the pin of {key}: no run of it is queued or running")
+        unpin(pin_root, key)
     changes = []
     if rotated:
         context.log.info(
