@@ -45,15 +45,21 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
             textwrap.dedent(f"""\
                 type: {request.type_name}
                 attributes:
-                  prefix: {prefix}                      # asset keys {prefix}/..., jobs and sensors {prefix}__...
+                  # asset keys {prefix}/..., jobs, sensors and schedules {prefix}__...
+                  prefix: {prefix}
                   checkpoint_roots: [/data/{prefix}/checkpoints]
                   output_root: /data/{prefix}/merged
                   settle_seconds: 60
-                  # hf_model_path: /models/base       # for checkpoints without a config (torchtitan, NeMo-RL, ...)
-                  pin_steps: false                    # hard-link a complete step until its merge is done
-                  smoke_test: false                   # greedy-generate a few tokens on CPU after the merge
+                  # for checkpoints without a config of their own (torchtitan, NeMo-RL, ...)
+                  # hf_model_path: /models/base
+                  # hard-link a complete step until its merge is done (the trainer's rotation may delete it)
+                  pin_steps: false
+                  # after the merge: a few greedy tokens and a loss on CPU, in step_report and the model card
+                  smoke_test: false
+                  smoke_max_size: 2GB
                   hub:
-                    organization: ""                  # set to publish; token: $HF_TOKEN
+                    # set to publish (token: $HF_TOKEN); empty: the schedule stays off
+                    organization: ""
                     schedule: "*/10 * * * *"
                 """)
         )
@@ -70,9 +76,10 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     settle_seconds: float | None = None  # none: $MERGE_PIPELINE_SETTLE_SECONDS, else 60
     hf_model_path: str | None = None  # none: $MERGE_PIPELINE_HF_MODEL_PATH
     pin_steps: bool | None = None  # none: $MERGE_PIPELINE_PIN_STEPS, else off
+    pin_root: str | None = None  # none: $MERGE_PIPELINE_PIN_ROOT, else <checkpoint root>/.merge_pins
     smoke_test: bool | None = None  # none: $MERGE_PIPELINE_SMOKE_TEST, else off
-    smoke_prompt: str | None = None
-    smoke_max_bytes: int | None = None
+    smoke_prompt: str | None = None  # none: $MERGE_PIPELINE_SMOKE_PROMPT, else a fixed one
+    smoke_max_size: str | None = None  # none: $MERGE_PIPELINE_SMOKE_MAX_SIZE, else 2GB of weights
     sensor_interval_seconds: int = 10
     freshness_minutes: float = 30
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
@@ -129,4 +136,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             output_root=self.output_root,
             settle_seconds=self.settle_seconds,
             hf_model_path=self.hf_model_path,
+            pin_steps=self.pin_steps,
+            pin_root=self.pin_root,
+            smoke_test=self.smoke_test,
+            smoke_prompt=self.smoke_prompt,
+            smoke_max_size=self.smoke_max_size,
         )

@@ -23,6 +23,7 @@ from pydantic import Field
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS
 from merge_pipeline.hub import UploadResult, upload_folder_verified
@@ -80,7 +81,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
         run_name = re.sub(r"[^\w.-]+", "-", key.run_name).strip("-.")
         return self.repo_template.format(org=self.organization, run_name=run_name, role=key.role, step=key.step)
 
-    def publish(self, folder: Path, key: CheckpointKey) -> UploadResult:
+    def publish(self, folder: Path, key: CheckpointKey, smoke: dict | None = None) -> UploadResult:
         revision = f"global_step_{key.step}" if self.revisions == "branch" else None
         return upload_folder_verified(
             folder,
@@ -90,6 +91,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
             endpoint=self.endpoint,
             token=self.token,
             timeout_s=self.timeout_s,
+            smoke=smoke,
         )
 
 
@@ -112,7 +114,7 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
         Materializes only when a Hub organization is configured; otherwise the step succeeds and records nothing.
         """
         yield from _publish(
-            context, getattr(context.resources, names("settings")), getattr(context.resources, names("hub"))
+            context, getattr(context.resources, names("settings")), getattr(context.resources, names("hub")), names
         )
 
     publish_job = dg.define_asset_job(
@@ -137,13 +139,13 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
     return hub_model, publish_latest_steps
 
 
-def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: HuggingFaceHub):
+def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: HuggingFaceHub, names: Names):
     if not hub.enabled:
         context.log.info("no Hub organization configured (MERGE_PIPELINE_HUB_ORG): nothing published")
         return
     with one_line_failure():
         key = CheckpointKey.parse(context.partition_key)
-        result = hub.publish(settings.target_dir(key), key)
+        result = hub.publish(settings.target_dir(key), key, _smoke_of(context.instance, names, str(key)))
     yield dg.MaterializeResult(
         metadata={
             "repo": result.repo_id,
@@ -170,6 +172,19 @@ def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, na
         if key and (published is None or published.storage_id < merge.storage_id):
             requests.append(dg.RunRequest(run_key=f"{key}@{merge.storage_id}", partition_key=str(key)))
     return requests or dg.SkipReason(f"nothing new to publish from {len(runs)} merged run(s)")
+
+
+def _smoke_of(instance: dg.DagsterInstance, names: Names, partition: str) -> dict | None:
+    """The smoke test of the partition's latest step report, when it ran (for the model card)."""
+    report = _latest(instance, names.key("step_report"), partition)
+    metadata = report.asset_materialization.metadata if report else {}
+    if SMOKE_LOSS not in metadata:
+        return None
+    return {
+        "prompt": metadata[SMOKE_PROMPT].value,
+        "text": metadata[SMOKE_TEXT].value,
+        "loss": metadata[SMOKE_LOSS].value,
+    }
 
 
 def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tuple[str, str], list[CheckpointKey]]:

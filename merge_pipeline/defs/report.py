@@ -18,11 +18,16 @@ from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.errors import first_line
 from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
+from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.hf.step_diff import StepDiff, diff_folders, markdown_table, summary_lines
+from merge_pipeline.progress import human_bytes
 
 PREVIOUS, BASE = "previous step", "base model"
+# the smoke test's metadata entries; hub_model copies them into the model card
+SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smoke text", "smoke loss (fixed text)"
 
 
 def report_checks(names: Names) -> list[dg.AssetCheckSpec]:
@@ -71,8 +76,10 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
         diff = diff_folders(folder, references)
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
+    smoke = _smoke_metadata(context, settings, folder) if settings.smoke_on else {}
     return dg.MaterializeResult(
         metadata={
+            **smoke,
             "path": dg.MetadataValue.path(str(folder)),
             "summary": dg.MetadataValue.md("\n".join(f"- {line}" for line in summary)),
             **{label: dg.MetadataValue.path(str(path)) for label, path in references.items()},
@@ -117,6 +124,33 @@ def _references(
     if base and weight_files(Path(base)):  # a base folder with only config and tokenizer has nothing to compare
         found[BASE] = Path(base)
     return found
+
+
+def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, folder: Path) -> dict:
+    """The smoke test's prompt, greedy text and loss on the fixed text (what the model card shows), or why
+    it did not run. A folder that fails it stays published: it passed the blocking checks; this says it
+    does not run, in the report."""
+    manifest = read_manifest(folder)
+    weight_bytes = sum(f["size"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))
+    if weight_bytes > settings.smoke_limit_bytes:
+        why = (
+            f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.smoke_limit_bytes)})"
+        )
+    else:
+        why = generates_text(folder)
+    if why:
+        return {SMOKE: f"skipped: {why}"}
+    try:
+        smoke = smoke_test(folder, settings.smoke_question, trust_remote_code=manifest["options"]["trust_remote_code"])
+    except Exception as exc:  # whatever transformers raises: the report says it, the merge stays good
+        context.log.warning(f"{folder}: smoke test failed: {first_line(exc)}")
+        return {SMOKE: f"failed: {first_line(exc)}"}
+    return {
+        SMOKE: f"passed: {NEW_TOKENS} greedy tokens on CPU in {smoke.seconds:.1f} s",
+        SMOKE_PROMPT: dg.MetadataValue.text(smoke.prompt),
+        SMOKE_TEXT: dg.MetadataValue.text(smoke.text),
+        SMOKE_LOSS: round(smoke.loss, 4),
+    }
 
 
 def _plot_png(diff: StepDiff) -> str:

@@ -25,6 +25,8 @@ from pydantic import Field
 from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.pins import PINS, pin_path
+from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
+from merge_pipeline.options import parse_size
 
 ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
@@ -33,6 +35,12 @@ ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_HF_MODEL_PATH",
 )
 PIN_VAR, PIN_ROOT_VAR = "MERGE_PIPELINE_PIN_STEPS", "MERGE_PIPELINE_PIN_ROOT"
+SMOKE_VAR, SMOKE_PROMPT_VAR, SMOKE_LIMIT_VAR = (
+    "MERGE_PIPELINE_SMOKE_TEST",
+    "MERGE_PIPELINE_SMOKE_PROMPT",
+    "MERGE_PIPELINE_SMOKE_MAX_SIZE",
+)
+SMOKE_MAX_SIZE = "2GB"  # the model is loaded whole, on CPU, in the run's process: a 1B bf16 model fits
 
 
 class MergeSettings(dg.ConfigurableResource):
@@ -62,6 +70,18 @@ class MergeSettings(dg.ConfigurableResource):
         description=f"where pins lie; on the checkpoints' filesystem (hard links do not cross filesystems); unset: ${PIN_ROOT_VAR}, else <checkpoint root>/{PINS}",
     )
 
+    smoke_test: bool | None = Field(
+        default=None,
+        description=f"after the merge, load the folder with transformers on CPU, greedy-generate a few tokens for smoke_prompt and measure the loss on a short fixed text (step_report and the model card); unset: ${SMOKE_VAR} (1/true), else off",
+    )
+    smoke_prompt: str | None = Field(
+        default=None, description=f"the smoke test's prompt; unset: ${SMOKE_PROMPT_VAR}, else {DEFAULT_PROMPT!r}"
+    )
+    smoke_max_size: str | None = Field(
+        default=None,
+        description=f"folders with more weight bytes than this skip the smoke test (loaded whole); unset: ${SMOKE_LIMIT_VAR}, else {SMOKE_MAX_SIZE}",
+    )
+
     @property
     def roots(self) -> list[Path]:
         roots = (
@@ -87,8 +107,28 @@ class MergeSettings(dg.ConfigurableResource):
 
     @property
     def pins_on(self) -> bool:
-        value = self.pin_steps if self.pin_steps is not None else dg.EnvVar(PIN_VAR).get_value("0")
-        return str(value).lower() in ("1", "true", "yes")
+        return self.pin_steps if self.pin_steps is not None else _switched_on(PIN_VAR)
+
+    @property
+    def smoke_on(self) -> bool:
+        return self.smoke_test if self.smoke_test is not None else _switched_on(SMOKE_VAR)
+
+    @property
+    def smoke_question(self) -> str:
+        return (
+            self.smoke_prompt
+            if self.smoke_prompt is not None
+            else dg.EnvVar(SMOKE_PROMPT_VAR).get_value(DEFAULT_PROMPT)
+        )
+
+    @property
+    def smoke_limit_bytes(self) -> int:
+        size = (
+            self.smoke_max_size
+            if self.smoke_max_size is not None
+            else dg.EnvVar(SMOKE_LIMIT_VAR).get_value(SMOKE_MAX_SIZE)
+        )
+        return parse_size(size, "smoke_max_size")
 
     @property
     def pin_roots(self) -> list[Path]:
@@ -113,3 +153,7 @@ class MergeSettings(dg.ConfigurableResource):
 
     def target_dir(self, key: CheckpointKey) -> Path:
         return self.output_dir / key.path
+
+
+def _switched_on(variable: str) -> bool:
+    return dg.EnvVar(variable).get_value("0").lower() in ("1", "true", "yes")
