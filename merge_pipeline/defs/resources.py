@@ -11,6 +11,8 @@ A field left unset is read from the environment when a run or a sensor tick uses
 ``MERGE_PIPELINE_HF_MODEL_PATH``     the original HF model folder, for checkpoints that hold no config
                                      (torchtitan, accelerate, NeMo-RL, OpenRLHF's DeepSpeed, verl's
                                      dist_ckpt without HF files), when the run config names none
+``MERGE_PIPELINE_PIN_STEPS``, ``MERGE_PIPELINE_PIN_ROOT``   hard-link a complete step until its merge is done (``pins``)
+``MERGE_PIPELINE_SMOKE_TEST``, ``_PROMPT``, ``_MAX_SIZE``  the smoke test after a merge (``report``)
 Relative paths resolve against the directory Dagster was started from.
 """
 
