@@ -124,14 +124,22 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
         try:
             yield from _merge(context, config, settings, names)
         finally:  # published or failed: the pin (pin_steps) has done its job
-            if pinned := settings.pinned(CheckpointKey.parse(context.partition_key)):
-                unpin(pinned[0], CheckpointKey.parse(context.partition_key))
+            _remove_pin(settings, context.partition_key)
 
     with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
         warnings.simplefilter("ignore", dg.BetaWarning)
         # The UI's "Code" tab shows where each asset is defined.
         [with_code] = dg.with_source_code_references([merge_step])
     return with_code
+
+
+def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
+    try:
+        key = CheckpointKey.parse(partition_key)
+    except MergeError:  # no checkpoint's key: the step failed on it, and nothing was pinned for it
+        return
+    if pinned := settings.pinned(key):
+        unpin(pinned[0], key)
 
 
 def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings, names: Names) -> Iterator:

@@ -11,6 +11,9 @@ and partitions whose last merge failed are listed in it.
 A partition whose checkpoint the trainer's rotation deleted before it was merged is removed (there is
 nothing left to merge); one that was merged keeps its partition, and its merged folder is never
 touched. Nothing is removed while a root cannot be read: an unmounted disk is not a rotation.
+
+With ``pin_steps``, a complete step is hard-linked into its pin when its merge is requested, so the
+rotation cannot take it first (``pins``); pins that no queued or running run will read are removed.
 """
 
 import json
