@@ -42,6 +42,7 @@ from merge_pipeline.formats import BACKENDS as BACKENDS
 # a save itself, and whether a save is complete (and why not).
 from merge_pipeline.formats import Completeness as Completeness
 from merge_pipeline.formats import completeness as completeness
+from merge_pipeline.formats import newest_change as newest_change
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.formats import saved_in_step_folder as saved_in_step_folder
 from merge_pipeline.formats import step_folder as step_folder

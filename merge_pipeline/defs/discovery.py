@@ -18,6 +18,7 @@ from merge_pipeline.defs.partitions import STEP_ROLE, CheckpointKey
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.pipeline import completeness as completeness
+from merge_pipeline.pipeline import newest_change as newest_change  # a pinned step's age
 from merge_pipeline.pipeline import saved_in_step_folder, step_folder, step_folders
 
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root

@@ -10,8 +10,8 @@ import dagster as dg
 
 from merge_pipeline.defs import assets
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import assert_bit_exact
 
@@ -26,12 +26,14 @@ def test_hf_model_publishes_and_reports_each_stage(tmp_path, roots):
 
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("checkpoints", [KEY])
-        context = dg.build_asset_context(partition_key=KEY, instance=instance)
+        context = dg.build_asset_context(partition_key=KEY, instance=instance, resources={"settings": settings})
         # The three stages' results. Direct invocation would then ask for each check as an output of its own;
         # the step reports them inside the stages' results, as a run records them.
-        results = list(itertools.islice(assets.merge_step(context, config=MergeConfig(), settings=settings), 3))
+        results = list(itertools.islice(assets.merge_step(context, config=MergeConfig()), 3))
 
-    assert [r.asset_key for r in results] == [stage.key for stage in assets.STAGES]
+    assert [r.asset_key for r in results] == [
+        stage.key for stage in (assets.parallel_config, assets.state_dict, assets.hf_model)
+    ]
     checks = {c.check_name: c.passed for r in results for c in r.check_results or []}
     assert checks == {"index_matches_shards": True, "loads_on_meta_device": True, "manifest_sha256": True}
     target = roots.target(KEY)
