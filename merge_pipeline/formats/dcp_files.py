@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.megatron_names import OutputSpec, Piece
+from merge_pipeline.formats.output_specs import OutputSpec, Piece
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
 from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (

@@ -17,55 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from merge_pipeline import families
 from merge_pipeline.errors import MergeError
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``rows[0]:rows[1]`` of stored tensor ``key`` at fixed leading ``index`` (layer, expert).
-
-    The rows are counted on dimension ``len(index)``; every later dimension is taken whole.
-    """
-
-    key: str
-    index: tuple[int, ...]
-    rows: tuple[int, int]
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """One HF tensor: its pieces concatenated along the row dimension."""
-
-    name: str
-    pieces: tuple[Piece, ...]
-
-
-@dataclass(frozen=True)
-class Naming:
-    """Where an HF architecture puts the parts that differ between model families."""
-
-    text_prefix: str = "model."  # embed_tokens, layers.<i>, norm
-    shared_experts: str = "shared_experts"  # Qwen2-MoE says "shared_expert"
-    vision_prefix: str | None = None  # vision-language models: the vision tower
-    moe: str = "mlp"  # the MoE block of a layer: router "<moe>.gate", experts "<moe>.experts.<e>."
-    expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
-
-
-# The on-disk (Hub) names; transformers 5 renames them to model.language_model.* / model.visual.* on load.
-_VISION_LANGUAGE = Naming(text_prefix="model.", vision_prefix="visual.")
-
-ARCHITECTURES: dict[str, Naming] = {
-    "LlamaForCausalLM": Naming(),
-    "MistralForCausalLM": Naming(),
-    "MixtralForCausalLM": Naming(moe="block_sparse_moe", expert_linears=("w1", "w3", "w2")),
-    "Qwen2ForCausalLM": Naming(),
-    "Qwen3ForCausalLM": Naming(),
-    "Qwen2MoeForCausalLM": Naming(shared_experts="shared_expert"),
-    "Qwen3MoeForCausalLM": Naming(),
-    "DeepseekV3ForCausalLM": Naming(),
-    "Qwen2VLForConditionalGeneration": _VISION_LANGUAGE,
-    "Qwen2_5_VLForConditionalGeneration": _VISION_LANGUAGE,
-}
+from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
 
 
 @dataclass(frozen=True)
@@ -73,7 +27,7 @@ class ModelShape:
     """The sizes the conversions need, read from config.json."""
 
     architecture: str
-    naming: Naming
+    family: families.Family
     attention_heads: int
     kv_heads: int
     head_dim: int
@@ -88,8 +42,9 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     if not architectures:
         raise MergeError(config_path, "no 'architectures' entry: cannot tell which Hugging Face model this is")
     architecture = architectures[0]
-    if architecture not in ARCHITECTURES:
-        supported = ", ".join(sorted(ARCHITECTURES))
+    family = families.by_architecture(architecture)
+    if family is None or not family.megatron:
+        supported = ", ".join(sorted(a for f in families.FAMILIES.values() if f.megatron for a in f.architectures))
         raise MergeError(
             config_path, f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported})"
         )
@@ -106,7 +61,7 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     mtp_layers = text.get("num_nextn_predict_layers") or 0
     return ModelShape(
         architecture,
-        ARCHITECTURES[architecture],
+        family,
         heads,
         kv_heads,
         head_dim,
@@ -266,7 +221,6 @@ class KeyMapper:
         self.model = model
         self.config_path = config_path
         self.metadata_path = metadata_path
-        self.is_mla = any(".linear_kv_down_proj." in k for k in shapes)
         self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
 
     def outputs(self) -> list[OutputSpec]:
@@ -301,8 +255,7 @@ class KeyMapper:
     # ---- dispatch by scope ----
 
     def _map_key(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
-        naming = self.model.naming
-        if naming.vision_prefix is None:
+        if self.model.family.vision_prefix is None:
             return self._map_text(key, key, shape)
         if key.startswith("language_model."):
             return self._map_text(key, key.removeprefix("language_model."), shape)
@@ -311,7 +264,7 @@ class KeyMapper:
         return None
 
     def _map_text(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
-        prefix = self.model.naming.text_prefix
+        prefix = self.model.family.text_prefix
         top_level = {
             "embedding.word_embeddings.weight": f"{prefix}embed_tokens.weight",
             "decoder.final_layernorm.weight": f"{prefix}norm.weight",
@@ -320,8 +273,8 @@ class KeyMapper:
         if self.model.value_model:
             top_level["output_layer.bias"] = "score.bias"
         if local in top_level:
-            return [_whole(top_level[local], key, shape)] + [
-                _whole(name, key, shape) for name in self._mtp_copies_of_shared(local)
+            return [whole(top_level[local], key, shape[0])] + [
+                whole(name, key, shape[0]) for name in self._mtp_copies_of_shared(local)
             ]
         mtp = _MTP_KEY.fullmatch(local)
         if mtp is not None:
@@ -345,7 +298,7 @@ class KeyMapper:
         layer = self.model.num_layers + module
         name, _, attr = param.rpartition(".")
         if name in _MTP_MODULES and attr == "weight":
-            return [_whole(f"{self.model.naming.text_prefix}layers.{layer}.{_MTP_MODULES[name]}.weight", key, shape)]
+            return [whole(f"{self.model.family.text_prefix}layers.{layer}.{_MTP_MODULES[name]}.weight", key, shape[0])]
         if not param.startswith("transformer_layer."):
             return None
         local = f"decoder.layers.{layer}.{param.removeprefix('transformer_layer.')}"
@@ -362,14 +315,14 @@ class KeyMapper:
             names = ["shared_head.head"]
         else:
             return []
-        prefix = self.model.naming.text_prefix
+        prefix = self.model.family.text_prefix
         return [f"{prefix}layers.{self.model.num_layers + k}.{name}.weight" for k in self.mtp_modules for name in names]
 
     def _map_vision(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
-        prefix = self.model.naming.vision_prefix
+        prefix = self.model.family.vision_prefix
         module, _, attr = local.rpartition(".")
         if module in _VISION_GLOBALS and attr in ("weight", "bias"):
-            return [_whole(f"{prefix}{_VISION_GLOBALS[module]}.{attr}", key, shape)]
+            return [whole(f"{prefix}{_VISION_GLOBALS[module]}.{attr}", key, shape[0])]
         params = _layer_params(key, local, shape)
         if params is None:
             return None
@@ -384,12 +337,12 @@ class KeyMapper:
     # ---- one layer's parameter ----
 
     def _map_text_layer(self, p: _LayerParam) -> list[OutputSpec] | None:
-        layer_prefix = f"{self.model.naming.text_prefix}layers.{p.layer}."
+        layer_prefix = f"{self.model.family.text_prefix}layers.{p.layer}."
         special = _SPECIAL_ATTRIBUTES.get((p.module, p.attr))
         if special is not None:
-            return [OutputSpec(layer_prefix + special, (Piece(p.key, p.index, (0, p.rows)),))]
+            return [whole(layer_prefix + special, p.key, p.rows, p.index)]
         table = _TEXT_LINEARS
-        if self.is_mla and p.module in _MLA_RENAMES:
+        if self.model.family.latent_attention and p.module in _MLA_RENAMES:
             table = {**_TEXT_LINEARS, p.module: (_MLA_RENAMES[p.module], None)}
         return self._convert(p, table, layer_prefix)
 
@@ -403,23 +356,18 @@ class KeyMapper:
         if p.attr.startswith("layer_norm_"):
             if fused_norm is None or p.half:
                 return None
-            return [
-                OutputSpec(
-                    f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", (Piece(p.key, p.index, (0, p.rows)),)
-                )
-            ]
+            return [whole(f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", p.key, p.rows, p.index)]
         if p.attr not in ("weight", "bias"):
             return None
-        naming = self.model.naming
-        names = dict(zip(("gate", "up", "down"), naming.expert_linears, strict=True))
-        names.update(shared=naming.shared_experts, expert=p.expert, moe=naming.moe)
-        whole = (0, p.rows)
+        family = self.model.family
+        names = dict(zip(("gate", "up", "down"), family.expert_linears, strict=True))
+        names.update(shared=family.shared_experts, expert=p.expert, moe=family.moe_block)
         if isinstance(conversion, _Copy) and not p.half:
-            return [OutputSpec(f"{prefix}{conversion.name.format(**names)}.{p.attr}", (Piece(p.key, p.index, whole),))]
+            return [whole(f"{prefix}{conversion.name.format(**names)}.{p.attr}", p.key, p.rows, p.index)]
         if isinstance(conversion, _GateUp):
             gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (conversion.gate, conversion.up))
             if p.half:
-                return [OutputSpec(gate if p.half == "_w" else up, (Piece(p.key, p.index, whole),))]
+                return [whole(gate if p.half == "_w" else up, p.key, p.rows, p.index)]
             if p.rows % 2:
                 raise MergeError(self.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
             half = p.rows // 2
@@ -468,7 +416,3 @@ class KeyMapper:
             for h in range(heads)
         )
         return OutputSpec(name, pieces)
-
-
-def _whole(name: str, key: str, shape: tuple[int, ...]) -> OutputSpec:
-    return OutputSpec(name, (Piece(key, (), (0, shape[0])),))

@@ -3,7 +3,8 @@
     .venv-torchtitan/bin/python merge_pipeline/sample_checkpoints/torchtitan_save.py OUT --family llama3
 
 ``scripts/setup_torchtitan.sh`` builds that venv (torchtitan's dependencies clash with ours), so this
-file imports only torch, torchtitan and safetensors, never merge_pipeline. Two gloo ranks each build
+file imports only torch, torchtitan, safetensors and, of merge_pipeline, the standard-library-only
+``families.py`` (each family's HF architecture and layout). Two gloo ranks each build
 the family's ``debugmodel`` flavor from torchtitan's own registry (cut to two layers), ``fully_shard``
 it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchtitan's
 ``CheckpointManager`` (with its AdamW ``OptimizersContainer`` and ``LRSchedulersContainer``) into
@@ -28,6 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script in torchtitan's venv
+from merge_pipeline.families import by_model_type  # noqa: E402  (after the path it is found on)
 
 # family -> (torchtitan flavor, HF model_type); the HF config is derived from the torchtitan config below.
 FAMILIES = {
@@ -154,13 +158,11 @@ def _hf_config(family: str, config, hf: dict) -> dict:
     mlp = next((k for k in hf if k.endswith("mlp.gate_proj.weight")), None)
     if mlp is not None:
         base["intermediate_size"] = hf[mlp].shape[0]
-    if family == "llama3":
-        base["architectures"] = ["LlamaForCausalLM"]
-    elif family in ("qwen3", "qwen3_moe"):
-        base["architectures"] = ["Qwen3MoeForCausalLM" if moe_layers else "Qwen3ForCausalLM"]
+    record = by_model_type(FAMILIES[family][1])
+    base["architectures"] = [record.architectures[0]]
+    if record.qk_norm:  # its q/k norms are one head wide
         base["head_dim"] = hf["model.layers.0.self_attn.q_norm.weight"].shape[0]
-    elif family == "deepseek_v3":
-        base["architectures"] = ["DeepseekV3ForCausalLM"]
+    if record.latent_attention:
         base["kv_lora_rank"] = attention.kv_lora_rank
         base["q_lora_rank"] = attention.q_lora_rank or None
         base["qk_nope_head_dim"] = attention.qk_nope_head_dim
