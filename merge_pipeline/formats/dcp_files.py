@@ -361,14 +361,15 @@ def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTenso
     whole_rows = all(
         s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing)
     )
+    declared = spec.shape or shape  # both stream the row-major bytes of ``shape``
     if whole_rows:
         return PlannedTensor(
             spec.name,
-            shape,
+            declared,
             first.dtype,
             StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype),
         )
-    return PlannedTensor(spec.name, shape, first.dtype, _RowBlocks(shape, first.dtype, pieces))
+    return PlannedTensor(spec.name, declared, first.dtype, _RowBlocks(shape, first.dtype, pieces))
 
 
 class _RowBlocks:

@@ -27,6 +27,8 @@ class OutputSpec:
 
     name: str
     pieces: tuple[Piece, ...]
+    # The same bytes in the same order under another shape: a Linear patch embedding saved as HF's Conv weight.
+    shape: tuple[int, ...] | None = None
 
 
 def whole(name: str, key: str, rows: int, index: tuple[int, ...] = ()) -> OutputSpec:
