@@ -136,6 +136,7 @@ VARIANTS = {
     v.name: v
     for v in (
         Variant("qwen2_tp2", "qwen2", tp=2, logits=True),
+        Variant("qwen3_tp2", "qwen3", tp=2, logits=True),
         Variant("llama_tied_pp2", "llama", pp=2, tied=True, dtype="bfloat16"),
         Variant("qwen2_moe_ep2", "qwen2_moe", ep=2, logits=True),
         Variant("qwen3_moe_tp2_per_layer", "qwen3_moe", tp=2, per_layer_keys=True, logits=True),
@@ -325,7 +326,7 @@ def _hf_config(v: Variant):
             mlp_only_layers=[],
         )
     elif v.family == "qwen3_moe":
-        text.update(moe, head_dim=v.sizes["head_dim"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        text.update(moe, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     elif v.family == "mixtral":  # every layer MoE; intermediate_size is the width of one expert
         text.update(
             num_local_experts=v.sizes["experts"],
@@ -351,6 +352,8 @@ def _hf_config(v: Variant):
             num_key_value_heads=v.sizes["heads"],
             num_nextn_predict_layers=v.mtp_layers,
         )
+    if v.record.qk_norm:  # the q/k norms are one head wide: Qwen3's own default head_dim (128) would not fit
+        text.update(head_dim=v.sizes["head_dim"])
     if v.record.vision_prefix is not None:
         vs = VISION_SIZES
         vision = dict(
