@@ -75,9 +75,16 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
 
 
+# Each conversion answers ``outputs(mapper, p, prefix, names)``: the HF tensors of one layer's stored
+# parameter ``p`` (None: not one it converts); ``names`` fills the family's names into its HF name.
+
+
 @dataclass(frozen=True)
 class _Copy:
     name: str
+
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        return None if p.half else [whole(f"{prefix}{self.name.format(**names)}.{p.attr}", p.key, p.rows, p.index)]
 
 
 @dataclass(frozen=True)
@@ -87,12 +94,27 @@ class _GateUp:
     gate: str
     up: str
 
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (self.gate, self.up))
+        if p.half:
+            return [whole(gate if p.half == "_w" else up, p.key, p.rows, p.index)]
+        if p.rows % 2:
+            raise MergeError(mapper.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
+        half = p.rows // 2
+        return [
+            OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
+            OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
+        ]
+
 
 @dataclass(frozen=True)
 class _GroupedQKV:
     """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g."""
 
     prefix: str  # "self_attn." -> self_attn.q_proj / k_proj / v_proj
+
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        return None if p.half else mapper.split_grouped_qkv(p, prefix + self.prefix)
 
 
 @dataclass(frozen=True)
@@ -101,10 +123,16 @@ class _VisionQKV:
 
     name: str
 
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        return None if p.half else [mapper.reorder_vision_qkv(p, f"{prefix}{self.name}.{p.attr}")]
+
+
+_Conversion = _Copy | _GateUp | _GroupedQKV | _VisionQKV
+
 
 # Per-layer modules of the language model. A linear's fused layer norm (``layer_norm_weight``) is the
 # norm in front of it: the second entry names that norm.
-_TEXT_LINEARS: dict[str, tuple[object, str | None]] = {
+_TEXT_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
     "self_attention.linear_qkv": (_GroupedQKV("self_attn."), "input_layernorm"),
     "self_attention.linear_proj": (_Copy("self_attn.o_proj"), None),
     "self_attention.linear_q_proj": (_Copy("self_attn.q_proj"), None),
@@ -135,7 +163,7 @@ _SPECIAL_ATTRIBUTES = {
 # Multi-latent attention has no separate q/k norms: its q_layernorm normalises the compressed query.
 _MLA_RENAMES = {"self_attention.q_layernorm": _Copy("self_attn.q_a_layernorm")}
 
-_VISION_LINEARS: dict[str, tuple[object, str | None]] = {
+_VISION_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
     "self_attention.linear_qkv": (_VisionQKV("attn.qkv"), "norm1"),
     "self_attention.linear_proj": (_Copy("attn.proj"), None),
     "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "norm2"),
@@ -347,7 +375,7 @@ class KeyMapper:
         return self._convert(p, table, layer_prefix)
 
     def _convert(
-        self, p: _LayerParam, table: dict[str, tuple[object, str | None]], prefix: str
+        self, p: _LayerParam, table: dict[str, tuple[_Conversion, str | None]], prefix: str
     ) -> list[OutputSpec] | None:
         entry = table.get(p.module)
         if entry is None:
@@ -362,26 +390,9 @@ class KeyMapper:
         family = self.model.family
         names = dict(zip(("gate", "up", "down"), family.expert_linears, strict=True))
         names.update(shared=family.shared_experts, expert=p.expert, moe=family.moe_block)
-        if isinstance(conversion, _Copy) and not p.half:
-            return [whole(f"{prefix}{conversion.name.format(**names)}.{p.attr}", p.key, p.rows, p.index)]
-        if isinstance(conversion, _GateUp):
-            gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (conversion.gate, conversion.up))
-            if p.half:
-                return [whole(gate if p.half == "_w" else up, p.key, p.rows, p.index)]
-            if p.rows % 2:
-                raise MergeError(self.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
-            half = p.rows // 2
-            return [
-                OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
-                OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
-            ]
-        if isinstance(conversion, _GroupedQKV) and not p.half:
-            return self._split_grouped_qkv(p, prefix + conversion.prefix)
-        if isinstance(conversion, _VisionQKV) and not p.half:
-            return [self._reorder_vision_qkv(p, f"{prefix}{conversion.name}.{p.attr}")]
-        return None
+        return conversion.outputs(self, p, prefix, names)
 
-    def _split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
+    def split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
         m = self.model
         if m.attention_heads % m.kv_heads:
             raise MergeError(
@@ -402,7 +413,7 @@ class KeyMapper:
         v = tuple(Piece(p.key, p.index, (s + q_rows + m.head_dim, s + group_rows)) for s in starts)
         return [OutputSpec(f"{prefix}{n}_proj.{p.attr}", pieces) for n, pieces in (("q", q), ("k", k), ("v", v))]
 
-    def _reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
+    def reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
         heads = self.model.vision_heads
         if not heads or p.rows % (3 * heads):
             raise MergeError(

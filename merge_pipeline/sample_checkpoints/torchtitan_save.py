@@ -243,6 +243,8 @@ def _hf_config(family: str, config, hf: dict) -> dict:
     # A vision-language model: the language model's settings go to text_config.
     top = {k: base.pop(k) for k in ("model_type", "architectures", "tie_word_embeddings", "torch_dtype")}
     base["model_type"] = "deepseek_v3" if record.latent_attention else f"{top['model_type']}_text"
+    if family == "kimi_k2_7":  # the projector's input norm is as wide as the vision tower
+        top["projection_hidden_size"] = config.vision_encoder.dim
     return {
         **top,
         "text_config": base,
