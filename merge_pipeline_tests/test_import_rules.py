@@ -28,6 +28,7 @@ LAYERS = {
     "plan": 0,
     "model_card": 0,
     "hf": 1,
+    "families": 1,
     "formats": 2,
     "engine": 2,
     "sample_checkpoints": 2,

@@ -11,7 +11,8 @@ the model's entries; the bytes are read the same way (``formats/dcp_files.py``),
 
 Entries that are not the model's (optimizer, scheduler, data loader and train state, RoPE tables)
 are skipped. torchtitan names are mapped to HF names as the family's own HF state-dict adapter (``to_hf``) does
-(``formats/torchtitan_names.py``: llama3's q/k row permutation, grouped MoE experts split per expert):
+(``formats/torchtitan_names.py``, from the family's record in ``families.py``: llama3's q/k row permutation,
+grouped MoE experts split per expert):
 each output row is one stored row, so every tensor is still streamed as byte ranges. None of these folders has to hold a config: ``--hf_model_path`` supplies it.
 """
 
@@ -23,14 +24,15 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats import Reader, torchtitan_names
+from merge_pipeline.formats import Reader
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     plan_specs,
     read_dcp_metadata,
 )
-from merge_pipeline.formats.megatron_names import OutputSpec, Piece
+from merge_pipeline.formats.output_specs import whole
 from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
+from merge_pipeline.formats.torchtitan_names import torchtitan_outputs
 from merge_pipeline.hf.config import CONFIG, CheckpointConfig, has_value_head
 from merge_pipeline.plan import CheckpointPlan
 
@@ -86,9 +88,10 @@ def plan_dcp(role_dir: Path, config: CheckpointConfig) -> CheckpointPlan:
                 "a torchtitan checkpoint holds no Hugging Face config: pass --hf_model_path with the model's HF folder (config.json, tokenizer)",
             )
         model = config.load(hf_dir)
-        specs = _torchtitan_outputs(stored, model.raw, model.path, metadata_path)
+        sizes = {key: tuple(meta.size) for key, meta in stored.items()}
+        specs = torchtitan_outputs(sizes, model.raw, model.path, metadata_path)
     else:
-        specs = [OutputSpec(key, (Piece(key, (), (0, tuple(meta.size)[0])),)) for key, meta in stored.items()]
+        specs = [whole(key, key, tuple(meta.size)[0]) for key, meta in stored.items()]
 
     tensors, planned, files = plan_specs(dcp_dir, specs, stored, metadata, source.key_prefix)
     return CheckpointPlan(
@@ -136,63 +139,6 @@ def _model_tensors(metadata: Metadata, source: _Source, metadata_path: Path) -> 
     if not stored:
         raise MergeError(metadata_path, f"holds no model tensors (a {source.name} checkpoint of training state only?)")
     return stored
-
-
-def _torchtitan_outputs(
-    stored: dict[str, TensorStorageMetadata], config: dict, config_path: Path, metadata_path: Path
-) -> list[OutputSpec]:
-    """The HF tensors as the family's torchtitan ``to_hf`` makes them (``formats/torchtitan_names.py``)."""
-    model_type = config.get("model_type")
-    if model_type not in torchtitan_names.FAMILIES:
-        raise MergeError(
-            config_path,
-            f"model_type {model_type!r}: not a torchtitan family this reader maps "
-            f"({', '.join(sorted(torchtitan_names.FAMILIES))}); pass --hf_model_path with the model's own HF config",
-        )
-    family, table, permuted = torchtitan_names.FAMILIES[model_type]
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
-    layers = config.get("num_hidden_layers")
-    if not all(isinstance(n, int) and n >= 1 for n in (heads, kv_heads, layers)):
-        raise MergeError(
-            config_path,
-            f"num_attention_heads {heads!r} / num_key_value_heads {kv_heads!r} / num_hidden_layers {layers!r}: not counts",
-        )
-    tied = bool(config.get("tie_word_embeddings"))
-    specs = []
-    for key, meta in stored.items():
-        size = tuple(meta.size)
-        if key in torchtitan_names.TOP:
-            specs.append(OutputSpec(torchtitan_names.TOP[key], (Piece(key, (), (0, size[0])),)))
-            continue
-        if key in torchtitan_names.HEADS:
-            if not tied:  # to_hf drops the head of a tied model
-                specs.append(OutputSpec("lm_head.weight", (Piece(key, (), (0, size[0])),)))
-            continue
-        mapped = torchtitan_names.hf_layer_name(key, table, layers)
-        if mapped is None:
-            raise MergeError(metadata_path, f"{key}: not a torchtitan {family} weight this reader maps to HF names")
-        name, inner = mapped
-        if name is None:
-            continue
-        if inner in torchtitan_names.GROUPED_EXPERTS:  # experts on dimension 0, one HF tensor each
-            specs.extend(OutputSpec(name.format(e), (Piece(key, (e,), (0, size[1])),)) for e in range(size[0]))
-        elif permuted and inner.endswith(("wq.weight", "wk.weight")):
-            groups = heads if inner.endswith("wq.weight") else kv_heads
-            if size[0] % (2 * groups):
-                raise MergeError(metadata_path, f"{key}: {size[0]} rows do not split into {groups} rotary heads")
-            specs.append(OutputSpec(name, tuple(Piece(key, (), (r, r + 1)) for r in _rotary_rows(size[0], groups))))
-        else:
-            specs.append(OutputSpec(name, (Piece(key, (), (0, size[0])),)))
-    return specs
-
-
-def _rotary_rows(rows: int, heads: int) -> list[int]:
-    """For each HF row, the torchtitan row it comes from. torchtitan's ``_permute`` views a head's rows
-    as (half, 2) and transposes them to (2, half): HF row ``b * half + a`` is stored row ``2 * a + b``."""
-    per_head = rows // heads
-    half = per_head // 2
-    return [head * per_head + 2 * (row % half) + row // half for head in range(heads) for row in range(per_head)]
 
 
 def holds_a_save(step_dir: Path, stack: StepFolder) -> bool:

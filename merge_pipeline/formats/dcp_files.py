@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.megatron_names import OutputSpec, Piece
+from merge_pipeline.formats.output_specs import OutputSpec, Piece
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
 from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (
@@ -361,14 +361,15 @@ def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTenso
     whole_rows = all(
         s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing)
     )
+    declared = spec.shape or shape  # both stream the row-major bytes of ``shape``
     if whole_rows:
         return PlannedTensor(
             spec.name,
-            shape,
+            declared,
             first.dtype,
             StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype),
         )
-    return PlannedTensor(spec.name, shape, first.dtype, _RowBlocks(shape, first.dtype, pieces))
+    return PlannedTensor(spec.name, declared, first.dtype, _RowBlocks(shape, first.dtype, pieces))
 
 
 class _RowBlocks:

@@ -17,55 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from merge_pipeline import families
 from merge_pipeline.errors import MergeError
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``rows[0]:rows[1]`` of stored tensor ``key`` at fixed leading ``index`` (layer, expert).
-
-    The rows are counted on dimension ``len(index)``; every later dimension is taken whole.
-    """
-
-    key: str
-    index: tuple[int, ...]
-    rows: tuple[int, int]
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """One HF tensor: its pieces concatenated along the row dimension."""
-
-    name: str
-    pieces: tuple[Piece, ...]
-
-
-@dataclass(frozen=True)
-class Naming:
-    """Where an HF architecture puts the parts that differ between model families."""
-
-    text_prefix: str = "model."  # embed_tokens, layers.<i>, norm
-    shared_experts: str = "shared_experts"  # Qwen2-MoE says "shared_expert"
-    vision_prefix: str | None = None  # vision-language models: the vision tower
-    moe: str = "mlp"  # the MoE block of a layer: router "<moe>.gate", experts "<moe>.experts.<e>."
-    expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
-
-
-# The on-disk (Hub) names; transformers 5 renames them to model.language_model.* / model.visual.* on load.
-_VISION_LANGUAGE = Naming(text_prefix="model.", vision_prefix="visual.")
-
-ARCHITECTURES: dict[str, Naming] = {
-    "LlamaForCausalLM": Naming(),
-    "MistralForCausalLM": Naming(),
-    "MixtralForCausalLM": Naming(moe="block_sparse_moe", expert_linears=("w1", "w3", "w2")),
-    "Qwen2ForCausalLM": Naming(),
-    "Qwen3ForCausalLM": Naming(),
-    "Qwen2MoeForCausalLM": Naming(shared_experts="shared_expert"),
-    "Qwen3MoeForCausalLM": Naming(),
-    "DeepseekV3ForCausalLM": Naming(),
-    "Qwen2VLForConditionalGeneration": _VISION_LANGUAGE,
-    "Qwen2_5_VLForConditionalGeneration": _VISION_LANGUAGE,
-}
+from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
 
 
 @dataclass(frozen=True)
@@ -73,7 +27,7 @@ class ModelShape:
     """The sizes the conversions need, read from config.json."""
 
     architecture: str
-    naming: Naming
+    family: families.Family
     attention_heads: int
     kv_heads: int
     head_dim: int
@@ -88,8 +42,9 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     if not architectures:
         raise MergeError(config_path, "no 'architectures' entry: cannot tell which Hugging Face model this is")
     architecture = architectures[0]
-    if architecture not in ARCHITECTURES:
-        supported = ", ".join(sorted(ARCHITECTURES))
+    family = families.by_architecture(architecture)
+    if family is None or not family.megatron:
+        supported = ", ".join(sorted(a for f in families.FAMILIES.values() if f.megatron for a in f.architectures))
         raise MergeError(
             config_path, f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported})"
         )
@@ -106,7 +61,7 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     mtp_layers = text.get("num_nextn_predict_layers") or 0
     return ModelShape(
         architecture,
-        ARCHITECTURES[architecture],
+        family,
         heads,
         kv_heads,
         head_dim,
@@ -120,9 +75,16 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
 
 
+# Each conversion answers ``outputs(mapper, p, prefix, names)``: the HF tensors of one layer's stored
+# parameter ``p`` (None: not one it converts); ``names`` fills the family's names into its HF name.
+
+
 @dataclass(frozen=True)
 class _Copy:
     name: str
+
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        return None if p.half else [whole(f"{prefix}{self.name.format(**names)}.{p.attr}", p.key, p.rows, p.index)]
 
 
 @dataclass(frozen=True)
@@ -132,12 +94,27 @@ class _GateUp:
     gate: str
     up: str
 
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (self.gate, self.up))
+        if p.half:
+            return [whole(gate if p.half == "_w" else up, p.key, p.rows, p.index)]
+        if p.rows % 2:
+            raise MergeError(mapper.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
+        half = p.rows // 2
+        return [
+            OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
+            OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
+        ]
+
 
 @dataclass(frozen=True)
 class _GroupedQKV:
     """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g."""
 
     prefix: str  # "self_attn." -> self_attn.q_proj / k_proj / v_proj
+
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        return None if p.half else mapper.split_grouped_qkv(p, prefix + self.prefix)
 
 
 @dataclass(frozen=True)
@@ -146,10 +123,16 @@ class _VisionQKV:
 
     name: str
 
+    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
+        return None if p.half else [mapper.reorder_vision_qkv(p, f"{prefix}{self.name}.{p.attr}")]
+
+
+_Conversion = _Copy | _GateUp | _GroupedQKV | _VisionQKV
+
 
 # Per-layer modules of the language model. A linear's fused layer norm (``layer_norm_weight``) is the
 # norm in front of it: the second entry names that norm.
-_TEXT_LINEARS: dict[str, tuple[object, str | None]] = {
+_TEXT_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
     "self_attention.linear_qkv": (_GroupedQKV("self_attn."), "input_layernorm"),
     "self_attention.linear_proj": (_Copy("self_attn.o_proj"), None),
     "self_attention.linear_q_proj": (_Copy("self_attn.q_proj"), None),
@@ -180,7 +163,7 @@ _SPECIAL_ATTRIBUTES = {
 # Multi-latent attention has no separate q/k norms: its q_layernorm normalises the compressed query.
 _MLA_RENAMES = {"self_attention.q_layernorm": _Copy("self_attn.q_a_layernorm")}
 
-_VISION_LINEARS: dict[str, tuple[object, str | None]] = {
+_VISION_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
     "self_attention.linear_qkv": (_VisionQKV("attn.qkv"), "norm1"),
     "self_attention.linear_proj": (_Copy("attn.proj"), None),
     "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "norm2"),
@@ -266,7 +249,6 @@ class KeyMapper:
         self.model = model
         self.config_path = config_path
         self.metadata_path = metadata_path
-        self.is_mla = any(".linear_kv_down_proj." in k for k in shapes)
         self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
 
     def outputs(self) -> list[OutputSpec]:
@@ -301,8 +283,7 @@ class KeyMapper:
     # ---- dispatch by scope ----
 
     def _map_key(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
-        naming = self.model.naming
-        if naming.vision_prefix is None:
+        if self.model.family.vision_prefix is None:
             return self._map_text(key, key, shape)
         if key.startswith("language_model."):
             return self._map_text(key, key.removeprefix("language_model."), shape)
@@ -311,7 +292,7 @@ class KeyMapper:
         return None
 
     def _map_text(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
-        prefix = self.model.naming.text_prefix
+        prefix = self.model.family.text_prefix
         top_level = {
             "embedding.word_embeddings.weight": f"{prefix}embed_tokens.weight",
             "decoder.final_layernorm.weight": f"{prefix}norm.weight",
@@ -320,8 +301,8 @@ class KeyMapper:
         if self.model.value_model:
             top_level["output_layer.bias"] = "score.bias"
         if local in top_level:
-            return [_whole(top_level[local], key, shape)] + [
-                _whole(name, key, shape) for name in self._mtp_copies_of_shared(local)
+            return [whole(top_level[local], key, shape[0])] + [
+                whole(name, key, shape[0]) for name in self._mtp_copies_of_shared(local)
             ]
         mtp = _MTP_KEY.fullmatch(local)
         if mtp is not None:
@@ -345,7 +326,7 @@ class KeyMapper:
         layer = self.model.num_layers + module
         name, _, attr = param.rpartition(".")
         if name in _MTP_MODULES and attr == "weight":
-            return [_whole(f"{self.model.naming.text_prefix}layers.{layer}.{_MTP_MODULES[name]}.weight", key, shape)]
+            return [whole(f"{self.model.family.text_prefix}layers.{layer}.{_MTP_MODULES[name]}.weight", key, shape[0])]
         if not param.startswith("transformer_layer."):
             return None
         local = f"decoder.layers.{layer}.{param.removeprefix('transformer_layer.')}"
@@ -362,14 +343,14 @@ class KeyMapper:
             names = ["shared_head.head"]
         else:
             return []
-        prefix = self.model.naming.text_prefix
+        prefix = self.model.family.text_prefix
         return [f"{prefix}layers.{self.model.num_layers + k}.{name}.weight" for k in self.mtp_modules for name in names]
 
     def _map_vision(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
-        prefix = self.model.naming.vision_prefix
+        prefix = self.model.family.vision_prefix
         module, _, attr = local.rpartition(".")
         if module in _VISION_GLOBALS and attr in ("weight", "bias"):
-            return [_whole(f"{prefix}{_VISION_GLOBALS[module]}.{attr}", key, shape)]
+            return [whole(f"{prefix}{_VISION_GLOBALS[module]}.{attr}", key, shape[0])]
         params = _layer_params(key, local, shape)
         if params is None:
             return None
@@ -384,17 +365,17 @@ class KeyMapper:
     # ---- one layer's parameter ----
 
     def _map_text_layer(self, p: _LayerParam) -> list[OutputSpec] | None:
-        layer_prefix = f"{self.model.naming.text_prefix}layers.{p.layer}."
+        layer_prefix = f"{self.model.family.text_prefix}layers.{p.layer}."
         special = _SPECIAL_ATTRIBUTES.get((p.module, p.attr))
         if special is not None:
-            return [OutputSpec(layer_prefix + special, (Piece(p.key, p.index, (0, p.rows)),))]
+            return [whole(layer_prefix + special, p.key, p.rows, p.index)]
         table = _TEXT_LINEARS
-        if self.is_mla and p.module in _MLA_RENAMES:
+        if self.model.family.latent_attention and p.module in _MLA_RENAMES:
             table = {**_TEXT_LINEARS, p.module: (_MLA_RENAMES[p.module], None)}
         return self._convert(p, table, layer_prefix)
 
     def _convert(
-        self, p: _LayerParam, table: dict[str, tuple[object, str | None]], prefix: str
+        self, p: _LayerParam, table: dict[str, tuple[_Conversion, str | None]], prefix: str
     ) -> list[OutputSpec] | None:
         entry = table.get(p.module)
         if entry is None:
@@ -403,37 +384,15 @@ class KeyMapper:
         if p.attr.startswith("layer_norm_"):
             if fused_norm is None or p.half:
                 return None
-            return [
-                OutputSpec(
-                    f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", (Piece(p.key, p.index, (0, p.rows)),)
-                )
-            ]
+            return [whole(f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", p.key, p.rows, p.index)]
         if p.attr not in ("weight", "bias"):
             return None
-        naming = self.model.naming
-        names = dict(zip(("gate", "up", "down"), naming.expert_linears, strict=True))
-        names.update(shared=naming.shared_experts, expert=p.expert, moe=naming.moe)
-        whole = (0, p.rows)
-        if isinstance(conversion, _Copy) and not p.half:
-            return [OutputSpec(f"{prefix}{conversion.name.format(**names)}.{p.attr}", (Piece(p.key, p.index, whole),))]
-        if isinstance(conversion, _GateUp):
-            gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (conversion.gate, conversion.up))
-            if p.half:
-                return [OutputSpec(gate if p.half == "_w" else up, (Piece(p.key, p.index, whole),))]
-            if p.rows % 2:
-                raise MergeError(self.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
-            half = p.rows // 2
-            return [
-                OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
-                OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
-            ]
-        if isinstance(conversion, _GroupedQKV) and not p.half:
-            return self._split_grouped_qkv(p, prefix + conversion.prefix)
-        if isinstance(conversion, _VisionQKV) and not p.half:
-            return [self._reorder_vision_qkv(p, f"{prefix}{conversion.name}.{p.attr}")]
-        return None
+        family = self.model.family
+        names = dict(zip(("gate", "up", "down"), family.expert_linears, strict=True))
+        names.update(shared=family.shared_experts, expert=p.expert, moe=family.moe_block)
+        return conversion.outputs(self, p, prefix, names)
 
-    def _split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
+    def split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
         m = self.model
         if m.attention_heads % m.kv_heads:
             raise MergeError(
@@ -454,7 +413,7 @@ class KeyMapper:
         v = tuple(Piece(p.key, p.index, (s + q_rows + m.head_dim, s + group_rows)) for s in starts)
         return [OutputSpec(f"{prefix}{n}_proj.{p.attr}", pieces) for n, pieces in (("q", q), ("k", k), ("v", v))]
 
-    def _reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
+    def reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
         heads = self.model.vision_heads
         if not heads or p.rows % (3 * heads):
             raise MergeError(
@@ -468,7 +427,3 @@ class KeyMapper:
             for h in range(heads)
         )
         return OutputSpec(name, pieces)
-
-
-def _whole(name: str, key: str, shape: tuple[int, ...]) -> OutputSpec:
-    return OutputSpec(name, (Piece(key, (), (0, shape[0])),))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.megatron_names import OutputSpec, Piece
+from merge_pipeline.formats.output_specs import OutputSpec, Piece
 
 _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 

@@ -1,14 +1,20 @@
 """torchtitan model names to HF names, as each family's ``state_dict_adapter.to_hf`` (torchtitan 0.3.0).
 
-Read from torchtitan's own adapters (``torchtitan/models/<family>/state_dict_adapter.py``); the family
-is chosen from the HF config's ``model_type``. What each ``to_hf`` does, streamed as byte ranges:
+The family is chosen from the HF config's ``model_type``; its record (``merge_pipeline/families.py``,
+``Family.torchtitan``) holds the names its adapter maps. What each ``to_hf`` does, streamed as byte ranges:
 
 - llama3 (``llama``): q/k rows permuted back to HF's rotary layout (each HF row is one stored row).
 - qwen3 / qwen3_moe, deepseek_v3, gpt_oss: names only; qwen3 and gpt_oss keep HF's rotary layout.
-- MoE (qwen3, deepseek_v3): grouped experts ``w1_EFD`` / ``w3_EFD`` / ``w2_EDF`` (experts first) split
-  into ``mlp.experts.<e>.gate/up/down_proj`` (``_split_experts_weights``: expert ``e`` is index ``e``).
+- MoE (qwen3, deepseek_v3, kimi_k2_7): grouped experts ``w1_EFD`` / ``w3_EFD`` / ``w2_EDF`` (experts first)
+  split into ``mlp.experts.<e>.gate/up/down_proj`` (``_split_experts_weights``: expert ``e`` is index ``e``).
 - deepseek_v3: MLA names, shared experts, ``expert_bias_E`` as ``mlp.gate.e_score_correction_bias``,
   MTP layers ``mtp_layers.<k>`` as HF layer ``num_hidden_layers + k``.
+- qwen3_5: under ``model.language_model.``; the linear-attention q/k/v projections and convolutions
+  concatenated (rows); the vision tower's q/k/v concatenated into ``qkv``; its patch embedding
+  reshaped into HF's Conv3d weight (sizes from ``vision_config``). Its grouped experts are transposed
+  by ``to_hf``: refused in one line.
+- kimi_k2_7 (Kimi-K2.5): deepseek_v3's names under ``language_model.`` when a vision tower is saved, the
+  vision tower's names, q/k/v concatenated into ``wqkv``, the patch embedding reshaped into a Conv2d weight.
 - Tied embeddings (``tie_word_embeddings``): ``lm_head`` is dropped, as ``to_hf`` does.
 
 The older torchtitan Llama names (``attention.wq``, ``output``) keep working. Entries an adapter drops
@@ -17,86 +23,200 @@ The older torchtitan Llama names (``attention.wq``, ``output``) keep working. En
 
 from __future__ import annotations
 
+import math
 import re
+from pathlib import Path
 
-# Per family: torchtitan's name inside a layer -> HF name inside ``model.layers.<i>.``.
-_LLAMA3 = {
-    "attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
-    "attention.qkv_linear.wk.weight": "self_attn.k_proj.weight",
-    "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",  # torchtitan before qkv_linear (older releases)
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_MOE = {
-    "moe.router.gate.weight": "mlp.gate.weight",
-    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-}
-# Grouped experts (experts on dimension 0) -> the HF name of one expert's matrix.
-GROUPED_EXPERTS = {
-    "moe.routed_experts.inner_experts.w1_EFD": "mlp.experts.{}.gate_proj.weight",
-    "moe.routed_experts.inner_experts.w3_EFD": "mlp.experts.{}.up_proj.weight",
-    "moe.routed_experts.inner_experts.w2_EDF": "mlp.experts.{}.down_proj.weight",
-}
-_QWEN3 = {
-    **_LLAMA3,
-    **_MOE,
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "moe.expert_bias_E": None,  # Qwen3's adapter has no HF name for the load-balancing bias: dropped
-}
-_DEEPSEEK_V3 = {
-    **{k: v for k, v in _LLAMA3.items() if "qkv_linear" not in k and ".wk." not in k and ".wv." not in k},
-    **_MOE,
-    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "moe.expert_bias_E": "mlp.gate.e_score_correction_bias",
-    "enorm.weight": "enorm.weight",
-    "hnorm.weight": "hnorm.weight",
-    "eh_proj.weight": "eh_proj.weight",
-    "mtp_norm.weight": "shared_head.norm.weight",
-}
-_GPT_OSS = {
-    **{
-        k: v for k, v in _LLAMA3.items() if k.startswith(("attention.qkv_linear", "attention.wo", "attention_n", "ffn"))
-    },
-    **{k.replace(".weight", ".bias"): v.replace(".weight", ".bias") for k, v in _LLAMA3.items() if "qkv_linear" in k},
-    "attention.wo.bias": "self_attn.o_proj.bias",
-    "attention.sinks": "self_attn.sinks",
-    "moe.router.gate.weight": "mlp.router.weight",
-    "moe.router.gate.bias": "mlp.router.bias",
-    "moe.expert_bias_E": None,  # not in gpt_oss's adapter map: to_hf drops it
-}
-# HF model_type -> (family, its layer table, whether q/k rows are permuted).
-FAMILIES = {
-    "llama": ("llama3", _LLAMA3, True),
-    "qwen3": ("qwen3", _QWEN3, False),
-    "qwen3_moe": ("qwen3", _QWEN3, False),
-    "deepseek_v3": ("deepseek_v3", _DEEPSEEK_V3, False),
-    "gpt_oss": ("gpt_oss", _GPT_OSS, False),
-}
-TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+from merge_pipeline import families
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
+
+TOP = {"tok_embeddings.weight": "embed_tokens.weight", "norm.weight": "norm.weight"}
 HEADS = ("lm_head.weight", "output.weight")  # torchtitan 0.3 and older
+VISION = "vision_encoder."
+_LAYER = re.compile(r"(layers|mtp_layers)\.(\d+)\.(.+)")
 
 
-def hf_layer_name(key: str, table: dict[str, str | None], num_hidden_layers: int) -> tuple[str | None, str] | None:
-    """(HF name or None to drop, the torchtitan name inside the layer) for ``layers.<i>.*`` /
-    ``mtp_layers.<k>.*``; None when ``key`` is not a layer entry the family maps."""
-    match = re.fullmatch(r"(layers|mtp_layers)\.(\d+)\.(.+)", key)
-    if match is None or match[3] not in table and match[3] not in GROUPED_EXPERTS:
-        return None
-    layer = int(match[2]) + (num_hidden_layers if match[1] == "mtp_layers" else 0)
-    hf = table.get(match[3]) if match[3] in table else GROUPED_EXPERTS[match[3]]
-    return (None if hf is None else f"model.layers.{layer}.{hf}"), match[3]
+def torchtitan_outputs(
+    sizes: dict[str, tuple[int, ...]],
+    config: dict,
+    config_path: Path,
+    metadata_path: Path,
+) -> list[OutputSpec]:
+    """The HF tensors as the family's torchtitan ``to_hf`` makes them, from the stored tensors' sizes."""
+    model_type = config.get("model_type")
+    family = families.by_model_type(model_type)
+    if family is None or family.torchtitan is None:
+        known = sorted(f.model_type for f in families.FAMILIES.values() if f.torchtitan)
+        raise MergeError(
+            config_path,
+            f"model_type {model_type!r}: not a torchtitan family this reader maps "
+            f"({', '.join(known)}); pass --hf_model_path with the model's own HF config",
+        )
+    names = family.torchtitan
+    text = config.get("text_config") or config  # vision-language configs keep the language model's sizes there
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    layers = text.get("num_hidden_layers")
+    if not all(isinstance(n, int) and n >= 1 for n in (heads, kv_heads, layers)):
+        raise MergeError(
+            config_path,
+            f"num_attention_heads {heads!r} / num_key_value_heads {kv_heads!r} / num_hidden_layers {layers!r}: not counts",
+        )
+    tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings")))
+    nested = names.nested_with_vision if any(k.startswith(VISION) for k in sizes) else ""
+    fused = _Fused(names, metadata_path)
+    specs = []
+    for key, size in sizes.items():
+        if key in TOP:
+            specs.append(whole(nested + names.text_prefix + TOP[key], key, size[0]))
+            continue
+        if key in HEADS:
+            if not tied:  # to_hf drops the head of a tied model
+                specs.append(whole(nested + "lm_head.weight", key, size[0]))
+            continue
+        if key.startswith(VISION):
+            specs.extend(_vision(key, size, names, fused, config, config_path, metadata_path))
+            continue
+        match = _LAYER.fullmatch(key)
+        inner = match[3] if match else None
+        if inner in names.refused:
+            raise MergeError(metadata_path, f"{key}: {names.refused[inner]}")
+        if (
+            match is None
+            or inner not in names.layer
+            and inner not in names.grouped_experts
+            and inner not in fused.parts
+        ):
+            raise MergeError(
+                metadata_path,
+                f"{key}: not a torchtitan {names.model} weight this reader maps to HF names",
+            )
+        layer = int(match[2]) + (layers if match[1] == "mtp_layers" else 0)
+        prefix = f"{nested}{names.text_prefix}layers.{layer}."
+        if inner in names.grouped_experts:  # experts on dimension 0, one HF tensor each
+            hf = prefix + names.grouped_experts[inner]
+            specs.extend(whole(hf.format(e), key, size[1], (e,)) for e in range(size[0]))
+            continue
+        if fused.collect(key, inner, size[0], prefix) or names.layer[inner] is None:
+            continue
+        name = prefix + names.layer[inner]
+        if names.rotary_permuted and inner.endswith(("wq.weight", "wk.weight")):
+            groups = heads if inner.endswith("wq.weight") else kv_heads
+            if size[0] % (2 * groups):
+                raise MergeError(
+                    metadata_path,
+                    f"{key}: {size[0]} rows do not split into {groups} rotary heads",
+                )
+            specs.append(
+                OutputSpec(
+                    name,
+                    tuple(Piece(key, (), (r, r + 1)) for r in _rotary_rows(size[0], groups)),
+                )
+            )
+        else:
+            specs.append(whole(name, key, size[0]))
+    return specs + fused.outputs()
+
+
+class _Fused:
+    """HF tensors that ``to_hf`` concatenates from several stored tensors (rows, in order): collected part by part."""
+
+    def __init__(self, names: families.Torchtitan, metadata_path: Path):
+        self.metadata_path = metadata_path
+        # torchtitan name -> (HF name, its place among the parts, the number of parts)
+        self.parts = {
+            part: (hf, i, len(parts))
+            for table in (names.fused_layer, names.fused_vision)
+            for hf, parts in table.items()
+            for i, part in enumerate(parts)
+        }
+        self.found: dict[str, tuple[int, dict[int, tuple[str, int]]]] = {}  # HF name -> (parts, parts found)
+
+    def collect(self, key: str, name: str, rows: int, prefix: str = "", number: str = "") -> bool:
+        """Note ``key`` (torchtitan ``name``) as a part of the HF tensor ``prefix + hf.format(number)``."""
+        if name not in self.parts:
+            return False
+        hf, i, count = self.parts[name]
+        self.found.setdefault(prefix + hf.format(number), (count, {}))[1][i] = (
+            key,
+            rows,
+        )
+        return True
+
+    def outputs(self) -> list[OutputSpec]:
+        specs = []
+        for name, (count, found) in self.found.items():
+            if len(found) != count:
+                present = ", ".join(key for key, _ in found.values())
+                raise MergeError(
+                    self.metadata_path,
+                    f"{present}: the other parts of {name} are missing",
+                )
+            parts = (found[i] for i in range(count))
+            specs.append(OutputSpec(name, tuple(Piece(key, (), (0, rows)) for key, rows in parts)))
+        return specs
+
+
+def _vision(
+    key: str,
+    size: tuple[int, ...],
+    names: families.Torchtitan,
+    fused: _Fused,
+    config: dict,
+    config_path: Path,
+    metadata_path: Path,
+) -> list[OutputSpec]:
+    """One vision-tower tensor: renamed, a part of a fused q/k/v, or the patch embedding reshaped."""
+    if names.patch_embed is not None and key == names.patch_embed[0]:
+        return [_patch_embedding(key, size, names.patch_embed, config, config_path, metadata_path)]
+    number = re.search(r"\d+", key)
+    abstract = re.sub(r"\d+", "{}", key, count=1)
+    if abstract in names.vision:
+        return [whole(names.vision[abstract].format(number[0] if number else ""), key, size[0])]
+    if key in names.vision:
+        return [whole(names.vision[key], key, size[0])]
+    if fused.collect(key, abstract, size[0], number=number[0] if number else ""):
+        return []
+    raise MergeError(
+        metadata_path,
+        f"{key}: not a torchtitan {names.model} vision weight this reader maps to HF names",
+    )
+
+
+def _patch_embedding(
+    key: str,
+    size: tuple[int, ...],
+    patch_embed: tuple[str, str, tuple[str, ...]],
+    config: dict,
+    config_path: Path,
+    metadata_path: Path,
+) -> OutputSpec:
+    """torchtitan's Linear [out, C * kernel] as HF's Conv weight [out, C, *kernel]: the same bytes."""
+    _, hf, kernel_keys = patch_embed
+    vision = config.get("vision_config") or {}
+    kernel = tuple(vision.get(k) for k in kernel_keys)
+    if not all(isinstance(n, int) and n >= 1 for n in kernel):
+        raise MergeError(
+            config_path,
+            f"vision_config {', '.join(kernel_keys)} = {kernel}: the patch embedding's kernel size is needed to "
+            f"reshape {key}; pass --hf_model_path with the model's own HF config",
+        )
+    if len(size) != 2 or size[1] % math.prod(kernel):
+        raise MergeError(
+            metadata_path,
+            f"{key}: shape {size} is not [out, channels x {' x '.join(map(str, kernel))}]",
+        )
+    return OutputSpec(
+        hf,
+        (Piece(key, (), (0, size[0])),),
+        shape=(size[0], size[1] // math.prod(kernel), *kernel),
+    )
+
+
+def _rotary_rows(rows: int, heads: int) -> list[int]:
+    """For each HF row, the torchtitan row it comes from. torchtitan's ``_permute`` views a head's rows
+    as (half, 2) and transposes them to (2, half): HF row ``b * half + a`` is stored row ``2 * a + b``."""
+    per_head = rows // heads
+    half = per_head // 2
+    return [head * per_head + 2 * (row % half) + row // half for head in range(heads) for row in range(per_head)]

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from merge_pipeline.families import FAMILIES, Family
+
 _TINY = dict(
     layers=4,
     hidden=64,
@@ -94,21 +96,11 @@ MLA_SIZES = dict(layers=2, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=
 # Qwen2.5-VL vision tower.
 VISION_SIZES = dict(depth=2, hidden=32, heads=2, ffn=48, patch=14, temporal_patch=2, merge=2)
 
-_FAMILIES = {  # family -> (model_type, causal-LM architecture)
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "mixtral": ("mixtral", "MixtralForCausalLM"),
-    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
-    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
-}
-
 
 @dataclass(frozen=True)
 class Variant:
     name: str
-    family: str
+    family: str  # a key of families.FAMILIES: the model's names and layout
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -127,31 +119,24 @@ class Variant:
         return SIZE_PRESETS[self.size]
 
     @property
+    def record(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
     def handmade(self) -> bool:
         # megatron-core cannot write a vision-language model on CPU
-        return self.family == "qwen2_5_vl" or self.te_spec or self.hf_weights
-
-    @property
-    def is_moe(self) -> bool:
-        return self.family in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.family in ("qwen2", "qwen2_moe", "qwen2_5_vl")
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.family == "qwen3_moe"
+        return self.record.vision_prefix is not None or self.te_spec or self.hf_weights
 
     @property
     def num_layers(self) -> int:
-        return MLA_SIZES["layers"] if self.family == "deepseek_v3" else self.sizes["layers"]
+        return MLA_SIZES["layers"] if self.record.latent_attention else self.sizes["layers"]
 
 
 VARIANTS = {
     v.name: v
     for v in (
         Variant("qwen2_tp2", "qwen2", tp=2, logits=True),
+        Variant("qwen3_tp2", "qwen3", tp=2, logits=True),
         Variant("llama_tied_pp2", "llama", pp=2, tied=True, dtype="bfloat16"),
         Variant("qwen2_moe_ep2", "qwen2_moe", ep=2, logits=True),
         Variant("qwen3_moe_tp2_per_layer", "qwen3_moe", tp=2, per_layer_keys=True, logits=True),
@@ -311,7 +296,7 @@ def _gathered_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 def _hf_config(v: Variant):
     from transformers import AutoConfig
 
-    model_type, architecture = _FAMILIES[v.family]
+    model_type, architecture = v.record.model_type, v.record.architectures[0]
     text = dict(
         vocab_size=v.sizes["vocab"],
         hidden_size=v.sizes["hidden"],
@@ -341,7 +326,7 @@ def _hf_config(v: Variant):
             mlp_only_layers=[],
         )
     elif v.family == "qwen3_moe":
-        text.update(moe, head_dim=v.sizes["head_dim"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        text.update(moe, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     elif v.family == "mixtral":  # every layer MoE; intermediate_size is the width of one expert
         text.update(
             num_local_experts=v.sizes["experts"],
@@ -367,7 +352,9 @@ def _hf_config(v: Variant):
             num_key_value_heads=v.sizes["heads"],
             num_nextn_predict_layers=v.mtp_layers,
         )
-    if v.family == "qwen2_5_vl":
+    if v.record.qk_norm:  # the q/k norms are one head wide: Qwen3's own default head_dim (128) would not fit
+        text.update(head_dim=v.sizes["head_dim"])
+    if v.record.vision_prefix is not None:
         vs = VISION_SIZES
         vision = dict(
             depth=vs["depth"],
@@ -428,9 +415,10 @@ def _handmade_weights(v: Variant) -> dict[str, torch.Tensor]:
 def _handmade_shapes(v: Variant) -> dict[str, tuple[int, ...]]:
     s = v.sizes
     H, L, V = s["hidden"], v.num_layers, s["vocab"]
-    if v.family == "deepseek_v3":
+    if v.record.latent_attention:
         return _mla_shapes(s)
-    lm = "language_model." if v.family == "qwen2_5_vl" else ""
+    vision = v.record.vision_prefix is not None
+    lm = "language_model." if vision else ""
     qkv_rows = s["kv_heads"] * (s["heads"] // s["kv_heads"] + 2) * s["head_dim"]
     shapes = {
         f"{lm}embedding.word_embeddings.weight": (V, H),
@@ -444,7 +432,7 @@ def _handmade_shapes(v: Variant) -> dict[str, tuple[int, ...]]:
         f"{lm}decoder.final_layernorm.weight": (H,),
         f"{lm}output_layer.weight": (V, H),
     }
-    if v.family == "qwen2_5_vl":
+    if vision:
         shapes.update(_vision_shapes(s))
     return shapes
 
@@ -668,7 +656,7 @@ def _finish_v2(role_dir: Path, mode: str, v: Variant, *, transformer_config: Pat
         (role_dir / folder).mkdir(parents=True, exist_ok=True)
     if transformer_config is not None and transformer_config.is_file():
         shutil.copy2(transformer_config, role_dir / "transformer_config.json")
-    manifest = verl_manifest(mode, role=role_dir.name, arch=_FAMILIES[v.family][1])
+    manifest = verl_manifest(mode, role=role_dir.name, arch=v.record.architectures[0])
     partial = role_dir / "ckpt_contents.json.tmp"
     partial.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     partial.replace(role_dir / "ckpt_contents.json")
@@ -731,9 +719,13 @@ def write_peft_adapter(reference_dir: Path, adapter_dir: Path, *, seed: int = 7)
 
 def reference_weights(full: dict[str, torch.Tensor], v: Variant) -> dict[str, torch.Tensor]:
     """The HF state dict of the model in the checkpoint."""
-    if v.family == "qwen2_5_vl":
-        return {**_reference_text(full, v, "language_model.", "model."), **_reference_vision(full, "visual.")}
-    return _reference_text(full, v, "", "model.")
+    family = v.record
+    if family.vision_prefix is not None:
+        return {
+            **_reference_text(full, v, "language_model.", family.text_prefix),
+            **_reference_vision(full, family.vision_prefix),
+        }
+    return _reference_text(full, v, "", family.text_prefix)
 
 
 def _reference_text(full: dict[str, torch.Tensor], v: Variant, src: str, dst: str) -> dict[str, torch.Tensor]:
@@ -782,7 +774,7 @@ def _reference_layer(get: Callable[..., torch.Tensor | None], p: str, v: Variant
         p + "post_attention_layernorm.weight": get("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
         p + "self_attn.o_proj.weight": get("self_attention.linear_proj.weight"),
     }
-    if v.family == "deepseek_v3":
+    if v.record.latent_attention:
         out.update(_reference_mla(get, p))
     else:
         out.update(_reference_gqa(get, p, v))
@@ -794,13 +786,13 @@ def _reference_gqa(get: Callable[[str], torch.Tensor | None], p: str, v: Variant
     s = v.sizes
     groups, per_group, d = s["kv_heads"], s["heads"] // s["kv_heads"], s["head_dim"]
     out = {}
-    for kind in ("weight", "bias") if v.qkv_bias else ("weight",):
+    for kind in ("weight", "bias") if v.record.qkv_bias else ("weight",):
         qkv = get(f"self_attention.linear_qkv.{kind}")
         grouped = qkv.reshape(groups, per_group + 2, d, *qkv.shape[1:])
         out[p + f"self_attn.q_proj.{kind}"] = grouped[:, :per_group].reshape(groups * per_group * d, *qkv.shape[1:])
         out[p + f"self_attn.k_proj.{kind}"] = grouped[:, per_group].reshape(groups * d, *qkv.shape[1:])
         out[p + f"self_attn.v_proj.{kind}"] = grouped[:, per_group + 1].reshape(groups * d, *qkv.shape[1:])
-    if v.qk_norm:
+    if v.record.qk_norm:
         out[p + "self_attn.q_norm.weight"] = get("self_attention.q_layernorm.weight")
         out[p + "self_attn.k_norm.weight"] = get("self_attention.k_layernorm.weight")
     return out
@@ -837,14 +829,10 @@ def _reference_mlp(get: Callable[..., torch.Tensor | None], p: str, v: Variant) 
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = dense
         out[p + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
         return out
-    moe, (w_gate, w_up, w_down) = (
-        ("block_sparse_moe", ("w1", "w3", "w2"))
-        if v.family == "mixtral"
-        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
-    )
+    moe, (w_gate, w_up, w_down) = v.record.moe_block, v.record.expert_linears
     out[p + f"{moe}.gate.weight"] = get("mlp.router.weight")
     out[p + "mlp.gate.e_score_correction_bias"] = get("mlp.router.expert_bias")
-    shared_name = "shared_expert" if v.family == "qwen2_moe" else "shared_experts"
+    shared_name = v.record.shared_experts
     shared = _gate_up(get, "mlp.shared_experts.linear_fc1")
     if shared is not None:
         out[p + f"mlp.{shared_name}.gate_proj.weight"], out[p + f"mlp.{shared_name}.up_proj.weight"] = shared

@@ -48,7 +48,7 @@ def _transformer_config(v: Variant):
 
     dtype = getattr(torch, v.dtype)
     specific = {}  # settings of the model family
-    if v.is_moe:
+    if v.record.moe:
         specific = dict(
             num_moe_experts=v.sizes["experts"],
             moe_router_topk=v.sizes["experts_per_token"],
@@ -60,10 +60,10 @@ def _transformer_config(v: Variant):
             # softmax over the top-k logits (= softmax, top-k, renormalise, as transformers does).
             moe_router_pre_softmax=v.family == "qwen2_moe",
         )
-        if v.family == "qwen2_moe" and v.sizes["shared_ffn"]:  # 0: no shared expert at all
+        if v.record.shared_expert_gate and v.sizes["shared_ffn"]:  # 0: no shared expert at all
             specific.update(moe_shared_expert_intermediate_size=v.sizes["shared_ffn"], moe_shared_expert_gate=True)
     config_class = TransformerConfig
-    if v.family == "deepseek_v3":  # as DeepseekV3Config's defaults: sigmoid router, scaled, group of one
+    if v.record.latent_attention:  # as DeepseekV3Config's defaults: sigmoid router, scaled, group of one
         config_class = MLATransformerConfig
         m = MLA_SIZES
         specific.update(
@@ -95,8 +95,8 @@ def _transformer_config(v: Variant):
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=v.qkv_bias,
-        qk_layernorm=v.qk_norm or v.family == "deepseek_v3",  # MLA: the compressed q and kv norms
+        add_qkv_bias=v.record.qkv_bias,
+        qk_layernorm=v.record.qk_norm or v.record.latent_attention,  # MLA: the compressed q and kv norms
         use_cpu_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -120,14 +120,16 @@ def _build_model(v: Variant, config):
     )
 
     mtp_spec = None
-    if v.family == "deepseek_v3":  # dense and MoE layers: one spec per layer
+    if v.record.latent_attention:  # dense and MoE layers: one spec per layer
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     else:
         spec = get_gpt_layer_local_spec(
-            num_experts=v.sizes["experts"] if v.is_moe else None, normalization="RMSNorm", qk_layernorm=v.qk_norm
+            num_experts=v.sizes["experts"] if v.record.moe else None,
+            normalization="RMSNorm",
+            qk_layernorm=v.record.qk_norm,
         )
     model = GPTModel(
         config,

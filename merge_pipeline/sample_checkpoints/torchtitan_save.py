@@ -3,7 +3,8 @@
     .venv-torchtitan/bin/python merge_pipeline/sample_checkpoints/torchtitan_save.py OUT --family llama3
 
 ``scripts/setup_torchtitan.sh`` builds that venv (torchtitan's dependencies clash with ours), so this
-file imports only torch, torchtitan and safetensors, never merge_pipeline. Two gloo ranks each build
+file imports only torch, torchtitan, safetensors and, of merge_pipeline, the standard-library-only
+``families.py`` (each family's HF architecture and layout). Two gloo ranks each build
 the family's ``debugmodel`` flavor from torchtitan's own registry (cut to two layers), ``fully_shard``
 it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchtitan's
 ``CheckpointManager`` (with its AdamW ``OptimizersContainer`` and ``LRSchedulersContainer``) into
@@ -29,22 +30,35 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script in torchtitan's venv
+from merge_pipeline.families import by_model_type  # noqa: E402  (after the path it is found on)
+
 # family -> (torchtitan flavor, HF model_type); the HF config is derived from the torchtitan config below.
 FAMILIES = {
     "llama3": ("debugmodel", "llama"),
     "qwen3": ("debugmodel", "qwen3"),
     "qwen3_moe": ("debugmodel_moe", "qwen3_moe"),
     "deepseek_v3": ("debugmodel", "deepseek_v3"),
+    "kimi_k2_7": (
+        "debugmodel",
+        "kimi_k25",
+    ),  # Kimi-K2.5: DeepSeek-V3 beside a MoonViT vision tower
+    "qwen3_5": ("debugmodel", "qwen3_5"),  # hybrid linear attention and a vision tower
+    "gpt_oss": ("debugmodel", "gpt_oss"),
 }
+VOCAB = 2048  # qwen3_5's debug flavor keeps the real 248k vocabulary: 2 GB with the optimizer
 STEP = 1
 LAST_STEP = 2
 
 
 def _spec(family: str):
     """The family's registered debug model, cut to two layers (the first MoE one included) to stay small."""
+    if family == "qwen3_5":
+        _stub_flash_linear_attention()
     module = importlib.import_module(f"torchtitan.models.{family.removesuffix('_moe')}")
     spec = module.model_registry(FAMILIES[family][0])
     layers = spec.model.layers
+    model = spec.model
     if family == "qwen3_moe":  # its debug flavor has 64 experts of 768 rows: 4.8 GB with the optimizer
         layers = module._build_qwen3_moe_layers(
             fuse_qkv=True,
@@ -60,7 +74,49 @@ def _spec(family: str):
             rope=layers[0].attention.rope,
             moe_comm_backend="standard",
         )
-    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=layers[:2]))
+    elif family == "gpt_oss":  # its debug flavor's experts are 2880 wide: 0.4 GB with the optimizer
+        layers = module._build_gptoss_layers(
+            dim=model.dim,
+            n_layers=2,
+            hidden_dim=64,
+            num_experts=4,
+            top_k=2,
+            load_balance_coeff=1e-3,
+            moe_comm_backend="standard",
+            rope=layers[0].attention.rope,
+        )
+    elif family == "qwen3_5":  # three linear-attention layers, then a full-attention one
+        model = dataclasses.replace(
+            model,
+            vocab_size=VOCAB,
+            tok_embeddings=dataclasses.replace(model.tok_embeddings, num_embeddings=VOCAB),
+            lm_head=dataclasses.replace(model.lm_head, out_features=VOCAB),
+        )
+    keep = 4 if family == "qwen3_5" else 2
+    return dataclasses.replace(spec, model=dataclasses.replace(model, layers=layers[:keep]))
+
+
+def _stub_flash_linear_attention() -> None:
+    """qwen3_5's model imports flash-linear-attention's Triton kernels (``fla``), which need a GPU: its
+    forward pass, never run here, is all that uses them. Empty modules stand in for the import."""
+    import types
+
+    kernels = {
+        "fla.modules.conv.triton.ops": ("CausalConv1dFunction",),
+        "fla.modules.conv.causal_conv1d": ("causal_conv1d",),
+        "fla.ops.gated_delta_rule": (
+            "chunk_gated_delta_rule",
+            "fused_recurrent_gated_delta_rule",
+        ),
+        "fla.ops.gated_delta_rule.chunk": ("ChunkGatedDeltaRuleFunction",),
+        "fla.ops.gated_delta_rule.fused_recurrent": ("FusedRecurrentFunction",),
+    }
+    for name, attributes in kernels.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        for attribute in attributes:
+            setattr(sys.modules[name], attribute, None)
 
 
 def _run_rank(rank: int, families: list[str], out: str, world_size: int, port: int) -> None:
@@ -129,19 +185,24 @@ def _write_expected(out: Path, family: str, spec, full: dict) -> None:
     adapter = spec.state_dict_adapter(spec.model, None)
     hf = adapter.to_hf({k: v for k, v in full.items() if not k.endswith("freqs_cis")})
     (out / "expected").mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "expected" / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in hf.items()},
+        str(out / "expected" / "model.safetensors"),
+    )
     (out / "hf").mkdir(parents=True, exist_ok=True)
     (out / "hf" / "config.json").write_text(json.dumps(_hf_config(family, spec.model, hf), indent=2))
 
 
 def _hf_config(family: str, config, hf: dict) -> dict:
     """The HF config of the same model, from torchtitan's config and the converted shapes."""
-    layer = config.layers[0]
-    attention = layer.attention
-    embed = hf["model.embed_tokens.weight"]
+    record = by_model_type(FAMILIES[family][1])
+    nested = record.text_prefix if getattr(config, "vision_encoder", None) is not None else "model."
+    attention = next(block.attention for block in config.layers if getattr(block, "attention", None) is not None)
+    embed = hf[nested + "embed_tokens.weight"]
     moe_layers = [i for i, block in enumerate(config.layers) if getattr(block, "moe", None) is not None]
     base = {
         "model_type": FAMILIES[family][1],
+        "architectures": [record.architectures[0]],
         "vocab_size": embed.shape[0],
         "hidden_size": embed.shape[1],
         "num_hidden_layers": len(config.layers),
@@ -154,13 +215,11 @@ def _hf_config(family: str, config, hf: dict) -> dict:
     mlp = next((k for k in hf if k.endswith("mlp.gate_proj.weight")), None)
     if mlp is not None:
         base["intermediate_size"] = hf[mlp].shape[0]
-    if family == "llama3":
-        base["architectures"] = ["LlamaForCausalLM"]
-    elif family in ("qwen3", "qwen3_moe"):
-        base["architectures"] = ["Qwen3MoeForCausalLM" if moe_layers else "Qwen3ForCausalLM"]
-        base["head_dim"] = hf["model.layers.0.self_attn.q_norm.weight"].shape[0]
-    elif family == "deepseek_v3":
-        base["architectures"] = ["DeepseekV3ForCausalLM"]
+    if record.qk_norm:  # its q/k norms are one head wide
+        base["head_dim"] = next(t for k, t in hf.items() if k.endswith("self_attn.q_norm.weight")).shape[0]
+    elif family == "gpt_oss":
+        base["head_dim"] = attention.head_dim
+    if record.latent_attention:
         base["kv_lora_rank"] = attention.kv_lora_rank
         base["q_lora_rank"] = attention.q_lora_rank or None
         base["qk_nope_head_dim"] = attention.qk_nope_head_dim
@@ -169,27 +228,95 @@ def _hf_config(family: str, config, hf: dict) -> dict:
         base["first_k_dense_replace"] = moe_layers[0] if moe_layers else len(config.layers)
     if moe_layers:
         moe = config.layers[moe_layers[0]].moe
-        expert = next(k for k in hf if ".experts.0.gate_proj.weight" in k)
         base["num_experts" if family == "qwen3_moe" else "n_routed_experts"] = moe.num_experts
-        base["moe_intermediate_size"] = hf[expert].shape[0]
         base["num_experts_per_tok"] = moe.router.top_k
-        shared = next((k for k in hf if "shared_experts.gate_proj.weight" in k), None)
-        if shared is not None:
-            base["n_shared_experts"] = hf[shared].shape[0] // hf[expert].shape[0]
-    return base
+        expert = next((k for k in hf if ".experts.0.gate_proj.weight" in k), None)
+        if expert is not None:  # gpt_oss's to_hf drops its experts
+            base["moe_intermediate_size"] = hf[expert].shape[0]
+            shared = next((k for k in hf if "shared_experts.gate_proj.weight" in k), None)
+            if shared is not None:
+                base["n_shared_experts"] = hf[shared].shape[0] // hf[expert].shape[0]
+    if family == "qwen3_5":
+        _linear_attention(base, hf, config)
+    if getattr(config, "vision_encoder", None) is None:
+        return base
+    # A vision-language model: the language model's settings go to text_config.
+    top = {k: base.pop(k) for k in ("model_type", "architectures", "tie_word_embeddings", "torch_dtype")}
+    base["model_type"] = "deepseek_v3" if record.latent_attention else f"{top['model_type']}_text"
+    if family == "kimi_k2_7":  # the projector's input norm is as wide as the vision tower
+        top["projection_hidden_size"] = config.vision_encoder.dim
+    return {
+        **top,
+        "text_config": base,
+        "vision_config": _vision_config(family, config.vision_encoder, hf),
+    }
+
+
+def _linear_attention(base: dict, hf: dict, config) -> None:
+    """Qwen3.5's Gated DeltaNet sizes, from its layers' shapes."""
+    layers = [block.attention is None for block in config.layers]
+    first = f"model.language_model.layers.{layers.index(True)}.linear_attn."
+    value_heads, value_dim = (
+        hf[first + "A_log"].shape[0],
+        hf[first + "norm.weight"].shape[0],
+    )
+    key_rows = (hf[first + "in_proj_qkv.weight"].shape[0] - value_heads * value_dim) // 2
+    base.update(
+        layer_types=["linear_attention" if linear else "full_attention" for linear in layers],
+        linear_num_value_heads=value_heads,
+        linear_value_head_dim=value_dim,
+        linear_key_head_dim=value_dim,
+        linear_num_key_heads=key_rows // value_dim,
+        linear_conv_kernel_dim=hf[first + "conv1d.weight"].shape[-1],
+    )
+
+
+def _vision_config(family: str, vision, hf: dict) -> dict:
+    if family == "qwen3_5":
+        return {
+            "depth": vision.num_layers,
+            "hidden_size": vision.dim,
+            "num_heads": vision.num_heads,
+            "intermediate_size": hf["model.visual.blocks.0.mlp.linear_fc1.weight"].shape[0],
+            "in_channels": vision.in_channels,
+            "patch_size": vision.patch_size,
+            "temporal_patch_size": vision.temporal_patch_size,
+            "spatial_merge_size": vision.spatial_merge_size,
+            "out_hidden_size": hf["model.visual.merger.linear_fc2.weight"].shape[0],
+            "num_position_embeddings": vision.num_position_embeddings,
+        }
+    return {  # kimi_k2_7: MoonViT
+        "num_hidden_layers": vision.num_layers,
+        "hidden_size": vision.dim,
+        "num_attention_heads": vision.num_heads,
+        "intermediate_size": hf["vision_tower.encoder.blocks.0.mlp.fc0.weight"].shape[0],
+        "patch_size": vision.patch_size,
+        "pos_emb_height": vision.init_pos_emb_height,
+        "pos_emb_width": vision.init_pos_emb_width,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--family", choices=FAMILIES, nargs="+", required=True, help="each into OUT/<family>/")
+    parser.add_argument(
+        "--family",
+        choices=FAMILIES,
+        nargs="+",
+        required=True,
+        help="each into OUT/<family>/",
+    )
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with socket.socket() as probe:  # a free port for the ranks' rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_run_rank, args=(args.family, str(args.out_dir), args.world_size, port), nprocs=args.world_size)
+    mp.spawn(
+        _run_rank,
+        args=(args.family, str(args.out_dir), args.world_size, port),
+        nprocs=args.world_size,
+    )
     for family in args.family:
         print(args.out_dir / family / "checkpoint" / f"step-{STEP}")
 

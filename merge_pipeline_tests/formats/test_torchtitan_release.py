@@ -1,7 +1,10 @@
 """Checkpoints written by torchtitan 0.3.0 itself -- its own models (llama3, qwen3 dense and MoE,
-deepseek_v3), ``fully_shard`` on two gloo ranks, its ``CheckpointManager.save`` -- merge from the CLI
-with ``--backend auto`` bit for bit into what each family's own ``state_dict_adapter.to_hf`` gives;
-so does the last step, which torchtitan saves as HF safetensors (``last_save_in_hf``).
+deepseek_v3, qwen3_5, kimi_k2_7, gpt_oss), ``fully_shard`` on two gloo ranks, its ``CheckpointManager.save``
+-- merge from the CLI with ``--backend auto`` bit for bit into what each family's own
+``state_dict_adapter.to_hf`` gives; so does the last step, which torchtitan saves as HF safetensors
+(``last_save_in_hf``). qwen3_5's model imports flash-linear-attention's GPU kernels, which saving never
+runs: the writer stands empty modules in for that import. kimi_k2_7's plan equals its ``to_hf``;
+gpt_oss's grouped experts, which its ``to_hf`` drops, are refused in one line.
 
 torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/setup.sh``);
 the writer is ``merge_pipeline/sample_checkpoints/torchtitan_save.py``."""
@@ -27,7 +30,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(merge_pipeline.__file__).resolve().parents[1]
 TORCHTITAN_PYTHON = ROOT / ".venv-torchtitan" / "bin" / "python"
 WRITER = ROOT / "merge_pipeline" / "sample_checkpoints" / "torchtitan_save.py"
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5")  # merged from the CLI
+WRITTEN = (*FAMILIES, "kimi_k2_7", "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def torchtitan_saves(tmp_path_factory) -> Path:
     assert TORCHTITAN_PYTHON.is_file(), f"{TORCHTITAN_PYTHON} missing: run scripts/setup_torchtitan.sh"
     root = tmp_path_factory.mktemp("torchtitan")
     subprocess.run(
-        [TORCHTITAN_PYTHON, "-W", "ignore", WRITER, root, "--family", *FAMILIES],
+        [TORCHTITAN_PYTHON, "-W", "ignore", WRITER, root, "--family", *WRITTEN],
         check=True,
         timeout=900,
         capture_output=True,
@@ -65,8 +69,41 @@ def test_merge_equals_the_families_own_to_hf_bit_for_bit(capsys, tmp_path, torch
     with plan:
         assert plan.backend == "dcp" and plan.layout["dcp_source"] == "torchtitan"
     # The folder is a model transformers builds with nothing missing or left over.
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    architecture = json.loads((hf / "config.json").read_text())["architectures"][0]
+    model_class = getattr(transformers, architecture)
+    _, info = model_class.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_kimi_k2_7_plan_equals_its_to_hf_bit_for_bit(torchtitan_saves):
+    """Kimi-K2.5: DeepSeek-V3's names under ``language_model.`` beside the vision tower's, whose q/k/v
+    are concatenated and whose patch embedding is reshaped into a Conv2d weight. Compared as planned:
+    transformers 5's reverse renaming of kimi_k25 (``blocks`` -> ``layers`` undone everywhere) names
+    the language model's layers ``blocks``, so the architecture check refuses the merged folder."""
+    saved = torchtitan_saves / "kimi_k2_7"
+    expected = load_file(saved / "expected" / "model.safetensors")
+    plan = open_checkpoint(saved / "checkpoint" / "step-1", MergeOptions(hf_model_path=str(saved / "hf")))
+    with plan:
+        planned = {t.name: t for t in plan.tensors}
+        assert set(planned) == set(expected)
+        for name, tensor in expected.items():
+            assert same_bits(planned[name].load(), tensor), name
+    assert expected["vision_tower.patch_embed.proj.weight"].dim() == 4 and any(".wqkv." in k for k in expected)
+
+
+def test_gpt_oss_grouped_experts_are_one_line_naming_them(capsys, tmp_path, torchtitan_saves):
+    """torchtitan 0.3.0's gpt_oss ``to_hf`` maps ``mlp1_weight`` but the model saves ``mlp1_weight_EGD``:
+    it drops every expert, and HF's unquantized layout would transpose them. Refused, not dropped."""
+    saved = torchtitan_saves / "gpt_oss"
+    assert not any(".experts." in name for name in load_file(saved / "expected" / "model.safetensors"))
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", saved / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
+        "--hf_model_path", saved / "hf",
+    )  # fmt: skip
+    assert code == 1
+    [line] = error_lines(err)
+    assert "mlp1_weight_EGD" in line and "to_hf" in line and ".metadata" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_family_without_a_torchtitan_mapping_is_one_line_naming_model_type(capsys, tmp_path, torchtitan_saves):

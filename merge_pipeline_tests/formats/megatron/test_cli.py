@@ -14,7 +14,7 @@ from merge_pipeline.sample_checkpoints.megatron import sample_tokens
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge_ok, run_cli, same_bits, tree_digest
 
 
-@pytest.mark.parametrize("name", ["qwen2_tp2", "qwen2_moe_ep2", "qwen3_moe_tp2_per_layer"])
+@pytest.mark.parametrize("name", ["qwen2_tp2", "qwen3_tp2", "qwen2_moe_ep2", "qwen3_moe_tp2_per_layer"])
 def test_merged_model_reproduces_megatron_logits(megatron_samples, tmp_path, capsys, name):
     """The strongest check: megatron-core's own forward pass (TP / EP ranks, gloo) on the same tokens
     agrees with transformers running the merged folder. A wrong QKV split, gate/up order, expert

@@ -1,0 +1,414 @@
+"""Model families as data: one ``Family`` record per Hugging Face architecture family.
+
+A record says what differs between families and nothing else: its HF names (where the text model,
+the vision tower, the MoE block and its experts are), its layout (fused QKV with biases, q/k norms,
+multi-latent attention, experts, multi-token prediction, a vision tower), and, for the families
+torchtitan ships, how torchtitan 0.3.0's ``state_dict_adapter.to_hf`` names each of its tensors.
+The readers (``formats/megatron_names.py``, ``formats/torchtitan_names.py``) apply the records; the
+sample writers (``sample_checkpoints/``) build their models from the same records. Adding an
+architecture is one record here plus one test case (README, "Layout").
+
+Megatron-Core's own tensor names are the same for every GPT model (``self_attention.linear_qkv``, ...):
+their table is ``formats/megatron_names.py``'s, and a record fills in the HF side. This module imports
+nothing but the standard library, so that torchtitan's own venv can read it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class Torchtitan:
+    """How torchtitan 0.3.0's ``state_dict_adapter.to_hf`` names a family's tensors (read from
+    ``torchtitan/models/<model>/state_dict_adapter.py``)."""
+
+    model: str  # torchtitan.models.<model>
+    # torchtitan's name inside ``layers.<i>.`` -> the HF name inside ``<text_prefix>layers.<i>.``; None: to_hf drops it.
+    layer: Mapping[str, str | None]
+    # Experts grouped on dimension 0 ([E, ...]) -> the HF name of expert ``{}``'s matrix: split per expert.
+    grouped_experts: Mapping[str, str] = field(default_factory=dict)
+    rotary_permuted: bool = False  # llama3: q/k rows stored in torchtitan's rotary order, permuted back
+    text_prefix: str = "model."  # in front of embed_tokens, layers.<i>, norm
+    # An HF tensor of a layer that to_hf concatenates from several torchtitan tensors (rows, in order).
+    fused_layer: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # torchtitan names inside a layer that to_hf transforms beyond rows (transposes): why they are refused.
+    refused: Mapping[str, str] = field(default_factory=dict)
+    # Vision tower: torchtitan name ("{}": the block) -> HF name; fused ones: HF name -> torchtitan names.
+    vision: Mapping[str, str] = field(default_factory=dict)
+    fused_vision: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # The patch embedding torchtitan keeps as a Linear [out, C * kernel] and to_hf reshapes into HF's
+    # Conv weight [out, C, *kernel]: (torchtitan name, HF name, the vision_config sizes of the kernel).
+    patch_embed: tuple[str, str, tuple[str, ...]] | None = None
+    # Put in front of every language-model HF name (lm_head too) when a vision tower is saved beside it.
+    nested_with_vision: str = ""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture family: its names and its layout."""
+
+    name: str
+    model_type: str  # config.json "model_type"
+    architectures: tuple[str, ...]  # config.json "architectures" it covers; the first is the causal LM
+    # ---- HF names ----
+    text_prefix: str = "model."  # embed_tokens, layers.<i>, norm
+    vision_prefix: str | None = None  # vision-language models: the vision tower (Hub names, before transformers 5)
+    moe_block: str = "mlp"  # the MoE block of a layer: router "<moe_block>.gate", experts "<moe_block>.experts.<e>."
+    expert_linears: tuple[str, str, str] = (
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )  # an expert's gate, up, down
+    shared_experts: str = "shared_experts"  # Qwen2-MoE says "shared_expert"
+    # ---- layout ----
+    qkv_bias: bool = False  # q/k/v projections carry biases
+    qk_norm: bool = False  # per-head RMSNorm on q and k (self_attn.q_norm / k_norm)
+    latent_attention: bool = False  # DeepSeek's multi-latent attention: compressed q and kv with their norms
+    moe: bool = False  # routed experts
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE)
+    mtp: bool = False  # multi-token-prediction layers after the decoder's (num_nextn_predict_layers)
+    megatron: bool = True  # the Megatron reader maps it
+    torchtitan: Torchtitan | None = None  # torchtitan 0.3.0 ships a state_dict_adapter for it
+
+
+# ---- torchtitan 0.3.0's names, per model ----------------------------------------------------------
+
+_LLAMA3_LAYER = {
+    "attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
+    "attention.qkv_linear.wk.weight": "self_attn.k_proj.weight",
+    "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",  # torchtitan before qkv_linear (older releases)
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TORCHTITAN_MOE = {
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+_TORCHTITAN_GROUPED_EXPERTS = {
+    "moe.routed_experts.inner_experts.w1_EFD": "mlp.experts.{}.gate_proj.weight",
+    "moe.routed_experts.inner_experts.w3_EFD": "mlp.experts.{}.up_proj.weight",
+    "moe.routed_experts.inner_experts.w2_EDF": "mlp.experts.{}.down_proj.weight",
+}
+TORCHTITAN_LLAMA3 = Torchtitan("llama3", MappingProxyType(_LLAMA3_LAYER), rotary_permuted=True)
+TORCHTITAN_QWEN3 = Torchtitan(
+    "qwen3",
+    MappingProxyType(
+        {
+            **_LLAMA3_LAYER,
+            **_TORCHTITAN_MOE,
+            "attention.q_norm.weight": "self_attn.q_norm.weight",
+            "attention.k_norm.weight": "self_attn.k_norm.weight",
+            "moe.expert_bias_E": None,  # Qwen3's adapter has no HF name for the load-balancing bias: dropped
+        }
+    ),
+    MappingProxyType(_TORCHTITAN_GROUPED_EXPERTS),
+)
+TORCHTITAN_DEEPSEEK_V3 = Torchtitan(
+    "deepseek_v3",
+    MappingProxyType(
+        {
+            **{k: v for k, v in _LLAMA3_LAYER.items() if "qkv_linear" not in k and ".wk." not in k and ".wv." not in k},
+            **_TORCHTITAN_MOE,
+            "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+            "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+            "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+            "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+            "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+            "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+            "moe.expert_bias_E": "mlp.gate.e_score_correction_bias",
+            # Multi-token prediction: mtp_layers.<k> is HF layer num_hidden_layers + k.
+            "enorm.weight": "enorm.weight",
+            "hnorm.weight": "hnorm.weight",
+            "eh_proj.weight": "eh_proj.weight",
+            "mtp_norm.weight": "shared_head.norm.weight",
+        }
+    ),
+    MappingProxyType(_TORCHTITAN_GROUPED_EXPERTS),
+)
+TORCHTITAN_GPT_OSS = Torchtitan(
+    "gpt_oss",
+    MappingProxyType(
+        {
+            **{
+                k: v
+                for k, v in _LLAMA3_LAYER.items()
+                if k.startswith(("attention.qkv_linear", "attention.wo", "attention_n", "ffn"))
+            },
+            **{
+                k.replace(".weight", ".bias"): v.replace(".weight", ".bias")
+                for k, v in _LLAMA3_LAYER.items()
+                if "qkv_linear" in k
+            },
+            "attention.wo.bias": "self_attn.o_proj.bias",
+            "attention.sinks": "self_attn.sinks",
+            "moe.router.gate.weight": "mlp.router.weight",
+            "moe.router.gate.bias": "mlp.router.bias",
+            "moe.expert_bias_E": None,  # not in gpt_oss's adapter map: to_hf drops it
+        }
+    ),
+    refused=MappingProxyType(
+        {
+            f"moe.routed_experts.inner_experts.{name}": "torchtitan 0.3.0's gpt_oss to_hf has no HF name for its grouped "
+            "experts (its map says mlp1_weight, so it drops them), and HF's unquantized layout transposes them: not supported"
+            for name in (
+                "mlp1_weight_EGD",
+                "mlp1_bias_EG",
+                "mlp2_weight_EDF",
+                "mlp2_bias_ED",
+            )
+        }
+    ),
+)
+
+
+def _with_biases(modules: dict[str, str]) -> dict[str, str]:
+    """Each module's weight and bias: torchtitan module -> HF module."""
+    return {f"{tt}.{kind}": f"{hf}.{kind}" for tt, hf in modules.items() for kind in ("weight", "bias")}
+
+
+def _fused_vision_qkv(hf: str) -> MappingProxyType:
+    """A vision block's q/k/v (torchtitan: ``attn.wq/wk/wv`` of block ``{}``) concatenated into HF's ``hf``."""
+    return MappingProxyType(
+        {
+            f"{hf}.{kind}": tuple(f"vision_encoder.layers.{{}}.attn.{w}.{kind}" for w in ("wq", "wk", "wv"))
+            for kind in ("weight", "bias")
+        }
+    )
+
+
+_QWEN3_5_VISION = {
+    "vision_encoder.patch_embed.bias": "model.visual.patch_embed.proj.bias",
+    "vision_encoder.pos_embed": "model.visual.pos_embed.weight",
+    **_with_biases(
+        {
+            f"vision_encoder.layers.{{}}.{name}": f"model.visual.blocks.{{}}.{name}"
+            for name in ("norm1", "norm2", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
+        }
+    ),
+    **_with_biases(
+        {
+            f"vision_encoder.merger.{name}": f"model.visual.merger.{name}"
+            for name in ("norm", "linear_fc1", "linear_fc2")
+        }
+    ),
+}
+_TRANSPOSED_EXPERTS = "its to_hf transposes the grouped experts (and fuses gate and up), which is not a selection of stored rows: not supported"
+TORCHTITAN_QWEN3_5 = Torchtitan(
+    "qwen3_5",
+    MappingProxyType(
+        {
+            "attn.wq.weight": "self_attn.q_proj.weight",
+            "attn.wk.weight": "self_attn.k_proj.weight",
+            "attn.wv.weight": "self_attn.v_proj.weight",
+            "attn.wo.weight": "self_attn.o_proj.weight",
+            "attn.q_norm.weight": "self_attn.q_norm.weight",
+            "attn.k_norm.weight": "self_attn.k_norm.weight",
+            # Gated DeltaNet (linear attention) layers
+            "attn.in_proj_z.weight": "linear_attn.in_proj_z.weight",
+            "attn.in_proj_a.weight": "linear_attn.in_proj_a.weight",
+            "attn.in_proj_b.weight": "linear_attn.in_proj_b.weight",
+            "attn.A_log": "linear_attn.A_log",
+            "attn.dt_bias": "linear_attn.dt_bias",
+            "attn.norm.weight": "linear_attn.norm.weight",
+            "attn.out_proj.weight": "linear_attn.out_proj.weight",
+            **{k: v for k, v in _LLAMA3_LAYER.items() if k.startswith(("feed_forward", "attention_norm", "ffn_norm"))},
+            "moe.router.gate.weight": "mlp.gate.weight",
+            "moe.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
+            "moe.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
+            "moe.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
+            "moe.shared_experts.gate.weight": "mlp.shared_expert_gate.weight",
+            "moe.expert_bias_E": None,  # not in qwen3_5's adapter map: to_hf drops it
+        }
+    ),
+    text_prefix="model.language_model.",
+    fused_layer=MappingProxyType(
+        {
+            "linear_attn.in_proj_qkv.weight": (
+                "attn.in_proj_q.weight",
+                "attn.in_proj_k.weight",
+                "attn.in_proj_v.weight",
+            ),
+            "linear_attn.conv1d.weight": (
+                "attn.conv_q.weight",
+                "attn.conv_k.weight",
+                "attn.conv_v.weight",
+            ),
+        }
+    ),
+    refused=MappingProxyType({k: _TRANSPOSED_EXPERTS for k in _TORCHTITAN_GROUPED_EXPERTS}),
+    vision=MappingProxyType(_QWEN3_5_VISION),
+    fused_vision=_fused_vision_qkv("model.visual.blocks.{}.attn.qkv"),
+    patch_embed=(
+        "vision_encoder.patch_embed.weight",
+        "model.visual.patch_embed.proj.weight",
+        ("temporal_patch_size", "patch_size", "patch_size"),
+    ),
+)
+TORCHTITAN_KIMI_K2_7 = dataclasses.replace(
+    TORCHTITAN_DEEPSEEK_V3,
+    model="kimi_k2_7",
+    vision=MappingProxyType(
+        {
+            "vision_encoder.patch_embed.bias": "vision_tower.patch_embed.proj.bias",
+            "vision_encoder.pos_embed": "vision_tower.patch_embed.pos_emb.weight",
+            **_with_biases(
+                {
+                    "vision_encoder.layers.{}.norm1": "vision_tower.encoder.blocks.{}.norm0",
+                    "vision_encoder.layers.{}.norm2": "vision_tower.encoder.blocks.{}.norm1",
+                    "vision_encoder.layers.{}.attn.proj": "vision_tower.encoder.blocks.{}.wo",
+                    "vision_encoder.layers.{}.mlp.linear_fc1": "vision_tower.encoder.blocks.{}.mlp.fc0",
+                    "vision_encoder.layers.{}.mlp.linear_fc2": "vision_tower.encoder.blocks.{}.mlp.fc1",
+                    "vision_encoder.final_norm": "vision_tower.encoder.final_layernorm",
+                    "vision_encoder.projector.pre_norm": "mm_projector.pre_norm",
+                    # Kimi-K2.5's spelling; Kimi-VL's (multi_modal_projector.linear_1/2) needs the adapter's HF index.
+                    "vision_encoder.projector.linear_1": "mm_projector.proj.0",
+                    "vision_encoder.projector.linear_2": "mm_projector.proj.2",
+                }
+            ),
+        }
+    ),
+    fused_vision=_fused_vision_qkv("vision_tower.encoder.blocks.{}.wqkv"),
+    patch_embed=(
+        "vision_encoder.patch_embed.weight",
+        "vision_tower.patch_embed.proj.weight",
+        ("patch_size", "patch_size"),
+    ),
+    nested_with_vision="language_model.",
+)
+
+# ---- the families ---------------------------------------------------------------------------------
+
+_VISION = "visual."  # the Hub's names; transformers 5 renames them to model.language_model.* / model.visual.* on load
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", "llama", ("LlamaForCausalLM",), torchtitan=TORCHTITAN_LLAMA3),
+        Family("mistral", "mistral", ("MistralForCausalLM",)),
+        Family(
+            "mixtral",
+            "mixtral",
+            ("MixtralForCausalLM",),
+            moe_block="block_sparse_moe",
+            expert_linears=("w1", "w3", "w2"),
+            moe=True,
+        ),
+        Family("qwen2", "qwen2", ("Qwen2ForCausalLM",), qkv_bias=True),
+        Family(
+            "qwen3",
+            "qwen3",
+            ("Qwen3ForCausalLM",),
+            qk_norm=True,
+            torchtitan=TORCHTITAN_QWEN3,
+        ),
+        Family(
+            "qwen2_moe",
+            "qwen2_moe",
+            ("Qwen2MoeForCausalLM",),
+            shared_experts="shared_expert",
+            qkv_bias=True,
+            moe=True,
+            shared_expert_gate=True,
+        ),
+        Family(
+            "qwen3_moe",
+            "qwen3_moe",
+            ("Qwen3MoeForCausalLM",),
+            qk_norm=True,
+            moe=True,
+            torchtitan=TORCHTITAN_QWEN3,
+        ),
+        Family(
+            "deepseek_v3",
+            "deepseek_v3",
+            ("DeepseekV3ForCausalLM",),
+            latent_attention=True,
+            moe=True,
+            mtp=True,
+            torchtitan=TORCHTITAN_DEEPSEEK_V3,
+        ),
+        Family(
+            "qwen2_vl",
+            "qwen2_vl",
+            ("Qwen2VLForConditionalGeneration",),
+            vision_prefix=_VISION,
+            qkv_bias=True,
+        ),
+        Family(
+            "qwen2_5_vl",
+            "qwen2_5_vl",
+            ("Qwen2_5_VLForConditionalGeneration",),
+            vision_prefix=_VISION,
+            qkv_bias=True,
+        ),
+        # Hybrid linear attention (Gated DeltaNet) with a vision tower; torchtitan's to_hf only.
+        Family(
+            "qwen3_5",
+            "qwen3_5",
+            ("Qwen3_5ForConditionalGeneration",),
+            text_prefix="model.language_model.",
+            vision_prefix="model.visual.",
+            qk_norm=True,
+            megatron=False,
+            torchtitan=TORCHTITAN_QWEN3_5,
+        ),
+        Family(
+            "qwen3_5_moe",
+            "qwen3_5_moe",
+            ("Qwen3_5MoeForConditionalGeneration",),
+            text_prefix="model.language_model.",
+            vision_prefix="model.visual.",
+            shared_experts="shared_expert",
+            qk_norm=True,
+            moe=True,
+            shared_expert_gate=True,
+            megatron=False,
+            torchtitan=TORCHTITAN_QWEN3_5,
+        ),
+        # Kimi-K2.5 (torchtitan's kimi_k2_7): the DeepSeek-V3 language model beside a MoonViT vision tower.
+        Family(
+            "kimi_k25",
+            "kimi_k25",
+            ("Kimi_K25ForConditionalGeneration", "KimiK25ForConditionalGeneration"),
+            text_prefix="language_model.model.",
+            vision_prefix="vision_tower.",
+            latent_attention=True,
+            moe=True,
+            megatron=False,
+            torchtitan=TORCHTITAN_KIMI_K2_7,
+        ),
+        # gpt-oss: attention sinks and biases; torchtitan's to_hf only (megatron-core 0.16 cannot build it on CPU).
+        Family(
+            "gpt_oss",
+            "gpt_oss",
+            ("GptOssForCausalLM",),
+            qkv_bias=True,
+            moe=True,
+            megatron=False,
+            torchtitan=TORCHTITAN_GPT_OSS,
+        ),
+    )
+}
+
+
+def by_architecture(architecture: str) -> Family | None:
+    """The family whose config.json ``architectures`` entry this is."""
+    return next((f for f in FAMILIES.values() if architecture in f.architectures), None)
+
+
+def by_model_type(model_type: object) -> Family | None:
+    """The family of a config.json ``model_type``."""
+    return next((f for f in FAMILIES.values() if f.model_type == model_type), None)

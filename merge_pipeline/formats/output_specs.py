@@ -1,0 +1,36 @@
+"""An HF tensor as rows of stored tensors: what a name mapping produces and the DCP planner reads.
+
+Every family's mapping (``formats/megatron_names.py``, ``formats/torchtitan_names.py``) says, per HF
+tensor, which rows of which stored tensors make it up; ``formats/dcp_files.py`` turns that into byte ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``rows[0]:rows[1]`` of stored tensor ``key`` at fixed leading ``index`` (layer, expert).
+
+    The rows are counted on dimension ``len(index)``; every later dimension is taken whole.
+    """
+
+    key: str
+    index: tuple[int, ...]
+    rows: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One HF tensor: its pieces concatenated along the row dimension."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+    # The same bytes in the same order under another shape: a Linear patch embedding saved as HF's Conv weight.
+    shape: tuple[int, ...] | None = None
+
+
+def whole(name: str, key: str, rows: int, index: tuple[int, ...] = ()) -> OutputSpec:
+    """HF tensor ``name`` is stored tensor ``key`` (at ``index``) as it is: all its ``rows``."""
+    return OutputSpec(name, (Piece(key, index, (0, rows)),))
