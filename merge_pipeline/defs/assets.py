@@ -19,14 +19,11 @@ import dagster as dg
 
 from merge_pipeline.defs.checks import CHECK_SPECS, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
-from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
 from merge_pipeline.errors import MergeError
-from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
 
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
@@ -111,6 +108,12 @@ def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings:
     target's lock, runs the three blocking checks against the staging folder, and renames it into
     place only if all passed.
     """
+    # Imported here, by the run: they import torch and transformers, which the code location's load
+    # (the UI's, and each run worker's before it reports the run started) does not need.
+    from merge_pipeline.defs.discovery import completeness
+    from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
+    from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
+
     key = CheckpointKey.parse(context.partition_key)
     target = settings.target_dir(key)
     started = time.monotonic()

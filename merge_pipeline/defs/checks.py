@@ -16,7 +16,6 @@ import dagster as dg
 from merge_pipeline.defs.partitions import checkpoint_partitions
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CheckOutcome, run_blocking_checks
-from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
 
 HF_MODEL = dg.AssetKey("hf_model")
@@ -66,6 +65,8 @@ def _result(outcome: CheckOutcome, counts: dict[str, int]) -> dg.AssetCheckResul
 
 def _counts(folder: Path) -> dict[str, int]:
     """What the checks looked at, so a passed check says how much it verified."""
+    from merge_pipeline.hf.folder_checks import weight_files  # torch: imported by a run, not by the location's load
+
     try:
         shards = weight_files(folder)
         files = read_manifest(folder)["files"]

@@ -10,6 +10,7 @@ import base64
 import io
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
@@ -17,9 +18,10 @@ from merge_pipeline.defs.assets import GROUP, OWNERS, hf_model
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
-from merge_pipeline.hf.step_diff import StepDiff, diff_folders, markdown_table, summary_lines
+
+if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
+    from merge_pipeline.hf.step_diff import StepDiff
 
 STEP_REPORT = dg.AssetKey("step_report")
 PREVIOUS, BASE = "previous step", "base model"
@@ -53,6 +55,8 @@ with warnings.catch_warnings():  # partitioned checks are a preview in Dagster 1
 )
 def step_report(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.MaterializeResult:
     """Per tensor: relative change against the previous merged step of the run and the base model, norms, NaN / Inf."""
+    from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
+
     key = CheckpointKey.parse(context.partition_key)
     folder = settings.target_dir(key)
     with one_line_failure():
@@ -90,6 +94,8 @@ def step_report(context: dg.AssetExecutionContext, settings: MergeSettings) -> d
 
 def _references(instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path) -> dict:
     """The previous merged step of the same run and role, and the base model when it has weights."""
+    from merge_pipeline.hf.folder_checks import weight_files
+
     found = {}
     earlier = [
         k
@@ -106,7 +112,7 @@ def _references(instance: dg.DagsterInstance, settings: MergeSettings, key: Chec
     return found
 
 
-def _plot_png(diff: StepDiff) -> str:
+def _plot_png(diff: "StepDiff") -> str:
     """Relative change by layer, one line per tensor kind and reference, as a base64 PNG for the UI."""
     import matplotlib
 

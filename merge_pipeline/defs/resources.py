@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 from pydantic import Field
 
-from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
+
+# discovery imports the pipeline, which imports torch: sensor ticks and runs import it, the location's load does not
+if TYPE_CHECKING:
+    from merge_pipeline.defs.discovery import Scan
 
 ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
@@ -76,9 +80,13 @@ class MergeSettings(dg.ConfigurableResource):
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""
+        from merge_pipeline.defs.discovery import scan_roots
+
         return scan_roots(self.roots, self.output_dir)
 
     def role_dir(self, key: CheckpointKey) -> Path:
+        from merge_pipeline.defs.discovery import locate
+
         return locate(key, self.roots)
 
     def target_dir(self, key: CheckpointKey) -> Path:

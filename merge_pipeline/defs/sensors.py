@@ -14,14 +14,17 @@ touched. Nothing is removed while a root cannot be read: an unmounted disk is no
 """
 
 import json
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from merge_pipeline.defs.assets import checkpoint, hf_model
-from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint, completeness
 from merge_pipeline.defs.jobs import merge_checkpoint_job
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
+
+if TYPE_CHECKING:
+    from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint
 
 SOURCE_TAG = "merge_pipeline/source"
 INTERVAL_SECONDS = int(
@@ -36,6 +39,9 @@ INTERVAL_SECONDS = int(
     description="Watches MERGE_PIPELINE_CHECKPOINT_ROOTS for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: partitions.STEP_FOLDERS) and merges each once.",
 )
 def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
+    # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
+    from merge_pipeline.defs.discovery import completeness
+
     seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
     present, requests, waiting, saved, found_merged = set(), [], [], [], []
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
@@ -91,7 +97,7 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
     return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes, asset_events=saved)
 
 
-def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMaterialization:
+def _checkpoint_saved(found: "FoundCheckpoint", state: "Completeness") -> dg.AssetMaterialization:
     """The trainer's save of this checkpoint, as the external ``checkpoint`` asset's event."""
     metadata = {
         "path": dg.MetadataValue.path(str(found.role_dir)),
@@ -106,7 +112,7 @@ def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMa
     )
 
 
-def _found_merged(found: FoundCheckpoint, target) -> dg.AssetMaterialization:
+def _found_merged(found: "FoundCheckpoint", target) -> dg.AssetMaterialization:
     """A merged folder that was there before this instance knew its checkpoint, recorded as found: not
     merged or checked by this instance, so it shows as materialized rather than missing."""
     return dg.AssetMaterialization(
