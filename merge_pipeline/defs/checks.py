@@ -49,8 +49,11 @@ def check_staged_folder(folder: Path) -> list[dg.AssetCheckResult]:
 
 def _result(outcome: CheckOutcome, counts: dict[str, int]) -> dg.AssetCheckResult:
     metadata = {
-        "problems": dg.MetadataValue.md(
-            "\n".join(f"- {p}" for p in outcome.problems[:50]) or outcome.check.passed_text
+        # a passed check says what it verified; only a failed one has a "problems" list
+        **(
+            {"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in outcome.problems[:50]))}
+            if outcome.problems
+            else {"verified": outcome.check.passed_text}
         ),
         "problem count": len(outcome.problems),
         **counts,

@@ -13,7 +13,6 @@ nothing left to merge); one that was merged keeps its partition, and its merged 
 touched. Nothing is removed while a root cannot be read: an unmounted disk is not a rotation.
 """
 
-import json
 from typing import TYPE_CHECKING
 
 import dagster as dg
@@ -22,6 +21,7 @@ from merge_pipeline.defs.assets import checkpoint, hf_model
 from merge_pipeline.defs.jobs import merge_checkpoint_job
 from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.sensor_cursor import cursor_keys, sensor_cursor
 
 if TYPE_CHECKING:
     from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint
@@ -42,7 +42,7 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
     # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
     from merge_pipeline.defs.discovery import completeness
 
-    seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
+    seen = cursor_keys(context.cursor)  # requested or already merged
     present, requests, waiting, saved, found_merged = set(), [], [], [], []
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
     scan = settings.find_checkpoints()
@@ -66,7 +66,6 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         seen.add(key)
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
         saved.append(_checkpoint_saved(found, state))
-    cursor = json.dumps(sorted(seen & present))
     rotated = (
         [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()]
         if scan.all_roots_read
@@ -81,8 +80,13 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
     if requests or found_merged:
         changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests] + found_merged))
     if requests:
+        keys = [r.partition_key for r in requests]
+        requested = f"requested {len(keys)} merge(s): {', '.join(keys[:5])}"
         return dg.SensorResult(
-            run_requests=requests, dynamic_partitions_requests=changes, asset_events=saved, cursor=cursor
+            run_requests=requests,
+            dynamic_partitions_requests=changes,
+            asset_events=saved,
+            cursor=sensor_cursor(seen & present, requested),
         )
     reason = (
         f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}"
@@ -94,7 +98,12 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
     if scan.not_watched:  # a missing root must not read as "nothing new"
         reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
-    return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes, asset_events=saved)
+    return dg.SensorResult(
+        skip_reason=reason,
+        cursor=sensor_cursor(seen & present, reason),
+        dynamic_partitions_requests=changes,
+        asset_events=saved,
+    )
 
 
 def _checkpoint_saved(found: "FoundCheckpoint", state: "Completeness") -> dg.AssetMaterialization:
