@@ -10,8 +10,8 @@ import dagster as dg
 
 from merge_pipeline.defs import assets
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import assert_bit_exact
 

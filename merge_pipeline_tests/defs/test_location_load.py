@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
 HEAVY = ("torch", "transformers", "megatron", "deepspeed", "safetensors")
@@ -15,6 +17,7 @@ PROBE = (
 )
 
 
+@pytest.mark.slow  # a fresh interpreter: the test process itself has torch loaded
 def test_loading_the_code_location_imports_no_torch():
     loaded = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300, check=True
