@@ -19,16 +19,13 @@ import dagster as dg
 
 from merge_pipeline.defs.checks import check_specs, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.discovery import Completeness, completeness, newest_change
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.pins import unpin
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
-from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
 from merge_pipeline.errors import MergeError
-from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
 
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
@@ -143,6 +140,12 @@ def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
 
 
 def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings, names: Names) -> Iterator:
+    # Imported here, by the run: they import torch and transformers, which the code location's load
+    # (the UI's, and each run worker's before it reports the run started) does not need.
+    from merge_pipeline.defs.discovery import Completeness, completeness, newest_change
+    from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
+    from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
+
     key = CheckpointKey.parse(context.partition_key)
     target = settings.target_dir(key)
     started = time.monotonic()

@@ -16,7 +16,6 @@ import dagster as dg
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CheckOutcome, run_blocking_checks
-from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
 
 
@@ -55,8 +54,11 @@ def check_staged_folder(folder: Path, names: Names) -> list[dg.AssetCheckResult]
 
 def _result(outcome: CheckOutcome, counts: dict[str, int], names: Names) -> dg.AssetCheckResult:
     metadata = {
-        "problems": dg.MetadataValue.md(
-            "\n".join(f"- {p}" for p in outcome.problems[:50]) or outcome.check.passed_text
+        # a passed check says what it verified; only a failed one has a "problems" list
+        **(
+            {"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in outcome.problems[:50]))}
+            if outcome.problems
+            else {"verified": outcome.check.passed_text}
         ),
         "problem count": len(outcome.problems),
         **counts,
@@ -71,6 +73,8 @@ def _result(outcome: CheckOutcome, counts: dict[str, int], names: Names) -> dg.A
 
 def _counts(folder: Path) -> dict[str, int]:
     """What the checks looked at, so a passed check says how much it verified."""
+    from merge_pipeline.hf.folder_checks import weight_files  # torch: imported by a run, not by the location's load
+
     try:
         shards = weight_files(folder)
         files = read_manifest(folder)["files"]

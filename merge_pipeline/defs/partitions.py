@@ -15,7 +15,6 @@ from pathlib import PurePosixPath
 import dagster as dg
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.pipeline import step_folder, step_folders
 
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 
@@ -46,6 +45,9 @@ class CheckpointKey:
 
     @classmethod
     def parse(cls, key: str) -> CheckpointKey:
+        # the step folder rules live with the readers (torch): imported on use, not by the location's load
+        from merge_pipeline.pipeline import step_folder, step_folders
+
         parts = key.rsplit("/", 2)
         if len(parts) == 3 and (found := step_folder(parts[1])) and parts[2] in found[0].roles:
             if _is_run_name(parts[0]):

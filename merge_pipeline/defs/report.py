@@ -10,6 +10,7 @@ import base64
 import io
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
@@ -19,11 +20,12 @@ from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.errors import first_line
-from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
-from merge_pipeline.hf.step_diff import StepDiff, diff_folders, markdown_table, summary_lines
 from merge_pipeline.progress import human_bytes
+
+if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
+    from merge_pipeline.hf.step_diff import StepDiff
 
 PREVIOUS, BASE = "previous step", "base model"
 # the smoke test's metadata entries; hub_model copies them into the model card
@@ -69,6 +71,8 @@ def step_report_definition(names: Names) -> dg.AssetsDefinition:
 
 
 def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: Names) -> dg.MaterializeResult:
+    from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines  # torch: by the run only
+
     key = CheckpointKey.parse(context.partition_key)
     folder = settings.target_dir(key)
     with one_line_failure():
@@ -110,6 +114,8 @@ def _references(
     instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path, names: Names
 ) -> dict:
     """The previous merged step of the same run and role, and the base model when it has weights."""
+    from merge_pipeline.hf.folder_checks import weight_files  # torch: by the run only
+
     found = {}
     earlier = [
         k
@@ -153,7 +159,7 @@ def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, 
     }
 
 
-def _plot_png(diff: StepDiff) -> str:
+def _plot_png(diff: "StepDiff") -> str:
     """Relative change by layer, one line per tensor kind and reference, as a base64 PNG for the UI."""
     import matplotlib
 

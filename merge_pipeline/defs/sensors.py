@@ -16,16 +16,19 @@ With ``pin_steps``, a complete step is hard-linked into its pin when its merge i
 rotation cannot take it first (``pins``); pins that no queued or running run will read are removed.
 """
 
-import json
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint, completeness
 from merge_pipeline.defs.jobs import merge_checkpoint_job
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.pins import pin, stale_pins, unpin
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.sensor_cursor import cursor_keys, sensor_cursor
+
+if TYPE_CHECKING:
+    from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint
 
 SOURCE_TAG = "merge_pipeline/source"
 INTERVAL_VAR = "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS"
@@ -52,8 +55,11 @@ def checkpoint_sensor(names: Names, interval_seconds: int) -> dg.SensorDefinitio
 
 
 def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names) -> dg.SensorResult:
+    # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
+    from merge_pipeline.defs.discovery import completeness
+
     checkpoint_partitions = names.partitions
-    seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
+    seen = cursor_keys(context.cursor)  # requested or already merged
     present, requests, waiting, saved, found_merged = set(), [], [], [], []
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
     scan = settings.find_checkpoints()
@@ -79,7 +85,6 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
             context.log.warning(not_pinned)
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
         saved.append(_checkpoint_saved(found, state, names))
-    cursor = json.dumps(sorted(seen & present))
     rotated = (
         [
             k
@@ -103,8 +108,13 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
     if requests or found_merged:
         changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests] + found_merged))
     if requests:
+        keys = [r.partition_key for r in requests]
+        requested = f"requested {len(keys)} merge(s): {', '.join(keys[:5])}"
         return dg.SensorResult(
-            run_requests=requests, dynamic_partitions_requests=changes, asset_events=saved, cursor=cursor
+            run_requests=requests,
+            dynamic_partitions_requests=changes,
+            asset_events=saved,
+            cursor=sensor_cursor(seen & present, requested),
         )
     reason = (
         f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}"
@@ -116,10 +126,15 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
     if scan.not_watched:  # a missing root must not read as "nothing new"
         reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
-    return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes, asset_events=saved)
+    return dg.SensorResult(
+        skip_reason=reason,
+        cursor=sensor_cursor(seen & present, reason),
+        dynamic_partitions_requests=changes,
+        asset_events=saved,
+    )
 
 
-def _checkpoint_saved(found: FoundCheckpoint, state: Completeness, names: Names) -> dg.AssetMaterialization:
+def _checkpoint_saved(found: "FoundCheckpoint", state: "Completeness", names: Names) -> dg.AssetMaterialization:
     """The trainer's save of this checkpoint, as the external ``checkpoint`` asset's event."""
     metadata = {
         "path": dg.MetadataValue.path(str(found.role_dir)),
@@ -134,7 +149,7 @@ def _checkpoint_saved(found: FoundCheckpoint, state: Completeness, names: Names)
     )
 
 
-def _found_merged(found: FoundCheckpoint, target, names: Names) -> dg.AssetMaterialization:
+def _found_merged(found: "FoundCheckpoint", target, names: Names) -> dg.AssetMaterialization:
     """A merged folder that was there before this instance knew its checkpoint, recorded as found: not
     merged or checked by this instance, so it shows as materialized rather than missing."""
     return dg.AssetMaterialization(

@@ -11,20 +11,25 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from merge_pipeline.defs.metadata import sha256_table, value
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import Prepared, WriteReport, checkpoint_facts
 from merge_pipeline.progress import human_bytes
+
+if TYPE_CHECKING:  # the pipeline imports torch: a run does, the code location's load does not
+    from merge_pipeline.pipeline import Prepared, WriteReport
 
 INDEX = "model.safetensors.index.json"
 
 
 def parallel_config_metadata(prepared: Prepared, options: MergeOptions, manifest: Mapping) -> dict:
     """``inspect``'s facts (the same function builds both) and the plan's decisions."""
+    from merge_pipeline.pipeline import checkpoint_facts
+
     facts = checkpoint_facts(prepared.plan, options)
     inputs = facts.pop("files")
     decisions = manifest["decisions"]

@@ -11,7 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from merge_pipeline.hf.folder_checks import index_problems, manifest_problems, meta_load_problems
+
+def _folder_check(name: str) -> Callable[[Path], list[str]]:
+    """``folder_checks.<name>``, imported when a check runs: it needs torch and transformers, which the
+    checks' names and descriptions (all that Dagster's code location reads when it loads) do not."""
+
+    def find_problems(folder: Path) -> list[str]:
+        from merge_pipeline.hf import folder_checks
+
+        return getattr(folder_checks, name)(folder)
+
+    return find_problems
 
 
 @dataclass(frozen=True)
@@ -25,19 +35,19 @@ class FolderCheck:
 BLOCKING_CHECKS = (
     FolderCheck(
         "loads_on_meta_device",
-        meta_load_problems,
+        _folder_check("meta_load_problems"),
         "every weight loads into the config's architecture with the stored shape and every stored value unaltered",
         "transformers builds the architecture config.json names on the meta device from this folder: no missing, unexpected or reshaped keys, each weight loaded in its stored dtype or one holding it exactly",
     ),
     FolderCheck(
         "index_matches_shards",
-        index_problems,
+        _folder_check("index_problems"),
         "the index maps every stored tensor to the file holding it, total_size matches",
         "model.safetensors.index.json maps exactly the tensors each shard holds, and its total_size is their byte count",
     ),
     FolderCheck(
         "manifest_sha256",
-        manifest_problems,
+        _folder_check("manifest_problems"),
         "every file matches the manifest's size and sha256",
         "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted",
     ),

@@ -102,14 +102,17 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
         name: (m["tensors"].value, m["weight files"].value, m["files in manifest"].value, m["problem count"].value)
         for name, m in checks.items()
     } == dict.fromkeys(checks, (27, 3, 9, 0))
+    # a passed check says what it verified, and shows no "problems" field
+    assert all("problems" not in m and m["verified"].value for m in checks.values())
 
 
 def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkeypatch):
-    from merge_pipeline.defs import assets
+    from merge_pipeline import pipeline
 
     roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_3", tracker=3)
     plans = []
-    monkeypatch.setattr(assets, "prepare", lambda *a, **k: plans.append(a) or prepare(*a, **k))
+    # the step imports the pipeline when it runs (the code location's load does not import torch)
+    monkeypatch.setattr(pipeline, "prepare", lambda *a, **k: plans.append(a) or prepare(*a, **k))
 
     assert materialize(instance, roots.settings(), "run/global_step_3/actor").success
     assert len(plans) == 1

@@ -84,6 +84,7 @@ def test_a_failed_blocking_check_publishes_nothing_and_says_so(fsdp_checkpoint, 
         f"missing from the weights: model.layers.{layers}.mlp.down_proj.weight"
         in checks["loads_on_meta_device"].metadata["problems"].value
     )
+    assert "problems" not in checks["manifest_sha256"].metadata  # only the failed check lists problems
     assert_nothing_published(instance, roots)
     assert tree_digest(role_dir) == before
 

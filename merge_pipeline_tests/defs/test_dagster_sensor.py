@@ -13,6 +13,7 @@ import pytest
 from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.sensor_cursor import cursor_keys
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
@@ -50,7 +51,7 @@ def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, root
     assert [r.tags[SOURCE_TAG] for r in result.run_requests] == [str(actor), str(critic)]
     [added] = result.dynamic_partitions_requests
     assert (added.partitions_def_name, list(added.partition_keys)) == ("checkpoints", keys)
-    assert json.loads(result.cursor) == keys
+    assert sorted(cursor_keys(result.cursor)) == keys
     # each saved checkpoint recorded as the external asset's event, with where it is and why it counts as complete
     assert [(e.asset_key.to_user_string(), e.partition) for e in result.asset_events] == [
         ("checkpoint", k) for k in keys
@@ -95,7 +96,7 @@ def test_repeated_ticks_request_each_checkpoint_once(fsdp_checkpoint, roots, ins
     third = tick(instance, settings, second.cursor)
 
     assert requested(first) == ["run/global_step_1/actor"]
-    assert requested(second) == requested(third) == [] and third.cursor == first.cursor
+    assert requested(second) == requested(third) == [] and cursor_keys(third.cursor) == cursor_keys(first.cursor)
     assert third.skip_reason.skip_message == "no new checkpoints (1 known)"
     # A lost cursor asks again, under the same run key: Dagster launches a run key only once.
     assert [r.run_key for r in tick(instance, settings).run_requests] == [r.run_key for r in first.run_requests]
@@ -113,9 +114,9 @@ def test_folders_deleted_by_rotation_leave_the_cursor(fsdp_checkpoint, roots, in
     shutil.rmtree(roots.checkpoints / "run" / "global_step_2" / "actor")
     after = tick(instance, settings, first.cursor)
 
-    assert requested(after) == [] and json.loads(after.cursor) == ["run/global_step_3/actor"]
+    assert requested(after) == [] and sorted(cursor_keys(after.cursor)) == ["run/global_step_3/actor"]
     shutil.rmtree(roots.checkpoints)  # the whole root gone: nothing to do, no error
-    assert json.loads(tick(instance, settings, after.cursor).cursor) == []
+    assert sorted(cursor_keys(tick(instance, settings, after.cursor).cursor)) == []
 
 
 def test_hundreds_of_steps_cost_one_cheap_scan(fsdp_checkpoint, roots, instance):
@@ -131,7 +132,7 @@ def test_hundreds_of_steps_cost_one_cheap_scan(fsdp_checkpoint, roots, instance)
     seconds = time.monotonic() - started
 
     assert len(requested(first)) == 300 and len(set(r.run_key for r in first.run_requests)) == 300
-    assert requested(second) == [] and len(json.loads(second.cursor)) == 300
+    assert requested(second) == [] and len(cursor_keys(second.cursor)) == 300
     assert seconds < 2, f"a tick over 300 known steps took {seconds:.2f} s"
 
 
@@ -144,7 +145,7 @@ def test_steps_already_merged_are_skipped(fsdp_checkpoint, roots, instance):
     result = tick(instance, roots.settings())
 
     assert requested(result) == ["run/global_step_2/actor"]
-    assert json.loads(result.cursor) == ["run/global_step_1/actor", "run/global_step_2/actor"]
+    assert sorted(cursor_keys(result.cursor)) == ["run/global_step_1/actor", "run/global_step_2/actor"]
     # a fresh instance shows the step merged before as materialized, marked as found
     [added] = result.dynamic_partitions_requests
     assert sorted(added.partition_keys) == ["run/global_step_1/actor", "run/global_step_2/actor"]
@@ -232,3 +233,20 @@ def test_skip_reason_lists_partitions_whose_last_merge_failed(fsdp_checkpoint, r
         reason
         == "no new checkpoints (1 known) | last merge failed for 1: run/global_step_1/actor (see Runs; re-execute or backfill them)"
     )
+
+
+def test_the_cursor_leads_with_what_the_last_tick_did(fsdp_checkpoint, roots, instance):
+    """The sensor's page prints the cursor (the skip reason shows only on hover): its summary comes first."""
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2")  # no tracker says 2 yet: partial
+    settings = roots.settings()
+
+    first = tick(instance, settings)
+    second = tick(instance, settings, first.cursor)
+
+    assert list(json.loads(first.cursor)) == ["__class__", "last tick", "keys"]  # shown as name=value pairs, in order
+    assert json.loads(first.cursor)["last tick"] == "requested 1 merge(s): run/global_step_1/actor"
+    assert json.loads(second.cursor)["last tick"] == second.skip_reason.skip_message
+    assert second.skip_reason.skip_message.startswith("waiting for 1 partial checkpoint(s): run/global_step_2/actor (")
+    # a cursor written before the summary existed (a plain list of keys) still reads
+    assert requested(tick(instance, settings, json.dumps(["run/global_step_1/actor"]))) == []
