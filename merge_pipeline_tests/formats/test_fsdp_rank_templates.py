@@ -9,6 +9,7 @@ A file differing anywhere else is unpickled and verified as before, and refused 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -16,24 +17,13 @@ import pytest
 from merge_pipeline.formats.fsdp import plan_fsdp
 from merge_pipeline.formats.fsdp_template import RankTemplate
 from merge_pipeline.formats.torch_files import torch_archive
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.formats.test_fsdp_hostile_files import edit_pickle, repack
+from merge_pipeline_tests.formats.test_fsdp_world_size import SPEC as WORLD_SIZE_SPEC
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 WORLD_SIZE = 16
-SPEC = FsdpSpec(
-    arch="llama",
-    world_size=WORLD_SIZE,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    vocab_size=40,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    with_optimizer=False,
-    with_tokenizer=False,
-)
+SPEC = dataclasses.replace(WORLD_SIZE_SPEC, world_size=WORLD_SIZE, vocab_size=40)
 
 
 @pytest.fixture(scope="module")
