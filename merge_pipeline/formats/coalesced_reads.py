@@ -19,8 +19,8 @@ import torch
 
 from merge_pipeline.plan import ByteRun, PlannedTensor, SourceFile, StoredBytes
 
-# A group's buffer holds at most this many source bytes (a single tensor larger than that is its own group).
-GROUP_BYTES = 64 << 20
+# A group's buffer holds at most this many source bytes.
+GROUP_BYTES = 32 << 20
 # Tensors whose pieces average less than this are grouped; larger pieces are read well one by one.
 SMALL_PIECE_BYTES = 1 << 20
 # Neighbouring pieces at most this far apart in a file are read by one preadv (the gap into scratch).
@@ -41,7 +41,9 @@ def coalesced(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
 
     for t in tensors:
         runs = t.source.runs if isinstance(t.source, StoredBytes) else ()
-        if len(runs) > 1 and sum(r.length for r in runs) < SMALL_PIECE_BYTES * len(runs):
+        # a tensor over GROUP_BYTES keeps its piece-by-piece reads: its pieces are large enough, and
+        # one buffer of it all would grow the peak memory by the tensor
+        if 1 < len(runs) and t.nbytes() <= GROUP_BYTES and sum(r.length for r in runs) < SMALL_PIECE_BYTES * len(runs):
             if group and sum(g.nbytes() for g in group) + t.nbytes() > GROUP_BYTES:
                 flush()
             group.append(t)

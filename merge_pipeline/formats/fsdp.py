@@ -45,7 +45,7 @@ def is_fsdp_dir(role_dir: Path) -> bool:
     return any(MODEL_FILE.match(p.name) for p in role_dir.iterdir())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankShard:
     """One rank's piece of one tensor: where it sits in the global tensor and where its bytes are.
 
