@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-sizes", default="4,64,1024")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--compare-with", type=Path, help="another checkout of merge_pipeline, measured alongside")
+    parser.add_argument("--compare-label", default="other checkout", help="its name in the table and plot")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     parser.add_argument("--json", type=Path, help="write every sample here")
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoints = {w: ensure_world_size_checkpoint(args.size, w, args.cache_dir) for w in world_sizes}
     versions = {"this checkout": REPO_ROOT}
     if args.compare_with:
-        versions = {f"{args.compare_with}": args.compare_with.resolve(), **versions}
+        versions = {args.compare_label: args.compare_with.resolve(), **versions}
     samples: dict[str, dict[int, list[dict]]] = {v: {w: [] for w in world_sizes} for v in versions}
     with tempfile.TemporaryDirectory(prefix="world-sizes-") as scratch:
         for repeat in range(args.repeat):
