@@ -32,11 +32,12 @@ def _peak_rss_mib() -> float:
 
 def measure_plan(role_dir: Path) -> dict:
     from merge_pipeline.formats.megatron import plan_megatron
+    from merge_pipeline.hf.config import CheckpointConfig
     from merge_pipeline.plan import StoredBytes
 
     baseline = _peak_rss_mib()
     started = time.monotonic()
-    plan = plan_megatron(role_dir, is_value_model=None, tie_word_embedding=None, trust_remote_code=False)
+    plan = plan_megatron(role_dir, CheckpointConfig(role_dir), is_value_model=None, tie_word_embedding=None)
     planned = time.monotonic()
     largest_piece = 0
     with plan:

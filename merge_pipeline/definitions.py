@@ -1,4 +1,6 @@
-"""The code location (``dagster dev``, ``dg dev``): every module of ``defs/``, merged.
+"""The code location (``dagster dev``, ``dg dev``): the ``MergeCheckpoints`` component with no prefix,
+its settings from the environment (``defs/component.py``; another project adds the same component
+with ``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``).
 
 Every job of the location, the implicit one behind the UI's "Materialize" button and backfills
 included, runs in one process (``in_process_executor``): a merge step in a fresh process would spend
@@ -7,15 +9,9 @@ most of its time importing torch and transformers again.
 
 import dagster as dg
 
-from merge_pipeline.defs import alerts, assets, hub, jobs, report, resources, sensors
+from merge_pipeline.defs.component import MergeCheckpoints
+from merge_pipeline.defs.names import PLAIN
 
 defs = dg.Definitions.merge(
-    assets.defs,
-    report.defs,
-    jobs.defs,
-    resources.defs,
-    sensors.defs,
-    hub.defs,
-    alerts.defs,
-    dg.Definitions(executor=dg.in_process_executor),
+    MergeCheckpoints.from_env().definitions(PLAIN), dg.Definitions(executor=dg.in_process_executor)
 )

@@ -132,8 +132,11 @@ def upload_folder_verified(
     token: str | None = None,
     timeout_s: float | None = None,
     retry: RetryPolicy = RetryPolicy(),
+    smoke: dict | None = None,
 ) -> UploadResult:
-    """Upload a merged folder (plus its model card) to ``repo_id`` and verify it against the manifest."""
+    """Upload a merged folder (plus its model card) to ``repo_id`` and verify it against the manifest.
+
+    ``smoke``: the smoke test's prompt, text and loss, for the card (``model_card.render_card``)."""
     folder = Path(folder).absolute()
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     token = token or get_token()
@@ -145,7 +148,7 @@ def upload_folder_verified(
     manifest = _our_manifest(folder)
     try:  # the card reads every part of the manifest: one edited by hand may lack or garble any of them
         name = CheckpointName.from_role_dir(manifest["source"]["role_dir"], manifest["source"].get("role"))
-        card = render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"])
+        card = render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"], smoke=smoke)
     except (KeyError, TypeError, ValueError, AttributeError):
         raise _not_our_manifest(folder) from None
     upload = _Upload(

@@ -10,6 +10,7 @@ was not written by us and is never replaced (``readme_to_publish``).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -56,7 +57,27 @@ def _fp8_rows(fp8: dict | None) -> list[tuple[str, str]]:
     ]
 
 
-def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) -> str:
+def _smoke_lines(smoke: dict | None) -> list[str]:
+    """The smoke test's result (Dagster's ``smoke_test`` setting): what a person reads first."""
+    if not smoke:
+        return []
+    quoted = {k: json.dumps(smoke[k], ensure_ascii=False).replace("`", "'") for k in ("prompt", "text")}
+    return [
+        "## Smoke test",
+        "",
+        "Loaded with transformers on CPU after the merge; greedy decoding:",
+        "",
+        "```text",
+        f"prompt:       {quoted['prompt']}",
+        f"continuation: {quoted['text']}",
+        "```",
+        "",
+        f"Mean next-token loss on a short fixed text: {smoke['loss']:.4f} (compare it between steps).",
+        "",
+    ]
+
+
+def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, smoke: dict | None = None) -> str:
     source, decisions, options = manifest["source"], manifest["decisions"], manifest["options"]
     name = CheckpointName.from_role_dir(source["role_dir"], source.get("role"))
     tool = f"{manifest['tool']['name']} {manifest['tool']['version']}"
@@ -92,6 +113,7 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False) 
         "|---|---|",
         *(f"| {key} | {value} |" for key, value in rows),
         "",
+        *_smoke_lines(smoke),
         "## Files",
         "",
         "Sizes and sha256 recorded in `merge_manifest.json` when the folder was merged; the upload is "

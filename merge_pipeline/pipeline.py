@@ -18,14 +18,14 @@ import logging
 import resource
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from merge_pipeline import __version__
 from merge_pipeline.engine.fp8 import fp8_outputs
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
-from merge_pipeline.engine.lora import with_base_weights
+from merge_pipeline.engine.lora import model_tensors
 from merge_pipeline.engine.outputs import OutputPlan, ShardFile, config_dtype_for, plan_outputs
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
@@ -37,11 +37,17 @@ from merge_pipeline.engine.safetensors_writer import build_header, write_safeten
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.formats import BACKENDS as BACKENDS
-from merge_pipeline.formats import dcp, deepspeed, fsdp, open_checkpoint
-from merge_pipeline.formats.dcp import find_dcp_dir as find_dcp_dir
-from merge_pipeline.formats.deepspeed import missing_optimizer_states as missing_optimizer_states
-from merge_pipeline.formats.hf import read_hf_weights
-from merge_pipeline.hf.config import ModelConfig, load_model_config
+
+# The sensor's questions, answered by the readers: which folders are step folders, whether one holds
+# a save itself, and whether a save is complete (and why not).
+from merge_pipeline.formats import Completeness as Completeness
+from merge_pipeline.formats import completeness as completeness
+from merge_pipeline.formats import open_checkpoint
+from merge_pipeline.formats import saved_in_step_folder as saved_in_step_folder
+from merge_pipeline.formats import step_folder as step_folder
+from merge_pipeline.formats import step_folders as step_folders
+from merge_pipeline.formats.base_model import with_base_weights
+from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
 from merge_pipeline.hf.manifest import write_manifest
@@ -49,15 +55,10 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
 
-log = logging.getLogger("merge_pipeline")
+if TYPE_CHECKING:
+    from merge_pipeline.hf.architecture import ExpectedTensors
 
-# Discovery knows an SFT step folder (the model saved straight into global_step_<N>/) by FSDP rank files,
-# and asks the DCP and DeepSpeed readers (above) whether a save is finished.
-FSDP_RANK_FILE = fsdp.MODEL_FILE
-ACCELERATE_DCP_DIR = dcp.ACCELERATE_DIR
-DEEPSPEED_LATEST = deepspeed.LATEST
-is_deepspeed_tag_name = deepspeed.is_tag_name
-read_deepspeed_latest = deepspeed.read_latest
+log = logging.getLogger("merge_pipeline")
 
 
 @dataclass
@@ -108,22 +109,23 @@ def peak_rss_bytes() -> int:
 
 
 def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
-    """Open and validate the checkpoint and decide every output file, reading no tensor data."""
-    plan = open_checkpoint(local_dir, options)
+    """Open and validate the checkpoint and decide every output file, reading no tensor data.
+
+    The model config is resolved here, once: the readers that need it to plan ask the same one."""
+    configs = CheckpointConfig.of(local_dir, options)
+    plan = open_checkpoint(local_dir, options, configs)
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
-            plan = _with_base_weights(plan, Path(options.hf_model_path).absolute())
-        config = load_model_config(
-            plan.hf_dir,
-            trust_remote_code=options.trust_remote_code,
-            role_dir=plan.role_dir,
-            hf_model_path=options.hf_model_path,
-        )
+            plan = with_base_weights(plan, Path(options.hf_model_path).absolute())
+        config = configs.load(plan.hf_dir)
         if options.dtype == "fp8":
             refuse_quantized(plan.tensors, plan.role_dir)  # said before the architecture check names the scales
+        expected = _architecture_tensors(plan, config, options) if plan.check_against_architecture else None
+        if expected is not None:
+            plan = _with_inert_tensors(plan, expected)
         outputs = plan_outputs(plan, config, options)
-        if plan.check_against_architecture:
-            outputs = _check_against_architecture(plan, config, outputs, options)
+        if expected is not None:
+            _check_against_architecture(outputs, expected, config)
         if options.dtype == "fp8":
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
     except BaseException:
@@ -132,31 +134,32 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
     return Prepared(plan, config, outputs)
 
 
-def _with_base_weights(plan: CheckpointPlan, base_dir: Path) -> CheckpointPlan:
-    if not base_dir.is_dir():
-        raise MergeError(
-            base_dir, "--hf_model_path: not a directory" if base_dir.exists() else "--hf_model_path: does not exist"
-        )
-    return with_base_weights(plan, base_dir, *read_hf_weights(base_dir))
+# Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
 
 
-def _check_against_architecture(
-    plan: CheckpointPlan, config: ModelConfig, outputs: OutputPlan, options: MergeOptions
-) -> OutputPlan:
-    """Key set and every shape against the architecture config.json describes, so nothing is dropped
-    silently and nothing the model needs is left out."""
-    # Imported here: the module imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
-    from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors, inert_absent_tensors
+def _architecture_tensors(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> ExpectedTensors:
+    """The tensors (names, shapes) of the architecture config.json describes."""
+    from merge_pipeline.hf.architecture import expected_tensors
 
-    expected = expected_tensors(
-        config.path.parent, value_model=outputs.is_value_model, trust_remote_code=options.trust_remote_code
-    )
-    inert = inert_absent_tensors(outputs.planned_tensors, expected)
-    if inert:  # e.g. a zero-width shared expert: written too, so from_pretrained misses nothing
-        plan.tensors.extend(inert)
-        outputs = plan_outputs(plan, config, options)
+    value_model = plan.is_value_model or options.is_value_model  # as plan_outputs decides it
+    return expected_tensors(config.path.parent, value_model=value_model, trust_remote_code=options.trust_remote_code)
+
+
+def _with_inert_tensors(plan: CheckpointPlan, expected: ExpectedTensors) -> CheckpointPlan:
+    """The plan with the expected tensors no checkpoint stores because they cannot change the output
+    (e.g. a zero-width shared expert), as zeros: so from_pretrained misses nothing."""
+    from merge_pipeline.hf.architecture import inert_absent_tensors
+
+    inert = inert_absent_tensors(model_tensors(plan.tensors), expected)
+    return replace(plan, tensors=plan.tensors + inert) if inert else plan
+
+
+def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, config: ModelConfig) -> None:
+    """Key set and every shape against the architecture, so nothing is dropped silently and nothing
+    the model needs is left out."""
+    from merge_pipeline.hf.architecture import check_plan_against_architecture
+
     check_plan_against_architecture(outputs.planned_tensors, expected, config.path)
-    return outputs
 
 
 def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -> None:
@@ -333,22 +336,20 @@ def merge_checkpoint(
 
 def describe(local_dir: Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
-    with open_checkpoint(local_dir, options) as plan:
-        return checkpoint_facts(plan, options)
+    configs = CheckpointConfig.of(local_dir, options)
+    with open_checkpoint(local_dir, options, configs) as plan:
+        return checkpoint_facts(plan, options, configs)
 
 
-def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions) -> dict:
-    """What an opened checkpoint is: ``inspect`` prints these, Dagster's ``parallel_config`` shows them."""
+def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, configs: CheckpointConfig | None = None) -> dict:
+    """What an opened checkpoint is: ``inspect`` prints these, Dagster's ``parallel_config`` shows them.
+
+    ``configs``: the checkpoint's config as the plan resolved it; a checkpoint without one is still described."""
     dtypes = Counter()
     for t in plan.tensors:
         dtypes[dtype_name(t.dtype)] += t.numel
     try:
-        config = load_model_config(
-            plan.hf_dir,
-            trust_remote_code=options.trust_remote_code,
-            role_dir=plan.role_dir,
-            hf_model_path=options.hf_model_path,
-        )
+        config = (configs or CheckpointConfig.of(plan.role_dir, options)).load(plan.hf_dir)
         architecture, tied = config.architecture, config.tie_word_embeddings
     except MergeError as exc:
         architecture, tied, config = f"unknown ({exc.problem})", None, None

@@ -16,7 +16,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 import torch
 
@@ -295,6 +295,42 @@ class LoraInfo:
     task_type: str = "CAUSAL_LM"
 
 
+class LayoutFacts(TypedDict, total=False):
+    """How a checkpoint is laid out, as ``inspect`` shows it and the manifest records it: each reader
+    fills the facts of its format (the input folder's; the output's layout is the engine's OutputPlan)."""
+
+    world_size: int  # fsdp: the rank files, and how rank 0's first DTensor is placed
+    fsdp_version: int
+    mesh_shape: list[int]
+    mesh_dim_names: list[str]
+    placements: list[str]
+    layout_schema: str  # megatron: verl's "v2", "v2 without ckpt_contents.json" or "v1", and its parallel sizes
+    model_weights: str
+    sharded_backend: str
+    tp: int | None
+    pp: int | None
+    ep: int | None
+    vpp: int | None
+    num_layers: int
+    layer_keys: str
+    tie_word_embeddings: bool
+    zero_stage: int  # deepspeed
+    dp_world_size: int
+    tag: str
+    ds_version: str | None
+    dcp_source: str  # dcp: torchtitan, accelerate, NeMo-RL, ...
+    dcp_folder: str
+    skipped_entries: int
+    weights: str  # hf (consolidated safetensors), and Megatron's bridge output
+    lora_adapter: str
+    base_weights: str
+    base_model: str  # a LoRA-only checkpoint completed with --hf_model_path's weights
+    dtypes: list[str]  # several formats: the stored dtypes, tensors, chunks and files
+    stored_tensors: int
+    chunks: int
+    files: int
+
+
 @dataclass
 class CheckpointPlan:
     """Everything the engine needs to turn one role folder into an HF folder."""
@@ -310,9 +346,7 @@ class CheckpointPlan:
     # produced by a mapping (Megatron -> HF) or taken from a base model; False when they are the
     # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
     check_against_architecture: bool = True
-    # How the checkpoint is laid out (world size, mesh, TP/PP, layout schema, ...), as `inspect` shows it and
-    # the manifest records it. ("layout" is always the input folder's; the output is the engine's OutputPlan.)
-    layout: dict[str, Any] = field(default_factory=dict)
+    layout: LayoutFacts = field(default_factory=dict)
 
     @property
     def role(self) -> str:

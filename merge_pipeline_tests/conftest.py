@@ -18,6 +18,29 @@ from merge_pipeline.sample_checkpoints.deepspeed import write_deepspeed_checkpoi
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
 from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_cli
 
+# The fixtures that write real trainer checkpoints (torch distributed, megatron-core, DeepSpeed ranks): seconds
+# each. A test that needs one, directly or through another fixture, is in the slow tier.
+WRITES_SAMPLES = {
+    "fsdp_checkpoint",
+    "dcp_sample",
+    "deepspeed_checkpoints",
+    "megatron_samples",
+    "megatron_v2_sample",
+    "megatron_fsdp_sample",
+}
+
+
+def pytest_collection_modifyitems(items):
+    """The tiers (README "The two commands"): ``slow`` also marks every test that writes a sample checkpoint, launches
+    torchrun or runs Dagster's processes, so ``-m "not slow"`` leaves the unit tests on small synthetic inputs."""
+    for item in items:
+        if (
+            WRITES_SAMPLES.intersection(item.fixturenames)
+            or any(item.iter_markers("torchrun"))
+            or any(item.iter_markers("e2e"))
+        ):
+            item.add_marker(pytest.mark.slow)
+
 
 @dataclass(frozen=True)
 class SampleCheckpoint:

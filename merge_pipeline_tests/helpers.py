@@ -17,9 +17,23 @@ import torch
 from safetensors import safe_open
 
 from merge_pipeline.cli import main
+from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
+from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+
+# A one-layer Llama small enough for thousands of rank files: 1003 vocab rows split unevenly over most world sizes.
+TINY_LLAMA = FsdpSpec(
+    arch="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    vocab_size=1003,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    with_optimizer=False,
+)
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -66,11 +80,20 @@ def assert_loads_every_stored_value(folder: Path) -> None:
         assert torch.equal(value, stored.to(value.dtype)) and same_bits(value.to(stored.dtype), stored), name
 
 
+def assert_bit_exact(merged: dict[str, torch.Tensor] | Path, reference: dict[str, torch.Tensor] | Path) -> None:
+    """The same tensor names, each with the same dtype, shape and bits. A folder stands for its safetensors files."""
+    merged, reference = (load_safetensors_dir(t) if isinstance(t, Path) else t for t in (merged, reference))
+    assert set(merged) == set(reference), sorted(set(merged) ^ set(reference))
+    for name, tensor in reference.items():
+        assert same_bits(merged[name], tensor), name
+
+
 def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
     """The Megatron reader's plan of ``role_dir`` with these merge options (as ``--backend megatron``)."""
     from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
 
-    return READER.plan(Path(role_dir), MergeOptions(**options))
+    options = MergeOptions(**options)
+    return READER.plan(Path(role_dir), options, CheckpointConfig.of(role_dir, options))
 
 
 def config_says_tied(role_dir: Path) -> Path:
@@ -117,6 +140,28 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def merge(capsys, local_dir: Path, target: Path, *flags) -> tuple[int, str, str]:
+    """``merge-pipeline merge`` of ``local_dir`` into ``target`` in this process, without progress bars;
+    returns (exit code, stdout, stderr)."""
+    return run_cli(capsys, "merge", "--local_dir", local_dir, "--target_dir", target, "--no-progress", *flags)
+
+
+def merge_ok(capsys, local_dir: Path, target: Path, *flags) -> str:
+    """A ``merge`` that must succeed; returns its stdout."""
+    code, out, err = merge(capsys, local_dir, target, *flags)
+    assert code == 0, err
+    return out
+
+
+def merge_error(capsys, local_dir: Path, target: Path, *flags) -> str:
+    """A ``merge`` that must fail with exit code 1, one error line and no ``target``; returns that line."""
+    code, _, err = merge(capsys, local_dir, target, *flags)
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err
+    assert not target.exists()
+    return lines[0]
 
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

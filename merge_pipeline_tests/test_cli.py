@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -48,6 +49,7 @@ def test_console_script_and_module_entry_points(tmp_path, fsdp_checkpoint):
         assert f"{size} of safetensors files" in done.stderr
 
 
+@pytest.mark.slow
 def test_bad_input_exit_code_from_a_real_process(tmp_path):
     done = subprocess.run(
         [

@@ -21,6 +21,7 @@ SPEC = FsdpSpec(
 )
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, nproc):
     role_dir = fsdp_checkpoint(SPEC).role_dir
@@ -55,6 +56,7 @@ def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, np
     assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > nproc
 
 
+@pytest.mark.torchrun
 def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(SPEC).role_dir
     target, staging = tmp_path / "out", tmp_path / ".out.staging"

@@ -10,6 +10,7 @@ import threading
 import time
 
 import psutil
+import pytest
 from safetensors.torch import load_file
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
@@ -54,6 +55,7 @@ def test_leftover_torch_distributed_variables_merge_in_one_process(tmp_path, fsd
         assert same_bits(merged[name], tensor), name
 
 
+@pytest.mark.torchrun
 def test_a_stopped_rank_fails_the_other_within_the_timeout(tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(SPEC).role_dir
     lines: list[tuple[float, str]] = []

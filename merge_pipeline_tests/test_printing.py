@@ -17,6 +17,7 @@ from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)
 
 
+@pytest.mark.slow
 def test_a_newline_or_escape_code_in_a_path_cannot_forge_a_line(tmp_path):
     hostile = tmp_path / "run\nerror: forged line\x1b[31m"
     done = subprocess.run(

@@ -15,6 +15,8 @@ from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokeni
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
 
+pytestmark = pytest.mark.slow
+
 UNEVEN = FsdpSpec(world_size=3)  # vocab 1003 over 3 ranks: 335 + 335 + 333 rows
 TINY = FsdpSpec(  # k_proj.bias has 2 rows over 4 ranks: ranks 2 and 3 hold none
     world_size=4,

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.defs.discovery import TRACKER, completeness
+from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.manifest import MANIFEST
 
 GB = 1 << 30
@@ -79,7 +80,7 @@ def test_a_fifo_manifest_in_the_target_does_not_block_overwrite(tmp_path):
 READ_HUGE_FILES = """
 import json, sys
 from pathlib import Path
-from merge_pipeline.defs.discovery import read_tracker
+from merge_pipeline.formats.step_folders import read_tracker
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.dcp_files import read_dcp_metadata
 from merge_pipeline.formats.deepspeed import tag_dir
@@ -103,6 +104,7 @@ print(json.dumps({"grew": peak_rss_bytes() - before, "results": results}))
 """
 
 
+@pytest.mark.slow
 def test_1gb_tracker_latest_json_and_metadata_cost_no_memory(tmp_path):
     """Sparse 1 GB files of spaces' worth (zeros on disk): refused by size, not read (was 2.4 to 5.6 GB)."""
     for name in ("latest_checkpointed_iteration.txt", "latest", "ckpt_contents.json", "dist_ckpt/.metadata"):

@@ -14,6 +14,8 @@ import urllib.request
 import dagster as dg
 from pydantic import Field
 
+from merge_pipeline.defs.names import PLAIN, Names
+
 WEBHOOK_VAR = "MERGE_PIPELINE_ALERT_WEBHOOK_URL"
 TIMEOUT_SECONDS = 10
 
@@ -60,19 +62,38 @@ def failure_message(context: dg.RunFailureSensorContext) -> dict:
     }
 
 
-@dg.run_failure_sensor(
-    name="merge_failure_webhook",
-    default_status=dg.DefaultSensorStatus.RUNNING,  # inert until MERGE_PIPELINE_ALERT_WEBHOOK_URL is set
-    description=f"Posts each failed run to ${WEBHOOK_VAR} (off when unset).",
-)
-def merge_failure_webhook(context: dg.RunFailureSensorContext, alert_webhook: AlertWebhook) -> dg.SkipReason | None:
-    if not alert_webhook.target:
-        return dg.SkipReason(f"{WEBHOOK_VAR} is not set: no alert sent")
-    try:
-        alert_webhook.post(failure_message(context))
-    except (OSError, urllib.error.URLError) as exc:
-        context.log.warning(f"alert webhook not reached: {exc}")
-    return None
+def failure_webhook(names: Names) -> dg.SensorDefinition:
+    def merge_failure_webhook(context: dg.RunStatusSensorContext, **_called_with: object) -> dg.SkipReason | None:
+        # (called directly, Dagster passes the resources as arguments too; the daemon does not)
+        context = context.for_run_failure()
+        alert_webhook: AlertWebhook = getattr(context.resources, names("alert_webhook"))
+        if not _of_this_instance(context.dagster_run, names):
+            return dg.SkipReason(f"run {context.dagster_run.run_id[:8]} is another instance's")
+        if not alert_webhook.target:
+            return dg.SkipReason(f"{WEBHOOK_VAR} is not set: no alert sent")
+        try:
+            alert_webhook.post(failure_message(context))
+        except (OSError, urllib.error.URLError) as exc:
+            context.log.warning(f"alert webhook not reached: {exc}")
+        return None
+
+    # (run_failure_sensor's decorator takes resources only as parameters named after their keys)
+    return dg.RunStatusSensorDefinition(
+        name=names("merge_failure_webhook"),
+        run_status=dg.DagsterRunStatus.FAILURE,
+        run_status_sensor_fn=merge_failure_webhook,
+        default_status=dg.DefaultSensorStatus.RUNNING,  # inert until MERGE_PIPELINE_ALERT_WEBHOOK_URL is set
+        required_resource_keys={names("alert_webhook")},
+        description=f"Posts each failed run to ${WEBHOOK_VAR} (off when unset).",
+    )
 
 
-defs = dg.Definitions(sensors=[merge_failure_webhook], resources={"alert_webhook": AlertWebhook()})
+def _of_this_instance(run: dg.DagsterRun, names: Names) -> bool:
+    """Several prefixed instances in one project each see every failed run: each posts only its own
+    (its jobs, or the UI's asset runs of its assets)."""
+    if not names.prefix:
+        return True
+    return run.job_name.startswith(names("")) or any(k.path[0] == names.prefix for k in run.asset_selection or ())
+
+
+merge_failure_webhook = failure_webhook(PLAIN)  # this project's own instance

@@ -17,11 +17,13 @@ from datetime import timedelta
 
 import dagster as dg
 
-from merge_pipeline.defs.checks import CHECK_SPECS, check_staged_folder
+from merge_pipeline.defs.checks import check_specs, check_staged_folder
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.discovery import completeness
+from merge_pipeline.defs.discovery import Completeness, completeness, newest_change
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
+from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.pins import unpin
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
@@ -34,83 +36,113 @@ OWNERS = ["team:training-infra"]
 FRESHNESS_VAR = "MERGE_PIPELINE_FRESHNESS_MINUTES"
 
 
-# The trainer writes checkpoints, not Dagster: an external asset. new_checkpoint_sensor records each
-# complete one (a materialization event with its path and completeness) when it requests its merge.
-checkpoint = dg.AssetSpec(
-    "checkpoint",
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    owners=OWNERS,
-    kinds={"pytorch"},
-    tags={"stage": "source"},
-    description="A trainer's checkpoint folder (`global_step_<N>/<role>`, or another stack's step folder) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
-)
-
-
-def freshness_policy() -> dg.FreshnessPolicy:
-    """Stale when no step was published for N minutes ($MERGE_PIPELINE_FRESHNESS_MINUTES, default 30):
-    a trainer saving more often than that sees a stuck or failing merge flagged in the UI."""
-    minutes = float(dg.EnvVar(FRESHNESS_VAR).get_value("30"))
-    return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
-
-
-def _stage(name: str, upstream: dg.AssetSpec, kinds: set[str], stage: str, description: str, **more) -> dg.AssetSpec:
-    """One of the merge step's stages: partitioned, grouped and owned as the rest of the chain."""
+def checkpoint_spec(names: Names) -> dg.AssetSpec:
+    """The trainer writes checkpoints, not Dagster: an external asset. new_checkpoint_sensor records each
+    complete one (a materialization event with its path and completeness) when it requests its merge."""
     return dg.AssetSpec(
-        name,
-        deps=[upstream],
-        partitions_def=checkpoint_partitions,
-        group_name=GROUP,
+        names.key("checkpoint"),
+        partitions_def=names.partitions,
+        group_name=names(GROUP),
         owners=OWNERS,
-        kinds=kinds,
-        tags={"stage": stage},
-        description=description,
-        **more,
+        kinds={"pytorch"},
+        tags={"stage": "source"},
+        description="A trainer's checkpoint folder (`global_step_<N>/<role>`, or another stack's step folder) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
     )
 
 
-# The three stages of one step. Each describes a part of the published folder; none holds data of
-# its own that a later failure could leave behind.
-parallel_config = _stage(
-    "parallel_config",
-    checkpoint,
-    {"pytorch"},
-    "plan",
-    "What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
-)
-state_dict = _stage(
-    "state_dict",
-    parallel_config,
-    {"safetensors"},
-    "weights",
-    "The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
-)
-hf_model = _stage(
-    "hf_model",
-    state_dict,
-    {"safetensors", "huggingface"},
-    "published",
-    "The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
-    freshness_policy=freshness_policy(),
-)
-STAGES = [parallel_config, state_dict, hf_model]
+def freshness_policy(minutes: float) -> dg.FreshnessPolicy:
+    """Stale when no step was published for N minutes ($MERGE_PIPELINE_FRESHNESS_MINUTES, default 30):
+    a trainer saving more often than that sees a stuck or failing merge flagged in the UI."""
+    return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
 
 
-@dg.multi_asset(
-    name="hf_model",  # the op's name: run configs say ops: hf_model: config: ...
-    specs=STAGES,
-    partitions_def=checkpoint_partitions,
-    can_subset=False,  # the plan is built once and the three stages are published together, or not at all
-    pool=MERGE_POOL,
-    check_specs=CHECK_SPECS,
-)
-def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings) -> Iterator:
-    """Plan, write, check and publish one checkpoint; then materialize its three stages.
+def freshness_minutes_from_env() -> float:
+    return float(dg.EnvVar(FRESHNESS_VAR).get_value("30"))
 
-    Plans the merge once, writes the folder into a staging folder beside the target under the
-    target's lock, runs the three blocking checks against the staging folder, and renames it into
-    place only if all passed.
-    """
+
+def stage_specs(names: Names, freshness_minutes: float) -> list[dg.AssetSpec]:
+    """The three stages of one step. Each describes a part of the published folder; none holds data of
+    its own that a later failure could leave behind."""
+
+    def stage(name: str, upstream: str, kinds: set[str], stage: str, description: str, **more) -> dg.AssetSpec:
+        return dg.AssetSpec(
+            names.key(name),
+            deps=[names.key(upstream)],
+            partitions_def=names.partitions,
+            group_name=names(GROUP),
+            owners=OWNERS,
+            kinds=kinds,
+            tags={"stage": stage},
+            description=description,
+            **more,
+        )
+
+    return [
+        stage(
+            "parallel_config",
+            "checkpoint",
+            {"pytorch"},
+            "plan",
+            "What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
+        ),
+        stage(
+            "state_dict",
+            "parallel_config",
+            {"safetensors"},
+            "weights",
+            "The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
+        ),
+        stage(
+            "hf_model",
+            "state_dict",
+            {"safetensors", "huggingface"},
+            "published",
+            "The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
+            freshness_policy=freshness_policy(freshness_minutes),
+        ),
+    ]
+
+
+def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDefinition:
+    @dg.multi_asset(
+        name=names("hf_model"),  # the op's name: run configs say ops: hf_model: config: ...
+        specs=stage_specs(names, freshness_minutes),
+        partitions_def=names.partitions,
+        can_subset=False,  # the plan is built once and the three stages are published together, or not at all
+        pool=MERGE_POOL,
+        check_specs=check_specs(names),
+        required_resource_keys={names("settings")},
+    )
+    def merge_step(context: dg.AssetExecutionContext, config: MergeConfig) -> Iterator:
+        """Plan, write, check and publish one checkpoint; then materialize its three stages.
+
+        Plans the merge once, writes the folder into a staging folder beside the target under the
+        target's lock, runs the three blocking checks against the staging folder, and renames it into
+        place only if all passed.
+        """
+        settings: MergeSettings = getattr(context.resources, names("settings"))
+        try:
+            yield from _merge(context, config, settings, names)
+        finally:  # published or failed: the pin (pin_steps) has done its job
+            _remove_pin(settings, context.partition_key)
+
+    with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        # The UI's "Code" tab shows where each asset is defined.
+        [with_code] = dg.with_source_code_references([merge_step])
+    return with_code
+
+
+def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
+    try:
+        key = CheckpointKey.parse(partition_key)
+    except MergeError:  # no checkpoint's key: the step failed on it, and nothing was pinned for it
+        return
+    if pinned := settings.pinned(key):
+        unpin(pinned[0], key)
+
+
+def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings, names: Names) -> Iterator:
     key = CheckpointKey.parse(context.partition_key)
     target = settings.target_dir(key)
     started = time.monotonic()
@@ -118,8 +150,13 @@ def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings:
         options = config.options()  # tie and untie together are refused in one line, as by the CLI
         if options.hf_model_path is None and settings.base_model_dir:  # the sensor's runs carry no run config
             options = dataclasses.replace(options, hf_model_path=settings.base_model_dir)
-        role_dir = settings.role_dir(key)
-        state = completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
+        pinned = settings.pinned(key)  # the sensor's hard links (pin_steps): the trainer may have deleted the step
+        role_dir = pinned[1] if pinned else settings.role_dir(key)
+        state = (
+            Completeness(True, "pinned by the sensor when complete", newest_change(role_dir))
+            if pinned
+            else completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
+        )
         if not state.complete:
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
         # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its
@@ -137,7 +174,7 @@ def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings:
             else:
                 written = write_in_process(prepared.outputs, staging)
             manifest = finish_folder(prepared, staging, options, written.report)
-            check_results = check_staged_folder(staging)
+            check_results = check_staged_folder(staging, names)
             failed = [r.check_name for r in check_results if not r.passed]
             if failed:
                 yield from check_results
@@ -150,19 +187,19 @@ def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings:
                 )
             plan_facts = parallel_config_metadata(prepared, options, manifest)
     # After publishing: each stage describes its part of the published folder.
-    yield dg.MaterializeResult(asset_key=parallel_config.key, metadata=plan_facts)
+    yield dg.MaterializeResult(asset_key=names.key("parallel_config"), metadata=plan_facts)
     yield dg.MaterializeResult(
-        asset_key=state_dict.key,
+        asset_key=names.key("state_dict"),
         metadata={
             **state_dict_metadata(target, written.report, manifest, (written.peak_rss_label, written.peak_rss_bytes)),
             "launcher": config.launcher
             if config.launcher == "inprocess"
             else f"torchrun x{config.nproc_per_node * config.nnodes}",
         },
-        check_results=[r for r in check_results if r.asset_key == state_dict.key],
+        check_results=[r for r in check_results if r.asset_key == names.key("state_dict")],
     )
     yield dg.MaterializeResult(
-        asset_key=hf_model.key,
+        asset_key=names.key("hf_model"),
         metadata={
             **hf_model_metadata(target, prepared, manifest),
             "source": dg.MetadataValue.path(str(role_dir)),
@@ -170,11 +207,11 @@ def merge_step(context: dg.AssetExecutionContext, config: MergeConfig, settings:
             "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
             "seconds": round(time.monotonic() - started, 3),
         },
-        check_results=[r for r in check_results if r.asset_key == hf_model.key],
+        check_results=[r for r in check_results if r.asset_key == names.key("hf_model")],
     )
 
 
-with warnings.catch_warnings():  # source code references are a beta feature in Dagster 1.13
-    warnings.simplefilter("ignore", dg.BetaWarning)
-    # The UI's "Code" tab shows where each asset is defined.
-    defs = dg.Definitions(assets=[checkpoint, *dg.with_source_code_references([merge_step])])
+# This project's own (unprefixed) instance, as definitions.py builds it; the tests materialize these.
+checkpoint = checkpoint_spec(PLAIN)
+parallel_config, state_dict, hf_model = stage_specs(PLAIN, freshness_minutes_from_env())
+merge_step = merge_step_definition(PLAIN, freshness_minutes_from_env())

@@ -13,42 +13,47 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.partitions import checkpoint_partitions
+from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CheckOutcome, run_blocking_checks
 from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
 
-HF_MODEL = dg.AssetKey("hf_model")
-# Each check sits on the stage it checks: the index against the shards on the weights (state_dict),
-# the others look at the whole folder (hf_model).
-CHECKED_ASSET = {"index_matches_shards": dg.AssetKey("state_dict")}
+
+def checked_asset(check_name: str, names: Names) -> dg.AssetKey:
+    """Each check sits on the stage it checks: the index against the shards on the weights (state_dict),
+    the others look at the whole folder (hf_model)."""
+    return names.key("state_dict" if check_name == "index_matches_shards" else "hf_model")
 
 
-with (
-    warnings.catch_warnings()
-):  # partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13
-    warnings.simplefilter("ignore", dg.PreviewWarning)
-    CHECK_SPECS = [
-        dg.AssetCheckSpec(
-            c.name,
-            asset=CHECKED_ASSET.get(c.name, HF_MODEL),
-            blocking=True,
-            description=c.description,
-            partitions_def=checkpoint_partitions,
-        )
-        for c in BLOCKING_CHECKS
-    ]
+def check_specs(names: Names) -> list[dg.AssetCheckSpec]:
+    with (
+        warnings.catch_warnings()
+    ):  # partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return [
+            dg.AssetCheckSpec(
+                c.name,
+                asset=checked_asset(c.name, names),
+                blocking=True,
+                description=c.description,
+                partitions_def=names.partitions,
+            )
+            for c in BLOCKING_CHECKS
+        ]
 
 
-def check_staged_folder(folder: Path) -> list[dg.AssetCheckResult]:
+CHECK_SPECS = check_specs(PLAIN)
+
+
+def check_staged_folder(folder: Path, names: Names) -> list[dg.AssetCheckResult]:
     """Every check's result for a complete (not yet published) folder, with what it counted: the same
     checks, run by the same function, as the CLI's before it publishes."""
     counts = _counts(folder)
-    return [_result(outcome, counts) for outcome in run_blocking_checks(folder)]
+    return [_result(outcome, counts, names) for outcome in run_blocking_checks(folder)]
 
 
-def _result(outcome: CheckOutcome, counts: dict[str, int]) -> dg.AssetCheckResult:
+def _result(outcome: CheckOutcome, counts: dict[str, int], names: Names) -> dg.AssetCheckResult:
     metadata = {
         "problems": dg.MetadataValue.md(
             "\n".join(f"- {p}" for p in outcome.problems[:50]) or outcome.check.passed_text
@@ -57,7 +62,7 @@ def _result(outcome: CheckOutcome, counts: dict[str, int]) -> dg.AssetCheckResul
         **counts,
     }
     return dg.AssetCheckResult(
-        asset_key=CHECKED_ASSET.get(outcome.check.name, HF_MODEL),
+        asset_key=checked_asset(outcome.check.name, names),
         check_name=outcome.check.name,
         passed=outcome.passed,
         metadata=metadata,

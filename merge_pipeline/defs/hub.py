@@ -20,9 +20,10 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from merge_pipeline.defs.assets import hf_model, state_dict
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
+from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS
 from merge_pipeline.hub import UploadResult, upload_folder_verified
@@ -31,6 +32,11 @@ from merge_pipeline.progress import human_bytes
 GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
 CHECK_HISTORY = 3000  # check evaluations looked at per schedule tick, newest first (3 per merge)
+
+
+def env_token() -> dg.EnvVar | None:
+    """$HF_TOKEN as an EnvVar (the UI shows the variable's name, not its value); none: the stored `hf auth login`."""
+    return dg.EnvVar("HF_TOKEN") if "HF_TOKEN" in os.environ else None
 
 
 class HuggingFaceHub(dg.ConfigurableResource):
@@ -60,9 +66,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
         env = os.environ
         return cls(
             organization=env.get("MERGE_PIPELINE_HUB_ORG", ""),
-            token=dg.EnvVar("HF_TOKEN")
-            if "HF_TOKEN" in env
-            else None,  # the UI shows the variable's name, not its value
+            token=env_token(),
             private=env.get("MERGE_PIPELINE_HUB_PRIVATE", "1").lower() not in ("0", "false", "no"),
             repo_template=env.get("MERGE_PIPELINE_HUB_REPO_TEMPLATE", DEFAULT_TEMPLATE),
             revisions=env.get("MERGE_PIPELINE_HUB_REVISIONS", "branch"),
@@ -77,7 +81,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
         run_name = re.sub(r"[^\w.-]+", "-", key.run_name).strip("-.")
         return self.repo_template.format(org=self.organization, run_name=run_name, role=key.role, step=key.step)
 
-    def publish(self, folder: Path, key: CheckpointKey) -> UploadResult:
+    def publish(self, folder: Path, key: CheckpointKey, smoke: dict | None = None) -> UploadResult:
         revision = f"global_step_{key.step}" if self.revisions == "branch" else None
         return upload_folder_verified(
             folder,
@@ -87,27 +91,61 @@ class HuggingFaceHub(dg.ConfigurableResource):
             endpoint=self.endpoint,
             token=self.token,
             timeout_s=self.timeout_s,
+            smoke=smoke,
         )
 
 
-@dg.asset(
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    deps=[hf_model],
-    kinds={"huggingface"},
-    output_required=False,
-)
-def hub_model(context: dg.AssetExecutionContext, settings: MergeSettings, hub: HuggingFaceHub):
-    """The merged folder on the Hub with its model card, checked file by file against the manifest after upload.
+def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDefinition, dg.ScheduleDefinition]:
+    """``hub_model`` and its schedule (with its job); the schedule runs by default only when a Hub
+    organization is set when the code location loads (``running``: a schedule's default is fixed then)."""
 
-    Materializes only when a Hub organization is configured; otherwise the step succeeds and records nothing.
-    """
+    @dg.asset(
+        key=names.key("hub_model"),
+        partitions_def=names.partitions,
+        group_name=names(GROUP),
+        deps=[names.key("hf_model")],
+        kinds={"huggingface"},
+        output_required=False,
+        required_resource_keys={names("settings"), names("hub")},
+    )
+    def hub_model(context: dg.AssetExecutionContext):
+        """The merged folder on the Hub with its model card, checked file by file against the manifest after upload.
+
+        Materializes only when a Hub organization is configured; otherwise the step succeeds and records nothing.
+        """
+        yield from _publish(
+            context, getattr(context.resources, names("settings")), getattr(context.resources, names("hub")), names
+        )
+
+    publish_job = dg.define_asset_job(
+        names("publish_to_hub"),
+        selection=[hub_model],
+        description="Upload merged checkpoints to the Hub and verify them.",
+    )
+
+    @dg.schedule(
+        name=names("publish_latest_steps"),
+        cron_schedule=cron,
+        job=publish_job,
+        default_status=dg.DefaultScheduleStatus.RUNNING if running else dg.DefaultScheduleStatus.STOPPED,
+        required_resource_keys={names("hub")},
+        description="Publishes the highest merged step of each run whose checks passed, once per merge of that step. "
+        "Off until MERGE_PIPELINE_HUB_ORG is set (in .env) when the code location loads; then it runs by default.",
+    )
+    def publish_latest_steps(context: dg.ScheduleEvaluationContext, **_called_with: object):
+        # (called directly, Dagster passes the resources as arguments too; the daemon does not)
+        return _latest_steps(context, getattr(context.resources, names("hub")), names)
+
+    return hub_model, publish_latest_steps
+
+
+def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: HuggingFaceHub, names: Names):
     if not hub.enabled:
         context.log.info("no Hub organization configured (MERGE_PIPELINE_HUB_ORG): nothing published")
         return
     with one_line_failure():
         key = CheckpointKey.parse(context.partition_key)
-        result = hub.publish(settings.target_dir(key), key)
+        result = hub.publish(settings.target_dir(key), key, _smoke_of(context.instance, names, str(key)))
     yield dg.MaterializeResult(
         metadata={
             "repo": result.repo_id,
@@ -122,39 +160,39 @@ def hub_model(context: dg.AssetExecutionContext, settings: MergeSettings, hub: H
     )
 
 
-publish_job = dg.define_asset_job(
-    "publish_to_hub", selection=[hub_model], description="Upload merged checkpoints to the Hub and verify them."
-)
-
-
-@dg.schedule(
-    cron_schedule="*/10 * * * *",
-    job=publish_job,
-    # Off unless a Hub organization is set when the code location loads (a schedule's default is fixed then).
-    default_status=dg.DefaultScheduleStatus.RUNNING
-    if dg.EnvVar("MERGE_PIPELINE_HUB_ORG").get_value()
-    else dg.DefaultScheduleStatus.STOPPED,
-    description="Publishes the highest merged step of each run whose checks passed, once per merge of that step. "
-    "Off until MERGE_PIPELINE_HUB_ORG is set (in .env) when the code location loads; then it runs by default.",
-)
-def publish_latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub):
+def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):
     if not hub.enabled:
         return dg.SkipReason("no Hub organization configured (MERGE_PIPELINE_HUB_ORG)")
     instance = context.instance
-    runs = _merged_steps_by_run(instance)
+    runs = _merged_steps_by_run(instance, names)
     requests = []
     for steps in runs.values():
-        key, merge = _highest_verified(instance, steps, context.log)
-        published = _latest(instance, hub_model.key, str(key)) if key else None
+        key, merge = _highest_verified(instance, steps, context.log, names)
+        published = _latest(instance, names.key("hub_model"), str(key)) if key else None
         if key and (published is None or published.storage_id < merge.storage_id):
             requests.append(dg.RunRequest(run_key=f"{key}@{merge.storage_id}", partition_key=str(key)))
     return requests or dg.SkipReason(f"nothing new to publish from {len(runs)} merged run(s)")
 
 
-def _merged_steps_by_run(instance: dg.DagsterInstance) -> dict[tuple[str, str], list[CheckpointKey]]:
-    keys = instance.get_dynamic_partitions(checkpoint_partitions.name)
+def _smoke_of(instance: dg.DagsterInstance, names: Names, partition: str) -> dict | None:
+    """The smoke test of the partition's latest step report, when it ran (for the model card)."""
+    report = _latest(instance, names.key("step_report"), partition)
+    metadata = report.asset_materialization.metadata if report else {}
+    if SMOKE_LOSS not in metadata:
+        return None
+    return {
+        "prompt": metadata[SMOKE_PROMPT].value,
+        "text": metadata[SMOKE_TEXT].value,
+        "loss": metadata[SMOKE_LOSS].value,
+    }
+
+
+def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tuple[str, str], list[CheckpointKey]]:
+    keys = instance.get_dynamic_partitions(names.partitions.name)
     runs = defaultdict(list)
-    for partition, state in (instance.get_status_by_partition(hf_model.key, keys, checkpoint_partitions) or {}).items():
+    for partition, state in (
+        instance.get_status_by_partition(names.key("hf_model"), keys, names.partitions) or {}
+    ).items():
         if state == dg.AssetPartitionStatus.MATERIALIZED:
             key = CheckpointKey.parse(partition)
             runs[(key.run_name, key.role)].append(key)
@@ -162,12 +200,12 @@ def _merged_steps_by_run(instance: dg.DagsterInstance) -> dict[tuple[str, str], 
 
 
 def _highest_verified(
-    instance: dg.DagsterInstance, steps: list[CheckpointKey], log
+    instance: dg.DagsterInstance, steps: list[CheckpointKey], log, names: Names
 ) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
     """The highest step whose latest merge passed every check of its merge step, with that merge's record."""
     for key in sorted(steps, key=lambda k: k.step, reverse=True):
-        merge = _latest(instance, hf_model.key, str(key))
-        if _checks_passed(instance, str(key), merge.run_id):
+        merge = _latest(instance, names.key("hf_model"), str(key))
+        if _checks_passed(instance, str(key), merge.run_id, names):
             return key, merge
         log.info(f"{key}: not published: its checks failed or did not run")
     return None, None
@@ -180,7 +218,7 @@ def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str
     return records[0] if records else None
 
 
-def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: str) -> bool:
+def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: str, names: Names) -> bool:
     """Every check of the merge step (on hf_model and state_dict) passed for this partition in the run that merged it, and none failed since
     (a check result reported later, e.g. by hand, counts)."""
     # (the event log does not index check evaluations by asset key: filtered here)
@@ -191,14 +229,14 @@ def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: s
     # newest first, by time: sqlite numbers a runless event (a check result reported by hand) apart from runs' events
     for record in sorted(records, key=lambda r: r.timestamp, reverse=True):
         evaluation = record.event_log_entry.dagster_event.asset_check_evaluation_data
-        if evaluation.asset_key in (hf_model.key, state_dict.key) and evaluation.partition == partition:
+        if (
+            evaluation.asset_key in (names.key("hf_model"), names.key("state_dict"))
+            and evaluation.partition == partition
+        ):
             latest.setdefault(evaluation.check_name, (evaluation.passed, record.run_id))
     return all(latest.get(c.name) == (True, merge_run_id) for c in BLOCKING_CHECKS)
 
 
-defs = dg.Definitions(
-    assets=[hub_model],
-    jobs=[publish_job],
-    schedules=[publish_latest_steps],
-    resources={"hub": HuggingFaceHub.from_env()},
-)
+CRON = "*/10 * * * *"
+# This project's own instance: its asset, job and schedule, as definitions.py builds them.
+hub_model, publish_latest_steps = hub_definitions(PLAIN, CRON, HuggingFaceHub.from_env().enabled)

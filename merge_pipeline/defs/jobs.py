@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import merge_step
-from merge_pipeline.defs.report import step_report
+from merge_pipeline.defs.names import Names
 
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
 
-merge_checkpoint_job = dg.define_asset_job(
-    "merge_checkpoint",
-    # the merge step (three stages and their checks), then the step report on the published folder
-    selection=dg.AssetSelection.assets(merge_step, step_report),
-    tags={HEAVY_TAG: "merge"},
-    # One process for the whole chain (the code location's default executor, so runs started from
-    # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of
-    # imports (torch, transformers); the merge streams, so memory stays bounded anyway.
-    executor_def=dg.in_process_executor,
-    description="Merge one checkpoint role folder into a verified, published Hugging Face folder.",
-)
 
-defs = dg.Definitions(jobs=[merge_checkpoint_job])
+def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
+    return dg.define_asset_job(
+        names("merge_checkpoint"),
+        # the merge step (three stages and their checks), then the step report on the published folder
+        selection=dg.AssetSelection.assets(
+            *map(names.key, ("parallel_config", "state_dict", "hf_model", "step_report"))
+        ),
+        tags={HEAVY_TAG: "merge"},
+        # One process for the whole chain (the code location's default executor, so runs started from
+        # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of
+        # imports (torch, transformers); the merge streams, so memory stays bounded anyway.
+        executor_def=dg.in_process_executor,
+        description="Merge one checkpoint role folder into a verified, published Hugging Face folder.",
+    )

@@ -13,55 +13,73 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import GROUP, OWNERS, hf_model
+from merge_pipeline.defs.assets import GROUP, OWNERS
 from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
+from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.errors import first_line
 from merge_pipeline.hf.folder_checks import weight_files
 from merge_pipeline.hf.manifest import read_manifest
+from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.hf.step_diff import StepDiff, diff_folders, markdown_table, summary_lines
+from merge_pipeline.progress import human_bytes
 
-STEP_REPORT = dg.AssetKey("step_report")
 PREVIOUS, BASE = "previous step", "base model"
-
-with warnings.catch_warnings():  # partitioned checks are a preview in Dagster 1.13
-    warnings.simplefilter("ignore", dg.PreviewWarning)
-    REPORT_CHECKS = [
-        dg.AssetCheckSpec(
-            "weights_changed",
-            asset=STEP_REPORT,
-            partitions_def=checkpoint_partitions,
-            description="the merged weights differ from the base model's and the previous step's: bit-identical means LoRA was never folded, or training changed nothing",
-        ),
-        dg.AssetCheckSpec(
-            "finite",
-            asset=STEP_REPORT,
-            partitions_def=checkpoint_partitions,
-            description="no NaN or Inf in any merged tensor",
-        ),
-    ]
+# the smoke test's metadata entries; hub_model copies them into the model card
+SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smoke text", "smoke loss (fixed text)"
 
 
-@dg.asset(
-    partitions_def=checkpoint_partitions,
-    group_name=GROUP,
-    owners=OWNERS,
-    deps=[hf_model],
-    kinds={"pytorch"},
-    tags={"stage": "report"},
-    check_specs=REPORT_CHECKS,
-)
-def step_report(context: dg.AssetExecutionContext, settings: MergeSettings) -> dg.MaterializeResult:
-    """Per tensor: relative change against the previous merged step of the run and the base model, norms, NaN / Inf."""
+def report_checks(names: Names) -> list[dg.AssetCheckSpec]:
+    with warnings.catch_warnings():  # partitioned checks are a preview in Dagster 1.13
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return [
+            dg.AssetCheckSpec(
+                "weights_changed",
+                asset=names.key("step_report"),
+                partitions_def=names.partitions,
+                description="the merged weights differ from the base model's and the previous step's: bit-identical means LoRA was never folded, or training changed nothing",
+            ),
+            dg.AssetCheckSpec(
+                "finite",
+                asset=names.key("step_report"),
+                partitions_def=names.partitions,
+                description="no NaN or Inf in any merged tensor",
+            ),
+        ]
+
+
+def step_report_definition(names: Names) -> dg.AssetsDefinition:
+    @dg.asset(
+        key=names.key("step_report"),
+        partitions_def=names.partitions,
+        group_name=names(GROUP),
+        owners=OWNERS,
+        deps=[names.key("hf_model")],
+        kinds={"pytorch"},
+        tags={"stage": "report"},
+        check_specs=report_checks(names),
+        required_resource_keys={names("settings")},
+    )
+    def step_report(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        """Per tensor: relative change against the previous merged step of the run and the base model, norms, NaN / Inf."""
+        return _report(context, getattr(context.resources, names("settings")), names)
+
+    return step_report
+
+
+def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: Names) -> dg.MaterializeResult:
     key = CheckpointKey.parse(context.partition_key)
     folder = settings.target_dir(key)
     with one_line_failure():
-        references = _references(context.instance, settings, key, folder)
+        references = _references(context.instance, settings, key, folder, names)
         diff = diff_folders(folder, references)
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
+    smoke = _smoke_metadata(context, settings, folder) if settings.smoke_on else {}
     return dg.MaterializeResult(
         metadata={
+            **smoke,
             "path": dg.MetadataValue.path(str(folder)),
             "summary": dg.MetadataValue.md("\n".join(f"- {line}" for line in summary)),
             **{label: dg.MetadataValue.path(str(path)) for label, path in references.items()},
@@ -88,12 +106,14 @@ def step_report(context: dg.AssetExecutionContext, settings: MergeSettings) -> d
     )
 
 
-def _references(instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path) -> dict:
+def _references(
+    instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path, names: Names
+) -> dict:
     """The previous merged step of the same run and role, and the base model when it has weights."""
     found = {}
     earlier = [
         k
-        for k in map(CheckpointKey.parse, instance.get_dynamic_partitions(checkpoint_partitions.name))
+        for k in map(CheckpointKey.parse, instance.get_dynamic_partitions(names.partitions.name))
         if (k.run_name, k.role) == (key.run_name, key.role)
         and k.step < key.step
         and weight_files(settings.target_dir(k))
@@ -104,6 +124,33 @@ def _references(instance: dg.DagsterInstance, settings: MergeSettings, key: Chec
     if base and weight_files(Path(base)):  # a base folder with only config and tokenizer has nothing to compare
         found[BASE] = Path(base)
     return found
+
+
+def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, folder: Path) -> dict:
+    """The smoke test's prompt, greedy text and loss on the fixed text (what the model card shows), or why
+    it did not run. A folder that fails it stays published: it passed the blocking checks; this says it
+    does not run, in the report."""
+    manifest = read_manifest(folder)
+    weight_bytes = sum(f["size"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))
+    if weight_bytes > settings.smoke_limit_bytes:
+        why = (
+            f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.smoke_limit_bytes)})"
+        )
+    else:
+        why = generates_text(folder)
+    if why:
+        return {SMOKE: f"skipped: {why}"}
+    try:
+        smoke = smoke_test(folder, settings.smoke_question, trust_remote_code=manifest["options"]["trust_remote_code"])
+    except Exception as exc:  # whatever transformers raises: the report says it, the merge stays good
+        context.log.warning(f"{folder}: smoke test failed: {first_line(exc)}")
+        return {SMOKE: f"failed: {first_line(exc)}"}
+    return {
+        SMOKE: f"passed: {NEW_TOKENS} greedy tokens on CPU in {smoke.seconds:.1f} s",
+        SMOKE_PROMPT: dg.MetadataValue.text(smoke.prompt),
+        SMOKE_TEXT: dg.MetadataValue.text(smoke.text),
+        SMOKE_LOSS: round(smoke.loss, 4),
+    }
 
 
 def _plot_png(diff: StepDiff) -> str:
@@ -137,4 +184,4 @@ def _plot_png(diff: StepDiff) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-defs = dg.Definitions(assets=[step_report])
+step_report = step_report_definition(PLAIN)  # this project's own instance

@@ -11,6 +11,8 @@ A field left unset is read from the environment when a run or a sensor tick uses
 ``MERGE_PIPELINE_HF_MODEL_PATH``     the original HF model folder, for checkpoints that hold no config
                                      (torchtitan, accelerate, NeMo-RL, OpenRLHF's DeepSpeed, verl's
                                      dist_ckpt without HF files), when the run config names none
+``MERGE_PIPELINE_PIN_STEPS``, ``MERGE_PIPELINE_PIN_ROOT``   hard-link a complete step until its merge is done (``pins``)
+``MERGE_PIPELINE_SMOKE_TEST``, ``_PROMPT``, ``_MAX_SIZE``  the smoke test after a merge (``report``)
 Relative paths resolve against the directory Dagster was started from.
 """
 
@@ -24,6 +26,9 @@ from pydantic import Field
 
 from merge_pipeline.defs.discovery import Scan, locate, scan_roots
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.pins import PINS, pin_path
+from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
+from merge_pipeline.options import parse_size
 
 ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
@@ -31,6 +36,13 @@ ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_SETTLE_SECONDS",
     "MERGE_PIPELINE_HF_MODEL_PATH",
 )
+PIN_VAR, PIN_ROOT_VAR = "MERGE_PIPELINE_PIN_STEPS", "MERGE_PIPELINE_PIN_ROOT"
+SMOKE_VAR, SMOKE_PROMPT_VAR, SMOKE_LIMIT_VAR = (
+    "MERGE_PIPELINE_SMOKE_TEST",
+    "MERGE_PIPELINE_SMOKE_PROMPT",
+    "MERGE_PIPELINE_SMOKE_MAX_SIZE",
+)
+SMOKE_MAX_SIZE = "2GB"  # the model is loaded whole, on CPU, in the run's process: a 1B bf16 model fits
 
 
 class MergeSettings(dg.ConfigurableResource):
@@ -49,6 +61,27 @@ class MergeSettings(dg.ConfigurableResource):
     hf_model_path: str | None = Field(
         default=None,
         description=f"the original HF model folder for checkpoints that hold no config (torchtitan, accelerate, NeMo-RL, OpenRLHF's DeepSpeed), so the sensor's runs merge them; a run config's hf_model_path wins; unset: ${HF_MODEL_VAR}, else none",
+    )
+
+    pin_steps: bool | None = Field(
+        default=None,
+        description=f"hard-link a complete step into a pin folder when its merge is requested, so the trainer's rotation cannot delete it before it is merged; the pin is removed once published or failed; unset: ${PIN_VAR} (1/true), else off",
+    )
+    pin_root: str | None = Field(
+        default=None,
+        description=f"where pins lie; on the checkpoints' filesystem (hard links do not cross filesystems); unset: ${PIN_ROOT_VAR}, else <checkpoint root>/{PINS}",
+    )
+
+    smoke_test: bool | None = Field(
+        default=None,
+        description=f"after the merge, load the folder with transformers on CPU, greedy-generate a few tokens for smoke_prompt and measure the loss on a short fixed text (step_report and the model card); unset: ${SMOKE_VAR} (1/true), else off",
+    )
+    smoke_prompt: str | None = Field(
+        default=None, description=f"the smoke test's prompt; unset: ${SMOKE_PROMPT_VAR}, else {DEFAULT_PROMPT!r}"
+    )
+    smoke_max_size: str | None = Field(
+        default=None,
+        description=f"folders with more weight bytes than this skip the smoke test (loaded whole); unset: ${SMOKE_LIMIT_VAR}, else {SMOKE_MAX_SIZE}",
     )
 
     @property
@@ -74,6 +107,45 @@ class MergeSettings(dg.ConfigurableResource):
     def base_model_dir(self) -> str | None:
         return self.hf_model_path if self.hf_model_path is not None else dg.EnvVar(HF_MODEL_VAR).get_value() or None
 
+    @property
+    def pins_on(self) -> bool:
+        return self.pin_steps if self.pin_steps is not None else _switched_on(PIN_VAR)
+
+    @property
+    def smoke_on(self) -> bool:
+        return self.smoke_test if self.smoke_test is not None else _switched_on(SMOKE_VAR)
+
+    @property
+    def smoke_question(self) -> str:
+        return (
+            self.smoke_prompt
+            if self.smoke_prompt is not None
+            else dg.EnvVar(SMOKE_PROMPT_VAR).get_value(DEFAULT_PROMPT)
+        )
+
+    @property
+    def smoke_limit_bytes(self) -> int:
+        size = (
+            self.smoke_max_size
+            if self.smoke_max_size is not None
+            else dg.EnvVar(SMOKE_LIMIT_VAR).get_value(SMOKE_MAX_SIZE)
+        )
+        return parse_size(size, "smoke_max_size")
+
+    @property
+    def pin_roots(self) -> list[Path]:
+        chosen = self.pin_root if self.pin_root is not None else dg.EnvVar(PIN_ROOT_VAR).get_value()
+        return [Path(chosen).absolute()] if chosen else [root / PINS for root in self.roots]
+
+    def pin_root_of(self, role_dir: Path) -> Path:
+        """The pin root for a checkpoint folder: the setting, else beside it in its own checkpoint root."""
+        roots = self.pin_roots
+        return roots[0] if len(roots) == 1 else next(r for r in roots if role_dir.is_relative_to(r.parent))
+
+    def pinned(self, key: CheckpointKey) -> tuple[Path, Path] | None:
+        """(pin root, pinned folder) of ``key``, when pinned."""
+        return next(((r, pin_path(r, key)) for r in self.pin_roots if pin_path(r, key).is_dir()), None)
+
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""
         return scan_roots(self.roots, self.output_dir)
@@ -85,4 +157,5 @@ class MergeSettings(dg.ConfigurableResource):
         return self.output_dir / key.path
 
 
-defs = dg.Definitions(resources={"settings": MergeSettings()})
+def _switched_on(variable: str) -> bool:
+    return dg.EnvVar(variable).get_value("0").lower() in ("1", "true", "yes")

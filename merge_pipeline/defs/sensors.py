@@ -11,31 +11,48 @@ and partitions whose last merge failed are listed in it.
 A partition whose checkpoint the trainer's rotation deleted before it was merged is removed (there is
 nothing left to merge); one that was merged keeps its partition, and its merged folder is never
 touched. Nothing is removed while a root cannot be read: an unmounted disk is not a rotation.
+
+With ``pin_steps``, a complete step is hard-linked into its pin when its merge is requested, so the
+rotation cannot take it first (``pins``); pins that no queued or running run will read are removed.
 """
 
 import json
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import checkpoint, hf_model
 from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint, completeness
 from merge_pipeline.defs.jobs import merge_checkpoint_job
-from merge_pipeline.defs.partitions import CheckpointKey, checkpoint_partitions
+from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.pins import pin, stale_pins, unpin
 from merge_pipeline.defs.resources import MergeSettings
 
 SOURCE_TAG = "merge_pipeline/source"
-INTERVAL_SECONDS = int(
-    dg.EnvVar("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS").get_value("10")
-)  # fixed when the location loads
+INTERVAL_VAR = "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS"
 
 
-@dg.sensor(
-    job=merge_checkpoint_job,
-    minimum_interval_seconds=INTERVAL_SECONDS,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Watches MERGE_PIPELINE_CHECKPOINT_ROOTS for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: partitions.STEP_FOLDERS) and merges each once.",
-)
-def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSettings) -> dg.SensorResult:
+def interval_from_env() -> int:
+    return int(dg.EnvVar(INTERVAL_VAR).get_value("10"))  # fixed when the location loads
+
+
+def checkpoint_sensor(names: Names, interval_seconds: int) -> dg.SensorDefinition:
+    @dg.sensor(
+        name=names("new_checkpoint_sensor"),
+        job=merge_checkpoint_job(names),
+        minimum_interval_seconds=interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        required_resource_keys={names("settings")},
+        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: partitions.STEP_FOLDERS) and merges each once.",
+    )
+    def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
+        # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)
+        return _tick(context, getattr(context.resources, names("settings")), names)
+
+    return new_checkpoint_sensor
+
+
+def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names) -> dg.SensorResult:
+    checkpoint_partitions = names.partitions
     seen = set(json.loads(context.cursor)) if context.cursor else set()  # requested or already merged
     present, requests, waiting, saved, found_merged = set(), [], [], [], []
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
@@ -51,21 +68,32 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
             seen.add(key)  # merged before (by an earlier run, or by hand with the CLI)
             if key not in partitions:  # e.g. a fresh instance: show it as merged, marked as found
                 found_merged.append(key)
-                saved.append(_found_merged(found, settings.target_dir(found.key)))
+                saved.append(_found_merged(found, settings.target_dir(found.key), names))
             continue
         state = completeness(found.role_dir, found.key.step, settings.settle_time)
         if not state.complete:
             waiting.append(f"{key} ({state.reason})")
             continue
         seen.add(key)
+        if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_root_of(found.role_dir), found.key)):
+            context.log.warning(not_pinned)
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
-        saved.append(_checkpoint_saved(found, state))
+        saved.append(_checkpoint_saved(found, state, names))
     cursor = json.dumps(sorted(seen & present))
     rotated = (
-        [k for k in partitions if k not in present and not settings.target_dir(CheckpointKey.parse(k)).exists()]
+        [
+            k
+            for k in partitions
+            if k not in present
+            and not settings.target_dir(CheckpointKey.parse(k)).exists()
+            and not settings.pinned(CheckpointKey.parse(k))  # its merge reads the pin
+        ]
         if scan.all_roots_read
         else []
     )
+    for pin_root, key in stale_pins(context.instance, settings.pin_roots, {r.partition_key for r in requests}):
+        context.log.info(f"removing the pin of {key}: no run of it is queued or running")
+        unpin(pin_root, key)
     changes = []
     if rotated:
         context.log.info(
@@ -83,7 +111,7 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
         if waiting
         else f"no new checkpoints ({len(present)} known)"
     )
-    failed = _failed_partitions(context.instance, [k for k in partitions if k not in rotated])
+    failed = _failed_partitions(context.instance, [k for k in partitions if k not in rotated], names)
     if failed:
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
     if scan.not_watched:  # a missing root must not read as "nothing new"
@@ -91,7 +119,7 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, settings: MergeSe
     return dg.SensorResult(skip_reason=reason, cursor=cursor, dynamic_partitions_requests=changes, asset_events=saved)
 
 
-def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMaterialization:
+def _checkpoint_saved(found: FoundCheckpoint, state: Completeness, names: Names) -> dg.AssetMaterialization:
     """The trainer's save of this checkpoint, as the external ``checkpoint`` asset's event."""
     metadata = {
         "path": dg.MetadataValue.path(str(found.role_dir)),
@@ -100,17 +128,17 @@ def _checkpoint_saved(found: FoundCheckpoint, state: Completeness) -> dg.AssetMa
         "completeness": state.reason,
     }
     return dg.AssetMaterialization(
-        asset_key=checkpoint.key,
+        asset_key=names.key("checkpoint"),
         partition=str(found.key),
         metadata={**metadata, "written_at": dg.MetadataValue.timestamp(state.newest_change)},
     )
 
 
-def _found_merged(found: FoundCheckpoint, target) -> dg.AssetMaterialization:
+def _found_merged(found: FoundCheckpoint, target, names: Names) -> dg.AssetMaterialization:
     """A merged folder that was there before this instance knew its checkpoint, recorded as found: not
     merged or checked by this instance, so it shows as materialized rather than missing."""
     return dg.AssetMaterialization(
-        asset_key=hf_model.key,
+        asset_key=names.key("hf_model"),
         partition=str(found.key),
         description="found already merged (by an earlier Dagster instance or the CLI); not checked by this instance",
         metadata={
@@ -121,11 +149,11 @@ def _found_merged(found: FoundCheckpoint, target) -> dg.AssetMaterialization:
     )
 
 
-def _failed_partitions(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:
+def _failed_partitions(instance: dg.DagsterInstance, keys: list[str], names: Names) -> list[str]:
     if not keys:
         return []
-    status = instance.get_status_by_partition(hf_model.key, keys, checkpoint_partitions) or {}
+    status = instance.get_status_by_partition(names.key("hf_model"), keys, names.partitions) or {}
     return sorted(k for k, s in status.items() if s == dg.AssetPartitionStatus.FAILED)
 
 
-defs = dg.Definitions(sensors=[new_checkpoint_sensor])
+new_checkpoint_sensor = checkpoint_sensor(PLAIN, interval_from_env())  # this project's own instance

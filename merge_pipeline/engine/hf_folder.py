@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from merge_pipeline.engine.outputs import ADAPTER_DIR, OutputPlan
+from merge_pipeline.engine.outputs import OUTPUT_ADAPTER_DIR, OutputPlan
 from merge_pipeline.errors import printable
 from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
 from merge_pipeline.hf.safetensors import INDEX
@@ -87,7 +87,7 @@ def write_configs(model: ModelConfig, outputs: OutputPlan, out_dir: Path) -> Non
         return
     from peft import LoraConfig  # imported only for LoRA runs: peft pulls in much of transformers (~1.5 s)
 
-    adapter_dir = out_dir if outputs.adapter_only else out_dir / ADAPTER_DIR
+    adapter_dir = out_dir if outputs.adapter_only else out_dir / OUTPUT_ADAPTER_DIR
     adapter_dir.mkdir(exist_ok=True)
     lora = LoraConfig(
         r=outputs.lora.r,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.lora import LORA_META, PEFT_PREFIX, is_adapter_only, lora_module, peft_base_names
-from merge_pipeline.plan import CheckpointPlan, Computed, LoraInfo, PlannedTensor, SourceFile, closed_on_failure
+from merge_pipeline.hf.lora import LORA_META, PEFT_PREFIX, is_adapter_only, lora_module
+from merge_pipeline.plan import Computed, LoraInfo, PlannedTensor
 
 
 @dataclass
@@ -17,46 +17,6 @@ class LoraSplit:
     base: list[PlannedTensor]  # HF names of the base model (merged when asked)
     adapter: list[PlannedTensor]  # PEFT adapter names, as ``adapter_model.safetensors`` stores them
     target_modules: list[str]
-
-
-def with_base_weights(
-    plan: CheckpointPlan, base_dir: Path, base: list[PlannedTensor], files: list[SourceFile]
-) -> CheckpointPlan:
-    """An adapter-only plan completed with the base model's weights (``base``, read from ``base_dir``).
-
-    The base tensors get the names a PEFT-wrapped model gives them (``<module>.base_layer.weight``
-    for a LoRA target), so the plan reads as a full LoRA checkpoint. Every target's base weight
-    must exist with the shape the adapter's B·A has; the whole key set is checked against the
-    architecture later (``check_against_architecture``), since these names do not come from the checkpoint.
-    """
-    with closed_on_failure(files):
-        lora_shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # module (no PEFT prefix) -> {"A": shape, "B": shape}
-        for t in plan.tensors:
-            module, which = lora_module(t.name)
-            lora_shapes.setdefault(module.removeprefix(PEFT_PREFIX), {})[which] = t.shape
-        by_name = {t.name: t for t in base}
-        missing = sorted(f"{module}.weight" for module in lora_shapes if f"{module}.weight" not in by_name)
-        if missing:
-            raise MergeError(
-                base_dir,
-                f"no base weight for the LoRA target {missing[0]} ({len(missing)} missing): not the base model this run trained",
-            )
-        for module, pair in lora_shapes.items():
-            t = by_name[f"{module}.weight"]
-            expected = (
-                (pair["B"][0], pair["A"][1]) if set(pair) == {"A", "B"} else None
-            )  # a lone A or B: split_lora names it
-            if expected and tuple(t.shape) != expected:
-                raise MergeError(
-                    t.source.runs[0].file.path,
-                    f"{t.name} has shape {tuple(t.shape)} but the LoRA adapter expects {expected}: not the base model this run trained",
-                )
-        renamed = peft_base_names(base, lora_shapes)
-    # The config and tokenizer stay the checkpoint's; load_model_config falls back to the base folder's.
-    layout = {**plan.layout, "base_model": str(base_dir)}
-    return replace(
-        plan, tensors=renamed + plan.tensors, files=plan.files + files, check_against_architecture=True, layout=layout
-    )
 
 
 def split_lora(tensors: list[PlannedTensor], info: LoraInfo, *, merge: bool, where) -> LoraSplit:
@@ -124,6 +84,11 @@ def _check_lora_shapes(
             where,
             f"LoRA module {module}: lora_B {b.shape} @ lora_A {a.shape} does not fit the base weight {weight.shape} (A is r x in, B is out x r)",
         )
+
+
+def model_tensors(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
+    """The model's tensors under the names a merge writes them: adapter tensors left out, PEFT's names undone."""
+    return [PlannedTensor(_base_name(t.name), t.shape, t.dtype, t.source) for t in tensors if not lora_module(t.name)]
 
 
 def _base_name(name: str) -> str:

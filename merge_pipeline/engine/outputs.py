@@ -22,8 +22,8 @@ from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 # fp8 is no cast: engine/fp8.py rewrites the plan (tensors are planned here in their stored dtype first).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
-ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
-ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/{ADAPTER_FILE}"
+OUTPUT_ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
+ADAPTER_WEIGHTS = f"{OUTPUT_ADAPTER_DIR}/{ADAPTER_FILE}"
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,22 @@
 """Format readers: each turns a role folder into a ``CheckpointPlan`` without loading tensor data.
 
-A reader is a module of this package, named by its backend, exposing ``READER``: an object with a
-``name``, ``detect(folder)`` and ``plan(folder, options)`` (the ``Reader`` protocol). Adding a
-format means adding its module and its name to ``READERS``; nothing else here changes.
+A reader is a module of this package exposing ``READER`` (a ``Reader``): how to recognise its
+folders and plan them, and which trainers' step folders hold them and when a save there is complete.
+Adding a format means adding its module and its name to ``options.BACKENDS``; nothing else here changes.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.step_folders import Completeness, Quiet, StepFolder, newest_change, tracker_says
+from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.input_files import require_opened_inside
 from merge_pipeline.options import BACKENDS, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, closed_on_failure
@@ -20,23 +24,92 @@ from merge_pipeline.plan import CheckpointPlan, closed_on_failure
 # Reader modules, in the order ``auto`` tries them: the first whose detect() says yes plans the folder.
 # Their names are the --backend choices (options.BACKENDS, which the CLI and Dagster offer).
 READERS = BACKENDS[1:]
+# A reader's module is named by its backend, except where the --backend value users type says less.
+MODULE_OF = {"hf": "safetensors_folder"}
 STEP_FOLDER = re.compile(r"global_step_?(\d+)")  # verl's global_step_N, DeepSpeed's global_stepN
 
 
-class Reader(Protocol):
-    name: str  # the --backend value, and the module's name
+def _never(step_dir: Path, stack: StepFolder) -> bool:
+    return False
+
+
+def _no_marker(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Completeness | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One checkpoint format: each reader module's ``READER``."""
+
+    name: str  # the --backend value
     looks_for: str  # what detect() looks for, for the error when no reader recognises a folder
-
-    def detect(self, role_dir: Path) -> bool: ...
-
-    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan: ...
+    detect: Callable[[Path], bool]
+    # The plan of a role folder; the config is asked for only by readers that need it to plan.
+    plan: Callable[[Path, MergeOptions, CheckpointConfig], CheckpointPlan]
+    # The step folders of the trainers that save this format, and whether one holds such a save
+    # itself (not in a role folder: verl's SFT trainer, a DeepSpeed tag, torchtitan).
+    step_folders: tuple[StepFolder, ...] = ()
+    saved_in_step_folder: Callable[[Path, StepFolder], bool] = _never
+    # Whether a save in one of those step folders is complete, and why; None: this format leaves no
+    # marker there, so the next reader of that step folder is asked (the last word: its tracker, or the settle time).
+    completeness: Callable[[Path, int, StepFolder, Quiet], Completeness | None] = _no_marker
 
 
 def reader(name: str) -> Reader:
     """The reader of ``--backend name``; imported only when asked for (Megatron's pulls in megatron-core types)."""
     if name not in READERS:
         raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-    return importlib.import_module(f"{__name__}.{name}").READER
+    return importlib.import_module(f"{__name__}.{MODULE_OF.get(name, name)}").READER
+
+
+def step_folders() -> list[StepFolder]:
+    """Every step folder some reader's trainers save in, each once."""
+    return list(dict.fromkeys(folder for name in READERS for folder in reader(name).step_folders))
+
+
+def step_folder(name: str) -> tuple[StepFolder, int] | None:
+    """Which stack's step folder ``name`` is, and its step; None when it is no canonical step folder name."""
+    for folder in step_folders():
+        if step := folder.name.fullmatch(name):
+            return folder, int(step.group(1))
+    return None
+
+
+def _readers_of(stack: StepFolder) -> list[Reader]:
+    return [r for r in map(reader, READERS) if stack in r.step_folders]
+
+
+def saved_in_step_folder(step_dir: Path, stack: StepFolder) -> bool:
+    """Whether the step folder itself is a checkpoint (what it holds may still be partial)."""
+    return any(r.saved_in_step_folder(step_dir, stack) for r in _readers_of(stack))
+
+
+def completeness(folder: Path, step: int, settle_seconds: float, *, now: float | None = None) -> Completeness:
+    """Whether a checkpoint folder is completely saved, and why: the readers of its step folder are
+    asked in ``READERS`` order; when none knows a marker, the stack's tracker beside the step folders
+    (verl's ``latest_checkpointed_iteration.txt``), else nothing under the folder changed for the settle time."""
+    newest = newest_change(folder)
+    if newest is None:
+        return Completeness(False, "no files yet", None)
+    quiet = Quiet(settle_seconds, newest, (time.time() if now is None else now) - newest)
+    stack = _stack_of(folder)
+    for r in _readers_of(stack):
+        if (answer := r.completeness(folder, step, stack, quiet)) is not None:
+            return answer
+    if stack.tracker is None:
+        return quiet.settled(f"{stack.stack}: no marker of a finished save")
+    latest = tracker_says(folder, stack)
+    if latest is not None and latest >= step:
+        return quiet.done(f"{stack.tracker} says {latest} >= {step}")
+    return quiet.settled(f"{stack.tracker} says {latest}" if latest is not None else f"no {stack.tracker}")
+
+
+def _stack_of(folder: Path) -> StepFolder:
+    """The stack whose step folder ``folder`` is, or holds it; the first (verl's) for any other folder."""
+    for candidate in (folder, folder.parent):
+        if found := step_folder(candidate.name):
+            return found[0]
+    return step_folders()[0]
 
 
 def detect_backend(role_dir: Path) -> str:
@@ -75,13 +148,18 @@ def _checkpoints_in(folder: Path) -> list[str]:
     return [d.name for d in _subfolders(folder) if any(reader(name).detect(d) for name in READERS)]
 
 
-def open_checkpoint(role_dir: str | Path, options: MergeOptions) -> CheckpointPlan:
-    """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``."""
+def open_checkpoint(
+    role_dir: str | Path, options: MergeOptions, config: CheckpointConfig | None = None
+) -> CheckpointPlan:
+    """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``.
+
+    ``config``: the checkpoint's model config, resolved once for the whole merge (``pipeline.prepare``).
+    """
     role_dir = Path(role_dir).absolute()
     if not role_dir.is_dir():
         raise MergeError(role_dir, "not a directory" if role_dir.exists() else "does not exist")
     backend = detect_backend(role_dir) if options.backend == "auto" else options.backend
-    plan = reader(backend).plan(role_dir, options)
+    plan = reader(backend).plan(role_dir, options, config or CheckpointConfig.of(role_dir, options))
     # Weights follow the side files' rule: no link out of the checkpoint. The base model folder
     # (--hf_model_path, where a LoRA-only checkpoint's base weights come from) is the user's own choice.
     base = Path(options.hf_model_path).absolute() if options.hf_model_path else None

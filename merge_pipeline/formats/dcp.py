@@ -23,21 +23,23 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats import torchtitan_names
+from merge_pipeline.formats import Reader, torchtitan_names
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     plan_specs,
     read_dcp_metadata,
 )
 from merge_pipeline.formats.megatron_names import OutputSpec, Piece
-from merge_pipeline.hf.config import CONFIG, has_value_head, load_model_config
-from merge_pipeline.options import MergeOptions
+from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
+from merge_pipeline.hf.config import CONFIG, CheckpointConfig, has_value_head
 from merge_pipeline.plan import CheckpointPlan
 
 # Where trainers put the model's DCP folder inside the folder a user points at.
 ACCELERATE_DIR = "pytorch_model_fsdp_0"  # accelerate's save_fsdp_model, model_index 0
 NEMO_RL_DIR = "weights"  # NeMo-RL's policy/weights (policy/optimizer holds the optimizer)
 NEMO_AUTOMODEL_DIR = "model"  # NeMo-Automodel's <checkpoint>/model/ in DCP format (optim/ beside it)
+TORCHTITAN = StepFolder("step-", "torchtitan")  # step-<N>/ is a DCP folder
+NEMO_RL = StepFolder("step_", "NeMo-RL", ("policy",), in_step_folder=False)  # step_<N>/policy/weights/ is one
 _WRAPPED = "model."  # accelerate and NeMo-RL save {"model": state_dict}: DCP flattens it to "model.<name>"
 # torchtitan's checkpoint keeps these beside the model (torch's dcp_to_torch_save excludes the same ones).
 _TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -62,9 +64,7 @@ class _Source:
     key_prefix: str  # in front of every model key in the DCP
 
 
-def plan_dcp(
-    role_dir: Path, *, trust_remote_code: bool = False, hf_model_path: str | Path | None = None
-) -> CheckpointPlan:
+def plan_dcp(role_dir: Path, config: CheckpointConfig) -> CheckpointPlan:
     """Describe every HF tensor of a DCP folder; ``MergeError`` naming the file on bad input."""
     role_dir = Path(role_dir)
     dcp_dir = find_dcp_dir(role_dir)
@@ -80,15 +80,13 @@ def plan_dcp(
     # The config: the checkpoint's own (beside the DCP folder or in it), else --hf_model_path.
     hf_dir = next((d for d in (dcp_dir, role_dir) if (d / CONFIG).is_file()), role_dir / "huggingface")
     if source.name == "torchtitan":
-        if not (hf_dir / CONFIG).is_file() and hf_model_path is None:
+        if not (hf_dir / CONFIG).is_file() and config.hf_model_path is None:
             raise MergeError(
                 role_dir,
                 "a torchtitan checkpoint holds no Hugging Face config: pass --hf_model_path with the model's HF folder (config.json, tokenizer)",
             )
-        config = load_model_config(
-            hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path
-        )
-        specs = _torchtitan_outputs(stored, config.raw, config.path, metadata_path)
+        model = config.load(hf_dir)
+        specs = _torchtitan_outputs(stored, model.raw, model.path, metadata_path)
     else:
         specs = [OutputSpec(key, (Piece(key, (), (0, tuple(meta.size)[0])),)) for key, meta in stored.items()]
 
@@ -197,15 +195,24 @@ def _rotary_rows(rows: int, heads: int) -> list[int]:
     return [head * per_head + 2 * (row % half) + row // half for head in range(heads) for row in range(per_head)]
 
 
-class _DcpReader:
-    name = "dcp"
-    looks_for = f"a DCP folder (.metadata in it or in {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/)"
-
-    def detect(self, role_dir: Path) -> bool:
-        return is_dcp_dir(role_dir)
-
-    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
-        return plan_dcp(role_dir, trust_remote_code=options.trust_remote_code, hf_model_path=options.hf_model_path)
+def holds_a_save(step_dir: Path, stack: StepFolder) -> bool:
+    """torchtitan's step folder is the DCP folder; the HF Trainer's holds accelerate's."""
+    return stack is TORCHTITAN or (step_dir / ACCELERATE_DIR).is_dir()
 
 
-READER = _DcpReader()
+def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Completeness:
+    """dcp.save's coordinator writes ``.metadata`` after every rank's data; then the settle time."""
+    if find_dcp_dir(folder) is None:
+        return quiet.not_yet("DCP: no .metadata yet (dcp.save's coordinator writes it after every rank's data)")
+    return quiet.settled("DCP: .metadata present (dcp.save's coordinator writes it after every rank's data)")
+
+
+READER = Reader(
+    name="dcp",
+    looks_for=f"a DCP folder (.metadata in it or in {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/)",
+    detect=is_dcp_dir,
+    plan=lambda role_dir, options, config: plan_dcp(role_dir, config),
+    step_folders=(TORCHTITAN, HF_TRAINER, NEMO_RL),
+    saved_in_step_folder=holds_a_save,
+    completeness=completeness,
+)

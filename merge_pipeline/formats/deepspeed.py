@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats import Reader
+from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
 from merge_pipeline.formats.torch_files import load_meta_state_dict, stored_tensor
 from merge_pipeline.hf.config import CONFIG, has_value_head
 from merge_pipeline.input_files import read_capped
-from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import (
     ByteRun,
     CheckpointPlan,
@@ -38,6 +39,7 @@ from merge_pipeline.plan import (
 )
 
 LATEST = "latest"
+DEEPSPEED = StepFolder("global_step", "DeepSpeed")  # a tag folder; the save dir beside it holds `latest`
 MAX_LATEST_BYTES = 4096  # a tag name ("global_step100"): a file past this names no tag
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -444,15 +446,54 @@ def _strip_wrapper_prefix(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
     return [PlannedTensor(t.name.removeprefix("model."), t.shape, t.dtype, t.source) for t in tensors]
 
 
-class _DeepSpeedReader:
-    name = "deepspeed"
-    looks_for = f"DeepSpeed ZeRO ({LATEST}, *_optim_states.pt)"
-
-    def detect(self, role_dir: Path) -> bool:
-        return is_deepspeed_dir(role_dir)
-
-    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
-        return plan_deepspeed(role_dir)
+def holds_a_save(step_dir: Path, stack: StepFolder) -> bool:
+    """A tag folder beside ``latest``, or the HF Trainer's ``checkpoint-<N>/`` as a save dir holding it."""
+    return (step_dir.parent / LATEST if stack is DEEPSPEED else step_dir / LATEST).is_file()
 
 
-READER = _DeepSpeedReader()
+def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Completeness | None:
+    """``latest`` names this tag (or a later one) and every rank's optimizer states are there."""
+    if stack is DEEPSPEED:
+        return _tag_completeness(folder.parent, folder.name, step, quiet)
+    if (folder / LATEST).is_file():  # the HF Trainer's checkpoint-<N>/ as a DeepSpeed save dir
+        return _tag_completeness(folder, _named_tag(folder) or "", None, quiet)
+    return None
+
+
+def _tag_completeness(save_dir: Path, tag: str, step: int | None, quiet: Quiet) -> Completeness:
+    """``step``: the tag folder's step, for a tag that ``latest`` may have passed already."""
+    named = _named_tag(save_dir)
+    named_step = DEEPSPEED.name.fullmatch(named) if named else None
+    passed = step is not None and named_step is not None and int(named_step.group(1)) > step
+    if not named or (named != tag and not passed):
+        return quiet.not_yet(
+            f"DeepSpeed: {LATEST} names {named or 'nothing'}, not {tag} yet (DeepSpeed writes it after every rank's files)"
+        )
+    if not is_tag_name(tag) or not (save_dir / tag).is_dir():  # a hostile `latest` leads nowhere else
+        return quiet.not_yet(f"DeepSpeed: {LATEST} names {tag!r}, which is no tag folder beside it")
+    says = f"DeepSpeed: {LATEST} names {'this tag' if named == tag else f'the later tag {named}'}"
+    missing = missing_optimizer_states(save_dir / tag)
+    if missing is None:
+        return quiet.settled(f"{says}; the model states do not say the dp world size")
+    if missing:
+        return quiet.not_yet(f"{says}, but {len(missing)} rank file(s) missing: {', '.join(missing[:3])}")
+    return quiet.done(f"{says} and every rank's *_optim_states.pt is there")
+
+
+def _named_tag(save_dir: Path) -> str | None:
+    """What ``latest`` names; None when there is none, or it is no small regular file (a FIFO never blocks the tick)."""
+    try:
+        return read_latest(save_dir / LATEST) or None
+    except (MergeError, OSError):
+        return None
+
+
+READER = Reader(
+    name="deepspeed",
+    looks_for=f"DeepSpeed ZeRO ({LATEST}, *_optim_states.pt)",
+    detect=is_deepspeed_dir,
+    plan=lambda role_dir, options, config: plan_deepspeed(role_dir),
+    step_folders=(DEEPSPEED, HF_TRAINER),
+    saved_in_step_folder=holds_a_save,
+    completeness=completeness,
+)

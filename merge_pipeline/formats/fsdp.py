@@ -8,6 +8,7 @@ must tile its global shape exactly. Nothing is written before all of that holds.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +18,15 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats import Reader
 from merge_pipeline.formats.coalesced_reads import coalesced
 from merge_pipeline.formats.dcp_files import check_tiling
 from merge_pipeline.formats.fsdp_template import RankTemplate
+from merge_pipeline.formats.step_folders import VERL, StepFolder
 from merge_pipeline.formats.torch_files import StoredTensor, stored_tensor, torch_archive
 from merge_pipeline.hf.config import has_value_head
 from merge_pipeline.hf.lora import LORA_META, read_lora_meta
 from merge_pipeline.json_files import read_json_object
-from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import (
     ByteRun,
     CheckpointPlan,
@@ -367,15 +369,21 @@ def _check_replicas_equal(name, group: list[RankShard]) -> None:
             raise MergeError(s.file.path, f"{name}: replica differs from rank {group[0].rank}'s copy of the same shard")
 
 
-class _FsdpReader:
-    name = "fsdp"
-    looks_for = "an FSDP checkpoint (model_world_size_*_rank_*.pt)"
-
-    def detect(self, role_dir: Path) -> bool:
-        return is_fsdp_dir(role_dir)
-
-    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
-        return plan_fsdp(role_dir, verify_replicas=options.verify_replicas)
+def holds_model_files(step_dir: Path, stack: StepFolder) -> bool:
+    """verl's SFT trainer saves its model rank files straight into ``global_step_<N>/``."""
+    try:
+        with os.scandir(step_dir) as entries:
+            return any(MODEL_FILE.match(e.name) for e in entries)
+    except OSError:  # deleted meanwhile
+        return False
 
 
-READER = _FsdpReader()
+READER = Reader(
+    name="fsdp",
+    looks_for="an FSDP checkpoint (model_world_size_*_rank_*.pt)",
+    detect=is_fsdp_dir,
+    plan=lambda role_dir, options, config: plan_fsdp(role_dir, verify_replicas=options.verify_replicas),
+    step_folders=(VERL,),
+    saved_in_step_folder=holds_model_files,
+    # FSDP leaves no marker of a finished save: verl's tracker or the settle time decides.
+)

@@ -11,7 +11,7 @@ The DCP ``.metadata`` gives every tensor's global shape and dtype and, per saved
 ``.distcp`` file holds it at which offset; ``formats/dcp_files.py`` reads it and locates each chunk's
 raw bytes. That is enough to describe every HF tensor as file ranges: no Megatron model, no process
 group, no GPU, and no tensor data read at planning time.
-HF safetensors weights are planned by ``formats/hf.py``.
+HF safetensors weights are planned by ``formats/safetensors_folder.py``.
 """
 
 from __future__ import annotations
@@ -25,22 +25,24 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats import Reader
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     DcpTensor,
     plan_specs,
     read_dcp_metadata,
 )
-from merge_pipeline.formats.hf import ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.megatron_names import KeyMapper, model_shape
 from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
-from merge_pipeline.hf.config import load_model_config
+from merge_pipeline.formats.safetensors_folder import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
+from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_says
+from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.hf.lora import ADAPTER_CONFIG
 from merge_pipeline.json_files import read_json_object
-from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, dtype_name
 
-MANIFEST = "ckpt_contents.json"
+MANIFEST = "ckpt_contents.json"  # verl's layout v2: rank 0 writes it last, atomically
+_V2_FOLDERS = ("model/dist_ckpt", "model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt")
 VALUE_ROLES = ("critic", "reward")
 DIST_FORMAT, HF_FORMAT = "megatron_dist_checkpoint", "huggingface"
 # Tensors that are training state, not model weights.
@@ -129,18 +131,16 @@ def _manifest_path(role_dir: Path, manifest: Path, name: str, entry: dict) -> Pa
 
 def plan_megatron(
     role_dir: Path,
+    config: CheckpointConfig,
     *,
     is_value_model: bool | None,
     tie_word_embedding: bool | None,
-    trust_remote_code: bool,
-    hf_model_path: str | Path | None = None,
 ) -> CheckpointPlan:
     """Describe every HF tensor of a Megatron role folder; ``MergeError`` naming the file on bad input.
 
     ``is_value_model`` / ``tie_word_embedding``: ``None`` means decide from the checkpoint
-    (``output_layer`` of one row) and from config.json (``tie_word_embeddings``).
-    ``trust_remote_code`` lets transformers read a remote-code config; ``hf_model_path`` is the
-    original model folder, for the config when the checkpoint has none.
+    (``output_layer`` of one row) and from config.json (``tie_word_embeddings``); ``config`` is
+    read only for Megatron shards (their names and shapes need it).
     """
     role_dir = Path(role_dir)
     layout = find_layout(role_dir)
@@ -159,13 +159,11 @@ def plan_megatron(
             role_dir,
             layout.hf_dir,
             is_value_model=is_value_model,
-            hf_model_path=hf_model_path,
+            hf_model_path=config.hf_model_path,
             layout=layout.describe(),
             backend="megatron",
         )
-    model_config = load_model_config(
-        layout.hf_dir, trust_remote_code=trust_remote_code, role_dir=role_dir, hf_model_path=hf_model_path
-    )
+    model_config = config.load(layout.hf_dir)
     return _plan_dist_checkpoint(
         role_dir,
         layout,
@@ -185,7 +183,7 @@ _ADAPTER_KEY = re.compile(r"\.adapter\.|(^|\.)lora_")
 def _refuse_unexported_adapter(role_dir: Path, layout: MegatronLayout, stored: dict) -> None:
     """A LoRA adapter kept only as Megatron shards cannot be converted exactly: the shards do not
     record lora_alpha (the scale) nor which HF modules a fused projection's adapter maps to."""
-    if (layout.hf_dir / ADAPTER_DIR / ADAPTER_CONFIG).is_file():
+    if (layout.hf_dir / BRIDGE_ADAPTER_DIR / ADAPTER_CONFIG).is_file():
         return
     where = None
     if (role_dir / "adapter_checkpoint").is_dir():
@@ -197,7 +195,7 @@ def _refuse_unexported_adapter(role_dir: Path, layout: MegatronLayout, stored: d
     if where is not None:
         raise MergeError(
             where,
-            f"holds a LoRA adapter only as Megatron shards and there is no PEFT export in {layout.hf_dir.relative_to(role_dir)}/{ADAPTER_DIR}/: lora_alpha and the target modules are not recorded, so it cannot be converted exactly (export it with verl's bridge, or merge a checkpoint saved with it)",
+            f"holds a LoRA adapter only as Megatron shards and there is no PEFT export in {layout.hf_dir.relative_to(role_dir)}/{BRIDGE_ADAPTER_DIR}/: lora_alpha and the target modules are not recorded, so it cannot be converted exactly (export it with verl's bridge, or merge a checkpoint saved with it)",
         )
 
 
@@ -359,21 +357,28 @@ def _layout(
     }
 
 
-class _MegatronReader:
-    name = "megatron"
-    looks_for = "a Megatron checkpoint (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/)"
-
-    def detect(self, role_dir: Path) -> bool:
-        return is_megatron_dir(role_dir)
-
-    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
-        return plan_megatron(
-            role_dir,
-            is_value_model=options.is_value_model or None,
-            tie_word_embedding=options.tie_word_embedding or None,
-            trust_remote_code=options.trust_remote_code,
-            hf_model_path=options.hf_model_path,
-        )
+def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Completeness | None:
+    """verl writes its layout v2's manifest last; a v2 folder without it is not finished (unless the
+    tracker says so). A legacy folder leaves no marker: the tracker or the settle time decides."""
+    if (folder / MANIFEST).is_file():
+        return quiet.done(f"{MANIFEST} present (verl writes it last)")
+    latest = tracker_says(folder, stack)
+    if (latest is None or latest < step) and any((folder / v2).is_dir() for v2 in _V2_FOLDERS):
+        # A quiet folder proves nothing here: the bridge may gather weights for minutes before writing.
+        return quiet.not_yet(f"Megatron layout v2 without {MANIFEST}: verl writes it last, the save is not finished")
+    return None
 
 
-READER = _MegatronReader()
+READER = Reader(
+    name="megatron",
+    looks_for="a Megatron checkpoint (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/)",
+    detect=is_megatron_dir,
+    plan=lambda role_dir, options, config: plan_megatron(
+        role_dir,
+        config,
+        is_value_model=options.is_value_model or None,
+        tie_word_embedding=options.tie_word_embedding or None,
+    ),
+    step_folders=(VERL,),
+    completeness=completeness,
+)

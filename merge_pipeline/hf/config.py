@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -11,6 +11,7 @@ import torch
 
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.json_files import read_json_object
+from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import dtype_name
 
 CONFIG = "config.json"
@@ -91,6 +92,33 @@ def load_model_config(
     if original is not None:
         _check_same_model(config, _read_config(original, trust_remote_code))
     return config
+
+
+@dataclass
+class CheckpointConfig:
+    """One checkpoint's model config, read once on first ask (``load_model_config`` with the user's
+    options): the readers that need it to plan (Megatron's shards, torchtitan) and the merge after
+    them get the same one, and a checkpoint planned without it (FSDP) never reads it."""
+
+    role_dir: Path
+    trust_remote_code: bool = False
+    hf_model_path: str | Path | None = None
+    _loaded: dict[Path | None, ModelConfig] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, role_dir: Path, options: MergeOptions) -> CheckpointConfig:
+        return cls(Path(role_dir).absolute(), options.trust_remote_code, options.hf_model_path)
+
+    def load(self, hf_dir: Path | None) -> ModelConfig:
+        """The config in the checkpoint's ``hf_dir`` (``None``: its ``huggingface/``), else ``--hf_model_path``'s."""
+        if hf_dir not in self._loaded:
+            self._loaded[hf_dir] = load_model_config(
+                hf_dir,
+                trust_remote_code=self.trust_remote_code,
+                role_dir=self.role_dir,
+                hf_model_path=self.hf_model_path,
+            )
+        return self._loaded[hf_dir]
 
 
 def _read_config(path: Path, trust_remote_code: bool, *, confine_to: Path | None = None) -> ModelConfig:

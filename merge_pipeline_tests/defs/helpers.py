@@ -10,9 +10,9 @@ from pathlib import Path
 import dagster as dg
 
 from merge_pipeline.defs import assets
-from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

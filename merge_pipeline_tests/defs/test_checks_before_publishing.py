@@ -4,16 +4,27 @@ published, and an existing good folder is kept."""
 
 from __future__ import annotations
 
+import pytest
+
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
-from merge_pipeline_tests.helpers import config_claims_one_more_layer, error_lines, run_cli, torchrun, tree_digest
+from merge_pipeline_tests.helpers import (
+    config_claims_one_more_layer,
+    error_lines,
+    merge,
+    merge_ok,
+    torchrun,
+    tree_digest,
+)
+
+pytestmark = pytest.mark.torchrun
 
 KEY = "run/global_step_2/actor"
 
 
 def refused(capsys, role_dir, target, *flags) -> str:
-    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
+    code, _, err = merge(capsys, role_dir, target, *flags)
     [line] = error_lines(err)
     assert code == 1, err
     return line
@@ -22,8 +33,7 @@ def refused(capsys, role_dir, target, *flags) -> str:
 def test_cli_torchrun_and_dagster_refuse_the_same_folder(capsys, fsdp_checkpoint, roots, instance, tmp_path):
     role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2", tracker=2)
     target = tmp_path / "cli"
-    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress")
-    assert code == 0, err
+    merge_ok(capsys, role_dir, target)
     published = tree_digest(target)
     missing = config_claims_one_more_layer(role_dir)  # the reader cannot tell; transformers can
     before = tree_digest(role_dir)

@@ -10,6 +10,7 @@ import sys
 import tomllib
 
 import dagster as dg
+import pytest
 import yaml
 
 from merge_pipeline.definitions import defs
@@ -35,6 +36,7 @@ def test_workspace_and_dg_load_the_definitions_module():
     )
 
 
+@pytest.mark.e2e
 def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"} | {
         "DAGSTER_DISABLE_TELEMETRY": "1",
@@ -61,6 +63,7 @@ def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
         assert name in listed.stdout, name
 
 
+@pytest.mark.e2e
 def test_dg_dev_serves_the_location_from_the_project_root(tmp_path):
     with running_dagster_dev(
         PROJECT_ROOT, {"DAGSTER_DISABLE_TELEMETRY": "1"}, tmp_path / "dg_dev.log", command="dg"
@@ -101,6 +104,7 @@ def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy()
     assert "`global_step_<N>/<role>`" in specs["checkpoint"].description  # code: markdown keeps the <...>
 
 
+@pytest.mark.slow
 def test_sensors_run_by_default_and_the_hub_schedule_only_with_an_organization(tmp_path):
     assert defs.resolve_sensor_def("new_checkpoint_sensor").default_status == dg.DefaultSensorStatus.RUNNING
     assert "Off until MERGE_PIPELINE_HUB_ORG is set" in defs.resolve_schedule_def("publish_latest_steps").description
@@ -150,6 +154,7 @@ def test_env_example_lists_every_setting_the_code_reads():
     assert read and all(re.search(rf"^#? ?{name}=", example, re.M) for name in read), read
 
 
+@pytest.mark.e2e
 def test_dg_launch_merges_one_partition(fsdp_checkpoint, roots, instance, tmp_path):
     from safetensors.torch import load_file
 

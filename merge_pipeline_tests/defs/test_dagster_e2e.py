@@ -15,13 +15,15 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs import browser
 from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
 from merge_pipeline_tests.defs.services import Dagster, running_dagster_dev
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+pytestmark = pytest.mark.e2e
 
 KEY = "e2e_run/global_step_1/actor"
 BROKEN = "e2e_run/global_step_2/actor"

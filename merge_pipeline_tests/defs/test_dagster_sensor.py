@@ -10,11 +10,12 @@ import time
 import dagster as dg
 import pytest
 
-from merge_pipeline.defs.discovery import TRACKER, completeness
+from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.pipeline import merge_checkpoint
 from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
 from merge_pipeline_tests.helpers import tree_digest

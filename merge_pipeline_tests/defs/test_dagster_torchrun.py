@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
+
+pytestmark = pytest.mark.torchrun
 
 TORCHRUN = {"max_shard_size": "200KB", "launcher": "torchrun", "nproc_per_node": 2}
 INPROCESS = {"max_shard_size": "200KB"}

@@ -9,9 +9,9 @@ import shutil
 import dagster as dg
 from safetensors.torch import load_file
 
-from merge_pipeline.defs.discovery import TRACKER
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems
 from merge_pipeline.pipeline import merge_checkpoint
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint

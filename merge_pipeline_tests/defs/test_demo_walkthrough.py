@@ -9,9 +9,13 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 from merge_pipeline_tests.defs.services import VENV_BIN, free_port
 from merge_pipeline_tests.defs.test_dagster_e2e import clean_copy
+
+pytestmark = pytest.mark.e2e
 
 MARKER = "# after scripts/demo.sh"
 BLOCK = re.compile(r"^```bash\n(" + re.escape(MARKER) + r".*?)^```", re.M | re.S)

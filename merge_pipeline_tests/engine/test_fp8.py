@@ -21,7 +21,15 @@ from merge_pipeline.hf.fp8 import FP8, decide_fp8, dequantize
 from merge_pipeline.model_card import render_card
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, torchrun, tree_digest
+from merge_pipeline_tests.helpers import (
+    error_lines,
+    load_safetensors_dir,
+    merge_ok,
+    run_cli,
+    same_bits,
+    torchrun,
+    tree_digest,
+)
 
 LLAMA = FsdpSpec(
     arch="llama", world_size=2, hidden_size=256, intermediate_size=512, vocab_size=1003, with_optimizer=False
@@ -119,12 +127,6 @@ def test_a_weight_with_nan_is_one_line_naming_it():
         _write_pair(weight, 128)
 
 
-def _merge(capsys, role_dir: Path, target: Path, *flags: str) -> str:
-    code, out, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
-    assert code == 0, err
-    return out
-
-
 def _check_loads_like_the_bf16_merge(
     folder: Path, bf16_folder: Path, source: dict[str, torch.Tensor], block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +158,9 @@ def _check_loads_like_the_bf16_merge(
 
 def test_llama_fp8_folder_loads_in_transformers(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LLAMA)
-    out = _merge(capsys, sample.role_dir, tmp_path / "fp8", "--dtype", "fp8")
+    out = merge_ok(capsys, sample.role_dir, tmp_path / "fp8", "--dtype", "fp8")
     assert "fp8: 14 weights quantized in 128x128 blocks, 2 modules kept in bfloat16 (0 off the block grid)" in out
-    _merge(capsys, sample.role_dir, tmp_path / "bf16", "--dtype", "bfloat16")
+    merge_ok(capsys, sample.role_dir, tmp_path / "bf16", "--dtype", "bfloat16")
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
     assert config["quantization_config"] == {
@@ -189,7 +191,7 @@ def test_llama_fp8_folder_loads_in_transformers(capsys, tmp_path, fsdp_checkpoin
 
 def test_off_grid_weights_stay_in_bfloat16_and_are_listed(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LLAMA)
-    out = _merge(capsys, sample.role_dir, tmp_path / "fp8", "--dtype", "fp8", "--fp8-block-size", "96")
+    out = merge_ok(capsys, sample.role_dir, tmp_path / "fp8", "--dtype", "fp8", "--fp8-block-size", "96")
     # 96 divides 384 = 3 x 128 (no weight here) but neither 256 nor 512: every linear weight is off the grid
     assert "0 weights quantized in 96x96 blocks, 16 modules kept in bfloat16 (14 off the block grid)" in out
     written = load_safetensors_dir(tmp_path / "fp8")
@@ -198,10 +200,11 @@ def test_off_grid_weights_stay_in_bfloat16_and_are_listed(capsys, tmp_path, fsdp
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
+@pytest.mark.torchrun
 def test_torchrun_ranks_quantize_their_own_shards_byte_identically(capsys, tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(LLAMA).role_dir
     flags = ("--max-shard-size", "200KB", "--dtype", "fp8")
-    _merge(capsys, role_dir, tmp_path / "single", *flags)
+    merge_ok(capsys, role_dir, tmp_path / "single", *flags)
     with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", *flags) as run:
         _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
@@ -216,9 +219,9 @@ def test_lora_fp8_needs_merge_lora(capsys, tmp_path, fsdp_checkpoint):
     )
     assert code == 1 and "add --merge-lora" in err and not (tmp_path / "out").exists()
     flags = ("--fp8-block-size", "32", "--merge-lora")
-    out = _merge(capsys, sample.role_dir, tmp_path / "out", "--dtype", "fp8", *flags)
+    out = merge_ok(capsys, sample.role_dir, tmp_path / "out", "--dtype", "fp8", *flags)
     assert "fp8: 14 weights quantized in 32x32 blocks" in out
-    _merge(capsys, sample.role_dir, tmp_path / "fp32", *flags)
+    merge_ok(capsys, sample.role_dir, tmp_path / "fp32", *flags)
     written, folded = load_safetensors_dir(tmp_path / "out"), load_safetensors_dir(tmp_path / "fp32")
     assert not any("lora" in name for name in written)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight"):
@@ -226,6 +229,7 @@ def test_lora_fp8_needs_merge_lora(capsys, tmp_path, fsdp_checkpoint):
         assert same_bits(written[name], q) and same_bits(written[name + "_scale_inv"], s)
 
 
+@pytest.mark.slow
 def test_moe_fp8_folder_loads_in_transformers(capsys, tmp_path):
     """A small Qwen2-MoE saved by transformers itself (a consolidated HF folder, ``--backend hf``)."""
     torch.manual_seed(0)
@@ -249,8 +253,8 @@ def test_moe_fp8_folder_loads_in_transformers(capsys, tmp_path):
         optimizer.step()
     role_dir = tmp_path / "global_step_1" / "actor"  # NeMo-Automodel's layout: <role>/model/
     model.to(torch.bfloat16).save_pretrained(role_dir / "model")
-    _merge(capsys, role_dir, tmp_path / "fp8", "--backend", "hf", "--dtype", "fp8", "--fp8-block-size", "32")
-    _merge(capsys, role_dir, tmp_path / "bf16", "--backend", "hf")
+    merge_ok(capsys, role_dir, tmp_path / "fp8", "--backend", "hf", "--dtype", "fp8", "--fp8-block-size", "32")
+    merge_ok(capsys, role_dir, tmp_path / "bf16", "--backend", "hf")
     quantization = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
     assert quantization["modules_to_not_convert"] == [
         "lm_head",

@@ -60,6 +60,7 @@ def test_a_rank_file_rewritten_during_the_merge_is_refused_and_nothing_published
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy_0"], "no target, staging or lock left"
 
 
+@pytest.mark.torchrun
 def test_torchrun_refuses_a_save_rewritten_while_its_ranks_write(tmp_path, fsdp_checkpoint, fresh_copy):
     """Two ranks; the rewrite as soon as the staging folder appears (every rank has planned by then)."""
     sample = fresh_copy(fsdp_checkpoint(SPEC))

@@ -16,6 +16,8 @@ from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.helpers import cli_merge_command, tree_digest
 
+pytestmark = pytest.mark.slow
+
 # ~48M parameters (192 MB of fp32 rank files, 96 MB of bf16 output in 6 files): the merge is still
 # writing when the test kills it. Written by torch's fake process group (one process, no gloo ranks).
 SPEC = FsdpSpec(

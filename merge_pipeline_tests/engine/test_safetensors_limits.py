@@ -12,16 +12,14 @@ import struct
 import torch
 
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import error_lines, run_cli
+from merge_pipeline_tests.helpers import merge_error
 
 PLAIN = FsdpSpec(fsdp_version=1, world_size=1)  # plain tensors in one rank file: any key can be written
 
 
 def merge_refused(capsys, local_dir, target) -> str:
-    code, _, err = run_cli(capsys, "merge", "--local_dir", local_dir, "--target_dir", target, "--no-progress")
-    assert code == 1, err
-    [line] = error_lines(err)
-    assert not target.exists() and not any(target.parent.glob(f".{target.name}.*"))
+    line = merge_error(capsys, local_dir, target)
+    assert not any(target.parent.glob(f".{target.name}.*"))
     return line
 
 

@@ -11,13 +11,9 @@ from safetensors.torch import load_file
 
 from merge_pipeline.defs.discovery import find_checkpoints
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)
-
-
-def merge(capsys, role_dir, target):
-    return run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress")
 
 
 def test_a_rank_file_linked_out_of_the_checkpoint_is_refused(capsys, tmp_path, fsdp_checkpoint, fresh_copy):

@@ -17,7 +17,7 @@ import pytest
 from merge_pipeline.engine.publish import previous_path, staging_path
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits, tree_digest
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)  # 0.8 MB of weights; the same spec as test_fsdp_bad_input
 
@@ -47,10 +47,6 @@ def tmpfs(tmp_path):
         subprocess.run(
             ["umount", "--lazy", str(point)], check=True
         )  # lazy: a failed test's traceback may still map a file there
-
-
-def merge(capsys, role_dir, target, *flags):
-    return run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
 
 
 def leftovers(target) -> list[str]:

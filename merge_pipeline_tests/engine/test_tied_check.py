@@ -17,17 +17,13 @@ from merge_pipeline_tests.helpers import (
     config_says_tied,
     error_lines,
     load_safetensors_dir,
-    run_cli,
+    merge,
     same_bits,
     tree_digest,
 )
 
 UNTIED = FsdpSpec()
 TIED = FsdpSpec(tie_word_embeddings=True)
-
-
-def merge(capsys, role_dir, target, *flags):
-    return run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
 
 
 def test_tied_config_with_a_trained_lm_head_is_refused(capsys, tmp_path, fsdp_checkpoint, fresh_copy):

@@ -18,7 +18,15 @@ from safetensors.torch import load_file
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.sample_checkpoints.dcp import SOURCES, torchtitan_name
-from merge_pipeline_tests.helpers import DcpSample, error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline_tests.helpers import (
+    DcpSample,
+    error_lines,
+    load_safetensors_dir,
+    merge,
+    run_cli,
+    same_bits,
+    tree_digest,
+)
 
 TOKENS = torch.tensor([[1, 5, 17, 1002, 40]])
 
@@ -36,17 +44,10 @@ def fresh_dcp(dcp_sample, tmp_path):
     return copy
 
 
-def merge(capsys, sample: DcpSample, target: Path, *flags: str) -> tuple[int, str]:
-    code, _, err = run_cli(
-        capsys, "merge", "--local_dir", sample.folder, "--target_dir", target, "--no-progress", *flags
-    )
-    return code, err
-
-
 @pytest.mark.parametrize("source", SOURCES)
 def test_merge_is_bit_exact_and_computes_the_source_models_logits(capsys, tmp_path, dcp_sample, source):
     sample = dcp_sample(source)
-    code, err = merge(capsys, sample, tmp_path / "out", "--hf_model_path", sample.original_dir)
+    code, _, err = merge(capsys, sample.folder, tmp_path / "out", "--hf_model_path", sample.original_dir)
     assert code == 0, err
 
     merged = load_safetensors_dir(tmp_path / "out")
@@ -97,7 +98,7 @@ def test_inspect_describes_the_source(capsys, dcp_sample, source):
 
 def test_torchtitan_without_hf_model_path_says_so_in_one_line(capsys, tmp_path, dcp_sample):
     sample = dcp_sample("torchtitan")
-    code, err = merge(capsys, sample, tmp_path / "out")
+    code, _, err = merge(capsys, sample.folder, tmp_path / "out")
     assert code == 1
     [line] = error_lines(err)
     assert str(sample.folder) in line and "pass --hf_model_path" in line, line
@@ -137,13 +138,13 @@ HOSTILE = [
 def test_damaged_folder_is_refused_in_one_line_and_a_good_output_is_kept(capsys, tmp_path, fresh_dcp, source, damage):
     sample = fresh_dcp(source)
     target = tmp_path / "out"
-    code, err = merge(capsys, sample, target, "--hf_model_path", sample.original_dir)
+    code, _, err = merge(capsys, sample.folder, target, "--hf_model_path", sample.original_dir)
     assert code == 0, err
     good = tree_digest(target)
     path, problem = damage(sample)
     before = tree_digest(sample.folder)
 
-    code, err = merge(capsys, sample, target, "--hf_model_path", sample.original_dir, "--overwrite")
+    code, _, err = merge(capsys, sample.folder, target, "--hf_model_path", sample.original_dir, "--overwrite")
 
     assert code == 1
     [line] = error_lines(err)
@@ -156,7 +157,7 @@ def test_config_and_tokenizer_in_the_checkpoint_need_no_hf_model_path(capsys, tm
     sample = fresh_dcp("accelerate")  # a user who also ran save_pretrained for config and tokenizer
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(sample.original_dir / name, sample.folder / name)
-    code, err = merge(capsys, sample, tmp_path / "out")
+    code, _, err = merge(capsys, sample.folder, tmp_path / "out")
     assert code == 0, err
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (sample.folder / "tokenizer.json").read_bytes()
     merged = load_safetensors_dir(tmp_path / "out")

@@ -23,6 +23,7 @@ from merge_pipeline_tests.helpers import (
     assert_loads_every_stored_value,
     error_lines,
     load_safetensors_dir,
+    merge,
     run_cli,
     same_bits,
     tree_digest,
@@ -40,27 +41,12 @@ def zero_to_fp32(deepspeed_checkpoints):
     }
 
 
-def merge(capsys, save_dir: Path, reference_dir: Path, target: Path, *flags) -> tuple[int, str, str]:
-    return run_cli(
-        capsys,
-        "merge",
-        "--local_dir",
-        save_dir,
-        "--target_dir",
-        target,
-        "--hf_model_path",
-        reference_dir,
-        "--no-progress",
-        *flags,
-    )
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_merge_is_bit_exact_against_zero_to_fp32_and_the_trained_model(
     capsys, tmp_path, deepspeed_checkpoints, zero_to_fp32, variant
 ):
     save_dir, reference_dir = deepspeed_checkpoints[variant]
-    code, _, err = merge(capsys, save_dir, reference_dir, tmp_path / "out")
+    code, _, err = merge(capsys, save_dir, tmp_path / "out", "--hf_model_path", reference_dir)
     assert code == 0, err
     merged = load_safetensors_dir(tmp_path / "out")
     # zero_to_fp32 keeps the names of the module DeepSpeed wrapped: OpenRLHF's Actor adds "model.".
@@ -87,7 +73,7 @@ def test_merge_is_bit_exact_against_zero_to_fp32_and_the_trained_model(
 
 def test_merged_folder_loads_and_gives_the_trained_logits(capsys, tmp_path, deepspeed_checkpoints):
     save_dir, reference_dir = deepspeed_checkpoints["zero3-tied-frozen"]
-    code, _, err = merge(capsys, save_dir, reference_dir, tmp_path / "out")
+    code, _, err = merge(capsys, save_dir, tmp_path / "out", "--hf_model_path", reference_dir)
     assert code == 0, err
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(reference_dir))
@@ -103,7 +89,7 @@ def test_merged_folder_loads_and_gives_the_trained_logits(capsys, tmp_path, deep
 
 def test_bfloat16_output_is_the_fp32_weights_rounded(capsys, tmp_path, deepspeed_checkpoints, zero_to_fp32):
     save_dir, reference_dir = deepspeed_checkpoints["zero2-tied-frozen"]
-    code, _, err = merge(capsys, save_dir, reference_dir, tmp_path / "out", "--dtype", "bfloat16")
+    code, _, err = merge(capsys, save_dir, tmp_path / "out", "--hf_model_path", reference_dir, "--dtype", "bfloat16")
     assert code == 0, err
     merged = load_safetensors_dir(tmp_path / "out")
     for name, tensor in merged.items():
@@ -114,8 +100,11 @@ def test_bfloat16_output_is_the_fp32_weights_rounded(capsys, tmp_path, deepspeed
 def test_tag_folder_and_save_dir_merge_alike(capsys, tmp_path, deepspeed_checkpoints):
     save_dir, reference_dir = deepspeed_checkpoints["zero1"]
     tag = (save_dir / "latest").read_text().strip()
-    assert merge(capsys, save_dir, reference_dir, tmp_path / "a")[0] == 0
-    assert merge(capsys, save_dir / tag, reference_dir, tmp_path / "b", "--backend", "deepspeed")[0] == 0
+    assert merge(capsys, save_dir, tmp_path / "a", "--hf_model_path", reference_dir)[0] == 0
+    assert (
+        merge(capsys, save_dir / tag, tmp_path / "b", "--hf_model_path", reference_dir, "--backend", "deepspeed")[0]
+        == 0
+    )
     assert load_safetensors_dir(tmp_path / "a").keys() == load_safetensors_dir(tmp_path / "b").keys()
     for name, tensor in load_safetensors_dir(tmp_path / "a").items():
         assert same_bits(tensor, load_safetensors_dir(tmp_path / "b")[name]), name
@@ -139,7 +128,7 @@ def _copy(save_dir: Path, dst: Path) -> tuple[Path, Path]:
 
 def _refused(capsys, save_dir: Path, reference_dir: Path, target: Path, bad_file: Path, problem: str) -> None:
     before = tree_digest(save_dir)
-    code, _, err = merge(capsys, save_dir, reference_dir, target)
+    code, _, err = merge(capsys, save_dir, target, "--hf_model_path", reference_dir)
     assert code != 0
     [line] = error_lines(err)
     assert str(bad_file) in line and problem in line, line

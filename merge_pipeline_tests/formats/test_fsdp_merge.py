@@ -11,7 +11,12 @@ from safetensors.torch import load_file
 
 from merge_pipeline.hf.manifest import MANIFEST, sha256_file
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import assert_loads_every_stored_value, load_safetensors_dir, run_cli, same_bits
+from merge_pipeline_tests.helpers import (
+    assert_loads_every_stored_value,
+    load_safetensors_dir,
+    merge_ok,
+    same_bits,
+)
 
 LAYOUTS = {
     "fsdp2-ws2": FsdpSpec(),
@@ -27,23 +32,6 @@ LAYOUTS = {
 }
 
 
-def merge(capsys, sample, target, *flags):
-    code, out, err = run_cli(
-        capsys,
-        "merge",
-        "--backend",
-        "fsdp",
-        "--local_dir",
-        sample.role_dir,
-        "--target_dir",
-        target,
-        "--no-progress",
-        *flags,
-    )
-    assert code == 0, err
-    return out
-
-
 def reference_model(sample, cls=transformers.AutoModelForCausalLM):
     config = transformers.AutoConfig.from_pretrained(sample.reference_dir)
     model = cls.from_config(config)
@@ -54,7 +42,7 @@ def reference_model(sample, cls=transformers.AutoModelForCausalLM):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_merge_is_bit_exact(capsys, tmp_path, fsdp_checkpoint, layout):
     sample = fsdp_checkpoint(LAYOUTS[layout])
-    merge(capsys, sample, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "fsdp")
     merged = load_safetensors_dir(tmp_path / "out")
     reference = load_file(sample.reference_dir / "model.safetensors")
     assert set(merged) == set(reference)
@@ -67,7 +55,7 @@ def test_merge_is_bit_exact(capsys, tmp_path, fsdp_checkpoint, layout):
 
 def test_loads_with_transformers_and_matches_logits(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LAYOUTS["fsdp2-ws3-uneven-vocab"])
-    merge(capsys, sample, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "fsdp")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = torch.tensor([[1, 5, 17, 1002, 40]])
     with torch.no_grad():
@@ -83,7 +71,17 @@ def test_loads_with_transformers_and_matches_logits(capsys, tmp_path, fsdp_check
 
 def test_bf16_output_and_sharding(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LAYOUTS["fsdp2-ws2"])
-    merge(capsys, sample, tmp_path / "out", "--dtype", "bfloat16", "--max-shard-size", "100KB")
+    merge_ok(
+        capsys,
+        sample.role_dir,
+        tmp_path / "out",
+        "--backend",
+        "fsdp",
+        "--dtype",
+        "bfloat16",
+        "--max-shard-size",
+        "100KB",
+    )
     out = tmp_path / "out"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
@@ -100,7 +98,7 @@ def test_bf16_output_and_sharding(capsys, tmp_path, fsdp_checkpoint):
 
 def test_tied_embeddings_drop_lm_head(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(FsdpSpec(tie_word_embeddings=True))
-    merge(capsys, sample, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "fsdp")
     merged = load_safetensors_dir(tmp_path / "out")
     assert "lm_head.weight" not in merged
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -110,7 +108,7 @@ def test_tied_embeddings_drop_lm_head(capsys, tmp_path, fsdp_checkpoint):
 
 def test_critic_becomes_token_classification(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(FsdpSpec(critic=True))
-    merge(capsys, sample, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "fsdp")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForTokenClassification"] and config["num_labels"] == 1
     model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "out").eval()
@@ -127,7 +125,7 @@ def test_lora_adapter_loads_with_peft(capsys, tmp_path, fsdp_checkpoint):
     import peft
 
     sample = fsdp_checkpoint(FsdpSpec(lora=(4, 8)))
-    merge(capsys, sample, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "fsdp")
     adapter_config = json.loads((tmp_path / "out" / "lora_adapter" / "adapter_config.json").read_text())
     assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8)
     assert sorted(adapter_config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
@@ -143,9 +141,9 @@ def test_merge_lora_equals_peft_merge(capsys, tmp_path, fsdp_checkpoint):
     import peft
 
     sample = fsdp_checkpoint(FsdpSpec(lora=(4, 8)))
-    merge(capsys, sample, tmp_path / "merged", "--merge-lora")
+    merge_ok(capsys, sample.role_dir, tmp_path / "merged", "--backend", "fsdp", "--merge-lora")
     assert not (tmp_path / "merged" / "lora_adapter").exists()
-    merge(capsys, sample, tmp_path / "unmerged")
+    merge_ok(capsys, sample.role_dir, tmp_path / "unmerged", "--backend", "fsdp")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "unmerged")
     expected = (
         peft.PeftModel.from_pretrained(base, tmp_path / "unmerged" / "lora_adapter").merge_and_unload().state_dict()
@@ -158,7 +156,7 @@ def test_merge_lora_equals_peft_merge(capsys, tmp_path, fsdp_checkpoint):
 
 def test_manifest_records_inputs_decisions_and_sums(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LAYOUTS["fsdp2-ws2"])
-    merge(capsys, sample, tmp_path / "out", "--dtype", "bfloat16")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "fsdp", "--dtype", "bfloat16")
     manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert manifest["source"]["layout"]["world_size"] == 2 and manifest["source"]["backend"] == "fsdp"
     assert [i["path"] for i in manifest["source"]["inputs"]] == [
@@ -177,5 +175,5 @@ def test_manifest_records_inputs_decisions_and_sums(capsys, tmp_path, fsdp_check
 
 def test_verify_replicas_on_hsdp_mesh(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LAYOUTS["fsdp2-hsdp-2x2"])
-    merge(capsys, sample, tmp_path / "out", "--verify-replicas")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "fsdp", "--verify-replicas")
     assert (tmp_path / "out" / "model.safetensors").is_file()

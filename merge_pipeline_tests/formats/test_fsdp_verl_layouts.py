@@ -18,7 +18,14 @@ from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.model_card import CheckpointName
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline_tests.helpers import (
+    assert_bit_exact,
+    load_safetensors_dir,
+    merge_error,
+    merge_ok,
+    same_bits,
+    tree_digest,
+)
 
 LORA_ONLY = FsdpSpec(lora=(4, 8), lora_only=True)
 TP_GRID = FsdpSpec(world_size=4, mesh=(2, 2), dim_names=("dp_shard", "tp"), placements=("S0", "S1"))
@@ -32,25 +39,6 @@ MESHES = {
 }
 SFT = FsdpSpec(layout="sft")
 TOKENS = torch.tensor([[1, 5, 17, 1002, 40]])
-
-
-def merge(capsys, local_dir, target, *flags):
-    code, out, err = run_cli(capsys, "merge", "--local_dir", local_dir, "--target_dir", target, "--no-progress", *flags)
-    assert code == 0, err
-    return out
-
-
-def merge_fails(capsys, local_dir, target, *flags) -> str:
-    code, _, err = run_cli(capsys, "merge", "--local_dir", local_dir, "--target_dir", target, "--no-progress", *flags)
-    assert code == 1 and len(error_lines(err)) == 1, err
-    assert not target.exists()
-    return error_lines(err)[0]
-
-
-def assert_bit_exact(merged: dict, reference: dict) -> None:
-    assert set(merged) == set(reference)
-    for name, tensor in reference.items():
-        assert same_bits(merged[name], tensor), name
 
 
 # --- checkpoint.save_lora_only ---------------------------------------------------------------------
@@ -83,7 +71,7 @@ def test_lora_only_rank_files_hold_only_lora_tensors(fsdp_checkpoint):
 def test_lora_only_becomes_a_peft_adapter_folder(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LORA_ONLY)
     out = tmp_path / "adapter"
-    merge(capsys, sample.role_dir, out)
+    merge_ok(capsys, sample.role_dir, out)
 
     source = sample.role_dir / "huggingface"
     side_files = {p.name for p in source.iterdir()} - {"config.json"}
@@ -113,7 +101,7 @@ def test_lora_only_becomes_a_peft_adapter_folder(capsys, tmp_path, fsdp_checkpoi
 def test_lora_only_with_hf_model_path_writes_base_weights_and_adapter(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LORA_ONLY)
     out = tmp_path / "full"
-    merge(capsys, sample.role_dir, out, "--hf-model-path", sample.reference_dir / "base")
+    merge_ok(capsys, sample.role_dir, out, "--hf-model-path", sample.reference_dir / "base")
 
     assert_bit_exact(load_safetensors_dir(out), load_file(sample.reference_dir / "base" / "model.safetensors"))
     loaded = peft.PeftModel.from_pretrained(
@@ -129,10 +117,10 @@ def test_lora_only_with_hf_model_path_writes_base_weights_and_adapter(capsys, tm
 
 def test_lora_only_merge_lora_with_hf_model_path_equals_peft_merge(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LORA_ONLY)
-    merge(
+    merge_ok(
         capsys, sample.role_dir, tmp_path / "merged", "--hf_model_path", sample.reference_dir / "base", "--merge-lora"
     )
-    merge(capsys, sample.role_dir, tmp_path / "adapter")
+    merge_ok(capsys, sample.role_dir, tmp_path / "adapter")
 
     expected = peft.PeftModel.from_pretrained(base_model(sample), tmp_path / "adapter").merge_and_unload().state_dict()
     assert not (tmp_path / "merged" / "lora_adapter").exists()
@@ -141,7 +129,7 @@ def test_lora_only_merge_lora_with_hf_model_path_equals_peft_merge(capsys, tmp_p
 
 def test_lora_only_merge_lora_without_base_names_hf_model_path(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LORA_ONLY)
-    line = merge_fails(capsys, sample.role_dir, tmp_path / "out", "--merge-lora")
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--merge-lora")
     assert str(sample.role_dir) in line and "only LoRA tensors" in line and "--hf_model_path" in line
 
 
@@ -154,7 +142,7 @@ def test_lora_only_with_the_wrong_base_model_is_one_line(capsys, tmp_path, fsdp_
     save_file(weights, wrong_base / "model.safetensors", metadata={"format": "pt"})
     before = tree_digest(sample.role_dir)
 
-    line = merge_fails(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", wrong_base)
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", wrong_base)
     assert (
         str(wrong_base / "model.safetensors") in line
         and "model.layers.1.self_attn.v_proj.weight has shape (16, 64)" in line
@@ -165,7 +153,7 @@ def test_lora_only_with_the_wrong_base_model_is_one_line(capsys, tmp_path, fsdp_
 
 def test_lora_only_with_a_missing_base_folder_is_one_line(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LORA_ONLY)
-    line = merge_fails(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", tmp_path / "no_such_model")
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", tmp_path / "no_such_model")
     assert line == f"error: {tmp_path / 'no_such_model'}: --hf_model_path: does not exist"
 
 
@@ -176,7 +164,7 @@ def test_lora_only_with_a_missing_base_folder_is_one_line(capsys, tmp_path, fsdp
 def test_meshes_merge_by_placement_whatever_their_names(capsys, tmp_path, fsdp_checkpoint, layout):
     spec = MESHES[layout]
     sample = fsdp_checkpoint(spec)
-    merge(capsys, sample.role_dir, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out")
 
     assert_bit_exact(load_safetensors_dir(tmp_path / "out"), load_file(sample.reference_dir / "model.safetensors"))
     layout_facts = json.loads((tmp_path / "out" / MANIFEST).read_text())["source"]["layout"]
@@ -199,7 +187,7 @@ def test_unsupported_placement_is_one_line_naming_it(capsys, tmp_path, fsdp_chec
         torch.save(state, path)
     before = tree_digest(sample.role_dir)
 
-    line = merge_fails(capsys, sample.role_dir, tmp_path / "out")
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out")
     assert str(sample.role_dir / "model_world_size_4_rank_0.pt") in line
     assert f"{name}: unsupported placement _StridedShard(dim=0, sf=2)" in line
     assert tree_digest(sample.role_dir) == before
@@ -211,7 +199,7 @@ def test_unsupported_placement_is_one_line_naming_it(capsys, tmp_path, fsdp_chec
 def test_sft_step_folder_merges_with_role_model(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(SFT)
     assert sample.role_dir.name == "global_step_1" and (sample.role_dir / "data_0.pt").is_file()
-    merge(capsys, sample.role_dir, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out")
 
     assert_bit_exact(load_safetensors_dir(tmp_path / "out"), load_file(sample.reference_dir / "model.safetensors"))
     manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
@@ -247,7 +235,7 @@ def test_nemo_automodel_model_folder_is_validated_and_copied(capsys, tmp_path, n
     role_dir, reference_dir = nemo_checkpoint
     assert len(list((role_dir / "model").glob("model-*.safetensors"))) > 1
     out = tmp_path / "out"
-    merge(capsys, role_dir, out)
+    merge_ok(capsys, role_dir, out)
 
     assert_bit_exact(load_safetensors_dir(out), load_file(reference_dir / "model.safetensors"))
     assert json.loads((out / MANIFEST).read_text())["source"]["backend"] == "hf"
@@ -264,5 +252,5 @@ def test_nemo_automodel_truncated_shard_is_one_line(capsys, tmp_path, nemo_check
     shard = sorted((role_dir / "model").glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-100])
 
-    line = merge_fails(capsys, role_dir, tmp_path / "out")
+    line = merge_error(capsys, role_dir, tmp_path / "out")
     assert str(shard) in line and "truncated" in line

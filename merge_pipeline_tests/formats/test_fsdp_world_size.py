@@ -7,25 +7,18 @@ from __future__ import annotations
 
 import resource
 import subprocess
+from dataclasses import replace
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+import pytest
+
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
-from merge_pipeline_tests.helpers import cli_merge_command, load_safetensors_dir, same_bits
+from merge_pipeline_tests.helpers import TINY_LLAMA, assert_bit_exact, cli_merge_command
+
+pytestmark = pytest.mark.slow
 
 WORLD_SIZE = 1024
 OPEN_FILES = 128
-SPEC = FsdpSpec(
-    arch="llama",
-    world_size=WORLD_SIZE,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    vocab_size=1003,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    with_optimizer=False,
-    with_tokenizer=False,
-)
+SPEC = replace(TINY_LLAMA, world_size=WORLD_SIZE, with_tokenizer=False)
 
 
 def _limit_open_files() -> None:
@@ -43,7 +36,4 @@ def test_world_size_1024_merges_bit_exact_under_a_small_file_limit(tmp_path):
     )
 
     assert merged.returncode == 0, merged.stderr
-    expected = load_safetensors_dir(tmp_path / "reference")
-    got = load_safetensors_dir(target)
-    assert got.keys() == expected.keys()
-    assert all(same_bits(got[name], expected[name]) for name in expected)
+    assert_bit_exact(target, tmp_path / "reference")

@@ -22,6 +22,8 @@ from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(merge_pipeline.__file__).resolve().parents[1]
 TORCHTITAN_PYTHON = ROOT / ".venv-torchtitan" / "bin" / "python"
 WRITER = ROOT / "merge_pipeline" / "sample_checkpoints" / "torchtitan_save.py"

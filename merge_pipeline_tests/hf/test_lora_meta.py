@@ -10,14 +10,10 @@ import transformers
 
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits, tree_digest
 
 SPEC = FsdpSpec(lora=(4, 8))  # r=4 on q/k/v/o; hidden 64, k_proj has 32 output rows
 META = "lora_train_meta.json"
-
-
-def merge(capsys, role_dir, target, *flags):
-    return run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
 
 
 def write_meta(role_dir, **changes):

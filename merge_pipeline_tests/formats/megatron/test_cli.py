@@ -11,24 +11,7 @@ import transformers
 from safetensors.torch import load_file
 
 from merge_pipeline.sample_checkpoints.megatron import sample_tokens
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
-
-
-def merge(capsys, sample, target, *flags, backend="megatron"):
-    code, out, err = run_cli(
-        capsys,
-        "merge",
-        "--backend",
-        backend,
-        "--local_dir",
-        sample.role_dir,
-        "--target_dir",
-        target,
-        "--no-progress",
-        *flags,
-    )
-    assert code == 0, err
-    return out
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge_ok, run_cli, same_bits, tree_digest
 
 
 @pytest.mark.parametrize("name", ["qwen2_tp2", "qwen2_moe_ep2", "qwen3_moe_tp2_per_layer"])
@@ -37,7 +20,7 @@ def test_merged_model_reproduces_megatron_logits(megatron_samples, tmp_path, cap
     agrees with transformers running the merged folder. A wrong QKV split, gate/up order, expert
     index or norm would change the logits far beyond float rounding."""
     sample = megatron_samples[name]
-    merge(capsys, sample, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "megatron")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(sample_tokens()[None]).logits[0]
@@ -50,7 +33,7 @@ def test_merged_model_reproduces_megatron_logits(megatron_samples, tmp_path, cap
 def test_merge_is_bit_exact_and_loads(megatron_samples, tmp_path, capsys, name):
     sample = megatron_samples[name]
     before = tree_digest(sample.role_dir)
-    merge(capsys, sample, tmp_path / "out", backend="auto")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "auto")
     merged = load_safetensors_dir(tmp_path / "out")
     reference = load_file(sample.reference_dir / "model.safetensors")
     assert set(merged) == set(reference)
@@ -62,14 +45,14 @@ def test_merge_is_bit_exact_and_loads(megatron_samples, tmp_path, capsys, name):
 
 
 def test_tied_output_has_no_lm_head_and_says_tied(megatron_samples, tmp_path, capsys):
-    merge(capsys, megatron_samples["llama_tied_pp2"], tmp_path / "out")
+    merge_ok(capsys, megatron_samples["llama_tied_pp2"].role_dir, tmp_path / "out", "--backend", "megatron")
     assert "lm_head.weight" not in load_safetensors_dir(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 def test_value_model_merges_to_token_classification(megatron_samples, tmp_path, capsys):
     sample = megatron_samples["qwen2_value"]
-    merge(capsys, sample, tmp_path / "out", "--is-value-model")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "megatron", "--is-value-model")
     model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "out").eval()
     assert model.config.num_labels == 1
     reference = load_file(sample.reference_dir / "model.safetensors")

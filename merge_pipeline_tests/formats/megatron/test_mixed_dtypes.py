@@ -21,6 +21,7 @@ from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 - f
 from merge_pipeline_tests.helpers import (
     assert_loads_every_stored_value,
     load_safetensors_dir,
+    merge_ok,
     run_cli,
     same_bits,
     tree_digest,
@@ -28,11 +29,6 @@ from merge_pipeline_tests.helpers import (
 
 MIXED = "llama_tied_pp2"  # megatron-core 0.16, local spec, params_dtype bf16: RMSNorm weights stay fp32
 KEY = "run/global_step_1/actor"
-
-
-def merge(capsys, role_dir, target, *flags) -> None:
-    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
-    assert code == 0, err
 
 
 @pytest.fixture(params=["v1", "v2"])
@@ -55,7 +51,7 @@ def test_auto_keeps_every_stored_dtype_and_transformers_loads_each_value_unalter
     assert code == 0, err
     assert json.loads(out)["config_dtype"] == "float32"
 
-    merge(capsys, mixed_role_dir, tmp_path / "out")
+    merge_ok(capsys, mixed_role_dir, tmp_path / "out")
 
     merged = load_safetensors_dir(tmp_path / "out")
     assert set(merged) == set(reference) and all(same_bits(merged[k], reference[k]) for k in reference)
@@ -71,7 +67,7 @@ def test_an_asked_cast_is_written_and_recorded(capsys, megatron_samples, tmp_pat
     code, out, _ = run_cli(capsys, "inspect", role_dir, "--json", "--dtype", "bfloat16")
     assert code == 0 and json.loads(out)["config_dtype"] == "bfloat16"
 
-    merge(capsys, role_dir, tmp_path / "out", "--dtype", "bfloat16")
+    merge_ok(capsys, role_dir, tmp_path / "out", "--dtype", "bfloat16")
 
     assert {t.dtype for t in load_safetensors_dir(tmp_path / "out").values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -107,5 +103,5 @@ def test_the_sensors_run_publishes_it_and_the_cli_writes_the_same_bytes(
     published = roots.target(KEY)
     assert json.loads((published / "config.json").read_text())["dtype"] == "float32"
     assert_loads_every_stored_value(published)
-    merge(capsys, role_dir, tmp_path / "cli")
+    merge_ok(capsys, role_dir, tmp_path / "cli")
     assert tree_digest(tmp_path / "cli") == tree_digest(published)  # the manifest included: nothing differs

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.megatron_names import OutputSpec, Piece
 from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits, tree_digest
 
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -39,22 +39,17 @@ def original_with_vocab(megatron_v2_sample, folder: Path, vocab_size: int) -> Pa
     return folder
 
 
-def merge(capsys, role: Path, target: Path, *flags) -> tuple[int, str]:
-    code, _, err = run_cli(capsys, "merge", "--local_dir", role, "--target_dir", target, "--no-progress", *flags)
-    return code, err
-
-
 def test_empty_model_huggingface_folder_asks_for_hf_model_path(megatron_v2_sample, role, tmp_path, capsys):
     (role / "model" / "huggingface").mkdir()
     before = tree_digest(role)
 
-    code, err = merge(capsys, role, tmp_path / "out")
+    code, _, err = merge(capsys, role, tmp_path / "out")
     assert code == 1
     [line] = error_lines(err)
     assert "--hf_model_path" in line and "model/huggingface/config.json" in line, line
     assert not (tmp_path / "out").exists() and tree_digest(role) == before
 
-    code, err = merge(capsys, role, tmp_path / "out", "--hf_model_path", megatron_v2_sample.original_dir)
+    code, _, err = merge(capsys, role, tmp_path / "out", "--hf_model_path", megatron_v2_sample.original_dir)
     assert code == 0, err
 
 
@@ -63,7 +58,7 @@ def test_padded_vocabulary_merges_with_exactly_vocab_size_rows(megatron_v2_sampl
     assert reference["model.embed_tokens.weight"].shape[0] == 128
     original = original_with_vocab(megatron_v2_sample, tmp_path / "original", 100)
 
-    code, err = merge(capsys, role, tmp_path / "out", "--hf_model_path", original)
+    code, _, err = merge(capsys, role, tmp_path / "out", "--hf_model_path", original)
     assert code == 0, err
     merged = load_safetensors_dir(tmp_path / "out")
     assert set(merged) == set(reference)
@@ -73,7 +68,7 @@ def test_padded_vocabulary_merges_with_exactly_vocab_size_rows(megatron_v2_sampl
 
 def test_config_with_more_rows_than_the_checkpoint_is_one_line(megatron_v2_sample, role, tmp_path, capsys):
     original = original_with_vocab(megatron_v2_sample, tmp_path / "original", 130)
-    code, err = merge(capsys, role, tmp_path / "out", "--hf_model_path", original)
+    code, _, err = merge(capsys, role, tmp_path / "out", "--hf_model_path", original)
     assert code == 1
     [line] = error_lines(err)
     assert "vocab_size 130" in line and "128 rows" in line, line

@@ -6,6 +6,8 @@ import pytest
 
 from merge_pipeline_tests.helpers import run_cli, torchrun, tree_digest
 
+pytestmark = pytest.mark.torchrun
+
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_torchrun_megatron_is_byte_identical(capsys, tmp_path, megatron_samples, nproc):

@@ -31,31 +31,15 @@ from merge_pipeline.sample_checkpoints.megatron import (
     write_bridge_weights,
 )
 from merge_pipeline_tests.defs.helpers import materialize
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
-
-
-def merge(capsys, role_dir, target, *flags) -> tuple[int, str]:
-    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", target, "--no-progress", *flags)
-    return code, err
-
-
-def merged_ok(capsys, role_dir, target, *flags) -> None:
-    code, err = merge(capsys, role_dir, target, *flags)
-    assert code == 0, err
-
-
-def one_error(capsys, role_dir, target, *flags) -> str:
-    code, err = merge(capsys, role_dir, target, *flags)
-    lines = error_lines(err)
-    assert code == 1 and len(lines) == 1, err
-    assert not target.exists()
-    return lines[0]
-
-
-def assert_bit_exact(out_dir, reference_dir) -> None:
-    merged, reference = load_safetensors_dir(out_dir), load_file(reference_dir / "model.safetensors")
-    assert set(merged) == set(reference)
-    assert all(same_bits(merged[k], reference[k]) for k in reference)
+from merge_pipeline_tests.helpers import (
+    assert_bit_exact,
+    load_safetensors_dir,
+    merge_error,
+    merge_ok,
+    run_cli,
+    same_bits,
+    tree_digest,
+)
 
 
 def logits(folder, model_class=transformers.AutoModelForCausalLM) -> torch.Tensor:
@@ -86,10 +70,10 @@ def test_real_v2_dist_checkpoint_needs_and_uses_hf_model_path(megatron_v2_sample
     assert not (role / "model" / "huggingface").exists() and not any((role / "optimizer" / "dist_ckpt").iterdir())
     before = tree_digest(role)
 
-    line = one_error(capsys, role, tmp_path / "out")
+    line = merge_error(capsys, role, tmp_path / "out")
     assert "--hf_model_path" in line and "config.json" in line
 
-    merged_ok(capsys, role, tmp_path / "out", "--hf_model_path", sample.original_dir)
+    merge_ok(capsys, role, tmp_path / "out", "--hf_model_path", sample.original_dir)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (sample.original_dir / "tokenizer.json").read_bytes()
     torch.testing.assert_close(
@@ -114,7 +98,7 @@ def test_bridge_default_single_file_without_metadata(v2, tmp_path, capsys):
     assert "__metadata__" not in json.loads(weights.read_bytes()[8 : 8 + header_length])
     assert not any((sample.role_dir / "model" / "dist_ckpt").iterdir())
 
-    merged_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "megatron")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "megatron")
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     assert torch.equal(logits(tmp_path / "out"), logits(sample.reference_dir))
     assert weights.stat().st_mode & 0o777 == 0o600  # input untouched
@@ -122,7 +106,7 @@ def test_bridge_default_single_file_without_metadata(v2, tmp_path, capsys):
 
 def test_hybrid_reads_the_shards_the_manifest_names(v2, tmp_path, capsys):
     sample = v2("qwen2_tp2", "hybrid")
-    merged_ok(capsys, sample.role_dir, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out")
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     layout = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]["layout"]
     assert (layout["layout_schema"], layout["model_weights"], layout["tp"]) == (
@@ -136,7 +120,7 @@ def test_hybrid_reads_the_shards_the_manifest_names(v2, tmp_path, capsys):
 def test_without_manifest_probes_dist_ckpt_then_huggingface(v2, tmp_path, capsys, mode):
     sample = v2("qwen2_tp2", mode)
     (sample.role_dir / "ckpt_contents.json").unlink()
-    merged_ok(capsys, sample.role_dir, tmp_path / "out", "--hf-model-path", sample.original_dir)
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--hf-model-path", sample.original_dir)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
 
 
@@ -144,7 +128,7 @@ def test_empty_legacy_dist_ckpt_is_not_a_broken_checkpoint(fresh_megatron, tmp_p
     sample = fresh_megatron("qwen2_hf_weights")
     shutil.rmtree(sample.role_dir / "dist_ckpt")
     (sample.role_dir / "dist_ckpt").mkdir()
-    merged_ok(capsys, sample.role_dir, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out")
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
 
 
@@ -165,7 +149,7 @@ def test_a_manifest_we_cannot_follow_is_one_line(v2, tmp_path, capsys, change, p
     change(data)
     manifest.write_text(json.dumps(data))
     before = tree_digest(sample.role_dir)
-    line = one_error(capsys, sample.role_dir, tmp_path / "out")
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out")
     assert line.startswith(f"error: {manifest}: ") and problem in line
     assert tree_digest(sample.role_dir) == before
 
@@ -174,19 +158,19 @@ def test_manifest_naming_an_empty_dist_ckpt(v2, tmp_path, capsys):
     sample = v2("qwen2_tp2", "dist")
     shutil.rmtree(sample.role_dir / "model" / "dist_ckpt")
     (sample.role_dir / "model" / "dist_ckpt").mkdir()
-    line = one_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
     assert "model/dist_ckpt" in line and "holds no model tensors" in line
 
 
 def test_critic_role_folder_is_a_value_model(v2, tmp_path, capsys):
     critic = v2("qwen2_value", "dist", role="critic")
-    merged_ok(capsys, critic.role_dir, tmp_path / "critic", "--hf_model_path", critic.original_dir)
+    merge_ok(capsys, critic.role_dir, tmp_path / "critic", "--hf_model_path", critic.original_dir)
     model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
     assert model.config.num_labels == 1
     assert same_bits(model.score.weight.detach(), load_file(critic.reference_dir / "model.safetensors")["score.weight"])
     # verl's critic always has a one-row value head: a full LM head under critic/ is not one
     lm = v2("qwen2_tp2", "dist", role="critic")
-    line = one_error(capsys, lm.role_dir, tmp_path / "lm", "--hf_model_path", lm.original_dir)
+    line = merge_error(capsys, lm.role_dir, tmp_path / "lm", "--hf_model_path", lm.original_dir)
     assert "value model requested but output_layer.weight has 128 rows" in line
 
 
@@ -201,7 +185,7 @@ def test_hf_model_path_must_describe_the_same_model(v2, tmp_path, capsys):
     (original / "config.json").write_text(
         json.dumps({**config, "num_hidden_layers": 8, "architectures": ["LlamaForCausalLM"]})
     )
-    line = one_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
     assert (
         line.startswith(f"error: {original / 'config.json'}: ")
         and "num_hidden_layers 4 vs 8" in line
@@ -209,7 +193,7 @@ def test_hf_model_path_must_describe_the_same_model(v2, tmp_path, capsys):
     )
 
     (original / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))  # not a size: fine
-    merged_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
     assert (
         json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
     )  # the checkpoint's own config won
@@ -217,7 +201,7 @@ def test_hf_model_path_must_describe_the_same_model(v2, tmp_path, capsys):
 
 def test_hf_model_path_without_config_is_named(v2, tmp_path, capsys):
     sample = v2("qwen2_tp2", "dist")
-    line = one_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", tmp_path)
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", tmp_path)
     assert line.startswith(f"error: {tmp_path / 'config.json'}: not found: --hf_model_path")
 
 
@@ -229,13 +213,13 @@ def test_bridge_lora_adapter_base_from_hf_model_path(v2, tmp_path, capsys):
 
     sample = v2("qwen2_tp2", "bridge_peft")
     adapter_dir = sample.role_dir / "model" / "huggingface" / "adapter"
-    line = one_error(capsys, sample.role_dir, tmp_path / "out")
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out")
     assert "LoRA adapter" in line and "--hf_model_path" in line
 
     original = tmp_path / "original"  # the trainer's model.path: config, tokenizer and the base weights
     shutil.copytree(sample.original_dir, original)
     shutil.copy(sample.reference_dir / "model.safetensors", original)
-    merged_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", original)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     adapter_config = json.loads((tmp_path / "out" / "lora_adapter" / "adapter_config.json").read_text())
     assert (adapter_config["r"], adapter_config["lora_alpha"], sorted(adapter_config["target_modules"])) == (
@@ -253,7 +237,7 @@ def test_bridge_lora_adapter_base_from_hf_model_path(v2, tmp_path, capsys):
     )
     assert torch.equal(loaded(sample_tokens()[None]).logits, expected(sample_tokens()[None]).logits)
 
-    merged_ok(capsys, sample.role_dir, tmp_path / "merged", "--hf_model_path", original, "--merge-lora")
+    merge_ok(capsys, sample.role_dir, tmp_path / "merged", "--hf_model_path", original, "--merge-lora")
     assert not (tmp_path / "merged" / "lora_adapter").exists()
     reference_merge = expected.merge_and_unload().state_dict()
     merged = load_safetensors_dir(tmp_path / "merged")
@@ -268,7 +252,7 @@ def test_bridge_lora_adapter_base_from_hf_model_path(v2, tmp_path, capsys):
 def test_bridge_lora_adapter_beside_base_weights(v2, tmp_path, capsys):
     sample = v2("qwen2_tp2", "bridge_peft")
     write_bridge_weights(sample.reference_dir, sample.role_dir / "model" / "huggingface")
-    merged_ok(capsys, sample.role_dir, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out")
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     assert (tmp_path / "out" / "lora_adapter" / "adapter_model.safetensors").is_file()
 
@@ -276,12 +260,12 @@ def test_bridge_lora_adapter_beside_base_weights(v2, tmp_path, capsys):
 def test_adapter_only_as_megatron_shards_is_refused(v2, fresh_megatron, tmp_path, capsys):
     sample = v2("qwen2_tp2", "bridge_peft")
     shutil.rmtree(sample.role_dir / "model" / "huggingface" / "adapter")
-    line = one_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
     assert line.startswith(f"error: {sample.role_dir / 'model' / 'dist_ckpt'}: ") and "lora_alpha" in line
 
     legacy = fresh_megatron("qwen2_hf_weights")
     (legacy.role_dir / "adapter_checkpoint").mkdir()
-    line = one_error(capsys, legacy.role_dir, tmp_path / "legacy")
+    line = merge_error(capsys, legacy.role_dir, tmp_path / "legacy")
     assert (
         line.startswith(f"error: {legacy.role_dir / 'adapter_checkpoint'}: ") and "cannot be converted exactly" in line
     )
@@ -300,7 +284,7 @@ def test_an_adapter_we_cannot_merge_exactly_is_named(v2, tmp_path, capsys, chang
     adapter_dir = sample.role_dir / "model" / "huggingface" / "adapter"
     config_path = adapter_dir / "adapter_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **change}))
-    line = one_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.reference_dir)
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.reference_dir)
     assert line.startswith(f"error: {adapter_dir / culprit}: ") and problem in line
 
 
@@ -318,7 +302,7 @@ def test_megatron_fsdp_uneven_dtensor_shards_merge_bit_exact(megatron_fsdp_sampl
     )
     assert [c.sizes[0] for c in chunks] == [43, 43, 42] and not (dist_dir / "metadata.json").exists()
     before = tree_digest(sample.role_dir)
-    merged_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
     layout = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]["layout"]
     assert (layout["sharded_backend"], layout["layer_keys"], layout["files"]) == (
@@ -344,7 +328,7 @@ def test_megatron_fsdp_keys_without_a_megatron_name_name_the_layout(megatron_fsd
         for i, info in metadata.storage_data.items()
     }
     metadata_path.write_bytes(pickle.dumps(metadata))
-    line = one_error(capsys, role_dir, tmp_path / "out", "--hf_model_path", megatron_fsdp_sample.original_dir)
+    line = merge_error(capsys, role_dir, tmp_path / "out", "--hf_model_path", megatron_fsdp_sample.original_dir)
     assert (
         line.startswith(f"error: {metadata_path}: Megatron-FSDP checkpoint (one DCP of DTensors): ")
         and "decoder.layers.0.self_attention.in_proj.weight" in line
@@ -359,7 +343,7 @@ def test_qwen2_moe_without_shared_expert_loads_with_nothing_missing(megatron_sam
     and a gate. Both are written (empty, zeros), so from_pretrained misses nothing, and the model
     computes what megatron-core computed."""
     sample = megatron_samples["qwen2_moe_no_shared_expert"]
-    merged_ok(capsys, sample.role_dir, tmp_path / "out")
+    merge_ok(capsys, sample.role_dir, tmp_path / "out")
     merged = load_safetensors_dir(tmp_path / "out")
     reference = load_file(sample.reference_dir / "model.safetensors")
     assert all(same_bits(merged[k], reference[k]) for k in reference)

@@ -1,4 +1,4 @@
-"""Plan a role folder whose weights are already Hugging Face safetensors.
+"""Plan a role folder whose weights are consolidated Hugging Face safetensors (``--backend hf``).
 
 verl's Megatron bridge (the default) saves the model this way, in ``model/huggingface/`` (layout v2)
 or ``huggingface/`` (v1): one ``model.safetensors`` without an index, or shards with one. The
@@ -22,7 +22,8 @@ import struct
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.config import VALUE_HEAD, has_value_head
+from merge_pipeline.formats import Reader
+from merge_pipeline.hf.config import VALUE_HEAD, CheckpointConfig, has_value_head
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, lora_module, peft_base_names
 from merge_pipeline.hf.safetensors import INDEX, MAX_HEADER_BYTES, METADATA_KEY, SAFETENSORS_DTYPES, SINGLE_FILE
 from merge_pipeline.json_files import read_json_object
@@ -40,7 +41,7 @@ from merge_pipeline.plan import (
 
 NEMO_MODEL_DIR = "model"  # NeMo-Automodel: consolidated HF safetensors + config in <role>/model/
 TORCHTITAN_SHARDS = "sharded"  # torchtitan's HuggingFaceStorageWriter: per-rank files before consolidation
-ADAPTER_DIR = "adapter"  # verl: model/huggingface/adapter/, Megatron-Bridge's PEFT export
+BRIDGE_ADAPTER_DIR = "adapter"  # verl: model/huggingface/adapter/, Megatron-Bridge's PEFT export
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
@@ -59,7 +60,7 @@ def plan_hf_safetensors(
 ) -> CheckpointPlan:
     """Plan the safetensors weights in ``hf_dir`` (plus a PEFT adapter in ``hf_dir/adapter``)."""
     role_dir, hf_dir = Path(role_dir), Path(hf_dir)
-    adapter_dir = hf_dir / ADAPTER_DIR
+    adapter_dir = hf_dir / BRIDGE_ADAPTER_DIR
     lora = adapter_dir / ADAPTER_CONFIG if (adapter_dir / ADAPTER_CONFIG).is_file() else None
     weights_dir = hf_dir
     if not has_hf_weights(hf_dir):
@@ -71,7 +72,7 @@ def plan_hf_safetensors(
         if hf_model_path is None:
             raise MergeError(
                 hf_dir,
-                f"holds a LoRA adapter ({ADAPTER_DIR}/) but no base weights: pass --hf_model_path with the original model folder",
+                f"holds a LoRA adapter ({BRIDGE_ADAPTER_DIR}/) but no base weights: pass --hf_model_path with the original model folder",
             )
         weights_dir = Path(hf_model_path)
         if not has_hf_weights(weights_dir):
@@ -290,33 +291,31 @@ def _check_names(planned: list[PlannedTensor], weight_map: dict[str, str] | None
             raise MergeError(index_path, f"{len(absent)} tensor(s) listed but in no file: {', '.join(absent[:5])}")
 
 
-class _HfReader:
-    """A role folder holding consolidated HF safetensors (NeMo-Automodel); verl's bridge output is Megatron's."""
-
-    name = "hf"
-    looks_for = f"consolidated HF weights ({NEMO_MODEL_DIR}/*.safetensors, or {INDEX} beside {TORCHTITAN_SHARDS}/)"
-
-    def detect(self, role_dir: Path) -> bool:
-        return self._weights_dir(role_dir) is not None
-
-    def plan(self, role_dir: Path, options: MergeOptions) -> CheckpointPlan:
-        return plan_hf_safetensors(
-            role_dir,
-            self._weights_dir(role_dir) or role_dir / NEMO_MODEL_DIR,
-            is_value_model=options.is_value_model or None,
-            hf_model_path=options.hf_model_path,
-            backend=self.name,
-        )
-
-    @staticmethod
-    def _weights_dir(role_dir: Path) -> Path | None:
-        """NeMo-Automodel's ``model/`` (with its config), or torchtitan's ``last_save_in_hf`` step folder:
-        the index and consolidated shards beside the writer's per-rank ``sharded/`` (no config:
-        ``--hf_model_path``). Other folders with an index (an HF Trainer's, beside DeepSpeed's) are not claimed."""
-        model_dir = role_dir / NEMO_MODEL_DIR
-        if (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors")):
-            return model_dir
-        return role_dir if (role_dir / INDEX).is_file() and (role_dir / TORCHTITAN_SHARDS).is_dir() else None
+def weights_dir(role_dir: Path) -> Path | None:
+    """NeMo-Automodel's ``model/`` (with its config), or torchtitan's ``last_save_in_hf`` step folder:
+    the index and consolidated shards beside the writer's per-rank ``sharded/`` (no config:
+    ``--hf_model_path``). Other folders with an index (an HF Trainer's, beside DeepSpeed's) are not claimed."""
+    model_dir = role_dir / NEMO_MODEL_DIR
+    if (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors")):
+        return model_dir
+    return role_dir if (role_dir / INDEX).is_file() and (role_dir / TORCHTITAN_SHARDS).is_dir() else None
 
 
-READER = _HfReader()
+def _plan(role_dir: Path, options: MergeOptions, config: CheckpointConfig) -> CheckpointPlan:
+    return plan_hf_safetensors(
+        role_dir,
+        weights_dir(role_dir) or role_dir / NEMO_MODEL_DIR,
+        is_value_model=options.is_value_model or None,
+        hf_model_path=options.hf_model_path,
+        backend="hf",
+    )
+
+
+# A role folder holding consolidated HF safetensors (NeMo-Automodel, torchtitan's HF save); verl's
+# bridge output is Megatron's. No step folder of its own: the trainers' step folders hold other formats too.
+READER = Reader(
+    name="hf",
+    looks_for=f"consolidated HF weights ({NEMO_MODEL_DIR}/*.safetensors, or {INDEX} beside {TORCHTITAN_SHARDS}/)",
+    detect=lambda role_dir: weights_dir(role_dir) is not None,
+    plan=_plan,
+)

@@ -1,0 +1,144 @@
+"""``MergeCheckpoints``: the whole merge (assets, checks, sensor, Hub schedule, alerts) as one Dagster component.
+
+In any ``dg`` project::
+
+    dg scaffold defs merge_pipeline.MergeCheckpoints cluster_a    # writes defs/cluster_a/defs.yaml
+    dg check defs && dg list defs                                  # cluster_a/checkpoint ... cluster_a__new_checkpoint_sensor
+
+Each instance takes its own prefix (default: its folder's name) for asset keys, partitions, job /
+sensor / schedule names and resource keys (``names.Names``), so two instances (two training
+clusters) in one project never collide. This project's own code location (``definitions.py``) is the
+instance with no prefix whose settings come from the environment (``MergeCheckpoints.from_env``).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Literal
+
+import dagster as dg
+
+from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
+from merge_pipeline.defs.assets import checkpoint_spec, freshness_minutes_from_env, merge_step_definition
+from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
+from merge_pipeline.defs.names import Names
+from merge_pipeline.defs.report import step_report_definition
+from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.sensors import checkpoint_sensor, interval_from_env
+
+
+class HubPublishing(dg.Model):
+    organization: str = ""  # empty: publishing is off (the schedule stopped, hub_model records nothing)
+    private: bool = True
+    repo_template: str = DEFAULT_TEMPLATE
+    revisions: Literal["branch", "commit"] = "branch"
+    schedule: str = CRON  # cron of publish_latest_steps
+
+
+class MergeCheckpointsScaffolder(dg.Scaffolder):
+    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting."""
+
+    def scaffold(self, request: dg.ScaffoldRequest) -> None:
+        request.target_path.mkdir(parents=True, exist_ok=True)
+        prefix = request.target_path.name.replace("-", "_")
+        (request.target_path / "defs.yaml").write_text(
+            textwrap.dedent(f"""\
+                type: {request.type_name}
+                attributes:
+                  # asset keys {prefix}/..., jobs, sensors and schedules {prefix}__...
+                  prefix: {prefix}
+                  checkpoint_roots: [/data/{prefix}/checkpoints]
+                  output_root: /data/{prefix}/merged
+                  settle_seconds: 60
+                  # for checkpoints without a config of their own (torchtitan, NeMo-RL, ...)
+                  # hf_model_path: /models/base
+                  # hard-link a complete step until its merge is done (the trainer's rotation may delete it)
+                  pin_steps: false
+                  # after the merge: a few greedy tokens and a loss on CPU, in step_report and the model card
+                  smoke_test: false
+                  smoke_max_size: 2GB
+                  hub:
+                    # set to publish (token: $HF_TOKEN); empty: the schedule stays off
+                    organization: ""
+                    schedule: "*/10 * * * *"
+                """)
+        )
+
+
+@dg.scaffold_with(MergeCheckpointsScaffolder)
+class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
+    """Merge every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face
+    folder under ``output_root``, and optionally publish it to a Hub."""
+
+    prefix: str | None = None  # none: the component folder's name; "": no prefix (this project's own location)
+    checkpoint_roots: list[str] | None = None  # none: $MERGE_PIPELINE_CHECKPOINT_ROOTS at run time
+    output_root: str | None = None  # none: $MERGE_PIPELINE_OUTPUT_ROOT
+    settle_seconds: float | None = None  # none: $MERGE_PIPELINE_SETTLE_SECONDS, else 60
+    hf_model_path: str | None = None  # none: $MERGE_PIPELINE_HF_MODEL_PATH
+    pin_steps: bool | None = None  # none: $MERGE_PIPELINE_PIN_STEPS, else off
+    pin_root: str | None = None  # none: $MERGE_PIPELINE_PIN_ROOT, else <checkpoint root>/.merge_pins
+    smoke_test: bool | None = None  # none: $MERGE_PIPELINE_SMOKE_TEST, else off
+    smoke_prompt: str | None = None  # none: $MERGE_PIPELINE_SMOKE_PROMPT, else a fixed one
+    smoke_max_size: str | None = None  # none: $MERGE_PIPELINE_SMOKE_MAX_SIZE, else 2GB of weights
+    sensor_interval_seconds: int = 10
+    freshness_minutes: float = 30
+    alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
+    hub: HubPublishing = HubPublishing()
+
+    @classmethod
+    def from_env(cls) -> MergeCheckpoints:
+        """This project's own location: no prefix; what is fixed when the location loads read now, the
+        rest (roots, settle time, webhook) read from the environment each time a run or tick uses it."""
+        hub = HuggingFaceHub.from_env()
+        return cls(
+            prefix="",
+            sensor_interval_seconds=interval_from_env(),
+            freshness_minutes=freshness_minutes_from_env(),
+            hub=HubPublishing(
+                organization=hub.organization,
+                private=hub.private,
+                repo_template=hub.repo_template,
+                revisions=hub.revisions,
+            ),
+        )
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        return self.definitions(Names(self.prefix if self.prefix is not None else context.path.name))
+
+    def definitions(self, names: Names) -> dg.Definitions:
+        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, bool(self.hub.organization))
+        return dg.Definitions(
+            assets=[
+                checkpoint_spec(names),
+                merge_step_definition(names, self.freshness_minutes),
+                step_report_definition(names),
+                hub_model,
+            ],
+            # the sensor's job (merge_checkpoint) and the schedule's (publish_to_hub) come with them
+            sensors=[checkpoint_sensor(names, self.sensor_interval_seconds), failure_webhook(names)],
+            schedules=[publish_latest_steps],
+            resources={
+                names("settings"): self.settings(),
+                names("hub"): HuggingFaceHub(
+                    organization=self.hub.organization,
+                    private=self.hub.private,
+                    repo_template=self.hub.repo_template,
+                    revisions=self.hub.revisions,
+                    token=env_token(),
+                ),
+                names("alert_webhook"): AlertWebhook(url=self.alert_webhook_url),
+            },
+        )
+
+    def settings(self) -> MergeSettings:
+        return MergeSettings(
+            checkpoint_roots=self.checkpoint_roots,
+            output_root=self.output_root,
+            settle_seconds=self.settle_seconds,
+            hf_model_path=self.hf_model_path,
+            pin_steps=self.pin_steps,
+            pin_root=self.pin_root,
+            smoke_test=self.smoke_test,
+            smoke_prompt=self.smoke_prompt,
+            smoke_max_size=self.smoke_max_size,
+        )

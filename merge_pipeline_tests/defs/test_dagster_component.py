@@ -1,0 +1,138 @@
+"""``merge_pipeline.MergeCheckpoints`` in another Dagster project: scaffolded with ``dg`` twice (two
+training clusters), loaded by ``dg check defs`` / ``dg list defs`` under their own prefixes, and a
+prefixed instance merging a checkpoint without touching the other's partitions."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
+from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+BIN = Path(sys.executable).parent
+CLUSTERS = ("cluster_a", "cluster_b")
+STAGES = ("checkpoint", "parallel_config", "state_dict", "hf_model", "step_report", "hub_model")
+DEFINITIONS_PY = """\
+from pathlib import Path
+
+import dagster as dg
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+"""
+
+
+def dg_command(project: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"} | {
+        "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), str(project / "src")]),
+        "PATH": os.pathsep.join([str(BIN), os.environ["PATH"]]),
+        "HOME": str(project.parent / "home"),
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+    }
+    return subprocess.run([str(BIN / "dg"), *args], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A fresh `dg` project (pyproject with [tool.dg], src/clusters/defs/) and the component scaffolded
+    into it twice, as a user would: `dg scaffold defs merge_pipeline.MergeCheckpoints <name>`."""
+    project = tmp_path_factory.mktemp("component") / "clusters"
+    (project / "src" / "clusters" / "defs").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        '[project]\nname = "clusters"\nversion = "0.1.0"\n\n[tool.dg]\ndirectory_type = "project"\n\n'
+        '[tool.dg.project]\nroot_module = "clusters"\n'
+    )
+    (project / "src" / "clusters" / "__init__.py").touch()
+    (project / "src" / "clusters" / "defs" / "__init__.py").touch()
+    (project / "src" / "clusters" / "definitions.py").write_text(DEFINITIONS_PY)
+    for name in CLUSTERS:
+        scaffolded = dg_command(project, "scaffold", "defs", "merge_pipeline.MergeCheckpoints", name)
+        assert scaffolded.returncode == 0, scaffolded.stderr[-3000:]
+    return project
+
+
+def test_two_scaffolded_instances_load_with_dg_under_their_own_prefixes(project):
+    written = yaml.safe_load((project / "src/clusters/defs/cluster_a/defs.yaml").read_text())
+    assert written["type"] == "merge_pipeline.MergeCheckpoints"
+    assert written["attributes"]["prefix"] == "cluster_a" and written["attributes"]["pin_steps"] is False
+
+    checked = dg_command(project, "check", "defs")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    listed = dg_command(project, "list", "defs", "--json")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+
+    found = json.loads(listed.stdout)
+    assets = {a["asset_key"] for a in found["assets"]}
+    assert assets == {f"{c}/{s}" for c in CLUSTERS for s in STAGES}
+    assert {s["name"] for s in found["sensors"]} == {
+        f"{c}__{s}" for c in CLUSTERS for s in ("new_checkpoint_sensor", "merge_failure_webhook")
+    }
+    assert {s["name"] for s in found["schedules"]} == {f"{c}__publish_latest_steps" for c in CLUSTERS}
+    assert {j["name"] for j in found["jobs"]} == {
+        f"{c}__{j}" for c in CLUSTERS for j in ("merge_checkpoint", "publish_to_hub")
+    }
+    assert {c["key"] for c in found["asset_checks"]} >= {f"{c}/hf_model:loads_on_meta_device" for c in CLUSTERS} | {
+        f"{c}/state_dict:index_matches_shards" for c in CLUSTERS
+    }
+
+
+def test_a_prefixed_instance_merges_bit_exact_and_leaves_the_other_alone(
+    project, tmp_path, fsdp_checkpoint, roots, instance, monkeypatch
+):
+    copy = tmp_path / "clusters"
+    shutil.copytree(project, copy)
+    other = tmp_path / "cluster_b_checkpoints"
+    other.mkdir()
+    for name, attributes in {
+        "cluster_a": {"checkpoint_roots": [str(roots.checkpoints)], "output_root": str(roots.output)},
+        "cluster_b": {"checkpoint_roots": [str(other)], "output_root": str(tmp_path / "cluster_b_merged")},
+    }.items():
+        defs_yaml = copy / "src/clusters/defs" / name / "defs.yaml"
+        component = yaml.safe_load(defs_yaml.read_text())
+        component["attributes"].update(attributes)
+        defs_yaml.write_text(yaml.safe_dump(component))
+    monkeypatch.syspath_prepend(str(copy / "src"))
+    defs = dg.load_from_defs_folder(path_within_project=copy)
+    sample = fsdp_checkpoint(ACTOR)
+    roots.drop(sample, "run/global_step_1", tracker=1)
+    key = "run/global_step_1/actor"
+
+    ticked = defs.resolve_sensor_def("cluster_a__new_checkpoint_sensor")(
+        dg.build_sensor_context(instance=instance, resources=defs.resources)
+    )
+    [request] = ticked.run_requests
+    [added] = ticked.dynamic_partitions_requests
+    assert (request.partition_key, added.partitions_def_name) == (key, "cluster_a__checkpoints")
+    instance.add_dynamic_partitions("cluster_a__checkpoints", [key])
+    # cluster_b's sensor watches another root: cluster_a's partition is none of its business
+    ticked_b = defs.resolve_sensor_def("cluster_b__new_checkpoint_sensor")(
+        dg.build_sensor_context(instance=instance, resources=defs.resources)
+    )
+    assert ticked_b.dynamic_partitions_requests == []
+
+    merged = defs.resolve_job_def("cluster_a__merge_checkpoint").execute_in_process(
+        partition_key=key, instance=instance
+    )
+
+    assert merged.success
+    assert {e.asset_key.to_user_string() for e in merged.get_asset_materialization_events()} == {
+        f"cluster_a/{s}" for s in ("parallel_config", "state_dict", "hf_model", "step_report")
+    }
+    assert all(e.passed for e in merged.get_asset_check_evaluations())
+    reference = load_file(sample.reference_dir / "model.safetensors")
+    weights = load_safetensors_dir(roots.output / key)
+    assert set(weights) == set(reference) and all(same_bits(weights[n], t) for n, t in reference.items())
+    assert instance.get_dynamic_partitions("cluster_b__checkpoints") == []
+    assert instance.get_dynamic_partitions("checkpoints") == []  # nor this project's own location's
