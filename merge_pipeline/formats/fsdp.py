@@ -19,9 +19,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
+from merge_pipeline.formats.coalesced_reads import coalesced
 from merge_pipeline.formats.dcp_files import check_tiling
+from merge_pipeline.formats.fsdp_template import RankTemplate
 from merge_pipeline.formats.step_folders import VERL, StepFolder
-from merge_pipeline.formats.torch_files import StoredTensor, load_meta_state_dict, stored_tensor
+from merge_pipeline.formats.torch_files import StoredTensor, stored_tensor, torch_archive
 from merge_pipeline.hf.config import has_value_head
 from merge_pipeline.hf.lora import LORA_META, read_lora_meta
 from merge_pipeline.json_files import read_json_object
@@ -35,6 +37,8 @@ from merge_pipeline.plan import (
     closed_on_failure,
 )
 
+# Distinct rank-file layouts kept as templates (a regular checkpoint has a few: full, uneven, empty shards).
+_MAX_TEMPLATES = 8
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
 
@@ -43,7 +47,7 @@ def is_fsdp_dir(role_dir: Path) -> bool:
     return any(MODEL_FILE.match(p.name) for p in role_dir.iterdir())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankShard:
     """One rank's piece of one tensor: where it sits in the global tensor and where its bytes are.
 
@@ -76,9 +80,19 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         shards: dict[str, list[RankShard]] = {}
         irregular: set[str] = set()  # laid out unlike rank 0's: their tiling is checked piece by piece
         mesh: dict[str, object] = {}
+        templates: list[RankTemplate] = []  # verified rank files others may match byte for byte
         for rank, path in enumerate(paths):
             files.append(SourceFile(path))
-            state = load_meta_state_dict(path)
+            with torch_archive(path) as archive:
+                templated = next(
+                    (found for t in templates if (found := _from_template(t, archive, rank, files[rank])) is not None),
+                    None,
+                )
+                state = archive.state_dict() if templated is None else {}
+            if templated is not None:
+                for name, shard in templated.items():
+                    shards[name].append(shard)
+                continue
             if rank == 0:
                 reference, shards = state, {name: [] for name in state}
                 mesh = _mesh_info(state, world_size)
@@ -88,11 +102,15 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
                 shards[name].append(_rank_shard(name, rank, files[rank], value, reference[name], coordinates))
                 if rank and not _same_layout(value, reference[name]):
                     irregular.add(name)
+            if len(templates) < _MAX_TEMPLATES and (template := RankTemplate.of(archive, state, rank)) is not None:
+                templates.append(template)
             del state
-        tensors = [
-            _assemble(name, tuple(first.shape), first.dtype, shards.pop(name), verify_replicas, name in irregular)
-            for name, first in reference.items()
-        ]
+        tensors = coalesced(
+            [
+                _assemble(name, tuple(first.shape), first.dtype, shards.pop(name), verify_replicas, name in irregular)
+                for name, first in reference.items()
+            ]
+        )
     lora = None
     if (role_dir / LORA_META).exists():
         lora = read_lora_meta(role_dir / LORA_META)
@@ -107,6 +125,25 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         check_against_architecture=False,
         layout={"world_size": world_size, "fsdp_version": fsdp_version, **mesh},
     )
+
+
+def _from_template(template: RankTemplate, archive, rank: int, file: SourceFile) -> dict[str, RankShard] | None:
+    """This rank's shards if its file is ``template``'s with this rank's numbers and each local shape the
+    one ``torch.chunk`` gives this rank; else ``None`` (the file is then unpickled and fully checked)."""
+    if not template.matches(archive, rank):
+        return None
+    regions = [t.offset(rank) for t in template.tensors]
+    if None in regions:
+        return None
+    starts = template.storage_offsets(archive)
+    shards = {}
+    for t, offset in zip(template.tensors, regions):
+        if t.run is None:  # strided: read through its view, as the full path does
+            shards[t.name] = RankShard.of(rank, file, StoredTensor(t.meta, starts[t.key]), offset)
+        else:
+            run = ByteRun(file, starts[t.key] + t.run[0], t.run[1])
+            shards[t.name] = RankShard(rank, file, offset, t.shape, t.meta.dtype, run, None)
+    return shards
 
 
 def _world_size(role_dir: Path) -> tuple[int, int | None]:

@@ -14,6 +14,7 @@ refuse the file, is matched by a refusal here, before any allocation sized by th
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -21,7 +22,7 @@ import pickle
 import re
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -65,6 +66,13 @@ logging.getLogger("torch.distributed.device_mesh").addFilter(_QuietDeviceMesh())
 
 def load_meta_state_dict(path: Path, allowed_globals: Mapping[str, object] | None = None) -> dict[str, object]:
     """Unpickle a state dict safely onto the meta device; one-line ``MergeError`` on any problem."""
+    with torch_archive(path) as archive:
+        return archive.state_dict(allowed_globals)
+
+
+@contextlib.contextmanager
+def torch_archive(path: Path) -> Iterator[TorchArchive]:
+    """A torch.save file's archive, open while the block runs (its records located, nothing unpickled)."""
     # Unbuffered: the reads are few and exact (directory, one local header per record, the pickle); a
     # buffered stream would read 8 KiB after every seek, ~1 GB for the headers of 1024 rank files.
     with os.fdopen(open_regular(path), "rb", buffering=0) as stream:  # never a FIFO or device
@@ -72,77 +80,99 @@ def load_meta_state_dict(path: Path, allowed_globals: Mapping[str, object] | Non
             raise MergeError(path, "file is empty")
         if not zipfile.is_zipfile(stream):
             raise MergeError(path, "not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)")
-        state = load_meta_archive(stream, path, allowed_globals)
-    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-        raise MergeError(path, f"expected a state dict of name -> tensor, found {type(state).__name__}")
-    return state
+        yield TorchArchive(stream, path)
 
 
 def load_meta_archive(stream: BinaryIO, path: Path, allowed_globals: Mapping[str, object] | None = None) -> object:
-    """What ``torch.load(stream, map_location="meta", weights_only=True)`` returns, with each
-    storage's ``_checkpoint_offset`` (data start, relative to ``stream``) read from its record's
-    local header and its declared size (``_checkpoint_nbytes``) checked against the record.
+    """What ``torch.load(stream, map_location="meta", weights_only=True)`` returns (``TorchArchive.unpickle``)."""
+    return TorchArchive(stream, path).unpickle(allowed_globals)
 
-    ``allowed_globals``: full global name -> the object to build in its place, added to torch's
-    allow-list for this load only (a reader's inert stand-ins for its trainer's plain-data classes)."""
-    records = _stored_records(stream, path)
-    prefix = next(iter(records)).split("/", 1)[0]  # torch names every record <archive>/...
-    byteorder = records.get(f"{prefix}/byteorder")
-    if byteorder is not None:
-        order = _read_record(stream, byteorder, path, limit=16)
-        if order != b"little":
-            raise MergeError(
-                path,
-                f"records are stored {order.decode(errors='replace')!r}-endian; only little-endian checkpoints can be merged (re-save it on a little-endian machine)",
-            )
-    pickled = records.get(f"{prefix}/data.pkl")
-    if pickled is None:
-        raise MergeError(path, "not a torch.save archive (no data.pkl record)")
-    storages: dict[str, torch.storage.TypedStorage] = {}
 
-    def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
-        kind, storage_type, key, _location, numel = saved_id
-        dtype = getattr(storage_type, "dtype", None)
-        if (
-            kind != "storage"
-            or not isinstance(dtype, torch.dtype)
-            or not isinstance(key, str)
-            or type(numel) is not int
-            or numel < 0
-        ):
-            raise MergeError(path, f"malformed storage reference {saved_id!r:.100}")
-        nbytes = numel * dtype.itemsize
-        if key not in storages:
-            record = records.get(f"{prefix}/data/{key}")
-            if record is None:
-                raise MergeError(path, f"the pickle refers to storage data/{key}, which the archive does not hold")
-            if record.file_size != nbytes:
+class TorchArchive:
+    """A torch.save zip archive: its records by name and its pickle's bytes, read but not yet unpickled."""
+
+    def __init__(self, stream: BinaryIO, path: Path):
+        self.stream, self.path = stream, path
+        self.records = _stored_records(stream, path)
+        self.prefix = next(iter(self.records)).split("/", 1)[0]  # torch names every record <archive>/...
+        byteorder = self.records.get(f"{self.prefix}/byteorder")
+        if byteorder is not None:
+            order = _read_record(stream, byteorder, path, limit=16)
+            if order != b"little":
                 raise MergeError(
                     path,
-                    f"storage record data/{key} holds {record.file_size} bytes but the pickle declares {numel} x {dtype} = {nbytes} bytes",
+                    f"records are stored {order.decode(errors='replace')!r}-endian; only little-endian checkpoints can be merged (re-save it on a little-endian machine)",
                 )
-            storage = torch.UntypedStorage(nbytes, device="meta")
-            storage._checkpoint_offset = _data_offset(stream, record, path)
-            storage._checkpoint_nbytes = nbytes  # a view's set_() may grow a meta storage: keep the true size
-            storages[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-        elif storages[key]._untyped_storage._checkpoint_nbytes != nbytes:
-            raise MergeError(path, f"storage data/{key} is declared with two different sizes")
-        return storages[key]
+        pickled = self.records.get(f"{self.prefix}/data.pkl")
+        if pickled is None:
+            raise MergeError(path, "not a torch.save archive (no data.pkl record)")
+        self.pickled = _read_record(stream, pickled, path)
 
-    allowed = {
-        **_get_allowed_globals(),
-        **_get_user_allowed_globals(),
-        "torch._utils._rebuild_tensor_v2": _rebuild_meta_tensor,
-        **(allowed_globals or {}),
-    }
-    unpickler = _AllowListUnpickler(io.BytesIO(_read_record(stream, pickled, path)), allowed, encoding="utf-8")
-    unpickler.persistent_load = persistent_load
-    try:
-        return unpickler.load()
-    except MergeError:
-        raise
-    except Exception as exc:  # a hostile pickle can raise anything; it must still be one line
-        raise MergeError(path, _unpickling_problem(exc)) from None
+    def storage_offset(self, key: str, numel: int, dtype: torch.dtype) -> int:
+        """Where storage ``data/<key>`` starts in the file, once its record is found to hold ``numel`` x ``dtype``."""
+        nbytes = numel * dtype.itemsize
+        record = self.records.get(f"{self.prefix}/data/{key}")
+        if record is None:
+            raise MergeError(self.path, f"the pickle refers to storage data/{key}, which the archive does not hold")
+        if record.file_size != nbytes:
+            raise MergeError(
+                self.path,
+                f"storage record data/{key} holds {record.file_size} bytes but the pickle declares {numel} x {dtype} = {nbytes} bytes",
+            )
+        return _data_offset(self.stream, record, self.path)
+
+    def state_dict(self, allowed_globals: Mapping[str, object] | None = None) -> dict[str, object]:
+        state = self.unpickle(allowed_globals)
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise MergeError(self.path, f"expected a state dict of name -> tensor, found {type(state).__name__}")
+        return state
+
+    def unpickle(self, allowed_globals: Mapping[str, object] | None = None) -> object:
+        """What ``torch.load(map_location="meta", weights_only=True)`` returns, with each storage's
+        ``_checkpoint_offset`` (data start) read from its record's local header, its declared size
+        (``_checkpoint_nbytes``) checked against the record, and its record key (``_checkpoint_key``).
+
+        ``allowed_globals``: full global name -> the object to build in its place, added to torch's
+        allow-list for this load only (a reader's inert stand-ins for its trainer's plain-data classes)."""
+        path = self.path
+        storages: dict[str, torch.storage.TypedStorage] = {}
+
+        def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
+            kind, storage_type, key, _location, numel = saved_id
+            dtype = getattr(storage_type, "dtype", None)
+            if (
+                kind != "storage"
+                or not isinstance(dtype, torch.dtype)
+                or not isinstance(key, str)
+                or type(numel) is not int
+                or numel < 0
+            ):
+                raise MergeError(path, f"malformed storage reference {saved_id!r:.100}")
+            nbytes = numel * dtype.itemsize
+            if key not in storages:
+                storage = torch.UntypedStorage(nbytes, device="meta")
+                storage._checkpoint_offset = self.storage_offset(key, numel, dtype)
+                storage._checkpoint_nbytes = nbytes  # a view's set_() may grow a meta storage: keep the true size
+                storage._checkpoint_key = key
+                storages[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+            elif storages[key]._untyped_storage._checkpoint_nbytes != nbytes:
+                raise MergeError(path, f"storage data/{key} is declared with two different sizes")
+            return storages[key]
+
+        allowed = {
+            **_get_allowed_globals(),
+            **_get_user_allowed_globals(),
+            "torch._utils._rebuild_tensor_v2": _rebuild_meta_tensor,
+            **(allowed_globals or {}),
+        }
+        unpickler = _AllowListUnpickler(io.BytesIO(self.pickled), allowed, encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        try:
+            return unpickler.load()
+        except MergeError:
+            raise
+        except Exception as exc:  # a hostile pickle can raise anything; it must still be one line
+            raise MergeError(path, _unpickling_problem(exc)) from None
 
 
 def _rebuild_meta_tensor(
@@ -207,16 +237,17 @@ def _stored_records(stream: BinaryIO, path: Path) -> dict[str, zipfile.ZipInfo]:
 def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, path: Path) -> int:
     """Where a record's bytes start: after its local header, whose name and extra field lengths
     may differ from the central directory's (zip tools pad and reorder as they like)."""
+    name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+    end = stream.seek(0, io.SEEK_END)
     stream.seek(info.header_offset)
-    header = stream.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size or not header.startswith(_LOCAL_HEADER_SIGNATURE):
+    header = stream.read(_LOCAL_HEADER.size + len(name))  # one read: a rank file has a hundred records
+    if len(header) < _LOCAL_HEADER.size or not header.startswith(_LOCAL_HEADER_SIGNATURE):
         raise MergeError(path, f"record {info.filename}: no local zip header at byte {info.header_offset}")
-    fields = _LOCAL_HEADER.unpack(header)
+    fields = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])
     name_length, extra_length = fields[10], fields[11]
-    if stream.read(name_length) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+    if header[_LOCAL_HEADER.size :] != name or name_length != len(name):
         raise MergeError(path, f"record {info.filename}: local header names a different record")
     offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-    end = stream.seek(0, io.SEEK_END)
     if info.file_size != info.compress_size or offset + info.file_size > end:
         raise MergeError(
             path,

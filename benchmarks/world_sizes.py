@@ -1,0 +1,112 @@
+"""Wall time and peak RSS of a merge against the world size the same weights were saved at.
+
+    .venv/bin/python -m benchmarks.world_sizes --size large --world-sizes 4,64,1024 --repeat 3 \\
+        [--compare-with /path/to/other/checkout] [--plot docs/img/world_sizes.png]
+
+Each world size is the ``--size`` checkpoint re-saved by torch's fake process group
+(``benchmarks.checkpoints.ensure_world_size_checkpoint``); each merge is a fresh
+``python -m merge_pipeline merge --dtype bfloat16`` child (wall from spawn to exit, peak RSS and
+CPU from ``wait4``), warm page cache, the runs of every world size (and of ``--compare-with``, the
+same command with that checkout first on PYTHONPATH: e.g. main before a change) interleaved, so
+the ratios come from the same minutes of a shared machine. The table uses the fastest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, ensure_world_size_checkpoint
+from benchmarks.measure import prepare_cache, remove, run_child
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.world_sizes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="large")
+    parser.add_argument("--world-sizes", default="4,64,1024")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--compare-with", type=Path, help="another checkout of merge_pipeline, measured alongside")
+    parser.add_argument("--compare-label", default="other checkout", help="its name in the table and plot")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
+    parser.add_argument("--json", type=Path, help="write every sample here")
+    args = parser.parse_args(argv)
+
+    world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    checkpoints = {w: ensure_world_size_checkpoint(args.size, w, args.cache_dir) for w in world_sizes}
+    versions = {"this checkout": REPO_ROOT}
+    if args.compare_with:
+        versions = {args.compare_label: args.compare_with.resolve(), **versions}
+    samples: dict[str, dict[int, list[dict]]] = {v: {w: [] for w in world_sizes} for v in versions}
+    with tempfile.TemporaryDirectory(prefix="world-sizes-") as scratch:
+        for repeat in range(args.repeat):
+            for w, checkpoint in checkpoints.items():
+                for version, root in versions.items():
+                    target = Path(scratch) / "out"
+                    prepare_cache(checkpoint.model_files, "warm")
+                    run = run_child(
+                        [sys.executable, "-m", "merge_pipeline", "merge", "--local_dir", str(checkpoint.role_dir)]
+                        + ["--target_dir", str(target), "--dtype", "bfloat16", "--no-progress"],
+                        cwd=Path(scratch),
+                        env={**os.environ, "PYTHONPATH": str(root)},
+                    ).check(f"merge of world size {w} by {version}")
+                    remove(target)
+                    sample = {"wall_s": run.wall_s, "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_bytes / 1e6}
+                    samples[version][w].append(sample)
+                    print(f"repeat {repeat + 1}, world size {w}, {version}: {json.dumps(sample)}", flush=True)
+    print(table(samples, world_sizes))
+    if args.json:
+        args.json.write_text(json.dumps(samples, indent=1))
+    if args.plot:
+        plot(samples, world_sizes, args.size, args.plot)
+
+
+def _best(runs: list[dict]) -> dict:
+    return {key: min(r[key] for r in runs) for key in runs[0]}
+
+
+def table(samples: dict, world_sizes: list[int]) -> str:
+    lines = [
+        "| code | world size | wall s | CPU s | peak RSS MB | wall / world size " + str(world_sizes[0]) + " |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for version, by_size in samples.items():
+        first = _best(by_size[world_sizes[0]])["wall_s"]
+        for w in world_sizes:
+            best = _best(by_size[w])
+            lines.append(
+                f"| {version} | {w} | {best['wall_s']:.1f} | {best['cpu_s']:.1f} | {best['peak_rss_mb']:.0f} | {best['wall_s'] / first:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def plot(samples: dict, world_sizes: list[int], size: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (wall, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    for version, by_size in samples.items():
+        best = [_best(by_size[w]) for w in world_sizes]
+        wall.plot(world_sizes, [b["wall_s"] for b in best], marker="o", label=version)
+        memory.plot(world_sizes, [b["peak_rss_mb"] for b in best], marker="o", label=version)
+    for axes, label in ((wall, "wall time (s, fastest run)"), (memory, "peak RSS (MB)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("world size (rank files)")
+        axes.set_ylabel(label)
+        axes.set_ylim(bottom=0)
+        axes.grid(alpha=0.3)
+    wall.legend(fontsize=8)
+    figure.suptitle(f"{size} FSDP checkpoint, fp32 -> bf16, warm cache: the same weights at each world size")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Rank files checked by bytes against a verified one (formats/fsdp_template.py), and small pieces read
+a group of tensors at a time (formats/coalesced_reads.py).
+
+World size 16 written by torch's fake process group: 40 embedding rows are 3 per rank on ranks 0-12,
+1 on rank 13 and none on 14-15, so there are full, uneven and empty shards, each pattern planned
+from one unpickled rank file; every other rank file must be that file's pickle but for its own rank.
+A file differing anywhere else is unpickled and verified as before, and refused where it is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+
+from merge_pipeline.formats.fsdp import plan_fsdp
+from merge_pipeline.formats.fsdp_template import RankTemplate
+from merge_pipeline.formats.torch_files import torch_archive
+from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_tests.formats.test_fsdp_hostile_files import edit_pickle, repack
+from merge_pipeline_tests.formats.test_fsdp_world_size import SPEC as WORLD_SIZE_SPEC
+from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
+
+WORLD_SIZE = 16
+SPEC = dataclasses.replace(WORLD_SIZE_SPEC, world_size=WORLD_SIZE, vocab_size=40)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    root = tmp_path_factory.mktemp("templates")
+    write_fake_pg_checkpoint(root / "global_step_1" / "actor", SPEC, reference_dir=root / "reference")
+    return root
+
+
+@pytest.fixture
+def checkpoint(written, tmp_path):
+    shutil.copytree(written, tmp_path / "copy")
+    return tmp_path / "copy" / "global_step_1" / "actor", load_safetensors_dir(tmp_path / "copy" / "reference")
+
+
+def rank_file(role_dir, rank):
+    return role_dir / f"model_world_size_{WORLD_SIZE}_rank_{rank}.pt"
+
+
+def template_of(role_dir, rank):
+    with torch_archive(rank_file(role_dir, rank)) as archive:
+        return RankTemplate.of(archive, archive.state_dict(), rank)
+
+
+def matches(template, role_dir, rank, as_rank=None):
+    with torch_archive(rank_file(role_dir, rank)) as archive:
+        return template.matches(archive, rank if as_rank is None else as_rank)
+
+
+def test_a_rank_file_matches_a_template_only_with_its_own_rank_and_shapes(checkpoint):
+    role_dir, _ = checkpoint
+    full = template_of(role_dir, 0)
+
+    assert full is not None
+    assert all(matches(full, role_dir, rank) for rank in range(1, 13))  # 3 rows each, as rank 0
+    assert not matches(full, role_dir, 5, as_rank=6)  # a rank's file is not another rank's
+    assert not any(matches(full, role_dir, rank) for rank in (13, 14, 15))  # uneven, empty: other shapes
+    assert matches(template_of(role_dir, 14), role_dir, 15)  # both empty
+
+
+def assert_merges_bit_exact(role_dir, expected):
+    with plan_fsdp(role_dir) as plan:
+        got = {t.name: t.load() for t in plan.tensors}
+    assert got.keys() == expected.keys()
+    assert all(same_bits(got[name], expected[name]) for name in expected)
+
+
+def test_templated_and_grouped_plan_is_bit_exact(checkpoint):
+    role_dir, expected = checkpoint
+    assert_merges_bit_exact(role_dir, expected)
+
+
+def test_a_repacked_rank_file_is_read_from_its_own_zip_records(checkpoint):
+    # Same pickle (so it matches rank 0's template), every record moved by extra fields.
+    role_dir, expected = checkpoint
+    repack(rank_file(role_dir, 7), extra_fields=True)
+    assert_merges_bit_exact(role_dir, expected)
+
+
+def other_rank(role_dir):
+    shutil.copyfile(rank_file(role_dir, 3), rank_file(role_dir, 5))
+    return "mesh coordinate (3,), but this file's rank 5 is coordinate (5,)"
+
+
+def storage_larger_than_record(role_dir):
+    # Rank 4's pickle with one more byte changed than its rank: the first storage declares 255 floats.
+    def grow(data):
+        at = data.index(b"X\x01\x00\x00\x000q")  # the first storage key "0", memo put, "cpu", memo put, numel
+        return data[: at + 18] + b"K\xff" + data[at + 20 :]
+
+    repack(rank_file(role_dir, 4), edit=edit_pickle(grow))
+    return "storage record data/0 holds 384 bytes but the pickle declares 255 x torch.float32"
+
+
+@pytest.mark.parametrize("craft", [other_rank, storage_larger_than_record])
+def test_a_rank_file_unlike_its_template_is_verified_and_refused(capsys, checkpoint, tmp_path, craft):
+    role_dir, _ = checkpoint
+    rank = 5 if craft is other_rank else 4
+    problem = craft(role_dir)
+    before = tree_digest(role_dir)
+
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+
+    assert code == 1
+    [line] = error_lines(err)
+    assert str(rank_file(role_dir, rank)) in line and problem in line, line
+    assert tree_digest(role_dir) == before and not (tmp_path / "out").exists()
