@@ -1,4 +1,4 @@
-"""``new_checkpoint_sensor``: one merge run per complete checkpoint folder (``partitions.STEP_FOLDERS``) under the watched roots.
+"""``new_checkpoint_sensor``: one merge run per complete checkpoint folder (each reader's ``step_folders``) under the watched roots.
 
 Each tick lists the roots (a few directory listings, however many steps there are), skips every key
 the cursor already holds, and looks closer only at new folders: already merged -> remembered and
@@ -45,7 +45,7 @@ def checkpoint_sensor(names: Names, interval_seconds: int) -> dg.SensorDefinitio
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},
-        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: partitions.STEP_FOLDERS) and merges each once.",
+        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: the step folders each format reader declares) and merges each once.",
     )
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
         # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)

@@ -8,7 +8,6 @@ Adding a format means adding its module and its name to ``options.BACKENDS``; no
 from __future__ import annotations
 
 import importlib
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from merge_pipeline.plan import CheckpointPlan, closed_on_failure
 READERS = BACKENDS[1:]
 # A reader's module is named by its backend, except where the --backend value users type says less.
 MODULE_OF = {"hf": "safetensors_folder"}
-STEP_FOLDER = re.compile(r"global_step_?(\d+)")  # verl's global_step_N, DeepSpeed's global_stepN
 
 
 def _never(step_dir: Path, stack: StepFolder) -> bool:
@@ -128,7 +126,7 @@ def misplaced_folder(folder: Path) -> str | None:
     roles = _checkpoints_in(folder)
     if roles:
         return f"holds role folders {', '.join(roles)}: pass {folder / roles[0]}"
-    steps = {int(m[1]): m[0] for d in _subfolders(folder) if (m := STEP_FOLDER.fullmatch(d.name))}
+    steps = {found[1]: d.name for d in _subfolders(folder) if (found := step_folder(d.name))}  # any trainer's
     if steps:
         newest = folder / steps[max(steps)]
         roles = _checkpoints_in(newest)

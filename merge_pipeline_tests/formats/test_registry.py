@@ -41,12 +41,15 @@ def test_the_common_wrong_folders_say_what_they_are_and_what_to_pass(fsdp_checkp
         copy_checkpoint(sample, step / role)
     copy_checkpoint(sample, tmp_path / "run" / "global_step_10" / "actor")
     (tmp_path / "run" / "global_step_9").mkdir()
+    for name in ("step-2", "step-10"):  # torchtitan's step folders hold the save itself
+        (tmp_path / "titan_run" / name).mkdir(parents=True)
     merged = tmp_path / "merged"
     assert run_cli(capsys, "merge", "--local_dir", str(sample.role_dir), "--target_dir", str(merged))[0] == 0
     expected = {
         step: f"holds role folders actor, critic: pass {step / 'actor'}",
         tmp_path
         / "run": f"a run folder: the newest step is global_step_10: pass {tmp_path / 'run/global_step_10/actor'}",
+        tmp_path / "titan_run": f"a run folder: the newest step is step-10: pass {tmp_path / 'titan_run/step-10'}",
         merged: "is already a merged Hugging Face folder (config.json, *.safetensors): nothing to merge",
     }
     for folder, problem in expected.items():
