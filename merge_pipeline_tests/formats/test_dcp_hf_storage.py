@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits, tree_digest
+from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, merge, tree_digest
 
 SOURCE = "nemo_automodel_safetensors"
 EMBEDDING = "model.embed_tokens.weight"  # 1003 rows: 502 on rank 0, 501 on rank 1
@@ -42,11 +42,7 @@ def test_torchtitans_sharded_folder_merges_bit_for_bit_when_its_consolidation_di
     shutil.copytree(sample.model_dir, step / "sharded")
     code, _, err = merge(capsys, step, tmp_path / "out", "--backend", "auto", "--hf_model_path", sample.original_dir)
     assert code == 0, err
-    merged = load_safetensors_dir(tmp_path / "out")
-    original = load_file(sample.original_dir / "model.safetensors")
-    assert set(merged) == set(original)
-    for name, tensor in original.items():
-        assert same_bits(merged[name], tensor), name
+    assert_bit_exact(tmp_path / "out", sample.original_dir)
 
 
 def test_a_piece_placed_outside_its_tensor_is_refused_in_one_line(capsys, tmp_path, dcp_sample):
