@@ -231,6 +231,7 @@ DCP_FOLDERS = {
     "accelerate": "output/checkpoint-1",
     "nemo_rl": "results/step_1/policy",
     "nemo_automodel": "checkpoints/epoch_0_step_1",
+    "nemo_automodel_safetensors": "checkpoints/epoch_0_step_2",
 }
 
 

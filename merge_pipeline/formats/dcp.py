@@ -6,6 +6,7 @@ the model's entries; the bytes are read the same way (``formats/dcp_files.py``),
     accelerate FSDP SHARDED_STATE_DICT  <checkpoint>/pytorch_model_fsdp_0/   "model." + HF names
     NeMo-RL                             <step>/policy/weights/               "model." + HF names
     NeMo-Automodel                      <checkpoint>/model/ (DCP format)     HF names
+    DCP in HF storage, not consolidated  model/ or sharded/ shard-*.safetensors  (formats/hf_storage.py)
     torchtitan, verl's torchtitan engine <folder>/step-N/                    torchtitan names, beside
                                          "optimizer.", "lr_scheduler.", "dataloader.", "train_state"
 
@@ -30,6 +31,7 @@ from merge_pipeline.formats.dcp_files import (
     plan_specs,
     read_dcp_metadata,
 )
+from merge_pipeline.formats.hf_storage import find_hf_storage_dir, plan_hf_storage
 from merge_pipeline.formats.output_specs import whole
 from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
 from merge_pipeline.formats.torchtitan_names import torchtitan_outputs
@@ -57,7 +59,7 @@ def find_dcp_dir(role_dir: Path) -> Path | None:
 
 
 def is_dcp_dir(role_dir: Path) -> bool:
-    return find_dcp_dir(role_dir) is not None
+    return find_dcp_dir(role_dir) is not None or find_hf_storage_dir(role_dir) is not None
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ def plan_dcp(role_dir: Path, config: CheckpointConfig) -> CheckpointPlan:
     """Describe every HF tensor of a DCP folder; ``MergeError`` naming the file on bad input."""
     role_dir = Path(role_dir)
     dcp_dir = find_dcp_dir(role_dir)
+    if dcp_dir is None and (shards_dir := find_hf_storage_dir(role_dir)) is not None:
+        return plan_hf_storage(role_dir, shards_dir)
     if dcp_dir is None:
         raise MergeError(
             role_dir / METADATA,
@@ -148,6 +152,8 @@ def holds_a_save(step_dir: Path, stack: StepFolder) -> bool:
 
 def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Completeness:
     """dcp.save's coordinator writes ``.metadata`` after every rank's data; then the settle time."""
+    if find_dcp_dir(folder) is None and find_hf_storage_dir(folder) is not None:
+        return quiet.settled("DCP in HF storage: the writer leaves no marker of a finished save")
     if find_dcp_dir(folder) is None:
         return quiet.not_yet("DCP: no .metadata yet (dcp.save's coordinator writes it after every rank's data)")
     return quiet.settled("DCP: .metadata present (dcp.save's coordinator writes it after every rank's data)")
@@ -155,7 +161,7 @@ def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Co
 
 READER = Reader(
     name="dcp",
-    looks_for=f"a DCP folder (.metadata in it or in {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/)",
+    looks_for=f"a DCP folder (.metadata in it or in {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/; or shard-*-model-*.safetensors)",
     detect=is_dcp_dir,
     plan=lambda role_dir, options, config: plan_dcp(role_dir, config),
     step_folders=(TORCHTITAN, HF_TRAINER, NEMO_RL),

@@ -211,8 +211,23 @@ def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return found
 
 
+def json_without_duplicates(raw: bytes | str, path: Path, what: str, entry: str) -> object:
+    """``raw`` parsed; a name given twice is refused (the safetensors library refuses such a header: we must not pick one)."""
+    try:
+        return json.loads(raw, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateName as exc:
+        raise MergeError(path, f"{what} names {entry} {exc.args[0]!r} twice") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MergeError(path, f"{what} is not valid JSON ({exc})") from None
+
+
 def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
-    """One ``PlannedTensor`` per header entry; the header is validated against the file size."""
+    return header_entries(file)[1]
+
+
+def header_entries(file: SourceFile) -> tuple[object, list[PlannedTensor]]:
+    """The header's ``__metadata__`` (None when absent) and one ``PlannedTensor`` per tensor entry, in
+    file order; the header is validated against the file size."""
     if file.size < 8:
         raise MergeError(file.path, f"{file.size} bytes is too short for a safetensors file")
     length_field = bytearray(8)
@@ -225,12 +240,7 @@ def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
         )
     raw = bytearray(header_length)
     file.read_into(memoryview(raw), 8)
-    try:
-        header = json.loads(raw, object_pairs_hook=_refuse_duplicates)
-    except _DuplicateName as exc:  # the safetensors library refuses such a file; we must not pick one
-        raise MergeError(file.path, f"header names the tensor {exc.args[0]!r} twice") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MergeError(file.path, f"header is not valid JSON ({exc})") from None
+    header = json_without_duplicates(raw, file.path, "header", "the tensor")
     if not isinstance(header, dict):
         raise MergeError(file.path, "header is not a JSON object")
     data_start = 8 + header_length
@@ -254,7 +264,7 @@ def _header_tensors(file: SourceFile) -> list[PlannedTensor]:
         if begin < previous_end:
             raise MergeError(file.path, f"{tensor.name}: data overlaps the previous tensor")
         previous_end = begin + tensor.nbytes()
-    return [t for _, t in tensors]
+    return header.get(METADATA_KEY), [t for _, t in tensors]
 
 
 def _entry(path: Path, name: str, entry: object, data_size: int):
@@ -296,7 +306,7 @@ def weights_dir(role_dir: Path) -> Path | None:
     the index and consolidated shards beside the writer's per-rank ``sharded/`` (no config:
     ``--hf_model_path``). Other folders with an index (an HF Trainer's, beside DeepSpeed's) are not claimed."""
     model_dir = role_dir / NEMO_MODEL_DIR
-    if (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors")):
+    if (model_dir / "config.json").is_file() and has_hf_weights(model_dir):  # not its sharded DCP save
         return model_dir
     return role_dir if (role_dir / INDEX).is_file() and (role_dir / TORCHTITAN_SHARDS).is_dir() else None
 

@@ -9,6 +9,10 @@ rank, each ``fully_shard``s a module tree and saves it with ``dcp.save`` the way
 - ``nemo_rl`` / ``nemo_automodel``: what their DCP savers hand to ``dcp.save`` (NeMo-RL wraps the
   model's state dict under "model", NeMo-Automodel saves it flat), into ``weights/`` or ``model/``.
   Neither package is installed here (both pin their own torch stacks).
+- ``nemo_automodel_safetensors``: NeMo-Automodel's sharded safetensors save (``model_save_format:
+  safetensors`` without consolidation): ``dcp.save`` through torch's own ``HuggingFaceStorageWriter``
+  (NeMo-Automodel 0.7 hands the same writer its ``fqn_to_file_index_mapping``, from the original
+  model's index: two files here) with ``save_distributed=True``: ``model/shard-<rank>-model-<k>-of-2.safetensors``.
 - ``torchtitan``: torchtitan's older Llama names (before 0.3: ``attention.wq``, ``output``), reproduced
   from its source: the module tree carries them with q/k rows in torchtitan's rotary
   layout (its adapter's ``from_hf``), and the rank saves what torchtitan's CheckpointManager saves:
@@ -35,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -51,7 +56,13 @@ from .fsdp import (
 
 _MODULE = "merge_pipeline.sample_checkpoints.dcp"
 # The folder each writes the model's DCP into, inside the folder it is given.
-MODEL_DIRS = {"torchtitan": ".", "accelerate": "pytorch_model_fsdp_0", "nemo_rl": "weights", "nemo_automodel": "model"}
+MODEL_DIRS = {
+    "torchtitan": ".",
+    "accelerate": "pytorch_model_fsdp_0",
+    "nemo_rl": "weights",
+    "nemo_automodel": "model",
+    "nemo_automodel_safetensors": "model",
+}
 SOURCES = tuple(MODEL_DIRS)
 TORCHTITAN_STEP = 10
 
@@ -153,6 +164,7 @@ def _run_rank(job: dict, rank: int) -> None:
             "accelerate": _save_accelerate,
             "nemo_rl": _save_nemo_rl,
             "nemo_automodel": _save_nemo_automodel,
+            "nemo_automodel_safetensors": _save_nemo_automodel_safetensors,
         }[job["source"]]
         save(model, optimizer, Path(job["out_dir"]))
     finally:
@@ -203,6 +215,16 @@ def _save_nemo_automodel(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """As NeMo-Automodel's Checkpointer with model_save_format "torch_save": ModelState's flat HF state
     dict into ``model/``, the optimizer into ``optim/``."""
     dcp.save(get_model_state_dict(model), checkpoint_id=out_dir / "model")
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=out_dir / "optim")
+
+
+def _save_nemo_automodel_safetensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: Path) -> None:
+    """As NeMo-Automodel's Checkpointer with model_save_format "safetensors", not consolidated: each
+    rank's DTensor shards through ``HuggingFaceStorageWriter``, the tensors spread over two files."""
+    state = get_model_state_dict(model)
+    mapping = {name: 1 + 2 * i // len(state) for i, name in enumerate(state)}
+    writer = HuggingFaceStorageWriter(str(out_dir / "model"), fqn_to_index_mapping=mapping, save_distributed=True)
+    dcp.save(state, storage_writer=writer)
     dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=out_dir / "optim")
 
 

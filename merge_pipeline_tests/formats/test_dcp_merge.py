@@ -91,6 +91,7 @@ def test_inspect_describes_the_source(capsys, dcp_sample, source):
         "accelerate": "accelerate FSDP SHARDED_STATE_DICT",
         "nemo_rl": "NeMo-RL",
         "nemo_automodel": "NeMo-Automodel",
+        "nemo_automodel_safetensors": "DCP in Hugging Face storage (HuggingFaceStorageWriter, not consolidated)",
     }[source]
     assert facts["backend"] == "dcp" and facts["dcp_source"] == expected
     assert facts["architecture"] == "LlamaForCausalLM" and facts["stored_tensors"] == 21

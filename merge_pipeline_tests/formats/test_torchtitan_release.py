@@ -2,8 +2,9 @@
 deepseek_v3, qwen3_5, kimi_k2_7, gpt_oss), ``fully_shard`` on two gloo ranks, its ``CheckpointManager.save``
 -- merge from the CLI with ``--backend auto`` bit for bit into what each family's own
 ``state_dict_adapter.to_hf`` gives; so does the last step, which torchtitan saves as HF safetensors
-(``last_save_in_hf``). qwen3_5's model imports flash-linear-attention's GPU kernels, which saving never
-runs: the writer stands empty modules in for that import. kimi_k2_7's plan equals its ``to_hf``;
+(``last_save_in_hf``), and its per-rank ``sharded/`` files alone. qwen3_5's model imports
+flash-linear-attention's GPU kernels, which saving never runs: the writer stands empty modules in
+for that import. kimi_k2_7's plan equals its ``to_hf``;
 gpt_oss's grouped experts, which its ``to_hf`` drops, are refused in one line.
 
 torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/setup.sh``);
@@ -23,7 +24,7 @@ from safetensors.torch import load_file
 import merge_pipeline
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
-from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits
+from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, load_safetensors_dir, run_cli, same_bits
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +136,21 @@ def test_last_save_in_hf_step_folder_is_copied_bit_for_bit(capsys, tmp_path, tor
     expected = load_file(saved / "expected" / "model.safetensors")
     assert set(merged) == set(expected)
     assert all(same_bits(merged[name], tensor) for name, tensor in expected.items())
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+def test_last_save_in_hf_sharded_alone_merges_as_its_consolidation(capsys, tmp_path, torchtitan_saves, family):
+    """A step folder whose consolidation did not run (only ``sharded/``, each rank's DTensor pieces in
+    HF storage): merged from the pieces' offsets, bit for bit what torchtitan's own consolidation wrote."""
+    saved = torchtitan_saves / family
+    step = tmp_path / "checkpoint" / "step-2"
+    shutil.copytree(saved / "checkpoint" / "step-2" / "sharded", step / "sharded")
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", step, "--target_dir", tmp_path / "out", "--backend", "auto",
+        "--hf_model_path", saved / "hf", "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    assert_bit_exact(tmp_path / "out", saved / "checkpoint" / "step-2")  # its consolidated model-*.safetensors
 
 
 def test_last_save_in_hf_without_hf_model_path_says_what_to_pass(capsys, tmp_path, torchtitan_saves):
