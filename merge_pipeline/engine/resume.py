@@ -4,8 +4,9 @@ After each weight file is written and fsynced, the merge records it in ``<stagin
 its size, its sha256 (computed while it was written) and the merge's key, a digest of the inputs
 (path, size, inode, mtime of every file read) and of every option and output decision. A merge of
 the same target started again with the same key keeps each recorded file whose size and sha256
-still match and writes only the rest; anything else in the staging folder is removed first. A
-changed input or option changes the key, and the merge starts over. The records are removed
+still match and writes only the rest (the sha256 is not computed again while the file's stat
+identity is still the one recorded, see ``_intact``); anything else in the staging folder is
+removed first. A changed input or option changes the key, and the merge starts over. The records are removed
 before the manifest is written, so a published folder never holds them.
 """
 
@@ -61,7 +62,8 @@ class ResumeLog:
         folder.mkdir(exist_ok=True)
         path = folder / _record_name(entry["filename"])
         partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps({"key": self.key, **entry}))
+        identity = stat_identity(os.stat(self.staging / entry["filename"]))
+        partial.write_text(json.dumps({"key": self.key, **entry, "identity": identity}))
         os.replace(partial, path)  # a record is whole or absent
 
 
@@ -71,12 +73,13 @@ def _record_name(filename: str) -> str:
 
 def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> ResumeLog:
     """Check what a killed merge left in ``staging``; keep the weight files it finished for the same key
-    (size and sha256 re-checked), remove everything else. Run by one process before any writing."""
+    (size re-checked, sha256 too unless the file is untouched since its record), remove everything else.
+    Run by one process before any writing."""
     kept: dict[str, dict] = {}
     for shard in files:
-        entry = _recorded(staging, shard.filename, key)
-        if entry is not None and _intact(staging / shard.filename, entry):
-            kept[shard.filename] = entry
+        record = _record(staging, shard.filename, key)
+        if record is not None and _intact(staging / shard.filename, record):
+            kept[shard.filename] = _entry(record)
     _remove_all_but(staging, {staging / name for name in kept} | {staging / RECORDS / _record_name(n) for n in kept})
     if kept:
         total = sum(e["bytes"] for e in kept.values())
@@ -86,7 +89,7 @@ def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> Resume
 
 def finished(staging: Path, key: str, files: Iterable[ShardFile]) -> ResumeLog:
     """The files ``keep_finished`` kept (for processes that did not run it: their records are trusted)."""
-    found = {s.filename: e for s in files if (e := _recorded(staging, s.filename, key)) is not None}
+    found = {s.filename: _entry(r) for s in files if (r := _record(staging, s.filename, key)) is not None}
     return ResumeLog(staging, key, found)
 
 
@@ -95,25 +98,48 @@ def forget(staging: Path) -> None:
     shutil.rmtree(staging / RECORDS, ignore_errors=True)
 
 
-def _recorded(staging: Path, filename: str, key: str) -> dict | None:
+def _record(staging: Path, filename: str, key: str) -> dict | None:
+    """The record of ``filename`` if this merge's key wrote it."""
     try:
-        entry = json.loads((staging / RECORDS / _record_name(filename)).read_text())
+        record = json.loads((staging / RECORDS / _record_name(filename)).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(entry, dict) or entry.get("key") != key or entry.get("filename") != filename:
+    if not isinstance(record, dict) or record.get("key") != key or record.get("filename") != filename:
         return None
-    return {k: entry[k] for k in ("filename", "bytes", "tensors", "sha256")}
+    return record
 
 
-def _intact(path: Path, entry: dict) -> bool:
+def _entry(record: dict) -> dict:
+    """The write report's entry of a recorded file."""
+    return {k: record[k] for k in ("filename", "bytes", "tensors", "sha256")}
+
+
+def stat_identity(found: os.stat_result) -> list[int]:
+    """What any change to a file's bytes changes too: its inode, size, and modification and change
+    times in ns. The change time (ctime) is set by the kernel on every write, truncate, rename over
+    or ``utime``; no ordinary call sets it back, so restoring the mtime does not hide an edit."""
+    return [found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns]
+
+
+def _intact(path: Path, record: dict) -> bool:
+    """The file is the one recorded: its stat identity is the one taken right after its fsync (then
+    its sha256 is trusted, not computed again), or else its size and sha256 match.
+
+    Trusting the identity is safe because what would escape it (a write within the same clock tick
+    as our record, a clock set back, a raw write to the disk) still cannot be published: the
+    blocking check ``manifest_sha256`` hashes every file against the recorded sha256 before the
+    folder is published, and a failed merge removes its staging folder, so the next one starts over."""
     try:
         with open(path, "rb", buffering=0) as f:
-            if os.fstat(f.fileno()).st_size != entry["bytes"]:
+            found = os.fstat(f.fileno())
+            if found.st_size != record["bytes"]:
                 return False
+            if stat_identity(found) == record.get("identity"):
+                return True
             digest = hashlib.file_digest(f, "sha256", _bufsize=_HASH_CHUNK)
     except OSError:
         return False
-    return digest.hexdigest() == entry["sha256"]
+    return digest.hexdigest() == record["sha256"]
 
 
 def _remove_all_but(staging: Path, keep: set[Path]) -> None:

@@ -1,0 +1,66 @@
+"""The resume records' rule for a finished file: its recorded sha256 is trusted without reading the
+file only while the file's stat identity (inode, size, mtime, ctime) is the one recorded after its
+fsync; any other file is hashed again, and kept only if the sha256 still matches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from merge_pipeline.engine.outputs import ShardFile
+from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished
+
+KEY = "a merge key"
+NAME = "model-00001-of-00002.safetensors"
+FILES = [ShardFile(NAME, ()), ShardFile("model-00002-of-00002.safetensors", ())]
+
+
+def _finished_file(staging: Path, data: bytes = b"weights" * 1000) -> Path:
+    """A finished weight file and its record, as ``write_weights`` leaves them."""
+    path = staging / NAME
+    path.write_bytes(data)
+    entry = {"filename": NAME, "bytes": len(data), "tensors": 1, "sha256": hashlib.sha256(data).hexdigest()}
+    ResumeLog(staging, KEY).record(entry)
+    return path
+
+
+def _rewrite_record(staging: Path, **changes) -> None:
+    record = staging / RECORDS / f"{NAME}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), **changes}))
+
+
+def test_an_untouched_file_is_kept_on_its_record_without_being_read(tmp_path):
+    _finished_file(tmp_path)
+    # A wrong sha256 in the record shows whether the file was hashed: with the identity matching it is not.
+    _rewrite_record(tmp_path, sha256="0" * 64)
+
+    kept = keep_finished(tmp_path, KEY, FILES)
+
+    assert list(kept.finished) == [NAME] and kept.finished[NAME]["sha256"] == "0" * 64
+
+
+def test_a_file_edited_in_place_with_its_mtime_restored_is_hashed_and_dropped(tmp_path):
+    path = _finished_file(tmp_path)
+    before = path.stat()
+    time.sleep(0.05)  # past the filesystem clock's tick, as any later edit by someone else is
+    with open(path, "r+b") as f:
+        f.write(b"X")  # same size, one byte changed
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    kept = keep_finished(tmp_path, KEY, FILES)
+
+    assert kept.finished == {} and not path.exists()
+
+
+def test_a_file_with_another_identity_but_the_recorded_bytes_is_kept_after_hashing(tmp_path):
+    path = _finished_file(tmp_path)
+    copy = tmp_path / "copy"
+    copy.write_bytes(path.read_bytes())
+    os.replace(copy, path)  # a new inode (e.g. the staging folder copied elsewhere and back)
+
+    kept = keep_finished(tmp_path, KEY, FILES)
+
+    assert list(kept.finished) == [NAME] and path.exists()
