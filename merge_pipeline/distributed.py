@@ -46,6 +46,8 @@ log = logging.getLogger("merge_pipeline")
 # 400B model on slow storage). A stopped, hung or dead rank fails the others within this time.
 DIST_TIMEOUT_ENV = "MERGE_PIPELINE_DIST_TIMEOUT"
 DEFAULT_DIST_TIMEOUT_SECONDS = 30 * 60
+_LEFT_KEY = "merge_pipeline/left_the_last_barrier"
+_DONE_KEY = "merge_pipeline/done_with_the_store"
 
 
 def launched_by_torchrun() -> bool:
@@ -124,8 +126,33 @@ def _process_group(timeout_seconds: float | None):
             # Every rank's last messages are delivered before any rank tears down its connections:
             # without it a rank that finished first could abort a peer still reading ("terminate called").
             dist.barrier()
+            _all_left_the_barrier(dist_timeout(timeout_seconds))
     finally:
         dist.destroy_process_group()
+
+
+def _all_left_the_barrier(timeout_seconds: float) -> None:
+    """Wait, through the rendezvous store, until every rank has returned from the last barrier.
+
+    gloo's barrier returns on a rank before its own last messages to peers are flushed; a rank that
+    destroys its connections then can abort a peer still finishing it ("terminate called without an
+    active exception", pytorch/gloo#155), failing a merge that was published. The store answers
+    requests one by one, so once the count is full no rank is inside gloo any more. Rank 0 leaves
+    last: where it hosts the store (not under torchrun, whose agent does), no peer's request is lost."""
+    store = dist.distributed_c10d._get_default_store()  # the process group's own store
+    deadline = time.monotonic() + timeout_seconds
+
+    def count_to_world(key: str) -> None:
+        while store.add(key, 0) < dist.get_world_size():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a rank did not reach {key}")  # -> _peers_answer's one line
+            time.sleep(0.01)
+
+    store.add(_LEFT_KEY, 1)
+    count_to_world(_LEFT_KEY)
+    store.add(_DONE_KEY, 1)
+    if dist.get_rank() == 0:
+        count_to_world(_DONE_KEY)
 
 
 def _prepare_everywhere(local_dir, options: MergeOptions) -> Prepared:
