@@ -38,7 +38,11 @@ def pin_path(pin_root: Path, key: CheckpointKey) -> Path:
     """Where ``key``'s pin lies: ``<pin root>/<key, quoted>/<step folder>[/<role>]``: one folder per key
     (found again by listing the pin root), ending in the step folder's and role's own names as the readers
     and the model card see them."""
-    return pin_root / quote(str(key), safe="") / key.path.relative_to(key.run_name)
+    return _key_folder(pin_root, key) / key.path.relative_to(key.run_name)
+
+
+def _key_folder(pin_root: Path, key: CheckpointKey) -> Path:
+    return pin_root / quote(str(key), safe="")
 
 
 def pin(role_dir: Path, pin_root: Path, key: CheckpointKey) -> str | None:
@@ -66,7 +70,7 @@ def pin(role_dir: Path, pin_root: Path, key: CheckpointKey) -> str | None:
 
 def unpin(pin_root: Path, key: CheckpointKey) -> None:
     """Remove a pin: its links only (the trainer's files, where still there, are other links to the same data)."""
-    shutil.rmtree(pin_root / quote(str(key), safe=""), ignore_errors=True)
+    shutil.rmtree(_key_folder(pin_root, key), ignore_errors=True)
 
 
 def pins_under(pin_root: Path) -> list[CheckpointKey]:
@@ -90,8 +94,13 @@ def stale_pins(instance: dg.DagsterInstance, pin_roots: list[Path], keep: set[st
     stale = []
     for pin_root in pin_roots:
         for key in pins_under(pin_root):
-            entry = pin_root / quote(str(key), safe="")
-            if str(key) in keep or time.time() - entry.stat().st_mtime < PIN_GRACE_SECONDS:
+            if str(key) in keep:
+                continue
+            try:
+                age = time.time() - _key_folder(pin_root, key).stat().st_mtime
+            except FileNotFoundError:  # its merge removed it since the listing
+                continue
+            if age < PIN_GRACE_SECONDS:
                 continue
             active = instance.get_runs(dg.RunsFilter(tags={PARTITION_TAG: str(key)}, statuses=ACTIVE_RUNS), limit=1)
             if not active:
