@@ -57,6 +57,18 @@ class ExpectedTensors(dict[str, tuple[int, ...]]):
         present = set(planned) | set(aliases.values())
         return present | (self.load_names.covered(aliases.values()) if aliases else set())
 
+    def doubles(self, planned: Iterable[str], aliases: dict[str, str]) -> list[str]:
+        """Pairs of planned names that load into the same tensor (one would silently overwrite the other)."""
+        planned = set(planned)
+        first: dict[str, str] = {}
+        doubles = []
+        for name, target in sorted(aliases.items()):
+            same = target if target in planned else self.load_names.saved_name.get(target)
+            if same in planned or target in first:
+                doubles.append(f"{name} and {same if same in planned else first[target]}")
+            first.setdefault(target, name)
+        return doubles
+
     def shape_of(self, name: str) -> tuple[int, ...]:
         """An expected name's shape, or an in-memory tensor's."""
         return self[name] if name in self else self.load_names.memory[name]
@@ -170,6 +182,7 @@ def check_plan_against_architecture(
         ("unexpected (no such tensor in the architecture)", unexpected),
         ("missing", missing),
         ("shape mismatch (checkpoint vs config)", mismatched),
+        ("pairs of names for one tensor", expected.doubles(planned, aliases)),
     ):
         if names:
             shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")

@@ -51,6 +51,8 @@ class LoadNames:
             saved, _ = rename_source_key(name, renamings, converters, reverse=True)
             if saved in saved_names:
                 self.sources.setdefault(saved, set()).add(name)
+        # In-memory tensor -> the one saved name the reversal gives it alone.
+        self.saved_name = {next(iter(m)): saved for saved, m in self.sources.items() if len(m) == 1}
 
     def aliases(self, names: Iterable[str]) -> dict[str, str]:
         """Each name loading treats as a tensor of the model (in-memory name) or as one saved name -> that name."""
