@@ -113,12 +113,14 @@ def plot(samples: dict, world_sizes: list[int], size: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (wall, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (wall, cpu, memory) = plt.subplots(1, 3, figsize=(14, 4))
     for version, by_size in samples.items():
         best = [_best(by_size[w]) for w in world_sizes]
         wall.plot(world_sizes, [b["wall_s"] for b in best], marker="o", label=version)
+        cpu.plot(world_sizes, [b["cpu_s"] for b in best], marker="o", label=version)
         memory.plot(world_sizes, [b["peak_rss_mb"] for b in best], marker="o", label=version)
-    for axes, label in ((wall, "wall time (s, fastest run)"), (memory, "peak RSS (MB)")):
+    labels = ("wall time (s, fastest run)", "CPU time (s, user + system, least)", "peak RSS (MB)")
+    for axes, label in zip((wall, cpu, memory), labels):
         axes.set_xscale("log", base=2)
         axes.set_xlabel("world size (rank files)")
         axes.set_ylabel(label)
