@@ -135,9 +135,9 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
 
 
 def _by_layout(layouts: list[ArchiveLayout], templates: list[RankTemplate], rank: int, file: SourceFile, shared: dict):
-    """Whether the file is laid out as an already parsed one (``ArchiveLayout``, then moved to the front:
-    neighbouring ranks share theirs), and if so and its pickle is a template's with this rank's numbers,
-    the rank (from a few reads); else ``None``. ``shared``: storage offsets by layout and template, one
+    """(whether the file is laid out as an already parsed one -- ``ArchiveLayout``, then moved to the front:
+    neighbouring ranks share theirs --, the rank if so and its pickle is a template's with this rank's
+    numbers, else ``None``), from a few reads. ``shared``: storage offsets by layout and template, one
     dict for all ranks of a layout."""
     with file.opened() as fd:
         for index, layout in enumerate(layouts):
