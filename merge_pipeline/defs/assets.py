@@ -177,7 +177,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             else:
                 written = write_in_process(prepared.outputs, staging)
             manifest = finish_folder(prepared, staging, options, written.report)
-            check_results = check_staged_folder(staging, names)
+            check_results = check_staged_folder(staging, names, written.report.by_file)
             failed = [r.check_name for r in check_results if not r.passed]
             if failed:
                 yield from check_results

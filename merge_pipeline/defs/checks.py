@@ -15,7 +15,7 @@ import dagster as dg
 
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CheckOutcome, run_blocking_checks
+from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CheckOutcome, Written, run_blocking_checks
 from merge_pipeline.hf.manifest import read_manifest
 
 
@@ -45,11 +45,12 @@ def check_specs(names: Names) -> list[dg.AssetCheckSpec]:
 CHECK_SPECS = check_specs(PLAIN)
 
 
-def check_staged_folder(folder: Path, names: Names) -> list[dg.AssetCheckResult]:
+def check_staged_folder(folder: Path, names: Names, written: Written) -> list[dg.AssetCheckResult]:
     """Every check's result for a complete (not yet published) folder, with what it counted: the same
-    checks, run by the same function, as the CLI's before it publishes."""
+    checks, run by the same function, as the CLI's before it publishes. ``written``: the write report's
+    entries by file (the digests computed while writing: see ``hf/blocking_checks.py``)."""
     counts = _counts(folder)
-    return [_result(outcome, counts, names) for outcome in run_blocking_checks(folder)]
+    return [_result(outcome, counts, names) for outcome in run_blocking_checks(folder, written)]
 
 
 def _result(outcome: CheckOutcome, counts: dict[str, int], names: Names) -> dg.AssetCheckResult:
