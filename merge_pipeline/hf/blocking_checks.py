@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-
 # What a merge computed of its own weight files: relative path -> write report entry (sha256, identity).
 Written = Mapping[str, Mapping]
 
