@@ -11,6 +11,7 @@ import torch
 
 from merge_pipeline.distributed import assign_shards
 from merge_pipeline.engine.outputs import ShardFile
+from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
@@ -57,12 +58,14 @@ def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, np
 
 
 @pytest.mark.torchrun
-def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_checkpoint):
+def test_killed_rank_publishes_nothing_and_a_rerun_recovers(capsys, tmp_path, fsdp_checkpoint):
+    """A rank killed once some weight files are finished: nothing published; the rerun reuses the
+    finished files and its folder is byte-identical to a single process's uninterrupted merge."""
     role_dir = fsdp_checkpoint(SPEC).role_dir
     target, staging = tmp_path / "out", tmp_path / ".out.staging"
     with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as run:
         deadline = time.monotonic() + 120
-        while not (staging.is_dir() and any(staging.glob("model-*.safetensors"))):
+        while not (staging.is_dir() and any((staging / RECORDS).glob("*.json"))):
             assert run.poll() is None and time.monotonic() < deadline, "merge ended before a rank could be killed"
             time.sleep(0.01)
         [rank1] = [p for p in psutil.Process(run.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
@@ -73,7 +76,14 @@ def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_check
     with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as rerun:
         _, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err
+    assert "files reused from a killed merge" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the rerun cleans the dead merge's staging"
+    single = tmp_path / "single"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", role_dir, "--target_dir", single, "--max-shard-size", "256KB"
+    )
+    assert code == 0, err
+    assert tree_digest(target) == tree_digest(single)  # every file, the manifest included
 
 
 def test_shard_assignment_balances_bytes():
