@@ -48,7 +48,8 @@ LLAMA3_8B = {
     "fsdp_version": 2,
     "with_optimizer": False,
 }
-RESERVE = 5 * 10**9  # free disk left at every point, for everyone else on the machine
+RESERVE = 5 * 10**9  # free disk planned to be left at every point, for everyone else on the machine
+EMERGENCY = 2 * 10**9  # a child is killed if others' writes bring the free space under this
 GB = 10**9
 
 
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     params = parameter_count(spec)
     rank_bytes, bf16_bytes = 4 * params, 2 * params
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    _need_free(args.scratch, rank_bytes + bf16_bytes, "the rank files and the bf16 output")
     root = Path(tempfile.mkdtemp(prefix="larger-than-memory-", dir=args.scratch))
-    _need_free(root, rank_bytes + bf16_bytes, "the rank files and the bf16 output")
     print(
         f"Llama-3-8B shapes, {args.layers} layers: {params / 1e9:.2f}B parameters, {rank_bytes / GB:.1f} GB of fp32 "
         f"rank files at world size 8 ({rank_bytes / memory:.2f}x this machine's {memory / GB:.1f} GB of memory), "
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         role_dir = root / "global_step_1" / "actor"
         write = run_child(
-            [sys.executable, "-m", "benchmarks.larger_than_memory", "--write", str(role_dir), json.dumps(spec)]
+            [sys.executable, "-m", "benchmarks.larger_than_memory", "--write", str(role_dir), json.dumps(spec)],
+            stop_when=DiskGuard(root),
         )
         write.check("writing the checkpoint")
         rank_files = sorted(role_dir.glob("model_world_size_*_rank_*.pt"))
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
         evict(rank_files)
         start_up = run_child([sys.executable, "-c", "import torch"]).check("torch start-up").wall_s
+        _need_free(root, bf16_bytes, "the raw floor's output")
         floor_file = root / "floor.bin"
         floor = raw_copy(rank_files, floor_file, bf16_bytes)
         remove(floor_file)
@@ -155,7 +158,7 @@ def _merge(role_dir: Path, target: Path, dtype: str) -> ChildRun:
         "--target_dir",
         str(target),
     ]
-    return run_child(command + ["--dtype", dtype, "--no-progress"], cwd=REPO_ROOT)
+    return run_child(command + ["--dtype", dtype, "--no-progress"], cwd=REPO_ROOT, stop_when=DiskGuard(target.parent))
 
 
 def _check_output(target: Path, spec: dict, dtype: str) -> str:
@@ -174,27 +177,31 @@ def _verl(role_dir: Path, target: Path, rank_files: list[Path], address_space: s
     python = ensure_verl_venv()
     evict(rank_files)
     command = ["prlimit", f"--as={_bytes(address_space)}", *verl_merge_command(python, "fsdp", role_dir, target)]
-    disk_full = []
-
-    def disk_nearly_full() -> bool:
-        if shutil.disk_usage(target.parent).free < RESERVE:
-            disk_full.append(f"killed by the benchmark: free disk under {RESERVE / GB:.0f} GB")
-        return bool(disk_full)
-
-    run = run_child(command, cwd=REPO_ROOT, stop_when=disk_nearly_full)
+    guard = DiskGuard(target.parent)
+    run = run_child(command, cwd=REPO_ROOT, stop_when=guard)
     written = weight_bytes(target) / GB if target.exists() else 0.0
     remove(target)
-    outcome = (
-        "finished" if run.returncode == 0 else f"exit {run.returncode}: {(disk_full or [_last_line(run.output)])[0]}"
-    )
+    outcome = "finished" if run.returncode == 0 else f"exit {run.returncode}: {guard.stopped or _last_line(run.output)}"
     note = f"verl 0.9.1 under prlimit --as={address_space}: {outcome}; {written:.1f} GB written"
     return ("verl 0.9.1 model_merger --backend fsdp", run.wall_s, run.cpu_s, run.peak_rss_bytes, note)
+
+
+class DiskGuard:
+    """``run_child``'s ``stop_when``: True once the disk's free space falls under ``EMERGENCY`` (others
+    on the machine filled it meanwhile): the child is killed rather than fill the disk for everyone."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.stopped = folder, ""
+
+    def __call__(self) -> bool:
+        if not self.stopped and shutil.disk_usage(self.folder).free < EMERGENCY:
+            self.stopped = f"killed by the benchmark: free disk under {EMERGENCY / GB:.0f} GB"
+        return bool(self.stopped)
 
 
 def _need_free(folder: Path, planned: int, what: str) -> None:
     free = shutil.disk_usage(folder).free
     if free < planned + RESERVE:
-        remove(folder)
         raise SystemExit(
             f"{folder}: {free / GB:.1f} GB free, {what} need {planned / GB:.1f} GB and {RESERVE / GB:.0f} GB stay free: use fewer --layers"
         )
