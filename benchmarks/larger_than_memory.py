@@ -148,17 +148,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _merge(role_dir: Path, target: Path, dtype: str) -> ChildRun:
-    command = [
-        sys.executable,
-        "-m",
-        "merge_pipeline",
-        "merge",
-        "--local_dir",
-        str(role_dir),
-        "--target_dir",
-        str(target),
-    ]
-    return run_child(command + ["--dtype", dtype, "--no-progress"], cwd=REPO_ROOT, stop_when=DiskGuard(target.parent))
+    command = [sys.executable, "-m", "merge_pipeline", "merge", "--local_dir", str(role_dir)]
+    command += ["--target_dir", str(target), "--dtype", dtype, "--no-progress"]
+    return run_child(command, cwd=REPO_ROOT, stop_when=DiskGuard(target.parent))
 
 
 def _check_output(target: Path, spec: dict, dtype: str) -> str:
