@@ -58,14 +58,12 @@ def test_torchrun_output_is_byte_identical(capsys, tmp_path, fsdp_checkpoint, np
 
 
 @pytest.mark.torchrun
-def test_killed_rank_publishes_nothing_and_a_rerun_recovers(capsys, tmp_path, fsdp_checkpoint):
-    """A rank killed once some weight files are finished: nothing published; the rerun reuses the
-    finished files and its folder is byte-identical to a single process's uninterrupted merge."""
+def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(SPEC).role_dir
     target, staging = tmp_path / "out", tmp_path / ".out.staging"
     with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as run:
         deadline = time.monotonic() + 120
-        while not (staging.is_dir() and any((staging / RECORDS).glob("*.json"))):
+        while not (staging.is_dir() and any(staging.glob("model-*.safetensors"))):
             assert run.poll() is None and time.monotonic() < deadline, "merge ended before a rank could be killed"
             time.sleep(0.01)
         [rank1] = [p for p in psutil.Process(run.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
@@ -76,8 +74,29 @@ def test_killed_rank_publishes_nothing_and_a_rerun_recovers(capsys, tmp_path, fs
     with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as rerun:
         _, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err
-    assert "files reused from a killed merge" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the rerun cleans the dead merge's staging"
+
+
+@pytest.mark.torchrun
+def test_a_killed_torchrun_merge_resumes_bit_identical(capsys, tmp_path, fsdp_checkpoint):
+    """torchrun and all its ranks SIGKILLed once some weight files are finished: the rerun reuses them,
+    and its folder is byte-identical to one process's uninterrupted merge."""
+    role_dir = fsdp_checkpoint(SPEC).role_dir
+    target, staging = tmp_path / "out", tmp_path / ".out.staging"
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as run:
+        deadline = time.monotonic() + 120
+        while not (staging.is_dir() and any((staging / RECORDS).glob("*.json"))):
+            assert run.poll() is None and time.monotonic() < deadline, "merge ended before it could be killed"
+            time.sleep(0.01)
+        agent = psutil.Process(run.pid)
+        for process in [*agent.children(recursive=True), agent]:  # every rank, then torchrun: none cleans up
+            process.send_signal(signal.SIGKILL)
+        run.communicate(timeout=120)
+    assert not target.exists()
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as rerun:
+        _, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    assert "files reused from a killed merge" in err
     single = tmp_path / "single"
     code, _, err = run_cli(
         capsys, "merge", "--local_dir", role_dir, "--target_dir", single, "--max-shard-size", "256KB"
