@@ -9,7 +9,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +31,17 @@ class ChildRun:
 
 
 def run_child(
-    command: Sequence[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 3600
+    command: Sequence[str],
+    *,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 3600,
+    stop_when: Callable[[], bool] | None = None,
 ) -> ChildRun:
     """Run ``command``; wall time from spawn to reap, peak RSS from ``os.wait4`` on its pid.
+
+    ``stop_when``: asked twice a second; once it says True the child's process group is killed
+    (e.g. when the disk is nearly full).
 
     ``wait4`` gives this child's own ``ru_maxrss`` (not the max over every child, as
     ``RUSAGE_CHILDREN`` would). Linux carries the parent's high-water mark across exec into the
@@ -46,15 +54,26 @@ def run_child(
         )
         timer = threading.Timer(timeout, lambda: _kill_group(process.pid))
         timer.start()
+        done = threading.Event()
+        if stop_when is not None:
+            threading.Thread(target=_stop_when, args=(stop_when, process.pid, done), daemon=True).start()
         try:
             _, status, usage = os.wait4(process.pid, 0)
         finally:
             timer.cancel()
+            done.set()
         wall = time.perf_counter() - started
         process.returncode = os.waitstatus_to_exitcode(status)
         log.seek(0)
         output = log.read()[-8000:].decode(errors="replace")
     return ChildRun(wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime, process.returncode, output)
+
+
+def _stop_when(stop_when: Callable[[], bool], pid: int, done: threading.Event) -> None:
+    while not done.wait(0.5):
+        if stop_when():
+            _kill_group(pid)
+            return
 
 
 def _kill_group(pid: int) -> None:

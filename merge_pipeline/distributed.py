@@ -236,7 +236,7 @@ def merge_distributed(
             def finish_and_publish() -> None:
                 forget_finished(staging)
                 manifest.append(finish_folder(prepared, staging, options, written))
-                check_before_publishing(staging, target)
+                check_before_publishing(staging, target, written)
                 publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
 
             _agree(_attempt(finish_and_publish) if lead else None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import resource
 import time
 from collections import Counter
@@ -51,7 +52,7 @@ from merge_pipeline.formats.base_model import with_base_weights
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
-from merge_pipeline.hf.manifest import write_manifest
+from merge_pipeline.hf.manifest import stat_identity, write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
@@ -65,8 +66,14 @@ log = logging.getLogger("merge_pipeline")
 
 @dataclass
 class WriteReport:
-    files: list[dict] = field(default_factory=list)  # filename, bytes, tensors, sha256
+    # filename, bytes, tensors, sha256 (computed while written, or by the resume's check of a kept file)
+    # and identity (the file's stat identity then: the blocking checks trust the sha256 while it holds)
+    files: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def by_file(self) -> dict[str, dict]:
+        return {f["filename"]: f for f in self.files}
 
     @property
     def bytes(self) -> int:
@@ -204,6 +211,7 @@ def write_weights(
                 "bytes": size,
                 "tensors": len(shard.tensors),
                 "sha256": digest.hexdigest(),
+                "identity": stat_identity(os.stat(path)),  # right after the fsync
             }
             report.files.append(entry)
             if resume:
@@ -283,13 +291,15 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
     }
 
 
-def check_before_publishing(staging: Path, target: Path) -> list[CheckOutcome]:
+def check_before_publishing(staging: Path, target: Path, written: WriteReport) -> list[CheckOutcome]:
     """The blocking checks, on the complete staging folder, for the CLI and Dagster's ``hf_model`` alike:
-    any failure is one line; when all passed, their outcomes (Dagster shows them on the stages)."""
+    any failure is one line; when all passed, their outcomes (Dagster shows them on the stages).
+
+    ``written``: the report of the weights written into ``staging`` (its digests: no weight byte is read again)."""
     from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
 
     started = time.monotonic()
-    outcomes = run_blocking_checks(staging)
+    outcomes = run_blocking_checks(staging, written.by_file)
     problem = refusal(outcomes)
     if problem:
         raise MergeError(target, problem)
@@ -324,7 +334,7 @@ def merge_checkpoint(
         report = write_weights(outputs, staging, show_progress=show_progress, resume=resume)
         forget_finished(staging)
         manifest = finish_folder(prepared, staging, options, report)
-        check_before_publishing(staging, target)
+        check_before_publishing(staging, target, report)
     seconds = time.monotonic() - started
     log.info(
         "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",

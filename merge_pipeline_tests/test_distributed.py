@@ -11,6 +11,7 @@ import torch
 
 from merge_pipeline.distributed import assign_shards
 from merge_pipeline.engine.outputs import ShardFile
+from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
@@ -74,6 +75,34 @@ def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_check
         _, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the rerun cleans the dead merge's staging"
+
+
+@pytest.mark.torchrun
+def test_a_killed_torchrun_merge_resumes_bit_identical(capsys, tmp_path, fsdp_checkpoint):
+    """torchrun and all its ranks SIGKILLed once some weight files are finished: the rerun reuses them,
+    and its folder is byte-identical to one process's uninterrupted merge."""
+    role_dir = fsdp_checkpoint(SPEC).role_dir
+    target, staging = tmp_path / "out", tmp_path / ".out.staging"
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as run:
+        deadline = time.monotonic() + 120
+        while not (staging.is_dir() and any((staging / RECORDS).glob("*.json"))):
+            assert run.poll() is None and time.monotonic() < deadline, "merge ended before it could be killed"
+            time.sleep(0.01)
+        agent = psutil.Process(run.pid)
+        for process in [*agent.children(recursive=True), agent]:  # every rank, then torchrun: none cleans up
+            process.send_signal(signal.SIGKILL)
+        run.communicate(timeout=120)
+    assert not target.exists()
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as rerun:
+        _, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    assert "files reused from a killed merge" in err
+    single = tmp_path / "single"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", role_dir, "--target_dir", single, "--max-shard-size", "256KB"
+    )
+    assert code == 0, err
+    assert tree_digest(target) == tree_digest(single)  # every file, the manifest included
 
 
 def test_shard_assignment_balances_bytes():

@@ -177,7 +177,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
                 written = write_in_process(prepared.outputs, staging)
             manifest = finish_folder(prepared, staging, options, written.report)
             # the CLI's checks and its one-line refusal: a failed one fails this step, nothing is published
-            checked = checks_metadata(check_before_publishing(staging, target), staging)
+            checked = checks_metadata(check_before_publishing(staging, target, written.report), staging)
             plan_facts = parallel_config_metadata(prepared, options, manifest)
     # After publishing: each stage describes its part of the published folder.
     yield dg.MaterializeResult(asset_key=names.key("parallel_config"), metadata=plan_facts)

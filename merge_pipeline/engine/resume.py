@@ -1,13 +1,15 @@
 """Resuming a killed merge: weight files it finished in the staging folder are kept, not written again.
 
 After each weight file is written and fsynced, the merge records it in ``<staging>/.merge_resume/``:
-its size, its sha256 (computed while it was written) and the merge's key, a digest of the inputs
+its size, its sha256 (computed while it was written), its stat identity and the merge's key, a digest of the inputs
 (path, size, inode, mtime of every file read) and of every option and output decision. A merge of
 the same target started again with the same key keeps each recorded file whose size and sha256
 still match and writes only the rest (the sha256 is not computed again while the file's stat
 identity is still the one recorded, see ``_intact``); anything else in the staging folder is
 removed first. A changed input or option changes the key, and the merge starts over. The records are removed
-before the manifest is written, so a published folder never holds them.
+before the manifest is written, so a published folder never holds them. A kept file's entry (sha256
+and the identity it was checked with) goes into the write report as a written file's does: the
+blocking check ``manifest_sha256`` compares the file by it, so no byte is hashed twice in one merge.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ShardFile
+from merge_pipeline.hf.manifest import stat_identity
 from merge_pipeline.plan import SourceFile, dtype_name
 
 log = logging.getLogger("merge_pipeline")
 
 RECORDS = ".merge_resume"
 _HASH_CHUNK = 16 << 20
+_ENTRY = ("filename", "bytes", "tensors", "sha256", "identity")  # a record: these and the key
 
 
 def merge_key(inputs: Iterable[SourceFile], options: Mapping[str, object], files: Iterable[ShardFile]) -> str:
@@ -57,13 +61,13 @@ class ResumeLog:
     finished: dict[str, dict] = field(default_factory=dict)
 
     def record(self, entry: dict) -> None:
-        """Note a written, fsynced weight file (``entry``: filename, bytes, tensors, sha256)."""
+        """Note a written, fsynced weight file (``entry``: filename, bytes, tensors, sha256, and its
+        stat identity right after the fsync)."""
         folder = self.staging / RECORDS
         folder.mkdir(exist_ok=True)
         path = folder / _record_name(entry["filename"])
         partial = path.with_suffix(".partial")
-        identity = stat_identity(os.stat(self.staging / entry["filename"]))
-        partial.write_text(json.dumps({"key": self.key, **entry, "identity": identity}))
+        partial.write_text(json.dumps({"key": self.key, **entry}))
         os.replace(partial, path)  # a record is whole or absent
 
 
@@ -76,15 +80,20 @@ def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> Resume
     (size re-checked, sha256 too unless the file is untouched since its record), remove everything else.
     Run by one process before any writing."""
     kept: dict[str, dict] = {}
+    resume = ResumeLog(staging, key)
     for shard in files:
         record = _record(staging, shard.filename, key)
-        if record is not None and _intact(staging / shard.filename, record):
-            kept[shard.filename] = _entry(record)
+        identity = _intact(staging / shard.filename, record) if record is not None else None
+        if identity is not None:
+            kept[shard.filename] = {**_entry(record), "identity": identity}
+            if identity != record["identity"]:  # hashed again: other ranks and the checks go by the new identity
+                resume.record(kept[shard.filename])
     _remove_all_but(staging, {staging / name for name in kept} | {staging / RECORDS / _record_name(n) for n in kept})
     if kept:
         total = sum(e["bytes"] for e in kept.values())
         log.info("reusing %d weight file(s), %d bytes, finished by a merge that was killed", len(kept), total)
-    return ResumeLog(staging, key, kept)
+    resume.finished.update(kept)
+    return resume
 
 
 def finished(staging: Path, key: str, files: Iterable[ShardFile]) -> ResumeLog:
@@ -106,40 +115,37 @@ def _record(staging: Path, filename: str, key: str) -> dict | None:
         return None
     if not isinstance(record, dict) or record.get("key") != key or record.get("filename") != filename:
         return None
+    if any(k not in record for k in _ENTRY):
+        return None
     return record
 
 
 def _entry(record: dict) -> dict:
     """The write report's entry of a recorded file."""
-    return {k: record[k] for k in ("filename", "bytes", "tensors", "sha256")}
+    return {k: record[k] for k in _ENTRY}
 
 
-def stat_identity(found: os.stat_result) -> list[int]:
-    """What any change to a file's bytes changes too: its inode, size, and modification and change
-    times in ns. The change time (ctime) is set by the kernel on every write, truncate, rename over
-    or ``utime``; no ordinary call sets it back, so restoring the mtime does not hide an edit."""
-    return [found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns]
+def _intact(path: Path, record: dict) -> list[int] | None:
+    """The file's stat identity if it is the one recorded, else None: either its identity is the one
+    taken right after its fsync (then its sha256 is trusted, not computed again), or its size and
+    sha256 match (hashed now; its identity is then the current one).
 
-
-def _intact(path: Path, record: dict) -> bool:
-    """The file is the one recorded: its stat identity is the one taken right after its fsync (then
-    its sha256 is trusted, not computed again), or else its size and sha256 match.
-
-    Trusting the identity is safe because what would escape it (a write within the same clock tick
-    as our record, a clock set back, a raw write to the disk) still cannot be published: the
-    blocking check ``manifest_sha256`` hashes every file against the recorded sha256 before the
-    folder is published, and a failed merge removes its staging folder, so the next one starts over."""
+    A kept file's sha256 is then as trustworthy as a file's written by this merge: the digest of the
+    bytes the writer handed to the kernel, never read back, and no write, truncate or rename has touched
+    the file since (that changes its ctime). What escapes both (a write within the same clock tick as
+    the record, a clock set back, a raw write to the disk under the filesystem) escapes an
+    uninterrupted merge's own files between their fsync and the blocking checks as well."""
     try:
         with open(path, "rb", buffering=0) as f:
             found = os.fstat(f.fileno())
             if found.st_size != record["bytes"]:
-                return False
+                return None
             if stat_identity(found) == record.get("identity"):
-                return True
+                return record["identity"]
             digest = hashlib.file_digest(f, "sha256", _bufsize=_HASH_CHUNK)
     except OSError:
-        return False
-    return digest.hexdigest() == record["sha256"]
+        return None
+    return stat_identity(found) if digest.hexdigest() == record["sha256"] else None
 
 
 def _remove_all_but(staging: Path, keep: set[Path]) -> None:

@@ -3,23 +3,31 @@
 The CLI (one process or torchrun's rank 0) and Dagster's ``hf_model`` run ``run_blocking_checks`` on
 the complete staging folder, after the manifest and before the rename into place, so they accept or
 refuse the same folders. The manifest names them (``checks_before_publishing``).
+
+Each gets the write report's entries of the merge (``written``): ``manifest_sha256`` compares the weight
+files by the sha256 that merge computed while writing them (or while verifying a file a killed merge
+finished), for as long as each is still the file it hashed, instead of reading every byte again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+# What a merge computed of its own weight files: relative path -> write report entry (sha256, identity).
+Written = Mapping[str, Mapping]
 
-def _folder_check(name: str) -> Callable[[Path], list[str]]:
+
+def _folder_check(name: str, *, uses_written: bool = False) -> Callable[[Path, Written], list[str]]:
     """``folder_checks.<name>``, imported when a check runs: it needs torch and transformers, which the
     checks' names and descriptions (all that Dagster's code location reads when it loads) do not."""
 
-    def find_problems(folder: Path) -> list[str]:
+    def find_problems(folder: Path, written: Written) -> list[str]:
         from merge_pipeline.hf import folder_checks
 
-        return getattr(folder_checks, name)(folder)
+        check = getattr(folder_checks, name)
+        return check(folder, written) if uses_written else check(folder)
 
     return find_problems
 
@@ -27,7 +35,7 @@ def _folder_check(name: str) -> Callable[[Path], list[str]]:
 @dataclass(frozen=True)
 class FolderCheck:
     name: str
-    find_problems: Callable[[Path], list[str]]
+    find_problems: Callable[[Path, Written], list[str]]
     passed_text: str
     description: str
 
@@ -47,9 +55,9 @@ BLOCKING_CHECKS = (
     ),
     FolderCheck(
         "manifest_sha256",
-        _folder_check("manifest_problems"),
+        _folder_check("manifest_problems", uses_written=True),
         "every file matches the manifest's size and sha256",
-        "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted",
+        "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted; a weight file still the one this merge wrote (or verified, when resumed) is compared by the sha256 computed then, every other file is hashed",
     ),
 )
 CHECK_NAMES = [c.name for c in BLOCKING_CHECKS]
@@ -65,14 +73,16 @@ class CheckOutcome:
         return not self.problems
 
 
-def run_blocking_checks(folder: Path) -> list[CheckOutcome]:
-    """Every blocking check's problems on a complete, not yet published folder (none = passed)."""
-    return [CheckOutcome(check, _problems(check, folder)) for check in BLOCKING_CHECKS]
+def run_blocking_checks(folder: Path, written: Written) -> list[CheckOutcome]:
+    """Every blocking check's problems on a complete, not yet published folder (none = passed).
+
+    ``written``: the entries of the write report of the merge that made ``folder`` (see above)."""
+    return [CheckOutcome(check, _problems(check, folder, written)) for check in BLOCKING_CHECKS]
 
 
-def _problems(check: FolderCheck, folder: Path) -> list[str]:
+def _problems(check: FolderCheck, folder: Path, written: Written) -> list[str]:
     try:
-        return check.find_problems(folder)
+        return check.find_problems(folder, written)
     except Exception as exc:  # noqa: BLE001 - a file that breaks the reader (bad JSON, a config transformers rejects) fails the check, in one line
         return [f"{type(exc).__name__}: {' '.join(str(exc).split())}"]
 

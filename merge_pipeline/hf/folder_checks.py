@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ from merge_pipeline.hf.architecture import model_class, multi_token_prediction_p
 from merge_pipeline.hf.config import CONFIG
 from merge_pipeline.hf.fp8 import SCALE_SUFFIX
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
-from merge_pipeline.hf.manifest import file_sums, read_manifest
+from merge_pipeline.hf.manifest import digests_still_valid, file_sums, read_manifest
 from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, TORCH_DTYPES, exact_common_dtype, read_header
 
 _ADAPTER_TENSOR = re.compile(rf"^{re.escape(PEFT_PREFIX)}.+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
@@ -129,10 +129,15 @@ def index_problems(folder: Path) -> list[str]:
     return problems
 
 
-def manifest_problems(folder: Path) -> list[str]:
-    """Every file the manifest lists is there with its size and sha256, and no other file is."""
+def manifest_problems(folder: Path, written: Mapping[str, Mapping] | None = None) -> list[str]:
+    """Every file the manifest lists is there with its size and sha256, and no other file is.
+
+    ``written``: the write report's entries (relative path -> entry) of the merge that made the folder.
+    A file still the one its entry hashed (``digests_still_valid``) is compared by that digest, so a
+    merge never hashes a weight byte twice; every other file (side files, index, configs, a weight file
+    touched since) is hashed here. Without ``written`` (a folder on its own) every file is hashed."""
     recorded = read_manifest(folder)["files"]
-    actual = file_sums(folder)
+    actual = file_sums(folder, digests_still_valid(folder, written or {}))
     problems = [f"{name}: in the manifest, not in the folder" for name in sorted(set(recorded) - set(actual))]
     problems += [f"{name}: in the folder, not in the manifest" for name in sorted(set(actual) - set(recorded))]
     problems += [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -27,6 +29,28 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             continue
     return found
+
+
+def stat_identity(found: os.stat_result) -> list[int]:
+    """What any change to a file's bytes changes too: its inode, size, and modification and change
+    times in ns. The change time (ctime) is set by the kernel on every write, truncate, rename over
+    or ``utime``; no ordinary call sets it back, so restoring the mtime does not hide an edit."""
+    return [found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns]
+
+
+def digests_still_valid(folder: Path, written: Mapping[str, Mapping]) -> dict[str, str]:
+    """The sha256 of each file a merge hashed itself (``written``: relative path -> write report entry,
+    its ``sha256`` and its stat ``identity`` right after the fsync or the resume's verification),
+    for those files that are still the very file hashed (same identity): no byte of them is read."""
+    valid = {}
+    for name, entry in written.items():
+        try:
+            found = os.stat(folder / name)
+        except OSError:
+            continue
+        if stat_identity(found) == entry.get("identity"):
+            valid[name] = entry["sha256"]
+    return valid
 
 
 def file_sums(folder: Path, known_sha256: dict[str, str] | None = None) -> dict[str, dict[str, object]]:

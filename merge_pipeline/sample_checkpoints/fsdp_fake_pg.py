@@ -42,6 +42,52 @@ def write_fake_pg_checkpoint(role_dir: Path, spec: FsdpSpec, *, reference_dir: P
             _save_rank(role_dir, weights, pieces, rank, spec.world_size, spec.mesh_dim_names)
 
 
+def write_generated_checkpoint(role_dir: Path, spec: FsdpSpec) -> None:
+    """The same role folder for a model larger than memory: no tensor is ever whole. Rank r's rows of
+    each tensor (its ``torch.chunk`` piece) are drawn when rank r is saved, from a generator seeded by
+    (``spec.seed``, the tensor's index, r), so memory holds one rank file's share of the model. The full
+    tensor is the concatenation of its ranks' pieces (``generated_tensor``). No reference folder."""
+    import transformers
+
+    if spec.fsdp_version != 2 or spec.mesh is not None or spec.placements is not None or spec.lora:
+        raise ValueError("the generated writer makes FSDP2 1-D meshes without LoRA only")
+    role_dir = Path(role_dir)
+    role_dir.mkdir(parents=True, exist_ok=True)
+    config = _causal_lm_config(spec)
+    _write_metadata(role_dir, spec, config)
+    with torch.device("meta"):  # names, shapes and strides only
+        shapes = transformers.AutoModelForCausalLM.from_config(config, dtype=spec.dtype).state_dict()
+    for rank in range(spec.world_size):
+        pieces = {name: _GeneratedPieces(spec, index, full) for index, (name, full) in enumerate(shapes.items())}
+        _save_rank(role_dir, shapes, pieces, rank, spec.world_size, spec.mesh_dim_names)
+
+
+def generated_tensor(spec: FsdpSpec, index: int, full: torch.Tensor) -> torch.Tensor:
+    """The whole tensor ``write_generated_checkpoint`` wrote as the ``index``-th of the model (``full``:
+    its shape and dtype, e.g. on the meta device), to check a merge against."""
+    return torch.cat(list(_GeneratedPieces(spec, index, full)))
+
+
+class _GeneratedPieces:
+    """``torch.chunk(full, world_size)``'s pieces, each drawn when asked for; a rank past the last piece
+    gets 0 rows, as ``_save_rank`` expects."""
+
+    def __init__(self, spec: FsdpSpec, index: int, full: torch.Tensor):
+        self.spec, self.index, self.full = spec, index, full
+        self.rows = -(-full.shape[0] // spec.world_size)  # torch.chunk's piece size
+
+    def __len__(self) -> int:
+        return self.spec.world_size
+
+    def __getitem__(self, rank: int) -> torch.Tensor:
+        if not 0 <= rank < len(self):
+            raise IndexError(rank)
+        start = min(rank * self.rows, self.full.shape[0])
+        shape = (min(self.rows, self.full.shape[0] - start), *self.full.shape[1:])
+        generator = torch.Generator().manual_seed((self.spec.seed * 1_000_003 + self.index) * 65_537 + rank)
+        return (torch.randn(shape, generator=generator) * 0.02).to(self.full.dtype)
+
+
 def _save_rank(role_dir: Path, weights: dict, pieces: dict, rank: int, world_size: int, dim_names) -> None:
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:

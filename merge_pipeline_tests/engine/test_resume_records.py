@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ShardFile
-from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished
+from merge_pipeline.engine.resume import RECORDS, ResumeLog, finished, keep_finished
+from merge_pipeline.hf.manifest import stat_identity
 
 KEY = "a merge key"
 NAME = "model-00001-of-00002.safetensors"
@@ -23,7 +24,7 @@ def _finished_file(staging: Path, data: bytes = b"weights" * 1000) -> Path:
     path = staging / NAME
     path.write_bytes(data)
     entry = {"filename": NAME, "bytes": len(data), "tensors": 1, "sha256": hashlib.sha256(data).hexdigest()}
-    ResumeLog(staging, KEY).record(entry)
+    ResumeLog(staging, KEY).record({**entry, "identity": stat_identity(path.stat())})
     return path
 
 
@@ -64,3 +65,8 @@ def test_a_file_with_another_identity_but_the_recorded_bytes_is_kept_after_hashi
     kept = keep_finished(tmp_path, KEY, FILES)
 
     assert list(kept.finished) == [NAME] and path.exists()
+    # Hashed once here: the entry (and the record other torchrun ranks read) carries the identity it was
+    # checked with, so the blocking checks compare the file by this sha256 rather than reading it again.
+    now = stat_identity(path.stat())
+    assert kept.finished[NAME]["identity"] == now
+    assert finished(tmp_path, KEY, FILES).finished[NAME]["identity"] == now
