@@ -1,0 +1,118 @@
+"""A NeMo-Automodel 0.7 checkpoint written by NeMo-Automodel itself: run with the nemo venv's python.
+
+    .venv-nemo/bin/python merge_pipeline/sample_checkpoints/nemo_automodel_save.py OUT
+
+``scripts/setup_nemo.sh`` builds that venv (NeMo-Automodel pins transformers 5.18 and its own
+dependencies), so this file imports only torch, transformers, safetensors and nemo_automodel. Two gloo
+ranks build the same small transformers Llama, ``fully_shard`` every layer and the model (Automodel's
+FSDP2 manager calls the same API) and save with NeMo-Automodel's own ``Checkpointer.save_model`` and
+``save_optimizer`` as its recipes do, into ``OUT/<format>/epoch_0_step_1/{model,optim}/``:
+
+- ``safetensors``: its sharded HF storage (``model/shard-0000r-model-0000k-of-0000N.safetensors``,
+  ``model/.hf_metadata/fqn_to_file_index_mapping.json``) and, with ``save_consolidated``, its
+  consolidated HF folder ``model/consolidated/``;
+- ``torch_save``: plain DCP (``model/.metadata``, ``__r_0.distcp``).
+
+Rank 0 writes the model's own state dict as ``OUT/expected/model.safetensors`` (what a merge must
+equal, bit for bit) and its config as ``OUT/hf/config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FORMATS = ("safetensors", "torch_save")
+WEIGHTS = "epoch_0_step_1"  # the folder its recipes save each step into
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float()
+
+
+def _run_rank(rank: int, out: str, world_size: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        _save(rank, Path(out), world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def _save(rank: int, out: Path, world_size: int) -> None:
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    if rank == 0:
+        _write_expected(out, model)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for save_format in FORMATS:
+        config = CheckpointingConfig(
+            checkpoint_dir=str(out / save_format),
+            model_save_format=save_format,
+            save_consolidated="every" if save_format == "safetensors" else False,
+            model_cache_dir=str(out / "hf_cache"),  # no hub snapshot: its size-based shard mapping
+            model_repo_id=None,
+            is_peft=False,
+        )
+        checkpointer = Checkpointer(config, dp_rank=rank, tp_rank=0, pp_rank=0)
+        weights = str(out / save_format / WEIGHTS)
+        checkpointer.save_model(model, weights)
+        checkpointer.save_optimizer(optimizer, model, weights)
+        checkpointer.close()
+
+
+def _write_expected(out: Path, model) -> None:
+    from safetensors.torch import save_file
+
+    (out / "expected").mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+        str(out / "expected" / "model.safetensors"),
+    )
+    model.config.save_pretrained(out / "hf")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_run_rank, args=(str(args.out_dir), args.world_size, port), nprocs=args.world_size)
+    for save_format in FORMATS:
+        print(args.out_dir / save_format / WEIGHTS)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
