@@ -13,6 +13,9 @@ FSDP2 manager calls the same API) and save with NeMo-Automodel's own ``Checkpoin
   consolidated HF folder ``model/consolidated/``;
 - ``torch_save``: plain DCP (``model/.metadata``, ``__r_0.distcp``).
 
+The same model is then saved as NeMo-RL 0.6's Automodel-based policy saves it (through these same
+calls) into ``OUT/nemo_rl/step_1/policy/{weights,optimizer}/``.
+
 Rank 0 writes the model's own state dict as ``OUT/expected/model.safetensors`` (what a merge must
 equal, bit for bit) and its config as ``OUT/hf/config.json``.
 """
@@ -31,6 +34,7 @@ import torch.multiprocessing as mp
 
 FORMATS = ("safetensors", "torch_save")
 WEIGHTS = "epoch_0_step_1"  # the folder its recipes save each step into
+NEMO_RL_STEP = "step_1"
 
 
 def _model():
@@ -87,6 +91,36 @@ def _save(rank: int, out: Path, world_size: int) -> None:
         checkpointer.save_model(model, weights)
         checkpointer.save_optimizer(optimizer, model, weights)
         checkpointer.close()
+    _save_as_nemo_rl(model, optimizer, rank, out)
+
+
+def _save_as_nemo_rl(model, optimizer, rank: int, out: Path) -> None:
+    """NeMo-RL's DTensor v2 policy (nemo_rl/models/automodel/checkpoint.py at NeMo-RL 7ea279a, 0.6.0):
+    its AutomodelCheckpointManager builds this config and calls these two saves, into
+    ``step_N/policy/weights`` and ``step_N/policy/optimizer``. NeMo-RL itself is not on the registry
+    (``nemo-rl`` 0.0.0 is an empty placeholder), so its calls are made here as it makes them."""
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    config = CheckpointingConfig(
+        enabled=True,
+        checkpoint_dir=str(out / "nemo_rl"),
+        model_save_format="safetensors",
+        model_cache_dir="",
+        model_repo_id="",
+        save_consolidated=False,
+        is_peft=False,
+        is_async=False,
+        dequantize_base_checkpoint=False,
+        skip_task_head_prefixes_for_base_model=None,
+    )
+    checkpointer = Checkpointer(config, dp_rank=rank, tp_rank=0, pp_rank=0)
+    policy = out / "nemo_rl" / NEMO_RL_STEP / "policy"
+    checkpointer.save_model(model=model, weights_path=str(policy / "weights"), peft_config=None, tokenizer=None)
+    checkpointer.save_optimizer(
+        optimizer=optimizer, model=model, weights_path=str(policy / "optimizer"), scheduler=None
+    )
+    checkpointer.close()
 
 
 def _write_expected(out: Path, model) -> None:
@@ -112,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     mp.spawn(_run_rank, args=(str(args.out_dir), args.world_size, port), nprocs=args.world_size)
     for save_format in FORMATS:
         print(args.out_dir / save_format / WEIGHTS)
+    print(args.out_dir / "nemo_rl" / NEMO_RL_STEP / "policy")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 gloo ranks, its own ``Checkpointer.save_model`` and ``save_optimizer`` -- merge from the CLI with
 ``--backend auto`` bit for bit into the model's own state dict and into the consolidated HF folder
 NeMo-Automodel exports itself: its sharded safetensors (DCP in HF storage, the config in
-``model/.hf_metadata/``) with no other option, its ``torch_save`` DCP with ``--hf_model_path``.
+``model/.hf_metadata/``) with no other option, its ``torch_save`` DCP with ``--hf_model_path``, and
+NeMo-RL 0.6's policy folder, which NeMo-RL saves through the same calls.
 
 NeMo-Automodel runs in its own venv (``scripts/setup_nemo.sh``, called by ``scripts/setup.sh``);
 the writer is ``merge_pipeline/sample_checkpoints/nemo_automodel_save.py``."""
@@ -77,3 +78,16 @@ def test_torch_save_dcp_without_hf_model_path_says_what_to_pass(capsys, tmp_path
     [line] = error_lines(err)
     assert "config.json" in line and "--hf_model_path" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_nemo_rl_policy_folder_merges_bit_for_bit_with_no_option(capsys, tmp_path, automodel_saves):
+    """NeMo-RL 0.6's DTensor v2 policy saves through NeMo-Automodel (``policy/weights/model/``,
+    ``policy/optimizer/optim/``). NeMo-RL is not installable (``nemo-rl`` 0.0.0 on the registry is an
+    empty placeholder): the writer makes its AutomodelCheckpointManager's calls as NeMo-RL's source at
+    commit 7ea279a makes them, on NeMo-Automodel 0.7.0 itself."""
+    policy = automodel_saves / "nemo_rl" / "step_1" / "policy"
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", policy, "--target_dir", tmp_path / "out", "--backend", "auto", "--no-progress"
+    )
+    assert code == 0, err
+    assert_bit_exact(tmp_path / "out", automodel_saves / "expected")
