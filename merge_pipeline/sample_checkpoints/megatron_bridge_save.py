@@ -20,7 +20,8 @@ layer; ``models/gpt_full_te_layer_autocast_spec.py``: ``from transformer_engine.
 TransformerLayer``, a base class of a TE-only spec). Only while those two modules execute, an empty
 ``transformer_engine.pytorch`` stands in (``TransformerLayer`` an empty ``torch.nn.Module``, any other
 name an empty class that nothing is an instance of, and so are its attributes); it is removed again at once, so megatron-core
-still finds no TransformerEngine and builds its local layers.
+still finds no TransformerEngine and builds its local layers. The bridge's LoRA is told the same
+(``peft.utils.HAVE_TE = False``): its own check takes megatron-core's ``None`` placeholders for TE classes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
 FAMILIES = ("llama", "qwen3")
+LORA_FAMILY = "llama"  # also saved with the bridge's LoRA, into OUT/llama/lora/
 _CUDA_FUSIONS = (
     "apply_rope_fusion",
     "bias_activation_fusion",
@@ -116,7 +118,11 @@ def _import_bridge():
         importlib.import_module(name)
     sys.meta_path.insert(0, _StubTransformerEngineWhileLoading())
     from megatron.bridge import AutoBridge
+    from megatron.bridge.peft import utils as peft_utils
 
+    # Its LoRA finds TransformerEngine when megatron-core's TE names import, and without TE megatron-core
+    # 0.18 binds some of them to None (TEColumnParallelGroupedLinear): say what is true here.
+    peft_utils.HAVE_TE = False
     return AutoBridge
 
 
@@ -199,8 +205,38 @@ def _save(rank: int, out: Path, family: str, world_size: int) -> None:
         if rank == 0:
             _write_expected(out, exported, model[0].config, role)
         dist.barrier()
+        if family == LORA_FAMILY:
+            _save_lora(bridge, model, out / "lora", rank)
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _save_lora(bridge, model, out: Path, rank: int) -> None:
+    """verl with the bridge and LoRA: the bridge's LoRA on the same model, its adapters given values
+    (LoRA starts B at zero), then ``save_hf_adapter`` into ``model/huggingface/adapter/`` beside the HF
+    config, no base weights. ``OUT/<family>/lora/expected_merged/`` is the bridge's own export with the
+    adapters merged (``export_hf_weights(merge_adapter_weights=True)``)."""
+    from megatron.bridge.peft.lora import LoRA
+    from safetensors.torch import save_file
+
+    lora = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=4, alpha=8)
+    model = lora(model, training=False)
+    values = torch.Generator().manual_seed(1)  # the same on every rank: replicated adapters agree
+    with torch.no_grad():
+        for name, param in model[0].named_parameters():
+            if ".adapter." in name:
+                param.copy_(torch.randn(param.shape, generator=values) * 0.05)
+    huggingface = out / "actor" / "model" / "huggingface"
+    if rank == 0:
+        bridge.hf_pretrained.config.save_pretrained(huggingface)
+        (out / "actor" / "model" / "dist_ckpt").mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    bridge.save_hf_adapter(model, str(huggingface / "adapter"), lora)
+    merged = {name: t.clone() for name, t in bridge.export_hf_weights(model, cpu=True, merge_adapter_weights=True)}
+    if rank == 0:
+        (out / "expected_merged").mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in merged.items()}, str(out / "expected_merged" / "model.safetensors"))
+    dist.barrier()
 
 
 def _fresh(folder: Path) -> Path:

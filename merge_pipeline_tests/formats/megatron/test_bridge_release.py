@@ -2,7 +2,8 @@
 small transformers Llama / Qwen3, two gloo ranks load it with ``AutoBridge.from_hf_pretrained`` and the
 bridge's own model provider (TP=2), and save what verl's ``MegatronCheckpointManager`` saves with the
 bridge: megatron-core's ``dist_checkpointing.save`` into ``model/dist_ckpt/`` and the bridge's
-``save_hf_weights`` into ``model/huggingface/``. Each layout merges from the CLI with ``--backend auto``
+``save_hf_weights`` into ``model/huggingface/``, and with the bridge's LoRA its ``save_hf_adapter`` into
+``model/huggingface/adapter/``. Each layout merges from the CLI with ``--backend auto``
 bit for bit into what the bridge's own ``export_hf_weights`` gives: so our Megatron-to-HF mapping
 equals the bridge's.
 
@@ -88,3 +89,18 @@ def test_save_hf_weights_folder_is_copied_as_the_export(capsys, tmp_path, bridge
     source = _merge(capsys, role, tmp_path / "out")
     assert source["inputs"][0]["path"].endswith("huggingface/model.safetensors"), source["inputs"]
     assert_bit_exact(tmp_path / "out", saved / "expected")
+
+
+def test_lora_adapter_export_is_kept_and_folds_as_the_bridges_merge(capsys, tmp_path, bridge_saves):
+    """verl with the bridge and LoRA: ``save_hf_adapter`` wrote ``model/huggingface/adapter/`` and no
+    base weights. With ``--hf_model_path`` the output is the base plus the bridge's adapter, bit for
+    bit; with ``--merge-lora`` the folded weights equal the bridge's own merged export
+    (``export_hf_weights(merge_adapter_weights=True)``) bit for bit."""
+    saved = bridge_saves / "llama"
+    role = saved / "lora" / "actor"
+    _merge(capsys, role, tmp_path / "out", "--hf_model_path", saved / "hf")
+    assert_bit_exact(tmp_path / "out", saved / "hf")  # LoRA leaves the base unchanged
+    assert_bit_exact(tmp_path / "out" / "lora_adapter", role / "model" / "huggingface" / "adapter")
+
+    _merge(capsys, role, tmp_path / "folded", "--hf_model_path", saved / "hf", "--merge-lora")
+    assert_bit_exact(tmp_path / "folded", saved / "lora" / "expected_merged")
