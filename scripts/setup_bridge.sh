@@ -12,18 +12,16 @@
 # A second run is a no-op: the stamp file records what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/isolated_venv.sh
 VENV=.venv-bridge
 BASE="torch==2.13.0 transformers==5.12.1 safetensors numpy einops packaging typing_extensions omegaconf==2.4.0 psutil requests pulp scipy"
 NODEPS="megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 triton==3.9.0"
 CORE=megatron-core==0.18.2
 PACKAGES="$BASE $CORE $NODEPS"
-if [ -f "$VENV/stamp" ] && [ "$(cat "$VENV/stamp")" = "$PACKAGES" ]; then
+if venv_is_current "$VENV" "$PACKAGES"; then
     exit 0
 fi
-PYTHON=${PYTHON:-python3.11}
-command -v "$PYTHON" >/dev/null || PYTHON=python3
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
+new_venv "$VENV"
 # torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pip install --quiet $BASE

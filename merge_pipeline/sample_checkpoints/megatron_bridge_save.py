@@ -30,19 +30,18 @@ import argparse
 import importlib.abc
 import importlib.machinery
 import json
-import os
-import socket
 import sys
 import types
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-# Run as a script, its own folder comes first on the path, where megatron.py would hide megatron-core.
+# Run as a script, its own folder comes first on the path, where megatron.py would hide megatron-core:
+# the repository's root takes its place.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+from merge_pipeline.sample_checkpoints.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
 
 FAMILIES = ("llama", "qwen3")
 LORA_FAMILY = "llama"  # also saved with the bridge's LoRA, into OUT/llama/lora/
@@ -162,15 +161,10 @@ def _hf_model(family: str):
     return model
 
 
-def _run_rank(rank: int, out: str, families: list[str], world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _save_families(rank: int, world_size: int, out: str, families: list[str]) -> None:
     _patch_for_cpu()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        for family in families:
-            _save(rank, Path(out) / family, family, world_size)
-    finally:
-        dist.destroy_process_group()
+    for family in families:
+        _save(rank, Path(out) / family, family, world_size)
 
 
 def _save(rank: int, out: Path, family: str, world_size: int) -> None:
@@ -268,10 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as probe:  # a free port for the ranks' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_run_rank, args=(str(args.out_dir), args.family, args.world_size, port), nprocs=args.world_size)
+    spawn_gloo_ranks(_save_families, (str(args.out_dir), args.family), args.world_size)
     for family in args.family:
         print(args.out_dir / family / "actor")
 

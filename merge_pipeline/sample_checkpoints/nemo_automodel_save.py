@@ -23,14 +23,16 @@ equal, bit for bit) and its config as ``OUT/hf/config.json``.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+# Run as a script, its own folder comes first on the path (where megatron.py would hide megatron-core
+# from an optional import): the repository's root takes its place.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+from merge_pipeline.sample_checkpoints.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
 
 FORMATS = ("safetensors", "torch_save")
 WEIGHTS = "epoch_0_step_1"  # the folder its recipes save each step into
@@ -54,21 +56,13 @@ def _model():
     return LlamaForCausalLM(config).float()
 
 
-def _run_rank(rank: int, out: str, world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        _save(rank, Path(out), world_size)
-    finally:
-        dist.destroy_process_group()
-
-
-def _save(rank: int, out: Path, world_size: int) -> None:
+def _save(rank: int, world_size: int, out_dir: str) -> None:
     from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    out = Path(out_dir)
     model = _model()
     if rank == 0:
         _write_expected(out, model)
@@ -140,10 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as probe:  # a free port for the ranks' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_run_rank, args=(str(args.out_dir), args.world_size, port), nprocs=args.world_size)
+    spawn_gloo_ranks(_save, (str(args.out_dir),), args.world_size)
     for save_format in FORMATS:
         print(args.out_dir / save_format / WEIGHTS)
     print(args.out_dir / "nemo_rl" / NEMO_RL_STEP / "policy")
