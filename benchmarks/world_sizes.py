@@ -1,14 +1,17 @@
 """Wall time and peak RSS of a merge against the world size the same weights were saved at.
 
     .venv/bin/python -m benchmarks.world_sizes --size large --world-sizes 4,64,1024 --repeat 3 \\
-        [--compare-with /path/to/other/checkout] [--plot docs/img/world_sizes.png]
+        [--compare-with /path/to/other/checkout] [--with-verl] [--plot docs/img/world_sizes.png]
 
 Each world size is the ``--size`` checkpoint re-saved by torch's fake process group
 (``benchmarks.checkpoints.ensure_world_size_checkpoint``); each merge is a fresh
 ``python -m merge_pipeline merge --dtype bfloat16`` child (wall from spawn to exit, peak RSS and
 CPU from ``wait4``), warm page cache, the runs of every world size (and of ``--compare-with``, the
 same command with that checkout first on PYTHONPATH: e.g. main before a change) interleaved, so
-the ratios come from the same minutes of a shared machine. The table uses the fastest run.
+the ratios come from the same minutes of a shared machine. ``--with-verl`` adds verl's
+``model_merger`` (its venv from ``benchmarks.verl_env``; bf16 output, as ours) to the same rotation;
+its dirty pages are synced after its run, outside its time, as in ``benchmarks.run``. The table
+uses the fastest run.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, ensure_world_size_checkpoint
 from benchmarks.measure import prepare_cache, remove, run_child
+from benchmarks.verl_env import DEFAULT_VENV, DEFAULT_VERL, ensure_verl_venv, verl_merge_command
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--compare-with", type=Path, help="another checkout of merge_pipeline, measured alongside")
     parser.add_argument("--compare-label", default="other checkout", help="its name in the table and plot")
+    parser.add_argument(
+        "--with-verl", action="store_true", help="also verl's merger (creates --verl-venv on first use)"
+    )
+    parser.add_argument("--verl-venv", type=Path, default=DEFAULT_VENV)
+    parser.add_argument("--verl-version", default=DEFAULT_VERL)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     parser.add_argument("--json", type=Path, help="write every sample here")
@@ -41,23 +50,34 @@ def main(argv: list[str] | None = None) -> None:
     versions = {"this checkout": REPO_ROOT}
     if args.compare_with:
         versions = {args.compare_label: args.compare_with.resolve(), **versions}
-    samples: dict[str, dict[int, list[dict]]] = {v: {w: [] for w in world_sizes} for v in versions}
+    verl = ensure_verl_venv(args.verl_venv, args.verl_version) if args.with_verl else None
+    labels = [*versions, *([f"verl {args.verl_version}"] if verl else [])]
+    samples: dict[str, dict[int, list[dict]]] = {v: {w: [] for w in world_sizes} for v in labels}
     with tempfile.TemporaryDirectory(prefix="world-sizes-") as scratch:
         for repeat in range(args.repeat):
             for w, checkpoint in checkpoints.items():
-                for version, root in versions.items():
+                for label in labels:
                     target = Path(scratch) / "out"
                     prepare_cache(checkpoint.model_files, "warm")
-                    run = run_child(
-                        [sys.executable, "-m", "merge_pipeline", "merge", "--local_dir", str(checkpoint.role_dir)]
-                        + ["--target_dir", str(target), "--dtype", "bfloat16", "--no-progress"],
-                        cwd=Path(scratch),
-                        env={**os.environ, "PYTHONPATH": str(root)},
-                    ).check(f"merge of world size {w} by {version}")
+                    if label in versions:
+                        command = [
+                            sys.executable,
+                            "-m",
+                            "merge_pipeline",
+                            "merge",
+                            "--local_dir",
+                            str(checkpoint.role_dir),
+                        ]
+                        command += ["--target_dir", str(target), "--dtype", "bfloat16", "--no-progress"]
+                        env = {**os.environ, "PYTHONPATH": str(versions[label])}
+                    else:
+                        command, env = verl_merge_command(verl, "fsdp", checkpoint.role_dir, target), None
+                    run = run_child(command, cwd=Path(scratch), env=env).check(f"merge of world size {w} by {label}")
+                    os.sync()  # verl does not fsync: its dirty pages must not land in the next run
                     remove(target)
                     sample = {"wall_s": run.wall_s, "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_bytes / 1e6}
-                    samples[version][w].append(sample)
-                    print(f"repeat {repeat + 1}, world size {w}, {version}: {json.dumps(sample)}", flush=True)
+                    samples[label][w].append(sample)
+                    print(f"repeat {repeat + 1}, world size {w}, {label}: {json.dumps(sample)}", flush=True)
     print(table(samples, world_sizes))
     if args.json:
         args.json.write_text(json.dumps(samples, indent=1))
@@ -70,17 +90,20 @@ def _best(runs: list[dict]) -> dict:
 
 
 def table(samples: dict, world_sizes: list[int]) -> str:
+    verl = next((label for label in samples if label.startswith("verl")), None)
     lines = [
-        "| code | world size | wall s | CPU s | peak RSS MB | wall / world size " + str(world_sizes[0]) + " |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| code | world size | wall s | CPU s | peak RSS MB | wall / world size {world_sizes[0]} | CPU / world size {world_sizes[0]} |"
+        + (" wall / verl's |" if verl else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if verl else ""),
     ]
     for version, by_size in samples.items():
-        first = _best(by_size[world_sizes[0]])["wall_s"]
+        first = _best(by_size[world_sizes[0]])
         for w in world_sizes:
             best = _best(by_size[w])
-            lines.append(
-                f"| {version} | {w} | {best['wall_s']:.1f} | {best['cpu_s']:.1f} | {best['peak_rss_mb']:.0f} | {best['wall_s'] / first:.2f}x |"
-            )
+            line = f"| {version} | {w} | {best['wall_s']:.1f} | {best['cpu_s']:.1f} | {best['peak_rss_mb']:.0f} | {best['wall_s'] / first['wall_s']:.2f}x | {best['cpu_s'] / first['cpu_s']:.2f}x |"
+            if verl:
+                line += f" {best['wall_s'] / _best(samples[verl][w])['wall_s']:.2f}x |"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -90,12 +113,14 @@ def plot(samples: dict, world_sizes: list[int], size: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (wall, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (wall, cpu, memory) = plt.subplots(1, 3, figsize=(14, 4))
     for version, by_size in samples.items():
         best = [_best(by_size[w]) for w in world_sizes]
         wall.plot(world_sizes, [b["wall_s"] for b in best], marker="o", label=version)
+        cpu.plot(world_sizes, [b["cpu_s"] for b in best], marker="o", label=version)
         memory.plot(world_sizes, [b["peak_rss_mb"] for b in best], marker="o", label=version)
-    for axes, label in ((wall, "wall time (s, fastest run)"), (memory, "peak RSS (MB)")):
+    labels = ("wall time (s, fastest run)", "CPU time (s, user + system, least)", "peak RSS (MB)")
+    for axes, label in zip((wall, cpu, memory), labels):
         axes.set_xscale("log", base=2)
         axes.set_xlabel("world size (rank files)")
         axes.set_ylabel(label)

@@ -390,6 +390,17 @@ FAMILIES: dict[str, Family] = {
             megatron=False,
             torchtitan=TORCHTITAN_KIMI_K2_7,
         ),
+        # GLM-4.5 / GLM-4.5-Air: q/k/v biases, optional QK-norm, partial rotary (which moves no tensor),
+        # dense then MoE layers, sigmoid router with expert bias, shared experts, DeepSeek-style MTP layers.
+        Family(
+            "glm4_moe",
+            "glm4_moe",
+            ("Glm4MoeForCausalLM",),
+            qkv_bias=True,
+            qk_norm=True,
+            moe=True,
+            mtp=True,
+        ),
         # gpt-oss: attention sinks and biases; torchtitan's to_hf only (megatron-core 0.16 cannot build it on CPU).
         Family(
             "gpt_oss",
@@ -412,3 +423,23 @@ def by_architecture(architecture: str) -> Family | None:
 def by_model_type(model_type: object) -> Family | None:
     """The family of a config.json ``model_type``."""
     return next((f for f in FAMILIES.values() if f.model_type == model_type), None)
+
+
+# ---- Megatron shards this reader refuses ----------------------------------------------------------
+
+# Architectures verl trains with Megatron whose shards are not mapped to HF names here, and why: either
+# megatron-core 0.16 cannot build them on CPU (so no mapping could be proven against its own forward),
+# or HF stores their experts transposed, which is not a selection of the stored rows. Refused at plan time.
+MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
+    {
+        "Qwen3NextForCausalLM": "Qwen3-Next: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
+        "Qwen3_5ForConditionalGeneration": "Qwen3.5: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
+        "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
+        "GptOssForCausalLM": "gpt-oss: HF stores its experts transposed with gate/up interleaved",
+        "MiMoForCausalLM": "MiMo: remote code that transformers 5 does not ship, with MTP layers of its own",
+        "Qwen3VLForConditionalGeneration": "Qwen3-VL: megatron-core 0.16 has no Qwen3-VL model (the bridge builds it)",
+        "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE: megatron-core 0.16 has no Qwen3-VL model (the bridge builds it)",
+        "Llama4ForConditionalGeneration": "Llama 4: HF stores its experts transposed",
+        "Llama4ForCausalLM": "Llama 4: HF stores its experts transposed",
+    }
+)

@@ -58,6 +58,7 @@ from merge_pipeline.progress import ByteProgress, human_bytes
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
+    from merge_pipeline.hf.blocking_checks import CheckOutcome
 
 log = logging.getLogger("merge_pipeline")
 
@@ -282,15 +283,18 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
     }
 
 
-def check_before_publishing(staging: Path, target: Path) -> None:
-    """The blocking checks Dagster's ``hf_model`` runs, on the complete staging folder; any failure is one line."""
+def check_before_publishing(staging: Path, target: Path) -> list[CheckOutcome]:
+    """The blocking checks, on the complete staging folder, for the CLI and Dagster's ``hf_model`` alike:
+    any failure is one line; when all passed, their outcomes (Dagster shows them on the stages)."""
     from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
 
     started = time.monotonic()
-    problem = refusal(run_blocking_checks(staging))
+    outcomes = run_blocking_checks(staging)
+    problem = refusal(outcomes)
     if problem:
         raise MergeError(target, problem)
     log.info("blocking checks passed (%s) in %.1f s", ", ".join(CHECK_NAMES), time.monotonic() - started)
+    return outcomes
 
 
 def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:

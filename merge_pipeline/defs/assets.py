@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import dagster as dg
 
-from merge_pipeline.defs.checks import check_specs, check_staged_folder
+from merge_pipeline.defs.checks import checks_metadata
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
@@ -107,7 +107,6 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
         partitions_def=names.partitions,
         can_subset=False,  # the plan is built once and the three stages are published together, or not at all
         pool=MERGE_POOL,
-        check_specs=check_specs(names),
         required_resource_keys={names("settings")},
     )
     def merge_step(context: dg.AssetExecutionContext, config: MergeConfig) -> Iterator:
@@ -144,7 +143,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     # (the UI's, and each run worker's before it reports the run started) does not need.
     from merge_pipeline.defs.discovery import Completeness, completeness, newest_change
     from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
-    from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
+    from merge_pipeline.pipeline import check_before_publishing, finish_folder, prepare, staged_output, write_side_files
 
     key = CheckpointKey.parse(context.partition_key)
     target = settings.target_dir(key)
@@ -177,17 +176,8 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             else:
                 written = write_in_process(prepared.outputs, staging)
             manifest = finish_folder(prepared, staging, options, written.report)
-            check_results = check_staged_folder(staging, names)
-            failed = [r.check_name for r in check_results if not r.passed]
-            if failed:
-                yield from check_results
-                raise dg.Failure(
-                    description=f"{target}: not published: blocking check(s) {', '.join(failed)} failed on the merged folder (see the checks' problems)",
-                    metadata={
-                        "file": dg.MetadataValue.path(str(role_dir)),
-                        "next step": "fix the checkpoint or report the problem; then re-execute this run",
-                    },
-                )
+            # the CLI's checks and its one-line refusal: a failed one fails this step, nothing is published
+            checked = checks_metadata(check_before_publishing(staging, target), staging)
             plan_facts = parallel_config_metadata(prepared, options, manifest)
     # After publishing: each stage describes its part of the published folder.
     yield dg.MaterializeResult(asset_key=names.key("parallel_config"), metadata=plan_facts)
@@ -198,8 +188,8 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             "launcher": config.launcher
             if config.launcher == "inprocess"
             else f"torchrun x{config.nproc_per_node * config.nnodes}",
+            **checked["state_dict"],
         },
-        check_results=[r for r in check_results if r.asset_key == names.key("state_dict")],
     )
     yield dg.MaterializeResult(
         asset_key=names.key("hf_model"),
@@ -209,8 +199,8 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             "completeness": state.reason,
             "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
             "seconds": round(time.monotonic() - started, 3),
+            **checked["hf_model"],
         },
-        check_results=[r for r in check_results if r.asset_key == names.key("hf_model")],
     )
 
 

@@ -1,88 +1,78 @@
-"""The three blocking checks of ``hf_model``, run by the asset itself against the staging folder, before publishing.
+"""The three blocking checks in the UI: metadata of the stages they looked at, not Dagster asset checks.
 
-The checks themselves, and the function running them, are the CLI's too (``hf/blocking_checks.py``).
-They are part of the ``hf_model`` step (``check_specs``), so they run exactly when a folder is
-merged, for that partition, and the UI does not offer them on their own: a checks-only run would
-have no staged folder to look at.
+They are part of the merge step: ``pipeline.check_before_publishing`` (the CLI's own function) runs
+them on the staging folder before the rename, and a failed one fails the step with the CLI's line.
+They are not asset checks because Dagster 1.13 plans every check of a run when it creates the run and
+shows a planned check of a failed run as "Execution failed" (``AssetCheckExecutionRecord.resolve_status``):
+a merge that failed on a truncated rank file would paint checks that never looked at a folder.
 """
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CheckOutcome, run_blocking_checks
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES, CheckOutcome
 from merge_pipeline.hf.manifest import read_manifest
+from merge_pipeline.progress import human_bytes
+
+CHECKED = "checked before publishing"  # a table of the checks that looked at this stage
+PASSED = "blocking checks passed"  # on hf_model: every check, so its materialization says the whole folder passed
 
 
-def checked_asset(check_name: str, names: Names) -> dg.AssetKey:
-    """Each check sits on the stage it checks: the index against the shards on the weights (state_dict),
-    the others look at the whole folder (hf_model)."""
-    return names.key("state_dict" if check_name == "index_matches_shards" else "hf_model")
+def checked_stage(check_name: str) -> str:
+    """Each check shows on the stage it looks at: the index against the shards on the weights
+    (state_dict), the others look at the whole folder (hf_model)."""
+    return "state_dict" if check_name == "index_matches_shards" else "hf_model"
 
 
-def check_specs(names: Names) -> list[dg.AssetCheckSpec]:
-    with (
-        warnings.catch_warnings()
-    ):  # partitioned checks (a result per checkpoint, not one for the asset) are a preview in Dagster 1.13
-        warnings.simplefilter("ignore", dg.PreviewWarning)
-        return [
-            dg.AssetCheckSpec(
-                c.name,
-                asset=checked_asset(c.name, names),
-                blocking=True,
-                description=c.description,
-                partitions_def=names.partitions,
-            )
-            for c in BLOCKING_CHECKS
-        ]
-
-
-CHECK_SPECS = check_specs(PLAIN)
-
-
-def check_staged_folder(folder: Path, names: Names) -> list[dg.AssetCheckResult]:
-    """Every check's result for a complete (not yet published) folder, with what it counted: the same
-    checks, run by the same function, as the CLI's before it publishes."""
-    counts = _counts(folder)
-    return [_result(outcome, counts, names) for outcome in run_blocking_checks(folder)]
-
-
-def _result(outcome: CheckOutcome, counts: dict[str, int], names: Names) -> dg.AssetCheckResult:
+def checks_metadata(outcomes: list[CheckOutcome], folder: Path) -> dict[str, dict]:
+    """Per stage (``state_dict``, ``hf_model``), the metadata saying which checks passed on the published
+    folder, what each verified and how much it looked at."""
+    looked_at = _looked_at(folder)
+    by_stage: dict[str, list[CheckOutcome]] = {}
+    for outcome in outcomes:
+        by_stage.setdefault(checked_stage(outcome.check.name), []).append(outcome)
     metadata = {
-        # a passed check says what it verified; only a failed one has a "problems" list
-        **(
-            {"problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in outcome.problems[:50]))}
-            if outcome.problems
-            else {"verified": outcome.check.passed_text}
-        ),
-        "problem count": len(outcome.problems),
-        **counts,
+        stage: {
+            CHECKED: dg.MetadataValue.md(
+                "\n".join(
+                    [
+                        "| check | passed: verified |",
+                        "|---|---|",
+                        *(f"| `{o.check.name}` | {o.check.passed_text} |" for o in checked),
+                        "",
+                        f"Looked at: {looked_at}.",
+                    ]
+                )
+            )
+        }
+        for stage, checked in by_stage.items()
     }
-    return dg.AssetCheckResult(
-        asset_key=checked_asset(outcome.check.name, names),
-        check_name=outcome.check.name,
-        passed=outcome.passed,
-        metadata=metadata,
-    )
+    metadata["hf_model"][PASSED] = dg.MetadataValue.json([o.check.name for o in outcomes if o.passed])
+    return metadata
 
 
-def _counts(folder: Path) -> dict[str, int]:
+def passed_every_check(metadata: Mapping[str, dg.MetadataValue]) -> bool:
+    """A materialization of hf_model by a merge whose blocking checks all passed (not one recorded as
+    found by the sensor, which no check looked at)."""
+    return PASSED in metadata and set(metadata[PASSED].value) >= set(CHECK_NAMES)
+
+
+def _looked_at(folder: Path) -> str:
     """What the checks looked at, so a passed check says how much it verified."""
     from merge_pipeline.hf.folder_checks import weight_files  # torch: imported by a run, not by the location's load
 
     try:
         shards = weight_files(folder)
         files = read_manifest(folder)["files"]
-    except (OSError, ValueError, KeyError, MergeError):
-        return {}  # the checks themselves say what is wrong
-    return {
-        "weight files": len(shards),
-        "tensors": sum(len(t) for t in shards.values()),
-        "files in manifest": len(files),
-        "bytes in manifest": sum(f["size"] for f in files.values()),
-    }
+    except (OSError, ValueError, KeyError, MergeError):  # the checks passed: not expected, and not worth a failure
+        return "(the folder could not be counted)"
+    size = sum(f["size"] for f in files.values())
+    return (
+        f"{len(shards)} weight file(s), {sum(len(t) for t in shards.values())} tensors; "
+        f"{len(files)} files in the manifest, {human_bytes(size)} ({size} bytes)"
+    )

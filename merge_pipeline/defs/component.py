@@ -1,4 +1,4 @@
-"""``MergeCheckpoints``: the whole merge (assets, checks, sensor, Hub schedule, alerts) as one Dagster component.
+"""``MergeCheckpoints``: the whole merge (assets, the report and its checks, sensors, Hub schedule, alerts) as one Dagster component.
 
 In any ``dg`` project::
 
@@ -23,6 +23,7 @@ from merge_pipeline.defs.assets import checkpoint_spec, freshness_minutes_from_e
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
 from merge_pipeline.defs.report import step_report_definition
+from merge_pipeline.defs.report_sensor import step_report_sensor_definition
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import checkpoint_sensor, interval_from_env
 
@@ -114,8 +115,12 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
                 step_report_definition(names),
                 hub_model,
             ],
-            # the sensor's job (merge_checkpoint) and the schedule's (publish_to_hub) come with them
-            sensors=[checkpoint_sensor(names, self.sensor_interval_seconds), failure_webhook(names)],
+            # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
+            sensors=[
+                checkpoint_sensor(names, self.sensor_interval_seconds),
+                step_report_sensor_definition(names, self.sensor_interval_seconds),
+                failure_webhook(names),
+            ],
             schedules=[publish_latest_steps],
             resources={
                 names("settings"): self.settings(),

@@ -32,6 +32,7 @@ _NEXT_STEPS = [
     ("incomplete checkpoint", "wait until the trainer has finished saving this step, then re-execute this run"),
     ("no such checkpoint folder", "the checkpoint is gone: nothing to merge (the sensor removes its partition)"),
     ("not replaced", "move the folder away or set MERGE_PIPELINE_OUTPUT_ROOT elsewhere, then re-execute"),
+    ("not published: blocking check", "fix the checkpoint (or report the problem), then re-execute this run"),
 ]
 _DEFAULT_NEXT_STEP = "fix the file named above (or the run config), then re-execute this run from the Runs page"
 

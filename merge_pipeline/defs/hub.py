@@ -20,18 +20,18 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from merge_pipeline.defs.checks import passed_every_check
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.records import latest_materialization
 from merge_pipeline.defs.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS
 from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.progress import human_bytes
 
 GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
-CHECK_HISTORY = 3000  # check evaluations looked at per schedule tick, newest first (3 per merge)
 
 
 def env_token() -> dg.EnvVar | None:
@@ -129,7 +129,8 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
         job=publish_job,
         default_status=dg.DefaultScheduleStatus.RUNNING if running else dg.DefaultScheduleStatus.STOPPED,
         required_resource_keys={names("hub")},
-        description="Publishes the highest merged step of each run whose checks passed, once per merge of that step. "
+        description="Publishes the highest merged step of each run (its blocking checks passed before publishing) "
+        "once its step report found every tensor finite, once per merge of that step. "
         "Off until MERGE_PIPELINE_HUB_ORG is set (in .env) when the code location loads; then it runs by default.",
     )
     def publish_latest_steps(context: dg.ScheduleEvaluationContext, **_called_with: object):
@@ -168,7 +169,7 @@ def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, na
     requests = []
     for steps in runs.values():
         key, merge = _highest_verified(instance, steps, context.log, names)
-        published = _latest(instance, names.key("hub_model"), str(key)) if key else None
+        published = latest_materialization(instance, names.key("hub_model"), str(key)) if key else None
         if key and (published is None or published.storage_id < merge.storage_id):
             requests.append(dg.RunRequest(run_key=f"{key}@{merge.storage_id}", partition_key=str(key)))
     return requests or dg.SkipReason(f"nothing new to publish from {len(runs)} merged run(s)")
@@ -176,7 +177,7 @@ def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, na
 
 def _smoke_of(instance: dg.DagsterInstance, names: Names, partition: str) -> dict | None:
     """The smoke test of the partition's latest step report, when it ran (for the model card)."""
-    report = _latest(instance, names.key("step_report"), partition)
+    report = latest_materialization(instance, names.key("step_report"), partition)
     metadata = report.asset_materialization.metadata if report else {}
     if SMOKE_LOSS not in metadata:
         return None
@@ -202,39 +203,25 @@ def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tup
 def _highest_verified(
     instance: dg.DagsterInstance, steps: list[CheckpointKey], log, names: Names
 ) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
-    """The highest step whose latest merge passed every check of its merge step, with that merge's record."""
+    """The highest step whose latest merge passed every blocking check (they run before publishing; its
+    hf_model metadata lists them) and whose step report of that merge found every tensor finite, with
+    that merge's record. While the highest merged step waits for its report, nothing of the run is
+    published (not an older step first); a step whose report found NaN or Inf is passed over."""
     for key in sorted(steps, key=lambda k: k.step, reverse=True):
-        merge = _latest(instance, names.key("hf_model"), str(key))
-        if _checks_passed(instance, str(key), merge.run_id, names):
-            return key, merge
-        log.info(f"{key}: not published: its checks failed or did not run")
+        merge = latest_materialization(instance, names.key("hf_model"), str(key))
+        if not passed_every_check(merge.asset_materialization.metadata):
+            log.info(f"{key}: not published: recorded as found, not merged and checked by this instance")
+            continue
+        report = latest_materialization(instance, names.key("step_report"), str(key))
+        if report is None or report.storage_id < merge.storage_id:
+            log.info(f"{key}: not published yet: no step report of its latest merge")
+            return None, None
+        metadata = report.asset_materialization.metadata
+        if metadata["NaN"].value or metadata["Inf"].value:
+            log.info(f"{key}: not published: its step report found NaN or Inf (the finite check failed)")
+            continue
+        return key, merge
     return None, None
-
-
-def _latest(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str) -> dg.EventLogRecord | None:
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key, asset_partitions=[partition]), limit=1
-    ).records
-    return records[0] if records else None
-
-
-def _checks_passed(instance: dg.DagsterInstance, partition: str, merge_run_id: str, names: Names) -> bool:
-    """Every check of the merge step (on hf_model and state_dict) passed for this partition in the run that merged it, and none failed since
-    (a check result reported later, e.g. by hand, counts)."""
-    # (the event log does not index check evaluations by asset key: filtered here)
-    records = instance.get_event_records(
-        dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION), limit=CHECK_HISTORY
-    )
-    latest: dict[str, tuple[bool, str]] = {}
-    # newest first, by time: sqlite numbers a runless event (a check result reported by hand) apart from runs' events
-    for record in sorted(records, key=lambda r: r.timestamp, reverse=True):
-        evaluation = record.event_log_entry.dagster_event.asset_check_evaluation_data
-        if (
-            evaluation.asset_key in (names.key("hf_model"), names.key("state_dict"))
-            and evaluation.partition == partition
-        ):
-            latest.setdefault(evaluation.check_name, (evaluation.passed, record.run_id))
-    return all(latest.get(c.name) == (True, merge_run_id) for c in BLOCKING_CHECKS)
 
 
 CRON = "*/10 * * * *"

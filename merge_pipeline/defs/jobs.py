@@ -1,4 +1,4 @@
-"""The job the sensor launches: one checkpoint partition, merged, checked and published."""
+"""The jobs the sensors launch: one checkpoint partition merged, checked and published; then its step report."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag ru
 def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
     return dg.define_asset_job(
         names("merge_checkpoint"),
-        # the merge step (three stages and their checks), then the step report on the published folder
-        selection=dg.AssetSelection.assets(
-            *map(names.key, ("parallel_config", "state_dict", "hf_model", "step_report"))
-        ),
+        # the merge step alone: a run that fails plans no asset check (step_report's run in its own job)
+        selection=dg.AssetSelection.assets(*map(names.key, ("parallel_config", "state_dict", "hf_model"))),
         tags={HEAVY_TAG: "merge"},
-        # One process for the whole chain (the code location's default executor, so runs started from
+        # One process for the whole step (the code location's default executor, so runs started from
         # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of
         # imports (torch, transformers); the merge streams, so memory stays bounded anyway.
         executor_def=dg.in_process_executor,
         description="Merge one checkpoint role folder into a verified, published Hugging Face folder.",
+    )
+
+
+def report_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
+    return dg.define_asset_job(
+        names("report_merged_step"),
+        selection=dg.AssetSelection.assets(names.key("step_report")),
+        tags={HEAVY_TAG: "report"},  # it reads every weight: not beside a merge
+        executor_def=dg.in_process_executor,
+        description="The step report of a published folder (requested by report_sensor after each merge).",
     )

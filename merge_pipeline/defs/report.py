@@ -1,6 +1,7 @@
 """``step_report``: did training change anything? The published folder against the previous merged step and the base model.
 
-Downstream of ``hf_model``, in the same run (the merge job selects it): it reads the published folder
+Downstream of ``hf_model``, in a run of its own that ``step_report_sensor`` requests after each successful
+merge (a merge run that failed would otherwise show these checks "Execution failed"): it reads the published folder
 and the references one tensor at a time (``hf/step_diff.py``, the same table as ``merge-pipeline
 diff``), so its memory is bounded by the largest tensor. Its two checks are not blocking: the folder
 is already published and correct as a merge; they flag what training did to it.

@@ -7,7 +7,7 @@ most ``MAX_OPEN_FILES`` descriptors, an open and close of a rank file per piece.
 of consecutive small-piece tensors (at most ``GROUP_BYTES``) is loaded at once: each rank file is
 opened once per group and its pieces land straight in their places in the group's buffer, one
 ``preadv`` per run of neighbouring pieces (the headers between them read into a scratch buffer).
-The writer then takes each tensor of the group from that buffer, in order.
+The writer then takes each tensor of the group from that buffer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from merge_pipeline.plan import ByteRun, PlannedTensor, SourceFile, StoredBytes
+from merge_pipeline.plan import ByteRun, PlannedTensor, SourceFile
 
 # A group's buffer holds at most this many source bytes.
 GROUP_BYTES = 32 << 20
@@ -29,7 +29,8 @@ _MAX_BUFFERS = 512  # per preadv, well under the system's IOV_MAX (1024 on Linux
 
 
 def coalesced(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
-    """``tensors`` with each run of consecutive small-piece ``StoredBytes`` tensors read as a group."""
+    """``tensors`` with each run of consecutive small-piece tensors whose bytes are file ranges
+    (``byte_runs``, e.g. ``StoredBytes``) read as a group."""
     out: list[PlannedTensor] = []
     group: list[PlannedTensor] = []
     loaded = _Loaded()
@@ -40,10 +41,10 @@ def coalesced(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
             group.clear()
 
     for t in tensors:
-        runs = t.source.runs if isinstance(t.source, StoredBytes) else ()
         # a tensor over GROUP_BYTES keeps its piece-by-piece reads: its pieces are large enough, and
         # one buffer of it all would grow the peak memory by the tensor
-        if 1 < len(runs) and t.nbytes() <= GROUP_BYTES and sum(r.length for r in runs) < SMALL_PIECE_BYTES * len(runs):
+        runs = t.source.byte_runs() if t.nbytes() <= GROUP_BYTES else None
+        if runs is not None and 1 < len(runs) and t.nbytes() < SMALL_PIECE_BYTES * len(runs):
             if group and sum(g.nbytes() for g in group) + t.nbytes() > GROUP_BYTES:
                 flush()
             group.append(t)
@@ -56,50 +57,60 @@ def coalesced(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
 
 @dataclass
 class _Loaded:
-    """The one group whose bytes are in memory now (loading another frees it first)."""
+    """The one group whose bytes are in memory now (loading another frees it first): which of its
+    members were read, and where each starts in the buffer."""
 
     group: _Group | None = None
     buffer: torch.Tensor | None = None
+    places: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
 class _Group:
+    """Consecutive tensors whose bytes are plain file ranges (``byte_runs``), read together. Their runs
+    are asked for only when the group is read, so the plan holds no object per piece.
+
+    A load reads the member asked for and every later one not yet taken, never an earlier one: a
+    writer that takes only some members (a torchrun rank whose output files end or start inside the
+    group) or takes them out of order (its files are written biggest first) reads each member at most
+    once, and no member before the first it wants."""
+
     loaded: _Loaded
     members: list[PlannedTensor]
-    nbytes: int = 0
-    by_file: dict[SourceFile, list[tuple[ByteRun, int]]] = field(default_factory=dict)  # run, place in buffer
-
-    def __post_init__(self) -> None:
-        for t in self.members:
-            for run in t.source.runs:
-                self.by_file.setdefault(run.file, []).append((run, self.nbytes))
-                self.nbytes += run.length
+    taken: set[int] = field(default_factory=set)
 
     def tensors(self) -> list[PlannedTensor]:
-        grouped, start = [], 0
-        for index, t in enumerate(self.members):
-            length = sum(r.length for r in t.source.runs)
-            last = index == len(self.members) - 1
-            grouped.append(PlannedTensor(t.name, t.shape, t.dtype, _GroupedBytes(self, start, length, t.dtype, last)))
-            start += length
-        return grouped
+        return [PlannedTensor(t.name, t.shape, t.dtype, _GroupedBytes(self, i)) for i, t in enumerate(self.members)]
 
-    def buffer(self) -> torch.Tensor:
-        if self.loaded.group is not self:
-            self.loaded.group = self.loaded.buffer = None  # free the previous group's bytes first
-            self.loaded.buffer = self._read()
-            self.loaded.group = self
-        return self.loaded.buffer
+    def bytes_of(self, index: int) -> torch.Tensor:
+        loaded = self.loaded
+        if loaded.group is not self or index not in loaded.places:
+            loaded.group = loaded.buffer = None  # free the previous group's bytes first
+            wanted = [index] + [i for i in range(index + 1, len(self.members)) if i not in self.taken]
+            loaded.buffer, loaded.places = self._read(wanted)
+            loaded.group = self
+        start = loaded.places[index]
+        return loaded.buffer[start : start + self.members[index].nbytes()]
 
-    def release(self) -> None:
-        if self.loaded.group is self:
+    def take(self, index: int) -> None:
+        """``index`` was written: once every member read is, the buffer is freed."""
+        self.taken.add(index)
+        if self.loaded.group is self and self.taken.issuperset(self.loaded.places):
             self.loaded.group = self.loaded.buffer = None
+            self.loaded.places = {}
 
-    def _read(self) -> torch.Tensor:
-        buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+    def _read(self, wanted: list[int]) -> tuple[torch.Tensor, dict[int, int]]:
+        by_file: dict[SourceFile, list[tuple[ByteRun, int]]] = {}  # run, place in the buffer
+        places, nbytes = {}, 0
+        for index in wanted:
+            places[index] = nbytes
+            for run in self.members[index].source.byte_runs():
+                by_file.setdefault(run.file, []).append((run, nbytes))
+                nbytes += run.length
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(buffer.numpy())
         scratch = memoryview(bytearray(_MAX_GAP))
-        for file, runs in self.by_file.items():
+        for file, runs in by_file.items():
             runs = sorted(runs, key=lambda item: item[0].offset)
             with file.opened() as fd:
                 span: list[tuple[ByteRun, int]] = []
@@ -112,7 +123,7 @@ class _Group:
                             span = []
                     span.append((run, place))
                 _read_span(fd, file, span, view, scratch)
-        return buffer
+        return buffer, places
 
 
 def _read_span(fd: int, file: SourceFile, span: list[tuple[ByteRun, int]], view: memoryview, scratch) -> None:
@@ -133,15 +144,12 @@ class _GroupedBytes:
     """One tensor of a group: its bytes in the group's buffer."""
 
     group: _Group
-    start: int
-    length: int
-    dtype: torch.dtype
-    last: bool  # the group's buffer is freed once this one is taken
+    index: int
 
     def byte_runs(self) -> None:
         return None
 
     def pieces(self):
-        yield self.group.buffer()[self.start : self.start + self.length].view(self.dtype)
-        if self.last:
-            self.group.release()
+        member = self.group.members[self.index]
+        yield self.group.bytes_of(self.index).view(member.dtype)
+        self.group.take(self.index)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
+from merge_pipeline.formats.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.coalesced_reads import coalesced
 from merge_pipeline.formats.dcp_files import check_tiling
 from merge_pipeline.formats.fsdp_template import RankTemplate
@@ -39,6 +40,8 @@ from merge_pipeline.plan import (
 
 # Distinct rank-file layouts kept as templates (a regular checkpoint has a few: full, uneven, empty shards).
 _MAX_TEMPLATES = 8
+# Distinct zip layouts kept: rank files differ in their names' digits and pickled ranks' widths, times the above.
+_MAX_LAYOUTS = 16
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
 
@@ -77,38 +80,42 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
         # One rank file at a time: its metadata is checked and reduced to where each piece lies, and the
         # unpickled state dropped, so planning memory does not hold every rank's DTensors at once.
         reference: dict[str, torch.Tensor] = {}
-        shards: dict[str, list[RankShard]] = {}
+        ranks: list[_VerifiedRank | _TemplatedRank] = []
         irregular: set[str] = set()  # laid out unlike rank 0's: their tiling is checked piece by piece
         mesh: dict[str, object] = {}
         templates: list[RankTemplate] = []  # verified rank files others may match byte for byte
+        layouts: list[ArchiveLayout] = []  # zip layouts of parsed rank files, to locate others' records by
+        starts: dict[int, dict] = {}  # storage offsets of the ranks of one layout and template (_by_layout)
         for rank, path in enumerate(paths):
             files.append(SourceFile(path))
-            with torch_archive(path) as archive:
-                templated = next(
-                    (found for t in templates if (found := _from_template(t, archive, rank, files[rank])) is not None),
-                    None,
-                )
-                state = archive.state_dict() if templated is None else {}
+            located, templated = _by_layout(layouts, templates, rank, files[rank], starts)
+            if templated is None:
+                with torch_archive(path) as archive:
+                    templated = _templated(templates, archive.pickled, rank, files[rank], archive.storage_offset)
+                    state = archive.state_dict() if templated is None else {}
+                    if not located and len(layouts) < _MAX_LAYOUTS and (layout := ArchiveLayout.of(archive)):
+                        layouts.insert(0, layout)
             if templated is not None:
-                for name, shard in templated.items():
-                    shards[name].append(shard)
+                ranks.append(templated)
                 continue
             if rank == 0:
-                reference, shards = state, {name: [] for name in state}
+                reference = state
                 mesh = _mesh_info(state, world_size)
             _check_keys(files[rank], state, reference)
             coordinates = _Coordinates(rank, world_size, files[rank].path)
+            verified = []
             for name, value in state.items():
-                shards[name].append(_rank_shard(name, rank, files[rank], value, reference[name], coordinates))
+                verified.append(_rank_shard(name, rank, files[rank], value, reference[name], coordinates))
                 if rank and not _same_layout(value, reference[name]):
                     irregular.add(name)
+            ranks.append(_VerifiedRank(verified))
             if len(templates) < _MAX_TEMPLATES and (template := RankTemplate.of(archive, state, rank)) is not None:
                 templates.append(template)
             del state
         tensors = coalesced(
             [
-                _assemble(name, tuple(first.shape), first.dtype, shards.pop(name), verify_replicas, name in irregular)
-                for name, first in reference.items()
+                _planned(name, index, first, ranks, verify_replicas, name in irregular)
+                for index, (name, first) in enumerate(reference.items())
             ]
         )
     lora = None
@@ -127,23 +134,80 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
     )
 
 
-def _from_template(template: RankTemplate, archive, rank: int, file: SourceFile) -> dict[str, RankShard] | None:
-    """This rank's shards if its file is ``template``'s with this rank's numbers and each local shape the
-    one ``torch.chunk`` gives this rank; else ``None`` (the file is then unpickled and fully checked)."""
-    if not template.matches(archive, rank):
-        return None
-    regions = [t.offset(rank) for t in template.tensors]
-    if None in regions:
-        return None
-    starts = template.storage_offsets(archive)
-    shards = {}
-    for t, offset in zip(template.tensors, regions):
-        if t.run is None:  # strided: read through its view, as the full path does
-            shards[t.name] = RankShard.of(rank, file, StoredTensor(t.meta, starts[t.key]), offset)
+def _by_layout(layouts: list[ArchiveLayout], templates: list[RankTemplate], rank: int, file: SourceFile, shared: dict):
+    """(whether the file is laid out as an already parsed one -- ``ArchiveLayout``, then moved to the front:
+    neighbouring ranks share theirs --, the rank if so and its pickle is a template's with this rank's
+    numbers, else ``None``), from a few reads. ``shared``: storage offsets by layout and template, one
+    dict for all ranks of a layout."""
+    with file.opened() as fd:
+        for index, layout in enumerate(layouts):
+            if (records := layout.locate(fd, file.size, file.path.stem)) is not None:
+                layouts.insert(0, layouts.pop(index))
+                break
         else:
-            run = ByteRun(file, starts[t.key] + t.run[0], t.run[1])
-            shards[t.name] = RankShard(rank, file, offset, t.shape, t.meta.dtype, run, None)
-    return shards
+            return False, None
+        if (order := records.get("byteorder")) is not None and os.pread(fd, order[1], order[0]) != b"little":
+            return True, None  # the full way names the problem
+        pickled = os.pread(fd, records["data.pkl"][1], records["data.pkl"][0])
+
+    def located(key: str, numel: int, dtype: torch.dtype) -> int | None:
+        found = records.get(f"data/{key}")
+        return found[0] if found is not None and found[1] == numel * dtype.itemsize else None
+
+    return True, _templated(templates, pickled, rank, file, located, shared.setdefault(id(records), {}))
+
+
+def _templated(templates: list[RankTemplate], pickled: bytes, rank: int, file: SourceFile, locate, shared=None):
+    """The rank, if its pickle is a template's with this rank's numbers and each local shape the one
+    ``torch.chunk`` gives this rank; else ``None`` (the file is then unpickled and fully checked).
+    ``locate(key, numel, dtype)``: where the file's storage record ``key`` starts (``RankTemplate.storage_offsets``)."""
+    for template in templates:
+        if template.matches(pickled, rank) and template.fits(rank):
+            starts = shared.get(id(template)) if shared is not None else None
+            if starts is None and (starts := template.storage_offsets(locate)) is not None and shared is not None:
+                shared[id(template)] = starts
+            return None if starts is None else _TemplatedRank(rank, file, template, starts)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _VerifiedRank:
+    """A rank file unpickled and checked: its pieces, in the state dict's order."""
+
+    shards: list[RankShard]
+
+    def shard(self, index: int) -> RankShard:
+        return self.shards[index]
+
+    def run(self, index: int) -> ByteRun | None:
+        return self.shards[index].run
+
+    def contiguous(self, index: int) -> bool:
+        return self.shards[index].run is not None
+
+
+@dataclass(frozen=True, slots=True)
+class _TemplatedRank:
+    """A rank file matched to a template: its pieces are the template's, at this file's storage offsets
+    (shared by the ranks of one zip layout), made when asked for -- a plan holds no object per piece."""
+
+    rank: int
+    file: SourceFile
+    template: RankTemplate
+    starts: dict[str, int]
+
+    def shard(self, index: int) -> RankShard:
+        t = self.template.tensors[index]
+        if t.run is None:  # strided: read through its view, as the full path does
+            return RankShard.of(self.rank, self.file, StoredTensor(t.meta, self.starts[t.key]), t.offset(self.rank))
+        return RankShard(self.rank, self.file, t.offset(self.rank), t.shape, t.meta.dtype, self.run(index), None)
+
+    def run(self, index: int) -> ByteRun | None:
+        t = self.template.tensors[index]
+        return None if t.run is None else ByteRun(self.file, self.starts[t.key] + t.run[0], t.run[1])
+
+    def contiguous(self, index: int) -> bool:
+        return self.template.tensors[index].run is not None
 
 
 def _world_size(role_dir: Path) -> tuple[int, int | None]:
@@ -292,6 +356,31 @@ def _local_region(global_shape, mesh_shape, placements, coord, path, name):
         offset[d] += start
         size[d] = max(0, min(chunk, n - start))
     return tuple(offset), tuple(size)
+
+
+def _planned(name, index: int, first, ranks: list, verify_replicas: bool, irregular: bool) -> PlannedTensor:
+    """Rank 0's ``first`` (a DTensor, or a plain tensor) planned from every rank's piece of it."""
+    global_shape, dtype = tuple(first.shape), first.dtype
+    regular = not (irregular or verify_replicas or 0 in global_shape) and isinstance(first, DTensor)
+    if regular and first.placements == (Shard(0),) and all(rank.contiguous(index) for rank in ranks):
+        return PlannedTensor(name, global_shape, dtype, _RankRuns(ranks, index, dtype))
+    return _assemble(name, global_shape, dtype, [rank.shard(index) for rank in ranks], verify_replicas, irregular)
+
+
+@dataclass(frozen=True)
+class _RankRuns:
+    """A ``Shard(0)`` tensor placed alike on every rank: its row-major bytes are each rank's
+    ``torch.chunk`` piece in rank order (empty ones skipped), made into file ranges only when read."""
+
+    ranks: list[_VerifiedRank | _TemplatedRank]
+    index: int  # the tensor's place in every rank's state dict
+    dtype: torch.dtype
+
+    def byte_runs(self) -> list[ByteRun]:
+        return [run for rank in self.ranks if (run := rank.run(self.index)).length]
+
+    def pieces(self):
+        return StoredBytes(tuple(self.byte_runs()), self.dtype).pieces()
 
 
 def _assemble(name, global_shape, dtype, shards: list[RankShard], verify_replicas, irregular=True) -> PlannedTensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pickle
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ class RankTemplate:
 
     literals: tuple[bytes, ...]  # the pickle between the rank-dependent integers
     tensors: tuple[_Tensor, ...]
+    splits: frozenset[tuple[int, int, int]]  # each split tensor's (rows, torch.chunk's rows per rank, local rows)
 
     @classmethod
     def of(cls, archive: TorchArchive, state: dict, rank: int) -> RankTemplate | None:
@@ -112,17 +114,28 @@ class RankTemplate:
                     run,
                 )
             )
-        return cls((pickled[: slots[0][0]], pickled[slots[0][1] : slots[1][0]], pickled[slots[1][1] :]), tuple(tensors))
+        splits = frozenset((t.rows, t.chunk, t.shape[t.split_dim]) for t in tensors if t.split_dim is not None)
+        literals = (pickled[: slots[0][0]], pickled[slots[0][1] : slots[1][0]], pickled[slots[1][1] :])
+        return cls(literals, tuple(tensors), splits)
 
-    def matches(self, archive: TorchArchive, rank: int) -> bool:
-        """``archive``'s pickle is this one with the mesh's ``_rank`` and coordinate set to ``rank``
-        (on a 1-D mesh a rank's coordinate is the rank itself)."""
-        return archive.pickled == _encoded(rank).join(self.literals)
+    def matches(self, pickled: bytes, rank: int) -> bool:
+        """``pickled`` (a rank file's pickle) is this one with the mesh's ``_rank`` and coordinate set to
+        ``rank`` (on a 1-D mesh a rank's coordinate is the rank itself)."""
+        return pickled == _encoded(rank).join(self.literals)
 
-    def storage_offsets(self, archive: TorchArchive) -> dict[str, int]:
-        """Where each storage starts in ``archive``'s file (each record's size checked)."""
+    def fits(self, rank: int) -> bool:
+        """Every local shape is the one ``torch.chunk`` gives ``rank`` (``_Tensor.offset`` is not ``None``),
+        checked once per distinct split rather than per tensor."""
+        return all(max(0, min(chunk, rows - min(rank * chunk, rows))) == local for rows, chunk, local in self.splits)
+
+    def storage_offsets(self, locate: Callable[[str, int, torch.dtype], int | None]) -> dict[str, int] | None:
+        """Where each storage starts in a matching file: ``locate(key, numel, dtype)`` finds its record and
+        checks its size (or says ``None``: then nothing is)."""
         offsets: dict[str, int] = {}
         for t in self.tensors:
             if t.key not in offsets:
-                offsets[t.key] = archive.storage_offset(t.key, t.nbytes // t.meta.element_size(), t.meta.dtype)
+                found = locate(t.key, t.nbytes // t.meta.element_size(), t.meta.dtype)
+                if found is None:
+                    return None
+                offsets[t.key] = found
         return offsets

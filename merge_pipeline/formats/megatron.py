@@ -32,7 +32,7 @@ from merge_pipeline.formats.dcp_files import (
     plan_specs,
     read_dcp_metadata,
 )
-from merge_pipeline.formats.megatron_names import KeyMapper, model_shape
+from merge_pipeline.formats.megatron_names import KeyMapper, megatron_family, model_shape
 from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
 from merge_pipeline.formats.safetensors_folder import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_says
@@ -155,15 +155,15 @@ def plan_megatron(
         if layout.weights == DIST_FORMAT:
             raise MergeError(dist_dir, f"{MANIFEST} says the model weights are here, but it holds no model tensors")
         # The bridge's HF files (verl's default); any dist checkpoint holds optimizer and RNG state only.
-        return plan_hf_safetensors(
-            role_dir,
-            layout.hf_dir,
-            is_value_model=is_value_model,
-            hf_model_path=config.hf_model_path,
-            layout=layout.describe(),
-            backend="megatron",
-        )
+        return _plan_bridge_export(role_dir, layout, config, is_value_model)
     model_config = config.load(layout.hf_dir)
+    try:
+        megatron_family(model_config.raw, model_config.path)  # an architecture not mapped: before any other read
+    except MergeError:
+        if not any(layout.hf_dir.glob("*.safetensors")):
+            raise
+        # verl's hybrid save: the bridge's HF export beside shards of an architecture not mapped here.
+        return _plan_bridge_export(role_dir, layout, config, is_value_model)
     return _plan_dist_checkpoint(
         role_dir,
         layout,
@@ -173,6 +173,19 @@ def plan_megatron(
         model_config.path,
         is_value_model,
         model_config.tie_word_embeddings if tie_word_embedding is None else tie_word_embedding,
+    )
+
+
+def _plan_bridge_export(
+    role_dir: Path, layout: MegatronLayout, config: CheckpointConfig, is_value_model: bool | None
+) -> CheckpointPlan:
+    return plan_hf_safetensors(
+        role_dir,
+        layout.hf_dir,
+        is_value_model=is_value_model,
+        hf_model_path=config.hf_model_path,
+        layout=layout.describe(),
+        backend="megatron",
     )
 
 

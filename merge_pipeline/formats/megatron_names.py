@@ -37,17 +37,37 @@ class ModelShape:
     mtp_layers: int  # num_nextn_predict_layers
 
 
-def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
+# What a user whose architecture is refused can do instead.
+SAVE_THROUGH_THE_BRIDGE = (
+    "save the weights as Hugging Face files through the bridge (verl: actor_rollout_ref.actor.megatron.use_mbridge=True, "
+    "or hf_model in actor_rollout_ref.actor.checkpoint.save_contents) and merge that checkpoint"
+)
+
+
+def megatron_family(config: dict, config_path: Path) -> tuple[str, families.Family]:
+    """The architecture config.json names and its family, if this reader maps its Megatron shards."""
     architectures = config.get("architectures") or []
     if not architectures:
         raise MergeError(config_path, "no 'architectures' entry: cannot tell which Hugging Face model this is")
     architecture = architectures[0]
     family = families.by_architecture(architecture)
+    if architecture in families.MEGATRON_REFUSED:
+        raise MergeError(
+            config_path,
+            f"{architecture} ({families.MEGATRON_REFUSED[architecture]}): its Megatron shards are not mapped to "
+            f"Hugging Face names; {SAVE_THROUGH_THE_BRIDGE}",
+        )
     if family is None or not family.megatron:
         supported = ", ".join(sorted(a for f in families.FAMILIES.values() if f.megatron for a in f.architectures))
         raise MergeError(
-            config_path, f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported})"
+            config_path,
+            f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported}); otherwise {SAVE_THROUGH_THE_BRIDGE}",
         )
+    return architecture, family
+
+
+def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
+    architecture, family = megatron_family(config, config_path)
     text = config.get("text_config") or config
     try:
         heads = int(text["num_attention_heads"])

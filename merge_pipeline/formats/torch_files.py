@@ -93,7 +93,7 @@ class TorchArchive:
 
     def __init__(self, stream: BinaryIO, path: Path):
         self.stream, self.path = stream, path
-        self.records = _stored_records(stream, path)
+        self.records, self.directory_start = _stored_records(stream, path)
         self.prefix = next(iter(self.records)).split("/", 1)[0]  # torch names every record <archive>/...
         byteorder = self.records.get(f"{self.prefix}/byteorder")
         if byteorder is not None:
@@ -119,6 +119,10 @@ class TorchArchive:
                 self.path,
                 f"storage record data/{key} holds {record.file_size} bytes but the pickle declares {numel} x {dtype} = {nbytes} bytes",
             )
+        return _data_offset(self.stream, record, self.path)
+
+    def data_offset(self, record: zipfile.ZipInfo) -> int:
+        """Where ``record``'s bytes start, after its local header (checked)."""
         return _data_offset(self.stream, record, self.path)
 
     def state_dict(self, allowed_globals: Mapping[str, object] | None = None) -> dict[str, object]:
@@ -212,10 +216,12 @@ def _unpickling_problem(exc: Exception) -> str:
     return f"unreadable torch.save pickle ({type(exc).__name__}: {first_line})"
 
 
-def _stored_records(stream: BinaryIO, path: Path) -> dict[str, zipfile.ZipInfo]:
-    """Every record by name, from the central directory; each must be STORED, unencrypted, once."""
+def _stored_records(stream: BinaryIO, path: Path) -> tuple[dict[str, zipfile.ZipInfo], int]:
+    """Every record by name, from the central directory (and where that starts); each must be STORED,
+    unencrypted, once."""
     try:
-        infos = zipfile.ZipFile(stream).infolist()
+        directory = zipfile.ZipFile(stream)
+        infos = directory.infolist()
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
         raise MergeError(path, f"not a readable zip archive ({exc})") from None
     if not infos:
@@ -231,7 +237,7 @@ def _stored_records(stream: BinaryIO, path: Path) -> dict[str, zipfile.ZipInfo]:
                 f"{what}: {info.filename}; torch.save writes records uncompressed, so this file was re-packed by a zip tool (re-save it with torch.save)",
             )
         records[info.filename] = info
-    return records
+    return records, directory.start_dir
 
 
 def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, path: Path) -> int:

@@ -3,7 +3,8 @@
 The model is built from config.json on the meta device (no memory, no weights), so the expected
 names and shapes come from transformers itself, for any backend. Names are the on-disk checkpoint
 names: transformers 5 fuses some weights in memory (MoE experts) and un-fuses them when saving,
-and we apply the same reversal.
+and we apply the same reversal; a name that loading puts one to one into a parameter of the same
+shape is right too (``hf/load_names.py``: where the reversal is not loading's inverse).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.core_model_loading import revert_weight_conversion
 
 from merge_pipeline.errors import MergeError, first_line
+from merge_pipeline.hf.load_names import LoadNames
 from merge_pipeline.plan import Computed, PlannedTensor
 
 
@@ -28,7 +30,8 @@ class ExpectedTensors(dict[str, tuple[int, ...]]):
     ``optional`` are names that may be left out: a tied weight is one parameter under two names
     (``lm_head.weight`` and ``model.embed_tokens.weight``), and a checkpoint may store either
     or both. Each of ``all_or_none_groups`` is either wholly present or wholly absent (a
-    multi-token-prediction layer: trained or not).
+    multi-token-prediction layer: trained or not). ``load_names`` says which planned names load one
+    to one into which in-memory tensor.
     """
 
     def __init__(
@@ -36,10 +39,39 @@ class ExpectedTensors(dict[str, tuple[int, ...]]):
         shapes: dict[str, tuple[int, ...]],
         tied_groups: list[set[str]],
         all_or_none_groups: list[set[str]] = (),
+        load_names: LoadNames | None = None,
     ):
         super().__init__(shapes)
         self.tied_groups = tied_groups
         self.all_or_none_groups = list(all_or_none_groups)
+        self.load_names = load_names
+
+    def loaded_aliases(self, planned: Iterable[str]) -> dict[str, str]:
+        """Planned names that are not expected but that loading treats as an in-memory tensor or as an
+        expected name -> that name (``LoadNames.aliases``)."""
+        unexpected = [name for name in planned if name not in self]
+        return self.load_names.aliases(unexpected) if self.load_names and unexpected else {}
+
+    def present(self, planned: Iterable[str], aliases: dict[str, str]) -> set[str]:
+        """The planned names, and the expected (and in-memory) names the aliases stand for."""
+        present = set(planned) | set(aliases.values())
+        return present | (self.load_names.covered(aliases.values()) if aliases else set())
+
+    def doubles(self, planned: Iterable[str], aliases: dict[str, str]) -> list[str]:
+        """Pairs of planned names that load into the same tensor (one would silently overwrite the other)."""
+        planned = set(planned)
+        first: dict[str, str] = {}
+        doubles = []
+        for name, target in sorted(aliases.items()):
+            same = target if target in planned else self.load_names.saved_name.get(target)
+            if same in planned or target in first:
+                doubles.append(f"{name} and {same if same in planned else first[target]}")
+            first.setdefault(target, name)
+        return doubles
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """An expected name's shape, or an in-memory tensor's."""
+        return self[name] if name in self else self.load_names.memory[name]
 
 
 def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: bool) -> ExpectedTensors:
@@ -71,7 +103,10 @@ def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: 
     mtp_layers = _multi_token_prediction_layers(config, shapes)
     for layer in mtp_layers:
         shapes.update(layer)
-    return ExpectedTensors(shapes, [g for g in groups.values() if len(g) > 1], [set(layer) for layer in mtp_layers])
+    load_names = LoadNames(model, {name: tuple(tensor.shape) for name, tensor in state.items()}, shapes)
+    return ExpectedTensors(
+        shapes, [g for g in groups.values() if len(g) > 1], [set(layer) for layer in mtp_layers], load_names
+    )
 
 
 def _multi_token_prediction_layers(config, shapes: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:
@@ -130,21 +165,24 @@ def check_plan_against_architecture(
     tensor must be planned (a tied duplicate may be left out). One ``MergeError`` lists all problems."""
     plan_tensors = list(plan_tensors)
     planned = {t.name: t.shape for t in plan_tensors}
-    optional = {name for group in expected.tied_groups if group & planned.keys() for name in group}
+    aliases = expected.loaded_aliases(planned)
+    present = expected.present(planned, aliases)
+    optional = {name for group in expected.tied_groups if group & present for name in group}
     optional |= {t.name for t in inert_absent_tensors(plan_tensors, expected)}
-    optional |= {name for group in expected.all_or_none_groups if not group & planned.keys() for name in group}
-    unexpected = sorted(set(planned) - set(expected))
-    missing = sorted(set(expected) - set(planned) - optional)
+    optional |= {name for group in expected.all_or_none_groups if not group & present for name in group}
+    unexpected = sorted(set(planned) - set(expected) - set(aliases))
+    missing = sorted(set(expected) - present - optional)
+    wanted = {name: expected[name] for name in planned if name in expected}
+    wanted.update({name: expected.shape_of(target) for name, target in aliases.items()})
     mismatched = [
-        f"{name} {planned[name]} vs {expected[name]}"
-        for name in sorted(set(planned) & set(expected))
-        if tuple(planned[name]) != tuple(expected[name])
+        f"{name} {planned[name]} vs {shape}" for name, shape in sorted(wanted.items()) if tuple(planned[name]) != shape
     ]
     problems = []
     for label, names in (
         ("unexpected (no such tensor in the architecture)", unexpected),
         ("missing", missing),
         ("shape mismatch (checkpoint vs config)", mismatched),
+        ("pairs of names for one tensor", expected.doubles(planned, aliases)),
     ):
         if names:
             shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
@@ -164,7 +202,8 @@ def inert_absent_tensors(plan_tensors: Iterable[PlannedTensor], expected: Expect
     """
     plan_tensors = list(plan_tensors)
     planned = {t.name for t in plan_tensors}
-    absent = {name: shape for name, shape in expected.items() if name not in planned}
+    present = expected.present(planned, expected.loaded_aliases(planned))
+    absent = {name: shape for name, shape in expected.items() if name not in present}
     inert = {name: shape for name, shape in absent.items() if math.prod(shape) == 0}
     for name, shape in absent.items():
         branch = name.removesuffix("_gate.weight") + "."

@@ -93,6 +93,9 @@ SIZE_PRESETS = {
 }
 # DeepSeek-V3 (multi-latent attention): layer 0 dense, layer 1 MoE (and so are multi-token-prediction layers).
 MLA_SIZES = dict(layers=2, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16, shared_experts=1)
+# Sigmoid routers (DeepSeek-V3, GLM-4.5): the routed experts' weights scaled by routed_scaling_factor.
+ROUTED_SCALING = 2.5
+GLM_ROTARY_FRACTION = 0.5  # GLM-4.5's partial_rotary_factor: rotary on the first half of each head
 # Qwen2.5-VL vision tower.
 VISION_SIZES = dict(depth=2, hidden=32, heads=2, ffn=48, patch=14, temporal_patch=2, merge=2)
 
@@ -147,6 +150,7 @@ VARIANTS = {
         Variant("qwen2_5_vl", "qwen2_5_vl"),
         Variant("qwen2_hf_weights", "qwen2", hf_weights=True),
         Variant("qwen2_moe_no_shared_expert", "qwen2_moe", logits=True, size="tiny_no_shared_expert"),
+        Variant("glm4_moe_mtp", "glm4_moe", ep=2, mtp_layers=1, logits=True),
     )
 }
 
@@ -351,6 +355,22 @@ def _hf_config(v: Variant):
             v_head_dim=MLA_SIZES["v_head"],
             num_key_value_heads=v.sizes["heads"],
             num_nextn_predict_layers=v.mtp_layers,
+        )
+    elif v.family == "glm4_moe":  # as GLM-4.5's config.json: layer 0 dense, the others MoE; half the head rotated
+        text.update(
+            n_routed_experts=v.sizes["experts"],
+            num_experts_per_tok=v.sizes["experts_per_token"],
+            moe_intermediate_size=v.sizes["moe_ffn"],
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=ROUTED_SCALING,
+            attention_bias=True,
+            use_qk_norm=True,
+            num_nextn_predict_layers=v.mtp_layers,
+            rope_parameters={**text["rope_parameters"], "partial_rotary_factor": GLM_ROTARY_FRACTION},
         )
     if v.record.qk_norm:  # the q/k norms are one head wide: Qwen3's own default head_dim (128) would not fit
         text.update(head_dim=v.sizes["head_dim"])

@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, Variant, global_values, sample_tokens
+from merge_pipeline.sample_checkpoints.megatron import (
+    GLM_ROTARY_FRACTION,
+    MLA_SIZES,
+    ROUTED_SCALING,
+    Variant,
+    global_values,
+    sample_tokens,
+)
 
 
 def _patch_for_cpu() -> None:
@@ -63,15 +70,19 @@ def _transformer_config(v: Variant):
         if v.record.shared_expert_gate and v.sizes["shared_ffn"]:  # 0: no shared expert at all
             specific.update(moe_shared_expert_intermediate_size=v.sizes["shared_ffn"], moe_shared_expert_gate=True)
     config_class = TransformerConfig
-    if v.record.latent_attention:  # as DeepseekV3Config's defaults: sigmoid router, scaled, group of one
+    if _dense_then_moe(v):  # as DeepseekV3Config's and GLM-4.5's: sigmoid router, scaled, group of one
+        specific.update(
+            moe_shared_expert_intermediate_size=v.sizes["moe_ffn"] * MLA_SIZES["shared_experts"],
+            moe_layer_freq=[0] + [1] * (v.num_layers - 1),  # first_k_dense_replace=1
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=ROUTED_SCALING,
+            mtp_num_layers=v.mtp_layers or None,
+        )
+    if v.record.latent_attention:
         config_class = MLATransformerConfig
         m = MLA_SIZES
         specific.update(
-            moe_shared_expert_intermediate_size=v.sizes["moe_ffn"] * m["shared_experts"],
-            moe_layer_freq=[0] + [1] * (m["layers"] - 1),  # first_k_dense_replace=1
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
-            moe_router_topk_scaling_factor=2.5,
             q_lora_rank=m["q_lora_rank"],
             kv_lora_rank=m["kv_lora_rank"],
             qk_head_dim=m["qk_nope"],
@@ -79,7 +90,6 @@ def _transformer_config(v: Variant):
             v_head_dim=m["v_head"],
             rope_type="rope",
             rotary_base=v.sizes["rope_theta"],
-            mtp_num_layers=v.mtp_layers or None,
             num_query_groups=v.sizes["heads"],  # MLA: every head has its own key and value
         )
     else:
@@ -110,6 +120,11 @@ def _transformer_config(v: Variant):
     )
 
 
+def _dense_then_moe(v: Variant) -> bool:
+    """DeepSeek-V3 and GLM-4.5: a dense first layer, then MoE layers (one layer spec each)."""
+    return v.record.latent_attention or v.family == "glm4_moe"
+
+
 def _build_model(v: Variant, config):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -120,10 +135,11 @@ def _build_model(v: Variant, config):
     )
 
     mtp_spec = None
-    if v.record.latent_attention:  # dense and MoE layers: one spec per layer
+    if _dense_then_moe(v):  # dense and MoE layers: one spec per layer
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        for layer_spec in spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+        if v.record.latent_attention:
+            for layer_spec in spec.layer_specs:
+                layer_spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     else:
         spec = get_gpt_layer_local_spec(
@@ -141,6 +157,7 @@ def _build_model(v: Variant, config):
         share_embeddings_and_output_weights=v.tied,
         position_embedding_type="rope",
         rotary_base=v.sizes["rope_theta"],
+        rotary_percent=GLM_ROTARY_FRACTION if v.family == "glm4_moe" else 1.0,
         parallel_output=False,  # gather logits over TP ranks
         mtp_block_spec=mtp_spec,
     )

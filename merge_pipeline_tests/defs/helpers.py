@@ -10,6 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from merge_pipeline.defs import assets
+from merge_pipeline.defs.checks import PASSED
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
@@ -18,7 +19,7 @@ from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
 CRITIC = FsdpSpec(arch="llama", critic=True)
-CHAIN = [assets.checkpoint, assets.merge_step]  # the external checkpoint, and the merge step's stages with their checks
+CHAIN = [assets.checkpoint, assets.merge_step]  # the external checkpoint, and the merge step's three stages
 
 
 @dataclass
@@ -66,3 +67,9 @@ def materialize(
         run_config=run_config,
         raise_on_error=False,
     )
+
+
+def checks_passed(result: dg.ExecuteInProcessResult) -> list[str]:
+    """The blocking checks the folder passed before it was published, as hf_model's materialization lists them."""
+    [event] = [e for e in result.get_asset_materialization_events() if e.asset_key.path[-1] == "hf_model"]
+    return event.materialization.metadata[PASSED].value

@@ -53,9 +53,11 @@ class Dagster:
         assert "errors" not in body, body["errors"]
         return body["data"]
 
-    def partition_runs(self, partition_key: str) -> list[dict]:
+    def partition_runs(self, partition_key: str, job: str | None = None) -> list[dict]:
+        """The partition's runs, newest first; ``job``: of that job only."""
         tags = [{"key": "dagster/partition", "value": partition_key}]
-        return self.graphql(RUNS_QUERY, {"filter": {"tags": tags}})["runsOrError"]["results"]
+        runs_filter = {"tags": tags, **({"pipelineName": job} if job else {})}
+        return self.graphql(RUNS_QUERY, {"filter": runs_filter})["runsOrError"]["results"]
 
     def wait_for_sensor_tick(self, sensor: str, timeout: float = 240) -> None:
         """Until the daemon has evaluated ``sensor`` once: from then on a new checkpoint meets a running system."""

@@ -1,13 +1,16 @@
 """The CLI, in one process and under torchrun, runs the blocking checks Dagster's ``hf_model`` runs, on the
-complete staging folder before the rename: the same checkpoint is refused by all three, nothing is
-published, and an existing good folder is kept."""
+complete staging folder before the rename: the same checkpoint is refused by all three with the same
+line, nothing is published, and an existing good folder is kept."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import (
     config_claims_one_more_layer,
@@ -35,6 +38,8 @@ def test_cli_torchrun_and_dagster_refuse_the_same_folder(capsys, fsdp_checkpoint
     target = tmp_path / "cli"
     merge_ok(capsys, role_dir, target)
     published = tree_digest(target)
+    # every entry point names the same checks in the manifest: those it ran before publishing
+    assert json.loads((target / MANIFEST).read_text())["checks_before_publishing"] == CHECK_NAMES
     missing = config_claims_one_more_layer(role_dir)  # the reader cannot tell; transformers can
     before = tree_digest(role_dir)
 
@@ -52,7 +57,10 @@ def test_cli_torchrun_and_dagster_refuse_the_same_folder(capsys, fsdp_checkpoint
 
     result = materialize(instance, roots.settings(), KEY)
 
-    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-    assert not result.success and checks == {name: name != "loads_on_meta_device" for name in CHECK_NAMES}
+    # Dagster's merge step fails with the CLI's very line (its own folder), and records no asset check
+    [event] = [e for e in result.all_events if e.is_step_failure]
+    description = event.step_failure_data.user_failure_data.description
+    assert not result.success and not result.get_asset_check_evaluations()
+    assert description == line.removeprefix("error: ").replace(str(target), str(roots.target(KEY)))
     assert not roots.target(KEY).exists()
     assert tree_digest(role_dir) == before

@@ -8,12 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from merge_pipeline.defs.checks import CHECKED
 from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST, write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import describe, prepare
+from merge_pipeline.progress import human_bytes
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
-from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
 SHARDED = {"max_shard_size": "200KB"}  # the 0.8 MB test model in several shards, with an index
@@ -43,8 +46,9 @@ def test_chain_publishes_a_bit_exact_verified_folder(fsdp_checkpoint, roots, ins
         "torch."
     )
     assert (target / "model.safetensors.index.json").is_file() == (merge_config == SHARDED)
-    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-    assert checks == {"loads_on_meta_device": True, "index_matches_shards": True, "manifest_sha256": True}
+    assert checks_passed(result) == CHECK_NAMES and not result.get_asset_check_evaluations()
+    # the manifest names the checks the folder passed before publishing, as the CLI's does
+    assert json.loads((target / MANIFEST).read_text())["checks_before_publishing"] == CHECK_NAMES
     assert not staging_path(target).exists()
 
 
@@ -92,18 +96,14 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
     for name, f in manifest.items():  # every sha256 in full, readable in the Markdown table
         assert f"| {name} | " in published["files"].value and f"`{f['sha256']}`" in published["files"].value
         assert (f"`{f['sha256']}`" in weights["files"].value) == name.endswith(".safetensors")
-    checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
-    assert {e.check_name: e.asset_key.to_user_string() for e in result.get_asset_check_evaluations()} == {
-        "index_matches_shards": "state_dict",  # each check on the stage it checks
-        "loads_on_meta_device": "hf_model",
-        "manifest_sha256": "hf_model",
-    }
-    assert {
-        name: (m["tensors"].value, m["weight files"].value, m["files in manifest"].value, m["problem count"].value)
-        for name, m in checks.items()
-    } == dict.fromkeys(checks, (27, 3, 9, 0))
-    # a passed check says what it verified, and shows no "problems" field
-    assert all("problems" not in m and m["verified"].value for m in checks.values())
+    # each blocking check on the stage it looked at, with what it verified and how much it counted
+    tables = {stage: metadata[stage][CHECKED].value for stage in ("state_dict", "hf_model")}
+    for check in BLOCKING_CHECKS:
+        on, other = ("state_dict", "hf_model") if check.name == "index_matches_shards" else ("hf_model", "state_dict")
+        assert f"| `{check.name}` | {check.passed_text} |" in tables[on] and check.name not in tables[other]
+    looked_at = f"Looked at: 3 weight file(s), 27 tensors; 9 files in the manifest, {human_bytes(sum(f['size'] for f in manifest.values()))}"
+    assert all(looked_at in table for table in tables.values()), tables
+    assert CHECKED not in plan
 
 
 def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkeypatch):
@@ -162,9 +162,7 @@ def test_megatron_checkpoints_flow_through_the_same_assets(megatron_samples, roo
     reference = load_file(sample.reference_dir / "model.safetensors")
     merged = load_safetensors_dir(roots.target(key))
     assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
-    assert (
-        all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
-    )
+    assert checks_passed(result) == CHECK_NAMES
     [metadata] = [
         e.materialization.metadata
         for e in result.get_asset_materialization_events()

@@ -1,18 +1,55 @@
-"""What a failed merge leaves in the instance for the three checks: no result, only Dagster's own plan."""
+"""A failed merge paints no check (issue 25), in a real instance.
+
+Dagster 1.13 records a PLANNED evaluation for every asset check a run selects when it creates the run,
+and resolves it as "Execution failed" once that run fails (``AssetCheckExecutionRecord.resolve_status``).
+The merge job and the UI's Materialize of the merge step select no check: the blocking checks are part
+of the step, and the step report (whose checks are asset checks) runs in a run of its own, requested by
+``step_report_sensor`` only after a successful merge.
+"""
 
 from __future__ import annotations
 
-from merge_pipeline.defs.checks import CHECK_SPECS
-from merge_pipeline_tests.defs.helpers import materialize
+import dagster as dg
+
+from merge_pipeline.definitions import defs
+from merge_pipeline.defs.report_sensor import step_report_sensor
+from merge_pipeline.defs.resources import OUTPUT_VAR, ROOTS_VAR
+from merge_pipeline.defs.sensors import new_checkpoint_sensor
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 
 KEY = "run/global_step_3/actor"
 
 
-def test_a_merge_that_fails_before_the_checks_records_no_check_result(roots, instance):
-    result = materialize(instance, roots.settings(), KEY)  # nothing saved there: the merge fails first
+def test_a_failed_merge_leaves_no_check_record_of_any_asset(roots, instance, monkeypatch):
+    monkeypatch.setenv(ROOTS_VAR, str(roots.checkpoints))  # as .env sets them for `dagster dev`
+    monkeypatch.setenv(OUTPUT_VAR, str(roots.output))
+    instance.add_dynamic_partitions("checkpoints", [KEY])
 
-    assert not result.success
-    for spec in CHECK_SPECS:
-        [record] = instance.event_log_storage.get_asset_check_execution_history(spec.key, limit=5)
-        # planned by Dagster when it created the run, never evaluated: no "failed" for an unread folder
-        assert (record.status.value, record.partition) == ("PLANNED", KEY)
+    # nothing saved there: the merge fails, as the sensor's job and as the UI's Materialize of the step
+    sensor_run = defs.resolve_job_def("merge_checkpoint").execute_in_process(
+        instance=instance, partition_key=KEY, raise_on_error=False
+    )
+    ui_run = materialize(instance, roots.settings(), KEY)
+
+    assert not sensor_run.success and not ui_run.success
+    check_keys = defs.resolve_asset_graph().asset_check_keys
+    assert {k.name for k in check_keys} == {"weights_changed", "finite"}  # the step report's: the only checks
+    for check_key in check_keys:  # no PLANNED record, so nothing Dagster could call "Execution failed"
+        assert instance.event_log_storage.get_asset_check_execution_history(check_key, limit=10) == [], check_key
+    assert all(run.asset_check_selection in (None, frozenset()) for run in instance.get_runs())
+    # and no step report is requested for a merge that did not happen
+    assert step_report_sensor(dg.build_sensor_context(instance=instance)).run_requests == []
+
+
+def test_a_folder_found_already_merged_gets_no_step_report(roots, instance, fsdp_checkpoint, monkeypatch):
+    """The checkpoint sensor records such a folder as hf_model "found": no check of this instance looked at it."""
+    monkeypatch.setenv(ROOTS_VAR, str(roots.checkpoints))
+    monkeypatch.setenv(OUTPUT_VAR, str(roots.output))
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_3", tracker=3, link=True)
+    roots.target(KEY).mkdir(parents=True)  # merged before, e.g. with the CLI
+    tick = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources=defs.resources))
+    instance.add_dynamic_partitions("checkpoints", [KEY])
+    [found] = tick.asset_events
+    instance.report_runless_asset_event(found)  # as the daemon stores the tick's events
+
+    assert step_report_sensor(dg.build_sensor_context(instance=instance)).run_requests == []

@@ -77,14 +77,14 @@ def test_two_scaffolded_instances_load_with_dg_under_their_own_prefixes(project)
     assets = {a["asset_key"] for a in found["assets"]}
     assert assets == {f"{c}/{s}" for c in CLUSTERS for s in STAGES}
     assert {s["name"] for s in found["sensors"]} == {
-        f"{c}__{s}" for c in CLUSTERS for s in ("new_checkpoint_sensor", "merge_failure_webhook")
+        f"{c}__{s}" for c in CLUSTERS for s in ("new_checkpoint_sensor", "step_report_sensor", "merge_failure_webhook")
     }
     assert {s["name"] for s in found["schedules"]} == {f"{c}__publish_latest_steps" for c in CLUSTERS}
     assert {j["name"] for j in found["jobs"]} == {
-        f"{c}__{j}" for c in CLUSTERS for j in ("merge_checkpoint", "publish_to_hub")
+        f"{c}__{j}" for c in CLUSTERS for j in ("merge_checkpoint", "report_merged_step", "publish_to_hub")
     }
-    assert {c["key"] for c in found["asset_checks"]} >= {f"{c}/hf_model:loads_on_meta_device" for c in CLUSTERS} | {
-        f"{c}/state_dict:index_matches_shards" for c in CLUSTERS
+    assert {c["key"] for c in found["asset_checks"]} == {
+        f"{c}/step_report:{check}" for c in CLUSTERS for check in ("weights_changed", "finite")
     }
 
 
@@ -126,11 +126,29 @@ def test_a_prefixed_instance_merges_bit_exact_and_leaves_the_other_alone(
         partition_key=key, instance=instance
     )
 
-    assert merged.success
+    assert merged.success and not merged.get_asset_check_evaluations()
     assert {e.asset_key.to_user_string() for e in merged.get_asset_materialization_events()} == {
-        f"cluster_a/{s}" for s in ("parallel_config", "state_dict", "hf_model", "step_report")
+        f"cluster_a/{s}" for s in ("parallel_config", "state_dict", "hf_model")
     }
-    assert all(e.passed for e in merged.get_asset_check_evaluations())
+    # the step report follows in a run of its own, requested by this instance's report sensor once
+    report_sensor = defs.resolve_sensor_def("cluster_a__step_report_sensor")
+    first = report_sensor(dg.build_sensor_context(instance=instance))
+    [report_request] = first.run_requests
+    assert report_request.partition_key == key
+    report = defs.resolve_job_def("cluster_a__report_merged_step").execute_in_process(
+        partition_key=key, instance=instance
+    )
+    assert report.success and {
+        (e.asset_key.to_user_string(), e.passed) for e in report.get_asset_check_evaluations()
+    } == {("cluster_a/step_report", True)}
+    assert report_sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor)).run_requests == []
+    assert report_sensor(dg.build_sensor_context(instance=instance)).run_requests == []  # reported: not again
+    assert (
+        defs.resolve_sensor_def("cluster_b__step_report_sensor")(
+            dg.build_sensor_context(instance=instance)
+        ).run_requests
+        == []
+    )
     reference = load_file(sample.reference_dir / "model.safetensors")
     weights = load_safetensors_dir(roots.output / key)
     assert set(weights) == set(reference) and all(same_bits(weights[n], t) for n, t in reference.items())

@@ -18,7 +18,6 @@ from merge_pipeline.defs.jobs import HEAVY_TAG
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 from merge_pipeline_tests.defs.services import LOCATIONS_QUERY, running_dagster_dev
 
-CHECKS = ["index_matches_shards", "loads_on_meta_device", "manifest_sha256"]
 DG = os.path.join(os.path.dirname(sys.executable), "dg")
 
 
@@ -57,7 +56,9 @@ def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
         "hf_model",
         "step_report",
         "merge_checkpoint",
+        "report_merged_step",
         "new_checkpoint_sensor",
+        "step_report_sensor",
         "merge_failure_webhook",
     ):
         assert name in listed.stdout, name
@@ -72,15 +73,21 @@ def test_dg_dev_serves_the_location_from_the_project_root(tmp_path):
     assert entry == {"name": "merge_pipeline", "locationOrLoadError": {"__typename": "RepositoryLocation"}}
 
 
-def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_with_its_checks():
+def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_without_asset_checks():
     job = defs.resolve_job_def("merge_checkpoint")
-    assert set(job.graph.node_dict) == {"hf_model", "step_report"} and job.tags[HEAVY_TAG] == "merge"
+    assert set(job.graph.node_dict) == {"hf_model"} and job.tags[HEAVY_TAG] == "merge"
+    report = defs.resolve_job_def("report_merged_step")
+    assert set(report.graph.node_dict) == {"step_report"} and report.tags[HEAVY_TAG] == "report"
     # the UI's Materialize button, backfills and `dg launch --assets` run the implicit asset job
-    for every in (job, defs.resolve_implicit_global_asset_job_def(), defs.resolve_job_def("publish_to_hub")):
+    for every in (job, report, defs.resolve_implicit_global_asset_job_def(), defs.resolve_job_def("publish_to_hub")):
         assert every.executor_def is dg.in_process_executor, every.name
     hf_model = defs.resolve_assets_def("hf_model")
-    assert sorted(k.name for k in hf_model.check_keys) == CHECKS and all(s.blocking for s in hf_model.check_specs)
-    # one step for the three stages: the plan built once, the checks on the staged folder, never on their own
+    # the blocking checks are part of the step (a failed one fails it), not asset checks a failed run would paint
+    assert not hf_model.check_keys and {k.name for k in defs.resolve_assets_def("step_report").check_keys} == {
+        "weights_changed",
+        "finite",
+    }
+    # one step for the three stages: the plan built once, the checks on the staged folder
     assert not hf_model.can_subset and {k.to_user_string() for k in hf_model.keys} == {
         "parallel_config",
         "state_dict",
@@ -106,7 +113,8 @@ def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy()
 
 @pytest.mark.slow
 def test_sensors_run_by_default_and_the_hub_schedule_only_with_an_organization(tmp_path):
-    assert defs.resolve_sensor_def("new_checkpoint_sensor").default_status == dg.DefaultSensorStatus.RUNNING
+    for sensor in ("new_checkpoint_sensor", "step_report_sensor"):
+        assert defs.resolve_sensor_def(sensor).default_status == dg.DefaultSensorStatus.RUNNING
     assert "Off until MERGE_PIPELINE_HUB_ORG is set" in defs.resolve_schedule_def("publish_latest_steps").description
     assert (
         defs.resolve_sensor_def("merge_failure_webhook").default_status == dg.DefaultSensorStatus.RUNNING

@@ -69,22 +69,14 @@ def test_a_failed_blocking_check_publishes_nothing_and_says_so(fsdp_checkpoint, 
     result = materialize(instance, roots.settings(), KEY)
 
     step, description = failure(result)
-    assert (step, description) == (
-        "hf_model",
-        f"{roots.target(KEY)}: not published: blocking check(s) loads_on_meta_device failed on the merged folder (see the checks' problems)",
+    # the CLI's line (test_checks_before_publishing), naming the check, the folder and its first problem
+    assert step == "hf_model" and description.startswith(
+        f"{roots.target(KEY)}: not published: blocking check(s) loads_on_meta_device failed on the merged folder: "
+        f"missing from the weights: model.layers.{layers}."
     )
-    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
-    assert {e.asset_key.to_user_string() for e in checks.values()} == {"state_dict", "hf_model"}
-    assert {name: e.passed for name, e in checks.items()} == {
-        "loads_on_meta_device": False,
-        "index_matches_shards": True,
-        "manifest_sha256": True,
-    }
-    assert (
-        f"missing from the weights: model.layers.{layers}.mlp.down_proj.weight"
-        in checks["loads_on_meta_device"].metadata["problems"].value
-    )
-    assert "problems" not in checks["manifest_sha256"].metadata  # only the failed check lists problems
+    assert "\n" not in description and not result.get_asset_check_evaluations()  # no asset check to paint
+    [event] = [e for e in result.all_events if e.is_step_failure]
+    assert event.step_failure_data.user_failure_data.metadata["next step"].value.startswith("fix the checkpoint")
     assert_nothing_published(instance, roots)
     assert tree_digest(role_dir) == before
 

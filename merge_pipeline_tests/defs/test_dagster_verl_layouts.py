@@ -12,10 +12,11 @@ from safetensors.torch import load_file
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems
 from merge_pipeline.pipeline import merge_checkpoint
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
-from merge_pipeline_tests.defs.helpers import materialize
+from merge_pipeline_tests.defs.helpers import checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
 SFT = FsdpSpec(layout="sft")
@@ -46,9 +47,7 @@ def test_sensor_finds_an_sft_step_folder_and_the_chain_merges_it(fsdp_checkpoint
 
     result = materialize(instance, settings, KEY)
     assert result.success
-    assert (
-        all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
-    )
+    assert checks_passed(result) == CHECK_NAMES
     target = roots.output / "run" / "global_step_4"
     merged = load_safetensors_dir(target)
     reference = load_file(sample.reference_dir / "model.safetensors")
@@ -63,11 +62,7 @@ def test_chain_publishes_a_lora_only_checkpoint_as_a_checked_adapter(fsdp_checkp
     result = materialize(instance, roots.settings(), key)
 
     assert result.success
-    assert {e.check_name: e.passed for e in result.get_asset_check_evaluations()} == {
-        "loads_on_meta_device": True,
-        "index_matches_shards": True,
-        "manifest_sha256": True,
-    }
+    assert checks_passed(result) == CHECK_NAMES
     adapter = load_file(roots.target(key) / "adapter_model.safetensors")
     reference = load_file(sample.reference_dir / "model.safetensors")
     assert set(adapter) == {n.replace(".default.", ".") for n in reference if ".lora_" in n}
@@ -83,9 +78,7 @@ def test_chain_publishes_a_nemo_automodel_checkpoint(tmp_path, roots, instance):
     result = materialize(instance, roots.settings(), key)
 
     assert result.success
-    assert (
-        all(e.passed for e in result.get_asset_check_evaluations()) and len(result.get_asset_check_evaluations()) == 3
-    )
+    assert checks_passed(result) == CHECK_NAMES
     merged = load_safetensors_dir(roots.target(key))
     reference = load_file(tmp_path / "reference" / "model.safetensors")
     assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())

@@ -4,14 +4,14 @@ each stage reports its checks."""
 
 from __future__ import annotations
 
-import itertools
-
 import dagster as dg
 
 from merge_pipeline.defs import assets
+from merge_pipeline.defs.checks import PASSED
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import assert_bit_exact
 
@@ -27,15 +27,13 @@ def test_hf_model_publishes_and_reports_each_stage(tmp_path, roots):
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("checkpoints", [KEY])
         context = dg.build_asset_context(partition_key=KEY, instance=instance, resources={"settings": settings})
-        # The three stages' results. Direct invocation would then ask for each check as an output of its own;
-        # the step reports them inside the stages' results, as a run records them.
-        results = list(itertools.islice(assets.merge_step(context, config=MergeConfig()), 3))
+        # The three stages' results, as a run records them.
+        results = list(assets.merge_step(context, config=MergeConfig()))
 
     assert [r.asset_key for r in results] == [
         stage.key for stage in (assets.parallel_config, assets.state_dict, assets.hf_model)
     ]
-    checks = {c.check_name: c.passed for r in results for c in r.check_results or []}
-    assert checks == {"index_matches_shards": True, "loads_on_meta_device": True, "manifest_sha256": True}
+    assert results[2].metadata[PASSED].value == CHECK_NAMES  # the blocking checks, passed before publishing
     target = roots.target(KEY)
     assert_bit_exact(target, tmp_path / "reference")
     assert not staging_path(target).exists()

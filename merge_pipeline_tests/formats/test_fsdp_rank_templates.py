@@ -10,11 +10,17 @@ A file differing anywhere else is unpickled and verified as before, and refused 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
+import re
 import shutil
+import zipfile
+from pathlib import Path
 
 import pytest
 
-from merge_pipeline.formats.fsdp import plan_fsdp
+from merge_pipeline.formats.archive_layouts import ArchiveLayout
+from merge_pipeline.formats.fsdp import RankShard, plan_fsdp
 from merge_pipeline.formats.fsdp_template import RankTemplate
 from merge_pipeline.formats.torch_files import torch_archive
 from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
@@ -50,7 +56,7 @@ def template_of(role_dir, rank):
 
 def matches(template, role_dir, rank, as_rank=None):
     with torch_archive(rank_file(role_dir, rank)) as archive:
-        return template.matches(archive, rank if as_rank is None else as_rank)
+        return template.matches(archive.pickled, rank if as_rank is None else as_rank)
 
 
 def test_a_rank_file_matches_a_template_only_with_its_own_rank_and_shapes(checkpoint):
@@ -111,3 +117,124 @@ def test_a_rank_file_unlike_its_template_is_verified_and_refused(capsys, checkpo
     [line] = error_lines(err)
     assert str(rank_file(role_dir, rank)) in line and problem in line, line
     assert tree_digest(role_dir) == before and not (tmp_path / "out").exists()
+
+
+def zip_layout(role_dir, rank):
+    with torch_archive(rank_file(role_dir, rank)) as archive:
+        return ArchiveLayout.of(archive)
+
+
+def records_found(role_dir, rank, layout, name=None):
+    path = rank_file(role_dir, rank)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return layout.locate(fd, path.stat().st_size, name or path.stem)
+    finally:
+        os.close(fd)
+
+
+def records_parsed(role_dir, rank):
+    """Each record's (data offset, size) as the full way finds them: zipfile's directory, every local header."""
+    with torch_archive(rank_file(role_dir, rank)) as archive:
+        prefix = archive.prefix + "/"
+        return {name.removeprefix(prefix): (archive.data_offset(r), r.file_size) for name, r in archive.records.items()}
+
+
+def test_a_zip_layout_locates_each_record_where_the_full_parse_finds_it(checkpoint):
+    role_dir, _ = checkpoint
+    layout = zip_layout(role_dir, 0)
+
+    # ranks 1-9: rank 0's shapes and a name as long; 10-12 longer names; 13-15 other shapes
+    assert [rank for rank in range(WORLD_SIZE) if records_found(role_dir, rank, layout)] == list(range(10))
+    assert all(records_found(role_dir, rank, layout) == records_parsed(role_dir, rank) for rank in range(10))
+    longer = zip_layout(role_dir, 10)
+    assert all(records_found(role_dir, rank, longer) == records_parsed(role_dir, rank) for rank in (11, 12))
+
+
+def overwrite(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def local_header_time(path):
+    # the modification time in the local header of data/0 (no reader uses it, zipfile neither)
+    with zipfile.ZipFile(path) as z:
+        overwrite(path, z.getinfo(f"{path.stem}/data/0").header_offset + 10, b"\x21\x00")
+
+
+def directory_attributes(path):
+    # the external attributes in the central directory's first entry (zipfile reads them, nothing uses them)
+    with zipfile.ZipFile(path) as z:
+        overwrite(path, z.start_dir + 38, b"\x01\x00\xa4\x81")
+
+
+@pytest.mark.parametrize("change", [local_header_time, directory_attributes])
+def test_a_rank_file_laid_out_otherwise_by_one_byte_is_parsed_the_full_way(checkpoint, change):
+    role_dir, expected = checkpoint
+    change(rank_file(role_dir, 3))
+
+    assert records_found(role_dir, 3, zip_layout(role_dir, 0)) is None
+    assert_merges_bit_exact(role_dir, expected)  # zipfile reads it: those bytes place nothing
+
+
+def test_a_zip_layout_needs_the_files_own_name_as_archive_name(checkpoint):
+    role_dir, _ = checkpoint
+    shutil.copyfile(rank_file(role_dir, 3), rank_file(role_dir, 5))  # same layout, named rank 3 inside
+
+    assert records_found(role_dir, 5, zip_layout(role_dir, 0)) is None
+    assert records_found(role_dir, 5, zip_layout(role_dir, 0), name=rank_file(role_dir, 3).stem) is not None
+
+
+def big_endian(role_dir):
+    # Rank 6's byteorder record says "big" (same length, CRC not checked): laid out like rank 0's file.
+    path = rank_file(role_dir, 6)
+    with zipfile.ZipFile(path) as z:
+        record = z.getinfo(f"{path.stem}/byteorder")
+    with torch_archive(path) as archive:
+        overwrite(path, archive.data_offset(record), b"big\x00\x00\x00")
+    return "records are stored 'big\\x00\\x00\\x00'-endian"
+
+
+def test_a_big_endian_rank_file_laid_out_like_another_is_refused(capsys, checkpoint, tmp_path):
+    role_dir, _ = checkpoint
+    big_endian(role_dir)
+    before = tree_digest(role_dir)
+
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "out", "--no-progress")
+
+    assert code == 1
+    [line] = error_lines(err)
+    assert str(rank_file(role_dir, 6)) in line and "-endian; only little-endian checkpoints" in line, line
+    assert tree_digest(role_dir) == before and not (tmp_path / "out").exists()
+
+
+def test_a_regular_plan_holds_pieces_only_of_the_rank_files_it_unpickled(checkpoint):
+    # Ranks 0 (full shards), 13 (uneven) and 14 (empty) are unpickled; the other 13 match their
+    # templates, and their pieces are made only when read: the plan is O(tensors), not O(tensors x ranks).
+    role_dir, expected = checkpoint
+    with plan_fsdp(role_dir) as plan:
+        gc.collect()
+        pieces = sum(type(o) is RankShard for o in gc.get_objects())
+        assert pieces == 3 * len(expected)
+        assert {t.name: t.load() for t in plan.tensors}.keys() == expected.keys()
+
+
+def bytes_read() -> int:
+    return int(re.search(r"rchar: (\d+)", Path("/proc/self/io").read_text())[1])
+
+
+@pytest.mark.parametrize("order", ["reversed", "second half only"])
+def test_a_group_read_out_of_order_or_in_part_reads_each_piece_once(checkpoint, order):
+    # A torchrun rank writes its output files biggest first, and its share may start or end inside a
+    # group: each member is read at most once, and none before the first one taken.
+    role_dir, expected = checkpoint
+    with plan_fsdp(role_dir) as plan:
+        tensors = plan.tensors[::-1] if order == "reversed" else plan.tensors[len(plan.tensors) // 2 :]
+        wanted = sum(t.nbytes() for t in tensors)
+        assert len({id(t.source.group) for t in tensors if hasattr(t.source, "group")}) == 1  # all one group
+        before = bytes_read()
+        got = {t.name: t.load() for t in tensors}
+        read = bytes_read() - before
+    assert all(same_bits(got[name], expected[name]) for name in got)
+    assert wanted <= read < 1.5 * wanted  # the zip headers between the pieces, and nothing twice

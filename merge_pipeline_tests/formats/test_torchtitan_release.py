@@ -4,8 +4,8 @@ deepseek_v3, qwen3_5, kimi_k2_7, gpt_oss), ``fully_shard`` on two gloo ranks, it
 ``state_dict_adapter.to_hf`` gives; so does the last step, which torchtitan saves as HF safetensors
 (``last_save_in_hf``), and its per-rank ``sharded/`` files alone. qwen3_5's model imports
 flash-linear-attention's GPU kernels, which saving never runs: the writer stands empty modules in
-for that import. kimi_k2_7's plan equals its ``to_hf``;
-gpt_oss's grouped experts, which its ``to_hf`` drops, are refused in one line.
+for that import. kimi_k2_7 (Kimi-K2.5) is checked by the names transformers 5 loads, not the ones it
+would save (``hf/load_names.py``); gpt_oss's grouped experts, which its ``to_hf`` drops, are refused in one line.
 
 torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/setup.sh``);
 the writer is ``merge_pipeline/sample_checkpoints/torchtitan_save.py``."""
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import merge_pipeline
 from merge_pipeline.formats import open_checkpoint
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(merge_pipeline.__file__).resolve().parents[1]
 TORCHTITAN_PYTHON = ROOT / ".venv-torchtitan" / "bin" / "python"
 WRITER = ROOT / "merge_pipeline" / "sample_checkpoints" / "torchtitan_save.py"
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5")  # merged from the CLI
-WRITTEN = (*FAMILIES, "kimi_k2_7", "gpt_oss")
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "kimi_k2_7")  # merged from the CLI
+WRITTEN = (*FAMILIES, "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -76,20 +76,36 @@ def test_merge_equals_the_families_own_to_hf_bit_for_bit(capsys, tmp_path, torch
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
-def test_kimi_k2_7_plan_equals_its_to_hf_bit_for_bit(torchtitan_saves):
+def test_kimi_k2_7_is_checked_by_the_names_transformers_loads(capsys, tmp_path, torchtitan_saves):
     """Kimi-K2.5: DeepSeek-V3's names under ``language_model.`` beside the vision tower's, whose q/k/v
-    are concatenated and whose patch embedding is reshaped into a Conv2d weight. Compared as planned:
-    transformers 5's reverse renaming of kimi_k25 (``blocks`` -> ``layers`` undone everywhere) names
-    the language model's layers ``blocks``, so the architecture check refuses the merged folder."""
+    are concatenated and whose patch embedding is reshaped into a Conv2d weight (merged bit-exact above).
+    transformers 5 would save its language layers as ``language_model.model.blocks.N`` (its reverse
+    renaming undoes ``blocks`` -> ``layers`` everywhere) but loads the Hub's ``layers.N``: that name
+    passes, and a name loading puts nowhere is still refused."""
     saved = torchtitan_saves / "kimi_k2_7"
     expected = load_file(saved / "expected" / "model.safetensors")
-    plan = open_checkpoint(saved / "checkpoint" / "step-1", MergeOptions(hf_model_path=str(saved / "hf")))
-    with plan:
-        planned = {t.name: t for t in plan.tensors}
-        assert set(planned) == set(expected)
-        for name, tensor in expected.items():
-            assert same_bits(planned[name].load(), tensor), name
     assert expected["vision_tower.patch_embed.proj.weight"].dim() == 4 and any(".wqkv." in k for k in expected)
+    assert "language_model.model.layers.0.self_attn.o_proj.weight" in expected
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight" in expected
+    folder = tmp_path / "renamed"
+    shutil.copytree(saved / "checkpoint" / "step-2", folder)  # its HF files renamed below, sharded/ not read
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    wrong = {
+        "language_model.model.layers.0.self_attn.o_proj.weight": "language_model.model.layers.0.self_attn.out_proj.weight"
+    }
+    index["weight_map"] = {wrong.get(k, k): v for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    [shard] = folder.glob("model-*.safetensors")
+    tensors = load_file(shard)
+    save_file({wrong.get(k, k): t for k, t in tensors.items()}, shard)
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", folder, "--target_dir", tmp_path / "out", "--hf_model_path", saved / "hf"
+    )
+    assert code == 1
+    [line] = error_lines(err)
+    assert "1 unexpected" in line and "self_attn.out_proj.weight" in line, line
+    assert "1 missing: language_model.model." in line and "0.self_attn.o_proj.weight" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_gpt_oss_grouped_experts_are_one_line_naming_them(capsys, tmp_path, torchtitan_saves):

@@ -8,14 +8,15 @@ import time
 
 import dagster as dg
 import pytest
+from safetensors.torch import load_file, save_file
 
 from merge_pipeline import __version__
-from merge_pipeline.defs.assets import hf_model
 from merge_pipeline.defs.hub import HuggingFaceHub, hub_model, publish_latest_steps
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.defs.report import step_report
 from merge_pipeline.errors import MergeError
 from merge_pipeline.pipeline import merge_checkpoint
-from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, materialize
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint
 
@@ -28,13 +29,15 @@ def test_schedule_publishes_the_highest_verified_step_of_each_run_once(hub, fsdp
     settings = roots.settings()
     for step_dir in ("exp/global_step_1", "exp/global_step_2", "exp/global_step_3", "team/other/global_step_5"):
         roots.drop(fsdp_checkpoint(ACTOR), step_dir, tracker=int(step_dir.rsplit("_", 1)[1]), link=True)
-        assert materialize(instance, settings, f"{step_dir}/actor").success
-    # A later run of a check found step 3 broken: it must not be published, step 2 is the run's latest good one.
-    instance.report_runless_asset_event(
-        dg.AssetCheckEvaluation(
-            asset_key=hf_model.key, check_name="manifest_sha256", passed=False, partition="exp/global_step_3/actor"
-        )
-    )
+        assert materialize(instance, settings, f"{step_dir}/actor", selection=[*CHAIN, step_report]).success
+    # Step 3's weights hold a NaN (as a diverged trainer saves them), which its step report finds: its
+    # `finite` check fails, it must not be published, step 2 is the run's latest good one.
+    weights = roots.target("exp/global_step_3/actor") / "model.safetensors"
+    tensors = load_file(weights)
+    next(iter(tensors.values())).view(-1)[0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    reported = materialize(instance, settings, "exp/global_step_3/actor", selection=[step_report])
+    assert [e.passed for e in reported.get_asset_check_evaluations() if e.check_name == "finite"] == [False]
     hub_resource = HuggingFaceHub(organization="org", token=WRITER)
 
     requests = tick(instance, hub_resource)
@@ -64,7 +67,9 @@ def test_schedule_publishes_the_highest_verified_step_of_each_run_once(hub, fsdp
     assert isinstance(tick(instance, hub_resource), dg.SkipReason)  # once per step
 
     roots.drop(fsdp_checkpoint(ACTOR), "exp/global_step_4", tracker=4, link=True)
-    assert materialize(instance, settings, "exp/global_step_4/actor").success
+    assert materialize(instance, settings, "exp/global_step_4/actor").success  # its report runs apart, later
+    assert isinstance(tick(instance, hub_resource), dg.SkipReason)  # waits for it: not an older step meanwhile
+    assert materialize(instance, settings, "exp/global_step_4/actor", selection=[step_report]).success
 
     assert [r.partition_key for r in tick(instance, hub_resource)] == ["exp/global_step_4/actor"]
     logs = "".join(str(event) for record in instance.get_runs() for event in instance.all_logs(record.run_id))

@@ -18,6 +18,7 @@ from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.sample_checkpoints.megatron import arrange_v2
 from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 - fixtures: a real instance, watched roots
+from merge_pipeline_tests.defs.helpers import checks_passed
 from merge_pipeline_tests.helpers import (
     assert_loads_every_stored_value,
     load_safetensors_dir,
@@ -98,8 +99,7 @@ def test_the_sensors_run_publishes_it_and_the_cli_writes_the_same_bytes(
     )
 
     assert run.success
-    checks = {e.check_name: e.passed for e in run.get_asset_check_evaluations()}
-    assert {name: checks.get(name) for name in CHECK_NAMES} == dict.fromkeys(CHECK_NAMES, True)  # the blocking ones
+    assert checks_passed(run) == CHECK_NAMES  # the blocking ones, passed before publishing
     published = roots.target(KEY)
     assert json.loads((published / "config.json").read_text())["dtype"] == "float32"
     assert_loads_every_stored_value(published)

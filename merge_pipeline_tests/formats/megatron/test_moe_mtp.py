@@ -1,7 +1,9 @@
 """Megatron MoE and multi-token-prediction models verl trains: Mixtral (``block_sparse_moe``, no shared
-expert, EP=2) and DeepSeek-V3 (multi-latent attention, dense then MoE layers, sigmoid router with
-expert bias, one MTP module, EP=2), both written by megatron-core on gloo ranks. Merged from the CLI,
-bit-exact, and the merged folder computes what megatron-core computed.
+expert, EP=2), DeepSeek-V3 (multi-latent attention, dense then MoE layers, sigmoid router with
+expert bias, one MTP module, EP=2) and GLM-4.5 (q/k/v biases, QK-norm, rotary on half of each head,
+dense then MoE layers, sigmoid router with expert bias, shared experts, one MTP module, EP=2), all
+written by megatron-core on gloo ranks. Merged from the CLI, bit-exact, and the merged folder computes
+what megatron-core computed.
 
 Qwen3-MoE (QK-norm, no bias) is proven the same way by
 ``test_cli.py::test_merged_model_reproduces_megatron_logits[qwen3_moe_tp2_per_layer]``.
@@ -20,7 +22,8 @@ from merge_pipeline.cli import main
 from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
-FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp"]
+FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp", "glm4_moe_mtp"]
+MTP = ("deepseek_v3_mtp", "glm4_moe_mtp")
 SIZES = SIZE_PRESETS["tiny"]
 
 
@@ -52,9 +55,10 @@ def test_merged_model_reproduces_megatron_logits(megatron_samples, merged, name)
         merged[name], dtype=torch.float32, output_loading_info=True
     )
     assert not loading["missing_keys"] and not loading["mismatched_keys"]
-    # transformers has no MTP module: it skips layer num_hidden_layers (2), and only that.
-    assert all(k.startswith("model.layers.2.") for k in loading["unexpected_keys"])
-    assert bool(loading["unexpected_keys"]) == (name == "deepseek_v3_mtp")
+    # transformers has no MTP module: it skips layer num_hidden_layers, and only that.
+    mtp_layer = f"model.layers.{model.config.num_hidden_layers}."
+    assert all(k.startswith(mtp_layer) for k in loading["unexpected_keys"])
+    assert bool(loading["unexpected_keys"]) == (name in MTP)
     with torch.no_grad():
         logits = model.eval()(sample_tokens()[None]).logits[0]
     expected = torch.load(megatron_samples[name].logits_path, weights_only=True)
@@ -62,9 +66,10 @@ def test_merged_model_reproduces_megatron_logits(megatron_samples, merged, name)
     # Both sides run float32 from the same bits; they differ only in operation order (megatron-core's
     # baddbmm attention vs transformers' SDPA, expert outputs summed by the allgather dispatcher's
     # scatter-add vs transformers' index_add, softmax of the top-k logits vs softmax-top-k-renormalise).
-    # Measured: max |difference| 1.0e-6 (Mixtral) and 1.3e-6 (DeepSeek-V3) on logits up to 2.5, i.e.
-    # a few float32 ulps. Mistakes measured on the same folders: two experts swapped 0.59, gate/up
-    # halves swapped 0.88, router bias dropped 0.80, one MLA norm reversed 0.07.
+    # Measured: max |difference| 1.0e-6 (Mixtral), 1.3e-6 (DeepSeek-V3) and 1.3e-6 (GLM-4.5) on logits up
+    # to 2.6, i.e. a few float32 ulps. Mistakes measured on the same folders: two experts swapped 0.59,
+    # gate/up halves swapped 0.88, router bias dropped 0.80, one MLA norm reversed 0.07; GLM-4.5 with
+    # full rotary 1.33, routed_scaling_factor 1.0 0.95, top-k weights not renormalised 0.43.
     torch.testing.assert_close(logits, expected, atol=5e-6, rtol=0)
 
 
@@ -118,6 +123,26 @@ def test_mtp_module_is_layer_num_hidden_layers_with_deepseek_names(merged):
     assert same_bits(files["model.layers.2.embed_tokens.weight"], files["model.embed_tokens.weight"])
     assert same_bits(files["model.layers.2.shared_head.head.weight"], files["lm_head.weight"])
     assert files["model.layers.2.embed_tokens.weight"].shape == (vocab, hidden)
+
+
+def test_glm_mtp_module_has_deepseek_names_and_qkv_biases(merged):
+    """GLM-4.5's MTP layer keeps DeepSeek-V3's names (its Hub checkpoint, vLLM's glm4_moe_mtp loader),
+    with GLM's q/k/v biases and QK-norm in its decoder layer."""
+    out = merged["glm4_moe_mtp"]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (4, 1)
+    files = load_safetensors_dir(out)
+    hidden, mtp = SIZES["hidden"], "mtp.layers.0."
+    assert same_bits(
+        files["model.layers.4.eh_proj.weight"],
+        global_values(mtp + "eh_proj.weight", (hidden, 2 * hidden), torch.float32),
+    )
+    qkv_rows = SIZES["kv_heads"] * (SIZES["heads"] // SIZES["kv_heads"] + 2) * SIZES["head_dim"]
+    qkv_bias = global_values(mtp + "transformer_layer.self_attention.linear_qkv.bias", (qkv_rows,), torch.float32)
+    head = SIZES["head_dim"]  # KV group 0 is [q heads 0, 1 | k_0 | v_0]
+    assert same_bits(files["model.layers.4.self_attn.k_proj.bias"][:head], qkv_bias[2 * head : 3 * head])
+    assert {f"model.layers.4.self_attn.{n}_norm.weight" for n in "qk"} <= files.keys()
+    assert same_bits(files["model.layers.4.shared_head.head.weight"], files["lm_head.weight"])
 
 
 def test_mtp_modules_the_config_does_not_declare_are_one_line(fresh_megatron, tmp_path, capsys):
