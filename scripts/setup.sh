@@ -13,3 +13,5 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".[test]"
 bash scripts/setup_torchtitan.sh
+bash scripts/setup_nemo.sh
+bash scripts/setup_bridge.sh

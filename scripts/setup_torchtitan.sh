@@ -7,15 +7,13 @@
 # A second run is a no-op: the stamp file records what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/isolated_venv.sh
 VENV=.venv-torchtitan
 PACKAGES="torch==2.13.0 torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0 tyro numpy safetensors einops"
-if [ -f "$VENV/stamp" ] && [ "$(cat "$VENV/stamp")" = "$PACKAGES" ]; then
+if venv_is_current "$VENV" "$PACKAGES"; then
     exit 0
 fi
-PYTHON=${PYTHON:-python3.11}
-command -v "$PYTHON" >/dev/null || PYTHON=python3
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
+new_venv "$VENV"
 # torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
 "$VENV/bin/python" -m pip install --quiet torch==2.13.0 tyro numpy safetensors einops
 # Last, so that no later pip run reports torchtitan's declared dependencies as missing.

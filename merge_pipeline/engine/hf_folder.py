@@ -19,8 +19,15 @@ log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 # Training state a trainer saves beside config.json (DeepSpeed's tag file and converter scripts, the
-# HF Trainer's state): not part of a model folder, and zero_to_fp32.py is no model's remote code.
-_TRAINING_STATE_FILES = ("latest", "zero_to_fp32.py", "zero_to_torch.py", "trainer_state.json")
+# HF Trainer's state, NeMo-Automodel's shard plan): not part of a model folder, and zero_to_fp32.py is no
+# model's remote code.
+_TRAINING_STATE_FILES = (
+    "latest",
+    "zero_to_fp32.py",
+    "zero_to_torch.py",
+    "trainer_state.json",
+    "fqn_to_file_index_mapping.json",
+)
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -51,8 +51,15 @@ _ROPE_TABLE = "freqs_cis"  # torchtitan's precomputed rotary table: HF recompute
 
 
 def find_dcp_dir(role_dir: Path) -> Path | None:
-    """The DCP folder holding the model: ``role_dir`` itself, or where accelerate / NeMo-RL put it."""
-    for folder in (role_dir, role_dir / ACCELERATE_DIR, role_dir / NEMO_RL_DIR, role_dir / NEMO_AUTOMODEL_DIR):
+    """The DCP folder holding the model: ``role_dir`` itself, or where accelerate / NeMo-RL put it
+    (NeMo-RL's Automodel-based policy saves through NeMo-Automodel into ``weights/model/``)."""
+    for folder in (
+        role_dir,
+        role_dir / ACCELERATE_DIR,
+        role_dir / NEMO_RL_DIR,
+        role_dir / NEMO_AUTOMODEL_DIR,
+        role_dir / NEMO_RL_DIR / NEMO_AUTOMODEL_DIR,
+    ):
         if (folder / METADATA).is_file():
             return folder
     return None

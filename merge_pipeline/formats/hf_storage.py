@@ -31,7 +31,10 @@ SHARD_FILE = re.compile(r"shard-\d{5,}-model-\d{5,}-of-\d{5,}\.safetensors")  # 
 SHARDING_INFO = "DCP_SHARDING_INFO"  # torch's _hf_utils.CUSTOM_METADATA_KEY
 SAVED_OFFSETS = "saved_offsets"
 # Where the writers put the per-rank files inside the folder a user points at.
-_PLACES = ("model", "sharded")
+# (NeMo-RL's Automodel-based policy: NeMo-Automodel's model/ inside its policy/weights/).
+_PLACES = ("model", "sharded", "weights/model")
+# NeMo-Automodel writes the model's config.json beside its shards in this folder (its ConsolidatedHFAddon).
+_AUTOMODEL_METADATA = ".hf_metadata"
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -55,7 +58,10 @@ def plan_hf_storage(role_dir: Path, shards_dir: Path) -> CheckpointPlan:
     return CheckpointPlan(
         "dcp",
         role_dir,
-        next((d for d in (shards_dir, role_dir) if (d / "config.json").is_file()), role_dir / "huggingface"),
+        next(
+            (d for d in (shards_dir, shards_dir / _AUTOMODEL_METADATA, role_dir) if (d / "config.json").is_file()),
+            role_dir / "huggingface",
+        ),
         planned,
         files,
         layout={

@@ -8,11 +8,12 @@ rank, each ``fully_shard``s a module tree and saves it with ``dcp.save`` the way
   SHARDED_STATE_DICT) into ``<checkpoint>/pytorch_model_fsdp_0/`` and ``optimizer_0/``.
 - ``nemo_rl`` / ``nemo_automodel``: what their DCP savers hand to ``dcp.save`` (NeMo-RL wraps the
   model's state dict under "model", NeMo-Automodel saves it flat), into ``weights/`` or ``model/``.
-  Neither package is installed here (both pin their own torch stacks).
+  Reproduced from their source (NeMo-RL at 7ea279a); NeMo-Automodel 0.7.0 itself writes its own
+  fixtures in its own venv: ``nemo_automodel_save.py``.
 - ``nemo_automodel_safetensors``: NeMo-Automodel's sharded safetensors save (``model_save_format:
   safetensors`` without consolidation): ``dcp.save`` through torch's own ``HuggingFaceStorageWriter``
-  (NeMo-Automodel 0.7 hands the same writer its ``fqn_to_file_index_mapping``, from the original
-  model's index: two files here) with ``save_distributed=True``: ``model/shard-<rank>-model-<k>-of-2.safetensors``.
+  (NeMo-Automodel 0.7 hands its backport of that writer its ``fqn_to_file_index_mapping``, from the
+  original model's index: two files here) with ``save_distributed=True``: ``model/shard-<rank>-model-<k>-of-2.safetensors``.
 - ``torchtitan``: torchtitan's older Llama names (before 0.3: ``attention.wq``, ``output``), reproduced
   from its source: the module tree carries them with q/k rows in torchtitan's rotary
   layout (its adapter's ``from_hf``), and the rank saves what torchtitan's CheckpointManager saves:

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Build .venv-bridge: Megatron-Bridge 0.6.2 on megatron-core 0.18.2 in its own venv (our megatron-core
+# is 0.16; the bridge pins transformers 5.8-5.12 and pulls CUDA kernels, wandb, mlflow...), for the
+# tests whose checkpoints the bridge itself writes (merge_pipeline/sample_checkpoints/megatron_bridge_save.py).
+# Both wheels declare Python 3.12 and run on 3.11: megatron-core's cp312 wheel is installed under a
+# cp311 name (its one compiled module, the dataset index helpers, is never loaded when saving) and
+# Python 3.12's typing.override, which the bridge imports, comes from typing_extensions (a .pth shim).
+# Only what its model provider, save_hf_weights and export_hf_weights import is installed, without
+# their declared dependencies: triton (megatron-core's MoE stash), nvidia-modelopt (save_hf_weights'
+# quantization check) with its own imports. TransformerEngine is not installed: the writer stands an
+# empty module in while the two bridge modules that import it unconditionally load.
+# A second run is a no-op: the stamp file records what was installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/isolated_venv.sh
+VENV=.venv-bridge
+BASE="torch==2.13.0 transformers==5.12.1 safetensors numpy einops packaging typing_extensions omegaconf==2.4.0 psutil requests pulp scipy"
+NODEPS="megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 triton==3.9.0"
+CORE=megatron-core==0.18.2
+PACKAGES="$BASE $CORE $NODEPS"
+if venv_is_current "$VENV" "$PACKAGES"; then
+    exit 0
+fi
+new_venv "$VENV"
+# torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pip install --quiet $BASE
+WHEELS=$(mktemp -d)
+trap 'rm -rf "$WHEELS"' EXIT
+"$VENV/bin/python" -m pip download --quiet --no-deps --python-version 3.12 --only-binary=:all: -d "$WHEELS" "$CORE"
+for wheel in "$WHEELS"/megatron_core-*-cp312-cp312-*.whl; do
+    mv "$wheel" "${wheel//cp312-cp312/cp311-cp311}"
+done
+# shellcheck disable=SC2086
+"$VENV/bin/python" -m pip install --quiet --no-deps --ignore-requires-python "$WHEELS"/megatron_core-*.whl $NODEPS
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cat > "$SITE/_py312_shims.py" <<'PY'
+"""Python 3.12 names that Megatron-Bridge imports, for its install on 3.11."""
+import typing
+
+import typing_extensions
+
+if not hasattr(typing, "override"):
+    typing.override = typing_extensions.override
+PY
+echo "import _py312_shims" > "$SITE/_py312_shims.pth"
+"$VENV/bin/python" -c "import typing; typing.override; import megatron.core, modelopt.torch.quantization.utils"
+echo "$PACKAGES" > "$VENV/stamp"
