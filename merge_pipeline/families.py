@@ -293,6 +293,18 @@ TORCHTITAN_KIMI_K2_7 = dataclasses.replace(
 
 _VISION = "visual."  # the Hub's names; transformers 5 renames them to model.language_model.* / model.visual.* on load
 
+# Hybrid linear attention (Gated DeltaNet) with a vision tower; torchtitan's to_hf only. The MoE model is
+# the same family plus its experts.
+_QWEN3_5 = Family(
+    "qwen3_5",
+    "qwen3_5",
+    ("Qwen3_5ForConditionalGeneration",),
+    text_prefix="model.language_model.",
+    vision_prefix="model.visual.",
+    qk_norm=True,
+    megatron=False,
+    torchtitan=TORCHTITAN_QWEN3_5,
+)
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -354,29 +366,15 @@ FAMILIES: dict[str, Family] = {
             vision_prefix=_VISION,
             qkv_bias=True,
         ),
-        # Hybrid linear attention (Gated DeltaNet) with a vision tower; torchtitan's to_hf only.
-        Family(
-            "qwen3_5",
-            "qwen3_5",
-            ("Qwen3_5ForConditionalGeneration",),
-            text_prefix="model.language_model.",
-            vision_prefix="model.visual.",
-            qk_norm=True,
-            megatron=False,
-            torchtitan=TORCHTITAN_QWEN3_5,
-        ),
-        Family(
-            "qwen3_5_moe",
-            "qwen3_5_moe",
-            ("Qwen3_5MoeForConditionalGeneration",),
-            text_prefix="model.language_model.",
-            vision_prefix="model.visual.",
+        _QWEN3_5,
+        dataclasses.replace(
+            _QWEN3_5,
+            name="qwen3_5_moe",
+            model_type="qwen3_5_moe",
+            architectures=("Qwen3_5MoeForConditionalGeneration",),
             shared_experts="shared_expert",
-            qk_norm=True,
             moe=True,
             shared_expert_gate=True,
-            megatron=False,
-            torchtitan=TORCHTITAN_QWEN3_5,
         ),
         # Kimi-K2.5 (torchtitan's kimi_k2_7): the DeepSeek-V3 language model beside a MoonViT vision tower.
         Family(
