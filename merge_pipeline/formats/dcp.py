@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
+from merge_pipeline.formats.coalesced_reads import coalesced
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     plan_specs,
@@ -102,7 +103,7 @@ def plan_dcp(role_dir: Path, config: CheckpointConfig) -> CheckpointPlan:
         "dcp",
         role_dir,
         hf_dir,
-        planned,
+        coalesced(planned),  # saved by many ranks, a tensor is many small chunks: read file by file
         files,
         is_value_model=has_value_head(t.name for t in planned),
         layout={
