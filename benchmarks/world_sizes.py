@@ -1,7 +1,7 @@
 """Wall time and peak RSS of a merge against the world size the same weights were saved at.
 
     .venv/bin/python -m benchmarks.world_sizes --size large --world-sizes 4,64,1024 --repeat 3 \\
-        [--compare-with /path/to/other/checkout] [--plot docs/img/world_sizes.png]
+        [--formats fsdp,dcp,deepspeed] [--compare-with /path/to/other/checkout] [--plot docs/img/world_sizes.png]
 
 Each world size is the ``--size`` checkpoint re-saved by torch's fake process group
 (``benchmarks.checkpoints.ensure_world_size_checkpoint``); each merge is a fresh
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, ensure_world_size_checkpoint
+from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, ensure_format_world_size_checkpoint
 from benchmarks.measure import prepare_cache, remove, run_child
 
 
@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.world_sizes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="large")
     parser.add_argument("--world-sizes", default="4,64,1024")
+    parser.add_argument(
+        "--formats",
+        default="fsdp",
+        help="checkpoint formats, each saved at every world size by its own save code: fsdp, dcp (torchtitan), deepspeed (ZeRO-3)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--compare-with", type=Path, help="another checkout of merge_pipeline, measured alongside")
     parser.add_argument("--compare-label", default="other checkout", help="its name in the table and plot")
@@ -37,27 +42,35 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-    checkpoints = {w: ensure_world_size_checkpoint(args.size, w, args.cache_dir) for w in world_sizes}
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    checkpoints = {
+        (f, w): ensure_format_world_size_checkpoint(f, args.size, w, args.cache_dir)
+        for f in formats
+        for w in world_sizes
+    }
     versions = {"this checkout": REPO_ROOT}
     if args.compare_with:
         versions = {args.compare_label: args.compare_with.resolve(), **versions}
-    samples: dict[str, dict[int, list[dict]]] = {v: {w: [] for w in world_sizes} for v in versions}
+    # One table row per code version (and per format, when other formats than FSDP are measured).
+    label = {(f, v): v if formats == ["fsdp"] else f"{f}, {v}" for f in formats for v in versions}
+    samples: dict[str, dict[int, list[dict]]] = {name: {w: [] for w in world_sizes} for name in label.values()}
     with tempfile.TemporaryDirectory(prefix="world-sizes-") as scratch:
         for repeat in range(args.repeat):
-            for w, checkpoint in checkpoints.items():
+            for (f, w), checkpoint in checkpoints.items():
                 for version, root in versions.items():
                     target = Path(scratch) / "out"
                     prepare_cache(checkpoint.model_files, "warm")
                     run = run_child(
                         [sys.executable, "-m", "merge_pipeline", "merge", "--local_dir", str(checkpoint.role_dir)]
-                        + ["--target_dir", str(target), "--dtype", "bfloat16", "--no-progress"],
+                        + ["--target_dir", str(target), "--dtype", "bfloat16", "--no-progress"]
+                        + list(checkpoint.merge_flags),
                         cwd=Path(scratch),
                         env={**os.environ, "PYTHONPATH": str(root)},
                     ).check(f"merge of world size {w} by {version}")
                     remove(target)
                     sample = {"wall_s": run.wall_s, "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_bytes / 1e6}
-                    samples[version][w].append(sample)
-                    print(f"repeat {repeat + 1}, world size {w}, {version}: {json.dumps(sample)}", flush=True)
+                    samples[label[f, version]][w].append(sample)
+                    print(f"repeat {repeat + 1}, world size {w}, {label[f, version]}: {json.dumps(sample)}", flush=True)
     print(table(samples, world_sizes))
     if args.json:
         args.json.write_text(json.dumps(samples, indent=1))
