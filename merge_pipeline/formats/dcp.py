@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
-from merge_pipeline.formats.coalesced_reads import coalesced
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     plan_specs,
@@ -103,7 +102,7 @@ def plan_dcp(role_dir: Path, config: CheckpointConfig) -> CheckpointPlan:
         "dcp",
         role_dir,
         hf_dir,
-        coalesced(planned),  # saved by many ranks, a tensor is many small chunks: read file by file
+        planned,
         files,
         is_value_model=has_value_head(t.name for t in planned),
         layout={

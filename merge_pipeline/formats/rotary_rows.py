@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from merge_pipeline.plan import READ_PIECE_BYTES, TensorSource
+from merge_pipeline.plan import TensorSource
+
+# Two blocks are held (read, permuted): small, since the stored tensor's own reads keep a buffer too.
+_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class RotaryRows:
     def pieces(self) -> Iterator[torch.Tensor]:
         head = self.shape[0] // self.heads * math.prod(self.shape[1:])  # elements per head
         block = torch.empty(
-            max(1, min(self.heads, READ_PIECE_BYTES // max(head * self.dtype.itemsize, 1))) * head, dtype=self.dtype
+            max(1, min(self.heads, _BLOCK_BYTES // max(head * self.dtype.itemsize, 1))) * head, dtype=self.dtype
         )
         out, filled = torch.empty_like(block), 0
         for piece in self.stored.pieces():
