@@ -82,12 +82,18 @@ class Checkpoint:
     role_dir: Path  # .../global_step_1/actor
     spec: dict
     backend: str = "fsdp"
+    merge_flags: tuple[str, ...] = ()  # what the merge needs beside the folder (a configless DCP's --hf_model_path)
 
     @property
     def model_files(self) -> list[Path]:
-        """The files a merge reads tensor data from: FSDP rank files, or Megatron's dist_ckpt/."""
+        """The files a merge reads tensor data from: FSDP rank files, Megatron's dist_ckpt/, a DCP folder's
+        .distcp files or a DeepSpeed tag folder's states."""
         if self.backend == "megatron":
             return sorted(p for p in (self.role_dir / "dist_ckpt").iterdir() if p.is_file())
+        if self.backend == "dcp":
+            return sorted(self.role_dir.glob("*.distcp"))
+        if self.backend == "deepspeed":
+            return sorted(self.role_dir.glob("*/*_states.pt"))
         return sorted(self.role_dir.glob("model_world_size_*_rank_*.pt"))
 
     @property
@@ -150,6 +156,42 @@ def ensure_world_size_checkpoint(
     return Checkpoint(name, root / "global_step_1" / "actor", spec)
 
 
+def ensure_format_world_size_checkpoint(
+    backend: str, size: str, world_size: int, cache_dir: Path = DEFAULT_CACHE, *, log=print
+) -> Checkpoint:
+    """The ``size`` weights saved at ``world_size`` ranks in ``backend``'s format, each by its trainer's own
+    save code in one process under torch's fake process group: FSDP2 rank files (``fsdp_fake_pg``),
+    torchtitan's DCP (``dcp_fake_pg``: torch's DCP save steps rank by rank) or DeepSpeed ZeRO-3
+    (``deepspeed_fake_pg``: ``deepspeed.initialize`` + ``save_checkpoint`` rank by rank)."""
+    if backend == "fsdp":
+        return ensure_world_size_checkpoint(size, world_size, cache_dir, log=log)
+    if backend not in ("dcp", "deepspeed"):
+        raise SystemExit(f"no {backend!r} world-size checkpoint; choose from fsdp, dcp, deepspeed")
+    spec = {**spec_for(size), "world_size": world_size, "format": backend}
+    description = f"the {size} weights as a {backend} checkpoint of {world_size} ranks (fake process group)"
+    root = _cached(cache_dir, f"{backend}-{size}-ws{world_size}", spec, ["--format", "{staging}"], description, log)
+    flags = ("--hf_model_path", str(root / "reference")) if backend == "dcp" else ()
+    folder = root / ("step-1" if backend == "dcp" else "ckpt")
+    return Checkpoint(f"{size}@ws{world_size}", folder, spec, backend=backend, merge_flags=flags)
+
+
+def _write_format(root: Path, spec: dict) -> None:
+    from merge_pipeline.sample_checkpoints.dcp_fake_pg import write_fake_pg_dcp
+    from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
+    from merge_pipeline.sample_checkpoints.deepspeed_fake_pg import write_fake_pg_deepspeed
+    from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+
+    shapes = {k: spec[k] for k in ("hidden_size", "num_layers", "vocab_size", "intermediate_size")}
+    shapes |= {k: spec[k] for k in ("num_attention_heads", "num_key_value_heads")}
+    if spec["format"] == "dcp":
+        model = FsdpSpec(arch="llama", world_size=spec["world_size"], with_optimizer=False, **shapes)
+        write_fake_pg_dcp(root / "step-1", "torchtitan", model, reference_dir=root / "reference")
+    else:
+        head_dim = spec["hidden_size"] // spec["num_attention_heads"]
+        model = DeepSpeedSpec(stage=3, world_size=spec["world_size"], head_dim=head_dim, **shapes)
+        write_fake_pg_deepspeed(root / "ckpt", root / "reference", model)
+
+
 def ensure_megatron_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, log=print) -> Checkpoint:
     """A cached Megatron-Core checkpoint (Llama, TP=2) of a ``MEGATRON_SIZES`` size."""
     if size not in MEGATRON_SIZES:
@@ -191,5 +233,7 @@ def _write(role_dir: Path, spec: dict) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--megatron":
         _write_megatron(Path(sys.argv[2]), json.loads(sys.argv[3]))
+    elif sys.argv[1] == "--format":
+        _write_format(Path(sys.argv[2]), json.loads(sys.argv[3]))
     else:
         _write(Path(sys.argv[1]), json.loads(sys.argv[2]))

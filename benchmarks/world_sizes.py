@@ -1,7 +1,8 @@
 """Wall time and peak RSS of a merge against the world size the same weights were saved at.
 
     .venv/bin/python -m benchmarks.world_sizes --size large --world-sizes 4,64,1024 --repeat 3 \\
-        [--compare-with /path/to/other/checkout] [--with-verl] [--plot docs/img/world_sizes.png]
+        [--formats fsdp,dcp,deepspeed] [--compare-with /path/to/other/checkout] [--with-verl] \\
+        [--plot docs/img/world_sizes.png]
 
 Each world size is the ``--size`` checkpoint re-saved by torch's fake process group
 (``benchmarks.checkpoints.ensure_world_size_checkpoint``); each merge is a fresh
@@ -23,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, ensure_world_size_checkpoint
+from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, ensure_format_world_size_checkpoint
 from benchmarks.measure import prepare_cache, remove, run_child
 from benchmarks.verl_env import DEFAULT_VENV, DEFAULT_VERL, ensure_verl_venv, verl_merge_command
 
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.world_sizes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="large")
     parser.add_argument("--world-sizes", default="4,64,1024")
+    parser.add_argument(
+        "--formats",
+        default="fsdp",
+        help="checkpoint formats, each saved at every world size by its own save code: fsdp, dcp (torchtitan), deepspeed (ZeRO-3)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--compare-with", type=Path, help="another checkout of merge_pipeline, measured alongside")
     parser.add_argument("--compare-label", default="other checkout", help="its name in the table and plot")
@@ -46,20 +52,34 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-    checkpoints = {w: ensure_world_size_checkpoint(args.size, w, args.cache_dir) for w in world_sizes}
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    checkpoints = {
+        (f, w): ensure_format_world_size_checkpoint(f, args.size, w, args.cache_dir)
+        for f in formats
+        for w in world_sizes
+    }
     versions = {"this checkout": REPO_ROOT}
     if args.compare_with:
         versions = {args.compare_label: args.compare_with.resolve(), **versions}
     verl = ensure_verl_venv(args.verl_venv, args.verl_version) if args.with_verl else None
-    labels = [*versions, *([f"verl {args.verl_version}"] if verl else [])]
-    samples: dict[str, dict[int, list[dict]]] = {v: {w: [] for w in world_sizes} for v in labels}
+    mergers = [*versions, *([f"verl {args.verl_version}"] if verl else [])]
+    # One table row per merger (and per format, when other formats than FSDP are measured); verl's
+    # merger reads FSDP only.
+    label = {
+        (f, m): m if formats == ["fsdp"] else f"{f}, {m}"
+        for f in formats
+        for m in mergers
+        if m in versions or f == "fsdp"
+    }
+    samples: dict[str, dict[int, list[dict]]] = {name: {w: [] for w in world_sizes} for name in label.values()}
     with tempfile.TemporaryDirectory(prefix="world-sizes-") as scratch:
         for repeat in range(args.repeat):
-            for w, checkpoint in checkpoints.items():
-                for label in labels:
+            for (f, w), checkpoint in checkpoints.items():
+                for merger in (m for m in mergers if (f, m) in label):
+                    name = label[f, merger]
                     target = Path(scratch) / "out"
                     prepare_cache(checkpoint.model_files, "warm")
-                    if label in versions:
+                    if merger in versions:
                         command = [
                             sys.executable,
                             "-m",
@@ -69,15 +89,16 @@ def main(argv: list[str] | None = None) -> None:
                             str(checkpoint.role_dir),
                         ]
                         command += ["--target_dir", str(target), "--dtype", "bfloat16", "--no-progress"]
-                        env = {**os.environ, "PYTHONPATH": str(versions[label])}
+                        command += list(checkpoint.merge_flags)
+                        env = {**os.environ, "PYTHONPATH": str(versions[merger])}
                     else:
                         command, env = verl_merge_command(verl, "fsdp", checkpoint.role_dir, target), None
-                    run = run_child(command, cwd=Path(scratch), env=env).check(f"merge of world size {w} by {label}")
+                    run = run_child(command, cwd=Path(scratch), env=env).check(f"merge of world size {w} by {name}")
                     os.sync()  # verl does not fsync: its dirty pages must not land in the next run
                     remove(target)
                     sample = {"wall_s": run.wall_s, "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_bytes / 1e6}
-                    samples[label][w].append(sample)
-                    print(f"repeat {repeat + 1}, world size {w}, {label}: {json.dumps(sample)}", flush=True)
+                    samples[name][w].append(sample)
+                    print(f"repeat {repeat + 1}, world size {w}, {name}: {json.dumps(sample)}", flush=True)
     print(table(samples, world_sizes))
     if args.json:
         args.json.write_text(json.dumps(samples, indent=1))
@@ -90,7 +111,7 @@ def _best(runs: list[dict]) -> dict:
 
 
 def table(samples: dict, world_sizes: list[int]) -> str:
-    verl = next((label for label in samples if label.startswith("verl")), None)
+    verl = next((label for label in samples if "verl" in label), None)
     lines = [
         f"| code | world size | wall s | CPU s | peak RSS MB | wall / world size {world_sizes[0]} | CPU / world size {world_sizes[0]} |"
         + (" wall / verl's |" if verl else ""),

@@ -14,7 +14,7 @@ Entries that are not the model's (optimizer, scheduler, data loader and train st
 are skipped. torchtitan names are mapped to HF names as the family's own HF state-dict adapter (``to_hf``) does
 (``formats/torchtitan_names.py``, from the family's record in ``families.py``: llama3's q/k row permutation,
 grouped MoE experts split per expert):
-each output row is one stored row, so every tensor is still streamed as byte ranges. None of these folders has to hold a config: ``--hf_model_path`` supplies it.
+the stored rows stream in their order and each block of whole heads is permuted as it passes (``formats/rotary_rows.py``). None of these folders has to hold a config: ``--hf_model_path`` supplies it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.output_specs import OutputSpec, Piece
+from merge_pipeline.formats.rotary_rows import RotaryRows
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
 from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (
@@ -110,7 +111,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
 # ---- where each chunk's bytes are ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DcpChunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -154,19 +155,58 @@ class _FileRange(io.RawIOBase):
         return n
 
 
-def locate_tensor(
+def locate_tensors(
+    dist_dir: Path,
+    stored: dict[str, TensorStorageMetadata],
+    metadata: Metadata,
+    files: dict[str, SourceFile],
+    key_prefix: str = "",
+) -> dict[str, DcpTensor]:
+    """Where each chunk of each tensor (``key`` stored as ``key_prefix + key``) lies; opens its files into ``files``."""
+    places = {key: _chunk_places(dist_dir, key, meta, metadata, files, key_prefix) for key, meta in stored.items()}
+    # The archives are read file by file, in file order: a folder of more rank files than descriptors
+    # kept open (plan.MAX_OPEN_FILES) would otherwise re-open a file for every chunk.
+    order = sorted((p.file_name, p.offset, key, i) for key, chunks in places.items() for i, p in enumerate(chunks))
+    archives = ChunkArchives()
+    runs: dict[str, list] = {key: [None] * len(chunks) for key, chunks in places.items()}
+    for _, _, key, i in order:
+        place = places[key][i]
+        dtype = stored[key].properties.dtype
+        runs[key][i] = archives.data(place.file, place.offset, place.length, key, place.sizes, dtype)
+    del order  # ~100k entries at 1024 ranks: freed before the tensors are built
+    return {
+        key: DcpTensor(
+            key,
+            tuple(stored[key].size),
+            stored[key].properties.dtype,
+            tuple(DcpChunk(p.offsets, p.sizes, run) for p, run in zip(places.pop(key), runs.pop(key))),
+        )
+        for key in list(places)
+    }
+
+
+@dataclass(frozen=True, slots=True)  # one per chunk: ~100k at 1024 ranks
+class _ChunkPlace:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file_name: str  # as .metadata names it
+    file: SourceFile
+    offset: int  # of the chunk's torch.save archive in ``file``
+    length: int
+
+
+def _chunk_places(
     dist_dir: Path,
     key: str,
     meta: TensorStorageMetadata,
     metadata: Metadata,
     files: dict[str, SourceFile],
-    key_prefix: str = "",
-) -> DcpTensor:
-    """Where each chunk of ``key`` (stored as ``key_prefix + key``) lies; opens its files into ``files``."""
+    key_prefix: str,
+) -> list[_ChunkPlace]:
+    """Each chunk of ``key``: which archive in which file, checked against the tensor and the file."""
     metadata_path = dist_dir / METADATA
-    shape, dtype = tuple(meta.size), meta.properties.dtype
-    check_tiling(key, shape, meta.chunks, metadata_path)
-    chunks = []
+    check_tiling(key, tuple(meta.size), meta.chunks, metadata_path)
+    places = []
     for chunk in meta.chunks:
         info = metadata.storage_data.get(MetadataIndex(key_prefix + key, chunk.offsets))
         if info is None:
@@ -177,8 +217,8 @@ def locate_tensor(
                 f"{key}: chunk stored with transforms {info.transform_descriptors} (compressed DCP is not supported)",
             )
         relative_path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
-        path = _chunk_file(dist_dir, relative_path, key)
-        if relative_path not in files:
+        if not isinstance(relative_path, str) or relative_path not in files:  # each file's name checked once
+            path = _chunk_file(dist_dir, relative_path, key)
             if not path.is_file():
                 raise MergeError(path, f"missing: .metadata stores chunks of {key} in it")
             files[relative_path] = SourceFile(path)
@@ -192,14 +232,8 @@ def locate_tensor(
             raise MergeError(
                 file.path, f"{key}: chunk ends at byte {offset + length} but the file has {file.size} bytes (truncated)"
             )
-        chunks.append(
-            DcpChunk(
-                tuple(chunk.offsets),
-                tuple(chunk.sizes),
-                _chunk_bytes(file, offset, length, key, tuple(chunk.sizes), dtype),
-            )
-        )
-    return DcpTensor(key, shape, dtype, tuple(chunks))
+        places.append(_ChunkPlace(chunk.offsets, chunk.sizes, relative_path, file, offset, length))
+    return places
 
 
 def _chunk_file(dist_dir: Path, relative_path: object, key: str) -> Path:
@@ -246,6 +280,37 @@ def _chunk_bytes(
     if run is None:
         raise MergeError(file.path, f"{key}: chunk at byte {offset} is not stored contiguously")
     return ByteRun(file, offset + run.offset, run.length)
+
+
+class ChunkArchives:
+    """Where each chunk's raw bytes start in its ``torch.save`` archive, parsed once per kind of chunk.
+
+    ``dcp.save`` writes every chunk as its own archive, so a folder saved by 1024 ranks holds ~1024
+    archives per tensor; unpickling each took ~1 ms, minutes at that size. Archives of chunks of the
+    same shape, dtype and length are the same bytes up to their data (records, pickle, the data's
+    local header: only the data and what follows it differ). So one archive of each kind is parsed in
+    full (``_chunk_bytes``) and every other one is read up to its data, one ``pread``, and must equal
+    it byte for byte; one that differs is parsed in full, so no archive is trusted unread.
+    """
+
+    def __init__(self):
+        self.kinds: dict[tuple, tuple[bytes, int]] = {}  # (dtype, sizes, length) -> (head, data's run)
+
+    def data(self, file: SourceFile, offset: int, length: int, key: str, sizes: tuple, dtype: torch.dtype) -> ByteRun:
+        kind = (dtype, sizes, length)
+        known = self.kinds.get(kind)
+        if known is not None:
+            head, data_length = known
+            found = bytearray(len(head))
+            file.read_into(memoryview(found), offset)
+            if found == head:
+                return ByteRun(file, offset + len(head), data_length)
+        run = _chunk_bytes(file, offset, length, key, sizes, dtype)
+        if known is None:
+            head = bytearray(run.offset - offset)
+            file.read_into(memoryview(head), offset)
+            self.kinds[kind] = (bytes(head), run.length)
+        return run
 
 
 def check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: Path) -> None:
@@ -344,10 +409,8 @@ def plan_specs(
     tensors, the planned outputs and the files opened (all closed again if anything fails)."""
     opened: dict[str, SourceFile] = {}
     with closed_on_failure(opened.values()):
-        tensors = {
-            key: locate_tensor(dist_dir, key, stored[key], metadata, opened, key_prefix)
-            for key in sorted({p.key for spec in specs for p in spec.pieces})
-        }
+        read = sorted({p.key for spec in specs for p in spec.pieces})
+        tensors = locate_tensors(dist_dir, {key: stored[key] for key in read}, metadata, opened, key_prefix)
         check_no_shared_bytes(tensors.values(), dist_dir / METADATA)
         planned = [plan_tensor(spec, tensors) for spec in specs]
     return tensors, planned, list(opened.values())
@@ -363,13 +426,12 @@ def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTenso
     )
     declared = spec.shape or shape  # both stream the row-major bytes of ``shape``
     if whole_rows:
-        return PlannedTensor(
-            spec.name,
-            declared,
-            first.dtype,
-            StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype),
-        )
-    return PlannedTensor(spec.name, declared, first.dtype, _RowBlocks(shape, first.dtype, pieces))
+        source = StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype)
+    else:
+        source = _RowBlocks(shape, first.dtype, pieces)
+    if spec.rotary_heads:
+        source = RotaryRows(source, shape, first.dtype, spec.rotary_heads)
+    return PlannedTensor(spec.name, declared, first.dtype, source)
 
 
 class _RowBlocks:

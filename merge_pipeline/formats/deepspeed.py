@@ -24,6 +24,7 @@ import torch
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
+from merge_pipeline.formats.coalesced_reads import coalesced
 from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
 from merge_pipeline.formats.torch_files import load_meta_state_dict, stored_tensor
 from merge_pipeline.hf.config import CONFIG, has_value_head
@@ -130,13 +131,20 @@ def plan_deepspeed(path: Path) -> CheckpointPlan:
             if not p.is_file():
                 raise MergeError(p, f"missing: a ZeRO-{stage} checkpoint needs it beside the optimizer states")
             files.append(SourceFile(p))
-            models.append(_model_state(p))
+            # Under ZeRO-3 every rank's model state repeats the module's entries and adds only its
+            # fragments of frozen parameters: past rank 0 they are read only when there are some
+            # (at 512 ranks, unpickling them all took longer than the rest of the plan).
+            if not models or models[0].get("frozen_param_shapes"):
+                models.append(_model_state(p))
         model_files = files[world_size:]
         tensors = _buffers(model_files[0], models[0])
         tensors += _frozen(model_files, models)
         flat = _flat_partitions(files[:world_size], optim, stage)
         if stage == 3:
-            tensors += _zero3_params(files[:world_size], flat, _param_shapes(model_files[0], models[0]), world_size)
+            # Every parameter is a piece of each rank's partition: read file by file, a group of parameters at a time.
+            tensors += coalesced(
+                _zero3_params(files[:world_size], flat, _param_shapes(model_files[0], models[0]), world_size)
+            )
         else:
             paddings = optim[0].get("param_alignment_paddings")
             tensors += _zero12_params(files[:world_size], flat, _param_shapes(model_files[0], models[0]), paddings)

@@ -29,6 +29,8 @@ class OutputSpec:
     pieces: tuple[Piece, ...]
     # The same bytes in the same order under another shape: a Linear patch embedding saved as HF's Conv weight.
     shape: tuple[int, ...] | None = None
+    # torchtitan's q/k: the rows of each of this many heads stored in its rotary order (formats/rotary_rows.py).
+    rotary_heads: int | None = None
 
 
 def whole(name: str, key: str, rows: int, index: tuple[int, ...] = ()) -> OutputSpec:

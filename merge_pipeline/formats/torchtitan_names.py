@@ -108,12 +108,7 @@ def torchtitan_outputs(
                     metadata_path,
                     f"{key}: {size[0]} rows do not split into {groups} rotary heads",
                 )
-            specs.append(
-                OutputSpec(
-                    name,
-                    tuple(Piece(key, (), (r, r + 1)) for r in _rotary_rows(size[0], groups)),
-                )
-            )
+            specs.append(OutputSpec(name, (Piece(key, (), (0, size[0])),), rotary_heads=groups))
         else:
             specs.append(whole(name, key, size[0]))
     return specs + fused.outputs()
@@ -212,11 +207,3 @@ def _patch_embedding(
         (Piece(key, (), (0, size[0])),),
         shape=(size[0], size[1] // math.prod(kernel), *kernel),
     )
-
-
-def _rotary_rows(rows: int, heads: int) -> list[int]:
-    """For each HF row, the torchtitan row it comes from. torchtitan's ``_permute`` views a head's rows
-    as (half, 2) and transposes them to (2, half): HF row ``b * half + a`` is stored row ``2 * a + b``."""
-    per_head = rows // heads
-    half = per_head // 2
-    return [head * per_head + 2 * (row % half) + row // half for head in range(heads) for row in range(per_head)]

@@ -190,17 +190,9 @@ def _train_and_save(save_dir: Path, reference_dir: Path, spec: DeepSpeedSpec) ->
     _randomize(model, spec.seed)
     for name in spec.frozen:
         model.get_parameter(name).requires_grad_(False)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": spec.stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "steps_per_print": 1000,
-        "bf16": {"enabled": spec.bf16},
-    }
     trainable = [p for p in model.parameters() if p.requires_grad]
     module = _Actor(model) if spec.openrlhf_actor else model
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=ds_config(spec))
     rank = dist.get_rank()
     for step in range(TRAIN_STEPS):  # each rank its own tokens: the gradients are really averaged
         tokens = torch.randint(0, spec.vocab_size, (1, 16), generator=torch.Generator().manual_seed(100 * step + rank))
@@ -214,6 +206,17 @@ def _train_and_save(save_dir: Path, reference_dir: Path, spec: DeepSpeedSpec) ->
             state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
             save_file(state, reference_dir / TRAINED_WEIGHTS, metadata={"format": "pt"})
     dist.barrier()
+
+
+def ds_config(spec: DeepSpeedSpec) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": spec.stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "steps_per_print": 1000,
+        "bf16": {"enabled": spec.bf16},
+    }
 
 
 class _Actor(torch.nn.Module):
