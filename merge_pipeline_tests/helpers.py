@@ -164,6 +164,24 @@ def merge_error(capsys, local_dir: Path, target: Path, *flags) -> str:
     return lines[0]
 
 
+def write_with_release(venv: str, writer: str, root: Path, *args: str, timeout: int = 900) -> Path:
+    """Run the sample writer ``merge_pipeline/sample_checkpoints/<writer>`` with the isolated venv that
+    ``scripts/setup.sh`` builds for that library (``.venv-torchtitan``, ``.venv-nemo``, ``.venv-bridge``),
+    so the checkpoint in ``root`` is written by the library's own save code, at its pinned release."""
+    repo = Path(__file__).resolve().parents[1]
+    python = repo / venv / "bin" / "python"
+    assert python.is_file(), f"{python} missing: run scripts/setup.sh"
+    done = subprocess.run(
+        [python, "-W", "ignore", repo / "merge_pipeline" / "sample_checkpoints" / writer, root, *args],
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, f"{writer} under {venv} failed:\n{done.stderr[-4000:]}"
+    return root
+
+
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 

@@ -10,35 +10,22 @@ the writer is ``merge_pipeline/sample_checkpoints/nemo_automodel_save.py``."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import transformers
 
-import merge_pipeline
-from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli
+from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, write_with_release
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(merge_pipeline.__file__).resolve().parents[1]
-NEMO_PYTHON = ROOT / ".venv-nemo" / "bin" / "python"
-WRITER = ROOT / "merge_pipeline" / "sample_checkpoints" / "nemo_automodel_save.py"
 
 
 @pytest.fixture(scope="module")
 def automodel_saves(tmp_path_factory) -> Path:
     """``<root>/{safetensors,torch_save}/epoch_0_step_1/{model,optim}``, ``expected/model.safetensors``, ``hf/``."""
-    assert NEMO_PYTHON.is_file(), f"{NEMO_PYTHON} missing: run scripts/setup_nemo.sh"
-    root = tmp_path_factory.mktemp("nemo_automodel")
-    subprocess.run(
-        [NEMO_PYTHON, "-W", "ignore", WRITER, root],
-        check=True,
-        timeout=600,
-        capture_output=True,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+    return write_with_release(
+        ".venv-nemo", "nemo_automodel_save.py", tmp_path_factory.mktemp("nemo_automodel"), timeout=600
     )
-    return root
 
 
 def test_sharded_safetensors_merge_bit_for_bit_with_no_option(capsys, tmp_path, automodel_saves):

@@ -14,23 +14,25 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import transformers
 from safetensors.torch import load_file, save_file
 
-import merge_pipeline
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
-from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, load_safetensors_dir, run_cli, same_bits
+from merge_pipeline_tests.helpers import (
+    assert_bit_exact,
+    error_lines,
+    load_safetensors_dir,
+    run_cli,
+    same_bits,
+    write_with_release,
+)
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(merge_pipeline.__file__).resolve().parents[1]
-TORCHTITAN_PYTHON = ROOT / ".venv-torchtitan" / "bin" / "python"
-WRITER = ROOT / "merge_pipeline" / "sample_checkpoints" / "torchtitan_save.py"
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "kimi_k2_7")  # merged from the CLI
 WRITTEN = (*FAMILIES, "gpt_oss")
 
@@ -38,16 +40,9 @@ WRITTEN = (*FAMILIES, "gpt_oss")
 @pytest.fixture(scope="module")
 def torchtitan_saves(tmp_path_factory) -> Path:
     """``<root>/<family>/{checkpoint/step-1, checkpoint/step-2 (HF), expected/model.safetensors, hf/config.json}``."""
-    assert TORCHTITAN_PYTHON.is_file(), f"{TORCHTITAN_PYTHON} missing: run scripts/setup_torchtitan.sh"
-    root = tmp_path_factory.mktemp("torchtitan")
-    subprocess.run(
-        [TORCHTITAN_PYTHON, "-W", "ignore", WRITER, root, "--family", *WRITTEN],
-        check=True,
-        timeout=900,
-        capture_output=True,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    return write_with_release(
+        ".venv-torchtitan", "torchtitan_save.py", tmp_path_factory.mktemp("torchtitan"), "--family", *WRITTEN
     )
-    return root
 
 
 @pytest.mark.parametrize("family", FAMILIES)

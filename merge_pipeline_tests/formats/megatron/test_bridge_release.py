@@ -15,36 +15,24 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import transformers
 
-import merge_pipeline
-from merge_pipeline_tests.helpers import assert_bit_exact, run_cli
+from merge_pipeline_tests.helpers import assert_bit_exact, run_cli, write_with_release
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(merge_pipeline.__file__).resolve().parents[1]
-BRIDGE_PYTHON = ROOT / ".venv-bridge" / "bin" / "python"
-WRITER = ROOT / "merge_pipeline" / "sample_checkpoints" / "megatron_bridge_save.py"
 FAMILIES = ("llama", "qwen3")
 
 
 @pytest.fixture(scope="module")
 def bridge_saves(tmp_path_factory) -> Path:
     """``<root>/<family>/{actor/model/{dist_ckpt,huggingface}, expected/model.safetensors, hf/}``."""
-    assert BRIDGE_PYTHON.is_file(), f"{BRIDGE_PYTHON} missing: run scripts/setup_bridge.sh"
-    root = tmp_path_factory.mktemp("megatron_bridge")
-    subprocess.run(
-        [BRIDGE_PYTHON, "-W", "ignore", WRITER, root, "--family", *FAMILIES],
-        check=True,
-        timeout=900,
-        capture_output=True,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+    return write_with_release(
+        ".venv-bridge", "megatron_bridge_save.py", tmp_path_factory.mktemp("megatron_bridge"), "--family", *FAMILIES
     )
-    return root
 
 
 def _merge(capsys, role: Path, out: Path, *flags) -> dict:
