@@ -45,7 +45,10 @@ def meta_load_problems(folder: Path) -> list[str]:
         return [exc.problem]
     architecture = model_type.__name__
     with _quiet_transformers():  # what it would report (a load report table, a progress bar), problems says
-        model, info = model_type.from_pretrained(folder, device_map="meta", dtype="auto", output_loading_info=True)
+        # use_kernels=False: transformers 5.25 would otherwise fetch Hub kernels and refuse the meta device
+        model, info = model_type.from_pretrained(
+            folder, device_map="meta", dtype="auto", output_loading_info=True, use_kernels=False
+        )
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none

@@ -42,7 +42,10 @@ def smoke_test(folder: Path, prompt: str, *, trust_remote_code: bool = False) ->
 
     started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", trust_remote_code=trust_remote_code)
+    # use_kernels=False: no kernel download from the Hub (transformers 5.25's default): plain CPU layers
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype="auto", trust_remote_code=trust_remote_code, use_kernels=False
+    )
     model.eval()
     with torch.inference_mode():
         asked = tokenizer(prompt, return_tensors="pt")
