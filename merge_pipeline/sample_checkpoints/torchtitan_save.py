@@ -12,7 +12,8 @@ it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchti
 (its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``). Rank 0 then
 converts the gathered state dict with the family's own ``state_dict_adapter.to_hf`` and writes
 ``OUT/<family>/expected/model.safetensors`` (what a merge must equal, bit for bit) and
-``OUT/<family>/hf/config.json`` (the HF config a user passes as ``--hf_model_path``).
+``OUT/<family>/hf/config.json`` (the HF config a user passes as ``--hf_model_path``), and for the
+``LOGITS`` families ``OUT/<family>/expected/logits.safetensors``: torchtitan's own forward of those weights.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ FAMILIES = {
     "qwen3_5": ("debugmodel", "qwen3_5"),  # hybrid linear attention and a vision tower
     "gpt_oss": ("debugmodel", "gpt_oss"),
 }
+# Families whose torchtitan forward runs on CPU and whose HF class transformers builds (qwen3_5's
+# needs flash-linear-attention's GPU kernels; kimi_k2_7 and gpt_oss are checked by names only).
+LOGITS = ("llama3", "qwen3", "qwen3_moe")
 VOCAB = 2048  # qwen3_5's debug flavor keeps the real 248k vocabulary: 2 GB with the optimizer
 STEP = 1
 LAST_STEP = 2
@@ -167,6 +171,30 @@ def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     if rank == 0:
         _write_expected(out, family, spec, full)
+        if family in LOGITS:
+            _write_logits(out, spec, full)
+
+
+def _write_logits(out: Path, spec, full: dict) -> None:
+    """torchtitan's own forward (eval, fp32, CPU) of the saved weights, loaded whole into an unsharded
+    model, on fixed token ids: what the merged folder's transformers forward must give."""
+    from safetensors.torch import save_file
+    from torchtitan.models.common.attention import FlexAttention
+
+    model = spec.model.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))  # the non-persistent rotary tables
+    model.load_state_dict(full, strict=True)
+    model.eval()
+    vocab = full["tok_embeddings.weight"].shape[0]
+    input_ids = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    # As torchtitan's trainer does: a flex-attention model takes its causal BlockMask from the model.
+    flex = isinstance(model.config.first_attention.inner_attention, FlexAttention.Config)
+    masks = model.get_attention_masks(positions) if flex else None
+    with torch.no_grad():
+        logits = model(input_ids, positions, masks).float()
+    save_file({"input_ids": input_ids, "logits": logits.contiguous()}, str(out / "expected" / "logits.safetensors"))
 
 
 class _TrainState:
@@ -209,8 +237,9 @@ def _hf_config(family: str, config, hf: dict) -> dict:
         "num_attention_heads": attention.n_heads,
         "num_key_value_heads": getattr(attention, "n_kv_heads", None) or attention.n_heads,
         "tie_word_embeddings": bool(getattr(config, "enable_weight_tying", False)),
-        "rms_norm_eps": 1e-5,
+        "rms_norm_eps": config.norm.eps,
         "torch_dtype": "float32",
+        **_rope(attention.rope),
     }
     mlp = next((k for k in hf if k.endswith("mlp.gate_proj.weight")), None)
     if mlp is not None:
@@ -230,6 +259,7 @@ def _hf_config(family: str, config, hf: dict) -> dict:
         moe = config.layers[moe_layers[0]].moe
         base["num_experts" if family == "qwen3_moe" else "n_routed_experts"] = moe.num_experts
         base["num_experts_per_tok"] = moe.router.top_k
+        base["norm_topk_prob"] = moe.router.route_norm
         expert = next((k for k in hf if ".experts.0.gate_proj.weight" in k), None)
         if expert is not None:  # gpt_oss's to_hf drops its experts
             base["moe_intermediate_size"] = hf[expert].shape[0]
@@ -250,6 +280,22 @@ def _hf_config(family: str, config, hf: dict) -> dict:
         "text_config": base,
         "vision_config": _vision_config(family, config.vision_encoder, hf),
     }
+
+
+def _rope(rope) -> dict:
+    """The rotary settings in HF's words, so that transformers' forward equals torchtitan's."""
+    if rope is None:
+        return {}
+    settings = {"rope_theta": rope.theta, "max_position_embeddings": rope.max_seq_len}
+    if rope.scaling == "llama":
+        settings["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": rope.scaling_factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+    return settings
 
 
 def _linear_attention(base: dict, hf: dict, config) -> None:

@@ -1,7 +1,8 @@
 """Checkpoints written by torchtitan 0.3.0 itself -- its own models (llama3, qwen3 dense and MoE,
 deepseek_v3, qwen3_5, kimi_k2_7, gpt_oss), ``fully_shard`` on two gloo ranks, its ``CheckpointManager.save``
 -- merge from the CLI with ``--backend auto`` bit for bit into what each family's own
-``state_dict_adapter.to_hf`` gives; so does the last step, which torchtitan saves as HF safetensors
+``state_dict_adapter.to_hf`` gives, and (llama3, qwen3, qwen3_moe) transformers' logits equal torchtitan's own
+forward; so does the last step, which torchtitan saves as HF safetensors
 (``last_save_in_hf``), and its per-rank ``sharded/`` files alone. qwen3_5's model imports
 flash-linear-attention's GPU kernels, which saving never runs: the writer stands empty modules in
 for that import. kimi_k2_7 (Kimi-K2.5) is checked by the names transformers 5 loads, not the ones it
@@ -17,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -39,7 +41,8 @@ WRITTEN = (*FAMILIES, "gpt_oss")
 
 @pytest.fixture(scope="module")
 def torchtitan_saves(tmp_path_factory) -> Path:
-    """``<root>/<family>/{checkpoint/step-1, checkpoint/step-2 (HF), expected/model.safetensors, hf/config.json}``."""
+    """``<root>/<family>/{checkpoint/step-1, checkpoint/step-2 (HF), expected/model.safetensors, hf/config.json}``,
+    and ``expected/logits.safetensors`` (torchtitan's forward) for llama3, qwen3 and qwen3_moe."""
     return write_with_release(
         ".venv-torchtitan", "torchtitan_save.py", tmp_path_factory.mktemp("torchtitan"), "--family", *WRITTEN
     )
@@ -69,6 +72,29 @@ def test_merge_equals_the_families_own_to_hf_bit_for_bit(capsys, tmp_path, torch
     model_class = getattr(transformers, architecture)
     _, info = model_class.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+# fp32 op order (fused vs split q/k/v, rotary form) moves logits of order 1 by ~1e-6; torchtitan 0.3.0's
+# MoE experts always multiply in bf16 (GroupedExperts casts to bfloat16), so qwen3_moe by ~5e-4.
+LOGITS_ATOL = {"llama3": 1e-5, "qwen3": 1e-5, "qwen3_moe": 2e-3}
+
+
+@pytest.mark.parametrize("family", LOGITS_ATOL)
+def test_merged_logits_equal_torchtitans_own_forward(capsys, tmp_path, torchtitan_saves, family):
+    """transformers' forward of the merged folder equals torchtitan's own forward of the saved weights.
+    deepseek_v3 is left out: its debug flavor routes by softmax, transformers' DeepseekV3 by sigmoid
+    with group-limited top-k; qwen3_5's forward needs flash-linear-attention's GPU kernels."""
+    saved = torchtitan_saves / family
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", saved / "checkpoint" / "step-1", "--target_dir", tmp_path / "out",
+        "--backend", "auto", "--hf_model_path", saved / "hf", "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    expected = load_file(saved / "expected" / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(expected["input_ids"]).logits
+    torch.testing.assert_close(logits, expected["logits"], atol=LOGITS_ATOL[family], rtol=0)
 
 
 def test_kimi_k2_7_is_checked_by_the_names_transformers_loads(capsys, tmp_path, torchtitan_saves):
