@@ -166,11 +166,11 @@ def merge_error(capsys, local_dir: Path, target: Path, *flags) -> str:
 
 def write_with_release(venv: str, writer: str, root: Path, *args: str, timeout: int = 900) -> Path:
     """Run the sample writer ``merge_pipeline/sample_checkpoints/<writer>`` with the isolated venv that
-    ``scripts/setup.sh`` builds for that library (``.venv-torchtitan``, ``.venv-nemo``, ``.venv-bridge``),
+    ``scripts/test.sh`` builds for that library (``.venv-torchtitan``, ``.venv-nemo``, ``.venv-bridge``),
     so the checkpoint in ``root`` is written by the library's own save code, at its pinned release."""
     repo = Path(__file__).resolve().parents[1]
     python = repo / venv / "bin" / "python"
-    assert python.is_file(), f"{python} missing: run scripts/setup.sh"
+    assert python.is_file(), f"{python} missing: run scripts/test.sh (it builds it)"
     done = subprocess.run(
         [python, "-W", "ignore", repo / "merge_pipeline" / "sample_checkpoints" / writer, root, *args],
         timeout=timeout,

@@ -8,7 +8,7 @@ flash-linear-attention's GPU kernels, which saving never runs: the writer stands
 for that import. kimi_k2_7 (Kimi-K2.5) is checked by the names transformers 5 loads, not the ones it
 would save (``hf/load_names.py``); gpt_oss's grouped experts, which its ``to_hf`` drops, are refused in one line.
 
-torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/setup.sh``);
+torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/test.sh``);
 the writer is ``merge_pipeline/sample_checkpoints/torchtitan_save.py``."""
 
 from __future__ import annotations
