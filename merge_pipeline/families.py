@@ -31,6 +31,9 @@ class Torchtitan:
     layer: Mapping[str, str | None]
     # Experts grouped on dimension 0 ([E, ...]) -> the HF name of expert ``{}``'s matrix: split per expert.
     grouped_experts: Mapping[str, str] = field(default_factory=dict)
+    # Experts grouped on dimension 0 ([E, out, in]) -> the HF name of the same group with each expert's
+    # matrix transposed ([E, in, out]: gpt-oss's layout, formats/expert_matrices.py).
+    transposed_experts: Mapping[str, str] = field(default_factory=dict)
     rotary_permuted: bool = False  # llama3: q/k rows stored in torchtitan's rotary order, permuted back
     text_prefix: str = "model."  # in front of embed_tokens, layers.<i>, norm
     # An HF tensor of a layer that to_hf concatenates from several torchtitan tensors (rows, in order).
@@ -71,6 +74,10 @@ class Family:
     moe: bool = False  # routed experts
     shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE)
     mtp: bool = False  # multi-token-prediction layers after the decoder's (num_nextn_predict_layers)
+    router: str = "gate"  # the router inside the MoE block (gpt-oss: "router")
+    attention_sinks: bool = False  # a learned logit per head in the softmax (self_attn.sinks)
+    # Each layer's experts as one tensor per kind in HF's transposed layout, gate/up interleaved (gpt-oss).
+    grouped_experts: bool = False
     megatron: bool = True  # the Megatron reader maps it
     torchtitan: Torchtitan | None = None  # torchtitan 0.3.0 ships a state_dict_adapter for it
 
@@ -157,18 +164,17 @@ TORCHTITAN_GPT_OSS = Torchtitan(
             "moe.router.gate.weight": "mlp.router.weight",
             "moe.router.gate.bias": "mlp.router.bias",
             "moe.expert_bias_E": None,  # not in gpt_oss's adapter map: to_hf drops it
+            # torchtitan 0.3.0's to_hf maps "mlp1_bias" etc., which the model never saves, so it drops every
+            # expert tensor; these are the names transformers' GptOssForCausalLM loads (the biases as stored).
+            "moe.routed_experts.inner_experts.mlp1_bias_EG": "mlp.experts.gate_up_proj_bias",
+            "moe.routed_experts.inner_experts.mlp2_bias_ED": "mlp.experts.down_proj_bias",
         }
     ),
-    refused=MappingProxyType(
+    # Its rows already interleave gate and up (its swiglu takes [..., ::2] and [..., 1::2], as HF's does).
+    transposed_experts=MappingProxyType(
         {
-            f"moe.routed_experts.inner_experts.{name}": "torchtitan 0.3.0's gpt_oss to_hf has no HF name for its grouped "
-            "experts (its map says mlp1_weight, so it drops them), and HF's unquantized layout transposes them: not supported"
-            for name in (
-                "mlp1_weight_EGD",
-                "mlp1_bias_EG",
-                "mlp2_weight_EDF",
-                "mlp2_bias_ED",
-            )
+            "moe.routed_experts.inner_experts.mlp1_weight_EGD": "mlp.experts.gate_up_proj",
+            "moe.routed_experts.inner_experts.mlp2_weight_EDF": "mlp.experts.down_proj",
         }
     ),
 )
@@ -399,14 +405,17 @@ FAMILIES: dict[str, Family] = {
             moe=True,
             mtp=True,
         ),
-        # gpt-oss: attention sinks and biases; torchtitan's to_hf only (megatron-core 0.16 cannot build it on CPU).
+        # gpt-oss: attention sinks, biases everywhere, every layer MoE with a biased router and grouped
+        # experts that HF keeps transposed, gate and up interleaved.
         Family(
             "gpt_oss",
             "gpt_oss",
             ("GptOssForCausalLM",),
             qkv_bias=True,
             moe=True,
-            megatron=False,
+            router="router",
+            attention_sinks=True,
+            grouped_experts=True,
             torchtitan=TORCHTITAN_GPT_OSS,
         ),
     )
@@ -425,19 +434,22 @@ def by_model_type(model_type: object) -> Family | None:
 
 # ---- Megatron shards this reader refuses ----------------------------------------------------------
 
-# Architectures verl trains with Megatron whose shards are not mapped to HF names here, and why: either
-# megatron-core 0.16 cannot build them on CPU (so no mapping could be proven against its own forward),
-# or HF stores their experts transposed, which is not a selection of the stored rows. Refused at plan time.
+# Architectures verl trains with Megatron whose shards are not mapped to HF names here, and why:
+# megatron-core 0.16 cannot build them on CPU (so no mapping could be proven against its own forward).
+# Refused at plan time.
+_LLAMA4 = (
+    "Llama 4: megatron-core 0.16 has no chunked attention (attention_chunk_size) and no attention-temperature "
+    "tuning for its NoPE layers, so it cannot build the model and no mapping could be proven against its forward"
+)
 MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
     {
         "Qwen3NextForCausalLM": "Qwen3-Next: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
         "Qwen3_5ForConditionalGeneration": "Qwen3.5: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
         "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
-        "GptOssForCausalLM": "gpt-oss: HF stores its experts transposed with gate/up interleaved",
         "MiMoForCausalLM": "MiMo: remote code that transformers 5 does not ship, with MTP layers of its own",
         "Qwen3VLForConditionalGeneration": "Qwen3-VL: megatron-core 0.16 has no Qwen3-VL model (the bridge builds it)",
         "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE: megatron-core 0.16 has no Qwen3-VL model (the bridge builds it)",
-        "Llama4ForConditionalGeneration": "Llama 4: HF stores its experts transposed",
-        "Llama4ForCausalLM": "Llama 4: HF stores its experts transposed",
+        "Llama4ForConditionalGeneration": _LLAMA4,
+        "Llama4ForCausalLM": _LLAMA4,
     }
 )

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.expert_matrices import ExpertMatrices, hf_shape
 from merge_pipeline.formats.output_specs import OutputSpec, Piece
 from merge_pipeline.formats.rotary_rows import RotaryRows
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
@@ -431,6 +432,9 @@ def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTenso
         source = _RowBlocks(shape, first.dtype, pieces)
     if spec.rotary_heads:
         source = RotaryRows(source, shape, first.dtype, spec.rotary_heads)
+    if spec.experts:
+        source = ExpertMatrices(source, shape, first.dtype, spec.experts, spec.interleave_halves, spec.transpose)
+        declared = hf_shape(shape, spec.experts, spec.transpose)
     return PlannedTensor(spec.name, declared, first.dtype, source)
 
 

@@ -162,7 +162,7 @@ _TEXT_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
     "self_attention.linear_kv_up_proj": (_Copy("self_attn.kv_b_proj"), "self_attn.kv_a_layernorm"),
     "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
     "mlp.linear_fc2": (_Copy("mlp.down_proj"), None),
-    "mlp.router": (_Copy("{moe}.gate"), None),
+    "mlp.router": (_Copy("{moe}.{router}"), None),
     "mlp.shared_experts.linear_fc1": (_GateUp("mlp.{shared}.gate_proj", "mlp.{shared}.up_proj"), None),
     "mlp.shared_experts.linear_fc2": (_Copy("mlp.{shared}.down_proj"), None),
     "mlp.experts.linear_fc1": (_GateUp("{moe}.experts.{expert}.{gate}", "{moe}.experts.{expert}.{up}"), None),
@@ -178,6 +178,18 @@ _TEXT_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
 _SPECIAL_ATTRIBUTES = {
     ("mlp.router", "expert_bias"): "mlp.gate.e_score_correction_bias",
     ("mlp.shared_experts", "gate_weight"): "mlp.shared_expert_gate.weight",
+}
+
+# Attention sinks (gpt-oss): megatron-core's learnable softmax offset, one logit per head.
+_SINKS = ("self_attention.core_attention", "softmax_offset")
+
+# Grouped experts (gpt-oss): each layer's experts as one HF tensor per kind, in HF's transposed layout
+# (formats/expert_matrices.py). (module, attribute) -> HF name inside the layer's MoE block.
+_GROUPED_EXPERTS = {
+    ("mlp.experts.linear_fc1", "weight"): "experts.gate_up_proj",
+    ("mlp.experts.linear_fc1", "bias"): "experts.gate_up_proj_bias",
+    ("mlp.experts.linear_fc2", "weight"): "experts.down_proj",
+    ("mlp.experts.linear_fc2", "bias"): "experts.down_proj_bias",
 }
 
 # Multi-latent attention has no separate q/k norms: its q_layernorm normalises the compressed query.
@@ -208,7 +220,7 @@ _EXPERT_PARAM = re.compile(
     r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
 )
 _ATTRIBUTE = re.compile(
-    r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight)(?P<half>_[wv])?"
+    r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset)(?P<half>_[wv])?"
 )
 
 
@@ -270,6 +282,8 @@ class KeyMapper:
         self.config_path = config_path
         self.metadata_path = metadata_path
         self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
+        # Grouped experts' pieces, gathered from every key: HF name -> [((expert, half), piece, module)]
+        self.grouped: dict[str, list[tuple[tuple[int, int], Piece, str]]] = {}
 
     def outputs(self) -> list[OutputSpec]:
         if self.mtp_modules and len(self.mtp_modules) != self.model.mtp_layers:
@@ -286,6 +300,7 @@ class KeyMapper:
                 unmapped.append(key)
             else:
                 specs.extend(mapped)
+        specs.extend(self._grouped_experts())
         if unmapped:
             shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
             raise MergeError(
@@ -385,10 +400,21 @@ class KeyMapper:
     # ---- one layer's parameter ----
 
     def _map_text_layer(self, p: _LayerParam) -> list[OutputSpec] | None:
-        layer_prefix = f"{self.model.family.text_prefix}layers.{p.layer}."
+        family = self.model.family
+        layer_prefix = f"{family.text_prefix}layers.{p.layer}."
         special = _SPECIAL_ATTRIBUTES.get((p.module, p.attr))
         if special is not None:
             return [whole(layer_prefix + special, p.key, p.rows, p.index)]
+        if family.attention_sinks and (p.module, p.attr) == _SINKS:
+            return [whole(layer_prefix + "self_attn.sinks", p.key, p.rows, p.index)]
+        grouped = _GROUPED_EXPERTS.get((p.module, p.attr)) if family.grouped_experts else None
+        if grouped is not None and p.expert is not None:  # gathered per layer, written by outputs()
+            half = 1 if p.half == "_v" else 0  # fc1 as two keys: gate (_w) rows before up (_v)
+            piece = Piece(p.key, p.index, (0, p.rows))
+            self.grouped.setdefault(f"{layer_prefix}{family.moe_block}.{grouped}", []).append(
+                ((p.expert, half), piece, p.module)
+            )
+            return []
         table = _TEXT_LINEARS
         if self.model.family.latent_attention and p.module in _MLA_RENAMES:
             table = {**_TEXT_LINEARS, p.module: (_MLA_RENAMES[p.module], None)}
@@ -409,8 +435,33 @@ class KeyMapper:
             return None
         family = self.model.family
         names = dict(zip(("gate", "up", "down"), family.expert_linears, strict=True))
-        names.update(shared=family.shared_experts, expert=p.expert, moe=family.moe_block)
+        names.update(shared=family.shared_experts, expert=p.expert, moe=family.moe_block, router=family.router)
         return conversion.outputs(self, p, prefix, names)
+
+    def _grouped_experts(self) -> list[OutputSpec]:
+        """Each layer's experts of one kind as one HF tensor, expert 0 first."""
+        specs = []
+        for name, found in self.grouped.items():
+            found.sort(key=lambda entry: entry[0])
+            experts = sorted({expert for (expert, _), _, _ in found})
+            if experts != list(range(len(experts))):
+                raise MergeError(
+                    self.metadata_path, f"{name}: the checkpoint holds experts {experts}, not 0 to {len(experts) - 1}"
+                )
+            pieces = tuple(piece for _, piece, _ in found)
+            rows = {piece.rows[1] for piece in pieces}
+            if len(rows) != 1 or len(pieces) % len(experts):
+                raise MergeError(self.metadata_path, f"{name}: its experts' stored tensors differ in size")
+            fc1 = found[0][2] == "mlp.experts.linear_fc1"
+            if fc1 and rows.pop() * len(pieces) // len(experts) % 2:
+                raise MergeError(self.metadata_path, f"{pieces[0].key}: gated fc1 has an odd number of rows")
+            if name.endswith("down_proj_bias"):  # [E, hidden]: the stored rows, one expert after another
+                width = pieces[0].rows[1]
+                specs.append(OutputSpec(name, pieces, shape=(len(experts), width)))
+            else:
+                transpose = name.endswith(("gate_up_proj", "down_proj"))
+                specs.append(OutputSpec(name, pieces, experts=len(experts), transpose=transpose, interleave_halves=fc1))
+        return specs
 
     def split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
         m = self.model

@@ -31,6 +31,12 @@ class OutputSpec:
     shape: tuple[int, ...] | None = None
     # torchtitan's q/k: the rows of each of this many heads stored in its rotary order (formats/rotary_rows.py).
     rotary_heads: int | None = None
+    # Grouped experts in HF's transposed layout (formats/expert_matrices.py): the pieces are this many
+    # equal expert matrices, each written transposed (a bias as it is), its [gate; up] halves
+    # interleaved first if asked; the HF tensor is [experts, ...].
+    experts: int | None = None
+    transpose: bool = False
+    interleave_halves: bool = False
 
 
 def whole(name: str, key: str, rows: int, index: tuple[int, ...] = ()) -> OutputSpec:

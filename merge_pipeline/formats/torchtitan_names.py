@@ -4,7 +4,12 @@ The family is chosen from the HF config's ``model_type``; its record (``merge_pi
 ``Family.torchtitan``) holds the names its adapter maps. What each ``to_hf`` does, streamed as byte ranges:
 
 - llama3 (``llama``): q/k rows permuted back to HF's rotary layout (each HF row is one stored row).
-- qwen3 / qwen3_moe, deepseek_v3, gpt_oss: names only; qwen3 and gpt_oss keep HF's rotary layout.
+- qwen3 / qwen3_moe, deepseek_v3: names only; qwen3 keeps HF's rotary layout.
+- gpt_oss: names (sinks, biases, router) and its grouped experts, which its ``to_hf`` drops (its map
+  names ``mlp1_weight``, the model saves ``mlp1_weight_EGD``), as transformers' GptOssForCausalLM loads
+  them: ``mlp1_weight_EGD`` [E, 2F, D] and ``mlp2_weight_EDF`` [E, D, F] with each expert's matrix
+  transposed into ``gate_up_proj`` [E, D, 2F] and ``down_proj`` [E, F, D] (its rows already interleave
+  gate and up, as HF's columns do); the biases as stored.
 - MoE (qwen3, deepseek_v3, kimi_k2_7): grouped experts ``w1_EFD`` / ``w3_EFD`` / ``w2_EDF`` (experts first)
   split into ``mlp.experts.<e>.gate/up/down_proj`` (``_split_experts_weights``: expert ``e`` is index ``e``).
 - deepseek_v3: MLA names, shared experts, ``expert_bias_E`` as ``mlp.gate.e_score_correction_bias``,
@@ -86,6 +91,7 @@ def torchtitan_outputs(
             match is None
             or inner not in names.layer
             and inner not in names.grouped_experts
+            and inner not in names.transposed_experts
             and inner not in fused.parts
         ):
             raise MergeError(
@@ -97,6 +103,12 @@ def torchtitan_outputs(
         if inner in names.grouped_experts:  # experts on dimension 0, one HF tensor each
             hf = prefix + names.grouped_experts[inner]
             specs.extend(whole(hf.format(e), key, size[1], (e,)) for e in range(size[0]))
+            continue
+        if inner in names.transposed_experts:  # [E, out, in] -> HF's [E, in, out]
+            if len(size) != 3:
+                raise MergeError(metadata_path, f"{key}: shape {size} is not [experts, out, in]")
+            pieces = tuple(Piece(key, (e,), (0, size[1])) for e in range(size[0]))
+            specs.append(OutputSpec(prefix + names.transposed_experts[inner], pieces, experts=size[0], transpose=True))
             continue
         if fused.collect(key, inner, size[0], prefix) or names.layer[inner] is None:
             continue

@@ -96,6 +96,7 @@ MLA_SIZES = dict(layers=2, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=
 # Sigmoid routers (DeepSeek-V3, GLM-4.5): the routed experts' weights scaled by routed_scaling_factor.
 ROUTED_SCALING = 2.5
 GLM_ROTARY_FRACTION = 0.5  # GLM-4.5's partial_rotary_factor: rotary on the first half of each head
+SWIGLU_LIMIT = 7.0  # gpt-oss: gate and up clamped to this before its activation
 # Qwen2.5-VL vision tower.
 VISION_SIZES = dict(depth=2, hidden=32, heads=2, ffn=48, patch=14, temporal_patch=2, merge=2)
 
@@ -151,6 +152,7 @@ VARIANTS = {
         Variant("qwen2_hf_weights", "qwen2", hf_weights=True),
         Variant("qwen2_moe_no_shared_expert", "qwen2_moe", logits=True, size="tiny_no_shared_expert"),
         Variant("glm4_moe_mtp", "glm4_moe", ep=2, mtp_layers=1, logits=True),
+        Variant("gpt_oss_ep2", "gpt_oss", ep=2, logits=True),
     )
 }
 
@@ -371,6 +373,14 @@ def _hf_config(v: Variant):
             use_qk_norm=True,
             num_nextn_predict_layers=v.mtp_layers,
             rope_parameters={**text["rope_parameters"], "partial_rotary_factor": GLM_ROTARY_FRACTION},
+        )
+    elif v.family == "gpt_oss":  # every layer MoE; intermediate_size is the width of one expert
+        text.update(
+            num_local_experts=v.sizes["experts"],
+            num_experts_per_tok=v.sizes["experts_per_token"],
+            intermediate_size=v.sizes["moe_ffn"],
+            head_dim=v.sizes["head_dim"],
+            swiglu_limit=SWIGLU_LIMIT,
         )
     if v.record.qk_norm:  # the q/k norms are one head wide: Qwen3's own default head_dim (128) would not fit
         text.update(head_dim=v.sizes["head_dim"])
@@ -793,6 +803,8 @@ def _reference_layer(get: Callable[..., torch.Tensor | None], p: str, v: Variant
         p + "input_layernorm.weight": get("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
         p + "post_attention_layernorm.weight": get("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
         p + "self_attn.o_proj.weight": get("self_attention.linear_proj.weight"),
+        p + "self_attn.o_proj.bias": get("self_attention.linear_proj.bias"),
+        p + "self_attn.sinks": get("self_attention.core_attention.softmax_offset"),
     }
     if v.record.latent_attention:
         out.update(_reference_mla(get, p))
@@ -850,7 +862,8 @@ def _reference_mlp(get: Callable[..., torch.Tensor | None], p: str, v: Variant) 
         out[p + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
         return out
     moe, (w_gate, w_up, w_down) = v.record.moe_block, v.record.expert_linears
-    out[p + f"{moe}.gate.weight"] = get("mlp.router.weight")
+    out[p + f"{moe}.{v.record.router}.weight"] = get("mlp.router.weight")
+    out[p + f"{moe}.{v.record.router}.bias"] = get("mlp.router.bias")
     out[p + "mlp.gate.e_score_correction_bias"] = get("mlp.router.expert_bias")
     shared_name = v.record.shared_experts
     shared = _gate_up(get, "mlp.shared_experts.linear_fc1")
@@ -860,6 +873,8 @@ def _reference_mlp(get: Callable[..., torch.Tensor | None], p: str, v: Variant) 
     gate_weight = get("mlp.shared_experts.gate_weight")
     if gate_weight is not None:
         out[p + "mlp.shared_expert_gate.weight"] = gate_weight
+    if v.record.grouped_experts:
+        return {**out, **_reference_grouped_experts(get, f"{p}{moe}.experts.", v.sizes["experts"])}
     for e in range(v.sizes["experts"]):
 
         def expert(name: str, e: int = e) -> torch.Tensor | None:
@@ -871,6 +886,23 @@ def _reference_mlp(get: Callable[..., torch.Tensor | None], p: str, v: Variant) 
         out[experts + f"{w_gate}.weight"], out[experts + f"{w_up}.weight"] = _gate_up(expert, "linear_fc1")
         out[experts + f"{w_down}.weight"] = expert("linear_fc2.weight")
     return out
+
+
+def _reference_grouped_experts(get: Callable[..., torch.Tensor | None], p: str, experts: int) -> dict:
+    """gpt-oss: a layer's experts stacked, each matrix as ``x @ W`` uses it (a Linear weight
+    transposed), gate and up interleaved (gate j at 2j, up j at 2j + 1)."""
+
+    def fc1(e: int, kind: str) -> torch.Tensor:
+        gate, up = get(f"mlp.experts.experts.linear_fc1.{kind}")[e].chunk(2, dim=0)
+        return torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+
+    fc2 = get("mlp.experts.experts.linear_fc2.weight")
+    return {
+        p + "gate_up_proj": torch.stack([fc1(e, "weight").t() for e in range(experts)]),
+        p + "gate_up_proj_bias": torch.stack([fc1(e, "bias") for e in range(experts)]),
+        p + "down_proj": torch.stack([fc2[e].t() for e in range(experts)]),
+        p + "down_proj_bias": get("mlp.experts.experts.linear_fc2.bias").clone(),
+    }
 
 
 def _reference_vision(full: dict[str, torch.Tensor], dst: str) -> dict[str, torch.Tensor]:

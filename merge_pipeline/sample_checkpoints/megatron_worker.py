@@ -25,6 +25,7 @@ from merge_pipeline.sample_checkpoints.megatron import (
     GLM_ROTARY_FRACTION,
     MLA_SIZES,
     ROUTED_SCALING,
+    SWIGLU_LIMIT,
     Variant,
     global_values,
     sample_tokens,
@@ -94,6 +95,12 @@ def _transformer_config(v: Variant):
         )
     else:
         specific.update(num_query_groups=v.sizes["kv_heads"])
+    activation = F.silu
+    if v.family == "gpt_oss":  # as Megatron-Bridge's GPT-OSS: sinks, biases, clamped (up + 1) * quick_gelu(gate)
+        from megatron.core.activations import quick_gelu
+
+        activation = quick_gelu
+        specific.update(softmax_type="learnable", glu_linear_offset=1.0, activation_func_clamp_value=SWIGLU_LIMIT)
     return config_class(
         num_layers=v.num_layers,
         hidden_size=v.sizes["hidden"],
@@ -103,8 +110,8 @@ def _transformer_config(v: Variant):
         normalization="RMSNorm",
         layernorm_epsilon=v.sizes["norm_eps"],
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=activation,
+        add_bias_linear=v.family == "gpt_oss",  # gpt-oss: every linear (router, experts) has a bias
         add_qkv_bias=v.record.qkv_bias,
         qk_layernorm=v.record.qk_norm or v.record.latent_attention,  # MLA: the compressed q and kv norms
         use_cpu_initialization=True,

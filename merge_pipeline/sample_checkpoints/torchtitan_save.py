@@ -11,7 +11,9 @@ it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchti
 ``OUT/<family>/checkpoint/step-1/`` (DCP), then ``step-2/`` as the last step with ``last_save_in_hf``
 (its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``). Rank 0 then
 converts the gathered state dict with the family's own ``state_dict_adapter.to_hf`` and writes
-``OUT/<family>/expected/model.safetensors`` (what a merge must equal, bit for bit) and
+``OUT/<family>/expected/model.safetensors`` (what a merge must equal, bit for bit; for gpt_oss, whose
+``to_hf`` drops its grouped experts, also ``expected/grouped_experts.safetensors``: those tensors as
+torchtitan holds them) and
 ``OUT/<family>/hf/config.json`` (the HF config a user passes as ``--hf_model_path``), and for the
 ``LOGITS`` families ``OUT/<family>/expected/logits.safetensors``: torchtitan's own forward of those weights.
 """
@@ -48,8 +50,9 @@ FAMILIES = {
     "gpt_oss": ("debugmodel", "gpt_oss"),
 }
 # Families whose torchtitan forward runs on CPU and whose HF class transformers builds (qwen3_5's
-# needs flash-linear-attention's GPU kernels; kimi_k2_7 and gpt_oss are checked by names only).
-LOGITS = ("llama3", "qwen3", "qwen3_moe")
+# needs flash-linear-attention's GPU kernels; kimi_k2_7 is checked by names only).
+LOGITS = ("llama3", "qwen3", "qwen3_moe", "gpt_oss")
+EXPERTS = "grouped_experts.safetensors"  # gpt_oss: the expert tensors its to_hf drops, as torchtitan holds them
 FULL_STATE = "torchtitan_full_state.pt"  # the saved weights, whole, from rank 0 to main() for the forward
 VOCAB = 2048  # qwen3_5's debug flavor keeps the real 248k vocabulary: 2 GB with the optimizer
 STEP = 1
@@ -89,6 +92,7 @@ def _spec(family: str):
             load_balance_coeff=1e-3,
             moe_comm_backend="standard",
             rope=layers[0].attention.rope,
+            attn_backend="flex",  # its default, varlen, needs a GPU for the forward; the names are the same
         )
     elif family == "qwen3_5":  # three linear-attention layers, then a full-attention one
         model = dataclasses.replace(
@@ -176,12 +180,24 @@ def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
             torch.save(full, out / "expected" / FULL_STATE)
 
 
-def _write_logits(out: Path, spec, full: dict) -> None:
+def _write_logits(out: Path, family: str, spec, full: dict) -> None:
     """torchtitan's own forward (eval, fp32, CPU) of the saved weights, loaded whole into an unsharded
     model, on fixed token ids: what the merged folder's transformers forward must give."""
     from safetensors.torch import save_file
     from torchtitan.models.common.attention import FlexAttention
 
+    if family == "gpt_oss":
+        # Its sinks need flex attention's log-sum-exp, which torch.compile cannot lower on CPU
+        # ("return_lse is not supported yet"): the same function, run uncompiled.
+        from torch.nn.attention.flex_attention import flex_attention
+
+        FlexAttention._compiled_flex_attn = flex_attention
+        # Its experts multiply in bf16 and return bf16, which its combine (a scatter_add into the fp32
+        # output of an fp32 model) refuses: their output cast to fp32 at the combine, nothing else changed.
+        from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+        bf16_forward = GptOssGroupedExperts.forward
+        GptOssGroupedExperts.forward = lambda self, *args, **kwargs: bf16_forward(self, *args, **kwargs).float()
     model = spec.model.build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))  # the non-persistent rotary tables
@@ -218,6 +234,9 @@ def _write_expected(out: Path, family: str, spec, full: dict) -> None:
         {k: v.contiguous() for k, v in hf.items()},
         str(out / "expected" / "model.safetensors"),
     )
+    if family == "gpt_oss":  # its to_hf drops the grouped experts: kept as the model holds them
+        experts = {k: v.contiguous() for k, v in full.items() if ".inner_experts." in k}
+        save_file(experts, str(out / "expected" / EXPERTS))
     (out / "hf").mkdir(parents=True, exist_ok=True)
     (out / "hf" / "config.json").write_text(json.dumps(_hf_config(family, spec.model, hf), indent=2))
 
@@ -258,11 +277,19 @@ def _hf_config(family: str, config, hf: dict) -> dict:
         base["first_k_dense_replace"] = moe_layers[0] if moe_layers else len(config.layers)
     if moe_layers:
         moe = config.layers[moe_layers[0]].moe
-        base["num_experts" if family == "qwen3_moe" else "n_routed_experts"] = moe.num_experts
+        experts_key = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts"}.get(family, "n_routed_experts")
+        base[experts_key] = moe.num_experts
         base["num_experts_per_tok"] = moe.router.top_k
         base["norm_topk_prob"] = moe.router.route_norm
+        if family == "gpt_oss":  # to_hf drops its experts: their width from torchtitan's config
+            base["intermediate_size"] = moe.routed_experts.inner_experts.hidden_dim
+            base["sliding_window"] = next(b.attention.sliding_window_size for b in config.layers)
+            base["layer_types"] = [
+                "full_attention" if b.attention.sliding_window_size is None else "sliding_attention"
+                for b in config.layers
+            ]
         expert = next((k for k in hf if ".experts.0.gate_proj.weight" in k), None)
-        if expert is not None:  # gpt_oss's to_hf drops its experts
+        if expert is not None:
             base["moe_intermediate_size"] = hf[expert].shape[0]
             shared = next((k for k in hf if "shared_experts.gate_proj.weight" in k), None)
             if shared is not None:
@@ -288,6 +315,16 @@ def _rope(rope) -> dict:
     if rope is None:
         return {}
     settings = {"rope_theta": rope.theta, "max_position_embeddings": rope.max_seq_len}
+    if rope.scaling == "yarn":  # gpt_oss
+        settings["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": rope.theta,
+            "factor": float(rope.rope_factor),
+            "beta_fast": rope.beta_fast,
+            "beta_slow": rope.beta_slow,
+            "truncate": rope.truncate,
+            "original_max_position_embeddings": rope.original_seq_len,
+        }
     if rope.scaling == "llama":
         settings["rope_scaling"] = {
             "rope_type": "llama3",
@@ -368,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     # widened gloo's teardown race (pytorch/gloo#155: "terminate called without an active exception").
     for family in set(args.family) & set(LOGITS):
         full_state = args.out_dir / family / "expected" / FULL_STATE
-        _write_logits(args.out_dir / family, _spec(family), torch.load(full_state, weights_only=True))
+        _write_logits(args.out_dir / family, family, _spec(family), torch.load(full_state, weights_only=True))
         full_state.unlink()
     for family in args.family:
         print(args.out_dir / family / "checkpoint" / f"step-{STEP}")

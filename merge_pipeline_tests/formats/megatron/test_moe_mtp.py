@@ -1,7 +1,9 @@
 """Megatron MoE and multi-token-prediction models verl trains: Mixtral (``block_sparse_moe``, no shared
 expert, EP=2), DeepSeek-V3 (multi-latent attention, dense then MoE layers, sigmoid router with
 expert bias, one MTP module, EP=2) and GLM-4.5 (q/k/v biases, QK-norm, rotary on half of each head,
-dense then MoE layers, sigmoid router with expert bias, shared experts, one MTP module, EP=2), all
+dense then MoE layers, sigmoid router with expert bias, shared experts, one MTP module, EP=2) and gpt-oss
+(attention sinks, biases on every linear, a biased router, clamped ``(up + 1) * quick_gelu(gate)`` experts
+that HF keeps grouped per layer, transposed, gate and up interleaved; EP=2), all
 written by megatron-core on gloo ranks. Merged from the CLI, bit-exact, and the merged folder computes
 what megatron-core computed.
 
@@ -22,7 +24,7 @@ from merge_pipeline.cli import main
 from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
-FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp", "glm4_moe_mtp"]
+FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss_ep2"]
 MTP = ("deepseek_v3_mtp", "glm4_moe_mtp")
 SIZES = SIZE_PRESETS["tiny"]
 
@@ -66,11 +68,44 @@ def test_merged_model_reproduces_megatron_logits(megatron_samples, merged, name)
     # Both sides run float32 from the same bits; they differ only in operation order (megatron-core's
     # baddbmm attention vs transformers' SDPA, expert outputs summed by the allgather dispatcher's
     # scatter-add vs transformers' index_add, softmax of the top-k logits vs softmax-top-k-renormalise).
-    # Measured: max |difference| 1.0e-6 (Mixtral), 1.3e-6 (DeepSeek-V3) and 1.3e-6 (GLM-4.5) on logits up
-    # to 2.6, i.e. a few float32 ulps. Mistakes measured on the same folders: two experts swapped 0.59,
-    # gate/up halves swapped 0.88, router bias dropped 0.80, one MLA norm reversed 0.07; GLM-4.5 with
-    # full rotary 1.33, routed_scaling_factor 1.0 0.95, top-k weights not renormalised 0.43.
+    # Measured: max |difference| 1.0e-6 (Mixtral), 1.3e-6 (DeepSeek-V3), 1.3e-6 (GLM-4.5) and 9.8e-7
+    # (gpt-oss) on logits up to 2.6, i.e. a few float32 ulps. Mistakes measured on the same folders: two
+    # experts swapped 0.59, gate/up halves swapped 0.88, router bias dropped 0.80, one MLA norm reversed
+    # 0.07; GLM-4.5 with full rotary 1.33, routed_scaling_factor 1.0 0.95, top-k weights not renormalised
+    # 0.43; gpt-oss with gate/up not interleaved 2.2, two experts' down_proj swapped 1.9, router bias
+    # zeroed 0.45, sinks zeroed 0.23.
     torch.testing.assert_close(logits, expected, atol=5e-6, rtol=0)
+
+
+def test_gpt_oss_experts_are_grouped_transposed_and_interleaved(merged):
+    """HF's gpt-oss layout, checked against megatron-core's stored tensors directly: per layer one
+    ``gate_up_proj`` [E, hidden, 2 x ffn] whose column 2j is gate row j of fc1 and 2j + 1 its up row j,
+    ``down_proj`` [E, ffn, hidden] (fc2 transposed), their biases, the router's bias and the sinks."""
+    files = load_safetensors_dir(merged["gpt_oss_ep2"])
+    layers, experts, hidden, ffn, heads = (SIZES[k] for k in ("layers", "experts", "hidden", "moe_ffn", "heads"))
+    stored = "decoder.layers."
+
+    def values(name: str, *shape: int) -> torch.Tensor:
+        return global_values(stored + name, (layers, *shape), torch.float32)
+
+    fc1 = values("mlp.experts.experts.linear_fc1.weight", experts, 2 * ffn, hidden)
+    fc1_bias = values("mlp.experts.experts.linear_fc1.bias", experts, 2 * ffn)
+    fc2 = values("mlp.experts.experts.linear_fc2.weight", experts, hidden, ffn)
+    p = "model.layers.2."
+    gate_up, gate_up_bias = files[p + "mlp.experts.gate_up_proj"], files[p + "mlp.experts.gate_up_proj_bias"]
+    assert gate_up.shape == (experts, hidden, 2 * ffn) and gate_up_bias.shape == (experts, 2 * ffn)
+    assert same_bits(gate_up[3][:, 0::2], fc1[2, 3, :ffn].t()) and same_bits(gate_up[3][:, 1::2], fc1[2, 3, ffn:].t())
+    assert same_bits(gate_up_bias[1][0::2], fc1_bias[2, 1, :ffn]) and same_bits(
+        gate_up_bias[1][1::2], fc1_bias[2, 1, ffn:]
+    )
+    assert files[p + "mlp.experts.down_proj"].shape == (experts, ffn, hidden)
+    assert same_bits(files[p + "mlp.experts.down_proj"][1], fc2[2, 1].t())
+    assert same_bits(
+        files[p + "mlp.experts.down_proj_bias"], values("mlp.experts.experts.linear_fc2.bias", experts, hidden)[2]
+    )
+    assert same_bits(files[p + "mlp.router.bias"], values("mlp.router.bias", experts)[2])
+    assert same_bits(files[p + "self_attn.sinks"], values("self_attention.core_attention.softmax_offset", heads)[2])
+    assert not [n for n in files if ".experts.0." in n or "mlp.gate." in n]
 
 
 def test_mixtral_experts_keep_the_hub_names(merged):

@@ -1,5 +1,5 @@
 """Architectures verl trains with Megatron whose shards this reader does not map (``families.MEGATRON_REFUSED``:
-megatron-core 0.16 cannot build them on CPU, or HF stores their experts transposed). A ``dist_ckpt`` of one
+megatron-core 0.16 cannot build them on CPU). A ``dist_ckpt`` of one
 is refused at plan time in one line naming the architecture and the supported way (the bridge's HF
 export), inputs untouched, nothing written; a hybrid save that holds that export merges from it.
 
@@ -25,7 +25,6 @@ MODEL_TYPES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "GptOssForCausalLM": "gpt_oss",
     "MiMoForCausalLM": "mimo",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
@@ -86,16 +85,18 @@ def test_an_architecture_no_family_has_names_the_bridge_too(fresh_megatron, tmp_
 
 def test_hybrid_save_of_a_refused_architecture_merges_the_bridge_export(megatron_samples, tmp_path, capsys):
     """verl's hybrid mode (bridge + ``use_dist_checkpointing``, ``hf_model`` saved): shards in
-    ``model/dist_ckpt/`` and the bridge's HF export in ``model/huggingface/``. For gpt-oss the export is
-    what merges, bit for bit (a real tiny GptOssForCausalLM saved by transformers)."""
+    ``model/dist_ckpt/`` and the bridge's HF export in ``model/huggingface/``. For Llama 4 the export is
+    what merges, bit for bit (a real tiny Llama4ForCausalLM saved by transformers)."""
     sample = arrange_v2(megatron_samples["qwen2_tp2"], tmp_path / "global_step_1" / "actor", "hybrid")
     hf_dir = sample.role_dir / "model" / "huggingface"
     for path in hf_dir.glob("*.safetensors"):
         path.unlink()
-    config = transformers.GptOssConfig(**TINY, intermediate_size=32, head_dim=16, num_local_experts=4)
-    config.architectures = ["GptOssForCausalLM"]
+    config = transformers.Llama4TextConfig(
+        **TINY, intermediate_size=32, intermediate_size_mlp=64, head_dim=16, num_local_experts=4
+    )
+    config.architectures = ["Llama4ForCausalLM"]
     torch.manual_seed(0)
-    transformers.GptOssForCausalLM(config).save_pretrained(tmp_path / "export")
+    transformers.Llama4ForCausalLM(config).save_pretrained(tmp_path / "export")
     shutil.copytree(tmp_path / "export", hf_dir, dirs_exist_ok=True)
     merge_ok(capsys, sample.role_dir, tmp_path / "out")
     assert_bit_exact(tmp_path / "out", tmp_path / "export")
