@@ -21,6 +21,8 @@ import transformers
 from safetensors.torch import load_file
 
 from merge_pipeline.cli import main
+from merge_pipeline.formats import open_checkpoint
+from merge_pipeline.options import MergeOptions
 from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
@@ -106,6 +108,17 @@ def test_gpt_oss_experts_are_grouped_transposed_and_interleaved(merged):
     assert same_bits(files[p + "mlp.router.bias"], values("mlp.router.bias", experts)[2])
     assert same_bits(files[p + "self_attn.sinks"], values("self_attention.core_attention.softmax_offset", heads)[2])
     assert not [n for n in files if ".experts.0." in n or "mlp.gate." in n]
+
+
+def test_gpt_oss_experts_are_read_one_expert_matrix_at_a_time(megatron_samples):
+    """The transposed layout is built from the stored experts as they stream: the plan yields each
+    layer's ``gate_up_proj`` as one expert's matrix after another, never the layer's whole tensor."""
+    hidden, ffn, experts = SIZES["hidden"], SIZES["moe_ffn"], SIZES["experts"]
+    with open_checkpoint(megatron_samples["gpt_oss_ep2"].role_dir, MergeOptions()) as plan:
+        gate_up = next(t for t in plan.tensors if t.name == "model.layers.1.mlp.experts.gate_up_proj")
+        sizes = [piece.numel() for piece in gate_up.source.pieces()]
+    assert gate_up.shape == (experts, hidden, 2 * ffn)
+    assert sizes == [hidden * 2 * ffn] * experts
 
 
 def test_mixtral_experts_keep_the_hub_names(merged):
