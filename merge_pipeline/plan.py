@@ -226,6 +226,23 @@ class TensorSource(Protocol):
     def byte_runs(self) -> list[ByteRun] | None: ...
 
 
+def regrouped(pieces: Iterable[torch.Tensor], buffer: torch.Tensor) -> Iterator[int]:
+    """A source's pieces re-cut into units of ``buffer`` (1-D): each is copied into it, and the element
+    count is yielded each time it is full, then once more for a partial remainder."""
+    filled = 0
+    for piece in pieces:
+        piece, taken = piece.reshape(-1), 0
+        while taken < piece.numel():
+            n = min(buffer.numel() - filled, piece.numel() - taken)
+            buffer[filled : filled + n] = piece[taken : taken + n]
+            filled, taken = filled + n, taken + n
+            if filled == buffer.numel():
+                yield filled
+                filled = 0
+    if filled:
+        yield filled
+
+
 @dataclass(frozen=True)
 class StoredBytes:
     """A tensor whose row-major bytes are the concatenation of file ranges (e.g. Shard(0) chunks)."""

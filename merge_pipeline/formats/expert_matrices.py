@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from merge_pipeline.plan import TensorSource
+from merge_pipeline.plan import TensorSource, regrouped
 
 
 @dataclass(frozen=True)
@@ -34,16 +34,8 @@ class ExpertMatrices:
     def pieces(self) -> Iterator[torch.Tensor]:
         rows, columns = self.shape[0] // self.experts, self.shape[1:]
         matrix = torch.empty((rows, *columns), dtype=self.dtype)
-        flat, filled = matrix.view(-1), 0
-        for piece in self.stored.pieces():
-            piece, taken = piece.reshape(-1), 0
-            while taken < piece.numel():
-                n = min(flat.numel() - filled, piece.numel() - taken)
-                flat[filled : filled + n] = piece[taken : taken + n]
-                filled, taken = filled + n, taken + n
-                if filled == flat.numel():
-                    yield self._hf_layout(matrix)
-                    filled = 0
+        for _ in regrouped(self.stored.pieces(), matrix.view(-1)):
+            yield self._hf_layout(matrix)
 
     def _hf_layout(self, matrix: torch.Tensor) -> torch.Tensor:
         if self.interleave_halves:

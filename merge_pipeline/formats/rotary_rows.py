@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from merge_pipeline.plan import TensorSource
+from merge_pipeline.plan import TensorSource, regrouped
 
 # Two blocks are held (read, permuted): small, since the stored tensor's own reads keep a buffer too.
 _BLOCK_BYTES = 1 << 20
@@ -37,18 +37,9 @@ class RotaryRows:
         block = torch.empty(
             max(1, min(self.heads, _BLOCK_BYTES // max(head * self.dtype.itemsize, 1))) * head, dtype=self.dtype
         )
-        out, filled = torch.empty_like(block), 0
-        for piece in self.stored.pieces():
-            piece, taken = piece.reshape(-1), 0
-            while taken < piece.numel():
-                n = min(block.numel() - filled, piece.numel() - taken)
-                block[filled : filled + n] = piece[taken : taken + n]
-                filled, taken = filled + n, taken + n
-                if filled == block.numel():
-                    yield self._hf_order(block, out, filled)
-                    filled = 0
-        if filled:
-            yield self._hf_order(block, out, filled)
+        out = torch.empty_like(block)
+        for n in regrouped(self.stored.pieces(), block):
+            yield self._hf_order(block, out, n)
 
     def _hf_order(self, block: torch.Tensor, out: torch.Tensor, n: int) -> torch.Tensor:
         heads = n * self.heads // (self.shape[0] * math.prod(self.shape[1:]))

@@ -333,14 +333,17 @@ def _hf_config(v: Variant):
         )
     elif v.family == "qwen3_moe":
         text.update(moe, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-    elif v.family == "mixtral":  # every layer MoE; intermediate_size is the width of one expert
+    elif v.family in ("mixtral", "gpt_oss"):  # every layer MoE; intermediate_size is the width of one expert
         text.update(
             num_local_experts=v.sizes["experts"],
             num_experts_per_tok=v.sizes["experts_per_token"],
             intermediate_size=v.sizes["moe_ffn"],
             head_dim=v.sizes["head_dim"],
-            sliding_window=None,
         )
+        if v.family == "mixtral":
+            text.update(sliding_window=None)
+        else:  # gpt-oss keeps its alternating 128-token windows: longer than the sample, so no mask differs
+            text.update(swiglu_limit=SWIGLU_LIMIT)
     elif v.family == "deepseek_v3":
         text.update(
             n_routed_experts=v.sizes["experts"],
@@ -373,14 +376,6 @@ def _hf_config(v: Variant):
             use_qk_norm=True,
             num_nextn_predict_layers=v.mtp_layers,
             rope_parameters={**text["rope_parameters"], "partial_rotary_factor": GLM_ROTARY_FRACTION},
-        )
-    elif v.family == "gpt_oss":  # every layer MoE; intermediate_size is the width of one expert
-        text.update(
-            num_local_experts=v.sizes["experts"],
-            num_experts_per_tok=v.sizes["experts_per_token"],
-            intermediate_size=v.sizes["moe_ffn"],
-            head_dim=v.sizes["head_dim"],
-            swiglu_limit=SWIGLU_LIMIT,
         )
     if v.record.qk_norm:  # the q/k norms are one head wide: Qwen3's own default head_dim (128) would not fit
         text.update(head_dim=v.sizes["head_dim"])
