@@ -153,6 +153,7 @@ VARIANTS = {
         Variant("qwen2_moe_no_shared_expert", "qwen2_moe", logits=True, size="tiny_no_shared_expert"),
         Variant("glm4_moe_mtp", "glm4_moe", ep=2, mtp_layers=1, logits=True),
         Variant("gpt_oss_ep2", "gpt_oss", ep=2, logits=True),
+        Variant("gpt_oss_tp2_per_layer", "gpt_oss", tp=2, per_layer_keys=True, logits=True),
     )
 }
 
@@ -840,13 +841,15 @@ def _reference_mla(get: Callable[..., torch.Tensor | None], p: str) -> dict[str,
     }
 
 
-def _gate_up(get: Callable[[str], torch.Tensor | None], fc1: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    fused = get(f"{fc1}.weight")
+def _gate_up(
+    get: Callable[[str], torch.Tensor | None], fc1: str, kind: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    fused = get(f"{fc1}.{kind}")
     if fused is not None:
         gate, up = fused.chunk(2, dim=0)
         return gate, up
-    gate = get(f"{fc1}.weight_w")
-    return None if gate is None else (gate, get(f"{fc1}.weight_v"))
+    gate = get(f"{fc1}.{kind}_w")
+    return None if gate is None else (gate, get(f"{fc1}.{kind}_v"))
 
 
 def _reference_mlp(get: Callable[..., torch.Tensor | None], p: str, v: Variant) -> dict[str, torch.Tensor]:
@@ -868,35 +871,35 @@ def _reference_mlp(get: Callable[..., torch.Tensor | None], p: str, v: Variant) 
     gate_weight = get("mlp.shared_experts.gate_weight")
     if gate_weight is not None:
         out[p + "mlp.shared_expert_gate.weight"] = gate_weight
+    experts = [functools.partial(_expert, get, e) for e in range(v.sizes["experts"])]
     if v.record.grouped_experts:
-        return {**out, **_reference_grouped_experts(get, f"{p}{moe}.experts.", v.sizes["experts"])}
-    for e in range(v.sizes["experts"]):
-
-        def expert(name: str, e: int = e) -> torch.Tensor | None:
-            # [L, E, ...] stacked, [E, ...] per layer, or one key per layer and expert.
-            stacked = get(f"mlp.experts.experts.{name}")
-            return stacked[e] if stacked is not None else get(f"mlp.experts.experts.{e}.{name}")
-
-        experts = f"{p}{moe}.experts.{e}."
-        out[experts + f"{w_gate}.weight"], out[experts + f"{w_up}.weight"] = _gate_up(expert, "linear_fc1")
-        out[experts + f"{w_down}.weight"] = expert("linear_fc2.weight")
+        return {**out, **_reference_grouped_experts(experts, f"{p}{moe}.experts.")}
+    for e, expert in enumerate(experts):
+        hf = f"{p}{moe}.experts.{e}."
+        out[hf + f"{w_gate}.weight"], out[hf + f"{w_up}.weight"] = _gate_up(expert, "linear_fc1")
+        out[hf + f"{w_down}.weight"] = expert("linear_fc2.weight")
     return out
 
 
-def _reference_grouped_experts(get: Callable[..., torch.Tensor | None], p: str, experts: int) -> dict:
+def _expert(get: Callable[..., torch.Tensor | None], e: int, name: str) -> torch.Tensor | None:
+    """Expert e's parameter: [L, E, ...] stacked, [E, ...] per layer, or one key per layer and expert."""
+    stacked = get(f"mlp.experts.experts.{name}")
+    return stacked[e] if stacked is not None else get(f"mlp.experts.experts.{e}.{name}")
+
+
+def _reference_grouped_experts(experts: list[Callable[[str], torch.Tensor | None]], p: str) -> dict:
     """gpt-oss: a layer's experts stacked, each matrix as ``x @ W`` uses it (a Linear weight
     transposed), gate and up interleaved (gate j at 2j, up j at 2j + 1)."""
 
-    def fc1(e: int, kind: str) -> torch.Tensor:
-        gate, up = get(f"mlp.experts.experts.linear_fc1.{kind}")[e].chunk(2, dim=0)
+    def fc1(expert: Callable[[str], torch.Tensor | None], kind: str) -> torch.Tensor:
+        gate, up = _gate_up(expert, "linear_fc1", kind)
         return torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
-    fc2 = get("mlp.experts.experts.linear_fc2.weight")
     return {
-        p + "gate_up_proj": torch.stack([fc1(e, "weight").t() for e in range(experts)]),
-        p + "gate_up_proj_bias": torch.stack([fc1(e, "bias") for e in range(experts)]),
-        p + "down_proj": torch.stack([fc2[e].t() for e in range(experts)]),
-        p + "down_proj_bias": get("mlp.experts.experts.linear_fc2.bias").clone(),
+        p + "gate_up_proj": torch.stack([fc1(expert, "weight").t() for expert in experts]),
+        p + "gate_up_proj_bias": torch.stack([fc1(expert, "bias") for expert in experts]),
+        p + "down_proj": torch.stack([expert("linear_fc2.weight").t() for expert in experts]),
+        p + "down_proj_bias": torch.stack([expert("linear_fc2.bias") for expert in experts]),
     }
 
 

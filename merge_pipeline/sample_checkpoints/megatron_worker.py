@@ -100,7 +100,12 @@ def _transformer_config(v: Variant):
         from megatron.core.activations import quick_gelu
 
         activation = quick_gelu
-        specific.update(softmax_type="learnable", glu_linear_offset=1.0, activation_func_clamp_value=SWIGLU_LIMIT)
+        specific.update(
+            softmax_type="learnable",
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=SWIGLU_LIMIT,
+            expert_tensor_parallel_size=_expert_tp(v),
+        )
     return config_class(
         num_layers=v.num_layers,
         hidden_size=v.sizes["hidden"],
@@ -125,6 +130,12 @@ def _transformer_config(v: Variant):
         attention_dropout=0.0,
         **specific,
     )
+
+
+def _expert_tp(v: Variant) -> int | None:
+    """megatron-core supports biases in MoE experts only without expert tensor parallelism (gpt-oss):
+    its experts are then replicated over the TP ranks. None: the default, TP's size."""
+    return 1 if v.family == "gpt_oss" else None
 
 
 def _dense_then_moe(v: Variant) -> bool:
@@ -250,7 +261,10 @@ def _write_variant(v: Variant, out_dir: Path, dist_dir: Path) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=v.tp, pipeline_model_parallel_size=v.pp, expert_model_parallel_size=v.ep
+        tensor_model_parallel_size=v.tp,
+        pipeline_model_parallel_size=v.pp,
+        expert_model_parallel_size=v.ep,
+        expert_tensor_parallel_size=_expert_tp(v),
     )
     try:
         model = _build_model(v, _transformer_config(v))

@@ -3,7 +3,8 @@ expert, EP=2), DeepSeek-V3 (multi-latent attention, dense then MoE layers, sigmo
 expert bias, one MTP module, EP=2) and GLM-4.5 (q/k/v biases, QK-norm, rotary on half of each head,
 dense then MoE layers, sigmoid router with expert bias, shared experts, one MTP module, EP=2) and gpt-oss
 (attention sinks, biases on every linear, a biased router, clamped ``(up + 1) * quick_gelu(gate)`` experts
-that HF keeps grouped per layer, transposed, gate and up interleaved; EP=2), all
+that HF keeps grouped per layer, transposed, gate and up interleaved; EP=2, and TP=2 with one key per
+layer and expert, fc1's gate and up as ``weight_w`` / ``weight_v``, sinks split over the TP ranks), all
 written by megatron-core on gloo ranks. Merged from the CLI, bit-exact, and the merged folder computes
 what megatron-core computed.
 
@@ -26,7 +27,7 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
-FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss_ep2"]
+FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss_ep2", "gpt_oss_tp2_per_layer"]
 MTP = ("deepseek_v3_mtp", "glm4_moe_mtp")
 SIZES = SIZE_PRESETS["tiny"]
 
@@ -70,8 +71,8 @@ def test_merged_model_reproduces_megatron_logits(megatron_samples, merged, name)
     # Both sides run float32 from the same bits; they differ only in operation order (megatron-core's
     # baddbmm attention vs transformers' SDPA, expert outputs summed by the allgather dispatcher's
     # scatter-add vs transformers' index_add, softmax of the top-k logits vs softmax-top-k-renormalise).
-    # Measured: max |difference| 1.0e-6 (Mixtral), 1.3e-6 (DeepSeek-V3), 1.3e-6 (GLM-4.5) and 9.8e-7
-    # (gpt-oss) on logits up to 2.6, i.e. a few float32 ulps. Mistakes measured on the same folders: two
+    # Measured: max |difference| 1.0e-6 (Mixtral), 1.3e-6 (DeepSeek-V3), 1.3e-6 (GLM-4.5), 9.8e-7 and
+    # 1.3e-6 (gpt-oss) on logits up to 2.6, i.e. a few float32 ulps. Mistakes measured on the same folders: two
     # experts swapped 0.59, gate/up halves swapped 0.88, router bias dropped 0.80, one MLA norm reversed
     # 0.07; GLM-4.5 with full rotary 1.33, routed_scaling_factor 1.0 0.95, top-k weights not renormalised
     # 0.43; gpt-oss with gate/up not interleaved 2.2, two experts' down_proj swapped 1.9, router bias
