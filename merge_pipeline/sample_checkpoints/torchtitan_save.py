@@ -55,7 +55,9 @@ LOGITS = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5_moe")
 FULL_STATE = "torchtitan_full_state.pt"  # the saved weights, whole, from rank 0 to main() for the forward
 # deepseek_v3 routed as transformers' DeepseekV3TopkRouter routes: sigmoid scores, the expert bias added to
 # choose (only), the top-k within the best group of two, the chosen scores normalized, then scaled.
-DEEPSEEK_V3_ROUTING = dict(score_func="sigmoid", num_expert_groups=2, num_limited_groups=1, route_norm=True, route_scale=2.5)
+DEEPSEEK_V3_ROUTING = dict(
+    score_func="sigmoid", num_expert_groups=2, num_limited_groups=1, route_norm=True, route_scale=2.5
+)
 VOCAB = 2048  # qwen3_5's debug flavor keeps the real 248k vocabulary: 2 GB with the optimizer
 STEP = 1
 LAST_STEP = 2
