@@ -9,7 +9,8 @@ the family's ``debugmodel`` flavor from torchtitan's own registry (cut to two la
 it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchtitan's
 ``CheckpointManager`` (with its AdamW ``OptimizersContainer`` and ``LRSchedulersContainer``) into
 ``OUT/<family>/checkpoint/step-1/`` (DCP), then ``step-2/`` as the last step with ``last_save_in_hf``
-(its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``). Rank 0 then
+(its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``; not for qwen3_5_moe,
+where torchtitan 0.3.0's own HF save fails). Rank 0 then
 converts the gathered state dict with the family's own ``state_dict_adapter.to_hf`` and writes
 ``OUT/<family>/expected/model.safetensors`` (what a merge must equal, bit for bit) and
 ``OUT/<family>/hf/config.json`` (the HF config a user passes as ``--hf_model_path``), and for the
@@ -122,14 +123,14 @@ def _spec(family: str):
             value_head_dim=64,
             attn_backend="flex",
         )
-    if family.startswith("qwen3_5"):  # qwen3_5: three linear-attention layers, then a full-attention one
+    if family.startswith("qwen3_5"):  # its vocabulary cut to VOCAB
         model = dataclasses.replace(
             model,
             vocab_size=VOCAB,
             tok_embeddings=dataclasses.replace(model.tok_embeddings, num_embeddings=VOCAB),
             lm_head=dataclasses.replace(model.lm_head, out_features=VOCAB),
         )
-    keep = 4 if family == "qwen3_5" else 2
+    keep = 4 if family == "qwen3_5" else 2  # qwen3_5: three linear-attention layers, then a full-attention one
     return dataclasses.replace(spec, model=dataclasses.replace(model, layers=layers[:keep]))
 
 
