@@ -205,7 +205,6 @@ _QWEN3_5_VISION = {
         }
     ),
 }
-_TRANSPOSED_EXPERTS = "its to_hf transposes the grouped experts (and fuses gate and up), which is not a selection of stored rows: not supported"
 TORCHTITAN_QWEN3_5 = Torchtitan(
     "qwen3_5",
     MappingProxyType(
@@ -248,7 +247,9 @@ TORCHTITAN_QWEN3_5 = Torchtitan(
             ),
         }
     ),
-    refused=MappingProxyType({k: _TRANSPOSED_EXPERTS for k in _TORCHTITAN_GROUPED_EXPERTS}),
+    # Its to_hf writes them transposed and fused (mlp.experts.gate_up_proj [E, D, 2F]), a layout transformers 5's
+    # Qwen3_5Moe does not load (its gate_up_proj is [E, 2F, D]); split per expert, transformers loads and fuses them.
+    grouped_experts=MappingProxyType(_TORCHTITAN_GROUPED_EXPERTS),
     vision=MappingProxyType(_QWEN3_5_VISION),
     fused_vision=_fused_vision_qkv("model.visual.blocks.{}.attn.qkv"),
     patch_embed=(
