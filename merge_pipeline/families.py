@@ -38,8 +38,6 @@ class Torchtitan:
     text_prefix: str = "model."  # in front of embed_tokens, layers.<i>, norm
     # An HF tensor of a layer that to_hf concatenates from several torchtitan tensors (rows, in order).
     fused_layer: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    # torchtitan names inside a layer that to_hf transforms beyond rows (transposes): why they are refused.
-    refused: Mapping[str, str] = field(default_factory=dict)
     # Vision tower: torchtitan name ("{}": the block) -> HF name; fused ones: HF name -> torchtitan names.
     vision: Mapping[str, str] = field(default_factory=dict)
     fused_vision: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -211,7 +209,6 @@ _QWEN3_5_VISION = {
         }
     ),
 }
-_TRANSPOSED_EXPERTS = "its to_hf transposes the grouped experts (and fuses gate and up), which is not a selection of stored rows: not supported"
 TORCHTITAN_QWEN3_5 = Torchtitan(
     "qwen3_5",
     MappingProxyType(
@@ -254,7 +251,9 @@ TORCHTITAN_QWEN3_5 = Torchtitan(
             ),
         }
     ),
-    refused=MappingProxyType({k: _TRANSPOSED_EXPERTS for k in _TORCHTITAN_GROUPED_EXPERTS}),
+    # Its to_hf writes them transposed and fused (mlp.experts.gate_up_proj [E, D, 2F]), a layout transformers 5's
+    # Qwen3_5Moe does not load (its gate_up_proj is [E, 2F, D]); split per expert, transformers loads and fuses them.
+    grouped_experts=MappingProxyType(_TORCHTITAN_GROUPED_EXPERTS),
     vision=MappingProxyType(_QWEN3_5_VISION),
     fused_vision=_fused_vision_qkv("model.visual.blocks.{}.attn.qkv"),
     patch_embed=(

@@ -353,21 +353,24 @@ def describe(local_dir: Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
     configs = CheckpointConfig.of(local_dir, options)
     with open_checkpoint(local_dir, options, configs) as plan:
-        return checkpoint_facts(plan, options, configs)
+        try:
+            config = configs.load(plan.hf_dir)
+        except MergeError as exc:  # a checkpoint without a config is still described
+            config = exc
+        return checkpoint_facts(plan, options, config)
 
 
-def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, configs: CheckpointConfig | None = None) -> dict:
+def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelConfig | MergeError) -> dict:
     """What an opened checkpoint is: ``inspect`` prints these, Dagster's ``parallel_config`` shows them.
 
-    ``configs``: the checkpoint's config as the plan resolved it; a checkpoint without one is still described."""
+    ``config``: the config the merge resolved, or why there is none."""
     dtypes = Counter()
     for t in plan.tensors:
         dtypes[dtype_name(t.dtype)] += t.numel
-    try:
-        config = (configs or CheckpointConfig.of(plan.role_dir, options)).load(plan.hf_dir)
+    if isinstance(config, MergeError):
+        architecture, tied, config = f"unknown ({config.problem})", None, None
+    else:
         architecture, tied = config.architecture, config.tie_word_embeddings
-    except MergeError as exc:
-        architecture, tied, config = f"unknown ({exc.problem})", None, None
     return {
         "backend": plan.backend,
         "role": plan.role,

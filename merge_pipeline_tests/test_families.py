@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
-
 from merge_pipeline import families
-from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.torchtitan_names import torchtitan_outputs
 
 
 def test_each_architecture_and_model_type_names_one_family():
@@ -23,8 +19,8 @@ def test_each_architecture_and_model_type_names_one_family():
 
 
 def test_a_torchtitan_name_has_one_meaning():
-    """A stored name is renamed, split per expert, transposed per expert, fused with others or refused:
-    never two of these."""
+    """A stored name is renamed, split per expert, transposed per expert or fused with others: never two
+    of these."""
     for family in families.FAMILIES.values():
         names = family.torchtitan
         if names is None:
@@ -35,18 +31,6 @@ def test_a_torchtitan_name_has_one_meaning():
             *names.grouped_experts,
             *names.transposed_experts,
             *fused,
-            *names.refused,
             *names.vision,
         ]
         assert [k for k, n in Counter(kinds).items() if n > 1] == [], family.name
-
-
-def test_a_refused_torchtitan_name_is_one_line_naming_it(tmp_path):
-    """qwen3_5-MoE's grouped experts (its to_hf transposes them and fuses gate and up) are refused at
-    plan time, naming the key; torchtitan's qwen3_5 debug flavor, the fixture, has no MoE layer."""
-    key = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
-    config = {"model_type": "qwen3_5_moe", "num_attention_heads": 4, "num_hidden_layers": 1}
-    with pytest.raises(MergeError) as raised:
-        torchtitan_outputs({key: (4, 8, 16)}, config, tmp_path / "config.json", tmp_path / ".metadata")
-    assert raised.value.path == tmp_path / ".metadata"
-    assert raised.value.problem.startswith(f"{key}: its to_hf transposes the grouped experts"), raised.value.problem

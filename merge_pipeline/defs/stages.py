@@ -30,7 +30,7 @@ def parallel_config_metadata(prepared: Prepared, options: MergeOptions, manifest
     """``inspect``'s facts (the same function builds both) and the plan's decisions."""
     from merge_pipeline.pipeline import checkpoint_facts
 
-    facts = checkpoint_facts(prepared.plan, options)
+    facts = checkpoint_facts(prepared.plan, options, prepared.config)
     inputs = facts.pop("files")
     decisions = manifest["decisions"]
     return {

@@ -10,14 +10,15 @@ The family is chosen from the HF config's ``model_type``; its record (``merge_pi
   them: ``mlp1_weight_EGD`` [E, 2F, D] and ``mlp2_weight_EDF`` [E, D, F] with each expert's matrix
   transposed into ``gate_up_proj`` [E, D, 2F] and ``down_proj`` [E, F, D] (its rows already interleave
   gate and up, as HF's columns do); the biases as stored.
-- MoE (qwen3, deepseek_v3, kimi_k2_7): grouped experts ``w1_EFD`` / ``w3_EFD`` / ``w2_EDF`` (experts first)
-  split into ``mlp.experts.<e>.gate/up/down_proj`` (``_split_experts_weights``: expert ``e`` is index ``e``).
+- MoE (qwen3, deepseek_v3, kimi_k2_7, qwen3_5): grouped experts ``w1_EFD`` / ``w3_EFD`` / ``w2_EDF`` (experts
+  first) split into ``mlp.experts.<e>.gate/up/down_proj`` (``_split_experts_weights``: expert ``e`` is index ``e``).
 - deepseek_v3: MLA names, shared experts, ``expert_bias_E`` as ``mlp.gate.e_score_correction_bias``,
   MTP layers ``mtp_layers.<k>`` as HF layer ``num_hidden_layers + k``.
 - qwen3_5: under ``model.language_model.``; the linear-attention q/k/v projections and convolutions
   concatenated (rows); the vision tower's q/k/v concatenated into ``qkv``; its patch embedding
-  reshaped into HF's Conv3d weight (sizes from ``vision_config``). Its grouped experts are transposed
-  by ``to_hf``: refused in one line.
+  reshaped into HF's Conv3d weight (sizes from ``vision_config``). Its ``to_hf`` transposes the grouped
+  experts into ``mlp.experts.gate_up_proj`` [E, D, 2F] / ``down_proj`` [E, F, D], which transformers 5's
+  Qwen3_5Moe does not load ([E, 2F, D] / [E, D, F]): they are split per expert as above, which it loads.
 - kimi_k2_7 (Kimi-K2.5): deepseek_v3's names under ``language_model.`` when a vision tower is saved, the
   vision tower's names, q/k/v concatenated into ``wqkv``, the patch embedding reshaped into a Conv2d weight.
 - Tied embeddings (``tie_word_embeddings``): ``lm_head`` is dropped, as ``to_hf`` does.
@@ -85,8 +86,6 @@ def torchtitan_outputs(
             continue
         match = _LAYER.fullmatch(key)
         inner = match[3] if match else None
-        if inner in names.refused:
-            raise MergeError(metadata_path, f"{key}: {names.refused[inner]}")
         if (
             match is None
             or inner not in names.layer

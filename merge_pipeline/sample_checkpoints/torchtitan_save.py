@@ -9,7 +9,8 @@ the family's ``debugmodel`` flavor from torchtitan's own registry (cut to two la
 it (torchtitan's ``parallelize`` calls the same FSDP2 API) and save with torchtitan's
 ``CheckpointManager`` (with its AdamW ``OptimizersContainer`` and ``LRSchedulersContainer``) into
 ``OUT/<family>/checkpoint/step-1/`` (DCP), then ``step-2/`` as the last step with ``last_save_in_hf``
-(its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``). Rank 0 then
+(its HuggingFaceStorageWriter: ``model-*.safetensors`` + index, and ``sharded/``; not for qwen3_5_moe,
+where torchtitan 0.3.0's own HF save fails). Rank 0 then
 converts the gathered state dict with the family's own ``state_dict_adapter.to_hf`` and writes
 ``OUT/<family>/expected/model.safetensors`` (what a merge must equal, bit for bit; for gpt_oss, whose
 ``to_hf`` drops its grouped experts, also ``expected/grouped_experts.safetensors``: those tensors as
@@ -47,13 +48,20 @@ FAMILIES = {
         "kimi_k25",
     ),  # Kimi-K2.5: DeepSeek-V3 beside a MoonViT vision tower
     "qwen3_5": ("debugmodel", "qwen3_5"),  # hybrid linear attention and a vision tower
+    "qwen3_5_moe": ("debugmodel_moe", "qwen3_5_moe"),  # its MoE flavor: experts beside a shared expert
     "gpt_oss": ("debugmodel", "gpt_oss"),
 }
-# Families whose torchtitan forward runs on CPU and whose HF class transformers builds (qwen3_5's
-# needs flash-linear-attention's GPU kernels; kimi_k2_7 is checked by names only).
-LOGITS = ("llama3", "qwen3", "qwen3_moe", "gpt_oss")
+# Families whose torchtitan forward runs on CPU and whose HF class transformers builds (qwen3_5's linear
+# attention needs flash-linear-attention's GPU kernels, so qwen3_5_moe is built with full attention only;
+# kimi_k2_7 is checked by names only).
+LOGITS = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5_moe", "gpt_oss")
 EXPERTS = "grouped_experts.safetensors"  # gpt_oss: the expert tensors its to_hf drops, as torchtitan holds them
 FULL_STATE = "torchtitan_full_state.pt"  # the saved weights, whole, from rank 0 to main() for the forward
+# deepseek_v3 routed as transformers' DeepseekV3TopkRouter routes: sigmoid scores, the expert bias added to
+# choose (only), the top-k within the best group of two, the chosen scores normalized, then scaled.
+DEEPSEEK_V3_ROUTING = dict(
+    score_func="sigmoid", num_expert_groups=2, num_limited_groups=1, route_norm=True, route_scale=2.5
+)
 VOCAB = 2048  # qwen3_5's debug flavor keeps the real 248k vocabulary: 2 GB with the optimizer
 STEP = 1
 LAST_STEP = 2
@@ -61,7 +69,7 @@ LAST_STEP = 2
 
 def _spec(family: str):
     """The family's registered debug model, cut to two layers (the first MoE one included) to stay small."""
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         _stub_flash_linear_attention()
     module = importlib.import_module(f"torchtitan.models.{family.removesuffix('_moe')}")
     spec = module.model_registry(FAMILIES[family][0])
@@ -94,14 +102,39 @@ def _spec(family: str):
             rope=layers[0].attention.rope,
             attn_backend="flex",  # its default, varlen, needs a GPU for the forward; the names are the same
         )
-    elif family == "qwen3_5":  # three linear-attention layers, then a full-attention one
+    elif family == "deepseek_v3":  # its debug flavor routes by softmax: routed as transformers' DeepseekV3 instead
+        moe = layers[1].moe
+        router = dataclasses.replace(moe.router, **DEEPSEEK_V3_ROUTING)
+        layers = [layers[0], dataclasses.replace(layers[1], moe=dataclasses.replace(moe, router=router))]
+    elif family == "qwen3_5_moe":  # full attention only (see LOGITS); experts 64 wide, not dim: a transpose shows
+        attention = model.first_attention
+        layers = module._build_qwen35_moe_layers(
+            n_layers=2,
+            full_attention_interval=1,
+            dim=model.dim,
+            n_heads=attention.n_heads,
+            n_kv_heads=attention.n_kv_heads,
+            head_dim=attention.head_dim,
+            rotary_dim=attention.rotary_dim,
+            rope=attention.rope,
+            moe_hidden_dim=64,
+            num_experts=4,
+            top_k=2,
+            shared_expert_hidden_dim=128,
+            n_key_heads=2,
+            n_value_heads=4,
+            key_head_dim=64,
+            value_head_dim=64,
+            attn_backend="flex",
+        )
+    if family.startswith("qwen3_5"):  # its vocabulary cut to VOCAB
         model = dataclasses.replace(
             model,
             vocab_size=VOCAB,
             tok_embeddings=dataclasses.replace(model.tok_embeddings, num_embeddings=VOCAB),
             lm_head=dataclasses.replace(model.lm_head, out_features=VOCAB),
         )
-    keep = 4 if family == "qwen3_5" else 2
+    keep = 4 if family == "qwen3_5" else 2  # qwen3_5: three linear-attention layers, then a full-attention one
     return dataclasses.replace(spec, model=dataclasses.replace(model, layers=layers[:keep]))
 
 
@@ -157,6 +190,11 @@ def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
+        if family == "deepseek_v3":  # as training's load balancing leaves it, so that routing depends on it
+            for block in model.layers.values():
+                if getattr(block, "moe", None) is not None:
+                    bias = torch.randn(block.moe.expert_bias_E.shape, generator=torch.Generator().manual_seed(1))
+                    block.moe.expert_bias_E.copy_(0.05 * bias)
     optimizers = default_adamw(implementation="for-loop").build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=10)
     # Every step saves the DCP; the last one as HF safetensors (``last_save_in_hf``, through to_hf).
@@ -170,7 +208,8 @@ def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
         base_folder=str(out),
     )
     manager.save(curr_step=STEP)
-    manager.save(curr_step=LAST_STEP, last_step=True)
+    if family != "qwen3_5_moe":  # torchtitan 0.3.0 fails to: its to_hf's transposed experts are not contiguous,
+        manager.save(curr_step=LAST_STEP, last_step=True)  # which safetensors refuses to save
     manager.close()
     # The whole tensors, gathered on every rank (collectives), as the model holds them.
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
@@ -184,8 +223,10 @@ def _write_logits(out: Path, family: str, spec, full: dict) -> None:
     """torchtitan's own forward (eval, fp32, CPU) of the saved weights, loaded whole into an unsharded
     model, on fixed token ids: what the merged folder's transformers forward must give."""
     from safetensors.torch import save_file
+    from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.common.attention import FlexAttention
 
+    set_spmd_backend("full_dtensor")  # plain tensors, no mesh: nothing for its default spmd_types to check
     if family == "gpt_oss":
         # Its sinks need flex attention's log-sum-exp, which torch.compile cannot lower on CPU
         # ("return_lse is not supported yet"): the same function, run uncompiled.
@@ -209,8 +250,10 @@ def _write_logits(out: Path, family: str, spec, full: dict) -> None:
     # As torchtitan's trainer does: a flex-attention model takes its causal BlockMask from the model.
     flex = isinstance(model.config.first_attention.inner_attention, FlexAttention.Config)
     masks = model.get_attention_masks(positions) if flex else None
+    # qwen3_5 asks for its image and video token ids even with no image: none of these tokens is one.
+    text_only = {"special_tokens": {"image_id": -1, "video_id": -1}} if spec.name == "qwen3_5" else {}
     with torch.no_grad():
-        logits = model(input_ids, positions, masks).float()
+        logits = model(input_ids, positions=positions, attention_masks=masks, **text_only).float()
     save_file({"input_ids": input_ids, "logits": logits.contiguous()}, str(out / "expected" / "logits.safetensors"))
 
 
@@ -229,6 +272,8 @@ def _write_expected(out: Path, family: str, spec, full: dict) -> None:
 
     adapter = spec.state_dict_adapter(spec.model, None)
     hf = adapter.to_hf({k: v for k, v in full.items() if not k.endswith("freqs_cis")})
+    if family == "qwen3_5_moe":
+        hf = _experts_as_transformers_loads(hf)
     (out / "expected").mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v.contiguous() for k, v in hf.items()},
@@ -239,6 +284,24 @@ def _write_expected(out: Path, family: str, spec, full: dict) -> None:
         save_file(experts, str(out / "expected" / EXPERTS))
     (out / "hf").mkdir(parents=True, exist_ok=True)
     (out / "hf" / "config.json").write_text(json.dumps(_hf_config(family, spec.model, hf), indent=2))
+
+
+def _experts_as_transformers_loads(hf: dict) -> dict:
+    """qwen3_5's to_hf writes the experts transposed and fused, ``gate_up_proj`` [E, D, 2F] and ``down_proj``
+    [E, F, D], which transformers 5's Qwen3_5Moe does not load ([E, 2F, D], [E, D, F]): turned back and split
+    per expert (``experts.<e>.gate_proj.weight`` [F, D], ...), the names transformers loads and fuses."""
+    split = {}
+    for name, tensor in hf.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(t.transpose(0, 1).chunk(2) for t in tensor):
+                split[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                split[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            for e, t in enumerate(tensor):
+                split[name.replace("down_proj", f"{e}.down_proj.weight")] = t.transpose(0, 1)
+        else:
+            split[name] = tensor
+    return split
 
 
 def _hf_config(family: str, config, hf: dict) -> dict:
@@ -259,7 +322,7 @@ def _hf_config(family: str, config, hf: dict) -> dict:
         "tie_word_embeddings": bool(getattr(config, "enable_weight_tying", False)),
         "rms_norm_eps": config.norm.eps,
         "torch_dtype": "float32",
-        **_rope(attention.rope),
+        **_rope(attention),
     }
     mlp = next((k for k in hf if k.endswith("mlp.gate_proj.weight")), None)
     if mlp is not None:
@@ -275,10 +338,15 @@ def _hf_config(family: str, config, hf: dict) -> dict:
         base["qk_rope_head_dim"] = attention.qk_rope_head_dim
         base["v_head_dim"] = attention.v_head_dim
         base["first_k_dense_replace"] = moe_layers[0] if moe_layers else len(config.layers)
+        router = config.layers[moe_layers[0]].moe.router if moe_layers else None
+        if router is not None:  # DeepseekV3TopkRouter's settings (its defaults are the 671B model's)
+            base["n_group"] = router.num_expert_groups or 1
+            base["topk_group"] = router.num_limited_groups or 1
+            base["routed_scaling_factor"] = router.route_scale
     if moe_layers:
         moe = config.layers[moe_layers[0]].moe
-        experts_key = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts"}.get(family, "n_routed_experts")
-        base[experts_key] = moe.num_experts
+        experts_key = {"qwen3_moe": "num_experts", "qwen3_5_moe": "num_experts", "gpt_oss": "num_local_experts"}
+        base[experts_key.get(family, "n_routed_experts")] = moe.num_experts
         base["num_experts_per_tok"] = moe.router.top_k
         base["norm_topk_prob"] = moe.router.route_norm
         if family == "gpt_oss":  # to_hf drops its experts: their width from torchtitan's config
@@ -294,7 +362,10 @@ def _hf_config(family: str, config, hf: dict) -> dict:
             shared = next((k for k in hf if "shared_experts.gate_proj.weight" in k), None)
             if shared is not None:
                 base["n_shared_experts"] = hf[shared].shape[0] // hf[expert].shape[0]
-    if family == "qwen3_5":
+            shared = next((k for k in hf if "shared_expert.gate_proj.weight" in k), None)
+            if shared is not None:  # Qwen3.5's one shared expert, gated
+                base["shared_expert_intermediate_size"] = hf[shared].shape[0]
+    if family.startswith("qwen3_5"):
         _linear_attention(base, hf, config)
     if getattr(config, "vision_encoder", None) is None:
         return base
@@ -310,20 +381,30 @@ def _hf_config(family: str, config, hf: dict) -> dict:
     }
 
 
-def _rope(rope) -> dict:
+def _rope(attention) -> dict:
     """The rotary settings in HF's words, so that transformers' forward equals torchtitan's."""
+    rope = attention.rope
     if rope is None:
         return {}
     settings = {"rope_theta": rope.theta, "max_position_embeddings": rope.max_seq_len}
-    if rope.scaling == "yarn":  # gpt_oss
+    if getattr(rope, "mrope_section", None):  # Qwen3.5: partial; text positions are the same on all three axes
         settings["rope_parameters"] = {
-            "rope_type": "yarn",
+            "rope_type": "default",
             "rope_theta": rope.theta,
-            "factor": float(rope.rope_factor),
+            "partial_rotary_factor": attention.rotary_dim / attention.head_dim,
+            "mrope_section": list(rope.mrope_section),
+            "mrope_interleaved": True,
+        }
+    if rope.scaling == "yarn":  # torchtitan folds mscale into the softmax scale only: attention_factor 1
+        mscale = getattr(attention, "mscale", None)
+        settings["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": rope.rope_factor,
             "beta_fast": rope.beta_fast,
             "beta_slow": rope.beta_slow,
-            "truncate": rope.truncate,
             "original_max_position_embeddings": rope.original_seq_len,
+            "truncate": rope.truncate,
+            **({"mscale": mscale, "mscale_all_dim": mscale} if mscale else {}),
         }
     if rope.scaling == "llama":
         settings["rope_scaling"] = {
@@ -339,6 +420,9 @@ def _rope(rope) -> dict:
 def _linear_attention(base: dict, hf: dict, config) -> None:
     """Qwen3.5's Gated DeltaNet sizes, from its layers' shapes."""
     layers = [block.attention is None for block in config.layers]
+    base["layer_types"] = ["linear_attention" if linear else "full_attention" for linear in layers]
+    if not any(layers):
+        return
     first = f"model.language_model.layers.{layers.index(True)}.linear_attn."
     value_heads, value_dim = (
         hf[first + "A_log"].shape[0],
@@ -346,7 +430,6 @@ def _linear_attention(base: dict, hf: dict, config) -> None:
     )
     key_rows = (hf[first + "in_proj_qkv.weight"].shape[0] - value_heads * value_dim) // 2
     base.update(
-        layer_types=["linear_attention" if linear else "full_attention" for linear in layers],
         linear_num_value_heads=value_heads,
         linear_value_head_dim=value_dim,
         linear_key_head_dim=value_dim,
@@ -356,7 +439,7 @@ def _linear_attention(base: dict, hf: dict, config) -> None:
 
 
 def _vision_config(family: str, vision, hf: dict) -> dict:
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         return {
             "depth": vision.num_layers,
             "hidden_size": vision.dim,
