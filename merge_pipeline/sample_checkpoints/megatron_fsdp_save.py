@@ -54,7 +54,11 @@ from merge_pipeline.sample_checkpoints.megatron_bridge_save import (  # noqa: E4
 )
 
 FAMILY = "qwen3"
-_BRIDGE_SAVE = ("save_fsdp_dtensor_checkpoint", "preprocess_fsdp_dtensor_state_dict", "_create_fsdp_dtensor_storage_writer")
+_BRIDGE_SAVE = (
+    "save_fsdp_dtensor_checkpoint",
+    "preprocess_fsdp_dtensor_state_dict",
+    "_create_fsdp_dtensor_storage_writer",
+)
 
 
 class _NoStream:
