@@ -293,8 +293,9 @@ def test_an_adapter_we_cannot_merge_exactly_is_named(v2, tmp_path, capsys, chang
 
 def test_megatron_fsdp_uneven_dtensor_shards_merge_bit_exact(megatron_fsdp_sample, tmp_path, capsys):
     """Megatron-FSDP's own save (megatron-core 0.18.2, 3 gloo ranks): its flat-buffer sharding splits
-    each tensor at whatever row its buffer shard ends, a rank may hold none of it, and every key sits
-    behind the FSDP wrapper's ``module.``. Merged from the CLI, every tensor equals the Qwen3 it loaded."""
+        each tensor at whatever row its buffer shard ends, a rank may hold none of it, and every key sits
+        behind the FSDP wrapper's ``module.``. Merged from the CLI, every tensor equals the Qwen3 it loaded
+    (and so do transformers' logits)."""
     sample = megatron_fsdp_sample
     dist_dir = sample.role_dir / "model" / "dist_ckpt"
     metadata = dcp.FileSystemReader(str(dist_dir)).read_metadata().state_dict_metadata
@@ -306,6 +307,7 @@ def test_megatron_fsdp_uneven_dtensor_shards_merge_bit_exact(megatron_fsdp_sampl
     before = tree_digest(sample.role_dir)
     merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "auto", "--hf_model_path", sample.original_dir)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
+    assert torch.equal(logits(tmp_path / "out"), logits(sample.reference_dir))
     layout = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]["layout"]
     assert (layout["sharded_backend"], layout["layer_keys"], layout["files"]) == (
         "megatron_fsdp (torch DCP of DTensors)",
