@@ -293,8 +293,8 @@ def test_an_adapter_we_cannot_merge_exactly_is_named(v2, tmp_path, capsys, chang
 
 def test_megatron_fsdp_uneven_dtensor_shards_merge_bit_exact(megatron_fsdp_sample, tmp_path, capsys):
     """Megatron-FSDP's own save (megatron-core 0.18.2, 3 gloo ranks): its flat-buffer sharding splits
-        each tensor at whatever row its buffer shard ends, a rank may hold none of it, and every key sits
-        behind the FSDP wrapper's ``module.``. Merged from the CLI, every tensor equals the Qwen3 it loaded
+    each tensor at whatever row its buffer shard ends, a rank may hold none of it, and every key sits
+    behind the FSDP wrapper's ``module.``. Merged from the CLI, every tensor equals the Qwen3 it loaded
     (and so do transformers' logits)."""
     sample = megatron_fsdp_sample
     dist_dir = sample.role_dir / "model" / "dist_ckpt"
