@@ -24,10 +24,11 @@ What stands in for what is missing here, and why:
   ``preprocess_fsdp_dtensor_state_dict`` is read from the installed file and run with the megatron-core
   functions that module imports (SwiGLU split, uneven-DTensor metadata, then ``dcp.save``).
 - The standalone megatron-fsdp 0.6.1 from the registry cannot wrap a megatron-core model we can run:
-  with megatron-core importable it takes megatron-core's ``DistributedDataParallelConfig``, and
-  megatron-core 0.16.1 and 0.18.2 both reject its arguments (``TypeError: DistributedDataParallelConfig.
-  __init__() got an unexpected keyword argument 'fsdp_db_use_persist_buf_on_alloc_fail'``); verl does
-  not use it either (it wraps through megatron-core's bundled copy).
+  with megatron-core importable it takes megatron-core's ``DistributedDataParallelConfig``, which
+  rejects its arguments (``TypeError: DistributedDataParallelConfig.__init__() got an unexpected keyword
+  argument``: ``'fsdp_db_use_persist_buf_on_alloc_fail'`` on 0.16.1,
+  ``'megatron_fsdp_max_pool_double_buffer'`` on 0.18.2); verl does not use it either (it wraps through
+  megatron-core's bundled copy).
 """
 
 from __future__ import annotations
