@@ -272,13 +272,20 @@ class _DistCheckpoint:
 # Megatron-FSDP saves the model state dict under "model" with plain torch DCP (no metadata.json),
 # beside the optimizer ("optimizer.") and RNG state ("rng_state.") in the same checkpoint.
 _MEGATRON_FSDP_PREFIX = "model."
+# ...each key behind one "module." per wrapper it came through: megatron-core's FSDP adapter
+# delegates its state dict to MegatronFSDP (whose child is the model), and bf16 / fp16 add a Float16Module.
+_WRAPPER = "module."
 
 
 def _read_dist_checkpoint(dist_dir: Path) -> _DistCheckpoint:
     if not (dist_dir / "metadata.json").is_file() and (dist_dir / ".metadata").is_file():
         metadata = read_dcp_metadata(dist_dir / ".metadata")
-        if any(key.startswith(_MEGATRON_FSDP_PREFIX) for key in metadata.state_dict_metadata):
-            return _DistCheckpoint(metadata, "megatron_fsdp (torch DCP of DTensors)", _MEGATRON_FSDP_PREFIX)
+        model_keys = [key for key in metadata.state_dict_metadata if key.startswith(_MEGATRON_FSDP_PREFIX)]
+        if model_keys:
+            prefix = _MEGATRON_FSDP_PREFIX
+            while all(key.startswith(prefix + _WRAPPER) for key in model_keys):
+                prefix += _WRAPPER
+            return _DistCheckpoint(metadata, "megatron_fsdp (torch DCP of DTensors)", prefix)
     _check_backend(dist_dir / "metadata.json")
     return _DistCheckpoint(read_dcp_metadata(dist_dir / ".metadata"), "torch_dist", "")
 

@@ -11,7 +11,14 @@ from dataclasses import replace
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.megatron import VARIANTS, MegatronSample, write_megatron_samples
+from merge_pipeline.sample_checkpoints.megatron import (
+    VARIANTS,
+    MegatronSample,
+    Variant,
+    _finish_v2,
+    write_megatron_samples,
+)
+from merge_pipeline_tests.helpers import write_with_release
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +51,11 @@ def megatron_v2_sample(tmp_path_factory) -> MegatronSample:
 
 @pytest.fixture(scope="session")
 def megatron_fsdp_sample(tmp_path_factory) -> MegatronSample:
-    """verl's Megatron-FSDP layout: one DCP of uneven row-sharded DTensors (3 gloo ranks) in
-    ``model/dist_ckpt/``, no HF files in the checkpoint. Read only."""
-    from merge_pipeline.sample_checkpoints.megatron_fsdp import write_megatron_fsdp_sample
-
-    return write_megatron_fsdp_sample(tmp_path_factory.mktemp("megatron_fsdp"), world_size=3)
+    """verl's Megatron-FSDP role folder, written by Megatron-FSDP itself (megatron-core 0.18.2's, in the
+    bridge venv: ``sample_checkpoints/megatron_fsdp_save.py``) on 3 gloo ranks: one DCP of uneven
+    row-sharded DTensors in ``model/dist_ckpt/``, no HF files in the checkpoint; the reference and the
+    trainer's model folder are the Qwen3 it loaded. Read only."""
+    root = write_with_release(".venv-bridge", "megatron_fsdp_save.py", tmp_path_factory.mktemp("megatron_fsdp"))
+    variant = Variant("qwen3_megatron_fsdp", "qwen3")
+    _finish_v2(root / "actor", "dist", variant)
+    return MegatronSample(variant, root / "actor", root / "hf", root / "hf")

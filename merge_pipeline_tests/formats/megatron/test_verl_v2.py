@@ -292,18 +292,22 @@ def test_an_adapter_we_cannot_merge_exactly_is_named(v2, tmp_path, capsys, chang
 
 
 def test_megatron_fsdp_uneven_dtensor_shards_merge_bit_exact(megatron_fsdp_sample, tmp_path, capsys):
+    """Megatron-FSDP's own save (megatron-core 0.18.2, 3 gloo ranks): its flat-buffer sharding splits
+    each tensor at whatever row its buffer shard ends, a rank may hold none of it, and every key sits
+    behind the FSDP wrapper's ``module.``. Merged from the CLI, every tensor equals the Qwen3 it loaded
+    (and so do transformers' logits)."""
     sample = megatron_fsdp_sample
     dist_dir = sample.role_dir / "model" / "dist_ckpt"
-    chunks = (
-        dcp.FileSystemReader(str(dist_dir))
-        .read_metadata()
-        .state_dict_metadata["model.decoder.layers.0.self_attention.linear_qkv.weight"]
-        .chunks
-    )
-    assert [c.sizes[0] for c in chunks] == [43, 43, 42] and not (dist_dir / "metadata.json").exists()
+    metadata = dcp.FileSystemReader(str(dist_dir)).read_metadata().state_dict_metadata
+    rows = {key: [c.sizes[0] for c in meta.chunks] for key, meta in metadata.items() if key.startswith("model.")}
+    assert rows["model.module.decoder.layers.0.self_attention.linear_qkv.weight"] == [2, 126]
+    assert rows["model.module.embedding.word_embeddings.weight"] == [171, 85]
+    assert "model.module.decoder.layers.0.mlp.linear_fc1.weight_w" in rows  # megatron-core's SwiGLU split
+    assert not (dist_dir / "metadata.json").exists()
     before = tree_digest(sample.role_dir)
-    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", sample.original_dir)
+    merge_ok(capsys, sample.role_dir, tmp_path / "out", "--backend", "auto", "--hf_model_path", sample.original_dir)
     assert_bit_exact(tmp_path / "out", sample.reference_dir)
+    assert torch.equal(logits(tmp_path / "out"), logits(sample.reference_dir))
     layout = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]["layout"]
     assert (layout["sharded_backend"], layout["layer_keys"], layout["files"]) == (
         "megatron_fsdp (torch DCP of DTensors)",
@@ -319,8 +323,8 @@ def test_megatron_fsdp_keys_without_a_megatron_name_name_the_layout(megatron_fsd
     metadata_path = role_dir / "model" / "dist_ckpt" / ".metadata"
     metadata = dcp.FileSystemReader(str(metadata_path.parent)).read_metadata()
     old, new = (
-        "model.decoder.layers.0.mlp.linear_fc2.weight",
-        "model.decoder.layers.0.self_attention.in_proj.weight",
+        "model.module.decoder.layers.0.mlp.linear_fc2.weight",
+        "model.module.decoder.layers.0.self_attention.in_proj.weight",
     )  # a gated-delta-net name
     metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
     metadata.storage_data = {
