@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -52,6 +53,7 @@ VARIANTS = {
         # Expert tensor parallelism follows TP (2), so EP=8 x TP=2 spans 16 ranks: data parallel 8.
         Variant("mixtral_tp2_ep8_pp4", "mixtral", tp=2, pp=4, ep=8, size="tiny_8_experts"),
         Variant("llama_250m_tp8_pp8", "llama", tp=8, pp=8, size="250m_16_layers"),
+        Variant("mixtral_128_experts_tp2_ep8_pp4", "mixtral", tp=2, pp=4, ep=8, size="tiny_128_experts"),
     )
 }
 WORLD_SIZE = 64
@@ -90,10 +92,16 @@ def write_fake_pg_megatron(root: Path, v: Variant, world_size: int = WORLD_SIZE)
     return sample
 
 
+@dataclass
 class _SavedRank:
-    def __init__(self, config, shards, local_plan, write_results, planner, writer):
-        self.config, self.shards, self.local_plan = config, shards, local_plan
-        self.write_results, self.planner, self.writer = write_results, planner, writer
+    """What one rank's save hands the collectives (and, for rank 0, the coordinator's planner and writer)."""
+
+    config: object  # the rank's TransformerConfig, for transformer_config.json
+    shards: list  # its ShardedTensors without data: validate_sharding_integrity's all_gather_object
+    local_plan: object  # gather_object in save_state_dict_async_plan
+    write_results: list  # gather_object in save_state_dict_async_finalize
+    planner: object
+    writer: object
 
 
 def _save_rank(v: Variant, rank: int, world_size: int, dist_dir: Path, full: dict) -> _SavedRank:
@@ -135,11 +143,15 @@ def _save_rank(v: Variant, rank: int, world_size: int, dist_dir: Path, full: dic
         translated, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, strategy.keep_only_main_replica)
         state = mcore_to_pyt_state_dict(translated, False)
         writer = FileSystemWriterAsync(dist_dir, thread_count=strategy.thread_count)
-        planner = MCoreSavePlanner(dedup_replicated_tensors=not strategy.keep_only_main_replica, flatten_state_dict=False)
+        planner = MCoreSavePlanner(
+            dedup_replicated_tensors=not strategy.keep_only_main_replica, flatten_state_dict=False
+        )
         planner.set_up_planner(state, is_coordinator=rank == 0)
         writer.set_up_storage_writer(rank == 0)
         local_plan = writer.prepare_local_plan(planner.create_local_plan())
-        plan = planner.finish_plan(writer.prepare_decentralized_global_plan(planner.create_decentralized_global_plan(local_plan)))
+        plan = planner.finish_plan(
+            writer.prepare_decentralized_global_plan(planner.create_decentralized_global_plan(local_plan))
+        )
         writer.prepare_write_data(plan, planner)
         save, preload, arguments = writer.get_save_function_and_args()
         if save is not None:  # AsyncRequest.execute_sync, without its finalize step (3, by hand)
