@@ -11,11 +11,12 @@ both plan from here, and ``check_tiling`` is the one check that saved pieces cov
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import pickle
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -124,6 +125,25 @@ class DcpTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     chunks: tuple[DcpChunk, ...]
+    # index length -> index -> the chunks holding it, built on first use (chunks_at)
+    _by_index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def chunks_at(self, index: tuple[int, ...]) -> Sequence[DcpChunk]:
+        """The chunks holding element ``index`` of the leading dimensions (all of them for ``()``).
+
+        Looked up, not searched: an output per layer (and expert) of a stacked Megatron tensor
+        saved at TP x PP (x EP) would otherwise scan every chunk of the tensor, outputs x chunks.
+        The table has an entry per index per chunk holding it, so it is no larger than that scan."""
+        if not index:
+            return self.chunks
+        table = self._by_index.get(len(index))
+        if table is None:
+            table = self._by_index[len(index)] = {}
+            for chunk in self.chunks:
+                spans = (range(o, o + n) for o, n in zip(chunk.offsets[: len(index)], chunk.sizes))
+                for at in itertools.product(*spans):
+                    table.setdefault(at, []).append(chunk)
+        return table.get(tuple(index), ())
 
 
 class _FileRange(io.RawIOBase):
@@ -365,9 +385,7 @@ def _parts(tensor: DcpTensor, piece: Piece) -> list[_Part]:
     k = len(piece.index)
     lo, hi = piece.rows
     parts = []
-    for chunk in tensor.chunks:
-        if any(not chunk.offsets[d] <= piece.index[d] < chunk.offsets[d] + chunk.sizes[d] for d in range(k)):
-            continue
+    for chunk in tensor.chunks_at(tuple(piece.index)):
         start, stop = max(lo, chunk.offsets[k]), min(hi, chunk.offsets[k] + chunk.sizes[k])
         if start >= stop:
             continue

@@ -23,7 +23,11 @@ strategy, as verl saves):
    the shards of all ranks; then ``metadata.json`` (``save_config``).
 
 Under the fake group those three collectives move no data, so ``dist_checkpointing.save`` itself would
-plan ``.metadata`` from rank 0's shards alone. No forward pass: pipeline stages need a schedule.
+plan ``.metadata`` from rank 0's shards alone. verl wraps the strategy in ``FullyParallelSaveStrategyWrapper``
+over the data-parallel group, which spreads the writing of replicated shards over that group (its own
+all-gather of shard metadata); at data parallel 1 (TP=8 x PP=8) that changes nothing, and in the MoE
+(data parallel 8) the first replica of each dense shard writes it, as plain ``dist_checkpointing.save``
+does. No forward pass: pipeline stages need a schedule.
 
     python -m merge_pipeline.sample_checkpoints.megatron_fake_pg OUT --variant llama_tp8_pp8
 """
