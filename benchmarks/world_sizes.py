@@ -13,8 +13,8 @@ same command with that checkout first on PYTHONPATH: e.g. main before a change) 
 the ratios come from the same minutes of a shared machine. ``--with-verl`` adds verl's
 ``model_merger`` (its venv from ``benchmarks.verl_env``; bf16 output, as ours) to the same rotation;
 its dirty pages are synced after its run, outside its time, as in ``benchmarks.run``. ``--plan`` adds
-the planning alone (``open_checkpoint`` in its own child: ``benchmarks/plan_time.py``, seconds without
-the imports, peak RSS from ``wait4``) beside each merge by a checkout. The table uses the fastest run.
+the planning alone (``open_checkpoint`` in its own child: ``benchmarks/plan_time.py``, wall and CPU
+seconds without the imports, peak RSS from ``wait4``) beside each merge by a checkout. The table uses the fastest run.
 Megatron-Core is saved at world size 64 only: TP=8 x PP=8 (``--size large``, ~258M) or TP=2 x EP=8 x
 PP=4 (``--size moe128``, 128 experts), by megatron-core's own code (``megatron_fake_pg``).
 """
@@ -117,7 +117,8 @@ def _plan(checkpoint, env: dict, cwd: Path) -> dict:
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "plan_time.py"), str(checkpoint.role_dir)]
     run = run_child([*command, *checkpoint.merge_flags], cwd=cwd, env=env).check("planning")
     [line] = [line for line in run.output.splitlines() if line.startswith('{"plan_s"')]
-    return {"plan_s": json.loads(line)["plan_s"], "plan_peak_rss_mb": run.peak_rss_bytes / 1e6}
+    timed = json.loads(line)
+    return {"plan_s": timed["plan_s"], "plan_cpu_s": timed["plan_cpu_s"], "plan_peak_rss_mb": run.peak_rss_bytes / 1e6}
 
 
 def _best(runs: list[dict]) -> dict:
@@ -130,8 +131,8 @@ def table(samples: dict, world_sizes: list[int]) -> str:
     lines = [
         f"| code | world size | wall s | CPU s | peak RSS MB | wall / world size {world_sizes[0]} | CPU / world size {world_sizes[0]} |"
         + (" wall / verl's |" if verl else "")
-        + (" plan s | plan peak RSS MB |" if planned else ""),
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if verl else "") + ("---:|---:|" if planned else ""),
+        + (" plan s | plan CPU s | plan peak RSS MB |" if planned else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if verl else "") + ("---:|---:|---:|" if planned else ""),
     ]
     for version, by_size in samples.items():
         first = _best(by_size[world_sizes[0]])
@@ -141,7 +142,8 @@ def table(samples: dict, world_sizes: list[int]) -> str:
             if verl:
                 line += f" {best['wall_s'] / _best(samples[verl][w])['wall_s']:.2f}x |"
             if planned:
-                line += f" {best['plan_s']:.2f} | {best['plan_peak_rss_mb']:.0f} |" if "plan_s" in best else " | |"
+                plan = f" {best['plan_s']:.2f} | {best['plan_cpu_s']:.2f} | {best['plan_peak_rss_mb']:.0f} |"
+                line += plan if "plan_s" in best else " | | |"
             lines.append(line)
     return "\n".join(lines)
 

@@ -358,15 +358,43 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: 
                 metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}"
             )
         boxes.append((offsets, sizes))
-    boxes.sort()
-    for i, (offsets, sizes) in enumerate(boxes):
-        for other, other_sizes in boxes[i + 1 :]:
-            if other[0] >= offsets[0] + sizes[0]:
-                break  # sorted by dim-0 start: no later chunk reaches back into this one
-            if all(min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
-                raise MergeError(metadata_path, f"{key}: saved chunks overlap at {other}")
+    overlap = _overlapping(sorted(boxes), 0)
+    if overlap is not None:
+        raise MergeError(metadata_path, f"{key}: saved chunks overlap at {overlap}")
     if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
         raise MergeError(metadata_path, f"{key}: saved chunks do not cover the whole tensor {shape}")
+
+
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], dim: int) -> tuple[int, ...] | None:
+    """The offsets of a box (of sorted boxes) that shares elements with another one, else None.
+
+    Boxes of the same extent along ``dim`` can only meet on a later dimension, so they are compared
+    there; boxes of different extents that overlap along ``dim`` are compared pairwise, in a sweep
+    by start. A grid (a Megatron tensor: one chunk per layer x expert x TP block, thousands sharing a
+    layer) then costs O(n log n), not a comparison of every two chunks of a layer."""
+    if len(boxes) < 2:
+        return None
+    if dim == len(boxes[0][0]):  # the same non-empty extent along every dimension
+        return boxes[1][0]
+    extents: dict[tuple[int, int], list] = {}
+    for box in boxes:
+        extents.setdefault((box[0][dim], box[1][dim]), []).append(box)
+    for (_, size), group in extents.items():
+        overlap = _overlapping(group, dim + 1) if size else None
+        if overlap is not None:
+            return overlap
+    spans = sorted(extents)
+    for i, (start, size) in enumerate(spans):
+        for other in spans[i + 1 :]:
+            if other[0] >= start + size:
+                break  # sorted by start: no later extent reaches back into this one
+            for offsets, sizes in extents[start, size]:
+                for other_offsets, other_sizes in extents[other]:
+                    if all(
+                        min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other_offsets, other_sizes)
+                    ):
+                        return other_offsets
+    return None
 
 
 # ---- HF tensors as file ranges -------------------------------------------------------------------
