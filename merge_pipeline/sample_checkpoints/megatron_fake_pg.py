@@ -67,6 +67,8 @@ def write_fake_pg_megatron(root: Path, v: Variant, world_size: int = WORLD_SIZE)
     """Save ``v`` at ``world_size`` ranks as verl's legacy layout under ``root/<name>``
     (``actor/dist_ckpt``, ``actor/huggingface``, ``reference``)."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.utils import _get_failure_dict
 
     from merge_pipeline.sample_checkpoints.megatron_worker import _patch_for_cpu, _write_transformer_config
 
@@ -85,6 +87,9 @@ def write_fake_pg_megatron(root: Path, v: Variant, world_size: int = WORLD_SIZE)
             coordinator = saved
             _write_transformer_config(saved.config, sample.role_dir / "transformer_config.json")
     _validate_sharding(shards)
+    failures = _get_failure_dict(results)  # as save_state_dict_async_finalize: no .metadata after a failed write
+    if failures:
+        raise CheckpointException("write", failures)
     _, metadata = coordinator.planner.create_global_plan(local_plans)
     metadata.all_local_plans = local_plans  # as save_state_dict_async_plan records them
     coordinator.writer.finish(metadata, results)
