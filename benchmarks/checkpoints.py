@@ -74,6 +74,13 @@ SIZES: dict[str, dict] = {
 # Megatron-Core (megatron-core itself writes them, TP=2 on two CPU ranks): the presets of
 # merge_pipeline.sample_checkpoints.megatron.SIZE_PRESETS.
 MEGATRON_SIZES = {"tiny": "tiny", "large": "250m", "1.1b": "1b"}
+# 64 ranks (megatron_fake_pg's variants): "large" is ~258M parameters in 16 layers at TP=8 x PP=8 (PP=8
+# needs 8 | layers); "moe128" a small Mixtral of 16 layers x 128 experts at TP=2 x EP=8 x PP=4.
+MEGATRON_AT_SCALE = {
+    "tiny": "llama_tp8_pp8",
+    "large": "llama_250m_tp8_pp8",
+    "moe128": "mixtral_128_experts_tp2_ep8_pp4",
+}
 
 
 @dataclass(frozen=True)
@@ -161,12 +168,15 @@ def ensure_format_world_size_checkpoint(
 ) -> Checkpoint:
     """The ``size`` weights saved at ``world_size`` ranks in ``backend``'s format, each by its trainer's own
     save code in one process under torch's fake process group: FSDP2 rank files (``fsdp_fake_pg``),
-    torchtitan's DCP (``dcp_fake_pg``: torch's DCP save steps rank by rank) or DeepSpeed ZeRO-3
-    (``deepspeed_fake_pg``: ``deepspeed.initialize`` + ``save_checkpoint`` rank by rank)."""
+    torchtitan's DCP (``dcp_fake_pg``: torch's DCP save steps rank by rank), DeepSpeed ZeRO-3
+    (``deepspeed_fake_pg``: ``deepspeed.initialize`` + ``save_checkpoint`` rank by rank) or Megatron-Core
+    at TP=8 x PP=8 (``megatron_fake_pg``: megatron-core's model and ``dist_checkpointing`` save steps)."""
     if backend == "fsdp":
         return ensure_world_size_checkpoint(size, world_size, cache_dir, log=log)
+    if backend == "megatron":
+        return _megatron_at_scale(size, world_size, cache_dir, log)
     if backend not in ("dcp", "deepspeed"):
-        raise SystemExit(f"no {backend!r} world-size checkpoint; choose from fsdp, dcp, deepspeed")
+        raise SystemExit(f"no {backend!r} world-size checkpoint; choose from fsdp, dcp, deepspeed, megatron")
     spec = {**spec_for(size), "world_size": world_size, "format": backend}
     description = f"the {size} weights as a {backend} checkpoint of {world_size} ranks (fake process group)"
     root = _cached(cache_dir, f"{backend}-{size}-ws{world_size}", spec, ["--format", "{staging}"], description, log)
@@ -175,12 +185,27 @@ def ensure_format_world_size_checkpoint(
     return Checkpoint(f"{size}@ws{world_size}", folder, spec, backend=backend, merge_flags=flags)
 
 
+def _megatron_at_scale(size: str, world_size: int, cache_dir: Path, log) -> Checkpoint:
+    """Megatron-Core at 64 ranks, saved by megatron-core's own code rank by rank (``megatron_fake_pg``)."""
+    if size not in MEGATRON_AT_SCALE or world_size != 64:
+        raise SystemExit(f"Megatron at scale: world size 64 of sizes {', '.join(MEGATRON_AT_SCALE)}")
+    spec = {"variant": MEGATRON_AT_SCALE[size], "world_size": world_size, "format": "megatron"}
+    description = f"the {size} Megatron-Core checkpoint of 64 ranks (fake process group)"
+    root = _cached(cache_dir, f"megatron-{size}-ws64", spec, ["--format", "{staging}"], description, log)
+    return Checkpoint(f"{size}@ws64", root / spec["variant"] / "actor", spec, backend="megatron")
+
+
 def _write_format(root: Path, spec: dict) -> None:
     from merge_pipeline.sample_checkpoints.dcp_fake_pg import write_fake_pg_dcp
     from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
     from merge_pipeline.sample_checkpoints.deepspeed_fake_pg import write_fake_pg_deepspeed
     from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 
+    if spec["format"] == "megatron":
+        from merge_pipeline.sample_checkpoints.megatron_fake_pg import VARIANTS, write_fake_pg_megatron
+
+        write_fake_pg_megatron(root, VARIANTS[spec["variant"]], spec["world_size"])
+        return
     shapes = {k: spec[k] for k in ("hidden_size", "num_layers", "vocab_size", "intermediate_size")}
     shapes |= {k: spec[k] for k in ("num_attention_heads", "num_key_value_heads")}
     if spec["format"] == "dcp":

@@ -1,8 +1,9 @@
 """Wall time and peak RSS of a merge against the world size the same weights were saved at.
 
     .venv/bin/python -m benchmarks.world_sizes --size large --world-sizes 4,64,1024 --repeat 3 \\
-        [--formats fsdp,dcp,deepspeed] [--compare-with /path/to/other/checkout] [--with-verl] \\
+        [--formats fsdp,dcp,deepspeed] [--compare-with /path/to/other/checkout] [--with-verl] [--plan] \\
         [--plot docs/img/world_sizes.png]
+    .venv/bin/python -m benchmarks.world_sizes --formats megatron --size large --world-sizes 64 --plan
 
 Each world size is the ``--size`` checkpoint re-saved by torch's fake process group
 (``benchmarks.checkpoints.ensure_world_size_checkpoint``); each merge is a fresh
@@ -11,8 +12,11 @@ CPU from ``wait4``), warm page cache, the runs of every world size (and of ``--c
 same command with that checkout first on PYTHONPATH: e.g. main before a change) interleaved, so
 the ratios come from the same minutes of a shared machine. ``--with-verl`` adds verl's
 ``model_merger`` (its venv from ``benchmarks.verl_env``; bf16 output, as ours) to the same rotation;
-its dirty pages are synced after its run, outside its time, as in ``benchmarks.run``. The table
-uses the fastest run.
+its dirty pages are synced after its run, outside its time, as in ``benchmarks.run``. ``--plan`` adds
+the planning alone (``open_checkpoint`` in its own child: ``benchmarks/plan_time.py``, wall and CPU
+seconds without the imports, peak RSS from ``wait4``) beside each merge by a checkout. The table uses the fastest run.
+Megatron-Core is saved at world size 64 only: TP=8 x PP=8 (``--size large``, ~258M) or TP=2 x EP=8 x
+PP=4 (``--size moe128``, 128 experts), by megatron-core's own code (``megatron_fake_pg``).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--formats",
         default="fsdp",
-        help="checkpoint formats, each saved at every world size by its own save code: fsdp, dcp (torchtitan), deepspeed (ZeRO-3)",
+        help="checkpoint formats, each saved at every world size by its own save code: fsdp, dcp (torchtitan), deepspeed (ZeRO-3), megatron (world size 64)",
     )
+    parser.add_argument("--plan", action="store_true", help="also time the planning alone, in its own child")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--compare-with", type=Path, help="another checkout of merge_pipeline, measured alongside")
     parser.add_argument("--compare-label", default="other checkout", help="its name in the table and plot")
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                     os.sync()  # verl does not fsync: its dirty pages must not land in the next run
                     remove(target)
                     sample = {"wall_s": run.wall_s, "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_bytes / 1e6}
+                    if args.plan and merger in versions:
+                        sample |= _plan(checkpoint, env, Path(scratch))
                     samples[name][w].append(sample)
                     print(f"repeat {repeat + 1}, world size {w}, {name}: {json.dumps(sample)}", flush=True)
     print(table(samples, world_sizes))
@@ -106,16 +113,26 @@ def main(argv: list[str] | None = None) -> None:
         plot(samples, world_sizes, args.size, args.plot)
 
 
+def _plan(checkpoint, env: dict, cwd: Path) -> dict:
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "plan_time.py"), str(checkpoint.role_dir)]
+    run = run_child([*command, *checkpoint.merge_flags], cwd=cwd, env=env).check("planning")
+    [line] = [line for line in run.output.splitlines() if line.startswith('{"plan_s"')]
+    timed = json.loads(line)
+    return {"plan_s": timed["plan_s"], "plan_cpu_s": timed["plan_cpu_s"], "plan_peak_rss_mb": run.peak_rss_bytes / 1e6}
+
+
 def _best(runs: list[dict]) -> dict:
     return {key: min(r[key] for r in runs) for key in runs[0]}
 
 
 def table(samples: dict, world_sizes: list[int]) -> str:
     verl = next((label for label in samples if "verl" in label), None)
+    planned = any("plan_s" in run for by_size in samples.values() for runs in by_size.values() for run in runs)
     lines = [
         f"| code | world size | wall s | CPU s | peak RSS MB | wall / world size {world_sizes[0]} | CPU / world size {world_sizes[0]} |"
-        + (" wall / verl's |" if verl else ""),
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if verl else ""),
+        + (" wall / verl's |" if verl else "")
+        + (" plan s | plan CPU s | plan peak RSS MB |" if planned else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if verl else "") + ("---:|---:|---:|" if planned else ""),
     ]
     for version, by_size in samples.items():
         first = _best(by_size[world_sizes[0]])
@@ -124,6 +141,9 @@ def table(samples: dict, world_sizes: list[int]) -> str:
             line = f"| {version} | {w} | {best['wall_s']:.1f} | {best['cpu_s']:.1f} | {best['peak_rss_mb']:.0f} | {best['wall_s'] / first['wall_s']:.2f}x | {best['cpu_s'] / first['cpu_s']:.2f}x |"
             if verl:
                 line += f" {best['wall_s'] / _best(samples[verl][w])['wall_s']:.2f}x |"
+            if planned:
+                plan = f" {best['plan_s']:.2f} | {best['plan_cpu_s']:.2f} | {best['plan_peak_rss_mb']:.0f} |"
+                line += plan if "plan_s" in best else " | | |"
             lines.append(line)
     return "\n".join(lines)
 

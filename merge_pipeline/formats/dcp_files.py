@@ -11,11 +11,12 @@ both plan from here, and ``check_tiling`` is the one check that saved pieces cov
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import pickle
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -125,6 +126,25 @@ class DcpTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     chunks: tuple[DcpChunk, ...]
+    # index length -> index -> the chunks holding it, built on first use (chunks_at)
+    _by_index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def chunks_at(self, index: tuple[int, ...]) -> Sequence[DcpChunk]:
+        """The chunks holding element ``index`` of the leading dimensions (all of them for ``()``).
+
+        Looked up, not searched: an output per layer (and expert) of a stacked Megatron tensor
+        saved at TP x PP (x EP) would otherwise scan every chunk of the tensor, outputs x chunks.
+        The table has an entry per index per chunk holding it, so it is no larger than that scan."""
+        if not index:
+            return self.chunks
+        table = self._by_index.get(len(index))
+        if table is None:
+            table = self._by_index[len(index)] = {}
+            for chunk in self.chunks:
+                spans = (range(o, o + n) for o, n in zip(chunk.offsets[: len(index)], chunk.sizes))
+                for at in itertools.product(*spans):
+                    table.setdefault(at, []).append(chunk)
+        return table.get(tuple(index), ())
 
 
 class _FileRange(io.RawIOBase):
@@ -339,15 +359,43 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: 
                 metadata_path, f"{key}: chunk at {offsets} of size {sizes} lies outside the tensor's shape {shape}"
             )
         boxes.append((offsets, sizes))
-    boxes.sort()
-    for i, (offsets, sizes) in enumerate(boxes):
-        for other, other_sizes in boxes[i + 1 :]:
-            if other[0] >= offsets[0] + sizes[0]:
-                break  # sorted by dim-0 start: no later chunk reaches back into this one
-            if all(min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
-                raise MergeError(metadata_path, f"{key}: saved chunks overlap at {other}")
+    overlap = _overlapping(sorted(boxes), 0)
+    if overlap is not None:
+        raise MergeError(metadata_path, f"{key}: saved chunks overlap at {overlap}")
     if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
         raise MergeError(metadata_path, f"{key}: saved chunks do not cover the whole tensor {shape}")
+
+
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], dim: int) -> tuple[int, ...] | None:
+    """The offsets of a box (of sorted boxes) that shares elements with another one, else None.
+
+    Boxes of the same extent along ``dim`` can only meet on a later dimension, so they are compared
+    there; boxes of different extents that overlap along ``dim`` are compared pairwise, in a sweep
+    by start. A grid (a Megatron tensor: one chunk per layer x expert x TP block, thousands sharing a
+    layer) then costs O(n log n), not a comparison of every two chunks of a layer."""
+    if len(boxes) < 2:
+        return None
+    if dim == len(boxes[0][0]):  # the same non-empty extent along every dimension
+        return boxes[1][0]
+    extents: dict[tuple[int, int], list] = {}
+    for box in boxes:
+        extents.setdefault((box[0][dim], box[1][dim]), []).append(box)
+    for (_, size), group in extents.items():
+        overlap = _overlapping(group, dim + 1) if size else None
+        if overlap is not None:
+            return overlap
+    spans = sorted(extents)
+    for i, (start, size) in enumerate(spans):
+        for other in spans[i + 1 :]:
+            if other[0] >= start + size:
+                break  # sorted by start: no later extent reaches back into this one
+            for offsets, sizes in extents[start, size]:
+                for other_offsets, other_sizes in extents[other]:
+                    if all(
+                        min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other_offsets, other_sizes)
+                    ):
+                        return other_offsets
+    return None
 
 
 # ---- HF tensors as file ranges -------------------------------------------------------------------
@@ -366,9 +414,7 @@ def _parts(tensor: DcpTensor, piece: Piece) -> list[_Part]:
     k = len(piece.index)
     lo, hi = piece.rows
     parts = []
-    for chunk in tensor.chunks:
-        if any(not chunk.offsets[d] <= piece.index[d] < chunk.offsets[d] + chunk.sizes[d] for d in range(k)):
-            continue
+    for chunk in tensor.chunks_at(tuple(piece.index)):
         start, stop = max(lo, chunk.offsets[k]), min(hi, chunk.offsets[k] + chunk.sizes[k])
         if start >= stop:
             continue

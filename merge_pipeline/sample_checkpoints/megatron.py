@@ -88,6 +88,22 @@ SIZE_PRESETS = {
         "ffn": 5632,
         "vocab": 32000,
     },
+    # TP=8 x PP=8 (megatron_fake_pg): heads, query groups, widths and vocab divisible by 8, two layers per stage.
+    "tiny_tp8_pp8": {**_TINY, "layers": 16, "heads": 8, "kv_heads": 8, "head_dim": 8, "ffn": 128},
+    "tiny_8_experts": {**_TINY, "experts": 8},  # EP=8
+    # Many small experts (the benchmark's MoE at EP=8): megatron saves one chunk per layer and expert.
+    "tiny_128_experts": {**_TINY, "layers": 16, "experts": 128},
+    # ~258M parameters in 16 layers (PP=8 needs the layers divisible by 8): the at-scale benchmark model.
+    "250m_16_layers": {
+        **_TINY,
+        "layers": 16,
+        "hidden": 1024,
+        "heads": 16,
+        "kv_heads": 16,
+        "head_dim": 64,
+        "ffn": 2560,
+        "vocab": 32000,
+    },
     # Qwen2-MoE with shared_expert_intermediate_size 0: megatron-core builds no shared expert.
     "tiny_no_shared_expert": {**_TINY, "shared_ffn": 0},
 }

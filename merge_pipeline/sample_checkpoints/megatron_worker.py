@@ -205,16 +205,17 @@ def _metadata(v: Variant) -> dict | None:
     return {"singleton_local_shards": True} if v.per_layer_keys else None
 
 
-def _fill(model, v: Variant) -> dict[str, torch.Tensor]:
-    """Set each local shard from the global tensor of its checkpoint key. Returns the global
-    tensors this rank owns (it holds their first chunk's main replica), so each is saved once."""
+def _fill(model, v: Variant, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Set each local shard from the global tensor of its checkpoint key (taken from ``full`` when
+    there, else generated and added to it). Returns the global tensors this rank owns (it holds
+    their first chunk's main replica), so each is saved once."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factories, is_main_replica
 
     sharded = model.sharded_state_dict(metadata=_metadata(v))
     apply_factories(sharded)
-    full: dict[str, torch.Tensor] = {}
+    full = {} if full is None else full
     owned: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for item in nested_values(sharded):
