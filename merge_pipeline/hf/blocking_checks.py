@@ -12,7 +12,8 @@ finished), for as long as each is still the file it hashed, instead of reading e
 thread: it imports transformers (torch._dynamo and DTensor through it) and the modeling module of the
 class config.json names, and builds transformers' table of checkpoint renamings: ~3-5 s of CPU that
 every merge otherwise paid after its last byte. The writer mostly waits on the disk or runs C code
-without the GIL, so this takes little wall time there; the checks wait for it.
+without the GIL, so most of it overlaps (its threads do wait for the GIL more often meanwhile:
+docs/BENCHMARKS.md measures both); the checks wait for the thread.
 """
 
 from __future__ import annotations
