@@ -172,9 +172,14 @@ def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, 
 
 
 def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -> None:
-    """Tokenizer and friends, first: a trainer deleting the checkpoint mid-merge cannot take them away."""
+    """Tokenizer and friends, first: a trainer deleting the checkpoint mid-merge cannot take them away.
+
+    Every entry point calls this once, just before the weights: the blocking checks' imports start here."""
+    from merge_pipeline.hf.blocking_checks import import_checks_meanwhile
+
     config = prepared.config
     copy_side_files(config.path.parent, out_dir, options.max_side_file_size, confine_to=config.confine_to)
+    import_checks_meanwhile(config.raw)
 
 
 def write_weights(

@@ -7,10 +7,18 @@ refuse the same folders. The manifest names them (``checks_before_publishing``).
 Each gets the write report's entries of the merge (``written``): ``manifest_sha256`` compares the weight
 files by the sha256 that merge computed while writing them (or while verifying a file a killed merge
 finished), for as long as each is still the file it hashed, instead of reading every byte again.
+
+``import_checks_meanwhile``, called as the weights start being written, prepares the checks on a
+thread: it imports transformers (torch._dynamo and DTensor through it) and the modeling module of the
+class config.json names, and builds transformers' table of checkpoint renamings: ~3-5 s of CPU that
+every merge otherwise paid after its last byte. The writer mostly waits on the disk or runs C code
+without the GIL, so most of it overlaps (its threads do wait for the GIL more often meanwhile:
+docs/BENCHMARKS.md measures both); the checks wait for the thread.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,10 +81,43 @@ class CheckOutcome:
         return not self.problems
 
 
+# The one importing thread of this process (later merges find the modules imported).
+_importing: threading.Thread | None = None
+
+
+def import_checks_meanwhile(config: Mapping) -> None:
+    """Start importing, on a thread, what the checks will need for a model with this config.json."""
+    global _importing
+    if _importing is None:
+        architecture = str((config.get("architectures") or [""])[0])
+        model_type = str(config.get("model_type", ""))
+        _importing = threading.Thread(
+            target=_import_checks, args=(architecture, model_type), name="check-imports", daemon=True
+        )
+        _importing.start()
+
+
+def _import_checks(architecture: str, model_type: str) -> None:
+    try:
+        import transformers
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        from merge_pipeline.hf import folder_checks  # noqa: F401
+
+        # The first call builds (and keeps) every model type's renamings: ~1000 regexes, ~0.8 s.
+        get_checkpoint_conversion_mapping(model_type)
+        if architecture:
+            hasattr(transformers, architecture)  # imports its modeling module, as model_class will
+    except Exception:  # noqa: BLE001, S110 - only a head start: the checks themselves report any problem
+        pass
+
+
 def run_blocking_checks(folder: Path, written: Written) -> list[CheckOutcome]:
     """Every blocking check's problems on a complete, not yet published folder (none = passed).
 
     ``written``: the entries of the write report of the merge that made ``folder`` (see above)."""
+    if _importing is not None:
+        _importing.join()  # no import runs on two threads at once
     return [CheckOutcome(check, _problems(check, folder, written)) for check in BLOCKING_CHECKS]
 
 
