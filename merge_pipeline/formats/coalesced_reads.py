@@ -60,7 +60,8 @@ def coalesced(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
 
     def flush() -> None:
         if group:
-            out.extend(_Group(loaded, list(group)).tensors())
+            loaded.last = _Group(loaded, list(group))
+            out.extend(loaded.last.tensors())
             group.clear()
 
     for t in tensors:
@@ -87,6 +88,11 @@ class _Loaded:
     group: _Group | None = None
     buffer: torch.Tensor | None = None
     places: dict[int, int] = field(default_factory=dict)
+    # The buffer of a group whose members were all taken: no piece of it is valid any more, so the next
+    # load reads into it (fresh pages cost the kernel about as much again as the reading). None once the
+    # last group is written, so that it does not add to the peak of what follows the writing.
+    spare: torch.Tensor | None = None
+    last: _Group | None = None
 
 
 @dataclass(eq=False)
@@ -111,19 +117,21 @@ class _Group:
         if loaded.group is not self or index not in loaded.places:
             loaded.group = loaded.buffer = None  # free the previous group's bytes first
             wanted = [index] + [i for i in range(index + 1, len(self.members)) if i not in self.taken]
-            loaded.buffer, loaded.places = self._read(wanted)
+            loaded.buffer, loaded.places = self._read(wanted, loaded)
             loaded.group = self
         start = loaded.places[index]
         return loaded.buffer[start : start + self.members[index].nbytes()]
 
     def take(self, index: int) -> None:
-        """``index`` was written: once every member read is, the buffer is freed."""
+        """``index`` was written: once every member read is, the buffer is the next load's."""
         self.taken.add(index)
         if self.loaded.group is self and self.taken.issuperset(self.loaded.places):
+            done = self is self.loaded.last and len(self.taken) == len(self.members)
+            self.loaded.spare = None if done else self.loaded.buffer
             self.loaded.group = self.loaded.buffer = None
             self.loaded.places = {}
 
-    def _read(self, wanted: list[int]) -> tuple[torch.Tensor, dict[int, int]]:
+    def _read(self, wanted: list[int], loaded: _Loaded) -> tuple[torch.Tensor, dict[int, int]]:
         # per set of files, its blocks: (offset in each file, length, place of the first file's bytes)
         by_files: dict[tuple[SourceFile, ...], list[_Run]] = {}
         places, nbytes = {}, 0
@@ -133,8 +141,11 @@ class _Group:
                 if block.length:
                     by_files.setdefault(block.files, []).append((block.offset, block.length, nbytes))
                     nbytes += len(block.files) * block.length
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
+        buffer, loaded.spare = loaded.spare, None
+        if buffer is None or len(buffer) < nbytes:
+            buffer = None  # freed before a bigger one is taken
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())[:nbytes]
         scratch = memoryview(bytearray(_MAX_GAP))
         for files, runs in by_files.items():
             runs.sort()
