@@ -24,8 +24,10 @@ import torch
 
 from merge_pipeline.plan import PlannedTensor, SourceFile
 
-# A group's buffer holds at most this many source bytes.
-GROUP_BYTES = 32 << 20
+# A group's buffer holds at most this many source bytes. Each group costs an open and a read of every
+# rank file: at world size 1024, 32 MB groups of a 248M model cost ~0.2 s more CPU, and the peak RSS
+# (set after the writing, by the checks) stayed the same with 64 MB.
+GROUP_BYTES = 64 << 20
 # Tensors whose pieces average less than this are grouped; larger pieces are read well one by one.
 SMALL_PIECE_BYTES = 1 << 20
 # Neighbouring pieces at most this far apart in a file are read by one preadv (the gap into scratch).
