@@ -23,7 +23,12 @@ _KINDS = {
 
 
 def open_regular(path: Path) -> int:
-    """A read-only descriptor of ``path``; ``MergeError`` unless it is a regular file.
+    """A read-only descriptor of ``path``; ``MergeError`` unless it is a regular file (``open_regular_stat``)."""
+    return open_regular_stat(path)[0]
+
+
+def open_regular_stat(path: Path) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` and its ``fstat``; ``MergeError`` unless it is a regular file.
 
     Checked with ``stat`` before ``open``, so a FIFO or device is never opened; the open is
     non-blocking and checked again, so one swapped in between cannot block us either.
@@ -37,11 +42,12 @@ def open_regular(path: Path) -> int:
     except OSError as exc:
         raise os_error(exc, path, doing="cannot open") from None
     try:
-        _require_regular(path, os.fstat(fd).st_mode)
+        found = os.fstat(fd)
+        _require_regular(path, found.st_mode)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, found
 
 
 def read_capped(path: Path, limit: int, too_large: str, *, inside: Path | None = None) -> bytes:

@@ -21,7 +21,7 @@ from typing import Protocol, TypedDict
 import torch
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import open_regular
+from merge_pipeline.input_files import open_regular_stat
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
 READ_PIECE_BYTES = 8 * 1024 * 1024
@@ -119,8 +119,8 @@ class SourceFile:
     def _open(self) -> int:
         """The one place an input file is opened (again, after its descriptor was closed to keep the count
         bounded); a re-open must find the very file planned, in the state planned."""
-        fd = open_regular(self.path)  # never a FIFO or device: those would block or never end
-        found = FileIdentity.of(os.fstat(fd))  # of what was opened, not of a path looked up again
+        fd, opened = open_regular_stat(self.path)  # never a FIFO or device: those would block or never end
+        found = FileIdentity.of(opened)  # of what was opened, not of a path looked up again
         if self.identity is None:
             self.identity = found
         elif found != self.identity:

@@ -39,7 +39,8 @@ class ArchiveLayout:
     directory_start: int
     directory: tuple[bytes, ...]  # the directory through the end, CRCs zeroed, cut where the archive name stands
     crcs: tuple[int, ...]  # where the directory's CRC fields are
-    windows: tuple[tuple[int, int, tuple[tuple[int, tuple[bytes, bytes]], ...]], ...]  # start, length, headers
+    # each read: start, length, where its local headers lie in it, and the bytes around their archive names
+    windows: tuple[tuple[int, int, tuple[tuple[int, int], ...], tuple[bytes, ...]], ...]
     records: dict[str, tuple[int, int]]  # record name after the archive name -> (data offset, size)
 
     @classmethod
@@ -92,12 +93,11 @@ class ArchiveLayout:
             found[crc : crc + 4] = _NO_CRC
         if found != encoded.join(self.directory):
             return None
-        for start, length, headers in self.windows:
+        for start, length, headers, around in self.windows:
             window = os.pread(fd, length, start)
-            for at, (before, after) in headers:
-                expected = before + encoded + after
-                if window[at : at + len(expected)] != expected:
-                    return None
+            # the window's headers one after the other, against the layout's with this file's archive name
+            if b"".join([window[at:end] for at, end in headers]) != encoded.join(around):
+                return None
         return self.records
 
 
@@ -112,7 +112,8 @@ def _cut(directory: bytes, names: list[int], length: int) -> tuple[bytes, ...]:
 
 
 def _windows(headers: list[tuple[int, tuple[bytes, bytes]]], name_length: int) -> tuple:
-    """Local headers grouped into reads (each header's place in its read): ``_WINDOW``, ``_SKIP``."""
+    """Local headers grouped into reads (``_WINDOW``, ``_SKIP``): each read's start and length, each
+    header's place in it, and the headers' bytes around the archive names, for ``name.join``."""
     windows: list[tuple[int, int, list]] = []
     for offset, parts in sorted(headers):
         end = offset + len(parts[0]) + name_length + len(parts[1])
@@ -123,4 +124,12 @@ def _windows(headers: list[tuple[int, tuple[bytes, bytes]]], name_length: int) -
             windows.append((start, 0, members))
         members.append((offset - start, parts))
         windows[-1] = (start, max(windows[-1][1], end - start), members)
-    return tuple((start, length, tuple(members)) for start, length, members in windows)
+    out = []
+    for start, length, members in windows:
+        places = tuple((at, at + len(before) + name_length + len(after)) for at, (before, after) in members)
+        around = [members[0][1][0]]
+        for (_, (_, after)), (_, (before, _)) in zip(members, members[1:]):
+            around.append(after + before)
+        around.append(members[-1][1][1])
+        out.append((start, length, places, tuple(around)))
+    return tuple(out)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.archive_layouts import ArchiveLayout
-from merge_pipeline.formats.coalesced_reads import coalesced
+from merge_pipeline.formats.coalesced_reads import RunBlock, coalesced
 from merge_pipeline.formats.dcp_files import check_tiling
 from merge_pipeline.formats.fsdp_template import RankTemplate
 from merge_pipeline.formats.step_folders import VERL, StepFolder
@@ -108,13 +108,14 @@ def plan_fsdp(role_dir: Path, *, verify_replicas: bool = False) -> CheckpointPla
                 verified.append(_rank_shard(name, rank, files[rank], value, reference[name], coordinates))
                 if rank and not _same_layout(value, reference[name]):
                     irregular.add(name)
-            ranks.append(_VerifiedRank(verified))
+            ranks.append(_VerifiedRank(files[rank], verified))
             if len(templates) < _MAX_TEMPLATES and (template := RankTemplate.of(archive, state, rank)) is not None:
                 templates.append(template)
             del state
+        alike = _alike(ranks)
         tensors = coalesced(
             [
-                _planned(name, index, first, ranks, verify_replicas, name in irregular)
+                _planned(name, index, first, ranks, alike, verify_replicas, name in irregular)
                 for index, (name, first) in enumerate(reference.items())
             ]
         )
@@ -174,6 +175,7 @@ def _templated(templates: list[RankTemplate], pickled: bytes, rank: int, file: S
 class _VerifiedRank:
     """A rank file unpickled and checked: its pieces, in the state dict's order."""
 
+    file: SourceFile
     shards: list[RankShard]
 
     def shard(self, index: int) -> RankShard:
@@ -208,6 +210,26 @@ class _TemplatedRank:
 
     def contiguous(self, index: int) -> bool:
         return self.template.tensors[index].run is not None
+
+
+def _alike(
+    ranks: list[_VerifiedRank | _TemplatedRank],
+) -> list[tuple[tuple[SourceFile, ...], _VerifiedRank | _TemplatedRank]]:
+    """The ranks in runs whose pieces lie at the same offsets of their files (neighbouring ranks of one
+    template and zip layout), each run with one of its ranks to ask where; an unpickled rank is a run of one."""
+    runs: list[tuple[list[SourceFile], _VerifiedRank | _TemplatedRank]] = []
+    for rank in ranks:
+        last = runs[-1][1] if runs else None
+        if (
+            isinstance(rank, _TemplatedRank)
+            and isinstance(last, _TemplatedRank)
+            and rank.template is last.template
+            and rank.starts == last.starts
+        ):
+            runs[-1][0].append(rank.file)
+        else:
+            runs.append(([rank.file], rank))
+    return [(tuple(files), rank) for files, rank in runs]
 
 
 def _world_size(role_dir: Path) -> tuple[int, int | None]:
@@ -358,26 +380,36 @@ def _local_region(global_shape, mesh_shape, placements, coord, path, name):
     return tuple(offset), tuple(size)
 
 
-def _planned(name, index: int, first, ranks: list, verify_replicas: bool, irregular: bool) -> PlannedTensor:
+def _planned(
+    name, index: int, first, ranks: list, alike: list, verify_replicas: bool, irregular: bool
+) -> PlannedTensor:
     """Rank 0's ``first`` (a DTensor, or a plain tensor) planned from every rank's piece of it."""
     global_shape, dtype = tuple(first.shape), first.dtype
     regular = not (irregular or verify_replicas or 0 in global_shape) and isinstance(first, DTensor)
-    if regular and first.placements == (Shard(0),) and all(rank.contiguous(index) for rank in ranks):
-        return PlannedTensor(name, global_shape, dtype, _RankRuns(ranks, index, dtype))
+    if regular and first.placements == (Shard(0),) and all(rank.contiguous(index) for _, rank in alike):
+        return PlannedTensor(name, global_shape, dtype, _RankRuns(alike, index, dtype))
     return _assemble(name, global_shape, dtype, [rank.shard(index) for rank in ranks], verify_replicas, irregular)
 
 
 @dataclass(frozen=True)
 class _RankRuns:
     """A ``Shard(0)`` tensor placed alike on every rank: its row-major bytes are each rank's
-    ``torch.chunk`` piece in rank order (empty ones skipped), made into file ranges only when read."""
+    ``torch.chunk`` piece in rank order (empty ones skipped), made into file ranges only when read:
+    one block per run of ranks whose pieces lie at the same offsets (``_alike``)."""
 
-    ranks: list[_VerifiedRank | _TemplatedRank]
+    alike: list[tuple[tuple[SourceFile, ...], _VerifiedRank | _TemplatedRank]]
     index: int  # the tensor's place in every rank's state dict
     dtype: torch.dtype
 
+    def run_blocks(self) -> list[RunBlock]:
+        return [
+            RunBlock(files, run.offset, run.length)
+            for files, rank in self.alike
+            if (run := rank.run(self.index)).length
+        ]
+
     def byte_runs(self) -> list[ByteRun]:
-        return [run for rank in self.ranks if (run := rank.run(self.index)).length]
+        return [ByteRun(file, block.offset, block.length) for block in self.run_blocks() for file in block.files]
 
     def pieces(self):
         return StoredBytes(tuple(self.byte_runs()), self.dtype).pieces()

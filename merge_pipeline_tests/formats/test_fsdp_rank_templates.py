@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from merge_pipeline.formats import coalesced_reads
 from merge_pipeline.formats.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.fsdp import RankShard, plan_fsdp
 from merge_pipeline.formats.fsdp_template import RankTemplate
@@ -238,3 +239,27 @@ def test_a_group_read_out_of_order_or_in_part_reads_each_piece_once(checkpoint, 
         read = bytes_read() - before
     assert all(same_bits(got[name], expected[name]) for name in got)
     assert wanted <= read < 1.5 * wanted  # the zip headers between the pieces, and nothing twice
+
+
+def read_calls() -> int:
+    return int(re.search(r"syscr: (\d+)", Path("/proc/self/io").read_text())[1])
+
+
+def test_a_group_is_read_by_one_read_per_rank_file(checkpoint, monkeypatch):
+    # What grows with the world size is one read per rank file and group, not one per (tensor, rank):
+    # a rank file's pieces of a group's tensors lie together and come in by one preadv.
+    monkeypatch.setattr(coalesced_reads, "GROUP_BYTES", 8192)  # several groups of this small model
+    role_dir, expected = checkpoint
+    with plan_fsdp(role_dir) as plan:
+        grouped = [t for t in plan.tensors if isinstance(t.source, coalesced_reads._GroupedBytes)]
+        groups = list({id(t.source.group): t.source.group for t in grouped}.values())
+        files = [
+            {f for m in g.members for b in coalesced_reads.run_blocks(m.source) if b.length for f in b.files}
+            for g in groups
+        ]
+        assert len(groups) > 2 and any(len(g.members) > 2 for g in groups)
+        before = read_calls()
+        got = {t.name: t.load() for t in grouped}
+        reads = read_calls() - before
+    assert all(same_bits(got[name], expected[name]) for name in got)
+    assert sum(map(len, files)) <= reads <= sum(map(len, files)) + 2  # + reading /proc/self/io
