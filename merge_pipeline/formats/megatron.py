@@ -6,6 +6,8 @@ depends on the layout schema (``find_layout``):
 
     v2 (verl 0.9): <role>/ckpt_contents.json says where; model/dist_ckpt/, model/huggingface/
     v1 (legacy):   <role>/dist_ckpt/, <role>/huggingface/
+    Megatron-LM:   <save>/iter_0000100/ (itself the dist checkpoint), or <save>/ with its tracker
+                   latest_checkpointed_iteration.txt (``formats/megatron_lm_save.py``); no HF files
 
 The DCP ``.metadata`` gives every tensor's global shape and dtype and, per saved chunk, which
 ``.distcp`` file holds it at which offset; ``formats/dcp_files.py`` reads it and locates each chunk's
@@ -32,6 +34,7 @@ from merge_pipeline.formats.dcp_files import (
     plan_specs,
     read_dcp_metadata,
 )
+from merge_pipeline.formats.megatron_lm_save import is_megatron_lm_save, iteration_folder
 from merge_pipeline.formats.megatron_names import KeyMapper, megatron_family, model_shape
 from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
 from merge_pipeline.formats.safetensors_folder import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
@@ -45,6 +48,7 @@ MANIFEST = "ckpt_contents.json"  # verl's layout v2: rank 0 writes it last, atom
 _V2_FOLDERS = ("model/dist_ckpt", "model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt")
 VALUE_ROLES = ("critic", "reward")
 DIST_FORMAT, HF_FORMAT = "megatron_dist_checkpoint", "huggingface"
+MEGATRON_LM = "megatron-lm"  # the layout schema of Megatron-LM's own save folders
 # Tensors that are training state, not model weights.
 _NOT_MODEL = re.compile(r"^optimizer\.|\._extra_state")
 
@@ -53,7 +57,7 @@ _NOT_MODEL = re.compile(r"^optimizer\.|\._extra_state")
 class MegatronLayout:
     """Where one role folder keeps its model weights and its Hugging Face files."""
 
-    schema: str  # "v2" (ckpt_contents.json), "v2 without ckpt_contents.json", "v1"
+    schema: str  # "v2" (ckpt_contents.json), "v2 without ckpt_contents.json", "v1", MEGATRON_LM
     weights: str | None  # DIST_FORMAT or HF_FORMAT as the manifest states it; None: probe dist_dir, then hf_dir
     dist_dir: Path  # Megatron-Core shards, when weights are (or may be) there
     hf_dir: Path  # config, tokenizer; the weights too when they are HF files
@@ -67,7 +71,9 @@ class MegatronLayout:
 
 
 def is_megatron_dir(role_dir: Path) -> bool:
-    """A folder verl's Megatron checkpoint manager wrote, in any layout schema."""
+    """A folder verl's Megatron checkpoint manager wrote, in any layout schema, or Megatron-LM's save."""
+    if is_megatron_lm_save(role_dir):
+        return True
     v2 = (
         (role_dir / MANIFEST).is_file()
         or (role_dir / "model" / "dist_ckpt").is_dir()
@@ -78,6 +84,10 @@ def is_megatron_dir(role_dir: Path) -> bool:
 
 def find_layout(role_dir: Path) -> MegatronLayout:
     """Read ``ckpt_contents.json`` when present; otherwise recognise v2 by its ``model/`` folder."""
+    if is_megatron_lm_save(role_dir):
+        iteration = iteration_folder(role_dir)
+        # Megatron-LM saves no HF files: a config.json put there is used, else --hf_model_path.
+        return MegatronLayout(MEGATRON_LM, DIST_FORMAT, iteration, iteration, iteration.name)
     manifest = role_dir / MANIFEST
     if manifest.is_file():
         return _layout_from_manifest(role_dir, manifest)
@@ -152,10 +162,17 @@ def plan_megatron(
     stored = _model_tensors(checkpoint, dist_dir / ".metadata") if checkpoint else {}
     _refuse_unexported_adapter(role_dir, layout, stored)
     if not stored:
+        if layout.schema == MEGATRON_LM:
+            raise MergeError(dist_dir / METADATA, "holds no model tensors (a Megatron-LM save of the optimizer only?)")
         if layout.weights == DIST_FORMAT:
             raise MergeError(dist_dir, f"{MANIFEST} says the model weights are here, but it holds no model tensors")
         # The bridge's HF files (verl's default); any dist checkpoint holds optimizer and RNG state only.
         return _plan_bridge_export(role_dir, layout, config, is_value_model)
+    if layout.schema == MEGATRON_LM and not config.hf_model_path and not (layout.hf_dir / "config.json").is_file():
+        raise MergeError(
+            dist_dir,
+            "a Megatron-LM checkpoint holds no Hugging Face config: pass --hf_model_path with a Hugging Face folder of this model (its config.json and tokenizer)",
+        )
     model_config = config.load(layout.hf_dir)
     try:
         megatron_family(model_config.raw, model_config.path)  # an architecture not mapped: before any other read
@@ -391,7 +408,7 @@ def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Co
 
 READER = Reader(
     name="megatron",
-    looks_for="a Megatron checkpoint (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, or legacy dist_ckpt/)",
+    looks_for="a Megatron checkpoint (ckpt_contents.json, model/dist_ckpt/, model/huggingface/, legacy dist_ckpt/, or Megatron-LM's iter_N/ or latest_checkpointed_iteration.txt)",
     detect=is_megatron_dir,
     plan=lambda role_dir, options, config: plan_megatron(
         role_dir,

@@ -11,6 +11,9 @@ That is verl's legacy layout (schema v1). ``layout="v2"`` writes what verl 0.9 w
 ``use_dist_checkpointing`` (megatron-core shards, and then no HF files in the checkpoint at all: the
 config and tokenizer are in ``<out>/<variant>/hf_model/``, the trainer's original model folder), or
 with the bridge for ``hf_weights`` variants. ``arrange_v2`` copies a v1 sample into any v2 mode.
+``layout="megatron_lm"`` writes what Megatron-LM's ``save_checkpoint`` writes (``megatron_worker``'s
+``_save_as_megatron_lm``): ``<out>/<variant>/save/iter_0000100/`` and the tracker
+``save/latest_checkpointed_iteration.txt``; the HF config and tokenizer are in ``hf_model/``.
 
 Most variants are written by megatron-core itself (``megatron_worker``, two ranks under torchrun, gloo,
 CPU), DeepSeek-V3's multi-latent attention and multi-token prediction included (local layer spec;
@@ -203,11 +206,12 @@ def write_megatron_samples(
 ) -> dict[str, MegatronSample]:
     """Write each variant under ``root/<name>``; megatron-core variants share one torchrun job."""
     variants = list(variants)
-    samples = {v.name: MegatronSample(v, root / v.name / "actor", root / v.name / "reference") for v in variants}
+    role = "save" if layout == "megatron_lm" else "actor"
+    samples = {v.name: MegatronSample(v, root / v.name / role, root / v.name / "reference") for v in variants}
     dist_dirs = {v.name: _dist_dir(samples[v.name].role_dir, v, layout) for v in variants}
     written = [v for v in variants if not v.handmade]
     if written:
-        _run_megatron_job(root, {v: dist_dirs[v.name] for v in written}, timeout)
+        _run_megatron_job(root, {v: dist_dirs[v.name] for v in written}, timeout, layout)
     for v in variants:
         sample = samples[v.name]
         full = _handmade_weights(v) if v.handmade else _gathered_weights(root / v.name)
@@ -234,11 +238,17 @@ def write_megatron_samples(
             continue
         if v.hf_weights:
             write_bridge_weights(sample.reference_dir, hf_dir)
-        _finish_v2(sample.role_dir, "bridge" if v.hf_weights else "dist", v)
+        if layout == "v2":
+            _finish_v2(sample.role_dir, "bridge" if v.hf_weights else "dist", v)
     return samples
 
 
+MEGATRON_LM_ITERATION = 100  # the iteration the Megatron-LM sample is saved at
+
+
 def _dist_dir(role_dir: Path, v: Variant, layout: str) -> Path:
+    if layout == "megatron_lm":  # role_dir is Megatron-LM's --save folder
+        return role_dir / f"iter_{MEGATRON_LM_ITERATION:07d}"
     if layout == "v1":
         return role_dir / "dist_ckpt"
     # v2: the optimizer state of a bridge save goes to optimizer/dist_ckpt; model/dist_ckpt stays empty.
@@ -248,9 +258,15 @@ def _dist_dir(role_dir: Path, v: Variant, layout: str) -> Path:
 # ---- megatron-core job ---------------------------------------------------------------------------
 
 
-def _run_megatron_job(root: Path, dist_dirs: dict[Variant, Path], timeout: float) -> None:
+def _run_megatron_job(root: Path, dist_dirs: dict[Variant, Path], timeout: float, layout: str) -> None:
+    iteration = MEGATRON_LM_ITERATION if layout == "megatron_lm" else None
     entries = [
-        {"variant": dataclasses.asdict(v), "out_dir": str(root / v.name), "dist_dir": str(dist_dir)}
+        {
+            "variant": dataclasses.asdict(v),
+            "out_dir": str(root / v.name),
+            "dist_dir": str(dist_dir),
+            "megatron_lm_iteration": iteration,
+        }
         for v, dist_dir in dist_dirs.items()
     ]
     run_torchrun_job(

@@ -3,13 +3,14 @@
 For each requested variant: build a GPTModel with the local (non-TransformerEngine) layer spec, give
 every parameter values that depend only on its checkpoint key and global position (so all ranks and
 the reference agree, whatever the parallel layout), save it with ``dist_checkpointing.save`` like
-verl, and optionally run megatron-core's own forward pass to record logits.
+verl (or as Megatron-LM's ``save_checkpoint``), and optionally run megatron-core's own forward pass to record logits.
 
     torchrun --nproc_per_node 2 -m merge_pipeline.sample_checkpoints.megatron_worker JOB.json
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -258,7 +259,7 @@ def _forward_logits(model, out_dir: Path) -> None:
         torch.save(logits[0].float().clone(), out_dir / "megatron_logits.pt")
 
 
-def _write_variant(v: Variant, out_dir: Path, dist_dir: Path) -> None:
+def _write_variant(v: Variant, out_dir: Path, dist_dir: Path, megatron_lm_iteration: int | None) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -271,15 +272,40 @@ def _write_variant(v: Variant, out_dir: Path, dist_dir: Path) -> None:
         model = _build_model(v, _transformer_config(v))
         full = _fill(model, v)
         role_dir = out_dir / "actor"
-        dist_checkpointing.save(model.sharded_state_dict(metadata=_metadata(v)), str(dist_dir))
+        sharded = model.sharded_state_dict(metadata=_metadata(v))
+        if megatron_lm_iteration is None:
+            dist_checkpointing.save(sharded, str(dist_dir))
+        else:
+            _save_as_megatron_lm(sharded, dist_dir, megatron_lm_iteration, v)
         torch.save(full, out_dir / f"full_weights_rank{dist.get_rank()}.pt")
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and megatron_lm_iteration is None:
             _write_transformer_config(model.config, role_dir / "transformer_config.json")
         if v.logits:
             _forward_logits(model, out_dir)
         dist.barrier()
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _save_as_megatron_lm(sharded: dict, iteration_dir: Path, iteration: int, v: Variant) -> None:
+    """What Megatron-LM's ``save_checkpoint`` writes with ``--ckpt-format torch_dist`` (reproduced from
+    megatron/training/checkpointing.py at NVIDIA/Megatron-LM d98e8a64): ``generate_state_dict``'s
+    ``args`` (an argparse Namespace), ``checkpoint_version`` 3.0, ``iteration`` and the model's sharded
+    state dict under ``model``, saved by ``dist_checkpointing.save`` into ``<save>/iter_<7 digits>/``;
+    then rank 0 writes the iteration to ``<save>/latest_checkpointed_iteration.txt``."""
+    from megatron.core import dist_checkpointing
+
+    args = argparse.Namespace(
+        ckpt_format="torch_dist",
+        tensor_model_parallel_size=v.tp,
+        pipeline_model_parallel_size=v.pp,
+        expert_model_parallel_size=v.ep,
+    )
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": sharded}
+    dist_checkpointing.save(state, str(iteration_dir))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (iteration_dir.parent / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
 def _write_transformer_config(config, path: Path) -> None:
@@ -305,7 +331,7 @@ def main(job_path: Path) -> None:
             if dist.get_rank() == 0:
                 dist_dir.mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            _write_variant(Variant(**entry["variant"]), out_dir, dist_dir)
+            _write_variant(Variant(**entry["variant"]), out_dir, dist_dir, entry.get("megatron_lm_iteration"))
     finally:
         dist.destroy_process_group()
 
