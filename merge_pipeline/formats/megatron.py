@@ -272,7 +272,7 @@ def _plan_dist_checkpoint(
     if value_model and f"{lm}output_layer.bias" not in shapes:  # the value head's weight is among the outputs
         planned.append(_zero_score_bias(tensors[f"{lm}output_layer.weight"].dtype))
     planned.sort(key=lambda t: _natural_key(t.name))
-    facts = {**layout.describe(), **_layout(role_dir, checkpoint, tensors.values(), files, tied)}
+    facts = {**layout.describe(), **_layout(role_dir, layout, checkpoint, tensors.values(), files, tied)}
     return CheckpointPlan("megatron", role_dir, layout.hf_dir, planned, files, is_value_model=value_model, layout=facts)
 
 
@@ -360,6 +360,7 @@ def _natural_key(name: str) -> list:
 
 def _layout(
     role_dir: Path,
+    layout: MegatronLayout,
     checkpoint: _DistCheckpoint,
     tensors: Iterable[DcpTensor],
     files: list[SourceFile],
@@ -379,6 +380,11 @@ def _layout(
             "vpp": "virtual_pipeline_model_parallel_size",
         }
         parallel = {short: settings.get(long) for short, long in names.items()}
+    elif layout.schema == MEGATRON_LM and checkpoint.backend == "torch_dist":
+        # Megatron-LM records its parallel sizes only in common.pt's pickled args; the embedding is
+        # vocabulary-parallel, so its row chunks in .metadata are the tensor-parallel ranks.
+        embedding = [t for t in tensors if t.key.endswith("embedding.word_embeddings.weight")]
+        parallel = {"tp": len({c.offsets[0] for c in embedding[0].chunks})} if embedding else {}
     layers = {int(m[1]) for t in tensors for m in [re.search(r"decoder\.layers\.(\d+)\.", t.key)] if m}
     stacked = [t.shape[0] for t in tensors if re.search(r"(^|\.)decoder\.layers\.[a-z]", t.key)]
     return {

@@ -48,7 +48,8 @@ def test_iteration_folder_merges_bit_exact_with_megatron_logits(megatron_lm_samp
     assert source["backend"] == "megatron" and {Path(i["path"]).suffix for i in source["inputs"]} == {".distcp"}
     code, out, err = run_cli(capsys, "inspect", iteration, "--json", "--hf_model_path", sample.original_dir)
     assert code == 0, err
-    assert (json.loads(out)["layout_schema"], json.loads(out)["model_weights"]) == ("megatron-lm", str(iteration))
+    info = json.loads(out)
+    assert (info["layout_schema"], info["model_weights"], info["tp"]) == ("megatron-lm", str(iteration), 2)
     assert tree_digest(sample.role_dir) == before
 
 
