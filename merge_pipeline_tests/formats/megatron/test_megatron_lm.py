@@ -31,6 +31,7 @@ def megatron_lm_sample(tmp_path_factory):
     return write_megatron_samples(root, [VARIANTS["qwen2_tp2"]], timeout=600, layout="megatron_lm")["qwen2_tp2"]
 
 
+@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_iteration_folder_merges_bit_exact_with_megatron_logits(megatron_lm_sample, tmp_path, capsys):
     sample = megatron_lm_sample
     iteration = sample.role_dir / ITERATION
@@ -53,6 +54,7 @@ def test_iteration_folder_merges_bit_exact_with_megatron_logits(megatron_lm_samp
     assert tree_digest(sample.role_dir) == before
 
 
+@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_save_folder_merges_the_iteration_its_tracker_names(megatron_lm_sample, tmp_path, capsys):
     save = tmp_path / "checkpoints"
     shutil.copytree(megatron_lm_sample.role_dir, save)
@@ -73,6 +75,7 @@ def test_save_folder_merges_the_iteration_its_tracker_names(megatron_lm_sample, 
     assert "names release but release/ is missing" in line, line
 
 
+@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_without_hf_model_path_one_line_says_what_to_pass(megatron_lm_sample, tmp_path, capsys):
     before = tree_digest(megatron_lm_sample.role_dir)
     for folder in (megatron_lm_sample.role_dir, megatron_lm_sample.role_dir / ITERATION):
