@@ -34,7 +34,7 @@ from merge_pipeline.formats.dcp_files import (
     plan_specs,
     read_dcp_metadata,
 )
-from merge_pipeline.formats.megatron_lm_save import is_megatron_lm_save, iteration_folder
+from merge_pipeline.formats.megatron_lm_save import BRIDGE_HF_EXPORT, is_megatron_lm_save, iteration_folder
 from merge_pipeline.formats.megatron_names import KeyMapper, megatron_family, model_shape
 from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
 from merge_pipeline.formats.safetensors_folder import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
@@ -86,8 +86,10 @@ def find_layout(role_dir: Path) -> MegatronLayout:
     """Read ``ckpt_contents.json`` when present; otherwise recognise v2 by its ``model/`` folder."""
     if is_megatron_lm_save(role_dir):
         iteration = iteration_folder(role_dir)
-        # Megatron-LM saves no HF files: a config.json put there is used, else --hf_model_path.
-        return MegatronLayout(MEGATRON_LM, DIST_FORMAT, iteration, iteration, iteration.name)
+        # Megatron-LM saves no HF files (--hf_model_path); Megatron-Bridge's also_save_hf_checkpoint
+        # exports the model into iter_N/hf/ (config, tokenizer, weights): its config is used.
+        hf_dir = iteration / BRIDGE_HF_EXPORT if (iteration / BRIDGE_HF_EXPORT / "config.json").is_file() else iteration
+        return MegatronLayout(MEGATRON_LM, DIST_FORMAT, iteration, hf_dir, iteration.name)
     manifest = role_dir / MANIFEST
     if manifest.is_file():
         return _layout_from_manifest(role_dir, manifest)

@@ -18,6 +18,8 @@ from merge_pipeline.formats.step_folders import MAX_TRACKER_BYTES, TRACKER
 from merge_pipeline.input_files import read_capped
 
 ITERATION_FOLDER = re.compile(r"iter_[0-9]{7,}|release")
+# Megatron-Bridge 0.6's save_checkpoint with also_save_hf_checkpoint: the bridge's HF export in iter_N/hf/.
+BRIDGE_HF_EXPORT = "hf"
 # What only a dist checkpoint holds; Megatron-LM's legacy ``--ckpt-format torch`` saves mp_rank_*/ instead.
 _DIST_FILES = ("metadata.json", ".metadata")
 _LEGACY = "mp_rank_*"

@@ -84,6 +84,18 @@ def test_without_hf_model_path_one_line_says_what_to_pass(megatron_lm_sample, tm
     assert tree_digest(megatron_lm_sample.role_dir) == before
 
 
+@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
+def test_bridge_hf_export_in_the_iteration_gives_the_config(megatron_lm_sample, tmp_path, capsys):
+    """Megatron-Bridge's ``also_save_hf_checkpoint`` puts the HF model into ``iter_N/hf/`` (reproduced
+    here with the model's config and tokenizer): no --hf_model_path needed."""
+    iteration = tmp_path / "checkpoints" / ITERATION
+    shutil.copytree(megatron_lm_sample.role_dir / ITERATION, iteration)
+    shutil.copytree(megatron_lm_sample.original_dir, iteration / "hf")
+    merge_ok(capsys, iteration, tmp_path / "out")
+    assert_bit_exact(tmp_path / "out", megatron_lm_sample.reference_dir)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
 def test_legacy_torch_format_is_refused_in_one_line(tmp_path, capsys):
     iteration = tmp_path / "checkpoints" / ITERATION
     (iteration / "mp_rank_00").mkdir(parents=True)
