@@ -16,10 +16,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from merge_pipeline.sample_checkpoints.megatron import MEGATRON_LM_ITERATION, VARIANTS, write_megatron_samples
+from merge_pipeline_tests.formats.megatron.test_release_gaps import VOCAB_ROWS, original_with_vocab
 from merge_pipeline_tests.formats.megatron.test_verl_v2 import logits
-from merge_pipeline_tests.helpers import assert_bit_exact, merge_error, merge_ok, run_cli, tree_digest
+from merge_pipeline_tests.helpers import (
+    assert_bit_exact,
+    load_safetensors_dir,
+    merge_error,
+    merge_ok,
+    run_cli,
+    same_bits,
+    tree_digest,
+)
 
 ITERATION = f"iter_{MEGATRON_LM_ITERATION:07d}"
 
@@ -102,3 +112,16 @@ def test_legacy_torch_format_is_refused_in_one_line(tmp_path, capsys):
     (iteration / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
     line = merge_error(capsys, iteration, tmp_path / "out")
     assert "--ckpt-format torch_dist" in line and ITERATION in line, line
+
+
+@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
+def test_padded_vocabulary_merges_with_exactly_vocab_size_rows(megatron_lm_sample, tmp_path, capsys):
+    """Megatron-LM pads the vocabulary to ``make_vocab_size_divisible_by`` x TP: the 128 rows saved
+    (64 x TP 2) for a model whose config says 100 merge as exactly its 100 rows."""
+    original = original_with_vocab(megatron_lm_sample, tmp_path / "original", 100)
+    merge_ok(capsys, megatron_lm_sample.role_dir, tmp_path / "out", "--hf_model_path", original)
+    merged = load_safetensors_dir(tmp_path / "out")
+    reference = load_file(megatron_lm_sample.reference_dir / "model.safetensors")
+    assert set(merged) == set(reference) and reference["model.embed_tokens.weight"].shape[0] == 128
+    for name, tensor in reference.items():
+        assert same_bits(merged[name], tensor[:100] if name in VOCAB_ROWS else tensor), name
