@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor, SourceFile
+from merge_pipeline.plan import PlannedTensor, SourceFile
 
 # A group's buffer holds at most this many source bytes. Each group costs an open and a read of every
 # rank file: at world size 1024, 32 MB groups of a 248M model cost ~0.2 s more CPU, and the peak RSS
@@ -67,18 +67,17 @@ def coalesced(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
             group.clear()
 
     for t in tensors:
-        blocks = run_blocks(t.source)
+        # a tensor over GROUP_BYTES keeps its piece-by-piece reads: its pieces are large enough, and
+        # one buffer of it all would grow the peak memory by the tensor
+        blocks = run_blocks(t.source) if t.nbytes() <= GROUP_BYTES else None
         pieces = sum(len(b.files) for b in blocks if b.length) if blocks is not None else 0
-        if not (1 < pieces and t.nbytes() < SMALL_PIECE_BYTES * pieces):
-            flush()
-            out.append(t)
-        elif t.nbytes() > GROUP_BYTES:  # one buffer of it all would grow the peak memory by the tensor
-            flush()
-            out.append(PlannedTensor(t.name, t.shape, t.dtype, _FilledPieces(t.source, t.dtype)))
-        else:
+        if 1 < pieces and t.nbytes() < SMALL_PIECE_BYTES * pieces:
             if group and sum(g.nbytes() for g in group) + t.nbytes() > GROUP_BYTES:
                 flush()
             group.append(t)
+        else:
+            flush()
+            out.append(t)
     flush()
     return out
 
@@ -200,37 +199,3 @@ class _GroupedBytes:
         member = self.group.members[self.index]
         yield self.group.bytes_of(self.index).view(member.dtype)
         self.group.take(self.index)
-
-
-@dataclass(frozen=True)
-class _FilledPieces:
-    """A tensor over ``GROUP_BYTES`` cut into many small pieces (at ws1024 an embedding is 1024 pieces of
-    128 KB): its pieces are read in rank order straight into their places in one ``READ_PIECE_BYTES``
-    buffer, which is handed on when full, so the writer casts and writes a few large pieces, not one per
-    rank file. A rank file is opened once for the tensor, as before; the reads are one per piece."""
-
-    source: object  # its ``run_blocks()`` are the file ranges; its ``byte_runs()`` the same, for kernel copies
-    dtype: torch.dtype
-
-    def byte_runs(self):
-        return self.source.byte_runs()
-
-    def pieces(self):
-        blocks = run_blocks(self.source)
-        item = self.dtype.itemsize
-        size = min(max(item, READ_PIECE_BYTES // item * item), sum(len(b.files) * b.length for b in blocks))
-        # One buffer, reused (a piece is valid until the next is asked for); torch.empty: no zeroing pass.
-        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
-        filled = 0
-        for block in blocks:
-            for file in block.files:
-                offset, left = block.offset, block.length
-                while left:
-                    n = min(left, size - filled)
-                    file.read_into(view[filled : filled + n], offset)
-                    filled, offset, left = filled + n, offset + n, left - n
-                    if filled == size:  # whole elements: the buffer is, and so is every tensor's total
-                        yield torch.frombuffer(view, dtype=self.dtype)
-                        filled = 0
-        if filled:
-            yield torch.frombuffer(view[:filled], dtype=self.dtype)

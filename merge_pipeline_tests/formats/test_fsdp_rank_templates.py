@@ -18,9 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 
-from merge_pipeline import plan as plan_module
 from merge_pipeline.formats import coalesced_reads
 from merge_pipeline.formats.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.fsdp import RankShard, plan_fsdp
@@ -265,35 +263,3 @@ def test_a_group_is_read_by_one_read_per_rank_file(checkpoint, monkeypatch):
         reads = read_calls() - before
     assert all(same_bits(got[name], expected[name]) for name in got)
     assert sum(map(len, files)) <= reads <= sum(map(len, files)) + 2  # + reading /proc/self/io
-
-
-def test_a_tensor_larger_than_a_group_is_read_in_few_pieces_one_open_per_rank_file(checkpoint, monkeypatch):
-    # The embedding (40 x 32 fp32, 5120 bytes; 3 rows per rank: pieces of 384 bytes) is over the group
-    # size: its rank files' pieces are read in rank order into one buffer handed on when full (1024
-    # bytes: some pieces straddle two), each rank file opened once though fewer descriptors are kept.
-    monkeypatch.setattr(coalesced_reads, "GROUP_BYTES", 4096)
-    monkeypatch.setattr(coalesced_reads, "READ_PIECE_BYTES", 1024)
-    monkeypatch.setattr(plan_module._OPEN, "limit", 4)
-    opened: list[Path] = []
-    real_open = plan_module.SourceFile._open
-    monkeypatch.setattr(plan_module.SourceFile, "_open", lambda f: opened.append(f.path) or real_open(f))
-    role_dir, expected = checkpoint
-    with plan_fsdp(role_dir) as plan:
-        embedding = next(t for t in plan.tensors if t.name == "model.embed_tokens.weight")
-        holding = {
-            b.files[i].path
-            for b in coalesced_reads.run_blocks(embedding.source)
-            if b.length
-            for i in range(len(b.files))
-        }
-        assert embedding.nbytes() > coalesced_reads.GROUP_BYTES and len(holding) == 14  # ranks 14, 15 hold none
-        opened.clear()
-        before = read_calls()
-        pieces = [piece.clone() for piece in embedding.source.pieces()]
-        reads = read_calls() - before
-        assert [p.numel() * 4 for p in pieces] == [1024] * 5  # was one piece per rank file: 14
-        assert sorted(opened) == sorted(holding)  # once each
-        assert reads <= len(holding) + len(pieces) + 2  # a piece straddling two buffers is two reads
-        got = {t.name: t.load() for t in plan.tensors}
-    assert same_bits(torch.cat(pieces), expected["model.embed_tokens.weight"].reshape(-1))
-    assert all(same_bits(got[name], expected[name]) for name in expected)
