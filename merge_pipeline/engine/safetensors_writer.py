@@ -144,7 +144,9 @@ def _read_ahead(tensors: Sequence[OutputTensor]) -> None:
     for t in tensors:
         runs = t.planned.source.byte_runs() or ()
         if len({run.file for run in runs}) > MAX_OPEN_FILES:
-            continue  # the read would open each file again (fewer are kept open): twice the opens (ws1024)
+            # the read would open each file again (fewer are kept open): twice the opens at ws1024, for a
+            # read-ahead that a warm cache does not need (a group of small pieces is not read ahead either)
+            continue
         for run in runs:
             with run.file.opened() as fd:
                 os.posix_fadvise(fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
