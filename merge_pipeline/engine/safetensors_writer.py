@@ -25,7 +25,7 @@ import torch
 
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.hf.safetensors import METADATA_KEY, SAFETENSORS_DTYPES
-from merge_pipeline.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
+from merge_pipeline.plan import MAX_OPEN_FILES, READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
 
 # copy_file_range moves at most this much per call (the kernel copies, no user-space buffer);
 # small enough that the hasher re-reads each piece from the page cache while the next is copied.
@@ -142,7 +142,12 @@ def _tensor_items(t: OutputTensor, chunks: _Chunks):
 def _read_ahead(tensors: Sequence[OutputTensor]) -> None:
     """Ask the kernel to start reading these tensors' stored bytes into the page cache (returns at once)."""
     for t in tensors:
-        for run in t.planned.source.byte_runs() or ():
+        runs = t.planned.source.byte_runs() or ()
+        if len({run.file for run in runs}) > MAX_OPEN_FILES:
+            # the read would open each file again (fewer are kept open): twice the opens at ws1024, for a
+            # read-ahead that a warm cache does not need (a group of small pieces is not read ahead either)
+            continue
+        for run in runs:
             with run.file.opened() as fd:
                 os.posix_fadvise(fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
 

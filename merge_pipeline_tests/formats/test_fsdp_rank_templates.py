@@ -18,7 +18,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 
+from merge_pipeline import plan as plan_module
+from merge_pipeline.engine import safetensors_writer
 from merge_pipeline.formats import coalesced_reads
 from merge_pipeline.formats.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.fsdp import RankShard, plan_fsdp
@@ -263,3 +267,27 @@ def test_a_group_is_read_by_one_read_per_rank_file(checkpoint, monkeypatch):
         reads = read_calls() - before
     assert all(same_bits(got[name], expected[name]) for name in got)
     assert sum(map(len, files)) <= reads <= sum(map(len, files)) + 2  # + reading /proc/self/io
+
+
+def test_a_tensor_over_more_rank_files_than_descriptors_kept_opens_each_once(checkpoint, monkeypatch, tmp_path):
+    # The embedding (40 x 32 fp32, 5120 bytes) is over the group size, so it is read rank file by rank
+    # file; with 4 descriptors kept for its 14 rank files, reading it ahead (fadvise) and then reading
+    # it opened each file twice (at ws1024: 2 x 1024 opens per such tensor). Now once.
+    monkeypatch.setattr(coalesced_reads, "GROUP_BYTES", 4096)
+    monkeypatch.setattr(plan_module._OPEN, "limit", 4)
+    monkeypatch.setattr(safetensors_writer, "MAX_OPEN_FILES", 4)
+    opened: list[Path] = []
+    real_open = plan_module.SourceFile._open
+    monkeypatch.setattr(plan_module.SourceFile, "_open", lambda f: opened.append(f.path) or real_open(f))
+    role_dir, expected = checkpoint
+    with plan_fsdp(role_dir) as plan:
+        embedding = next(t for t in plan.tensors if t.name == "model.embed_tokens.weight")
+        assert embedding.nbytes() > coalesced_reads.GROUP_BYTES
+        holding = {run.file.path for run in embedding.source.byte_runs()}
+        assert len(holding) == 14  # ranks 14 and 15 hold no rows
+        opened.clear()
+        output = [safetensors_writer.OutputTensor(embedding, torch.bfloat16)]
+        safetensors_writer.write_safetensors(tmp_path / "out.safetensors", output)
+    assert sorted(opened) == sorted(holding)  # each once
+    got = safetensors.torch.load_file(tmp_path / "out.safetensors")["model.embed_tokens.weight"]
+    assert same_bits(got, expected["model.embed_tokens.weight"].to(torch.bfloat16))
