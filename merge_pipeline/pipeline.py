@@ -249,6 +249,9 @@ def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, writ
     one planned, unchanged: a trainer re-saving the step meanwhile would leave a folder mixing two saves.
     Every writer (the CLI, torchrun rank 0 once all ranks wrote, the Dagster asset) publishes only after.
     """
+    from merge_pipeline.hf.blocking_checks import check_imports_done
+
+    check_imports_done()  # config.json's value head asks transformers: never beside the importing thread
     plan, config, outputs = prepared
     with naming(out_dir):
         write_index(outputs, out_dir)

@@ -112,12 +112,19 @@ def _import_checks(architecture: str, model_type: str) -> None:
         pass
 
 
+def check_imports_done() -> None:
+    """Wait for the importing thread. Called before this process touches transformers again: its lazy
+    module is not safe across threads (a ``hasattr(transformers, name)`` racing the thread's import of
+    the same modeling module has answered False: a value model's head class then looked missing)."""
+    if _importing is not None:
+        _importing.join()
+
+
 def run_blocking_checks(folder: Path, written: Written) -> list[CheckOutcome]:
     """Every blocking check's problems on a complete, not yet published folder (none = passed).
 
     ``written``: the entries of the write report of the merge that made ``folder`` (see above)."""
-    if _importing is not None:
-        _importing.join()  # no import runs on two threads at once
+    check_imports_done()
     return [CheckOutcome(check, _problems(check, folder, written)) for check in BLOCKING_CHECKS]
 
 
