@@ -68,6 +68,19 @@ SIZES: dict[str, dict] = {
         "num_key_value_heads": 4,
         "world_size": 2,
     },
+    # Llama-3-8B (8.03B: 32 GB of fp32 rank files at world size 8, more than this machine's memory; with
+    # two bf16 outputs beside them ~64 GB of disk). Too large to build whole: the rank files are drawn
+    # rank by rank from a seeded generator (``write_generated_checkpoint``).
+    "8b": {
+        "hidden_size": 4096,
+        "num_layers": 32,
+        "vocab_size": 128256,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "world_size": 8,
+        "writer": "generated",
+    },
 }
 
 
@@ -156,7 +169,7 @@ def ensure_world_size_checkpoint(
 ) -> Checkpoint:
     """The same weights as ``size``, saved at ``world_size`` ranks by torch's fake process group (one
     process plays every rank: ``merge_pipeline.sample_checkpoints.fsdp_fake_pg``), named ``size@wsN``."""
-    spec = {**spec_for(size), "world_size": world_size, "writer": "fake_pg"}
+    spec = {"writer": "fake_pg", **spec_for(size), "world_size": world_size}
     name = f"{size}@ws{world_size}"
     description = f"the {size} FSDP checkpoint at world size {world_size} (fake process group)"
     root = _cached(cache_dir, f"fsdp-{size}-ws{world_size}", spec, ["{staging}/global_step_1/actor"], description, log)
@@ -246,10 +259,13 @@ def _write(role_dir: Path, spec: dict) -> None:
     import torch
 
     from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
-    from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+    from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint, write_generated_checkpoint
 
     fields = dict(spec, dtype=getattr(torch, spec["dtype"]))
-    if fields.pop("writer", None) == "fake_pg":
+    writer = fields.pop("writer", None)
+    if writer == "generated":
+        write_generated_checkpoint(role_dir, FsdpSpec(**fields))
+    elif writer == "fake_pg":
         write_fake_pg_checkpoint(role_dir, FsdpSpec(**fields))
     else:
         write_fsdp_checkpoint(role_dir, FsdpSpec(**fields), timeout=1800)

@@ -34,20 +34,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.checkpoints import REPO_ROOT, parameter_count
+from benchmarks.checkpoints import REPO_ROOT, parameter_count, spec_for
 from benchmarks.measure import ChildRun, evict, raw_copy, remove, run_child, weight_bytes
 
-LLAMA3_8B = {
-    "arch": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "world_size": 8,
-    "fsdp_version": 2,
-    "with_optimizer": False,
-}
+# benchmarks.checkpoints' "8b" (Llama-3-8B, world size 8), its layer count left to --layers
+LLAMA3_8B = {k: v for k, v in spec_for("8b").items() if k not in ("dtype", "writer", "num_layers")}
 RESERVE = 5 * 10**9  # free disk planned to be left at every point, for everyone else on the machine
 EMERGENCY = 2 * 10**9  # a child is killed if others' writes bring the free space under this
 GB = 10**9

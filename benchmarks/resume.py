@@ -2,9 +2,11 @@
 
     .venv/bin/python -m benchmarks.resume --size 1.1b --world-size 2 --max-shard-size 500MB --repeat 3 \\
         [--compare-with /path/to/other/checkout]
+    .venv/bin/python -m benchmarks.resume --size 8b --world-size 8 --dtype bfloat16 --max-shard-size 2GB \\
+        --cache cold --repeat 2     # larger than memory: 32 GB of rank files, ~65 GB of disk in all
 
 Per repeat, in the same minutes of the machine: the uninterrupted merge (a fresh
-``python -m merge_pipeline merge`` child, warm page cache, wall from spawn to exit); the same
+``python -m merge_pipeline merge`` child, page cache as ``--cache`` says, wall from spawn to exit); the same
 command killed with SIGKILL once its staging folder holds ``--kill-at`` of the weight bytes the
 uninterrupted merge wrote; and the same command again, which resumes from that staging folder.
 The resumed output's weight files are compared byte for byte with the uninterrupted ones. With
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", help="--dtype of the merge (default auto: fp32 stays fp32)")
     parser.add_argument("--max-shard-size", default="100MB", help="so that the output has several files")
     parser.add_argument("--kill-at", type=float, default=0.8, help="fraction of the weight bytes written at the kill")
+    parser.add_argument(
+        "--cache",
+        choices=("warm", "cold", "drop"),
+        default="warm",
+        help="page cache before each run: warm (read the rank files first), cold (evict them), drop (all; root)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--compare-with", type=Path, help="another checkout of merge_pipeline, measured alongside")
@@ -60,18 +68,18 @@ def main(argv: list[str] | None = None) -> None:
                 env = {**os.environ, "PYTHONPATH": str(root)}
                 runs = samples[version]
                 whole, resumed = scratch / "whole", scratch / "resumed"
-                prepare_cache(checkpoint.model_files, "warm")
+                prepare_cache(checkpoint.model_files, args.cache)
                 run = run_child(command + ["--target_dir", str(whole)], cwd=scratch, env=env)
                 runs["uninterrupted"].append(run.check("uninterrupted merge").wall_s)
                 runs["uninterrupted_cpu"].append(run.cpu_s)
                 total = weight_bytes(whole)
 
-                prepare_cache(checkpoint.model_files, "warm")
+                prepare_cache(checkpoint.model_files, args.cache)
                 killed_after, written = kill_at(
                     command + ["--target_dir", str(resumed)], scratch, env, total * args.kill_at
                 )
                 runs["killed"].append(killed_after)
-                prepare_cache(checkpoint.model_files, "warm")
+                prepare_cache(checkpoint.model_files, args.cache)
                 run = run_child(command + ["--target_dir", str(resumed)], cwd=scratch, env=env).check("resumed merge")
                 runs["resumed"].append(run.wall_s)
                 runs["resumed_cpu"].append(run.cpu_s)
@@ -91,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     for version, runs in samples.items():
         best = {k: min(v) for k, v in runs.items()}
         print(
-            f"| {version} | {checkpoint.name} {args.dtype}, shards <= {args.max_shard_size}, killed at {args.kill_at:.0%} | "
+            f"| {version} | {checkpoint.name} {args.dtype}, {args.cache} cache, shards <= {args.max_shard_size}, "
+            f"killed at {args.kill_at:.0%} | "
             f"{best['uninterrupted']:.2f} | {best['resumed']:.2f} | {best['resumed'] / best['uninterrupted']:.2f}x | "
             f"{best['uninterrupted_cpu']:.1f}, {best['resumed_cpu']:.1f} |"
         )
