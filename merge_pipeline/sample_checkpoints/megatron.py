@@ -126,6 +126,7 @@ class Variant:
     family: str  # a key of families.FAMILIES: the model's names and layout
     tp: int = 1
     pp: int = 1
+    vpp: int = 1  # virtual pipeline stages: each PP rank holds this many chunks of layers, saved as model0, model1, ...
     ep: int = 1
     tied: bool = False
     value_model: bool = False
@@ -161,6 +162,7 @@ VARIANTS = {
         Variant("qwen2_tp2", "qwen2", tp=2, logits=True),
         Variant("qwen3_tp2", "qwen3", tp=2, logits=True),
         Variant("llama_tied_pp2", "llama", pp=2, tied=True, dtype="bfloat16"),
+        Variant("qwen2_pp2_vpp2", "qwen2", pp=2, vpp=2),  # 4 layers: rank 0 holds layers 0 and 2, rank 1 1 and 3
         Variant("qwen2_moe_ep2", "qwen2_moe", ep=2, logits=True),
         Variant("qwen3_moe_tp2_per_layer", "qwen3_moe", tp=2, per_layer_keys=True, logits=True),
         Variant("qwen2_value", "qwen2", value_model=True),

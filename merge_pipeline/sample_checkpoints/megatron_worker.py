@@ -126,6 +126,7 @@ def _transformer_config(v: Variant):
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=v.tp,
         pipeline_model_parallel_size=v.pp,
+        virtual_pipeline_model_parallel_size=v.vpp if v.vpp > 1 else None,
         expert_model_parallel_size=v.ep,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -144,7 +145,8 @@ def _dense_then_moe(v: Variant) -> bool:
     return v.record.latent_attention or v.family == "glm4_moe"
 
 
-def _build_model(v: Variant, config):
+def _build_model(v: Variant, config, vp_stage: int | None = None):
+    """The model of this rank, or with virtual pipeline stages its ``vp_stage``-th chunk of layers."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -171,14 +173,15 @@ def _build_model(v: Variant, config):
         spec,
         vocab_size=v.sizes["vocab"],
         max_sequence_length=v.sizes["max_positions"],
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=v.tied,
         position_embedding_type="rope",
         rotary_base=v.sizes["rope_theta"],
         rotary_percent=GLM_ROTARY_FRACTION if v.family == "glm4_moe" else 1.0,
         parallel_output=False,  # gather logits over TP ranks
         mtp_block_spec=mtp_spec,
+        vp_stage=vp_stage,
     )
     if v.value_model and parallel_state.is_pipeline_last_stage():
         # verl's critic replaces the LM head with a bias-free Linear of one output.
@@ -265,26 +268,45 @@ def _write_variant(v: Variant, out_dir: Path, dist_dir: Path, megatron_lm_iterat
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=v.tp,
         pipeline_model_parallel_size=v.pp,
+        virtual_pipeline_model_parallel_size=v.vpp if v.vpp > 1 else None,
         expert_model_parallel_size=v.ep,
         expert_tensor_parallel_size=_expert_tp(v),
     )
     try:
-        model = _build_model(v, _transformer_config(v))
-        full = _fill(model, v)
+        config = _transformer_config(v)
+        chunks, full, sharded = _model_chunks(v, config)
         role_dir = out_dir / "actor"
-        sharded = model.sharded_state_dict(metadata=_metadata(v))
         if megatron_lm_iteration is None:
             dist_checkpointing.save(sharded, str(dist_dir))
         else:
             _save_as_megatron_lm(sharded, dist_dir, megatron_lm_iteration, v)
         torch.save(full, out_dir / f"full_weights_rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0 and megatron_lm_iteration is None:
-            _write_transformer_config(model.config, role_dir / "transformer_config.json")
+            _write_transformer_config(config, role_dir / "transformer_config.json")
         if v.logits:
-            _forward_logits(model, out_dir)
+            _forward_logits(chunks[0], out_dir)  # variants with logits have no pipeline: one chunk
         dist.barrier()
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _model_chunks(v: Variant, config) -> tuple[list, dict[str, torch.Tensor], dict]:
+    """This rank's model (with virtual pipeline stages, its ``v.vpp`` chunks of layers), filled; the
+    global tensors it owns; and what it saves: the model's sharded state dict, or each chunk's under
+    ``model0``, ``model1``, ... made with its virtual rank set, as verl's checkpoint manager saves them."""
+    from megatron.core import parallel_state
+
+    if v.vpp == 1:
+        model = _build_model(v, config)
+        return [model], _fill(model, v), model.sharded_state_dict(metadata=_metadata(v))
+    chunks, owned, full, sharded = [], {}, {}, {}
+    for stage in range(v.vpp):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(stage)
+        chunks.append(_build_model(v, config, stage))
+        owned |= _fill(chunks[-1], v, full)
+        sharded[f"model{stage}"] = chunks[-1].sharded_state_dict(metadata=_metadata(v))
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks, owned, sharded
 
 
 def _save_as_megatron_lm(sharded: dict, iteration_dir: Path, iteration: int, v: Variant) -> None:

@@ -29,7 +29,9 @@ def test_merged_model_reproduces_megatron_logits(megatron_samples, tmp_path, cap
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["llama_tied_pp2", "deepseek_v3_mla", "qwen2_5_vl", "qwen2_hf_weights"])
+@pytest.mark.parametrize(
+    "name", ["llama_tied_pp2", "qwen2_pp2_vpp2", "deepseek_v3_mla", "qwen2_5_vl", "qwen2_hf_weights"]
+)
 def test_merge_is_bit_exact_and_loads(megatron_samples, tmp_path, capsys, name):
     sample = megatron_samples[name]
     before = tree_digest(sample.role_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors
 from merge_pipeline.plan import StoredBytes
@@ -31,6 +32,8 @@ def test_plan_matches_reference_bit_for_bit(megatron_samples, name):
     [
         ("qwen2_tp2", {"tp": 2, "pp": 1, "layer_keys": "stacked", "num_layers": 4}),
         ("llama_tied_pp2", {"tp": 1, "pp": 2, "tie_word_embeddings": True, "dtypes": ["bfloat16", "float32"]}),
+        # two chunks per rank, saved as model0 / model1: their layers land in one stacked tensor
+        ("qwen2_pp2_vpp2", {"pp": 2, "vpp": 2, "layer_keys": "stacked", "num_layers": 4}),
         ("qwen2_moe_ep2", {"ep": 2, "layer_keys": "stacked"}),
         ("qwen3_moe_tp2_per_layer", {"tp": 2, "layer_keys": "per-layer"}),
         ("deepseek_v3_mla", {"layer_keys": "per-layer", "num_layers": 2}),
@@ -41,6 +44,15 @@ def test_layout_reports_how_the_checkpoint_was_saved(megatron_samples, name, fac
     with megatron_plan(megatron_samples[name].role_dir) as p:
         assert {k: p.layout.get(k) for k in facts} == facts
         assert p.backend == "megatron"
+
+
+def test_virtual_pipeline_fixture_interleaves_layers_over_the_ranks(megatron_samples):
+    """The VPP fixture is what it claims: at PP=2 x VPP=2 megatron-core gave rank 0 layers 0 and 2 (its
+    chunks model0 and model1) and rank 1 layers 1 and 3, each saved by its rank (``__<rank>_*.distcp``)."""
+    metadata = FileSystemReader(megatron_samples["qwen2_pp2_vpp2"].role_dir / "dist_ckpt").read_metadata()
+    key = "decoder.layers.self_attention.linear_proj.weight"
+    saved_by = {i.offset[0]: s.relative_path.split("_")[2] for i, s in metadata.storage_data.items() if i.fqn == key}
+    assert saved_by == {0: "0", 1: "1", 2: "0", 3: "1"}
 
 
 def test_tensors_whose_rows_are_whole_are_byte_copies(megatron_samples):
