@@ -16,6 +16,8 @@ import pytest
 from merge_pipeline.sample_checkpoints.dcp import DcpSpec, write_dcp_checkpoint
 from merge_pipeline.sample_checkpoints.deepspeed import write_deepspeed_checkpoints
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
+from merge_pipeline.sample_checkpoints.megatron import VARIANTS as MEGATRON_VARIANTS
+from merge_pipeline.sample_checkpoints.megatron import MegatronSample, write_megatron_samples
 from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_cli
 
 # The fixtures that write real trainer checkpoints (torch distributed, megatron-core, DeepSpeed ranks): seconds
@@ -27,6 +29,7 @@ WRITES_SAMPLES = {
     "megatron_samples",
     "megatron_v2_sample",
     "megatron_fsdp_sample",
+    "megatron_lm_sample",
 }
 
 
@@ -119,3 +122,12 @@ def deepspeed_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     folders = {name: (root / name / "ckpt", root / name / "reference") for name in VARIANTS}
     write_deepspeed_checkpoints([(*folders[name], spec) for name, spec in VARIANTS.items()])
     return folders
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_sample(tmp_path_factory) -> MegatronSample:
+    """Megatron-LM's ``--save`` folder (``role_dir``: ``iter_0000100/`` and its tracker), written by megatron-core
+    (TP=2); ``original_dir`` the HF model (config, tokenizer) it needs. Read only."""
+    root = tmp_path_factory.mktemp("megatron_lm")
+    variant = MEGATRON_VARIANTS["qwen2_tp2"]
+    return write_megatron_samples(root, [variant], timeout=600, layout="megatron_lm")[variant.name]

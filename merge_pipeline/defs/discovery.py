@@ -3,7 +3,7 @@
 Which folders are step folders, whether one holds a save itself, and when a save is complete are
 the readers' answers (``pipeline.step_folders``, ``saved_in_step_folder``, ``completeness``): verl's
 ``global_step_<N>/<role>/``, a DeepSpeed tag ``global_step<N>/``, torchtitan's ``step-<N>/``, the HF
-Trainer's ``checkpoint-<N>/``, NeMo-RL's ``step_<N>/policy/``. Folders may vanish at any moment (the
+Trainer's ``checkpoint-<N>/``, NeMo-RL's ``step_<N>/policy/``, Megatron-LM's ``iter_0000100/``. Folders may vanish at any moment (the
 trainer's rotation deletes old steps): every listing and stat here tolerates that.
 """
 
@@ -76,7 +76,7 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
                     odd = next((f for f in step_folders() if f.look_alike.fullmatch(entry.name)), None)
                     if odd:
                         not_watched.append(
-                            f"{printable(str(entry))}: skipped: {odd.stack} names step folders {odd.prefix}<N> with ASCII digits and no leading zeros, and only such a name maps to a partition and back"
+                            f"{printable(str(entry))}: skipped: {odd.stack} names step folders {odd.prefix}<N> {odd.numbering}, and only such a name maps to a partition and back"
                         )
                     else:
                         deeper.append(entry)
@@ -85,9 +85,9 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
                 run_name = root.name if folder == root else folder.relative_to(root).as_posix()
                 roles = [role for role in stack.roles if (entry / role).is_dir() and _inside(entry / role, root)]
                 if stack.in_step_folder and not roles and saved_in_step_folder(entry, stack):
-                    yield FoundCheckpoint(CheckpointKey(run_name, step, STEP_ROLE, stack.prefix), entry)
+                    yield FoundCheckpoint(CheckpointKey(run_name, step, STEP_ROLE, entry.name), entry)
                 for role in roles:
-                    yield FoundCheckpoint(CheckpointKey(run_name, step, role, stack.prefix), entry / role)
+                    yield FoundCheckpoint(CheckpointKey(run_name, step, role, entry.name), entry / role)
         level = deeper
 
 

@@ -28,11 +28,7 @@ class CheckpointKey:
     run_name: str
     step: int
     role: str
-    prefix: str  # of the step folder's name: <prefix><step>
-
-    @property
-    def step_dir(self) -> str:
-        return f"{self.prefix}{self.step}"
+    step_dir: str  # the step folder's name, as its stack writes the step: global_step_100, iter_0000100
 
     def __str__(self) -> str:
         step_key = f"{self.run_name}/{self.step_dir}"
@@ -51,10 +47,10 @@ class CheckpointKey:
         parts = key.rsplit("/", 2)
         if len(parts) == 3 and (found := step_folder(parts[1])) and parts[2] in found[0].roles:
             if _is_run_name(parts[0]):
-                return cls(parts[0], found[1], parts[2], found[0].prefix)
+                return cls(parts[0], found[1], parts[2], parts[1])
         run_name, _, step_dir = key.rpartition("/")
         if (found := step_folder(step_dir)) and found[0].in_step_folder and _is_run_name(run_name):
-            return cls(run_name, found[1], STEP_ROLE, found[0].prefix)
+            return cls(run_name, found[1], STEP_ROLE, step_dir)
         forms = [form for folder in step_folders() for form in folder.key_forms]
         raise MergeError(None, f"partition key {key!r} is not {' or '.join(forms)}")
 

@@ -52,7 +52,7 @@ SMOKE_MAX_SIZE = "2GB"  # the model is loaded whole, on CPU, in the run's proces
 class MergeSettings(dg.ConfigurableResource):
     checkpoint_roots: list[str] | None = Field(
         default=None,
-        description=f"folders watched for checkpoints (verl global_step_<N>/<role>, DeepSpeed global_step<N>, torchtitan step-<N>, checkpoint-<N>, NeMo-RL step_<N>/policy); unset: ${ROOTS_VAR}, else ./demo/checkpoints",
+        description=f"folders watched for checkpoints (verl global_step_<N>/<role>, DeepSpeed global_step<N>, torchtitan step-<N>, checkpoint-<N>, NeMo-RL step_<N>/policy, Megatron-LM iter_<N>); unset: ${ROOTS_VAR}, else ./demo/checkpoints",
     )
     output_root: str | None = Field(
         default=None,
@@ -64,7 +64,7 @@ class MergeSettings(dg.ConfigurableResource):
     )
     hf_model_path: str | None = Field(
         default=None,
-        description=f"the original HF model folder for checkpoints that hold no config (torchtitan, accelerate, NeMo-RL, OpenRLHF's DeepSpeed), so the sensor's runs merge them; a run config's hf_model_path wins; unset: ${HF_MODEL_VAR}, else none",
+        description=f"the original HF model folder for checkpoints that hold no config (torchtitan, accelerate, NeMo-RL, Megatron-LM, OpenRLHF's DeepSpeed), so the sensor's runs merge them; a run config's hf_model_path wins; unset: ${HF_MODEL_VAR}, else none",
     )
 
     pin_steps: bool | None = Field(

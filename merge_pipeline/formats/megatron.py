@@ -34,7 +34,13 @@ from merge_pipeline.formats.dcp_files import (
     plan_specs,
     read_dcp_metadata,
 )
-from merge_pipeline.formats.megatron_lm_save import BRIDGE_HF_EXPORT, is_megatron_lm_save, iteration_folder
+from merge_pipeline.formats.megatron_lm_save import (
+    BRIDGE_HF_EXPORT,
+    MEGATRON_LM_STEPS,
+    holds_an_iteration,
+    is_megatron_lm_save,
+    iteration_folder,
+)
 from merge_pipeline.formats.megatron_names import KeyMapper, megatron_family, model_shape
 from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
 from merge_pipeline.formats.safetensors_folder import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
@@ -424,6 +430,7 @@ READER = Reader(
         is_value_model=options.is_value_model or None,
         tie_word_embedding=options.tie_word_embedding or None,
     ),
-    step_folders=(VERL,),
+    step_folders=(VERL, MEGATRON_LM_STEPS),
+    saved_in_step_folder=holds_an_iteration,
     completeness=completeness,
 )

@@ -14,10 +14,12 @@ import re
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.step_folders import MAX_TRACKER_BYTES, TRACKER
+from merge_pipeline.formats.step_folders import MAX_TRACKER_BYTES, TRACKER, StepFolder
 from merge_pipeline.input_files import read_capped
 
 ITERATION_FOLDER = re.compile(r"iter_[0-9]{7,}|release")
+# The sensor's view of the same folders: each iter_<N>/ one checkpoint, complete once the tracker names N.
+MEGATRON_LM_STEPS = StepFolder("iter_", "Megatron-LM", tracker=TRACKER, digits=7)
 # Megatron-Bridge 0.6's save_checkpoint with also_save_hf_checkpoint: the bridge's HF export in iter_N/hf/.
 BRIDGE_HF_EXPORT = "hf"
 # What only a dist checkpoint holds; Megatron-LM's legacy ``--ckpt-format torch`` saves mp_rank_*/ instead.
@@ -30,6 +32,11 @@ def is_megatron_lm_save(folder: Path) -> bool:
     if ITERATION_FOLDER.fullmatch(folder.name):
         return any((folder / name).is_file() for name in _DIST_FILES) or any(folder.glob(_LEGACY))
     return (folder / TRACKER).is_file() and any(ITERATION_FOLDER.fullmatch(d.name) for d in _subfolders(folder))
+
+
+def holds_an_iteration(step_dir: Path, stack: StepFolder) -> bool:
+    """The sensor's question: whether a step folder is one of Megatron-LM's saves."""
+    return stack == MEGATRON_LM_STEPS and is_megatron_lm_save(step_dir)
 
 
 def iteration_folder(folder: Path) -> Path:
@@ -51,7 +58,7 @@ def _tracked_iteration(save_dir: Path) -> Path:
     if text == "release":
         name = "release"
     elif text.isascii() and text.isdigit():
-        name = f"iter_{int(text):07d}"
+        name = MEGATRON_LM_STEPS.folder_name(int(text))
     else:
         raise MergeError(tracker, f"{text!r} is neither an iteration number nor 'release'")
     if not (save_dir / name).is_dir():

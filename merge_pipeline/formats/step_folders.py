@@ -1,6 +1,6 @@
 """The words every reader uses to say where trainers save and when a save is finished.
 
-A trainer saves each checkpoint in a step folder ``<prefix><N>``, the model either in role folders
+A trainer saves each checkpoint in a step folder ``<prefix><N>`` (N zero-padded by some), the model either in role folders
 inside it (verl's ``actor/``) or in the step folder itself. Each reader lists, in ``step_folders``,
 the step folders of the trainers that save its format, and answers for a folder in one of them
 whether the save is complete (``completeness``). The step folders two readers share (verl's, for
@@ -32,23 +32,35 @@ class StepFolder:
     roles: tuple[str, ...] = ()  # role folders inside the step folder
     in_step_folder: bool = True  # the step folder itself may be the checkpoint
     tracker: str | None = None  # a file beside the step folders naming the newest complete step
+    digits: int = 1  # the step is zero-padded to this many digits (Megatron-LM: iter_0000100)
 
     @cached_property
     def name(self) -> re.Pattern:
-        """The canonical name: ASCII digits, no leading zeros. Only such a name round-trips through a
-        key (step_007 or step_٣ would parse to a step whose folder is another). Use fullmatch: "$"
-        would let a trailing newline in."""
-        return re.compile(re.escape(self.prefix) + r"(0|[1-9][0-9]*)")
+        """The canonical name, ``folder_name(N)``: ASCII digits, no leading zeros beyond the padding.
+        Only such a name round-trips through a key (step_007 or step_٣ would parse to a step whose
+        folder is another). Use fullmatch: "$" would let a trailing newline in."""
+        return re.compile(re.escape(self.prefix) + f"([0-9]{{{self.digits}}}|[1-9][0-9]{{{self.digits},}})")
 
     @cached_property
     def look_alike(self) -> re.Pattern:
         """Any name int() reads as a step (\\d: any Unicode digit): skipped with a reason, not descended into."""
         return re.compile(re.escape(self.prefix) + r"\d+")
 
+    def folder_name(self, step: int) -> str:
+        return f"{self.prefix}{step:0{self.digits}d}"
+
+    @property
+    def numbering(self) -> str:
+        """How the step is written, for messages."""
+        if self.digits == 1:
+            return "with ASCII digits and no leading zeros"
+        return f"with ASCII digits, zero-padded to {self.digits}"
+
     @property
     def key_forms(self) -> list[str]:
-        forms = [f"<run_name>/{self.prefix}<N>/<{'|'.join(self.roles)}>"] if self.roles else []
-        return forms + ([f"<run_name>/{self.prefix}<N>"] if self.in_step_folder else [])
+        step = f"{self.prefix}<N>" if self.digits == 1 else f"{self.prefix}<N, {self.digits} digits>"
+        forms = [f"<run_name>/{step}/<{'|'.join(self.roles)}>"] if self.roles else []
+        return forms + ([f"<run_name>/{step}"] if self.in_step_folder else [])
 
 
 # verl: global_step_<N>/<actor|critic>/, or (its SFT trainer) the model in global_step_<N>/ itself.

@@ -1,5 +1,5 @@
-"""``new_checkpoint_sensor`` over the step folders of the DCP and DeepSpeed stacks (torchtitan, the HF
-Trainer / accelerate, NeMo-RL, DeepSpeed save dirs), with real checkpoints from the sample writers:
+"""``new_checkpoint_sensor`` over the step folders of the DCP, DeepSpeed and Megatron-LM stacks (torchtitan,
+the HF Trainer / accelerate, NeMo-RL, DeepSpeed save dirs, Megatron-LM's iter_<N>), with real checkpoints from the sample writers:
 one partition each, merged by the run exactly as by the CLI, and a half-written save never offered."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.sensors import new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs.helpers import materialize
-from merge_pipeline_tests.helpers import load_safetensors_dir, run_cli, same_bits
+from merge_pipeline_tests.helpers import assert_bit_exact, load_safetensors_dir, run_cli, same_bits
 
 DEEPSPEED = "zero2-tied-frozen"  # config.json and tokenizer beside `latest`, as the HF Trainer saves them
 DCP_DONE = "DCP: .metadata present (dcp.save's coordinator writes it after every rank's data)"
@@ -142,7 +143,12 @@ def test_a_latest_file_naming_no_tag_folder_is_not_offered(roots, deepspeed_chec
 
 
 @pytest.mark.parametrize(
-    ("step_dir", "stack"), [("step-010", "torchtitan names step folders step-<N>"), ("checkpoint-٣", "the HF Trainer")]
+    ("step_dir", "stack"),
+    [
+        ("step-010", "torchtitan names step folders step-<N>"),
+        ("checkpoint-٣", "the HF Trainer"),
+        ("iter_100", "Megatron-LM names step folders iter_<N> with ASCII digits, zero-padded to 7"),
+    ],
 )
 def test_step_folders_of_other_stacks_that_do_not_map_back_are_skipped(roots, instance, dcp_sample, step_dir, stack):
     place(dcp_sample("torchtitan").folder, roots.checkpoints, f"run/{step_dir}")
@@ -182,3 +188,36 @@ def test_the_settings_hf_model_path_lets_the_sensors_run_merge_a_checkpoint_with
     by_sensor, by_cli = load_safetensors_dir(roots.target("titan/step-10")), load_safetensors_dir(tmp_path / "cli")
     assert by_sensor.keys() == by_cli.keys() and by_cli
     assert all(same_bits(by_sensor[name], by_cli[name]) for name in by_cli)
+
+
+def test_megatron_lm_iterations_are_partitions_merged_as_the_cli_merges_them(
+    capsys, tmp_path, roots, instance, megatron_lm_sample
+):
+    """Megatron-LM's --save folder under a watched root: each iter_<N>/ is one partition, offered once
+    the tracker beside it names N, and merged with the settings' hf_model_path (Megatron-LM saves no HF
+    config) to the same bits as the CLI's merge of that folder, which are the model's."""
+    save = place(megatron_lm_sample.role_dir, roots.checkpoints, "mlm/save")
+    key, iteration = "mlm/save/iter_0000100", save / "iter_0000100"
+    settings = roots.settings(settle_seconds=3600, hf_model_path=str(megatron_lm_sample.original_dir))
+    (save / TRACKER).write_text("90")  # rank 0 writes 100 once every rank has saved iteration 100
+
+    first = tick(instance, settings)
+    assert requested(first) == []
+    assert f"{key} ({TRACKER} says 90; a file changed" in first.skip_reason.skip_message
+
+    (save / TRACKER).write_text("100")
+    second = tick(instance, settings, first.cursor)
+    assert requested(second) == [key]
+    assert {e.partition: e.metadata["completeness"].value for e in second.asset_events} == {
+        key: f"{TRACKER} says 100 >= 100"
+    }
+    assert settings.role_dir(CheckpointKey.parse(key)) == iteration and CheckpointKey.parse(key).step == 100
+
+    assert materialize(instance, settings, key).success
+    flags = ("--hf_model_path", megatron_lm_sample.original_dir)
+    code, _, err = run_cli(capsys, "merge", "--local_dir", iteration, "--target_dir", tmp_path / "cli", *flags)
+    assert code == 0, err
+    by_sensor, by_cli = load_safetensors_dir(roots.target(key)), load_safetensors_dir(tmp_path / "cli")
+    assert by_sensor.keys() == by_cli.keys() and by_cli
+    assert all(same_bits(by_sensor[name], by_cli[name]) for name in by_cli)
+    assert_bit_exact(roots.target(key), megatron_lm_sample.reference_dir)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.formats import READERS, completeness, reader, saved_in_step_folder, step_folder, step_folders
+from merge_pipeline.formats.megatron_lm_save import MEGATRON_LM_STEPS
 from merge_pipeline.formats.step_folders import HF_TRAINER, TRACKER, VERL
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.options import MergeOptions
@@ -28,10 +29,14 @@ def reason(folder: Path, step: int, *, now: float | None = None) -> tuple[bool, 
 def test_every_step_folder_is_some_readers_and_no_name_is_two_stacks():
     declared = [folder for name in READERS for folder in reader(name).step_folders]
     assert set(step_folders()) == set(declared) and len(step_folders()) == len(set(declared))
-    assert all(step_folder(f"{folder.prefix}3") == (folder, 3) for folder in step_folders())
-    names = ["global_step_3", "global_step3", "checkpoint-3", "step-3", "step_3"]
-    assert [step_folder(n)[0].stack for n in names] == ["verl", "DeepSpeed", "the HF Trainer", "torchtitan", "NeMo-RL"]
-    assert [step_folder(n) for n in ("global_step_03", "step-٣", "steps-3")] == [None, None, None]
+    assert all(step_folder(folder.folder_name(3)) == (folder, 3) for folder in step_folders())
+    names = ["global_step_3", "global_step3", "checkpoint-3", "step-3", "step_3", "iter_0000003"]
+    stacks = ["verl", "DeepSpeed", "the HF Trainer", "torchtitan", "NeMo-RL", "Megatron-LM"]
+    assert [step_folder(n)[0].stack for n in names] == stacks
+    # Megatron-LM pads to 7 digits and no further: iter_0000003 and iter_12345678 are its names, iter_3 is not
+    assert step_folder("iter_12345678") == (MEGATRON_LM_STEPS, 12345678)
+    odd = ("global_step_03", "step-٣", "steps-3", "iter_3", "iter_00000003", "iter_000000٣")
+    assert [step_folder(n) for n in odd] == [None] * len(odd)
 
 
 def test_a_step_folder_holds_a_save_by_its_readers_rule(tmp_path):
@@ -51,6 +56,11 @@ def test_a_step_folder_holds_a_save_by_its_readers_rule(tmp_path):
     (trainer / "pytorch_model_fsdp_0").mkdir()
     assert saved_in_step_folder(trainer, HF_TRAINER)
     assert saved_in_step_folder(tmp_path / "step-3", step_folder("step-3")[0])  # torchtitan's is the DCP folder
+    iteration = tmp_path / "save" / "iter_0000003"
+    iteration.mkdir(parents=True)
+    assert not saved_in_step_folder(iteration, MEGATRON_LM_STEPS)
+    touch(iteration / ".metadata")  # Megatron-LM's iteration folder is the dist checkpoint
+    assert saved_in_step_folder(iteration, MEGATRON_LM_STEPS)
 
 
 def test_verl_completeness_tracker_manifest_and_settle_time(tmp_path):
@@ -70,6 +80,19 @@ def test_verl_completeness_tracker_manifest_and_settle_time(tmp_path):
     assert reason(actor, 3) == (True, f"{TRACKER} says 3 >= 3")
     touch(actor / "ckpt_contents.json", "{}")
     assert reason(actor, 3) == (True, "ckpt_contents.json present (verl writes it last)")
+
+
+def test_megatron_lm_completeness_follows_its_tracker(tmp_path):
+    iteration = tmp_path / "save" / "iter_0000300"
+    touch(iteration / ".metadata")
+    assert reason(iteration, 300, now=time.time()) == (
+        False,
+        f"no {TRACKER}; a file changed 0 s ago (settle time 60 s)",
+    )
+    touch(iteration.parent / TRACKER, "200")  # written after every rank's save: iteration 300 is still being saved
+    assert reason(iteration, 300, now=time.time())[1].startswith(f"{TRACKER} says 200; a file changed")
+    touch(iteration.parent / TRACKER, "300")
+    assert reason(iteration, 300, now=time.time()) == (True, f"{TRACKER} says 300 >= 300")
 
 
 def test_dcp_completeness_metadata_then_settle_time(tmp_path):

@@ -14,11 +14,10 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.megatron import MEGATRON_LM_ITERATION, VARIANTS, write_megatron_samples
+from merge_pipeline.sample_checkpoints.megatron import MEGATRON_LM_ITERATION
 from merge_pipeline_tests.formats.megatron.test_release_gaps import VOCAB_ROWS, original_with_vocab
 from merge_pipeline_tests.formats.megatron.test_verl_v2 import logits
 from merge_pipeline_tests.helpers import (
@@ -34,14 +33,6 @@ from merge_pipeline_tests.helpers import (
 ITERATION = f"iter_{MEGATRON_LM_ITERATION:07d}"
 
 
-@pytest.fixture(scope="module")
-def megatron_lm_sample(tmp_path_factory):
-    """``role_dir`` is the ``--save`` folder; ``original_dir`` the HF model (config, tokenizer). Read only."""
-    root = tmp_path_factory.mktemp("megatron_lm")
-    return write_megatron_samples(root, [VARIANTS["qwen2_tp2"]], timeout=600, layout="megatron_lm")["qwen2_tp2"]
-
-
-@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_iteration_folder_merges_bit_exact_with_megatron_logits(megatron_lm_sample, tmp_path, capsys):
     sample = megatron_lm_sample
     iteration = sample.role_dir / ITERATION
@@ -64,7 +55,6 @@ def test_iteration_folder_merges_bit_exact_with_megatron_logits(megatron_lm_samp
     assert tree_digest(sample.role_dir) == before
 
 
-@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_save_folder_merges_the_iteration_its_tracker_names(megatron_lm_sample, tmp_path, capsys):
     save = tmp_path / "checkpoints"
     shutil.copytree(megatron_lm_sample.role_dir, save)
@@ -85,7 +75,6 @@ def test_save_folder_merges_the_iteration_its_tracker_names(megatron_lm_sample, 
     assert "names release but release/ is missing" in line, line
 
 
-@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_without_hf_model_path_one_line_says_what_to_pass(megatron_lm_sample, tmp_path, capsys):
     before = tree_digest(megatron_lm_sample.role_dir)
     for folder in (megatron_lm_sample.role_dir, megatron_lm_sample.role_dir / ITERATION):
@@ -94,7 +83,6 @@ def test_without_hf_model_path_one_line_says_what_to_pass(megatron_lm_sample, tm
     assert tree_digest(megatron_lm_sample.role_dir) == before
 
 
-@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_bridge_hf_export_in_the_iteration_gives_the_config(megatron_lm_sample, tmp_path, capsys):
     """Megatron-Bridge's ``also_save_hf_checkpoint`` puts the HF model into ``iter_N/hf/`` (reproduced
     here with the model's config and tokenizer): no --hf_model_path needed."""
@@ -114,7 +102,6 @@ def test_legacy_torch_format_is_refused_in_one_line(tmp_path, capsys):
     assert "--ckpt-format torch_dist" in line and ITERATION in line, line
 
 
-@pytest.mark.slow  # writes a real megatron-core checkpoint (module fixture)
 def test_padded_vocabulary_merges_with_exactly_vocab_size_rows(megatron_lm_sample, tmp_path, capsys):
     """Megatron-LM pads the vocabulary to ``make_vocab_size_divisible_by`` x TP: the 128 rows saved
     (64 x TP 2) for a model whose config says 100 merge as exactly its 100 rows."""
