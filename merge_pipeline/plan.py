@@ -254,7 +254,7 @@ class StoredBytes:
         return list(self.runs)
 
     def pieces(self) -> Iterator[torch.Tensor]:
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         step = max(item, READ_PIECE_BYTES // item * item)
         # One buffer, reused; torch.empty, not bytearray: no pass zeroing bytes about to be read over.
         buffer = memoryview(
@@ -299,7 +299,7 @@ class PlannedTensor:
         return n
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        return self.numel * torch.empty((), dtype=dtype or self.dtype).element_size()
+        return self.numel * (dtype or self.dtype).itemsize
 
     def load(self) -> torch.Tensor:
         """The whole tensor in memory (for work that needs it all: LoRA merges, comparisons)."""

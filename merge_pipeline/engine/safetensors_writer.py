@@ -120,7 +120,7 @@ class _Chunks:
 
     def of(self, piece: torch.Tensor, dtype: torch.dtype):
         piece = piece.reshape(-1)
-        per_chunk = _CHUNK_BYTES // torch.empty((), dtype=dtype).element_size()
+        per_chunk = _CHUNK_BYTES // dtype.itemsize
         for start in range(0, piece.numel(), per_chunk):
             part = piece[start : start + per_chunk]
             buffer = self.buffers[self.next]
