@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.resume --size 1.1b --world-size 2 --max-shard-size 500MB --repeat 3 \\
         [--compare-with /path/to/other/checkout]
-    .venv/bin/python -m benchmarks.resume --size 8b --world-size 8 --dtype bfloat16 --max-shard-size 2GB \\
+    .venv/bin/python -m benchmarks.resume --size 8b --world-size 8 --dtype bfloat16 --max-shard-size 1GB \\
         --cache cold --repeat 2     # larger than memory: 32 GB of rank files, ~65 GB of disk in all
 
 Per repeat, in the same minutes of the machine: the uninterrupted merge (a fresh

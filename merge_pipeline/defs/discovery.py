@@ -3,8 +3,9 @@
 Which folders are step folders, whether one holds a save itself, and when a save is complete are
 the readers' answers (``pipeline.step_folders``, ``saved_in_step_folder``, ``completeness``): verl's
 ``global_step_<N>/<role>/``, a DeepSpeed tag ``global_step<N>/``, torchtitan's ``step-<N>/``, the HF
-Trainer's ``checkpoint-<N>/``, NeMo-RL's ``step_<N>/policy/``, Megatron-LM's ``iter_0000100/``. Folders may vanish at any moment (the
-trainer's rotation deletes old steps): every listing and stat here tolerates that.
+Trainer's ``checkpoint-<N>/``, NeMo-RL's ``step_<N>/policy/``, Megatron-LM's ``iter_0000100/``. Folders
+may vanish at any moment (the trainer's rotation deletes old steps): every listing and stat here
+tolerates that.
 """
 
 from __future__ import annotations

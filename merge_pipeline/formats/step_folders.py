@@ -1,11 +1,11 @@
 """The words every reader uses to say where trainers save and when a save is finished.
 
-A trainer saves each checkpoint in a step folder ``<prefix><N>`` (N zero-padded by some), the model either in role folders
-inside it (verl's ``actor/``) or in the step folder itself. Each reader lists, in ``step_folders``,
-the step folders of the trainers that save its format, and answers for a folder in one of them
-whether the save is complete (``completeness``). The step folders two readers share (verl's, for
-FSDP and Megatron; the HF Trainer's, for DeepSpeed and DCP) are declared here; the others in their
-reader. Plain filesystem work: folders may vanish at any moment (a trainer's rotation).
+A trainer saves each checkpoint in a step folder ``<prefix><N>`` (N zero-padded by some), the model
+either in role folders inside it (verl's ``actor/``) or in the step folder itself. Each reader lists,
+in ``step_folders``, the step folders of the trainers that save its format, and answers for a folder
+in one of them whether the save is complete (``completeness``). The step folders two readers share
+(verl's, for FSDP and Megatron; the HF Trainer's, for DeepSpeed and DCP) are declared here; the others
+in their reader. Plain filesystem work: folders may vanish at any moment (a trainer's rotation).
 """
 
 from __future__ import annotations

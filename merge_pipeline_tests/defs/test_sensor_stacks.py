@@ -1,6 +1,7 @@
-"""``new_checkpoint_sensor`` over the step folders of the DCP, DeepSpeed and Megatron-LM stacks (torchtitan,
-the HF Trainer / accelerate, NeMo-RL, DeepSpeed save dirs, Megatron-LM's iter_<N>), with real checkpoints from the sample writers:
-one partition each, merged by the run exactly as by the CLI, and a half-written save never offered."""
+"""``new_checkpoint_sensor`` over the step folders of the DCP, DeepSpeed and Megatron-LM stacks
+(torchtitan, the HF Trainer / accelerate, NeMo-RL, DeepSpeed save dirs, Megatron-LM's iter_<N>), with
+real checkpoints from the sample writers: one partition each, merged by the run exactly as by the CLI,
+and a half-written save never offered."""
 
 from __future__ import annotations
 
