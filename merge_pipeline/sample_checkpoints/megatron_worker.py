@@ -183,7 +183,7 @@ def _build_model(v: Variant, config, vp_stage: int | None = None):
         mtp_block_spec=mtp_spec,
         vp_stage=vp_stage,
     )
-    if v.value_model and parallel_state.is_pipeline_last_stage():
+    if v.value_model and model.post_process:  # the chunk that holds the LM head
         # verl's critic replaces the LM head with a bias-free Linear of one output.
         model.output_layer = torch.nn.Linear(v.sizes["hidden"], 1, bias=False, dtype=config.params_dtype)
     return model.eval()
