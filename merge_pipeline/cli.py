@@ -123,7 +123,7 @@ def _options(args: argparse.Namespace) -> MergeOptions:
 
 def _run_merge(args: argparse.Namespace) -> int:
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
-    from merge_pipeline.pipeline import merge_checkpoint
+    from merge_pipeline.pipeline import merge
 
     options = _options(args)
     if args.hf_upload_path:  # a bad repo id, branch or timeout is refused now, not after the merge is published
@@ -144,7 +144,7 @@ def _run_merge(args: argparse.Namespace) -> int:
                 "WORLD_SIZE=%s is set but torchrun did not start this process: merging in this one process",
                 printable(os.environ["WORLD_SIZE"]),
             )
-        result = merge_checkpoint(args.local_dir, args.target_dir, options, show_progress=not args.no_progress)
+        result = merge(args.local_dir, args.target_dir, options, show_progress=not args.no_progress)
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
     fp8 = result.manifest["decisions"].get("fp8")

@@ -1,8 +1,10 @@
 """Merging under ``torchrun``: every rank writes whole output shards, rank 0 finishes and publishes.
 
-The shard split is decided by the same plan on every rank, so the result is byte-identical to a
-single-process merge. Ranks share a filesystem (one staging folder beside the target). A failure
-on any rank fails every rank with that rank's one-line error, and nothing is published.
+``TorchrunRanks`` is the ``Workers`` of the one merge sequence (``pipeline.merge``) for torchrun ranks:
+agreeing is a gloo collective, writing is each rank's share. The shard split is decided by the same
+plan on every rank, so the result is byte-identical to a single-process merge. Ranks share a
+filesystem (one staging folder beside the target). A failure on any rank fails every rank with that
+rank's one-line error, and nothing is published.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -21,22 +24,16 @@ from merge_pipeline.errors import MergeError, os_error
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import (
     MergeResult,
-    OutputPlan,
     Prepared,
-    ResumeLog,
     ShardFile,
+    WeightJob,
+    Workers,
     WriteReport,
-    check_before_publishing,
-    finish_folder,
-    forget_finished,
+    Written,
+    merge,
     peak_rss_bytes,
     prepare,
-    resume_finished,
-    resume_killed,
-    staged_output,
-    staging_path,
-    write_side_files,
-    write_weights,
+    write_share,
 )
 
 log = logging.getLogger("merge_pipeline")
@@ -48,6 +45,7 @@ DIST_TIMEOUT_ENV = "MERGE_PIPELINE_DIST_TIMEOUT"
 DEFAULT_DIST_TIMEOUT_SECONDS = 30 * 60
 _LEFT_KEY = "merge_pipeline/left_the_last_barrier"
 _DONE_KEY = "merge_pipeline/done_with_the_store"
+T = TypeVar("T")
 
 
 def launched_by_torchrun() -> bool:
@@ -155,46 +153,47 @@ def _all_left_the_barrier(timeout_seconds: float) -> None:
         count_to_world(_DONE_KEY)
 
 
-def _prepare_everywhere(local_dir, options: MergeOptions) -> Prepared:
-    """Every rank validates and plans (metadata only); all fail together on the first problem."""
-    prepared: list[Prepared] = []
-    _agree(_attempt(lambda: prepared.append(prepare(local_dir, options))))
-    return prepared[0]
+class TorchrunRanks(Workers):
+    """The workers are this process group's ranks; rank 0 leads."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self.lead = rank, world, rank == 0
+
+    def everywhere(self, step: Callable[[], T]) -> T:
+        results: list[T] = []
+        _agree(_attempt(lambda: results.append(step())))
+        return results[0]
+
+    def on_lead(self, step: Callable[[], T]) -> T | None:
+        results: list[T | None] = [None]
+        _agree(_attempt(lambda: results.__setitem__(0, step())) if self.lead else None)
+        return results[0]
+
+    def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
+        """This rank's whole shard files; every rank learns the report of all and their largest peak RSS."""
+        outputs = prepared.outputs
+        mine = assign_shards(outputs.files, self.world)[self.rank]
+        log.info("rank %d/%d writes %d of %d weight files", self.rank, self.world, len(mine), len(outputs.files))
+        reports = self.everywhere(lambda: write_share(job, prepared, mine, show_progress=show_progress and self.lead))
+        everyone: list[tuple[WriteReport, int] | None] = [None] * self.world
+        with _peers_answer():
+            dist.all_gather_object(everyone, (reports, peak_rss_bytes()))
+        # Files in plan order, the time of the slowest rank.
+        by_name = {f["filename"]: f for report, _ in everyone for f in report.files}
+        whole = WriteReport([by_name[f.filename] for f in outputs.files], max(r.seconds for r, _ in everyone))
+        return Written(whole, max(peak for _, peak in everyone), "peak RSS (largest rank)")
 
 
-def _write_share(
-    outputs: OutputPlan, staging: Path, rank: int, world: int, *, show_progress: bool, resume: ResumeLog | None = None
-) -> tuple[WriteReport, int]:
-    """Write this rank's whole shard files; return the report of all ranks and their largest peak RSS."""
-    mine = assign_shards(outputs.files, world)[rank]
-    log.info("rank %d/%d writes %d of %d weight files", rank, world, len(mine), len(outputs.files))
-    reports: list[WriteReport] = []
+def write_weights_distributed(job: WeightJob) -> Written | None:
+    """The workers' side of a launch whose lead is another process (Dagster's step): every rank plans,
+    then writes its share into the lead's staging folder. Rank 0 returns the whole report, others ``None``.
 
-    def write() -> None:
-        reports.append(write_weights(outputs, staging, files=mine, show_progress=show_progress, resume=resume))
-
-    _agree(_attempt(write))
-    everyone: list[tuple[WriteReport, int] | None] = [None] * world
-    with _peers_answer():
-        dist.all_gather_object(everyone, (reports[0], peak_rss_bytes()))
-    # Files in plan order, the time of the slowest rank.
-    by_name = {f["filename"]: f for report, _ in everyone for f in report.files}
-    whole = WriteReport([by_name[f.filename] for f in outputs.files], max(report.seconds for report, _ in everyone))
-    return whole, max(peak for _, peak in everyone)
-
-
-def write_weights_distributed(
-    local_dir: str | Path, staging: Path, options: MergeOptions
-) -> tuple[WriteReport, int] | None:
-    """Only the weight shards into an existing staging folder, as Dagster's merged_state_dict needs.
-
-    Rank 0 returns the whole report and the largest peak RSS of any rank; other ranks ``None``.
-    The wait for other ranks is $MERGE_PIPELINE_DIST_TIMEOUT (or the default).
-    """
+    The wait for other ranks is $MERGE_PIPELINE_DIST_TIMEOUT (or the default)."""
     with _process_group(None) as (rank, world):
-        with _prepare_everywhere(local_dir, options) as prepared:
-            written = _write_share(prepared.outputs, staging, rank, world, show_progress=False)
-            return written if rank == 0 else None
+        ranks = TorchrunRanks(rank, world)
+        with ranks.everywhere(lambda: prepare(job.local_dir, job.options)) as prepared:
+            written = ranks.write(job, prepared, show_progress=False)
+            return written if ranks.lead else None
 
 
 def merge_distributed(
@@ -205,50 +204,8 @@ def merge_distributed(
     show_progress: bool = True,
     timeout_seconds: float | None = None,
 ) -> MergeResult | None:
-    """Run one rank's part of the merge; rank 0 returns the result, other ranks ``None``.
+    """Run one rank's part of the merge sequence; rank 0 returns the result, other ranks ``None``.
 
-    The same sequence of collectives on every rank: prepared, staging ready, written, published.
-    A rank waits at most ``timeout_seconds`` (default: see ``dist_timeout``) for the others.
-    """
-    target = Path(target_dir).absolute()
-    started = time.monotonic()
+    A rank waits at most ``timeout_seconds`` (default: see ``dist_timeout``) for the others."""
     with _process_group(timeout_seconds) as (rank, world):
-        lead = rank == 0
-        prepared = _prepare_everywhere(local_dir, options)
-        plan, outputs = prepared.plan, prepared.outputs
-        staging = staging_path(target)
-        with prepared, contextlib.ExitStack() as publishing:
-
-            def open_staging() -> None:
-                publishing.enter_context(
-                    staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True)
-                )
-                resume_killed(prepared, staging, options)
-                write_side_files(prepared, staging, options)
-
-            _agree(_attempt(open_staging) if lead else None)
-            resume = resume_finished(prepared, staging, options)
-            written, _ = _write_share(
-                outputs, staging, rank, world, show_progress=show_progress and lead, resume=resume
-            )
-            manifest: list[dict] = []
-
-            def finish_and_publish() -> None:
-                forget_finished(staging)
-                manifest.append(finish_folder(prepared, staging, options, written))
-                check_before_publishing(staging, target, written)
-                publishing.close()  # leaves staged_output cleanly: the rename to the target happens here
-
-            _agree(_attempt(finish_and_publish) if lead else None)
-        if not lead:
-            return None
-        tensors = sum(len(f.tensors) for f in outputs.files)
-        return MergeResult(
-            target,
-            plan.parameter_count,
-            tensors,
-            outputs.total_bytes,
-            time.monotonic() - started,
-            peak_rss_bytes(),
-            manifest[0],
-        )
+        return merge(local_dir, target_dir, options, workers=TorchrunRanks(rank, world), show_progress=show_progress)

@@ -1,27 +1,29 @@
 """The merge, start to end: the only module that uses both the readers (``formats``) and the writer (``engine``).
 
-    prepare   open and validate the checkpoint, decide every output file (no tensor data read)
-    write     side files, then the weights, into a staging folder
-    finish    index, configs and the manifest (reusing the digests computed while writing)
-    check     the blocking checks (``hf/blocking_checks.py``), the same ones Dagster runs
-    publish   ``staged_output``: the one staging folder + target lock, renamed into place on success
-    merge     all of the above in one process; ``describe`` and ``compare`` for ``inspect`` and ``test``
-
-The stages are separate functions so the Dagster asset and the torchrun launcher can run them one
-at a time, on one plan built once.
+prepare   open and validate the checkpoint, decide every output file (no tensor data read)
+write     side files, then the weights, into a staging folder
+finish    index, configs and the manifest (reusing the digests computed while writing)
+check     the blocking checks (``hf/blocking_checks.py``), the same ones Dagster runs
+publish   ``staged_output``: the one staging folder + target lock, renamed into place on success
+merge     THE sequence of the above, written once: the CLI, torchrun ranks, the Dagster step and its
+          launchers all run ``merge`` and differ only in the ``Workers`` they pass (who writes which
+          weight files, how workers agree); so every one of them resumes a killed merge.
+describe / compare   for ``inspect`` and ``test``
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import resource
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from merge_pipeline import __version__
 from merge_pipeline.engine.fp8 import fp8_outputs
@@ -84,17 +86,6 @@ class WriteReport:
         return sum(f["tensors"] for f in self.files)
 
 
-@dataclass
-class MergeResult:
-    target_dir: Path
-    parameters: int
-    tensors: int
-    tensor_bytes: int  # bytes of tensor data written (file sizes add the headers)
-    seconds: float
-    peak_rss_bytes: int
-    manifest: dict
-
-
 class Prepared(NamedTuple):
     """A validated plan, built once and handed on: the input (open files), its config, the output files."""
 
@@ -107,6 +98,76 @@ class Prepared(NamedTuple):
 
     def __exit__(self, *exc: object) -> None:
         self.plan.close()
+
+
+@dataclass(frozen=True)
+class WeightJob:
+    """What a worker needs to write its share of the weights: it opens and plans ``local_dir`` itself
+    (metadata only) when it runs in another process, and reuses what the lead kept in ``staging``."""
+
+    local_dir: Path
+    staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
+    options: MergeOptions
+
+
+@dataclass(frozen=True)
+class Written:
+    """The weights of the whole output as the lead learns them: the write report, and whose peak RSS."""
+
+    report: WriteReport
+    peak_rss_bytes: int
+    peak_rss_label: str  # the lead's whole process (imports included), or the largest of several workers
+
+
+T = TypeVar("T")
+
+
+class Workers:
+    """Who writes which weight files and how workers agree, injected into ``merge``.
+
+    This base is one process doing everything: agreeing is running the step. Launchers subclass it
+    (``distributed.TorchrunRanks``: every rank runs ``merge``; ``defs.weights.TorchrunLaunch``: the
+    Dagster step leads and torchrun ranks write), overriding what differs and nothing else."""
+
+    lead = True  # the one worker that holds the target's lock, writes the side files and publishes
+
+    def everywhere(self, step: Callable[[], T]) -> T:
+        """Run ``step`` on every worker; all fail together with the first failure."""
+        return step()
+
+    def on_lead(self, step: Callable[[], T]) -> T | None:
+        """Run ``step`` on the lead only; every worker learns whether it failed. ``None`` elsewhere."""
+        return step()
+
+    def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
+        """The weight files into ``job.staging``, reusing the files a killed merge finished there."""
+        report = write_share(job, prepared, prepared.outputs.files, show_progress=show_progress)
+        return Written(report, peak_rss_bytes(), "peak RSS (whole process)")
+
+
+IN_PROCESS = Workers()
+
+
+@dataclass
+class MergeResult:
+    target_dir: Path
+    prepared: Prepared  # closed: the plan's metadata and decisions, no open file
+    written: Written
+    manifest: dict
+    checks: list[CheckOutcome]  # the blocking checks, all passed on the published folder
+    seconds: float
+
+    @property
+    def parameters(self) -> int:
+        return self.prepared.plan.parameter_count
+
+    @property
+    def tensors(self) -> int:
+        return self.written.report.tensors
+
+    @property
+    def tensor_bytes(self) -> int:  # bytes of tensor data written (file sizes add the headers)
+        return self.prepared.outputs.total_bytes
 
 
 def peak_rss_bytes() -> int:
@@ -228,17 +289,22 @@ def write_weights(
 
 
 def resume_key(prepared: Prepared, options: MergeOptions) -> str:
-    return merge_key(prepared.plan.files, {"version": __version__, **asdict(options)}, prepared.outputs.files)
+    # With the backend the plan found: a launcher hands its workers the detected one, and `auto` or the
+    # name of what it detects write the same bytes.
+    described = {"version": __version__, **asdict(options), "backend": prepared.plan.backend}
+    return merge_key(prepared.plan.files, described, prepared.outputs.files)
 
 
 def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> ResumeLog:
-    """What a killed merge of the same inputs and options finished in ``staging`` (checked), the rest removed."""
+    """The lead, before any writing: what a killed merge of the same inputs and options finished in
+    ``staging`` (checked), the rest removed."""
     return keep_finished(staging, resume_key(prepared, options), prepared.outputs.files)
 
 
-def resume_finished(prepared: Prepared, staging: Path, options: MergeOptions) -> ResumeLog:
-    """For torchrun ranks other than 0: the files rank 0's ``resume_killed`` kept."""
-    return finished_before(staging, resume_key(prepared, options), prepared.outputs.files)
+def write_share(job: WeightJob, prepared: Prepared, files: list[ShardFile], *, show_progress: bool) -> WriteReport:
+    """A worker's part of the weights: ``files``, reusing those the lead's ``resume_killed`` kept."""
+    resume = finished_before(job.staging, resume_key(prepared, job.options), prepared.outputs.files)
+    return write_weights(prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume)
 
 
 def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, written: WriteReport) -> dict:
@@ -323,38 +389,61 @@ def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:
     return dict(counts)
 
 
-def merge_checkpoint(
+def merge(
     local_dir: str | Path,
     target_dir: str | Path,
     options: MergeOptions | None = None,
     *,
+    workers: Workers = IN_PROCESS,
     show_progress: bool = True,
-) -> MergeResult:
+) -> MergeResult | None:
+    """The merge sequence: check the target, plan, lock and stage (resuming a killed merge), side files,
+    weights, folder, blocking checks, publish. The lead returns the result, other workers ``None``.
+
+    Every worker runs the same steps in the same order (the collectives of a distributed ``workers``)."""
     started = time.monotonic()
     options = options or MergeOptions()
     target = Path(target_dir).absolute()
-    check_target(target, source=local_dir, overwrite=options.overwrite)
-    prepared = prepare(local_dir, options)
-    plan, outputs = prepared.plan, prepared.outputs
-    with prepared, staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True) as staging:
-        resume = resume_killed(prepared, staging, options)
-        write_side_files(prepared, staging, options)
-        report = write_weights(outputs, staging, show_progress=show_progress, resume=resume)
-        forget_finished(staging)
-        manifest = finish_folder(prepared, staging, options, report)
-        check_before_publishing(staging, target, report)
-    seconds = time.monotonic() - started
+
+    def checked_and_prepared() -> Prepared:
+        check_target(target, source=local_dir, overwrite=options.overwrite)  # refused before any work
+        return prepare(local_dir, options)
+
+    prepared = workers.everywhere(checked_and_prepared)
+    job = WeightJob(Path(local_dir), staging_path(target), options)
+    with prepared, contextlib.ExitStack() as publishing:
+
+        def open_staging() -> None:
+            publishing.enter_context(
+                staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True)
+            )
+            resume_killed(prepared, job.staging, options)
+            write_side_files(prepared, job.staging, options)
+
+        workers.on_lead(open_staging)
+        written = workers.write(job, prepared, show_progress=show_progress)
+
+        def finish_and_publish() -> tuple[dict, list[CheckOutcome]]:
+            forget_finished(job.staging)
+            manifest = finish_folder(prepared, job.staging, options, written.report)
+            checks = check_before_publishing(job.staging, target, written.report)
+            publishing.close()  # leaves staged_output cleanly: the rename into place happens here
+            return manifest, checks
+
+        finished = workers.on_lead(finish_and_publish)
+    if not workers.lead:
+        return None
+    manifest, checks = finished
+    result = MergeResult(target, prepared, written, manifest, checks, time.monotonic() - started)
     log.info(
         "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
-        plan.role_dir,
+        prepared.plan.role_dir,
         target,
-        report.tensors,
-        human_bytes(report.bytes),
-        seconds,
+        result.tensors,
+        human_bytes(written.report.bytes),
+        result.seconds,
     )
-    return MergeResult(
-        target, plan.parameter_count, report.tensors, outputs.total_bytes, seconds, peak_rss_bytes(), manifest
-    )
+    return result
 
 
 def describe(local_dir: Path, options: MergeOptions) -> dict:

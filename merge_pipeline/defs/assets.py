@@ -142,12 +142,11 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     # Imported here, by the run: they import torch and transformers, which the code location's load
     # (the UI's, and each run worker's before it reports the run started) does not need.
     from merge_pipeline.defs.discovery import Completeness, completeness, newest_change
-    from merge_pipeline.defs.weights import WeightJob, write_in_process, write_with_torchrun
-    from merge_pipeline.pipeline import check_before_publishing, finish_folder, prepare, staged_output, write_side_files
+    from merge_pipeline.defs.weights import workers_for
+    from merge_pipeline.pipeline import merge
 
     key = CheckpointKey.parse(context.partition_key)
     target = settings.target_dir(key)
-    started = time.monotonic()
     with one_line_failure():
         options = config.options()  # tie and untie together are refused in one line, as by the CLI
         if options.hf_model_path is None and settings.base_model_dir:  # the sensor's runs carry no run config
@@ -161,30 +160,21 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
         )
         if not state.complete:
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
-        # Under the target's lock, as a CLI merge: a merge running there makes this step fail, not lose its
-        # staging. The staging folder is published when the block ends normally, removed when it raises.
-        with (
-            staged_output(target, source=role_dir, overwrite=options.overwrite) as staging,
-            prepare(role_dir, options) as prepared,
-        ):
-            plan = prepared.plan
-            write_side_files(prepared, staging, options)
-            if config.launcher == "torchrun":
-                written = write_with_torchrun(
-                    context, WeightJob(role_dir, staging, dataclasses.replace(options, backend=plan.backend)), config
-                )
-            else:
-                written = write_in_process(prepared.outputs, staging)
-            manifest = finish_folder(prepared, staging, options, written.report)
-            # the CLI's checks and its one-line refusal: a failed one fails this step, nothing is published
-            checked = checks_metadata(check_before_publishing(staging, target, written.report), staging)
-            plan_facts = parallel_config_metadata(prepared, options, manifest)
+        # The CLI's sequence: under the target's lock (a merge running there makes this step fail), resuming
+        # what a killed run of this step finished (the instance retries a run whose worker died), the
+        # blocking checks before the rename; a failure publishes nothing.
+        merged = merge(role_dir, target, options, workers=workers_for(context, config))
+        plan_facts = parallel_config_metadata(merged.prepared, options, merged.manifest)
+        checked = checks_metadata(merged.checks, target)
+    written = merged.written
     # After publishing: each stage describes its part of the published folder.
     yield dg.MaterializeResult(asset_key=names.key("parallel_config"), metadata=plan_facts)
     yield dg.MaterializeResult(
         asset_key=names.key("state_dict"),
         metadata={
-            **state_dict_metadata(target, written.report, manifest, (written.peak_rss_label, written.peak_rss_bytes)),
+            **state_dict_metadata(
+                target, written.report, merged.manifest, (written.peak_rss_label, written.peak_rss_bytes)
+            ),
             "launcher": config.launcher
             if config.launcher == "inprocess"
             else f"torchrun x{config.nproc_per_node * config.nnodes}",
@@ -194,11 +184,11 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     yield dg.MaterializeResult(
         asset_key=names.key("hf_model"),
         metadata={
-            **hf_model_metadata(target, prepared, manifest),
+            **hf_model_metadata(target, merged.prepared, merged.manifest),
             "source": dg.MetadataValue.path(str(role_dir)),
             "completeness": state.reason,
             "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
-            "seconds": round(time.monotonic() - started, 3),
+            "seconds": round(merged.seconds, 3),
             **checked["hf_model"],
         },
     )

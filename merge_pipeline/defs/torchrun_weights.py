@@ -21,6 +21,7 @@ from pathlib import Path
 from merge_pipeline.distributed import write_weights_distributed
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import WeightJob
 
 REPORT_MESSAGE = "weights_written"  # the custom Pipes messages rank 0 sends
 ERROR_MESSAGE = "merge_failed"
@@ -34,15 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def command_line(role_dir: Path, staging: Path, options: MergeOptions) -> list[str]:
+def command_line(job: WeightJob) -> list[str]:
     """The arguments after ``-m merge_pipeline.defs.torchrun_weights``: the inverse of ``parse_args``."""
     return [
         "--local_dir",
-        str(role_dir),
+        str(job.local_dir),
         "--staging",
-        str(staging),
+        str(job.staging),
         "--options",
-        json.dumps(asdict(options)),
+        json.dumps(asdict(job.options)),
     ]
 
 
@@ -50,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
-    options = MergeOptions(**args.options)
+    job = WeightJob(args.local_dir, args.staging, MergeOptions(**args.options))
     if rank != 0:
         try:
-            write_weights_distributed(args.local_dir, args.staging, options)
+            write_weights_distributed(job)
         except MergeError as exc:  # every rank raised the same agreed error; rank 0 reports it
             print(f"error: {exc}", file=sys.stderr)
         return 0
@@ -62,13 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     with open_dagster_pipes() as pipes:
         pipes.log.info(f"torchrun merge of {args.local_dir} into {args.staging}: {os.environ.get('WORLD_SIZE')} ranks")
         try:
-            report, peak_rss = write_weights_distributed(args.local_dir, args.staging, options)
+            written = write_weights_distributed(job)
         except MergeError as exc:
             # A clean, agreed failure: the asset raises this one line, so torchrun itself succeeds.
             pipes.report_custom_message({"kind": ERROR_MESSAGE, "message": str(exc)})
             return 0
+        report = written.report
         pipes.report_custom_message(
-            {"kind": REPORT_MESSAGE, "files": report.files, "seconds": report.seconds, "peak_rss_bytes": peak_rss}
+            {
+                "kind": REPORT_MESSAGE,
+                "files": report.files,
+                "seconds": report.seconds,
+                "peak_rss_bytes": written.peak_rss_bytes,
+            }
         )
     return 0
 

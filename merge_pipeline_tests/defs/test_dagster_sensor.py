@@ -17,7 +17,7 @@ from merge_pipeline.defs.sensor_cursor import cursor_keys
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline.pipeline import merge_checkpoint
+from merge_pipeline.pipeline import merge
 from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
 from merge_pipeline_tests.helpers import tree_digest
 
@@ -140,7 +140,7 @@ def test_steps_already_merged_are_skipped(fsdp_checkpoint, roots, instance):
     sample = fsdp_checkpoint(ACTOR)
     merged_by_hand = roots.drop(sample, "run/global_step_1", link=True)
     roots.drop(sample, "run/global_step_2", tracker=2, link=True)
-    merge_checkpoint(merged_by_hand, roots.target("run/global_step_1/actor"), show_progress=False)
+    merge(merged_by_hand, roots.target("run/global_step_1/actor"), show_progress=False)
 
     result = tick(instance, roots.settings())
 
@@ -200,7 +200,7 @@ def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_chec
     settings = roots.settings()
     first = tick(instance, settings)
     instance.add_dynamic_partitions("checkpoints", requested(first))
-    merge_checkpoint(
+    merge(
         roots.checkpoints / "run/global_step_1/actor", roots.target("run/global_step_1/actor"), show_progress=False
     )
     merged = tree_digest(roots.target("run/global_step_1/actor"))

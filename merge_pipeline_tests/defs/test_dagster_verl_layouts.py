@@ -14,7 +14,7 @@ from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems
-from merge_pipeline.pipeline import merge_checkpoint
+from merge_pipeline.pipeline import merge
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.defs.helpers import checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
@@ -85,7 +85,7 @@ def test_chain_publishes_a_nemo_automodel_checkpoint(tmp_path, roots, instance):
 
 
 def test_adapter_check_finds_a_rank_that_disagrees_with_the_config(fsdp_checkpoint, tmp_path):
-    merge_checkpoint(fsdp_checkpoint(LORA_ONLY).role_dir, tmp_path / "adapter", show_progress=False)
+    merge(fsdp_checkpoint(LORA_ONLY).role_dir, tmp_path / "adapter", show_progress=False)
     assert meta_load_problems(tmp_path / "adapter") == [] and index_problems(tmp_path / "adapter") == []
     config_path = tmp_path / "adapter" / "adapter_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "r": 8}))

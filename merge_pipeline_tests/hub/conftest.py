@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge_checkpoint
+from merge_pipeline.pipeline import merge
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 (fixtures for the Dagster tests here)
 from merge_pipeline_tests.hub.fake_hub import FakeHub, User
@@ -49,7 +49,7 @@ def merged_folder(fsdp_checkpoint, tmp_path_factory) -> Path:
     role_dir = root / "ppo-qwen" / "global_step_7" / "actor"
     shutil.copytree(fsdp_checkpoint(FsdpSpec()).role_dir, role_dir)
     options = MergeOptions(backend="fsdp", max_shard_size="300KB")
-    return merge_checkpoint(role_dir, root / "merged", options, show_progress=False).target_dir
+    return merge(role_dir, root / "merged", options, show_progress=False).target_dir
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +58,7 @@ def unsharded_folder(fsdp_checkpoint, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hub_merge_unsharded")
     role_dir = root / "ppo-qwen" / "global_step_8" / "actor"
     shutil.copytree(fsdp_checkpoint(FsdpSpec()).role_dir, role_dir)
-    return merge_checkpoint(role_dir, root / "merged", MergeOptions(backend="fsdp"), show_progress=False).target_dir
+    return merge(role_dir, root / "merged", MergeOptions(backend="fsdp"), show_progress=False).target_dir
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from merge_pipeline.defs.hub import HuggingFaceHub, hub_model, publish_latest_st
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.report import step_report
 from merge_pipeline.errors import MergeError
-from merge_pipeline.pipeline import merge_checkpoint
+from merge_pipeline.pipeline import merge
 from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, materialize
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint
@@ -94,7 +94,7 @@ def test_nothing_is_published_without_an_organization(hub, roots, instance):
 
 def test_one_commit_per_step_on_main(hub, merged_folder, fsdp_checkpoint, tmp_path):
     role_dir = shutil.copytree(fsdp_checkpoint(ACTOR).role_dir, tmp_path / "ppo-qwen" / "global_step_8" / "actor")
-    step_8 = merge_checkpoint(
+    step_8 = merge(
         role_dir, tmp_path / "merged", show_progress=False
     ).target_dir  # unsharded, step 7 has 3 shards
     hub_resource = HuggingFaceHub(
