@@ -260,13 +260,13 @@ def write_weights(
         description += f" ({len(reused)} of {len(files)} files reused from a killed merge)"
     # the files' sizes, headers included: what the writer counts, so the progress ends at 100% of its total
     total = sum(len(build_header(f.tensors)) + f.nbytes for f in files)
-    progress = ByteProgress(total, description, enabled=show_progress)
+    kept = sum(resume.finished[name]["bytes"] for name in reused)  # whole files, as the total counts them
+    progress = ByteProgress(total, description, done=kept, enabled=show_progress)
     report = WriteReport()
     try:
         for shard in files:
             if shard.filename in reused:
                 report.files.append(resume.finished[shard.filename])
-                progress(resume.finished[shard.filename]["bytes"])  # the whole file, as the total counts it
                 continue
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,18 +14,27 @@ log = logging.getLogger("merge_pipeline")
 class ByteProgress:
     """Counts bytes written; callable so it can be handed to writers as ``on_bytes``."""
 
-    def __init__(self, total: int, description: str, *, enabled: bool = True, log_every: float = 0.1):
+    def __init__(self, total: int, description: str, *, done: int = 0, enabled: bool = True, log_every: float = 0.1):
+        """``done``: bytes already there (a resumed merge's kept files): counted as progress, not as throughput."""
         self.total = max(total, 1)
-        self.done = 0
+        self.done = self._already = done
         self.started = time.monotonic()
         self._bar = (
-            tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+            tqdm(
+                total=total,
+                initial=done,
+                desc=description,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=sys.stderr,
+            )
             if enabled and sys.stderr.isatty()
             else None
         )
         self._description = description
         self._log_every = log_every
-        self._next_log = log_every
+        self._next_log = (done / self.total // log_every + 1) * log_every
 
     def __call__(self, n: int) -> None:
         self.done += n
@@ -44,7 +53,7 @@ class ByteProgress:
 
     @property
     def rate(self) -> float:
-        return self.done / max(time.monotonic() - self.started, 1e-9)
+        return (self.done - self._already) / max(time.monotonic() - self.started, 1e-9)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -76,6 +79,21 @@ class Dagster:
 
     def log_tail(self, chars: int = 4000) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in self.logs)
+
+
+def clean_copy(destination) -> None:
+    """The project's files as a fresh clone has them: tracked and not ignored, no .venv, no instance."""
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=PROJECT_ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, listed):
+        if (PROJECT_ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT_ROOT / name, destination / name)
 
 
 def free_port() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import time
 
 import pytest
@@ -22,8 +21,8 @@ from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs import browser
-from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
-from merge_pipeline_tests.defs.services import Dagster, running_dagster_dev
+from merge_pipeline_tests.defs.helpers import ACTOR
+from merge_pipeline_tests.defs.services import Dagster, clean_copy, running_dagster_dev
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
 pytestmark = pytest.mark.e2e
@@ -53,21 +52,6 @@ query Checks($asset: AssetKeyInput!) { assetNodeOrError(assetKey: $asset) { ... 
 START_BOUND_SECONDS = 40
 SENSOR = """
 query Sensor($sensor: SensorSelector!) { sensorOrError(sensorSelector: $sensor) { ... on Sensor { sensorState { ticks(limit: 1) { skipReason } } } } }"""
-
-
-def clean_copy(destination) -> None:
-    """The project's files as a fresh clone has them: tracked and not ignored, no .venv, no instance."""
-    listed = (
-        subprocess.run(
-            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=PROJECT_ROOT, capture_output=True, check=True
-        )
-        .stdout.decode()
-        .split("\0")
-    )
-    for name in filter(None, listed):
-        if (PROJECT_ROOT / name).is_file():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(PROJECT_ROOT / name, destination / name)
 
 
 @pytest.fixture(scope="module")

@@ -200,9 +200,7 @@ def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_chec
     settings = roots.settings()
     first = tick(instance, settings)
     instance.add_dynamic_partitions("checkpoints", requested(first))
-    merge(
-        roots.checkpoints / "run/global_step_1/actor", roots.target("run/global_step_1/actor"), show_progress=False
-    )
+    merge(roots.checkpoints / "run/global_step_1/actor", roots.target("run/global_step_1/actor"), show_progress=False)
     merged = tree_digest(roots.target("run/global_step_1/actor"))
     shutil.rmtree(roots.checkpoints / "run" / "global_step_1")  # merged, then rotated away
     shutil.rmtree(roots.checkpoints / "run" / "global_step_2")  # rotated away before its merge

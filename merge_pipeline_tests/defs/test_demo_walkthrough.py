@@ -12,8 +12,7 @@ import subprocess
 import pytest
 
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
-from merge_pipeline_tests.defs.services import VENV_BIN, free_port
-from merge_pipeline_tests.defs.test_dagster_e2e import clean_copy
+from merge_pipeline_tests.defs.services import VENV_BIN, clean_copy, free_port
 
 pytestmark = pytest.mark.e2e
 

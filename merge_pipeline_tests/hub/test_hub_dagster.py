@@ -94,9 +94,7 @@ def test_nothing_is_published_without_an_organization(hub, roots, instance):
 
 def test_one_commit_per_step_on_main(hub, merged_folder, fsdp_checkpoint, tmp_path):
     role_dir = shutil.copytree(fsdp_checkpoint(ACTOR).role_dir, tmp_path / "ppo-qwen" / "global_step_8" / "actor")
-    step_8 = merge(
-        role_dir, tmp_path / "merged", show_progress=False
-    ).target_dir  # unsharded, step 7 has 3 shards
+    step_8 = merge(role_dir, tmp_path / "merged", show_progress=False).target_dir  # unsharded, step 7 has 3 shards
     hub_resource = HuggingFaceHub(
         organization="org", token=WRITER, private=False, revisions="commit", repo_template="{org}/{run_name}"
     )
