@@ -37,6 +37,7 @@ LAYERS = {
     "hub": 4,
     "cli": 5,
     "defs": 5,
+    "dagster": 5,
     "definitions": 5,
     "__main__": 6,
 }
@@ -143,6 +144,11 @@ def test_no_import_cycle() -> None:
     assert cycles(graph()) == []
 
 
+# A run launcher implements Dagster's RunLauncher interface, whose health-check result types exist only
+# there (Dagster's own launchers, dagster-docker and dagster-k8s, import them from the same module).
+RUN_LAUNCHER_TYPES = {"dagster._core.launcher"}
+
+
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_private_dagster_api(path: Path) -> None:
     private = [
@@ -152,7 +158,8 @@ def test_no_private_dagster_api(path: Path) -> None:
         for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
         if name.startswith("dagster._") or name.startswith("dagster_pipes._")
     ]
-    assert private == []
+    allowed = RUN_LAUNCHER_TYPES if path.parent.name == "dagster" and path.name == "run_launcher.py" else set()
+    assert [name for name in private if name not in allowed] == []
 
 
 def test_the_package_import_stays_light() -> None:

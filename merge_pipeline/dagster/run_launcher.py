@@ -15,10 +15,8 @@ need a launcher with a health check of its own (Kubernetes, Docker, ECS).
 from __future__ import annotations
 
 import psutil
-from dagster import DagsterEventType, DefaultRunLauncher
-from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
-from dagster._core.storage.dagster_run import DagsterRun
-
+from dagster import DagsterEventType, DagsterRun, DefaultRunLauncher
+from dagster._core.launcher import CheckRunHealthResult, WorkerStatus  # the interface's own types: no public name
 
 WORKER_STARTED = "Started process for run"  # the code server's engine event, with the worker's pid
 
