@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from merge_pipeline.dagster.die_with_parent import die_with_parent
 from merge_pipeline.distributed import write_weights_distributed
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
@@ -48,6 +49,7 @@ def command_line(job: WeightJob) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # a rank outliving torchrun (killed with the run's worker) would write on unobserved
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)

@@ -36,6 +36,9 @@ class TorchrunLaunch(Workers):
         # With the backend the plan found: the ranks do not detect it again.
         job = dataclasses.replace(job, options=dataclasses.replace(job.options, backend=prepared.plan.backend))
         command = [
+            sys.executable,
+            "-m",
+            "merge_pipeline.dagster.die_with_parent",  # torchrun and its ranks die with this run's worker
             str(Path(sys.executable).parent / "torchrun"),
             *self._rendezvous(),
             "--nproc_per_node",
