@@ -156,9 +156,10 @@ def stale_pins(
 
 
 def _pins_in(space: PinSpace) -> list[tuple[CheckpointKey, float]]:
-    """The key and last change (mtime) of each pin in ``space``; none where the space is not ours."""
+    """The key and last change (mtime) of each pin in ``space``; none where the space is not ours, or
+    cannot be read (an unreadable checkpoint root is the scan's warning)."""
     found = []
-    with contextlib.suppress(FileNotFoundError, MergeError), _opened_space(space, create=False) as owner:
+    with contextlib.suppress(OSError, MergeError), _opened_space(space, create=False) as owner:
         for name in os.listdir(owner):
             try:
                 key = CheckpointKey.parse(unquote(name))

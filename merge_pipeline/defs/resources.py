@@ -73,7 +73,7 @@ class MergeSettings(dg.ConfigurableResource):
     )
     pin_root: str | None = Field(
         default=None,
-        description=f"where pins lie; on the checkpoints' filesystem (hard links do not cross filesystems); unset: ${PIN_ROOT_VAR}, else <checkpoint root>/{PINS}",
+        description=f"where pins lie: a folder of this user's (made 0700 if absent; each deployment's pins in a 0700 folder of their own), on the checkpoints' filesystem (hard links do not cross filesystems); unset: ${PIN_ROOT_VAR}, else <checkpoint root>/{PINS}",
     )
 
     smoke_test: bool | None = Field(
