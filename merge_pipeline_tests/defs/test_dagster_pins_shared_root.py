@@ -129,7 +129,7 @@ def test_a_pin_symlinked_to_a_private_run_is_refused_and_not_followed(
         as_other_user("mkdir", "-m", "777", str(root))
         settings = shared.settings(pin_steps=True)
     else:
-        root = shared.checkpoints.with_name(f"{shared.checkpoints.name}_pins")
+        root = outside / "team_pins"
         root.mkdir()
         root.chmod(0o1777)
         settings = shared.settings(pin_steps=True, pin_root=str(root))
