@@ -22,6 +22,7 @@ LAYERS = {
     "__init__": 0,
     "errors": 0,
     "input_files": 0,
+    "shared_folders": 0,
     "json_files": 0,
     "options": 0,
     "progress": 0,

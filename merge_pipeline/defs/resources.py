@@ -26,7 +26,7 @@ import dagster as dg
 from pydantic import Field
 
 from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import PINS, pin_path
+from merge_pipeline.defs.pins import PINS, PinSpace, verified_pin
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.options import parse_size
 
@@ -73,7 +73,7 @@ class MergeSettings(dg.ConfigurableResource):
     )
     pin_root: str | None = Field(
         default=None,
-        description=f"where pins lie; on the checkpoints' filesystem (hard links do not cross filesystems); unset: ${PIN_ROOT_VAR}, else <checkpoint root>/{PINS}",
+        description=f"where pins lie: a folder of this user's (made 0700 if absent; each deployment's pins in a 0700 folder of their own), on the checkpoints' filesystem (hard links do not cross filesystems); unset: ${PIN_ROOT_VAR}, else <checkpoint root>/{PINS}",
     )
 
     smoke_test: bool | None = Field(
@@ -137,18 +137,22 @@ class MergeSettings(dg.ConfigurableResource):
         return parse_size(size, "smoke_max_size")
 
     @property
-    def pin_roots(self) -> list[Path]:
+    def pin_spaces(self) -> list[PinSpace]:
+        """This deployment's pins in each pin root (the setting, else one per checkpoint root): named by
+        its output root, so two deployments watching one root keep their own."""
         chosen = self.pin_root if self.pin_root is not None else dg.EnvVar(PIN_ROOT_VAR).get_value()
-        return [Path(chosen).absolute()] if chosen else [root / PINS for root in self.roots]
+        roots = [Path(chosen).absolute()] if chosen else [root / PINS for root in self.roots]
+        return [PinSpace.of(root, self.output_dir) for root in roots]
 
-    def pin_root_of(self, role_dir: Path) -> Path:
-        """The pin root for a checkpoint folder: the setting, else beside it in its own checkpoint root."""
-        roots = self.pin_roots
-        return roots[0] if len(roots) == 1 else next(r for r in roots if role_dir.is_relative_to(r.parent))
+    def pin_space_of(self, role_dir: Path) -> PinSpace:
+        """Where a checkpoint folder is pinned: the setting, else beside it in its own checkpoint root."""
+        spaces = self.pin_spaces
+        return spaces[0] if len(spaces) == 1 else next(s for s in spaces if role_dir.is_relative_to(s.root.parent))
 
-    def pinned(self, key: CheckpointKey) -> tuple[Path, Path] | None:
-        """(pin root, pinned folder) of ``key``, when pinned."""
-        return next(((r, pin_path(r, key)) for r in self.pin_roots if pin_path(r, key).is_dir()), None)
+    def pinned(self, key: CheckpointKey) -> tuple[PinSpace, Path] | None:
+        """(this deployment's pins, the pinned folder) of ``key``, when pinned by it and still holding the
+        files recorded then (``pins.verified_pin``); ``unpin(space, key)`` removes it."""
+        return next(((s, folder) for s in self.pin_spaces if (folder := verified_pin(s, key)) is not None), None)
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""

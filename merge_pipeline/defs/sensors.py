@@ -13,7 +13,8 @@ nothing left to merge); one that was merged keeps its partition, and its merged 
 touched. Nothing is removed while a root cannot be read: an unmounted disk is not a rotation.
 
 With ``pin_steps``, a complete step is hard-linked into its pin when its merge is requested, so the
-rotation cannot take it first (``pins``); pins that no queued or running run will read are removed.
+rotation cannot take it first (``pins``); pins of this deployment that no queued or running run will
+read are removed (another deployment's pins on the same root are its own).
 """
 
 from typing import TYPE_CHECKING
@@ -81,7 +82,7 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
             waiting.append(f"{key} ({state.reason})")
             continue
         seen.add(key)
-        if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_root_of(found.role_dir), found.key)):
+        if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key)):
             context.log.warning(not_pinned)
         requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
         saved.append(_checkpoint_saved(found, state, names))
@@ -96,9 +97,9 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
         if scan.all_roots_read
         else []
     )
-    for pin_root, key in stale_pins(context.instance, settings.pin_roots, {r.partition_key for r in requests}):
+    for space, key in stale_pins(context.instance, settings.pin_spaces, {r.partition_key for r in requests}):
         context.log.info(f"removing the pin of {key}: no run of it is queued or running")
-        unpin(pin_root, key)
+        unpin(space, key)
     changes = []
     if rotated:
         context.log.info(

@@ -16,7 +16,7 @@ The parent may be a shared folder (``/tmp``, a team folder) where another user c
 names first: none is ever followed (the lock is opened with ``O_NOFOLLOW`` relative to the parent's
 descriptor, the staging folder made by ``mkdir``, which fails on any existing entry), and one found
 there that is a symlink, not this user's, or of the wrong type is refused in one line and touched
-in no way (``_refuse_planted``).
+in no way (``shared_folders``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 from merge_pipeline.errors import MergeError, naming, os_error
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.input_files import read_capped
+from merge_pipeline.shared_folders import refuse_planted, refuse_planted_fd
 
 log = logging.getLogger("merge_pipeline")
 
@@ -84,7 +85,7 @@ class LockedTarget:
     def new_staging(self, *, keep: bool = False) -> Path:
         """An empty staging folder; one left by a killed writer is removed first, or with ``keep`` left
         as it is (for ``engine.resume`` to sort out)."""
-        if _refuse_planted(self.staging, stat.S_IFDIR) is not None:
+        if refuse_planted(self.staging, stat.S_IFDIR) is not None:
             if keep:
                 log.warning(
                     "%s: %s was left by a merge that did not finish: its finished files are checked for reuse",
@@ -104,7 +105,7 @@ class LockedTarget:
         """Put the complete staging folder at the target; an existing target is swapped out only now."""
         target, staging = self.target, self.staging
         with naming(target):
-            _refuse_planted(staging, stat.S_IFDIR)  # still our folder: in a shared parent it could be swapped
+            refuse_planted(staging, stat.S_IFDIR)  # still our folder: in a shared parent it could be swapped
             _fsync_dir(staging)
             if not target.exists():
                 os.rename(staging, target)
@@ -191,7 +192,7 @@ def _written_by_us(folder: Path) -> bool:
 def _restore_or_remove_previous(target: Path) -> None:
     """``.previous`` exists only if a fallback replace was killed: between its renames, or before the cleanup."""
     previous = previous_path(target)
-    if _refuse_planted(previous, stat.S_IFDIR) is None:
+    if refuse_planted(previous, stat.S_IFDIR) is None:
         return
     if target.exists():
         log.warning("%s: removing %s, the replaced folder a killed merge left behind", target, previous)
@@ -232,30 +233,6 @@ def _replace_with_two_renames(staging: Path, target: Path) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def _refuse_planted(path: Path, kind: int) -> os.stat_result | None:
-    """``lstat`` of an entry beside the target that we are about to reuse, remove or rename (None: absent).
-
-    In a shared folder another user can create it first: a symlink (to one of your files), an entry
-    owned by someone else, or one of the wrong type is refused, and left exactly as it is.
-    """
-    try:
-        found = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(found.st_mode):
-        problem = f"is a symlink (to {os.readlink(path)})"
-    elif found.st_uid != os.geteuid():
-        problem = f"belongs to another user (uid {found.st_uid})"
-    elif stat.S_IFMT(found.st_mode) != kind:
-        problem = f"is not a {'folder' if kind == stat.S_IFDIR else 'regular file'}"
-    else:
-        return found
-    raise MergeError(
-        path,
-        f"{problem}: not made by merge_pipeline for you; refused and left untouched (remove it if it is not needed)",
-    )
-
-
 @contextlib.contextmanager
 def _exclusive_lock(target: Path) -> Iterator[None]:
     path = lock_path(target)
@@ -289,10 +266,10 @@ def _open_locked(parent: int, path: Path, target: Path) -> int:
             fd = os.open(path.name, _LOCK_FLAGS, 0o644, dir_fd=parent)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                _refuse_planted(path, stat.S_IFREG)
+                refuse_planted(path, stat.S_IFREG)
             raise
         try:
-            _refuse_planted_fd(fd, path)
+            refuse_planted_fd(fd, path, stat.S_IFREG)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _pid_in(fd)
@@ -316,14 +293,6 @@ def _open_locked(parent: int, path: Path, target: Path) -> int:
 
 
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-def _refuse_planted_fd(fd: int, path: Path) -> None:
-    """``_refuse_planted`` on what was opened: a file another user put there first is not our lock."""
-    opened = os.fstat(fd)
-    if not stat.S_ISREG(opened.st_mode) or opened.st_uid != os.geteuid():
-        _refuse_planted(path, stat.S_IFREG)  # names what is there
-        raise MergeError(path, "changed while it was being opened: refused")
 
 
 def _pid_in(fd: int) -> str | None:

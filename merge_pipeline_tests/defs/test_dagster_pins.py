@@ -13,7 +13,7 @@ import dagster as dg
 from safetensors.torch import load_file
 
 from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import PIN_GRACE_SECONDS, PINS, pin_path
+from merge_pipeline.defs.pins import PIN_GRACE_SECONDS, pin_path
 from merge_pipeline.defs.sensors import new_checkpoint_sensor
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
@@ -46,7 +46,8 @@ def test_a_step_deleted_by_the_rotation_mid_wait_is_merged_bit_exact_from_its_pi
     result, warnings = tick(capfd, instance, settings)
 
     assert [r.partition_key for r in result.run_requests] == [KEY] and warnings == []
-    pinned = pin_path(roots.checkpoints / PINS, CheckpointKey.parse(KEY))
+    [space] = settings.pin_spaces
+    pinned = pin_path(space, CheckpointKey.parse(KEY))
     assert files_under(pinned) == original  # the same inodes: hard links, not a byte copied
     instance.add_dynamic_partitions("checkpoints", [KEY])  # what the daemon does with the tick's request
 
@@ -62,7 +63,7 @@ def test_a_step_deleted_by_the_rotation_mid_wait_is_merged_bit_exact_from_its_pi
     assert set(weights) == set(reference) and all(same_bits(weights[n], t) for n, t in reference.items())
     [hf_model] = [e for e in merged.get_asset_materialization_events() if e.asset_key == dg.AssetKey("hf_model")]
     assert hf_model.materialization.metadata["completeness"].value == "pinned by the sensor when complete"
-    assert list((roots.checkpoints / PINS).iterdir()) == []  # published: the pin is gone
+    assert list(space.folder.iterdir()) == []  # published: the pin is gone
 
 
 def test_a_failed_merge_removes_its_pin_and_publishes_nothing(capfd, fsdp_checkpoint, roots, instance):
@@ -70,13 +71,15 @@ def test_a_failed_merge_removes_its_pin_and_publishes_nothing(capfd, fsdp_checkp
     settings = roots.settings(pin_steps=True)
     tick(capfd, instance, settings)
     rank_file = next(role_dir.glob("model_world_size_*_rank_0.pt"))
+    saved = rank_file.stat()
     with open(rank_file, "r+b") as f:  # a copy in this test's root: the pin is the same file
-        f.truncate(100)
+        f.write(b"\0" * 100)  # in place, its size and mtime kept: still the file the pin recorded
+    os.utime(rank_file, ns=(saved.st_atime_ns, saved.st_mtime_ns))
 
     merged = materialize(instance, settings, KEY)
 
     assert not merged.success and not roots.target(KEY).exists()
-    assert list((roots.checkpoints / PINS).iterdir()) == []
+    assert list(settings.pin_spaces[0].folder.iterdir()) == []
 
 
 def test_no_pin_across_filesystems_only_a_warning(capfd, fsdp_checkpoint, roots, instance):
@@ -99,7 +102,7 @@ def test_a_pin_whose_run_never_came_is_removed_by_the_sensor(capfd, fsdp_checkpo
     roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
     settings = roots.settings(pin_steps=True)
     result, _ = tick(capfd, instance, settings)  # requested and pinned; no run is ever launched here
-    [entry] = (roots.checkpoints / PINS).iterdir()
+    [entry] = settings.pin_spaces[0].folder.iterdir()
 
     result, _ = tick(capfd, instance, settings, result.cursor)
     assert entry.is_dir()  # young: its run may not be queued yet
@@ -107,5 +110,5 @@ def test_a_pin_whose_run_never_came_is_removed_by_the_sensor(capfd, fsdp_checkpo
     os.utime(entry, (then, then))
     tick(capfd, instance, settings, result.cursor)
 
-    assert list((roots.checkpoints / PINS).iterdir()) == []
+    assert list(settings.pin_spaces[0].folder.iterdir()) == []
     assert (roots.checkpoints / "run/global_step_1/actor").is_dir()  # the trainer's own files untouched
