@@ -134,8 +134,8 @@ def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
         key = CheckpointKey.parse(partition_key)
     except MergeError:  # no checkpoint's key: the step failed on it, and nothing was pinned for it
         return
-    if pinned := settings.pinned(key):
-        unpin(pinned[0], key)
+    for space in settings.pin_spaces:  # unpin removes only a folder of ours, never through a link
+        unpin(space, key)
 
 
 def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings, names: Names) -> Iterator:
