@@ -44,9 +44,9 @@ from merge_pipeline.formats import BACKENDS as BACKENDS
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
 # a save itself, and whether a save is complete (and why not).
 from merge_pipeline.formats import Completeness as Completeness
+from merge_pipeline.formats import checkpoint_name, open_checkpoint
 from merge_pipeline.formats import completeness as completeness
 from merge_pipeline.formats import newest_change as newest_change
-from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.formats import saved_in_step_folder as saved_in_step_folder
 from merge_pipeline.formats import step_folder as step_folder
 from merge_pipeline.formats import step_folders as step_folders
@@ -332,12 +332,14 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
     # Imported here, as the checks: they import transformers (~1 s), which inspect and test of FSDP never need.
     from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 
+    name = checkpoint_name(plan.role_dir)
     return {
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
             "backend": plan.backend,
             "role_dir": str(plan.role_dir),
-            "role": plan.role,
+            "role": name.role,
+            "checkpoint": asdict(name),
             "layout": plan.layout,
             "inputs": [{"path": str(f.path), "size": f.size} for f in plan.files],
         },
@@ -470,7 +472,7 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
         architecture, tied = config.architecture, config.tie_word_embeddings
     return {
         "backend": plan.backend,
-        "role": plan.role,
+        "role": checkpoint_name(plan.role_dir).role,
         "path": str(plan.role_dir),
         **plan.layout,
         "architecture": architecture,

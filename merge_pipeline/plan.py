@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -372,11 +371,6 @@ class CheckpointPlan:
     # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
     check_against_architecture: bool = True
     layout: LayoutFacts = field(default_factory=dict)
-
-    @property
-    def role(self) -> str:
-        # The SFT trainer saves the model in global_step_<N>/ itself: no role folder to name it.
-        return "model" if re.fullmatch(r"global_step_\d+", self.role_dir.name) else self.role_dir.name
 
     @property
     def parameter_count(self) -> int:

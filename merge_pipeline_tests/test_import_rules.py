@@ -28,6 +28,7 @@ LAYERS = {
     "progress": 0,
     "plan": 0,
     "model_card": 0,
+    "checkpoint_name": 0,
     "hf": 1,
     "families": 1,
     "formats": 2,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import Completeness, Quiet, StepFolder, newest_change, tracker_says
 from merge_pipeline.hf.config import CheckpointConfig
@@ -71,6 +72,19 @@ def step_folder(name: str) -> tuple[StepFolder, int] | None:
         if step := folder.name.fullmatch(name):
             return folder, int(step.group(1))
     return None
+
+
+def checkpoint_name(folder: Path) -> CheckpointName:
+    """Where a checkpoint folder sits, by the step folders the readers declare: in a step folder's
+    role folder (verl's ``global_step_<N>/actor``), or a step folder itself (``step-<N>``, ``iter_<N>``)."""
+    if (found := step_folder(folder.parent.name)) and folder.name in found[0].roles:
+        step_dir, role = folder.parent, folder.name
+    elif (found := step_folder(folder.name)) and found[0].in_step_folder:
+        step_dir, role = folder, STEP_ROLE
+    else:
+        return CheckpointName(folder.name)
+    stack, step = found
+    return CheckpointName(role, step_dir.parent.name or None, step_dir.name, step, stack.stack)
 
 
 def _readers_of(stack: StepFolder) -> list[Reader]:
