@@ -211,8 +211,9 @@ def _architecture_tensors(plan: CheckpointPlan, config: ModelConfig, options: Me
     """The tensors (names, shapes) of the architecture config.json describes."""
     from merge_pipeline.hf.architecture import expected_tensors
 
-    value_model = plan.is_value_model or options.is_value_model  # as plan_outputs decides it
-    return expected_tensors(config.path.parent, value_model=value_model, trust_remote_code=options.trust_remote_code)
+    return expected_tensors(
+        config.path.parent, value_model=plan.writes_value_model(options), trust_remote_code=options.trust_remote_code
+    )
 
 
 def _with_inert_tensors(plan: CheckpointPlan, expected: ExpectedTensors) -> CheckpointPlan:

@@ -21,6 +21,7 @@ import torch
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.input_files import open_regular_stat
+from merge_pipeline.options import MergeOptions
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
 READ_PIECE_BYTES = 8 * 1024 * 1024
@@ -371,6 +372,10 @@ class CheckpointPlan:
     # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
     check_against_architecture: bool = True
     layout: LayoutFacts = field(default_factory=dict)
+
+    def writes_value_model(self, options: MergeOptions) -> bool:
+        """The output is a value model (a score head, no lm_head) when the checkpoint is one or the user says so."""
+        return self.is_value_model or options.is_value_model
 
     @property
     def parameter_count(self) -> int:
