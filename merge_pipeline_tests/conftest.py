@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.dcp import DcpSpec, write_dcp_checkpoint
-from merge_pipeline.sample_checkpoints.deepspeed import write_deepspeed_checkpoints
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
-from merge_pipeline.sample_checkpoints.megatron import VARIANTS as MEGATRON_VARIANTS
-from merge_pipeline.sample_checkpoints.megatron import MegatronSample, write_megatron_samples
+from merge_pipeline_samples.dcp import DcpSpec, write_dcp_checkpoint
+from merge_pipeline_samples.deepspeed import write_deepspeed_checkpoints
+from merge_pipeline_samples.fsdp import FsdpSpec, write_fsdp_checkpoint
+from merge_pipeline_samples.megatron import VARIANTS as MEGATRON_VARIANTS
+from merge_pipeline_samples.megatron import MegatronSample, write_megatron_samples
 from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_cli
 
 # The fixtures that write real trainer checkpoints (torch distributed, megatron-core, DeepSpeed ranks): seconds

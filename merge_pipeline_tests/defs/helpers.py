@@ -14,7 +14,7 @@ from merge_pipeline.defs.checks import PASSED
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.helpers import materialize
 from merge_pipeline_tests.defs.test_dagster_failures import assert_nothing_published, failure
 from merge_pipeline_tests.helpers import config_says_tied, error_lines, load_safetensors_dir, run_cli, same_bits

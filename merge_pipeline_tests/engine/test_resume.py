@@ -12,8 +12,8 @@ import pytest
 
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_samples.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.helpers import cli_merge_command, tree_digest
 
 pytestmark = pytest.mark.slow

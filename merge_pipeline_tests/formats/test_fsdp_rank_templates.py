@@ -28,7 +28,7 @@ from merge_pipeline.formats.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.fsdp import RankShard, plan_fsdp
 from merge_pipeline.formats.fsdp_template import RankTemplate
 from merge_pipeline.formats.torch_files import torch_archive
-from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.formats.test_fsdp_hostile_files import edit_pickle, repack
 from merge_pipeline_tests.formats.test_fsdp_world_size import SPEC as WORLD_SIZE_SPEC
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest

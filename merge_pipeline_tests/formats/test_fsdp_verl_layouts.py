@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
+from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import (
     assert_bit_exact,
     load_safetensors_dir,
