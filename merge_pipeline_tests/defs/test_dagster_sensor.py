@@ -47,7 +47,6 @@ def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, root
 
     keys = ["proj/exp/global_step_5/actor", "proj/exp/global_step_5/critic"]
     assert requested(result) == keys
-    assert [r.run_key for r in result.run_requests] == keys
     assert [r.tags[SOURCE_TAG] for r in result.run_requests] == [str(actor), str(critic)]
     [added] = result.dynamic_partitions_requests
     assert (added.partitions_def_name, list(added.partition_keys)) == ("checkpoints", keys)
@@ -58,6 +57,10 @@ def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, root
     ]
     assert [e.metadata["path"].value for e in result.asset_events] == [str(actor), str(critic)]
     assert result.asset_events[1].metadata["completeness"].value == "latest_checkpointed_iteration.txt says 5 >= 5"
+    # one run per step and save: the run key is the partition key at the step's newest change
+    assert [r.run_key for r in result.run_requests] == [
+        f"{k}@{e.metadata['written_at'].value}" for k, e in zip(keys, result.asset_events, strict=True)
+    ]
 
 
 def test_partial_checkpoint_waits_until_the_trainer_says_it_is_done(fsdp_checkpoint, roots, instance):
@@ -220,11 +223,13 @@ def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_chec
 
 
 def test_skip_reason_lists_partitions_whose_last_merge_failed(fsdp_checkpoint, roots, instance):
-    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1")
     rank_file = role_dir / "model_world_size_2_rank_0.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])
+    (roots.checkpoints / "run" / TRACKER).write_text("1")  # the trainer's word, after the (broken) save
     settings = roots.settings()
     first = tick(instance, settings)
+    assert requested(first) == ["run/global_step_1/actor"]
     assert not materialize(instance, settings, "run/global_step_1/actor").success
 
     reason = tick(instance, settings, first.cursor).skip_reason.skip_message

@@ -5,6 +5,7 @@ and a half-written save never offered."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -35,8 +36,11 @@ def requested(result: dg.SensorResult) -> list[str]:
 
 
 def place(source: Path, root: Path, folder: str) -> Path:
-    """A copy of a sample checkpoint at ``root/folder``, with fresh mtimes, as its trainer just saved it."""
+    """A copy of a sample checkpoint at ``root/folder``, with fresh mtimes, as its trainer just saved it:
+    DeepSpeed's ``latest`` last (a ``latest`` older than its tag's files is an earlier run's)."""
     shutil.copytree(source, root / folder, copy_function=shutil.copy)
+    for latest in (root / folder).rglob("latest"):
+        os.utime(latest)
     return root / folder
 
 
