@@ -14,7 +14,7 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 from __future__ import annotations
 
 import textwrap
-from typing import Literal
+from typing import Annotated, Literal
 
 import dagster as dg
 from pydantic import ValidationInfo, field_validator
@@ -68,6 +68,10 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
         )
 
 
+def _as_written(context: dg.ResolutionContext, value: object) -> object:
+    return value
+
+
 @dg.scaffold_with(MergeCheckpointsScaffolder)
 class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     """Merge every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face
@@ -83,7 +87,10 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     smoke_test: bool | None = None  # none: $MERGE_PIPELINE_SMOKE_TEST, else off
     smoke_prompt: str | None = None  # none: $MERGE_PIPELINE_SMOKE_PROMPT, else a fixed one
     smoke_max_size: str | None = None  # none: $MERGE_PIPELINE_SMOKE_MAX_SIZE, else 2GB of weights
-    sensor_interval_seconds: int = SENSOR_INTERVAL.default
+    # defs.yaml may say any number (10, 10.0, .nan): the check below answers it in one line, not dg's int model
+    sensor_interval_seconds: Annotated[int, dg.Resolver(_as_written, model_field_type=float | str)] = (
+        SENSOR_INTERVAL.default
+    )
     freshness_minutes: float = FRESHNESS.default
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
