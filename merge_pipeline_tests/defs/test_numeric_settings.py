@@ -40,16 +40,6 @@ def test_a_bad_environment_setting_fails_the_load_in_one_line(monkeypatch, varia
     assert str(refused.value) == f"{variable} is {value!r}: {ENVIRONMENT[variable]}"
 
 
-def test_good_environment_settings_are_taken(monkeypatch):
-    monkeypatch.setenv("MERGE_PIPELINE_SETTLE_SECONDS", "2.5")
-    monkeypatch.setenv("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS", "30")
-
-    defs = MergeCheckpoints.from_env().definitions(PLAIN)
-
-    assert defs.resolve_sensor_def("new_checkpoint_sensor").minimum_interval_seconds == 30
-    assert defs.resources["settings"].settle_time == 2.5
-
-
 @pytest.mark.slow  # a fresh interpreter loads the code location as dagster's code server does
 def test_the_code_location_load_says_the_one_line():
     loaded = subprocess.run(
@@ -100,8 +90,14 @@ def test_a_bad_defs_yaml_setting_fails_the_load_in_the_same_line(tmp_path, monke
     assert str(cause) == f"defs.yaml {field} is {shown}: {DEFS_YAML[field]}"
 
 
-def test_good_defs_yaml_settings_are_taken(tmp_path, monkeypatch):
-    defs = load_component(tmp_path, monkeypatch, "settle_seconds: 0\n  sensor_interval_seconds: 30.0")
+def test_good_settings_are_taken_from_the_environment_and_defs_yaml(tmp_path, monkeypatch):
+    monkeypatch.setenv("MERGE_PIPELINE_SETTLE_SECONDS", "2.5")
+    monkeypatch.setenv("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS", "30.0")  # a whole number, written as a float
 
-    assert defs.resolve_sensor_def("cluster_a__new_checkpoint_sensor").minimum_interval_seconds == 30
-    assert defs.resources["cluster_a__settings"].settle_time == 0
+    from_env = MergeCheckpoints.from_env().definitions(PLAIN)
+    from_yaml = load_component(tmp_path, monkeypatch, "settle_seconds: 0\n  sensor_interval_seconds: 20.0")
+
+    assert from_env.resolve_sensor_def("new_checkpoint_sensor").minimum_interval_seconds == 30
+    assert from_env.resources["settings"].settle_time == 2.5
+    assert from_yaml.resolve_sensor_def("cluster_a__new_checkpoint_sensor").minimum_interval_seconds == 20
+    assert from_yaml.resources["cluster_a__settings"].settle_time == 0
