@@ -63,8 +63,9 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
 
     The run name is the trainer folder's path relative to ``root``, or ``root``'s own name when the
     steps sit directly in it. Hidden folders, step folders and the folders in ``skip`` (resolved
-    paths, matched with symlinks resolved) are not entered. Why a folder could not be watched (the root missing or unreadable, a step folder whose
-    name would not lead back to it) is appended to ``not_watched``.
+    paths, matched with symlinks resolved) are not entered. Why a folder could not be watched (the
+    root missing or unreadable, a step folder whose name would not lead back to it) is appended to
+    ``not_watched``.
     """
     root = root.absolute()
     level = [root]

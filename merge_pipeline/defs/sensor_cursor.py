@@ -1,4 +1,5 @@
-"""``new_checkpoint_sensor``'s cursor: the keys it is done with, each with the step's state then, and what its last tick did, in words.
+"""``new_checkpoint_sensor``'s cursor: the keys it is done with, each with its step's state then,
+and what its last tick did, in words.
 
 The state is the step's newest change when its merge was requested: a step whose merge failed is
 requested again once that changes (the trainer finished the save a too-early merge read). The

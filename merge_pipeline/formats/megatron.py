@@ -410,7 +410,8 @@ def _layout(
 
 def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Completeness | None:
     """verl writes its layout v2's manifest last; a v2 folder without it is not finished (unless the
-    tracker says so, written after the folder's last change). A legacy folder leaves no marker: the tracker or the settle time decides."""
+    tracker says so, written after the folder's last change). A legacy folder leaves no marker: the
+    tracker or the settle time decides."""
     if (folder / MANIFEST).is_file():
         return quiet.done(f"{MANIFEST} present (verl writes it last)")
     vouched, _ = tracker_vouches(folder, step, stack, quiet.newest)
