@@ -90,9 +90,11 @@ class MergeSettings(dg.ConfigurableResource):
 
     @model_validator(mode="after")
     def _numbers_checked(self) -> MergeSettings:
-        """The settle time, the field's or the environment's, checked when the settings are made (the
-        location's load), so a bad value is one line there, not a traceback in every tick."""
+        """The settle time and the smoke test's size limit, the fields' or the environment's, checked
+        when the settings are made (the location's load): a bad value is one line there, not a
+        traceback in every tick or a failure after each merge."""
         SETTLE.of(self.settle_seconds)
+        _ = self.smoke_limit_bytes  # read for its check
         return self
 
     @property
@@ -136,12 +138,9 @@ class MergeSettings(dg.ConfigurableResource):
 
     @property
     def smoke_limit_bytes(self) -> int:
-        size = (
-            self.smoke_max_size
-            if self.smoke_max_size is not None
-            else dg.EnvVar(SMOKE_LIMIT_VAR).get_value(SMOKE_MAX_SIZE)
-        )
-        return parse_size(size, "smoke_max_size")
+        if self.smoke_max_size is not None:
+            return parse_size(self.smoke_max_size, "smoke_max_size")
+        return parse_size(dg.EnvVar(SMOKE_LIMIT_VAR).get_value(SMOKE_MAX_SIZE), SMOKE_LIMIT_VAR)
 
     @property
     def pin_roots(self) -> list[Path]:

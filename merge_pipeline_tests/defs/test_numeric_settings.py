@@ -40,6 +40,16 @@ def test_a_bad_environment_setting_fails_the_load_in_one_line(monkeypatch, varia
     assert str(refused.value) == f"{variable} is {value!r}: {ENVIRONMENT[variable]}"
 
 
+@pytest.mark.parametrize("value", ["abc", "10s", "0GB", "-1GB"])
+def test_a_bad_smoke_test_size_fails_the_load_in_one_line(monkeypatch, value):
+    monkeypatch.setenv("MERGE_PIPELINE_SMOKE_MAX_SIZE", value)
+
+    with pytest.raises(MergeError) as refused:
+        MergeCheckpoints.from_env().definitions(PLAIN)
+
+    assert str(refused.value).startswith(f"MERGE_PIPELINE_SMOKE_MAX_SIZE {value!r}: ")
+
+
 @pytest.mark.slow  # a fresh interpreter loads the code location as dagster's code server does
 def test_the_code_location_load_says_the_one_line():
     loaded = subprocess.run(
