@@ -46,6 +46,7 @@ def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
     scan = Scan()
     output_root = output_root.absolute()
     resolved_output = _resolved(output_root)
+    skip = {output} if (output := _identity(output_root)) else set()
     for root in roots:
         root = root.absolute()
         if resolved_output.is_relative_to(_resolved(root)):
@@ -54,16 +55,18 @@ def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
             )
         if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
             scan.all_roots_read = False
-        scan.found.extend(find_checkpoints(root, scan.not_watched, skip={resolved_output}))
+        scan.found.extend(find_checkpoints(root, scan.not_watched, skip=skip))
     return scan
 
 
-def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
+def find_checkpoints(
+    root: Path, not_watched: list[str], *, skip: Collection[tuple[int, int]] = ()
+) -> Iterator[FoundCheckpoint]:
     """Every checkpoint in a step folder (``step_folders()``) at most three levels below ``root``.
 
     The run name is the trainer folder's path relative to ``root``, or ``root``'s own name when the
-    steps sit directly in it. Hidden folders, step folders and the folders in ``skip`` (resolved
-    paths, matched with symlinks resolved) are not entered. Why a folder could not be watched (the
+    steps sit directly in it. Hidden folders, step folders and the folders in ``skip`` (their
+    ``_identity``: the same folder however its path is spelled) are not entered. Why a folder could not be watched (the
     root missing or unreadable, a step folder whose name would not lead back to it) is appended to
     ``not_watched``.
     """
@@ -73,7 +76,7 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
         deeper = []
         for folder in level:
             for entry in _subfolders(folder, not_watched, root=root):
-                if entry.name.startswith(".") or (skip and _resolved(entry) in skip):
+                if entry.name.startswith(".") or (skip and _identity(entry) in skip):
                     continue
                 found = step_folder(entry.name)
                 if found is None:
@@ -116,6 +119,15 @@ def _inside(path: Path, root: Path) -> bool:
     """Whether ``path``, symlinks resolved, stays inside the watched ``root``: a link out of it (into
     someone's private folder) is never followed."""
     return _resolved(path).is_relative_to(_resolved(root))
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """A folder's (device, inode), links followed: one stat, where resolving the path costs one per component."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _resolved(path: Path | str) -> Path:
