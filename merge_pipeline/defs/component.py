@@ -14,18 +14,20 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 from __future__ import annotations
 
 import textwrap
-from typing import Literal
+from typing import Annotated, Literal
 
 import dagster as dg
+from pydantic import ValidationInfo, field_validator
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
-from merge_pipeline.defs.assets import checkpoint_spec, freshness_minutes_from_env, merge_step_definition
+from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
+from merge_pipeline.defs.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
 from merge_pipeline.defs.report import step_report_definition
 from merge_pipeline.defs.report_sensor import step_report_sensor_definition
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensors import checkpoint_sensor, interval_from_env
+from merge_pipeline.defs.sensors import checkpoint_sensor
 
 
 class HubPublishing(dg.Model):
@@ -66,6 +68,10 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
         )
 
 
+def _as_written(context: dg.ResolutionContext, value: object) -> object:
+    return value
+
+
 @dg.scaffold_with(MergeCheckpointsScaffolder)
 class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     """Merge every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face
@@ -81,10 +87,20 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     smoke_test: bool | None = None  # none: $MERGE_PIPELINE_SMOKE_TEST, else off
     smoke_prompt: str | None = None  # none: $MERGE_PIPELINE_SMOKE_PROMPT, else a fixed one
     smoke_max_size: str | None = None  # none: $MERGE_PIPELINE_SMOKE_MAX_SIZE, else 2GB of weights
-    sensor_interval_seconds: int = 10
-    freshness_minutes: float = 30
+    # defs.yaml may say any number (10, 10.0, .nan): the check below answers it in one line, not dg's int model
+    sensor_interval_seconds: Annotated[int, dg.Resolver(_as_written, model_field_type=float | str)] = (
+        SENSOR_INTERVAL.default
+    )
+    freshness_minutes: float = FRESHNESS.default
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
+
+    @field_validator(*NUMERIC_SETTINGS, mode="before")
+    @classmethod
+    def _numeric_setting(cls, value: object, field: ValidationInfo) -> object:
+        """defs.yaml's numbers pass the environment's check: one line naming the field, not pydantic's report."""
+        setting = NUMERIC_SETTINGS[field.field_name]
+        return None if value is None else setting.checked(value, f"defs.yaml {setting.field}")
 
     @classmethod
     def from_env(cls) -> MergeCheckpoints:
@@ -93,8 +109,8 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         hub = HuggingFaceHub.from_env()
         return cls(
             prefix="",
-            sensor_interval_seconds=interval_from_env(),
-            freshness_minutes=freshness_minutes_from_env(),
+            sensor_interval_seconds=SENSOR_INTERVAL.from_env(),
+            freshness_minutes=FRESHNESS.from_env(),
             hub=HubPublishing(
                 organization=hub.organization,
                 private=hub.private,

@@ -25,7 +25,14 @@ import torch
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.coalesced_reads import coalesced
-from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
+from merge_pipeline.formats.step_folders import (
+    HF_TRAINER,
+    Completeness,
+    Quiet,
+    StepFolder,
+    newest_change,
+    written_after,
+)
 from merge_pipeline.formats.torch_files import load_meta_state_dict, stored_tensor
 from merge_pipeline.hf.config import CONFIG, has_value_head
 from merge_pipeline.input_files import read_capped
@@ -485,6 +492,10 @@ def _tag_completeness(save_dir: Path, tag: str, step: int | None, quiet: Quiet) 
         return quiet.settled(f"{says}; the model states do not say the dp world size")
     if missing:
         return quiet.not_yet(f"{says}, but {len(missing)} rank file(s) missing: {', '.join(missing[:3])}")
+    # an earlier run's `latest` (naming a later tag, or this one) speaks for none of this tag's files written since
+    tag_changed = quiet.newest if step is not None else newest_change(save_dir / tag) or quiet.newest
+    if not written_after(save_dir / LATEST, tag_changed):
+        return quiet.settled(f"{says}, but was written before the tag's last change (an earlier run's?)")
     return quiet.done(f"{says} and every rank's *_optim_states.pt is there")
 
 
