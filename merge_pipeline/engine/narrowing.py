@@ -1,0 +1,59 @@
+"""Casts to a narrower floating dtype that would turn a finite value into inf: refused, never written.
+
+``--dtype float16`` makes inf of any value beyond 65504, ``--dtype bfloat16`` of any beyond ~3.39e38
+(fp32 holds up to ~3.40e38): the merge would exit 0 with a model whose first forward pass is NaN.
+The writer checks every chunk it casts to a dtype that cannot hold all of the source's finite values
+(``may_overflow``); ``--dtype fp8`` quantizes with scales instead and refuses inf and NaN itself
+(``engine/fp8.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.plan import dtype_name
+
+# Values per slice when a refused tensor is searched for its largest value: bounded memory.
+_SEARCH_SLICE = 1 << 20
+
+
+class OutOfRange(Exception):
+    """A cast made inf or NaN of a finite value (raised by the writer, which knows the tensor)."""
+
+
+def may_overflow(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether some finite ``source`` value lies beyond ``target``'s range: fp32 -> bf16 or fp16, bf16 -> fp16,
+    fp64 -> fp32. Never for a widening cast, nor for fp16 -> bf16."""
+    if source == target or not (source.is_floating_point and target.is_floating_point):
+        return False
+    return torch.finfo(target).max < torch.finfo(source).max
+
+
+def check_cast(source: torch.Tensor, cast: torch.Tensor) -> None:
+    """Raise ``OutOfRange`` if ``cast`` (``source`` cast) is inf or NaN where ``source`` is finite.
+
+    On the writer's hot path: one reduction over the cast values (a sum is finite only if every value
+    is); only a chunk that already held inf or NaN, or whose sum overflows, is compared value by value."""
+    if torch.isfinite(cast.sum()):
+        return
+    if (~cast.isfinite() & source.isfinite()).any():
+        raise OutOfRange
+
+
+def refusal(name: str, target: torch.dtype, pieces: Iterable[torch.Tensor]) -> MergeError:
+    """The one line for a tensor whose cast to ``target`` overflowed: its largest finite absolute value,
+    searched in ``pieces`` (the rest of its source's pieces, from the refused one on)."""
+    largest = 0.0
+    for piece in pieces:
+        for part in piece.reshape(-1).split(_SEARCH_SLICE):
+            finite = part[part.isfinite()]
+            if finite.numel():
+                largest = max(largest, float(finite.abs().max()))
+    return MergeError(
+        None,
+        f"{name}: largest absolute value {largest:g} is beyond {dtype_name(target)}'s range (largest finite "
+        f"{torch.finfo(target).max:g}): the cast would write inf; keep a wider dtype (--dtype auto or float32)",
+    )
