@@ -69,9 +69,10 @@ def _infinities(dtype: torch.dtype) -> tuple[int, int]:
     return int(bits[0]), int(bits.view(unsigned)[1])
 
 
-def refusal(name: str, target: torch.dtype, pieces: Iterable[torch.Tensor]) -> MergeError:
-    """The one line for a tensor whose cast to ``target`` overflowed: its largest finite absolute value,
-    searched in ``pieces`` (the rest of its source's pieces, from the refused one on)."""
+def refusal(name: str, source: torch.dtype, target: torch.dtype, pieces: Iterable[torch.Tensor]) -> MergeError:
+    """The one line for a tensor whose cast from ``source`` to ``target`` overflowed, with its largest finite
+    absolute value: searched in ``pieces``, the rest of its source's pieces from the refused one on (every
+    value before them was cast finite, so smaller)."""
     largest = 0.0
     for piece in pieces:
         for part in piece.reshape(-1).split(_SEARCH_SLICE):
@@ -81,5 +82,5 @@ def refusal(name: str, target: torch.dtype, pieces: Iterable[torch.Tensor]) -> M
     return MergeError(
         None,
         f"{name}: largest absolute value {largest:g} is beyond {dtype_name(target)}'s range (largest finite "
-        f"{torch.finfo(target).max:g}): the cast would write inf; keep a wider dtype (--dtype auto or float32)",
+        f"{torch.finfo(target).max:g}): the cast would write inf; --dtype auto keeps the stored {dtype_name(source)}",
     )

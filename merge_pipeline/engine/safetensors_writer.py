@@ -147,7 +147,7 @@ def _tensor_items(t: OutputTensor, chunks: _Chunks):
         try:
             yield from chunks.of(piece, t.dtype, checked)
         except OutOfRange:
-            raise refusal(t.planned.name, t.dtype, itertools.chain([piece], pieces)) from None
+            raise refusal(t.planned.name, t.planned.dtype, t.dtype, itertools.chain([piece], pieces)) from None
         del piece  # a built tensor is freed before the source builds the next one
 
 

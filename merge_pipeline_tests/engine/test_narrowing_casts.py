@@ -32,6 +32,7 @@ def test_a_value_beyond_float16_is_refused_and_nothing_is_published(capsys, tmp_
     line = merge_error(capsys, sample.role_dir, target, "--dtype", "float16", *FLAGS)
 
     assert f"{TENSOR}: largest absolute value 70000 is beyond float16's range (largest finite 65504)" in line, line
+    assert line.endswith("the cast would write inf; --dtype auto keeps the stored float32"), line
     assert not staging_path(target).exists()
 
 
