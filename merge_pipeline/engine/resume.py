@@ -1,15 +1,15 @@
 """Resuming a killed merge: weight files it finished in the staging folder are kept, not written again.
 
 After each weight file is written and fsynced, the merge records it in ``<staging>/.merge_resume/``:
-its size, its sha256 (computed while it was written), its stat identity and the merge's key, a digest of the inputs
-(path, size, inode, mtime of every file read) and of every option and output decision. A merge of
-the same target started again with the same key keeps each recorded file whose size and sha256
-still match and writes only the rest (the sha256 is not computed again while the file's stat
-identity is still the one recorded, see ``_intact``); anything else in the staging folder is
-removed first. A changed input or option changes the key, and the merge starts over. The records are removed
-before the manifest is written, so a published folder never holds them. A kept file's entry (sha256
-and the identity it was checked with) goes into the write report as a written file's does: the
-blocking check ``manifest_sha256`` compares the file by it, so no byte is hashed twice in one merge.
+its size, its sha256 (computed while it was written), its stat identity and the merge's key, a digest of the
+inputs (path and every field of the identity planning recorded: device, inode, size, mtime, ctime) and of
+every option and output decision. A merge of the same target started again with the same key keeps each
+recorded file whose size and sha256 still match (hashed again, see ``_intact``) and writes only the rest;
+anything else in the staging folder is removed first. A changed input or option changes the key, and the
+merge starts over. The records are removed before the manifest is written, so a published folder never
+holds them. A kept file's entry (the sha256 just checked and the identity it was checked with) goes into
+the write report as a written file's does: the blocking check ``manifest_sha256`` compares the file by it,
+so no byte is hashed twice in one merge.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ShardFile
@@ -35,9 +35,13 @@ _ENTRY = ("filename", "bytes", "tensors", "sha256", "identity")  # a record: the
 
 
 def merge_key(inputs: Iterable[SourceFile], options: Mapping[str, object], files: Iterable[ShardFile]) -> str:
-    """What the output's bytes depend on: the input files as they are on disk, the options, the output plan."""
+    """What the output's bytes depend on: the input files as they are on disk, the options, the output plan.
+
+    Each input by its path and every field of the identity its planning recorded from the opened file
+    (``SourceFile.identity``: device, inode, size, mtime and ctime): a save rewritten in place at the
+    same size with its mtime put back (``rsync --inplace --times``) still has a new ctime."""
     described = {
-        "inputs": [_identity(f.path) for f in inputs],
+        "inputs": [[str(f.path), asdict(f.identity)] for f in inputs],
         "options": options,
         "outputs": [
             [f.filename, [[t.planned.name, dtype_name(t.dtype), list(t.planned.shape)] for t in f.tensors]]
@@ -45,11 +49,6 @@ def merge_key(inputs: Iterable[SourceFile], options: Mapping[str, object], files
         ],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _identity(path: Path) -> list:
-    found = os.stat(path)
-    return [str(path), found.st_size, found.st_dev, found.st_ino, found.st_mtime_ns]
 
 
 @dataclass
@@ -77,8 +76,8 @@ def _record_name(filename: str) -> str:
 
 def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> ResumeLog:
     """Check what a killed merge left in ``staging``; keep the weight files it finished for the same key
-    (size re-checked, sha256 too unless the file is untouched since its record), remove everything else.
-    Run by one process before any writing."""
+    (size and sha256 re-checked against the record), remove everything else. Run by one process before
+    any writing."""
     kept: dict[str, dict] = {}
     resume = ResumeLog(staging, key)
     for shard in files:
@@ -86,7 +85,7 @@ def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> Resume
         identity = _intact(staging / shard.filename, record) if record is not None else None
         if identity is not None:
             kept[shard.filename] = {**_entry(record), "identity": identity}
-            if identity != record["identity"]:  # hashed again: other ranks and the checks go by the new identity
+            if identity != record["identity"]:  # other ranks and the checks go by the identity just hashed
                 resume.record(kept[shard.filename])
     _remove_all_but(staging, {staging / name for name in kept} | {staging / RECORDS / _record_name(n) for n in kept})
     if kept:
@@ -126,22 +125,19 @@ def _entry(record: dict) -> dict:
 
 
 def _intact(path: Path, record: dict) -> list[int] | None:
-    """The file's stat identity if it is the one recorded, else None: either its identity is the one
-    taken right after its fsync (then its sha256 is trusted, not computed again), or its size and
-    sha256 match (hashed now; its identity is then the current one).
+    """The file's stat identity if its bytes are those its record names (its size, then its sha256,
+    computed now), else None.
 
-    A kept file's sha256 is then as trustworthy as a file's written by this merge: the digest of the
-    bytes the writer handed to the kernel, never read back, and no write, truncate or rename has touched
-    the file since (that changes its ctime). What escapes both (a write within the same clock tick as
-    the record, a clock set back, a raw write to the disk under the filesystem) escapes an
-    uninterrupted merge's own files between their fsync and the blocking checks as well."""
+    Hashed even when the file's identity is still the one recorded right after its fsync: the record is
+    a file anyone who can write to the staging folder can edit, and the digest it names would go into
+    the manifest and be what ``manifest_sha256`` compares the file by. Read once per resume, never
+    again in this merge: the identity taken here stands for these bytes until the checks; a write
+    meanwhile changes it, and the file is hashed again there."""
     try:
         with open(path, "rb", buffering=0) as f:
             found = os.fstat(f.fileno())
             if found.st_size != record["bytes"]:
                 return None
-            if stat_identity(found) == record.get("identity"):
-                return record["identity"]
             digest = hashlib.file_digest(f, "sha256", _bufsize=_HASH_CHUNK)
     except OSError:
         return None

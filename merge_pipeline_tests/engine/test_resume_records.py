@@ -1,6 +1,6 @@
-"""The resume records' rule for a finished file: its recorded sha256 is trusted without reading the
-file only while the file's stat identity (inode, size, mtime, ctime) is the one recorded after its
-fsync; any other file is hashed again, and kept only if the sha256 still matches."""
+"""The resume records' rule for a finished file: it is kept only if its bytes are those its record
+names (size, then sha256, computed again whatever its stat identity), and its entry then carries the
+identity it was hashed with; any other file is removed and written again."""
 
 from __future__ import annotations
 
@@ -33,14 +33,17 @@ def _rewrite_record(staging: Path, **changes) -> None:
     record.write_text(json.dumps({**json.loads(record.read_text()), **changes}))
 
 
-def test_an_untouched_file_is_kept_on_its_record_without_being_read(tmp_path):
-    _finished_file(tmp_path)
-    # A wrong sha256 in the record shows whether the file was hashed: with the identity matching it is not.
+def test_a_record_naming_a_sha256_its_untouched_file_does_not_have_drops_the_file(tmp_path):
+    """A record edited by someone who can write to the staging folder: the file is the one recorded
+    (same stat identity) but the digest is not its bytes'. Taken from the record, that digest would go
+    into the manifest, and ``manifest_sha256`` would compare the file by it (issue 34, K)."""
+    path = _finished_file(tmp_path)
     _rewrite_record(tmp_path, sha256="0" * 64)
 
     kept = keep_finished(tmp_path, KEY, FILES)
 
-    assert list(kept.finished) == [NAME] and kept.finished[NAME]["sha256"] == "0" * 64
+    assert kept.finished == {} and not path.exists()
+    assert not (tmp_path / RECORDS / f"{NAME}.json").exists()
 
 
 def test_a_file_edited_in_place_with_its_mtime_restored_is_hashed_and_dropped(tmp_path):
