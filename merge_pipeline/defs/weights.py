@@ -9,7 +9,6 @@ picks one.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -33,8 +32,7 @@ class TorchrunLaunch(Workers):
         self.context, self.config = context, config
 
     def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
-        # With the backend the plan found: the ranks do not detect it again.
-        job = dataclasses.replace(job, options=dataclasses.replace(job.options, backend=prepared.plan.backend))
+        job = job.planned_as(prepared)
         command = [
             str(Path(sys.executable).parent / "torchrun"),
             *self._rendezvous(),
