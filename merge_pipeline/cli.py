@@ -159,12 +159,10 @@ def _run_merge(args: argparse.Namespace) -> int:
     if ray is not None and launched_by_torchrun():
         raise MergeError(None, "--ray-address under torchrun: run the merge once, Ray starts the workers")
     if ray is not None:
-        from merge_pipeline.ray_tasks import ray_workers
+        from merge_pipeline.ray_tasks import RayTasks
 
-        with ray_workers(ray) as workers:
-            result = merge(
-                args.local_dir, args.target_dir, options, workers=workers, show_progress=not args.no_progress
-            )
+        workers = RayTasks(ray)  # an unreachable head is refused now, before any work
+        result = merge(args.local_dir, args.target_dir, options, workers=workers, show_progress=not args.no_progress)
     elif launched_by_torchrun():
         result = merge_distributed(
             args.local_dir,

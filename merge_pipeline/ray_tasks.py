@@ -88,18 +88,16 @@ def _ray():
 
 
 @contextlib.contextmanager
-def ray_workers(settings: RaySettings, *, logger: Any = log) -> Iterator[RayTasks]:
-    """Connected to the cluster for the length of the block (before any work, so a bad address costs
-    nothing): the ``Workers`` that write a merge's weights there. ``logger``: where the driver reports."""
-    ray = _ray()
-    ours = not ray.is_initialized()  # a caller already connected (a script) stays so, with its job's code
-    if ours:
-        _connect(ray, settings.address)
+def _connected(ray, address: str) -> Iterator[None]:
+    """Connected to the cluster for the block, unless this process already is (a script: its job's code runs)."""
+    if ray.is_initialized():
+        yield
+        return
+    _connect(ray, address)
     try:
-        yield RayTasks(settings, logger)
+        yield
     finally:
-        if ours:
-            ray.shutdown()
+        ray.shutdown()
 
 
 def _connect(ray, address: str) -> None:
@@ -133,11 +131,19 @@ class RayTasks(Workers):
     """The driver leads in its own process; Ray tasks write the weight files."""
 
     def __init__(self, settings: RaySettings, logger: Any = log):
+        """Checks that Ray is installed and the head answers, before any work. ``logger``: where the
+        driver reports (the module's logger, or a Dagster run's)."""
+        _ray()
+        _check_reachable(settings.address)
         self.settings, self.log = settings, logger
         self.results: list[TaskResult] = []  # of the last write: per task, in the order of ``shares``
 
     def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
         ray = _ray()
+        with _connected(ray, self.settings.address):
+            return self._write(ray, job, prepared, show_progress)
+
+    def _write(self, ray, job: WeightJob, prepared: Prepared, show_progress: bool) -> Written:
         job = job.planned_as(prepared)
         files = prepared.outputs.files
         request = self._request(files)

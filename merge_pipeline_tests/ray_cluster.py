@@ -8,6 +8,7 @@ for it land one per node. Small object stores: the tasks pass reports, not tenso
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Iterator
 
@@ -17,6 +18,12 @@ from ray.util.state import list_tasks
 OBJECT_STORE_BYTES = 80 << 20
 MERGE_RESOURCE = "merge"
 WRITE_TASK = "_write_task"  # ray_tasks' task function, as Ray's task records name it
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def add_worker(cluster: Cluster, **resources: float):
@@ -29,7 +36,12 @@ def add_worker(cluster: Cluster, **resources: float):
 def local_cluster(workers: int = 2) -> Iterator[Cluster]:
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": True},
+        head_node_args={
+            "num_cpus": 0,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": True,  # its state API answers the tests' list_tasks
+            "dashboard_port": free_port(),  # not 8265: another test session's cluster may hold it
+        },
     )
     try:
         for _ in range(workers):

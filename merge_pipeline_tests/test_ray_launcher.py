@@ -13,7 +13,7 @@ import pytest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import merge, staging_path
 from merge_pipeline.ray_settings import RaySettings
-from merge_pipeline.ray_tasks import RayTasks, ray_workers
+from merge_pipeline.ray_tasks import RayTasks
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
 from merge_pipeline_tests.ray_cluster import MERGE_RESOURCE, add_worker, local_cluster, write_tasks
@@ -28,8 +28,8 @@ def cluster():
 
 
 def merged_on_ray(address: str, local_dir: Path, target: Path, options: MergeOptions, **settings) -> RayTasks:
-    with ray_workers(RaySettings(address=address, **settings)) as workers:
-        merge(local_dir, target, options, workers=workers, show_progress=False)
+    workers = RayTasks(RaySettings(address=address, **settings))
+    merge(local_dir, target, options, workers=workers, show_progress=False)
     return workers
 
 
