@@ -14,12 +14,13 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 from __future__ import annotations
 
 import textwrap
-from typing import Literal
+from typing import Any, Literal
 
 import dagster as dg
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, freshness_minutes_from_env, merge_step_definition
+from merge_pipeline.defs.config import checked_merge_config
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
 from merge_pipeline.defs.report import step_report_definition
@@ -62,6 +63,12 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                     # set to publish (token: $HF_TOKEN); empty: the schedule stays off
                     organization: ""
                     schedule: "*/10 * * * *"
+                  # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
+                  # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
+                  # merge_config:
+                  #   launcher: ray
+                  #   ray_address: ray://raycluster-head-svc:10001
+                  #   ray_resource: merge
                 """)
         )
 
@@ -85,6 +92,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     freshness_minutes: float = 30
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
+    # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
+    # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
+    merge_config: dict[str, Any] | None = None
 
     @classmethod
     def from_env(cls) -> MergeCheckpoints:
@@ -117,7 +127,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             ],
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
-                checkpoint_sensor(names, self.sensor_interval_seconds),
+                checkpoint_sensor(
+                    names, self.sensor_interval_seconds, checked_merge_config(self.merge_config or {}) or None
+                ),
                 step_report_sensor_definition(names, self.sensor_interval_seconds),
                 failure_webhook(names),
             ],

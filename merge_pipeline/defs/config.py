@@ -12,6 +12,7 @@ from typing import Literal, get_type_hints
 import dagster as dg
 from pydantic import Field, create_model
 
+from merge_pipeline.errors import MergeError
 from merge_pipeline.options import OPTION_FIELDS, MergeOptions
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
 
@@ -71,3 +72,16 @@ class MergeConfig(_RayConfig):
         if self.launcher == "torchrun":
             return f"torchrun x{self.nproc_per_node * self.nnodes}"
         return f"ray at {self.ray_address}" if self.launcher == "ray" else self.launcher
+
+
+def checked_merge_config(fields: dict) -> dict:
+    """``hf_model``'s config given outside a run (a component's ``merge_config``): an unknown field or a bad
+    value is refused when the definitions load, not by every merge after."""
+    unknown = sorted(set(fields) - set(MergeConfig.model_fields))
+    if unknown:
+        raise MergeError(None, f"merge_config: unknown field(s) {', '.join(unknown)}: see the hf_model step's config")
+    config = MergeConfig(**fields)
+    config.options()
+    if config.launcher == "ray":
+        config.ray_settings()
+    return fields
