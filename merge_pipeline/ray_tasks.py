@@ -290,7 +290,7 @@ def _gather(
                 raise MergeError(
                     None,
                     f"Ray: no weight byte written for {stalled:.0f} s (--ray-timeout) by {len(pending)} task(s) each needing"
-                    f" {_described(request, settings)}; free on the cluster now: {_free(ray)}",
+                    f" {_described(request, settings)}; free on the cluster now: {_free(ray, request)}",
                 )
     except BaseException:
         _cancel(ray, pending, logger)
@@ -314,10 +314,10 @@ def _result(ray, ref, i: int, shares: list[list[ShardFile]], settings: RaySettin
     return result
 
 
-def _free(ray) -> str:
-    free = ray.available_resources()
-    shown = {k: v for k, v in free.items() if not k.startswith("node:") and k != "object_store_memory"}
-    return ", ".join(_amount(k, v) for k, v in sorted(shown.items())) or "nothing"
+def _free(ray, request: dict[str, float]) -> str:
+    """What the cluster has free now of each thing a task asks for (all nodes together)."""
+    free = ray.available_resources()  # a resource in use to the last unit is left out
+    return ", ".join(_amount(name, free.get(name, 0)) for name in request)
 
 
 def _alive(ray) -> dict[str, str]:

@@ -4,6 +4,8 @@ mid-merge, the same bytes as one process; a bad address or an impossible request
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -176,3 +178,52 @@ def test_a_request_no_node_can_satisfy_is_one_line_naming_what_is_missing(
     assert missing in line
     assert "Traceback" not in err and not (tmp_path / "out").exists()
     assert not staging_path(tmp_path / "out").exists()
+
+
+HOLD_EVERY_MERGE_SLOT = """
+import sys, ray
+ray.init(address=sys.argv[1])
+Holder = ray.remote(num_cpus=0, resources={"merge": 1})(type("Holder", (), {"ready": lambda self: True}))
+holders = [Holder.remote() for _ in range(int(sys.argv[2]))]
+ray.get([h.ready.remote() for h in holders])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_tasks_that_never_start_fail_after_the_timeout_in_one_line(capsys, cluster, fsdp_checkpoint, tmp_path):
+    """Another job holds every node's ``merge`` unit (a trainer's actors): the request fits the nodes, the
+    tasks wait; after --ray-timeout the merge stops, naming what a task needs and what is free."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_EVERY_MERGE_SLOT, cluster.address, "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        code, _, err = cli_merge(
+            capsys,
+            fsdp_checkpoint(FsdpSpec()).role_dir,
+            tmp_path / "out",
+            "--ray-address",
+            cluster.address,
+            "--ray-resource",
+            MERGE_RESOURCE,
+            "--ray-timeout",
+            "5",
+        )
+        waited = time.monotonic() - started
+    finally:
+        holder.communicate(timeout=60)  # its stdin closed: it ends, and Ray frees what it held
+
+    assert code == 1 and waited < 60
+    [line] = error_lines(err)
+    assert line.startswith(
+        "error: Ray: no weight byte written for 5 s (--ray-timeout) by 1 task(s) each needing CPU 1, "
+    )
+    assert "resource 'merge' 1; free on the cluster now: CPU 2, memory " in line
+    assert line.endswith(", resource 'merge' 0")
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
