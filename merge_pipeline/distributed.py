@@ -30,6 +30,7 @@ from merge_pipeline.pipeline import (
     Workers,
     WriteReport,
     Written,
+    gathered,
     merge,
     peak_rss_bytes,
     prepare,
@@ -178,9 +179,7 @@ class TorchrunRanks(Workers):
         everyone: list[tuple[WriteReport, int] | None] = [None] * self.world
         with _peers_answer():
             dist.all_gather_object(everyone, (reports, peak_rss_bytes()))
-        # Files in plan order, the time of the slowest rank.
-        by_name = {f["filename"]: f for report, _ in everyone for f in report.files}
-        whole = WriteReport([by_name[f.filename] for f in outputs.files], max(r.seconds for r, _ in everyone))
+        whole = gathered(outputs.files, [report for report, _ in everyone])
         return Written(whole, max(peak for _, peak in everyone), "peak RSS (largest rank)")
 
 

@@ -109,6 +109,10 @@ class WeightJob:
     staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
     options: MergeOptions
 
+    def planned_as(self, prepared: Prepared) -> WeightJob:
+        """For workers in other processes: the backend the lead's plan found, so they do not detect it again."""
+        return replace(self, options=replace(self.options, backend=prepared.plan.backend))
+
 
 @dataclass(frozen=True)
 class Written:
@@ -287,6 +291,12 @@ def write_weights(
         progress.close()
     report.seconds = time.monotonic() - progress.started
     return report
+
+
+def gathered(files: list[ShardFile], reports: list[WriteReport]) -> WriteReport:
+    """Workers' reports as one: every file's entry in plan order (``files``), the time of the slowest worker."""
+    by_name = {f["filename"]: f for report in reports for f in report.files}
+    return WriteReport([by_name[f.filename] for f in files], max(r.seconds for r in reports))
 
 
 def resume_key(prepared: Prepared, options: MergeOptions) -> str:

@@ -100,6 +100,7 @@ class _OpenFiles:
 
 
 _OPEN = _OpenFiles(MAX_OPEN_FILES)
+_COUNTING = threading.Lock()  # the writer thread's kernel copies and this thread's reads may count one file at once
 
 
 class SourceFile:
@@ -113,6 +114,7 @@ class SourceFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.identity: FileIdentity | None = None
+        self.bytes_read = 0  # tensor bytes taken from it (``counted``): what a launcher reports per node
         with self.opened():  # planning opens each file once: this records its identity
             self.size = self.identity.size
 
@@ -166,7 +168,13 @@ class SourceFile:
                     raise MergeError(
                         self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
                     )
-                done += n
+                done += self.counted(n)
+
+    def counted(self, n: int) -> int:
+        """``n`` bytes were read from this file (by ``read_into``, a grouped read or a kernel copy); returns ``n``."""
+        with _COUNTING:
+            self.bytes_read += n
+        return n
 
     def close(self) -> None:
         _OPEN.close(self)

@@ -2,7 +2,7 @@
 
 Layers, lowest first: shared leaves (errors, files, options, the plan types) < ``hf`` (the Hugging Face
 folder format) < ``formats`` (readers) and ``engine`` (the writer), which know nothing of each other
-< ``pipeline`` (the one module using both) < ``distributed`` and ``hub`` < ``cli`` and ``defs``.
+< ``pipeline`` (the one module using both) < ``distributed``, ``ray_tasks`` and ``hub`` < ``cli`` and ``defs``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ LAYERS = {
     "options": 0,
     "progress": 0,
     "plan": 0,
+    "ray_settings": 0,
     "model_card": 0,
     "checkpoint_name": 0,
     "hf": 1,
@@ -36,6 +37,7 @@ LAYERS = {
     "engine": 2,
     "pipeline": 3,
     "distributed": 4,
+    "ray_tasks": 4,
     "hub": 4,
     "cli": 5,
     "defs": 5,
@@ -165,7 +167,7 @@ def test_no_private_dagster_api(path: Path) -> None:
 
 
 def test_the_package_import_stays_light() -> None:
-    code = "import sys, merge_pipeline; print(sorted(m for m in ('dagster', 'torch', 'merge_pipeline.defs') if m in sys.modules))"
+    code = "import sys, merge_pipeline; print(sorted(m for m in ('dagster', 'torch', 'ray', 'merge_pipeline.defs') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert loaded.stdout.strip() == "[]"
     assert "MergeCheckpoints" in dir(importlib.import_module("merge_pipeline"))  # dg's registry lists it

@@ -175,9 +175,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             **state_dict_metadata(
                 target, written.report, merged.manifest, (written.peak_rss_label, written.peak_rss_bytes)
             ),
-            "launcher": config.launcher
-            if config.launcher == "inprocess"
-            else f"torchrun x{config.nproc_per_node * config.nnodes}",
+            "launcher": config.launcher_label(),
             **checked["state_dict"],
         },
     )

@@ -14,13 +14,14 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 from __future__ import annotations
 
 import textwrap
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import dagster as dg
 from pydantic import ValidationInfo, field_validator
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
+from merge_pipeline.defs.config import checked_merge_config
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
 from merge_pipeline.defs.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
@@ -64,6 +65,12 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                     # set to publish (token: $HF_TOKEN); empty: the schedule stays off
                     organization: ""
                     schedule: "*/10 * * * *"
+                  # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
+                  # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
+                  # merge_config:
+                  #   launcher: ray
+                  #   ray_address: ray://raycluster-head-svc:10001
+                  #   ray_resource: merge
                 """)
         )
 
@@ -94,6 +101,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     freshness_minutes: float = FRESHNESS.default
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
+    # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
+    # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
+    merge_config: dict[str, Any] | None = None
 
     @field_validator(*NUMERIC_SETTINGS, mode="before")
     @classmethod
@@ -133,7 +143,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             ],
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
-                checkpoint_sensor(names, self.sensor_interval_seconds),
+                checkpoint_sensor(
+                    names, self.sensor_interval_seconds, checked_merge_config(self.merge_config or {}) or None
+                ),
                 step_report_sensor_definition(names, self.sensor_interval_seconds),
                 failure_webhook(names),
             ],

@@ -35,10 +35,12 @@ if TYPE_CHECKING:
 SOURCE_TAG = "merge_pipeline/source"
 
 
-def checkpoint_sensor(names: Names, interval_seconds: int) -> dg.SensorDefinition:
+def checkpoint_sensor(names: Names, interval_seconds: int, merge_config: dict | None = None) -> dg.SensorDefinition:
+    """``merge_config``: the merge step's config for the runs it requests (``jobs.merge_checkpoint_job``)."""
+
     @dg.sensor(
         name=names("new_checkpoint_sensor"),
-        job=merge_checkpoint_job(names),
+        job=merge_checkpoint_job(names, merge_config),
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},

@@ -109,6 +109,8 @@ _QUEUED = 2
 # Chunk buffers, reused round-robin: one is refilled only after the chunk it held was hashed, since
 # at most 2 * _QUEUED are queued, 1 is being written and 1 hashed while the next is filled.
 _BUFFERS = 2 * _QUEUED + 3
+# What the writer holds beside the tensor being written: the chunk ring and the hasher's read-back buffer.
+BUFFERED_BYTES = (_BUFFERS + 1) * _CHUNK_BYTES
 _END = object()
 
 
@@ -294,7 +296,7 @@ def _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, ha
                 source.path, f"file ends at byte {offset + done}, expected data up to byte {offset + length}"
             )
         hasher.put((out_pos + done, n, None))
-        done += n
+        done += source.counted(n)
         on_bytes(n)
     return done
 
