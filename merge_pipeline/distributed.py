@@ -170,6 +170,12 @@ class TorchrunRanks(Workers):
         _agree(_attempt(lambda: results.__setitem__(0, step())) if self.lead else None)
         return results[0]
 
+    def share(self, value: T | None) -> T:
+        shared = [value]
+        with _peers_answer():
+            dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
     def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
         """This rank's whole shard files; every rank learns the report of all and their largest peak RSS."""
         outputs = prepared.outputs

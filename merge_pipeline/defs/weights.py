@@ -16,7 +16,7 @@ from pathlib import Path
 import dagster as dg
 
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE, command_line
+from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.pipeline import IN_PROCESS, Prepared, WeightJob, Workers, WriteReport, Written
 
@@ -48,7 +48,8 @@ class TorchrunLaunch(Workers):
             str(self.config.nproc_per_node),
             "-m",
             "merge_pipeline.defs.torchrun_weights",
-            *command_line(job),
+            "--job",
+            str(job.saved()),
         ]
         self.context.log.info("launching: %s", " ".join(command))
         try:

@@ -4,7 +4,8 @@ After each weight file is written and fsynced, the merge records it in ``<stagin
 its size, its sha256 (computed while it was written), its stat identity and the merge's key, a digest of the
 inputs (path and every field of the identity planning recorded: device, inode, size, mtime, ctime) and of
 every option and output decision. A merge of the same target started again with the same key keeps each
-recorded file whose size and sha256 still match (hashed again, see ``_intact``) and writes only the rest;
+recorded file whose size and sha256 still match and writes only the rest (a file untouched since its
+fsync and sealed with its digest is not hashed again, see ``seal`` and ``_intact``);
 anything else in the staging folder is removed first. A changed input or option changes the key, and the
 merge starts over. The records are removed before the manifest is written, so a published folder never
 holds them. A kept file's entry (the sha256 just checked and the identity it was checked with) goes into
@@ -14,6 +15,7 @@ so no byte is hashed twice in one merge.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -31,6 +33,7 @@ log = logging.getLogger("merge_pipeline")
 
 RECORDS = ".merge_resume"
 _HASH_CHUNK = 16 << 20
+_SEAL = "user.merge_pipeline.sha256"  # on each weight file: the digest the writer computed (``seal``)
 _ENTRY = ("filename", "bytes", "tensors", "sha256", "identity")  # a record: these and the key
 
 
@@ -95,12 +98,6 @@ def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> Resume
     return resume
 
 
-def finished(staging: Path, key: str, files: Iterable[ShardFile]) -> ResumeLog:
-    """The files ``keep_finished`` kept (for processes that did not run it: their records are trusted)."""
-    found = {s.filename: _entry(r) for s in files if (r := _record(staging, s.filename, key)) is not None}
-    return ResumeLog(staging, key, found)
-
-
 def forget(staging: Path) -> None:
     """Remove the records: the folder is complete."""
     shutil.rmtree(staging / RECORDS, ignore_errors=True)
@@ -124,24 +121,42 @@ def _entry(record: dict) -> dict:
     return {k: record[k] for k in _ENTRY}
 
 
-def _intact(path: Path, record: dict) -> list[int] | None:
-    """The file's stat identity if its bytes are those its record names (its size, then its sha256,
-    computed now), else None.
+def seal(path: Path, sha256: str) -> None:
+    """Write the sha256 of a finished weight file onto the file itself (an extended attribute), before its
+    stat identity is taken: a record naming another digest then cannot match both the file's seal and
+    its identity, since changing the seal changes the file's ctime. Where the filesystem keeps no user
+    attributes, a kept file is hashed on every resume instead."""
+    with contextlib.suppress(OSError):
+        os.setxattr(path, _SEAL, sha256.encode())
 
-    Hashed even when the file's identity is still the one recorded right after its fsync: the record is
-    a file anyone who can write to the staging folder can edit, and the digest it names would go into
-    the manifest and be what ``manifest_sha256`` compares the file by. Read once per resume, never
-    again in this merge: the identity taken here stands for these bytes until the checks; a write
-    meanwhile changes it, and the file is hashed again there."""
+
+def _intact(path: Path, record: dict) -> list[int] | None:
+    """The file's stat identity if its bytes are those its record names, else None.
+
+    Not hashed when the file is untouched since its fsync and sealed with the record's digest (its
+    identity is the one recorded, taken after ``seal``): the digest is then the one the writer computed
+    from the bytes it handed to the kernel, whatever was done to the record, which is a file anyone able
+    to write to the staging folder can edit. Otherwise its size, then its sha256 are checked now. Read
+    once per resume, never again in this merge: the identity taken here stands for these bytes until
+    the checks; a write meanwhile changes it, and the file is hashed again there."""
     try:
         with open(path, "rb", buffering=0) as f:
             found = os.fstat(f.fileno())
             if found.st_size != record["bytes"]:
                 return None
+            if stat_identity(found) == record.get("identity") and _sealed_with(f.fileno()) == record["sha256"]:
+                return record["identity"]
             digest = hashlib.file_digest(f, "sha256", _bufsize=_HASH_CHUNK)
     except OSError:
         return None
     return stat_identity(found) if digest.hexdigest() == record["sha256"] else None
+
+
+def _sealed_with(fd: int) -> str | None:
+    try:
+        return os.getxattr(fd, _SEAL).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _remove_all_but(staging: Path, keep: set[Path]) -> None:

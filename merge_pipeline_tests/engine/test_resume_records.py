@@ -1,6 +1,7 @@
 """The resume records' rule for a finished file: it is kept only if its bytes are those its record
-names (size, then sha256, computed again whatever its stat identity), and its entry then carries the
-identity it was hashed with; any other file is removed and written again."""
+names: untouched since its fsync and sealed with the record's digest, or else its size and sha256
+checked now (its entry then carries the identity it was hashed with); any other file is removed and
+written again."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ShardFile
-from merge_pipeline.engine.resume import RECORDS, ResumeLog, finished, keep_finished
+from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, seal
 from merge_pipeline.hf.manifest import stat_identity
 
 KEY = "a merge key"
@@ -24,6 +25,7 @@ def _finished_file(staging: Path, data: bytes = b"weights" * 1000) -> Path:
     path = staging / NAME
     path.write_bytes(data)
     entry = {"filename": NAME, "bytes": len(data), "tensors": 1, "sha256": hashlib.sha256(data).hexdigest()}
+    seal(path, entry["sha256"])
     ResumeLog(staging, KEY).record({**entry, "identity": stat_identity(path.stat())})
     return path
 
@@ -68,8 +70,31 @@ def test_a_file_with_another_identity_but_the_recorded_bytes_is_kept_after_hashi
     kept = keep_finished(tmp_path, KEY, FILES)
 
     assert list(kept.finished) == [NAME] and path.exists()
-    # Hashed once here: the entry (and the record other torchrun ranks read) carries the identity it was
-    # checked with, so the blocking checks compare the file by this sha256 rather than reading it again.
-    now = stat_identity(path.stat())
-    assert kept.finished[NAME]["identity"] == now
-    assert finished(tmp_path, KEY, FILES).finished[NAME]["identity"] == now
+    # Hashed once here: the entry (handed to every worker) carries the identity it was checked with, so the
+    # blocking checks compare the file by this sha256 rather than reading it again.
+    assert kept.finished[NAME]["identity"] == stat_identity(path.stat())
+
+
+def test_an_untouched_sealed_file_is_kept_without_hashing_it(tmp_path, monkeypatch):
+    """The resume's fast path (issue 19): a file untouched since its fsync, sealed with its record's digest,
+    is not read again (at 8B, hashing the kept files would cost more than the rest of the resume)."""
+    _finished_file(tmp_path)
+    hashed = []
+    monkeypatch.setattr(hashlib, "file_digest", lambda *a, **k: hashed.append(a) or hashlib.sha256())
+
+    kept = keep_finished(tmp_path, KEY, FILES)
+
+    assert list(kept.finished) == [NAME] and hashed == []
+
+
+def test_a_file_with_another_seal_than_its_records_digest_is_hashed(tmp_path):
+    """Someone edited both the record's digest and the file's seal: the seal's change set the file's
+    ctime, so its identity is no longer the recorded one, and the bytes are hashed (and do not match)."""
+    path = _finished_file(tmp_path)
+    time.sleep(0.05)
+    seal(path, "0" * 64)
+    _rewrite_record(tmp_path, sha256="0" * 64)
+
+    kept = keep_finished(tmp_path, KEY, FILES)
+
+    assert kept.finished == {} and not path.exists()
