@@ -97,7 +97,7 @@ def huge_shape(d):
             lambda p: EMBED_VIEW.sub(lambda m: b"QK\x00" + int4(2**24) + b"K@\x86" + m[1] + b"K@K\x01\x86", p, 1)
         ),
     )
-    return "local shard has shape (16777216, 64)"
+    return "tensor view (shape (16777216, 64), stride (64, 1), offset 0) reaches element 1073741823 but its storage data/0 holds 21440"
 
 
 def storage_dtype_disagrees(d):
