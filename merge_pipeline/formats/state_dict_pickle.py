@@ -201,7 +201,9 @@ class StateDictUnpickler:
                     args = stack.pop()
                     function = stack[-1]
                     if type(function) is not _Function:
-                        what = f"the class {function.name}" if type(function) is _Class else _kind(function)
+                        what = (
+                            f"the class {function.name}" if type(function) is _Class else f"a value ({_kind(function)})"
+                        )
                         _refuse(f"REDUCE at byte {pos - 1} calls {what}, which a state dict is never rebuilt with")
                     if type(args) is not tuple:
                         _refuse(f"REDUCE at byte {pos - 1}: {function.name} given {_kind(args)} as its arguments")
@@ -233,7 +235,7 @@ class StateDictUnpickler:
                     args = stack.pop()
                     cls = stack.pop()
                     if type(cls) is not _Class:
-                        what = f"the function {cls.name}" if type(cls) is _Function else _kind(cls)
+                        what = f"the function {cls.name}" if type(cls) is _Function else f"a value ({_kind(cls)})"
                         _refuse(f"NEWOBJ at byte {pos - 1} makes {what}, which is not a class a state dict holds")
                     if type(args) is not tuple:
                         _refuse(f"NEWOBJ at byte {pos - 1}: {cls.name} given {_kind(args)} as its arguments")
@@ -361,8 +363,8 @@ def _kind(value: object) -> str:
     if type(value) in (_Function, _Class):
         return value.name
     if type(value) in (tuple, list, dict):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
 
 
 def _attributes(state: object) -> dict | None:
@@ -439,18 +441,30 @@ def _globals(unpickler: StateDictUnpickler) -> dict[str, _Function | _Class | ob
         )
         return torch.nn.Parameter(data, requires_grad)
 
-    def rebuild_dtensor(args: tuple) -> DTensor:
-        _, _, wrapper_args, state = _arguments(
+    def rebuild_from_type(args: tuple) -> torch.Tensor:
+        """A DTensor (``_rebuild_wrapper_subclass``, its local tensor and spec), or a plain tensor with a few
+        plain attributes (DeepSpeed's ``ds_id``): the two a state dict's pickle rebuilds from a type."""
+        rebuild, new_type, inner, state = _arguments(
             "_rebuild_from_type_v2",
             args,
-            lambda f: f is wrapper_subclass,
-            lambda t: t is dtensor,
+            lambda f: f is wrapper_subclass or f is tensor_v2,
+            lambda t: t is dtensor or t is plain_tensor,
             _nothing_but(tuple),
             lambda s: _attributes(s) is not None,
         )
+        if (rebuild is tensor_v2) != (new_type is plain_tensor):
+            _refuse(f"_rebuild_from_type_v2 makes a {new_type.name} with {rebuild.name}")
+        state = _attributes(state)
+        if rebuild is tensor_v2:
+            tensor = rebuild_tensor(inner)
+            for name, value in state.items():
+                if type(value) not in _PLAIN or name.startswith("__") or hasattr(torch.Tensor, name):
+                    _refuse(f"a tensor given the attribute {name[:40]} ({_kind(value)}): only new plain ones are kept")
+                setattr(tensor, name, value)
+            return tensor
         _, dtype, size, stride, offset, layout, device, requires_grad = _arguments(
             "_rebuild_wrapper_subclass",
-            wrapper_args,
+            inner,
             lambda c: c is dtensor,
             _nothing_but(torch.dtype),
             _dims,
@@ -460,7 +474,6 @@ def _globals(unpickler: StateDictUnpickler) -> dict[str, _Function | _Class | ob
             _nothing_but(torch.device),
             _nothing_but(bool),
         )
-        state = _attributes(state)
         if set(state) != {"_local_tensor", "_spec"} or not (
             _meta_tensor(state["_local_tensor"]) and type(state["_spec"]) is DTensorSpec
         ):
@@ -481,6 +494,8 @@ def _globals(unpickler: StateDictUnpickler) -> dict[str, _Function | _Class | ob
             name, cls, lambda args: cls.__new__(cls) if args == () else _refuse(f"NEWOBJ of {name} with arguments")
         )
 
+    tensor_v2 = _Function("torch._utils._rebuild_tensor_v2", rebuild_tensor)
+    plain_tensor = _Class("torch.Tensor", torch.Tensor, lambda args: _refuse("NEWOBJ of a torch.Tensor"))
     wrapper_subclass = _Function(
         "torch._utils._rebuild_wrapper_subclass",
         lambda args: _refuse("a bare _rebuild_wrapper_subclass call: only a DTensor's _rebuild_from_type_v2 uses it"),
@@ -499,10 +514,11 @@ def _globals(unpickler: StateDictUnpickler) -> dict[str, _Function | _Class | ob
             "torch.serialization._get_layout",
             lambda args: _arguments("_get_layout", args, lambda name: name == "torch.strided") and torch.strided,
         ),
-        _Function("torch._utils._rebuild_tensor_v2", rebuild_tensor),
+        tensor_v2,
         _Function("torch._utils._rebuild_parameter", rebuild_parameter),
-        _Function("torch._tensor._rebuild_from_type_v2", rebuild_dtensor),
+        _Function("torch._tensor._rebuild_from_type_v2", rebuild_from_type),
         wrapper_subclass,
+        plain_tensor,
         dtensor,
         new(DTensorSpec),
         new(DeviceMesh),
