@@ -1,0 +1,136 @@
+"""Megatron-Bridge's own name mappings, as plain JSON: run with the bridge venv's python.
+
+    .venv-bridge/bin/python merge_pipeline_samples/bridge_mappings.py merge_pipeline/bridge_mappings.json
+
+Walks every architecture Megatron-Bridge registers (``MegatronModelBridge.register_bridge`` puts each
+bridge class in ``get_model_bridge``'s dispatch table), asks its bridge for ``mapping_registry()`` and
+writes, per HF architecture: the bridge class, its ``model_type``, and each parameter mapping as its kind
+(the mapping's class and the Megatron-Bridge classes it derives from), its Megatron name pattern, its HF
+name(s) and its plain parameters (``permute_dims``, ``transpose_on_export``, ...). Patterns keep the
+bridge's wildcards: ``*`` a number (layer, expert), ``**`` any path. The output is committed
+(``merge_pipeline/bridge_mappings.json``) and the reader reads it: Megatron-Bridge is never imported at
+merge time. Rerun it when the bridge is upgraded; ``merge_pipeline_tests/formats/megatron/test_bridge_mappings.py``
+checks the committed file is what this produces.
+
+A few bridges build their registry from the HF config (how many layers are dense, which have MTP): those are
+asked with the default config of the family's transformers config class (``AutoConfig.for_model``), and the
+architecture's entry says ``"from_default_config": true``. A bridge whose registry cannot be built that way is
+written with its error (``"error"``), so that it is accounted for, not dropped.
+
+Megatron-Bridge imports TransformerEngine unconditionally in two modules; ``megatron_bridge_save.py``'s
+import (an empty module only while those two load) is used here too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import types
+import warnings
+from pathlib import Path
+
+# Run as a script, its own folder comes first on the path, where megatron.py would hide megatron-core.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from merge_pipeline_samples.megatron_bridge_save import _import_bridge  # noqa: E402  (after its path)
+
+_BRIDGE_MODULE = "megatron.bridge."
+
+
+def _plain(value):
+    """A mapping parameter as JSON, or None when it is not plain data (process groups, caches)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (str, int, float, bool)) for v in value):
+        return list(value)
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(sorted(value.items()))
+    return None
+
+
+def _mapping(mapping) -> dict:
+    # The mapping's class, then the Megatron-Bridge classes it derives from (a family's own kind names
+    # the standard one it specialises); MegatronParamMapping, the base of all, is left out.
+    kinds = [
+        c.__name__
+        for c in type(mapping).__mro__
+        if c.__module__.startswith(_BRIDGE_MODULE) and c.__name__ != "MegatronParamMapping"
+    ]
+    params = {}
+    for name, value in sorted(vars(mapping).items()):
+        if name.startswith("_") or name in ("megatron_param", "hf_param") or name.endswith("_group"):
+            continue
+        plain = _plain(value)
+        if plain is not None or value is None:
+            params[name] = plain
+    return {"kind": kinds, "megatron": mapping.megatron_param, "hf": _plain(mapping.hf_param), "params": params}
+
+
+def _registry(source, factory) -> tuple[list, bool]:
+    bridge = factory(source)
+    try:
+        return bridge.mapping_registry().mappings, False
+    except AttributeError:  # its registry reads the HF config
+        import transformers
+
+        model_type = getattr(bridge, "MODEL_TYPE", None) or source.config_class.model_type
+        config = transformers.AutoConfig.for_model(model_type)
+        bridge = factory(source, hf_config=types.SimpleNamespace(config=config))
+        return bridge.mapping_registry().mappings, True
+
+
+def bridge_mappings() -> dict:
+    _import_bridge()
+    import megatron.bridge.models  # noqa: F401  (registers every bridge)
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
+    out = {}
+    for source, factory in get_model_bridge._exact_types.items():
+        architecture = source if isinstance(source, str) else source.__name__
+        bridge_class = type(factory(source))
+        entry = {"bridge": bridge_class.__name__, "model_type": getattr(bridge_class, "MODEL_TYPE", None)}
+        try:
+            mappings, from_config = _registry(source, factory)
+        except Exception as exc:  # noqa: BLE001  (recorded: the architecture stays accounted for)
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            entry["from_default_config"] = from_config
+            entry["mappings"] = [_mapping(m) for m in mappings]
+        out[architecture] = entry
+    return dict(sorted(out.items()))
+
+
+def main(argv: list[str]) -> None:
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    from importlib.metadata import version
+
+    data = {
+        "generator": "merge_pipeline_samples/bridge_mappings.py",
+        "megatron_bridge": version("megatron-bridge"),
+        "megatron_core": version("megatron-core"),
+        "transformers": version("transformers"),
+        "architectures": bridge_mappings(),
+    }
+    Path(argv[0]).write_text(_dump(data))
+
+
+def _dump(data: dict) -> str:
+    """JSON with one line per mapping: a bridge upgrade reads as a short diff."""
+    lines = ["{"]
+    lines += [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in data.items() if k != "architectures"]
+    lines.append(' "architectures": {')
+    for i, (architecture, entry) in enumerate(data["architectures"].items()):
+        fields = [f"   {json.dumps(k)}: {json.dumps(v)}" for k, v in entry.items() if k != "mappings"]
+        if "mappings" in entry:
+            rows = ",\n".join(f"    {json.dumps(m)}" for m in entry["mappings"])
+            fields.append(f'   "mappings": [\n{rows}\n   ]')
+        comma = "," if i < len(data["architectures"]) - 1 else ""
+        lines.append(f"  {json.dumps(architecture)}: {{\n" + ",\n".join(fields) + f"\n  }}{comma}")
+    lines += [" }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
