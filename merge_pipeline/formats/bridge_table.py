@@ -1,0 +1,113 @@
+"""Megatron-Bridge's name mappings, read from ``merge_pipeline/bridge_mappings.json``.
+
+That file is generated from the installed bridge's own ``mapping_registry()`` of each architecture by
+``merge_pipeline_samples/bridge_mappings.py`` (never imported here: Megatron-Bridge is not a dependency of
+the reader). Each mapping's kind is translated into an operation of the reader's conversion vocabulary
+(``formats/megatron_names.py``): ``copy`` (the tensor as stored, whatever its tensor-parallel split),
+``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
+then up rows), ``grouped_experts`` (every expert of a layer in one HF tensor, gpt-oss's transposed
+layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
+None: an architecture that needs one is not merged.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+# Mapping kind (the class or a Megatron-Bridge class it derives from) -> operation; the first kind of a
+# mapping's chain that is listed here decides.
+_OPERATIONS = {
+    "AutoMapping": "copy",
+    "DirectMapping": "copy",
+    "ReplicatedMapping": "copy",
+    "ColumnParallelMapping": "copy",
+    "RowParallelMapping": "copy",
+    "QKVMapping": "qkv",
+    "GatedMLPMapping": "gate_up",
+    "GPTOSSMLPGateUpProjMapping": "grouped_experts",
+    "GPTOSSMLPDownProjMapping": "grouped_experts",
+}
+# Family kinds that change values, not only names: not the operation their base class names.
+_NOT_COPIES = {
+    "RMSNorm2ZeroCenteredRMSNormMapping",  # adds 1 to the stored norm weight
+    "FusedExpertMapping",  # experts fused into one HF tensor, optionally transposed
+    "FusedGatedExpertMapping",
+    "StackedExpertAutoMapping",
+    "StackedExpertGatedMLPMapping",
+    "MiMoV2FlashQKVMapping",
+    "_Gemma4QKVMapping",
+    "_ConcatBiasMapping",
+    "_SqueezeBiasMapping",
+    "_OffsetGatedMLPMapping",
+    "_OffsetRowParallelMapping",
+}
+
+
+@dataclass(frozen=True)
+class BridgeMapping:
+    """One of the bridge's parameter mappings: a Megatron name pattern and the HF name(s) it becomes."""
+
+    kinds: tuple[str, ...]
+    megatron: str  # '*': a number (layer, expert); '**': any path
+    hf: dict[str, str]  # role ("" for one tensor; q/k/v; gate/up) -> HF name pattern
+
+    @property
+    def operation(self) -> str | None:
+        if self.kinds[0] in _NOT_COPIES:
+            return None
+        return next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
+
+    @functools.cached_property
+    def pattern(self) -> re.Pattern:
+        parts = re.split(r"(\*\*|\*)", self.megatron)
+        return re.compile("".join("(.+)" if p == "**" else r"(\d+)" if p == "*" else re.escape(p) for p in parts))
+
+    def hf_names(self, megatron_name: str) -> dict[str, str] | None:
+        """The HF names of one Megatron name this mapping covers, its wildcards filled in order."""
+        match = self.pattern.fullmatch(megatron_name)
+        if match is None:
+            return None
+        return {role: _fill(name, match.groups()) for role, name in self.hf.items()}
+
+
+def _fill(pattern: str, values: tuple[str, ...]) -> str:
+    parts = re.split(r"(\*\*|\*)", pattern)
+    wildcards = iter(values)
+    return "".join(next(wildcards) if p in ("*", "**") else p for p in parts)
+
+
+@functools.cache
+def _table() -> dict:
+    return json.loads(resources.files("merge_pipeline").joinpath("bridge_mappings.json").read_text())
+
+
+def bridge_release() -> str:
+    return _table()["megatron_bridge"]
+
+
+def architectures() -> tuple[str, ...]:
+    """Every HF architecture the bridge registers."""
+    return tuple(_table()["architectures"])
+
+
+def mappings(architecture: str) -> tuple[BridgeMapping, ...]:
+    """The bridge's mappings of an architecture (empty when it does not register it)."""
+    entry = _table()["architectures"].get(architecture, {})
+    return tuple(
+        BridgeMapping(tuple(m["kind"]), m["megatron"], m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]})
+        for m in entry.get("mappings", ())
+    )
+
+
+def lookup(architecture: str, megatron_name: str) -> tuple[BridgeMapping, dict[str, str]] | None:
+    """The bridge's mapping of one Megatron name, with its HF names; the first that matches, as the bridge
+    takes it (``MegatronMappingRegistry.megatron_to_hf_lookup``)."""
+    for mapping in mappings(architecture):
+        names = mapping.hf_names(megatron_name)
+        if names is not None:
+            return mapping, names
+    return None
