@@ -440,15 +440,128 @@ _LLAMA4 = (
     "Llama 4: megatron-core 0.16 has no chunked attention (attention_chunk_size) and no attention-temperature "
     "tuning for its NoPE layers, so it cannot build the model and no mapping could be proven against its forward"
 )
+_NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU without TransformerEngine"
+_TE_SPEC = f"{_NOT_BUILT}: the bridge sets TransformerEngine's layer spec"
+_NO_TRANSFORMERS = "transformers 5.12.1 does not ship it (remote code): no tiny model to build it from or to load it"
+_MLA = (
+    f"{_NOT_BUILT}: megatron-core 0.18.2's multi-latent attention without TransformerEngine passes k_channels, "
+    "which its DotProductAttention does not take"
+)
+_TE_EXPERTS_ONLY = (
+    f"{_NOT_BUILT}: its bridge maps only TransformerEngine's grouped experts (experts.linear_fc1.weight<N>), "
+    "not megatron-core's local experts, so loading the tiny model stops"
+)
+_ZERO_CENTRED = (
+    f"{_NOT_BUILT}: its zero-centred layer norm is TransformerEngine's (torch's LayerNorm has no zero_centered_gamma)"
+)
+_MULTIMODAL = (
+    "not built yet: merge_pipeline_samples/megatron_bridge_archs.py builds text-only tiny models; a tiny "
+    "vision/audio tower for it is not written"
+)
+# Megatron-Bridge architectures (merge_pipeline/bridge_mappings.json) no family maps; the reasons are what
+# merge_pipeline_samples/megatron_bridge_archs.py --each found (its failed.txt lines, quoted or summed up).
+BRIDGE_REFUSED: Mapping[str, str] = {
+    "BailingMoeV2ForCausalLM": _NO_TRANSFORMERS,
+    "DeciLMForCausalLM": _NO_TRANSFORMERS,
+    "KimiK2ForCausalLM": _NO_TRANSFORMERS,
+    "MiMoV2FlashForCausalLM": _NO_TRANSFORMERS,
+    "SarvamMLAForCausalLM": _NO_TRANSFORMERS,
+    "SarvamMoEForCausalLM": _NO_TRANSFORMERS,
+    "Step3p5ForCausalLM": _NO_TRANSFORMERS,
+    "KimiK25ForConditionalGeneration": _NO_TRANSFORMERS,
+    "NemotronH_Nano_Omni_Reasoning_V3": _NO_TRANSFORMERS,
+    "NemotronH_Nano_VL_V2": _NO_TRANSFORMERS,
+    "NemotronLabsDiffusionModel": _NO_TRANSFORMERS,
+    "Qwen3ASRForConditionalGeneration": _NO_TRANSFORMERS,
+    "Step3p7ForConditionalGeneration": _NO_TRANSFORMERS,
+    "DeepseekV2ForCausalLM": _MLA,
+    "Glm4MoeLiteForCausalLM": _MLA,
+    "DeepseekV4ForCausalLM": (
+        f"{_NOT_BUILT}: the bridge's provider reads rope_scaling['factor'], which the tiny DeepseekV4Config "
+        "does not set (KeyError: 'factor')"
+    ),
+    "GlmMoeDsaForCausalLM": (
+        "the bridge's provider reads indexer_rope_interleave, which transformers 5.12.1's GlmMoeDsaConfig does not have"
+    ),
+    "Ernie4_5_MoeForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
+    "MiniMaxM2ForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
+    "OlmoeForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
+    "Exaone4ForCausalLM": f"{_TE_SPEC}: qk_layernorm requires Transformer Engine (for TENorm)",
+    "FalconH1ForCausalLM": f"{_TE_SPEC}: its hybrid layers build TENorm",
+    **dict.fromkeys(
+        ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+        f"{_TE_SPEC} (experimental attention variants, Gated DeltaNet: TESpecProvider is not defined)",
+    ),
+    "Gemma3ForCausalLM": f"{_TE_SPEC}: its Gemma3SelfAttention builds TransformerEngine's layers",
+    "NemotronHForCausalLM": f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed)",
+    "Gemma2ForCausalLM": f"{_NOT_BUILT}: its layer spec fails while building TransformerLayer (StopIteration)",
+    "GemmaForCausalLM": _ZERO_CENTRED,
+    "NemotronForCausalLM": _ZERO_CENTRED,
+    "ExaoneMoeForCausalLM": _TE_EXPERTS_ONLY,
+    "ExaoneMoEForCausalLM": _TE_EXPERTS_ONLY,
+    "Gemma4ForCausalLM": (
+        "the bridge builds it on CPU (TP=2), but its QKV and experts mappings change values "
+        "(_Gemma4QKVMapping, FusedGatedExpertMapping, FusedExpertMapping): operations the reader does not have"
+    ),
+    "HYV3ForCausalLM": (
+        "the bridge builds it on CPU (TP=2, EP=2) and every one of its mappings is an operation the reader has, "
+        "but no family maps it yet"
+    ),
+    **dict.fromkeys(
+        (
+            "Ernie4_5_VLMoeForConditionalGeneration",
+            "Exaone4_5_ForConditionalGeneration",
+            "Gemma3ForConditionalGeneration",
+            "Gemma4ForConditionalGeneration",
+            "Glm4vMoeForConditionalGeneration",
+            "MiniMaxM3SparseForConditionalGeneration",
+            "Mistral3ForConditionalGeneration",
+            "Qwen2AudioForConditionalGeneration",
+            "Qwen2_5OmniForConditionalGeneration",
+            "Qwen3OmniMoeForConditionalGeneration",
+        ),
+        _MULTIMODAL,
+    ),
+}
 MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
     {
-        "Qwen3NextForCausalLM": "Qwen3-Next: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
+        **BRIDGE_REFUSED,
+        "Qwen3NextForCausalLM": (
+            "Qwen3-Next: its Gated DeltaNet layers need flash-linear-attention's GPU kernels; "
+            f"{_TE_SPEC} (experimental attention variants: TESpecProvider is not defined)"
+        ),
         "Qwen3_5ForConditionalGeneration": "Qwen3.5: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
         "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
         "MiMoForCausalLM": "MiMo: remote code that transformers 5 does not ship, with MTP layers of its own",
-        "Qwen3VLForConditionalGeneration": "Qwen3-VL: megatron-core 0.16 has no Qwen3-VL model (the bridge builds it)",
-        "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE: megatron-core 0.16 has no Qwen3-VL model (the bridge builds it)",
+        "Qwen3VLForConditionalGeneration": f"Qwen3-VL: megatron-core 0.16 has no Qwen3-VL model; {_MULTIMODAL}",
+        "Qwen3VLMoeForConditionalGeneration": f"Qwen3-VL-MoE: megatron-core 0.16 has no Qwen3-VL model; {_MULTIMODAL}",
         "Llama4ForConditionalGeneration": _LLAMA4,
         "Llama4ForCausalLM": _LLAMA4,
+    }
+)
+
+# ---- Megatron-Bridge's architectures, accounted for -----------------------------------------------
+
+# Architectures Megatron-Bridge registers whose Megatron shards, built by the bridge itself on CPU and saved as
+# verl saves them, merge bit for bit into the bridge's own export_hf_weights and load in transformers with
+# nothing missing (merge_pipeline_tests/formats/megatron/test_bridge_architectures.py): the fixture's layout.
+_EP = "TP=2, EP=2"
+MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
+    {
+        "LlamaForCausalLM": "TP=2",
+        "MistralForCausalLM": "TP=2",
+        "Qwen2ForCausalLM": "TP=2",
+        "Qwen3ForCausalLM": "TP=2",
+        "Qwen3MoeForCausalLM": _EP,
+        "GptOssForCausalLM": _EP,
+    }
+)
+# Architectures a family above maps (proven on megatron-core's own fixtures, docs/LAYOUTS.md, and equal to the
+# bridge's mapping registry: test_bridge_families.py) whose build through the bridge does not run here, and why.
+BRIDGE_NOT_BUILT: Mapping[str, str] = MappingProxyType(
+    {
+        "DeepseekV3ForCausalLM": _MLA,
+        "Glm4MoeForCausalLM": _TE_EXPERTS_ONLY,
+        "Qwen2_5_VLForConditionalGeneration": _MULTIMODAL,
     }
 )
