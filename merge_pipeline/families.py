@@ -77,6 +77,7 @@ class Family:
     # Each layer's experts as one tensor per kind in HF's transposed layout, gate/up interleaved (gpt-oss).
     grouped_experts: bool = False
     megatron: bool = True  # the Megatron reader maps it
+    from_bridge: bool = False  # no record here: the Megatron reader takes every name from Megatron-Bridge's table
     torchtitan: Torchtitan | None = None  # torchtitan 0.3.0 ships a state_dict_adapter for it
 
 
@@ -503,10 +504,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "the bridge builds it on CPU (TP=2), but its QKV and experts mappings change values "
         "(_Gemma4QKVMapping, FusedGatedExpertMapping, FusedExpertMapping): operations the reader does not have"
     ),
-    "HYV3ForCausalLM": (
-        "the bridge builds it on CPU (TP=2, EP=2) and every one of its mappings is an operation the reader has, "
-        "but no family maps it yet"
-    ),
     **dict.fromkeys(
         (
             "Ernie4_5_VLMoeForConditionalGeneration",
@@ -554,6 +551,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Qwen3ForCausalLM": "TP=2",
         "Qwen3MoeForCausalLM": _EP,
         "GptOssForCausalLM": _EP,
+        "HYV3ForCausalLM": _EP,  # no family record: every name from Megatron-Bridge's table
     }
 )
 # Architectures a family above maps (proven on megatron-core's own fixtures, docs/LAYOUTS.md, and equal to the

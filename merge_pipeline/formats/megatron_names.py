@@ -19,6 +19,7 @@ from pathlib import Path
 
 from merge_pipeline import families
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats import bridge_table
 from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
 
 
@@ -57,6 +58,8 @@ def megatron_family(config: dict, config_path: Path) -> tuple[str, families.Fami
             f"{architecture} ({families.MEGATRON_REFUSED[architecture]}): its Megatron shards are not mapped to "
             f"Hugging Face names; {SAVE_THROUGH_THE_BRIDGE}",
         )
+    if family is None and architecture in families.MEGATRON_PROVEN:
+        return architecture, _bridge_family(architecture)
     if family is None or not family.megatron:
         supported = ", ".join(sorted(a for f in families.FAMILIES.values() if f.megatron for a in f.architectures))
         raise MergeError(
@@ -64,6 +67,12 @@ def megatron_family(config: dict, config_path: Path) -> tuple[str, families.Fami
             f"unsupported architecture {architecture} for Megatron checkpoints (supported: {supported}); otherwise {SAVE_THROUGH_THE_BRIDGE}",
         )
     return architecture, family
+
+
+def _bridge_family(architecture: str) -> families.Family:
+    """An architecture no family record maps, proven through Megatron-Bridge's own table: every name comes
+    from ``bridge_table`` (``KeyMapper._map_bridge``)."""
+    return families.Family(architecture, architecture, (architecture,), from_bridge=True)
 
 
 def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
@@ -116,15 +125,20 @@ class _GateUp:
 
     def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
         gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (self.gate, self.up))
-        if p.half:
-            return [whole(gate if p.half == "_w" else up, p.key, p.rows, p.index)]
-        if p.rows % 2:
-            raise MergeError(mapper.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
-        half = p.rows // 2
-        return [
-            OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
-            OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
-        ]
+        return split_gate_up(mapper, p, gate, up)
+
+
+def split_gate_up(mapper: KeyMapper, p: _LayerParam, gate: str, up: str) -> list[OutputSpec]:
+    """A gated fc1 into HF's ``gate`` and ``up`` tensors: its row halves, or the one its ``_w``/``_v`` key holds."""
+    if p.half:
+        return [whole(gate if p.half == "_w" else up, p.key, p.rows, p.index)]
+    if p.rows % 2:
+        raise MergeError(mapper.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
+    half = p.rows // 2
+    return [
+        OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
+        OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
+    ]
 
 
 @dataclass(frozen=True)
@@ -134,7 +148,9 @@ class _GroupedQKV:
     prefix: str  # "self_attn." -> self_attn.q_proj / k_proj / v_proj
 
     def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
-        return None if p.half else mapper.split_grouped_qkv(p, prefix + self.prefix)
+        if p.half:
+            return None
+        return mapper.split_grouped_qkv(p, {n: f"{prefix}{self.prefix}{n}_proj.{p.attr}" for n in ("q", "k", "v")})
 
 
 @dataclass(frozen=True)
@@ -318,6 +334,8 @@ class KeyMapper:
     # ---- dispatch by scope ----
 
     def _map_key(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
+        if self.model.family.from_bridge:
+            return self._map_bridge(key, shape)
         if self.model.family.vision_prefix is None:
             return self._map_text(key, key, shape)
         if key.startswith("language_model."):
@@ -397,6 +415,36 @@ class KeyMapper:
             out.extend(mapped)
         return out
 
+    def _map_bridge(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
+        """A key by Megatron-Bridge's own mapping of its name (``bridge_table``), one layer and expert at a time
+        under the name the bridge's registry uses (``decoder.layers.<i>.``, ``local_experts.<e>.``)."""
+        params = _layer_params(key, key, shape)
+        if params is None:
+            return self._bridge_outputs(key, _LayerParam(0, None, "", "", "", key, (), shape[0]))
+        out: list[OutputSpec] = []
+        for p in params:
+            module = p.module
+            if p.expert is not None:
+                module = module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")
+            mapped = self._bridge_outputs(f"decoder.layers.{p.layer}.{module}.{p.attr}", p)
+            if mapped is None:
+                return None
+            out.extend(mapped)
+        return out
+
+    def _bridge_outputs(self, name: str, p: _LayerParam) -> list[OutputSpec] | None:
+        found = bridge_table.lookup(self.model.architecture, name)
+        if found is None:
+            return None
+        mapping, hf = found
+        if mapping.operation == "copy" and not p.half:
+            return [whole(hf[""], p.key, p.rows, p.index)]
+        if mapping.operation == "qkv" and not p.half:
+            return self.split_grouped_qkv(p, hf)
+        if mapping.operation == "gate_up":
+            return split_gate_up(self, p, hf["gate"], hf["up"])
+        return None
+
     # ---- one layer's parameter ----
 
     def _map_text_layer(self, p: _LayerParam) -> list[OutputSpec] | None:
@@ -463,7 +511,8 @@ class KeyMapper:
                 specs.append(OutputSpec(name, pieces, experts=len(experts), transpose=transpose, interleave_halves=fc1))
         return specs
 
-    def split_grouped_qkv(self, p: _LayerParam, prefix: str) -> list[OutputSpec]:
+    def split_grouped_qkv(self, p: _LayerParam, names: dict[str, str]) -> list[OutputSpec]:
+        """``names``: the HF names of the q, k and v rows."""
         m = self.model
         if m.attention_heads % m.kv_heads:
             raise MergeError(
@@ -482,7 +531,7 @@ class KeyMapper:
         q = tuple(Piece(p.key, p.index, (s, s + q_rows)) for s in starts)
         k = tuple(Piece(p.key, p.index, (s + q_rows, s + q_rows + m.head_dim)) for s in starts)
         v = tuple(Piece(p.key, p.index, (s + q_rows + m.head_dim, s + group_rows)) for s in starts)
-        return [OutputSpec(f"{prefix}{n}_proj.{p.attr}", pieces) for n, pieces in (("q", q), ("k", k), ("v", v))]
+        return [OutputSpec(names[n], pieces) for n, pieces in (("q", q), ("k", k), ("v", v))]
 
     def reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
         heads = self.model.vision_heads
