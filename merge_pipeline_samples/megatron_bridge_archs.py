@@ -85,10 +85,11 @@ def _hf_model(architecture: str):
     import transformers
 
     model_class = getattr(transformers, architecture)
-    # Only the sizes its config class has: the bridge reads num_local_experts & co. from any config.
+    # Expert sizes only for a config class with experts: the bridge reads num_local_experts & co. from any
+    # config, and some bridges read names their config class lacks (HYV3's first_k_dense_replace).
     defaults = model_class.config_class()
-    moe = {name: value for name, value in _MOE_SIZES.items() if hasattr(defaults, name)}
-    config = model_class.config_class(**_SIZES, **moe, architectures=[architecture])
+    moe = any(hasattr(defaults, name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    config = model_class.config_class(**_SIZES, **(_MOE_SIZES if moe else {}), architectures=[architecture])
     torch.manual_seed(0)
     model = model_class(config).float()
     with torch.no_grad():  # norms away from their all-ones init, so a swapped norm cannot pass
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         try:
             spawn_gloo_ranks(_save_all, (str(args.out_dir), [architecture]), args.world_size)
-        except mp.ProcessRaisedException as exc:  # the rank's traceback: the error, then where it was raised
+        except mp.ProcessException as exc:  # a rank's traceback (the error, then where it was raised) or its exit
             lines = str(exc).strip().splitlines()
             frames = [line.strip() for line in lines if line.strip().startswith("File ")]
             error = f"{lines[-1]} ({frames[-1].split('site-packages/')[-1]})" if frames else lines[-1]
