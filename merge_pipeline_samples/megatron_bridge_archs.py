@@ -177,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         try:
             spawn_gloo_ranks(_save_all, (str(args.out_dir), [architecture]), args.world_size)
-        except mp.ProcessException as exc:  # a rank's traceback (the error, then where it was raised) or its exit
+        except (
+            mp.ProcessRaisedException,
+            mp.ProcessExitedException,
+        ) as exc:  # a rank's traceback (the error, then where it was raised) or its exit
             lines = str(exc).strip().splitlines()
             frames = [line.strip() for line in lines if line.strip().startswith("File ")]
             error = f"{lines[-1]} ({frames[-1].split('site-packages/')[-1]})" if frames else lines[-1]
