@@ -443,7 +443,7 @@ _LLAMA4 = (
 )
 _NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU without TransformerEngine"
 _TE_SPEC = f"{_NOT_BUILT}: the bridge sets TransformerEngine's layer spec"
-_NO_TRANSFORMERS = "transformers 5.12.1 does not ship it (remote code): no tiny model to build it from or to load it"
+_NO_TRANSFORMERS = "transformers 5.12.1 does not ship it: no tiny model to build it from or to load it"
 _MLA = (
     f"{_NOT_BUILT}: megatron-core 0.18.2's multi-latent attention without TransformerEngine passes k_channels, "
     "which its DotProductAttention does not take"
@@ -478,8 +478,8 @@ BRIDGE_REFUSED: Mapping[str, str] = {
     "DeepseekV2ForCausalLM": _MLA,
     "Glm4MoeLiteForCausalLM": _MLA,
     "DeepseekV4ForCausalLM": (
-        f"{_NOT_BUILT}: the bridge's provider reads rope_scaling['factor'], which the tiny DeepseekV4Config "
-        "does not set (KeyError: 'factor')"
+        "not built here: the bridge's provider reads rope_scaling['factor'], which the writer's tiny "
+        "DeepseekV4Config does not set (KeyError: 'factor'); not retried with one"
     ),
     "GlmMoeDsaForCausalLM": (
         "the bridge's provider reads indexer_rope_interleave, which transformers 5.12.1's GlmMoeDsaConfig does not have"
@@ -495,7 +495,10 @@ BRIDGE_REFUSED: Mapping[str, str] = {
     ),
     "Gemma3ForCausalLM": f"{_TE_SPEC}: its Gemma3SelfAttention builds TransformerEngine's layers",
     "NemotronHForCausalLM": f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed)",
-    "Gemma2ForCausalLM": f"{_NOT_BUILT}: its layer spec fails while building TransformerLayer (StopIteration)",
+    "Gemma2ForCausalLM": (
+        "not built here: the bridge's Gemma 2 layer spec fails on CPU while building TransformerLayer "
+        "(StopIteration; not traced further)"
+    ),
     "GemmaForCausalLM": _ZERO_CENTRED,
     "NemotronForCausalLM": _ZERO_CENTRED,
     "ExaoneMoeForCausalLM": _TE_EXPERTS_ONLY,
