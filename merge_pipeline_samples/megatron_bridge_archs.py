@@ -99,8 +99,24 @@ def _hf_model(architecture: str):
     return model
 
 
+def _local_attention_takes_mla_channels() -> None:
+    """megatron-core 0.18.2's multi-latent attention passes ``k_channels`` / ``v_channels`` to its core attention,
+    which only TransformerEngine's takes; its local ``DotProductAttention`` raises on them. They size only the
+    forward's buffers: the local class holds no parameter that depends on them (its one, ``softmax_offset``, is
+    per head), so dropping them changes no saved tensor. The forward is never run here."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    init = DotProductAttention.__init__
+
+    def without_channels(self, *args, k_channels=None, v_channels=None, **kwargs):
+        init(self, *args, **kwargs)
+
+    DotProductAttention.__init__ = without_channels
+
+
 def _save_all(rank: int, world_size: int, out: str, architectures: list[str]) -> None:
     _patch_for_cpu()
+    _local_attention_takes_mla_channels()
     for architecture in architectures:
         _save(rank, Path(out) / architecture, architecture, world_size)
 

@@ -34,8 +34,9 @@ KNOWN_DIFFERENCES = {
         "megatron-core's own vision model (vision_model.*), which verl's non-bridge path saves"
     ),
 }
-# TransformerEngine's grouped experts in memory (experts.linear_fc1.weight<N>): megatron-core's
-# TEGroupedMLP saves them per expert in dist_checkpointing, the layout the local_experts.* mapping covers.
+# TransformerEngine's grouped experts in memory (experts.linear_fc1.weight<N>): megatron-core 0.18.2's
+# TEGroupedMLP.sharded_state_dict saves them with a global expert axis, "interchangeable with SequentialMLP's" (its
+# source; not run: no TransformerEngine here), the layout the local_experts.* mapping covers.
 _IN_MEMORY_ONLY = "weight*", "bias*"
 
 
