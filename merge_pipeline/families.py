@@ -471,10 +471,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
     "NemotronLabsDiffusionModel": _NO_TRANSFORMERS,
     "Qwen3ASRForConditionalGeneration": _NO_TRANSFORMERS,
     "Step3p7ForConditionalGeneration": _NO_TRANSFORMERS,
-    "Glm4MoeLiteForCausalLM": (
-        "not built here: the bridge's import of the writer's tiny model stops on q_b_proj's shape "
-        "(hf [64, 32] against Megatron [48, 32] per rank at TP=2); not retried with other sizes"
-    ),
     "DeepseekV4ForCausalLM": (
         "not built here: the bridge's provider reads rope_scaling['factor'], which the writer's tiny "
         "DeepseekV4Config does not set (KeyError: 'factor'); not retried with one"
@@ -554,6 +550,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "GptOssForCausalLM": _EP,
         "HYV3ForCausalLM": _EP,  # no family record: every name from Megatron-Bridge's table
         "DeepseekV2ForCausalLM": _EP,  # likewise
+        "Glm4MoeLiteForCausalLM": _EP,  # likewise
         "DeepseekV3ForCausalLM": _EP,
     }
 )

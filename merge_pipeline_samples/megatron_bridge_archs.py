@@ -89,7 +89,10 @@ def _hf_model(architecture: str):
     # config, and some bridges read names their config class lacks (HYV3's first_k_dense_replace).
     defaults = model_class.config_class()
     moe = any(hasattr(defaults, name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
-    config = model_class.config_class(**_SIZES, **(_MOE_SIZES if moe else {}), architectures=[architecture])
+    sizes = {**_SIZES, **(_MOE_SIZES if moe else {})}
+    if hasattr(defaults, "kv_lora_rank"):  # multi-latent attention: its head_dim is the rotary part (GLM-4.7-Flash)
+        sizes["head_dim"] = _MOE_SIZES["qk_rope_head_dim"]
+    config = model_class.config_class(**sizes, architectures=[architecture])
     torch.manual_seed(0)
     model = model_class(config).float()
     with torch.no_grad():  # norms away from their all-ones init, so a swapped norm cannot pass
