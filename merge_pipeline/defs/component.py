@@ -17,7 +17,7 @@ import textwrap
 from typing import Annotated, Any, Literal
 
 import dagster as dg
-from pydantic import ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
@@ -54,6 +54,9 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   checkpoint_roots: [/data/{prefix}/checkpoints]
                   output_root: /data/{prefix}/merged
                   settle_seconds: 60
+                  # merges of this instance at once (the sensor holds back the rest); 0: all, for an
+                  # instance whose run queue limits them (docs/DAGSTER.md, "The component")
+                  max_concurrent_merges: 1
                   # for checkpoints without a config of their own (torchtitan, NeMo-RL, ...)
                   # hf_model_path: /models/base
                   # hard-link a complete step until its merge is done (the trainer's rotation may delete it)
@@ -99,6 +102,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         SENSOR_INTERVAL.default
     )
     freshness_minutes: float = FRESHNESS.default
+    # Merges of this instance queued or running at once; the sensor holds back the other complete steps
+    # (0: it requests them all, for an instance whose run queue limits merges, as this project's dagster.yaml does).
+    max_concurrent_merges: int = Field(default=1, ge=0)
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
     # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
@@ -119,6 +125,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         hub = HuggingFaceHub.from_env()
         return cls(
             prefix="",
+            max_concurrent_merges=0,  # this project's dagster.yaml queues them, one at a time
             sensor_interval_seconds=SENSOR_INTERVAL.from_env(),
             freshness_minutes=FRESHNESS.from_env(),
             hub=HubPublishing(
@@ -144,7 +151,10 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
                 checkpoint_sensor(
-                    names, self.sensor_interval_seconds, checked_merge_config(self.merge_config or {}) or None
+                    names,
+                    self.sensor_interval_seconds,
+                    checked_merge_config(self.merge_config or {}) or None,
+                    self.max_concurrent_merges,
                 ),
                 step_report_sensor_definition(names, self.sensor_interval_seconds),
                 failure_webhook(names),

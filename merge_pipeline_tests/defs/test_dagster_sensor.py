@@ -305,3 +305,38 @@ def test_the_cursor_leads_with_what_the_last_tick_did(fsdp_checkpoint, roots, in
     assert second.skip_reason.skip_message.startswith("waiting for 1 partial checkpoint(s): run/global_step_2/actor (")
     # a cursor written before the summary existed (a plain list of keys) still reads
     assert requested(tick(instance, settings, json.dumps(["run/global_step_1/actor"]))) == []
+
+
+def test_the_components_sensor_keeps_one_merge_of_its_own_in_flight(fsdp_checkpoint, roots, instance):
+    """A project made by create-dagster has no run queue limits: the component's sensor requests one merge
+    (the oldest step), holds back the other complete steps while that run is queued or running, and
+    requests the next one once it ended."""
+    from merge_pipeline.defs.component import MergeCheckpoints
+    from merge_pipeline.defs.names import Names
+
+    sample = fsdp_checkpoint(ACTOR)
+    for step in (3, 1, 2):
+        roots.drop(sample, f"run/global_step_{step}", link=True)
+    (roots.checkpoints / "run" / TRACKER).write_text("3")
+    built = MergeCheckpoints(prefix="c").definitions(Names("c"))  # max_concurrent_merges: 1, the default
+    [sensor] = [s for s in built.sensors if s.name == "c__new_checkpoint_sensor"]
+
+    def component_tick(cursor=None) -> dg.SensorResult:
+        return sensor(
+            dg.build_sensor_context(instance=instance, cursor=cursor, resources={"c__settings": roots.settings()})
+        )
+
+    first = component_tick()
+    assert requested(first) == ["run/global_step_1/actor"]
+    assert "2 complete checkpoint(s) held back" in first.cursor
+    instance.add_dynamic_partitions("c__checkpoints", requested(first))
+    in_flight = instance.create_run_for_job(  # NOT_STARTED: what the daemon makes of the request, then queues
+        built.resolve_job_def("c__merge_checkpoint"), tags={"dagster/partition": "run/global_step_1/actor"}
+    )
+
+    second = component_tick(first.cursor)
+    assert requested(second) == [] and "held back" in second.skip_reason.skip_message
+
+    instance.report_run_canceled(in_flight)
+    third = component_tick(second.cursor)
+    assert requested(third) == ["run/global_step_2/actor"]
