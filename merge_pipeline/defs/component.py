@@ -54,8 +54,8 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   checkpoint_roots: [/data/{prefix}/checkpoints]
                   output_root: /data/{prefix}/merged
                   settle_seconds: 60
-                  # merges of this instance at once (the sensor holds back the rest); 0: all, for an
-                  # instance whose run queue limits them (docs/DAGSTER.md, "The component")
+                  # merge and report runs of this instance at once (the sensors hold back the rest);
+                  # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
                   max_concurrent_merges: 1
                   # for checkpoints without a config of their own (torchtitan, NeMo-RL, ...)
                   # hf_model_path: /models/base
@@ -102,8 +102,8 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         SENSOR_INTERVAL.default
     )
     freshness_minutes: float = FRESHNESS.default
-    # Merges of this instance queued or running at once; the sensor holds back the other complete steps
-    # (0: it requests them all, for an instance whose run queue limits merges, as this project's dagster.yaml does).
+    # Merge and report runs of this instance queued or running at once; the sensors hold back the rest
+    # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
     max_concurrent_merges: int = Field(default=1, ge=0)
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
@@ -156,7 +156,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
                     checked_merge_config(self.merge_config or {}) or None,
                     self.max_concurrent_merges,
                 ),
-                step_report_sensor_definition(names, self.sensor_interval_seconds),
+                step_report_sensor_definition(names, self.sensor_interval_seconds, self.max_concurrent_merges),
                 failure_webhook(names),
             ],
             schedules=[publish_latest_steps],

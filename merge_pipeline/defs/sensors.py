@@ -39,9 +39,9 @@ def checkpoint_sensor(
     names: Names, interval_seconds: int, merge_config: dict | None = None, max_concurrent_merges: int = 0
 ) -> dg.SensorDefinition:
     """``merge_config``: the merge step's config for the runs it requests (``jobs.merge_checkpoint_job``).
-    ``max_concurrent_merges``: at most this many runs of its merge job queued or running at once, the
-    rest of the complete steps held back for later ticks (0: request every complete step at once, for
-    an instance whose run queue limits them, as this project's ``dagster.yaml`` does)."""
+    ``max_concurrent_merges``: at most this many runs of this instance's merge and report jobs queued or
+    running at once, the rest of the complete steps held back for later ticks (0: request every complete
+    step at once, for an instance whose run queue limits them, as this project's ``dagster.yaml`` does)."""
 
     @dg.sensor(
         name=names("new_checkpoint_sensor"),
@@ -94,7 +94,7 @@ def _tick(
         complete.append((found, state))
     room = len(complete)
     if max_concurrent_merges:  # a project without a run queue's limits: the sensor keeps the limit itself
-        room = max(0, max_concurrent_merges - _merges_in_flight(context.instance, names))
+        room = max(0, max_concurrent_merges - heavy_runs_in_flight(context.instance, names))
         complete.sort(key=lambda c: (c[0].key.run_name, c[0].key.step, c[0].key.role))  # the oldest steps first
     held = [str(found.key) for found, _ in complete[room:]]  # not in the cursor: looked at again next tick
     for found, state in complete[:room]:
@@ -134,7 +134,7 @@ def _tick(
     if requests or found_merged:
         changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests] + found_merged))
     held_back = (
-        f"{len(held)} complete checkpoint(s) held back: at most {max_concurrent_merges} merge(s) of this sensor "
+        f"{len(held)} complete checkpoint(s) held back: at most {max_concurrent_merges} merge or report run(s) "
         f"queued or running at once (max_concurrent_merges): {', '.join(held[:5])}"
         if held
         else ""
@@ -156,7 +156,7 @@ def _tick(
         else f"no new checkpoints ({len(present)} known)"
     )
     if held:
-        reason = f"{held_back} | {reason}"
+        reason = f"{held_back} | {reason}" if waiting else held_back
     failed = [k for k in failed if k not in rotated]
     if failed:
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
@@ -170,9 +170,13 @@ def _tick(
     )
 
 
-def _merges_in_flight(instance: dg.DagsterInstance, names: Names) -> int:
-    """Runs of this sensor's merge job (its own, a retry, a backfill, ``dg launch``) queued or running."""
-    return instance.get_runs_count(dg.RunsFilter(job_name=names("merge_checkpoint"), statuses=ACTIVE_RUNS))
+def heavy_runs_in_flight(instance: dg.DagsterInstance, names: Names) -> int:
+    """Runs of this instance's merge and report jobs (the sensors', retries, backfills, ``dagster job
+    launch``) queued or running: both read or write every weight."""
+    return sum(
+        instance.get_runs_count(dg.RunsFilter(job_name=names(job), statuses=ACTIVE_RUNS))
+        for job in ("merge_checkpoint", "report_merged_step")
+    )
 
 
 def _kept(seen: dict[str, float | None], present: set[str]) -> dict[str, float | None]:
