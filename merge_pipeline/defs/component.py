@@ -13,9 +13,12 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 
 from __future__ import annotations
 
+import shutil
 import textwrap
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import click
 import dagster as dg
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -30,6 +33,8 @@ from merge_pipeline.defs.report_sensor import step_report_sensor_definition
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import checkpoint_sensor
 
+INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
+
 
 class HubPublishing(dg.Model):
     organization: str = ""  # empty: publishing is off (the schedule stopped, hub_model records nothing)
@@ -40,9 +45,12 @@ class HubPublishing(dg.Model):
 
 
 class MergeCheckpointsScaffolder(dg.Scaffolder):
-    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting."""
+    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting, and
+    the instance settings (``dagster.yaml``) in a project root that has none."""
 
     def scaffold(self, request: dg.ScaffoldRequest) -> None:
+        if request.project_root is not None:
+            click.echo(_write_instance_settings(request.project_root))
         request.target_path.mkdir(parents=True, exist_ok=True)
         prefix = request.target_path.name.replace("-", "_")
         (request.target_path / "defs.yaml").write_text(
@@ -76,6 +84,19 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   #   ray_resource: merge
                 """)
         )
+
+
+def _write_instance_settings(project_root: Path) -> str:
+    """A new project's instance has no run queue limits, DEBUG event logs, no run monitoring and no
+    retries: this package's instance settings, written where ``dg dev`` reads them. What it did, in one line."""
+    written = project_root / "dagster.yaml"
+    if written.exists() or (project_root / "dagster.yml").exists():
+        return f"{written.name} kept as it is; merge_pipeline's instance settings are in {INSTANCE_SETTINGS}"
+    shutil.copyfile(INSTANCE_SETTINGS, written)
+    return (
+        f"wrote {written}: merge_pipeline's instance settings (one heavy run at a time, INFO logs, run "
+        "monitoring and retries); `dg dev` reads it here, with DAGSTER_HOME set copy it there"
+    )
 
 
 def _as_written(context: dg.ResolutionContext, value: object) -> object:

@@ -68,7 +68,7 @@ def state_dict_metadata(target: Path, report: WriteReport, manifest: Mapping, rs
         "size": human_bytes(report.bytes),
         "bytes": report.bytes,
         "weights seconds": round(report.seconds, 3),
-        "throughput": f"{human_bytes(report.bytes / max(report.seconds, 1e-9))}/s",
+        "throughput": f"{human_bytes(report.written_bytes / max(report.seconds, 1e-9))}/s",  # kept files: no time
         label: human_bytes(peak),  # whose peak: the process's, the largest rank's or Ray task's
         "files": sha256_table({n: f for n, f in manifest["files"].items() if n in weights}),
     }

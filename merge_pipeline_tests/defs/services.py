@@ -48,6 +48,10 @@ MESSAGES_QUERY = """
 query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events { ... on MessageEvent { message } } } } }"""
 EVENT_TYPES_QUERY = """
 query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events { __typename } } } }"""
+MATERIALIZED_QUERY = """
+query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events {
+  ... on MaterializationEvent { assetKey { path } metadataEntries { label
+    ... on TextMetadataEntry { text } ... on FloatMetadataEntry { floatValue } ... on IntMetadataEntry { intValue } } } } } } }"""
 ENDED = ("SUCCESS", "FAILURE", "CANCELED")
 
 
@@ -92,6 +96,13 @@ class Dagster:
     def messages(self, run_id: str) -> list[str]:
         events = self.graphql(MESSAGES_QUERY, {"runId": run_id})["logsForRun"]["events"]
         return [e["message"] for e in events if e.get("message")]
+
+    def materialized(self, run_id: str, asset: str) -> dict[str, str | float | int]:
+        """The text and number metadata of ``asset``'s materialization in the run (label -> value)."""
+        events = self.graphql(MATERIALIZED_QUERY, {"runId": run_id})["logsForRun"]["events"]
+        [event] = [e for e in events if (e.get("assetKey") or {}).get("path") == [asset]]
+        kinds = ("text", "floatValue", "intValue")
+        return {m["label"]: m[k] for m in event["metadataEntries"] for k in kinds if m.get(k) is not None}
 
     def event_types(self, run_id: str) -> list[str]:
         """The GraphQL types of the run's events, in order (``RunEnqueuedEvent``, ``RunStartingEvent``, ...)."""

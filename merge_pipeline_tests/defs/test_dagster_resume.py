@@ -115,6 +115,12 @@ def kill_the_worker_and_check_the_retry_resumes(dagster: Dagster, killed_run: st
     # The throughput counts the bytes written, not the kept files (it once read 837 GiB/s here).
     rates = [float(n) * UNITS[unit] for n, unit in re.findall(r"([\d.]+) (B|KiB|MiB|GiB|TiB)/s", said)]
     assert max(rates, default=0) < 20 * UNITS["GiB"], rates
+    # So does the state_dict page's (it once read 4.91 TiB/s): the files written over the write's seconds.
+    shown = dagster.materialized(retry, "state_dict")
+    kept_bytes = sum((reference / name).stat().st_size for name in kept)
+    written_rate = (shown["bytes"] - kept_bytes) / shown["weights seconds"]
+    [(n, unit)] = re.findall(r"^([\d.]+) (B|KiB|MiB|GiB|TiB)/s$", shown["throughput"])
+    assert abs(float(n) * UNITS[unit] / written_rate - 1) < 0.1, (shown, kept_bytes)
     assert {name: (target / name).stat().st_ino for name in kept} == inodes  # kept, not written again
     for weights in reference.glob("*.safetensors"):
         assert (target / weights.name).read_bytes() == weights.read_bytes(), weights.name
