@@ -144,4 +144,5 @@ def _materialize(partition: str, config: dict) -> dict:
 
 
 def _records(staging) -> list[str]:
-    return sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json"))
+    # The weight files' records (the folder also holds the job handed to the torchrun ranks).
+    return sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.safetensors.json"))
