@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf import check_worker
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import (
@@ -108,7 +107,7 @@ def test_a_hung_worker_is_given_up_and_the_checks_run_here(tmp_path, fsdp_checkp
     """A stopped worker uses no CPU: after ``STALLED_AFTER_S`` without an answer it is killed. The
     request it never reads is larger than a pipe holds (a report of many files): the merge must not
     block writing it."""
-    monkeypatch.setattr(check_worker, "STALLED_AFTER_S", 2.0)
+    monkeypatch.setattr("merge_pipeline.hf.check_worker.STALLED_AFTER_S", 2.0)
     target = tmp_path / "out"
     stopped = []
 
