@@ -12,7 +12,7 @@ import sys
 
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 
 # Records every module the merging process looks for (import statements and importlib.import_module,
 # which transformers' lazy attributes use, alike), then runs the CLI as ``python -m merge_pipeline`` would.
