@@ -1,32 +1,35 @@
 """The blocking checks in a process of their own, started as the weights start being written.
 
-``start_beside`` (``pipeline.write_side_files``, just before the weights) starts a fresh interpreter
-that imports transformers and the modeling module of the class config.json names, and builds
-transformers' table of checkpoint renamings: ~3-5 s of CPU that a thread of the merging process
-would spend holding the GIL its writer threads need at every chunk. The worker then waits.
-``checks_on`` (``pipeline.check_before_publishing``, once the folder is complete) sends it the write
-report's entries; it runs ``blocking_checks.run_blocking_checks`` on the folder, the same functions
-on the same folder as in the merging process, and answers each check's problems. So the merging
-process never imports transformers for the checks (a FSDP merge imports none of it).
+``start_beside`` (``pipeline.write_side_files``, just before the weights) forks the merging process:
+the child, which has torch already, imports transformers and the modeling module of the class
+config.json names and builds transformers' table of checkpoint renamings (~2-3 s of CPU that a
+thread of the merging process would spend holding the GIL its writer threads need at every chunk),
+then waits. ``checks_on`` (``pipeline.check_before_publishing``, once the folder is complete) sends
+it the write report's entries; it runs ``blocking_checks.run_blocking_checks`` on the folder, the
+same functions on the same folder as in the merging process, and answers each check's problems. So
+the merging process never imports transformers for the checks (a FSDP merge imports none of it).
 
 The worker only saves time: one that died, answered something else or is hung (owes an answer and
-used no CPU for ``STALLED_AFTER_S``) is killed, the merge logs one warning line and runs the same
-checks in its own process, as before the worker existed. A worker not asked exits by itself once
-its folder is gone (a failed merge removes its staging folder) or the merging process has ended.
+used no CPU for ``STALLED_AFTER_S``: a fork of a process whose other threads held a lock can be) is
+killed, the merge logs one warning line and runs the same checks in its own process, as before the
+worker existed. A worker not asked exits by itself once its folder is gone (a failed merge removes
+its staging folder) or the merging process has ended (its pipe closes).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import select
-import subprocess
+import signal
 import sys
-import tempfile
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NoReturn
 
 from merge_pipeline.hf.blocking_checks import (
     BLOCKING_CHECKS,
@@ -54,23 +57,23 @@ class WorkerFailed(Exception):
 
 
 class CheckWorker:
-    """The merging process's handle on one worker: its process, pipes and the stderr it wrote."""
+    """The merging process's handle on one worker: its pid and the two pipes' ends it keeps."""
 
     def __init__(self, config: Mapping, folder: Path) -> None:
-        self.stderr = tempfile.TemporaryFile()  # a file, not a pipe: a talkative worker never blocks on it
-        boot = {
-            "folder": str(folder),
-            "architecture": str((config.get("architectures") or [""])[0]),
-            "model_type": str(config.get("model_type", "")),
-        }
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from merge_pipeline.hf.check_worker import serve; serve()", json.dumps(boot)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            # the same merge_pipeline and packages as this process, wherever it found them
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-        )
+        architecture = str((config.get("architectures") or [""])[0])
+        model_type = str(config.get("model_type", ""))
+        request_r, self.requests = os.pipe()
+        self.answers, answer_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # else the child could write their buffers a second time
+            stream.flush()
+        self.status: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.requests)  # so it reads the end of its requests when this process ends
+            os.close(self.answers)
+            _serve(folder, architecture, model_type, request_r, answer_w)
+        os.close(request_r)
+        os.close(answer_w)
 
     def ask(self, written: Written) -> dict[str, list[str]]:
         """Each blocking check's problems on the folder, from the worker; ``WorkerFailed`` otherwise."""
@@ -84,21 +87,18 @@ class CheckWorker:
     def _exchange(self, request: bytes) -> str:
         """Send ``request`` and read the one line answered, waiting as long as the worker uses CPU:
         never blocked on a full pipe (a request of many files is larger than one)."""
-        into, out = self.process.stdin.fileno(), self.process.stdout.fileno()
-        os.set_blocking(into, False)
+        os.set_blocking(self.requests, False)
         answer = b""
         cpu, progressed = self._cpu_ticks(), time.monotonic()
         while b"\n" not in answer:
-            readable, writable, _ = select.select([out], [into] if request else [], [], _POLL_S)
+            readable, writable, _ = select.select([self.answers], [self.requests] if request else [], [], _POLL_S)
             if writable:
                 try:
-                    request = request[os.write(into, request) :]
+                    request = request[os.write(self.requests, request) :]
                 except BrokenPipeError:  # it ended before reading it all: its exit says why
                     request = b""
-                if not request:
-                    self.process.stdin.close()
             if readable:
-                chunk = os.read(out, 1 << 16)
+                chunk = os.read(self.answers, 1 << 16)
                 if not chunk:
                     raise WorkerFailed(self._ended())
                 answer += chunk
@@ -112,7 +112,7 @@ class CheckWorker:
     def _cpu_ticks(self) -> int | None:
         """The worker's user + system CPU (Linux's /proc; None when stopped, gone or elsewhere)."""
         try:
-            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
         except OSError:
             return None
         fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
@@ -121,28 +121,40 @@ class CheckWorker:
         return int(fields[11]) + int(fields[12])
 
     def _ended(self) -> str:
-        code = self.process.wait()
+        code = self._wait(0)
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        self.stderr.seek(0)
-        lines = [line.strip() for line in self.stderr.read().decode(errors="replace").splitlines() if line.strip()]
-        return how + (f" ({lines[-1]})" if lines else "") + " before answering"
+        return how + " before answering"
+
+    def _wait(self, options: int) -> int | None:
+        """Its exit code (negative: the signal), reaping it; None while it runs (``os.WNOHANG``)."""
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, options)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(status)
+        return self.status
+
+    def ended(self) -> bool:
+        return self._wait(os.WNOHANG) is not None
 
     def stop(self) -> None:
         """End the worker and reap it (its CPU and peak RSS then count in this process's children's)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout, self.stderr):
-            stream.close()
+        if not self.ended():
+            os.kill(self.pid, signal.SIGKILL)
+            self._wait(0)
+        for end in (self.requests, self.answers):
+            os.close(end)
 
 
 def start_beside(config: Mapping, folder: Path) -> None:
     """Start preparing, in a worker, the checks of ``folder`` (for a model with this config.json)."""
-    for earlier in [f for f, w in _workers.items() if f == folder or w.process.poll() is not None]:
+    for earlier in [f for f, w in _workers.items() if f == folder or w.ended()]:
         _workers.pop(earlier).stop()  # a merge that failed before its checks left it (ended, or this folder's)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # CUDA cannot be used in a fork (torch refuses)
+        return  # the checks will run in this process
     try:
         _workers[folder] = CheckWorker(config, folder)
-    except OSError as exc:  # no interpreter to start: the checks will run in this process
+    except OSError as exc:  # no process to start: the checks will run in this process
         log.warning("%s: no worker for the blocking checks (%s): they will run in this process", folder, exc)
 
 
@@ -162,30 +174,46 @@ def checks_on(folder: Path, written: Written) -> list[CheckOutcome]:
     return run_blocking_checks(folder, written)
 
 
-def serve() -> None:
-    """The worker: prepare the checks, then answer the one request on stdin about its folder."""
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # anything printed while importing or checking goes to stderr, not into the answer
-    boot = json.loads(sys.argv[1])
-    folder = Path(boot["folder"])
-    prepare_checks(boot["architecture"], boot["model_type"])
-    request = _request(folder)
-    if request is None:
-        return
-    outcomes = run_blocking_checks(folder, json.loads(request)["written"])
-    answers.write(json.dumps({"problems": {o.check.name: o.problems for o in outcomes}}) + "\n")
-    answers.flush()
+def _serve(folder: Path, architecture: str, model_type: str, requests: int, answers: int) -> NoReturn:
+    """The worker, in the forked child: prepare the checks, answer the one request about its folder,
+    and leave without running anything of the merging process (its atexit, finalizers, buffers)."""
+    code = 1
+    try:
+        gc.freeze()  # objects of the merging process, garbage included, are never finalized here
+        _own_logging()
+        prepare_checks(architecture, model_type)
+        request = _request(folder, requests)
+        if request is not None:
+            outcomes = run_blocking_checks(folder, json.loads(request)["written"])
+            answer = (json.dumps({"problems": {o.check.name: o.problems for o in outcomes}}) + "\n").encode()
+            while answer:
+                answer = answer[os.write(answers, answer) :]
+            code = 0
+    except BaseException:  # noqa: BLE001 - the merge sees the exit status and runs the checks itself
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
 
 
-def _request(folder: Path) -> bytes | None:
+def _own_logging() -> None:
+    """Records of the worker go to stderr only: a handler of the merging process (Dagster's, writing
+    to its instance's storage) must not be used from a fork."""
+    for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
+        if isinstance(logger, logging.Logger):
+            logger.handlers.clear()
+    logging.root.addHandler(logging.StreamHandler(sys.stderr))
+
+
+def _request(folder: Path, requests: int) -> bytes | None:
     """The request line; None once the merge ended without asking (its pipe closed, its folder gone)."""
     received = b""
     while b"\n" not in received:
-        if not select.select([0], [], [], _IDLE_POLL_S)[0]:
+        if not select.select([requests], [], [], _IDLE_POLL_S)[0]:
             if not folder.is_dir():
                 return None
             continue
-        chunk = os.read(0, 1 << 16)
+        chunk = os.read(requests, 1 << 16)
         if not chunk:
             return None
         received += chunk

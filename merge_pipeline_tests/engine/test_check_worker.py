@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf import check_worker
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import (
@@ -36,20 +37,9 @@ FALLBACK = "the blocking checks' worker {}: running them in this process"
 
 
 def the_worker() -> int:
-    """The pid of this process's one check worker (its child running ``check_worker.serve``)."""
-    deadline = time.monotonic() + 10  # a child's cmdline reads empty until its exec has set it up
-    while time.monotonic() < deadline:
-        children = [
-            int(pid)
-            for task in Path("/proc/self/task").iterdir()
-            for pid in (task / "children").read_text().split()
-            if b"check_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
-        if children:
-            [pid] = children
-            return pid
-        time.sleep(0.01)
-    raise AssertionError("no check worker started")
+    """The pid of this process's one check worker (the child ``write_side_files`` forked)."""
+    [worker] = check_worker._workers.values()
+    return worker.pid
 
 
 def state(pid: int) -> str:
