@@ -181,6 +181,11 @@ def _serve(folder: Path, architecture: str, model_type: str, requests: int, answ
     try:
         gc.freeze()  # objects of the merging process, garbage included, are never finalized here
         _own_logging()
+        # torch's intra-op pool (OpenMP) does not survive a fork: once the parent has used it, a parallel
+        # op in the child waits for threads that are not there (measured: a matmul hangs). One thread.
+        import torch  # already imported: the merge that forked this child runs on it
+
+        torch.set_num_threads(1)
         prepare_checks(architecture, model_type)
         request = _request(folder, requests)
         if request is not None:
