@@ -158,7 +158,8 @@ def _worker_pid(dagster: Dagster, run_id: str) -> int | None:
 
 
 def _records(staging) -> list[str]:
-    return sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json"))
+    # The weight files' records (the folder also holds the job handed to the torchrun ranks).
+    return sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.safetensors.json"))
 
 
 def _outcome(dagster: Dagster, run_id: str) -> str | None:
