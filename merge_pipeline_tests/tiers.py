@@ -103,7 +103,7 @@ def _why_value(value, seen: set) -> str | None:
         return next((w for v in values if type(v) not in (dict, list, tuple) and (w := _why_value(v, seen))), None)
     module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None) or ""
     if module.startswith(_PROCESS_MODULES) and callable(value) or _is_process_function(value):
-        return f"starts a process ({module}.{value.__qualname__})"
+        return f"starts a process ({module}.{getattr(value, '__qualname__', type(value).__qualname__)})"
     if isinstance(value, types.FunctionType) and value.__code__.co_filename.startswith(_FOLLOWED):
         if value.__code__.co_filename.startswith(_SAMPLES_DIR) and value.__name__.startswith("write_"):
             return f"writes a sample checkpoint ({module}.{value.__qualname__})"
