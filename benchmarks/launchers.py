@@ -2,12 +2,15 @@
 
     .venv/bin/python -m benchmarks.launchers                        # 248M and 1.1B, bf16, 3 repeats
     .venv/bin/python -m benchmarks.launchers --sizes large --repeat 1 --nodes 2
+    .venv/bin/python -m benchmarks.launchers --sizes 1.1b --launchers in-process,in-process-1-thread,ray --nodes 2
 
 Per size, interleaved, ``--repeat`` times, each from a cold cache (the rank files evicted, as in
 benchmarks/run.py) and in a fresh child process (``measure.run_child``: wall from spawn to exit, CPU
 and ``ru_maxrss`` from ``wait4``):
 
-* ``in process``: ``python -m merge_pipeline merge``;
+* ``in process``: ``python -m merge_pipeline merge``; ``in process, OMP_NUM_THREADS=1``: the same with torch
+  on one thread, as torchrun and Ray start their workers (on a loaded machine torch's second thread
+  waits for a core at every cast: see docs/BENCHMARKS.md);
 * ``torchrun x2``: ``torchrun --standalone --nproc-per-node 2`` of the same merge; each rank counts the
   rank-file bytes it reads and reports its CPU and peak RSS (``benchmarks.torchrun_shares``);
 * ``Ray, N nodes``: ``merge --ray-address`` as a driver on a local cluster (a head with no CPU, three
@@ -44,6 +47,13 @@ from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, ensure_checkpoint
 from benchmarks.measure import prepare_cache, remove, run_child
 
 NODES = 3  # worker raylets of the local cluster
+LAUNCHERS = {
+    "in-process": "in process",
+    # torchrun and Ray start their workers with OMP_NUM_THREADS=1: torch casts on one thread there
+    "in-process-1-thread": "in process, OMP_NUM_THREADS=1",
+    "torchrun": "torchrun x2",
+    "ray": "Ray",
+}
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _BYTES = r"([\d.]+ (?:B|KiB|MiB|GiB|TiB))"
 TASK_LINE = re.compile(
@@ -110,12 +120,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nodes", default="1,2,3", help=f"Ray node counts, each at most {NODES}")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-shard-size", default="200MB")
-    parser.add_argument("--no-torchrun", action="store_true")
+    parser.add_argument(
+        "--launchers",
+        default=",".join(LAUNCHERS),
+        help=f"comma-separated, from {', '.join(LAUNCHERS)} (default: all; ray runs once per --nodes)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per child process")
     args = parser.parse_args(argv)
     args.node_counts = [int(n) for n in args.nodes.split(",") if n.strip()]
+    args.chosen = [name.strip() for name in args.launchers.split(",") if name.strip()]
+    if not args.chosen or not set(args.chosen) <= set(LAUNCHERS):
+        parser.error(f"--launchers: choose from {', '.join(LAUNCHERS)}")
     if not all(1 <= n <= NODES for n in args.node_counts):
         parser.error(f"--nodes: each from 1 to {NODES}")
     return args
@@ -202,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launchers(args) -> list[str]:
-    return ["in process"] + ([] if args.no_torchrun else ["torchrun x2"]) + [f"Ray {n}" for n in args.node_counts]
+    return [
+        name
+        for chosen in args.chosen
+        for name in ([f"Ray {n}" for n in args.node_counts] if chosen == "ray" else [LAUNCHERS[chosen]])
+    ]
 
 
 def launch_overhead(cluster: LocalCluster, scratch: Path, timeout: float) -> dict:
@@ -216,8 +237,11 @@ def measure(checkpoint, dtype: str, launcher: str, cluster: LocalCluster, scratc
     remove(reports)
     reports.mkdir()
     merge = merge_command(checkpoint.role_dir, target, dtype, args.max_shard_size)
-    if launcher == "in process":
+    env = None
+    if launcher.startswith("in process"):
         command = [sys.executable, "-m", "merge_pipeline", *merge]
+        if launcher == LAUNCHERS["in-process-1-thread"]:  # torch's threads as torchrun and Ray set them
+            env = os.environ | {"OMP_NUM_THREADS": "1"}
     elif launcher == "torchrun x2":
         torchrun = str(Path(sys.executable).parent / "torchrun")
         command = [torchrun, "--standalone", "--nproc-per-node=2", "-m", "benchmarks.torchrun_shares"]
@@ -229,7 +253,7 @@ def measure(checkpoint, dtype: str, launcher: str, cluster: LocalCluster, scratc
     prepare_cache(checkpoint.model_files, "cold")
     load = os.getloadavg()
     cluster_before = cluster.cpu_s()
-    run = run_child(command, cwd=scratch, timeout=args.timeout).check(f"{launcher} merge of {checkpoint.name}")
+    run = run_child(command, cwd=scratch, env=env, timeout=args.timeout).check(f"{launcher} merge of {checkpoint.name}")
     cluster_cpu = cluster.cpu_s() - cluster_before
     remove(target)
     sample = {"size": checkpoint.name, "dtype": dtype, "launcher": launcher, "wall_s": run.wall_s, "load": load}
@@ -281,7 +305,7 @@ def render(results: dict) -> str:
         groups.setdefault((s["size"], s["dtype"], s["launcher"]), []).append(s)
     for (size, dtype, launcher), samples in groups.items():
         fastest = min(samples, key=lambda s: s["wall_s"])
-        base = min(s["wall_s"] for s in groups[(size, dtype, "in process")])
+        base = min(s["wall_s"] for s in groups.get((size, dtype, "in process"), samples))
         total = results["input_bytes"][size]
         reads = (
             "; ".join(
