@@ -325,7 +325,7 @@ def render(results: dict) -> str:
         )
     lines += [
         "",
-        "| launch overhead, s (fastest of each) | import Ray | connect (package shipped) | first empty task | first task importing torch | load |",
+        "| launch overhead, s (fastest of each) | import Ray and merge_pipeline.ray_tasks (torch) | connect (package shipped) | first empty task | first task importing torch | load |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     launch = results["launch"]
