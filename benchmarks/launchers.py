@@ -305,7 +305,8 @@ def render(results: dict) -> str:
         groups.setdefault((s["size"], s["dtype"], s["launcher"]), []).append(s)
     for (size, dtype, launcher), samples in groups.items():
         fastest = min(samples, key=lambda s: s["wall_s"])
-        base = min(s["wall_s"] for s in groups.get((size, dtype, "in process"), samples))
+        base = groups.get((size, dtype, "in process"))  # not measured: no ratio
+        ratio = f"{fastest['wall_s'] / min(s['wall_s'] for s in base):.2f}" if base else "-"
         total = results["input_bytes"][size]
         reads = (
             "; ".join(
@@ -320,7 +321,7 @@ def render(results: dict) -> str:
             rss += f" (driver {fastest['driver_peak_rss_bytes'] / 1e6:.0f})"
         median = statistics.median(s["wall_s"] for s in samples)
         lines.append(
-            f"| {size} {dtype} | {launcher} | {fastest['wall_s']:.2f} ({median:.2f}) | {fastest['wall_s'] / base:.2f} |"
+            f"| {size} {dtype} | {launcher} | {fastest['wall_s']:.2f} ({median:.2f}) | {ratio} |"
             f" {fastest['cpu_s']:.1f} | {reads} | {rss} | {fastest['load'][0]:.1f} |"
         )
     lines += [
