@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from merge_pipeline.engine.fp8 import quantize_bands
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.options import MergeOptions, average_weights
+from merge_pipeline.pipeline import prepare, resume_key
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.helpers import (
@@ -30,6 +32,7 @@ from merge_pipeline_tests.helpers import (
     merge_ok,
     run_cli,
     same_bits,
+    torchrun,
     tree_digest,
 )
 
@@ -267,3 +270,31 @@ def test_fp8_quantizes_the_float32_average(capsys, tmp_path, steps):
         if name not in quantized:
             assert same_bits(written[name], t.to(torch.bfloat16)), name
     assert read_manifest(target)["decisions"]["fp8"]["quantized_weights"] == len(quantized)
+
+
+def test_the_resume_key_covers_every_input_and_weight(fresh_copy, steps):
+    copies = [fresh_copy(sample).role_dir for sample in steps]
+    options = MergeOptions(average_inputs=tuple(map(str, copies)), average_weights=(1 / 3,) * 3)
+
+    def key(options: MergeOptions) -> str:
+        with prepare(copies[-1], options) as prepared:
+            return resume_key(prepared, options)
+
+    before = key(options)
+    assert key(dataclasses.replace(options, average_weights=(0.25, 0.25, 0.5))) != before
+    rank_file = next(copies[0].glob("model_world_size_*_rank_0.pt"))  # the oldest input: not the one configs come from
+    os.utime(rank_file, ns=(rank_file.stat().st_atime_ns, rank_file.stat().st_mtime_ns + 1))
+    assert key(options) != before
+
+
+@pytest.mark.torchrun
+def test_torchrun_ranks_write_the_same_average(capsys, tmp_path, steps):
+    inputs = [s.role_dir for s in steps]
+    average_ok(capsys, inputs, tmp_path / "single", "--max-shard-size", "200KB", "--dtype", "bfloat16")
+    flags = ("--max-shard-size", "200KB", "--dtype", "bfloat16", "--no-progress")
+    with torchrun(2, "--inputs", *inputs, "--target_dir", tmp_path / "multi", *flags, command="average") as run:
+        _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert "rank 1/2 writes" in err
+    assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
+    assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
