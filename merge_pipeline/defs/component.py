@@ -20,6 +20,7 @@ import dagster as dg
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, freshness_minutes_from_env, merge_step_definition
+from merge_pipeline.defs.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
 from merge_pipeline.defs.report import step_report_definition
@@ -62,6 +63,11 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                     # set to publish (token: $HF_TOKEN); empty: the schedule stays off
                     organization: ""
                     schedule: "*/10 * * * *"
+                  # average the newest K merged steps of each run when a step lands (averaged_model)
+                  # averaging:
+                  #   last_k: 3
+                  #   scheme: uniform    # or ema (ema_decay: 0.9), or weighted (weights: [1, 2, 3])
+                  #   dtype: auto
                 """)
         )
 
@@ -85,6 +91,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     freshness_minutes: float = 30
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
+    averaging: Averaging | None = None  # none: no averaged_model (issue 40: the newest K merged steps of each run)
 
     @classmethod
     def from_env(cls) -> MergeCheckpoints:
@@ -108,7 +115,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
 
     def definitions(self, names: Names) -> dg.Definitions:
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, bool(self.hub.organization))
-        return dg.Definitions(
+        merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
                 merge_step_definition(names, self.freshness_minutes),
@@ -134,6 +141,13 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
                 names("alert_webhook"): AlertWebhook(url=self.alert_webhook_url),
             },
         )
+        if self.averaging is None:
+            return merge
+        averaging = dg.Definitions(
+            assets=[averaged_model_definition(names, self.averaging)],
+            sensors=[averaged_model_sensor_definition(names, self.sensor_interval_seconds, self.averaging)],
+        )
+        return dg.Definitions.merge(merge, averaging)
 
     def settings(self) -> MergeSettings:
         return MergeSettings(
