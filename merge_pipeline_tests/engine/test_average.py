@@ -18,13 +18,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from merge_pipeline.engine.averaging import AveragedSource
 from merge_pipeline.engine.fp8 import quantize_bands
+from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import read_manifest
+from merge_pipeline.model_card import render_card
 from merge_pipeline.options import MergeOptions, average_weights
-from merge_pipeline.pipeline import prepare, resume_key
+from merge_pipeline.pipeline import (
+    finish_folder,
+    prepare,
+    resume_key,
+    staged_output,
+    write_side_files,
+    write_weights,
+)
+from merge_pipeline.plan import PlannedTensor
 from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
 from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
+from merge_pipeline_tests.engine.test_inputs_changed import rewrite_in_place
 from merge_pipeline_tests.helpers import (
     assert_bit_exact,
     error_lines,
@@ -127,6 +139,58 @@ def test_options_refuse_one_input_a_repeated_input_and_weights_that_do_not_add_u
     assert MergeOptions(average_inputs=["/a", "/b"], average_weights=[0.5, 0.5]).average_inputs == ("/a", "/b")
 
 
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """A tensor source cut in pieces of ``piece`` elements, as file reads and built tensors come."""
+
+    tensor: torch.Tensor
+    piece: int
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self):
+        flat = self.tensor.reshape(-1)
+        for start in range(0, flat.numel(), self.piece):
+            yield flat[start : start + self.piece].clone()
+
+
+def source_of(tensors: list[torch.Tensor], cuts: list[int], weights, accumulate=torch.float32) -> AveragedSource:
+    planned = tuple(
+        PlannedTensor("w", tuple(t.shape), t.dtype, Pieces(t, cut)) for t, cut in zip(tensors, cuts, strict=True)
+    )
+    paths = tuple(Path(f"/step_{i}") for i in range(len(tensors)))
+    return AveragedSource("w", planned, tuple(weights), accumulate, paths)
+
+
+@pytest.mark.parametrize("accumulate", [torch.float32, torch.float64])
+def test_the_sum_does_not_depend_on_how_the_inputs_are_cut(accumulate):
+    # more than one 8 MB unit, mixed stored dtypes, pieces that end anywhere
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(2_500_001, generator=generator).to(dtype)
+        for dtype in (torch.bfloat16, torch.float32, torch.float16)
+    ]
+    weights = (0.2, 0.3, 0.5)
+    streamed = torch.cat(
+        [p.clone() for p in source_of(tensors, [1_000_003, 65_537, 2_500_001], weights, accumulate).pieces()]
+    )
+    whole = weighted_sum([{"w": t} for t in tensors], weights, accumulate)["w"]
+    assert same_bits(streamed, whole)
+
+
+def test_integer_tensors_are_kept_when_equal_and_refused_when_not():
+    counts = torch.arange(3_000_000, dtype=torch.int64)
+    kept = torch.cat([p.clone() for p in source_of([counts, counts.clone()], [1_000_000, 999_983], (0.5, 0.5)).pieces()])
+    assert same_bits(kept, counts)
+    other = counts.clone()
+    other[-1] = 0
+    with pytest.raises(
+        MergeError, match=r"^/step_1: w \(int64\) differs from /step_0's: integer tensors are not averaged$"
+    ):
+        list(source_of([counts, other], [1_000_000, 999_983], (0.5, 0.5)).pieces())
+
+
 # --- real checkpoints ---------------------------------------------------------------------------------
 
 
@@ -159,6 +223,9 @@ def test_three_fsdp_steps_average_to_the_weighted_sum_of_their_weights(
     assert manifest["source"]["layout"]["accumulate"] == str(accumulate).removeprefix("torch.")
     assert {"config.json", "tokenizer.json", "generation_config.json"} <= set(manifest["files"])
     assert json.loads((target / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    card = render_card(manifest, "org/averaged")  # what an upload puts on the Hub
+    for sample, weight in zip(steps, weights, strict=True):
+        assert f"| `{sample.role_dir}` | fsdp | {weight:.6g} |" in card
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +365,20 @@ def test_torchrun_ranks_write_the_same_average(capsys, tmp_path, steps):
     assert "rank 1/2 writes" in err
     assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
     assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
+
+
+def test_any_input_rewritten_during_the_average_is_refused_and_nothing_published(tmp_path, fresh_copy, steps):
+    copies = [fresh_copy(sample).role_dir for sample in steps]
+    options = MergeOptions(average_inputs=tuple(map(str, copies)), average_weights=(1 / 3,) * 3)
+    target, rank_file = tmp_path / "out", copies[0] / "model_world_size_2_rank_1.pt"  # not the reference input
+    with pytest.raises(MergeError) as refused:
+        with (
+            prepare(copies[-1], options) as prepared,
+            staged_output(target, source=copies[-1], overwrite=False) as staging,
+        ):
+            write_side_files(prepared, staging, options)
+            report = write_weights(prepared.outputs, staging, show_progress=False)
+            rewrite_in_place(rank_file)
+            finish_folder(prepared, staging, options, report)
+    assert str(refused.value) == f"{rank_file}: changed while it was being merged: re-run once the save is complete"
+    assert not target.exists() and not staging_path(target).exists()
