@@ -100,7 +100,7 @@ def _step(cache_dir: Path, size: str, world_size: int, seed: int) -> Path:
     if not done.exists():
         remove(role_dir)
         spec = SIZES[size]
-        command = [sys.executable, "-m", "merge_pipeline.sample_checkpoints.fsdp_fake_pg", str(role_dir)]
+        command = [sys.executable, "-m", "merge_pipeline_samples.fsdp_fake_pg", str(role_dir)]
         command += ["--world-size", str(world_size), "--arch", "llama", "--seed", str(seed)]
         command += [f"--{key.replace('_', '-')}={value}" for key, value in spec.items()]
         subprocess.run(command, check=True, cwd=REPO_ROOT)

@@ -85,7 +85,7 @@ SIZES: dict[str, dict] = {
 
 
 # Megatron-Core (megatron-core itself writes them, TP=2 on two CPU ranks): the presets of
-# merge_pipeline.sample_checkpoints.megatron.SIZE_PRESETS.
+# merge_pipeline_samples.megatron.SIZE_PRESETS.
 MEGATRON_SIZES = {"tiny": "tiny", "large": "250m", "1.1b": "1b"}
 # 64 ranks (megatron_fake_pg's variants): "large" is ~258M parameters in 16 layers at TP=8 x PP=8 (PP=8
 # needs 8 | layers); "moe128" a small Mixtral of 16 layers x 128 experts at TP=2 x EP=8 x PP=4.
@@ -168,7 +168,7 @@ def ensure_world_size_checkpoint(
     size: str, world_size: int, cache_dir: Path = DEFAULT_CACHE, *, log=print
 ) -> Checkpoint:
     """The same weights as ``size``, saved at ``world_size`` ranks by torch's fake process group (one
-    process plays every rank: ``merge_pipeline.sample_checkpoints.fsdp_fake_pg``), named ``size@wsN``."""
+    process plays every rank: ``merge_pipeline_samples.fsdp_fake_pg``), named ``size@wsN``."""
     spec = {"writer": "fake_pg", **spec_for(size), "world_size": world_size}
     name = f"{size}@ws{world_size}"
     description = f"the {size} FSDP checkpoint at world size {world_size} (fake process group)"
@@ -209,13 +209,13 @@ def _megatron_at_scale(size: str, world_size: int, cache_dir: Path, log) -> Chec
 
 
 def _write_format(root: Path, spec: dict) -> None:
-    from merge_pipeline.sample_checkpoints.dcp_fake_pg import write_fake_pg_dcp
-    from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
-    from merge_pipeline.sample_checkpoints.deepspeed_fake_pg import write_fake_pg_deepspeed
-    from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+    from merge_pipeline_samples.dcp_fake_pg import write_fake_pg_dcp
+    from merge_pipeline_samples.deepspeed import DeepSpeedSpec
+    from merge_pipeline_samples.deepspeed_fake_pg import write_fake_pg_deepspeed
+    from merge_pipeline_samples.fsdp import FsdpSpec
 
     if spec["format"] == "megatron":
-        from merge_pipeline.sample_checkpoints.megatron_fake_pg import VARIANTS, write_fake_pg_megatron
+        from merge_pipeline_samples.megatron_fake_pg import VARIANTS, write_fake_pg_megatron
 
         write_fake_pg_megatron(root, VARIANTS[spec["variant"]], spec["world_size"])
         return
@@ -247,7 +247,7 @@ def ensure_megatron_checkpoint(size: str, cache_dir: Path = DEFAULT_CACHE, *, lo
 
 
 def _write_megatron(root: Path, spec: dict) -> None:
-    from merge_pipeline.sample_checkpoints.megatron import (
+    from merge_pipeline_samples.megatron import (
         Variant,
         write_megatron_samples,
     )
@@ -258,8 +258,8 @@ def _write_megatron(root: Path, spec: dict) -> None:
 def _write(role_dir: Path, spec: dict) -> None:
     import torch
 
-    from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
-    from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint, write_generated_checkpoint
+    from merge_pipeline_samples.fsdp import FsdpSpec, write_fsdp_checkpoint
+    from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint, write_generated_checkpoint
 
     fields = dict(spec, dtype=getattr(torch, spec["dtype"]))
     writer = fields.pop("writer", None)

@@ -210,8 +210,8 @@ def _num(value, digits: int = 1) -> str:
 def _write(role_dir: Path, spec: dict) -> None:
     import torch
 
-    from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-    from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_generated_checkpoint
+    from merge_pipeline_samples.fsdp import FsdpSpec
+    from merge_pipeline_samples.fsdp_fake_pg import write_generated_checkpoint
 
     write_generated_checkpoint(role_dir, FsdpSpec(**spec, dtype=torch.float32))
 
@@ -222,8 +222,8 @@ def _check(target: Path, spec: dict, dtype: str) -> None:
     import transformers
     from safetensors import safe_open
 
-    from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, _causal_lm_config
-    from merge_pipeline.sample_checkpoints.fsdp_fake_pg import generated_tensor
+    from merge_pipeline_samples.fsdp import FsdpSpec, _causal_lm_config
+    from merge_pipeline_samples.fsdp_fake_pg import generated_tensor
 
     fsdp_spec = FsdpSpec(**spec, dtype=torch.float32)
     with torch.device("meta"):

@@ -91,7 +91,7 @@ def main() -> None:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from merge_pipeline.sample_checkpoints.megatron import Variant, write_megatron_samples
+    from merge_pipeline_samples.megatron import Variant, write_megatron_samples
 
     root = args.root or Path(tempfile.mkdtemp(prefix="megatron_probe_"))
     started = time.monotonic()

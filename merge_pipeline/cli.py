@@ -24,11 +24,13 @@ from merge_pipeline.options import (
     options_of,
 )
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
 
 log = logging.getLogger("merge_pipeline")
 
 EXIT_ERROR = 1
 EXIT_MISMATCH = 3
+_FLAG_TYPES = {"int": int, "float": float}
 
 
 def _option_flags(parser: argparse.ArgumentParser, command: str) -> None:
@@ -73,6 +75,28 @@ def _hub_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _ray_flags(parser: argparse.ArgumentParser) -> None:
+    """``--ray-address`` and the write tasks' settings (``RaySettings``): with it, Ray tasks write the weight files."""
+    group = parser.add_argument_group("on a Ray cluster (pip install 'merge_pipeline[ray]')")
+    for setting in RAY_FIELDS:
+        group.add_argument(
+            f"--ray-{setting.name.replace('_', '-')}",
+            dest=f"ray_{setting.name}",
+            type=_FLAG_TYPES.get(setting.type.removesuffix(" | None"), str),
+            metavar=setting.metadata.get("metavar"),
+            help=setting.metadata["help"]
+            + ("" if setting.name == "address" or setting.default is None else f" (default {setting.default})"),
+        )
+
+
+def _ray_settings(args: argparse.Namespace) -> RaySettings | None:
+    """The Ray settings the flags give, or ``None`` (no ``--ray-address``: the merge runs here)."""
+    given = {f.name: value for f in RAY_FIELDS if (value := getattr(args, f"ray_{f.name}")) is not None}
+    if given and "address" not in given:
+        raise MergeError(None, f"--ray-{next(iter(given)).replace('_', '-')} needs --ray-address")
+    return RaySettings(**given) if given else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="merge-pipeline",
@@ -93,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
     )
+    _ray_flags(merge)
     merge.set_defaults(run=_run_merge)
 
     average = commands.add_parser(
@@ -180,7 +205,15 @@ def _run_merge(args: argparse.Namespace) -> int:
         from merge_pipeline.hub import check_upload_settings
 
         check_upload_settings(args.hf_upload_path, args.revision, args.hub_timeout)
-    if launched_by_torchrun():
+    ray = _ray_settings(args)
+    if ray is not None and launched_by_torchrun():
+        raise MergeError(None, "--ray-address under torchrun: run the merge once, Ray starts the workers")
+    if ray is not None:
+        from merge_pipeline.ray_tasks import RayTasks
+
+        workers = RayTasks(ray)  # an unreachable head is refused now, before any work
+        result = merge(args.local_dir, args.target_dir, options, workers=workers, show_progress=not args.no_progress)
+    elif launched_by_torchrun():
         result = merge_distributed(
             args.local_dir,
             args.target_dir,

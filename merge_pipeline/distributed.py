@@ -30,6 +30,7 @@ from merge_pipeline.pipeline import (
     Workers,
     WriteReport,
     Written,
+    gathered,
     merge,
     peak_rss_bytes,
     prepare,
@@ -169,6 +170,12 @@ class TorchrunRanks(Workers):
         _agree(_attempt(lambda: results.__setitem__(0, step())) if self.lead else None)
         return results[0]
 
+    def share(self, value: T | None) -> T:
+        shared = [value]
+        with _peers_answer():
+            dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
     def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
         """This rank's whole shard files; every rank learns the report of all and their largest peak RSS."""
         outputs = prepared.outputs
@@ -178,9 +185,7 @@ class TorchrunRanks(Workers):
         everyone: list[tuple[WriteReport, int] | None] = [None] * self.world
         with _peers_answer():
             dist.all_gather_object(everyone, (reports, peak_rss_bytes()))
-        # Files in plan order, the time of the slowest rank.
-        by_name = {f["filename"]: f for report, _ in everyone for f in report.files}
-        whole = WriteReport([by_name[f.filename] for f in outputs.files], max(r.seconds for r, _ in everyone))
+        whole = gathered(outputs.files, [report for report, _ in everyone])
         return Written(whole, max(peak for _, peak in everyone), "peak RSS (largest rank)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import reprlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,16 @@ def printable(text: str) -> str:
     return "".join(
         c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text
     )
+
+
+_BOUNDED = reprlib.Repr()
+_BOUNDED.maxlevel, _BOUNDED.maxstring, _BOUNDED.maxother, _BOUNDED.maxlong = 3, 60, 60, 40
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short while it is built, for a value read from a checkpoint: a crafted pickle's
+    tuple nested and shared 40 deep has a 10^12-character repr, which ``f"{value!r:.80}"`` builds first."""
+    return _BOUNDED.repr(value)
 
 
 class MergeError(Exception):

@@ -5,7 +5,7 @@ the vision tower, the MoE block and its experts are), its layout (fused QKV with
 multi-latent attention, experts, multi-token prediction, a vision tower), and, for the families
 torchtitan ships, how torchtitan 0.3.0's ``state_dict_adapter.to_hf`` names each of its tensors.
 The readers (``formats/megatron_names.py``, ``formats/torchtitan_names.py``) apply the records; the
-sample writers (``sample_checkpoints/``) build their models from the same records. Adding an
+sample writers (``merge_pipeline_samples/``) build their models from the same records. Adding an
 architecture is one record here plus one test case (README, "Layout").
 
 Megatron-Core's own tensor names are the same for every GPT model (``self_attention.linear_qkv``, ...):

@@ -56,10 +56,11 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from merge_pipeline import __version__
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.json_files import read_json_object
-from merge_pipeline.model_card import CARD, CheckpointName, readme_to_publish, render_card
+from merge_pipeline.model_card import CARD, readme_to_publish, render_card
 
 log = logging.getLogger("merge_pipeline")
 
@@ -147,7 +148,7 @@ def upload_folder_verified(
         raise MergeError(folder, f"has no {MANIFEST}: only folders written by `merge-pipeline merge` can be uploaded")
     manifest = _our_manifest(folder)
     try:  # the card reads every part of the manifest: one edited by hand may lack or garble any of them
-        name = CheckpointName.from_role_dir(manifest["source"]["role_dir"], manifest["source"].get("role"))
+        name = CheckpointName.from_manifest(manifest["source"])
         card = render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"], smoke=smoke)
     except (KeyError, TypeError, ValueError, AttributeError):
         raise _not_our_manifest(folder) from None

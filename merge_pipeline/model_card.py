@@ -11,38 +11,17 @@ was not written by us and is never replaced (``readme_to_publish``).
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
-from pathlib import PurePath
+
+from merge_pipeline.checkpoint_name import CheckpointName
 
 CARD = "README.md"
 CARD_START = "<!-- merge_pipeline model card: replaced on every upload; text outside these two lines is kept -->"
 CARD_END = "<!-- end of the merge_pipeline model card -->"
-_STEP = re.compile(r"global_step_(\d+)")
 
 
-@dataclass(frozen=True)
-class CheckpointName:
-    """Where a verl checkpoint sits: ``<run>/global_step_<step>/<role>``."""
-
-    run: str | None
-    step: int | None
-    role: str
-
-    @classmethod
-    def from_role_dir(cls, role_dir: str | PurePath, role: str | None = None) -> CheckpointName:
-        path = PurePath(role_dir)
-        if _STEP.fullmatch(path.name):  # the SFT trainer's step folder is the checkpoint itself
-            path = path / (role or "model")
-        match = _STEP.fullmatch(path.parent.name)
-        if match is None:  # not a verl layout: keep what is known
-            return cls(None, None, role or path.name)
-        return cls(path.parent.parent.name or None, int(match.group(1)), role or path.name)
-
-    def __str__(self) -> str:
-        if self.step is None:
-            return self.role
-        return f"{self.run}/global_step_{self.step}/{self.role}" if self.run else f"global_step_{self.step}/{self.role}"
+def _tag(writer: str) -> str:
+    """A Hub tag for the stack that saved the checkpoint: verl, torchtitan, megatron-lm, hf-trainer."""
+    return writer.removeprefix("the ").lower().replace(" ", "-")
 
 
 def _fp8_rows(fp8: dict | None) -> list[tuple[str, str]]:
@@ -81,7 +60,7 @@ def _origin_lines(source: dict, name: CheckpointName, tool: str) -> list[str]:
     """Where the weights come from: one checkpoint, or the weighted average of several (``average``)."""
     averaged = source["layout"].get("averaged_inputs")
     if not averaged:
-        return [f"Merged from the verl {source['backend']} checkpoint `{name}` by {tool}.", ""]
+        return [f"Merged from the {name.writer or 'training'} {source['backend']} checkpoint `{name}` by {tool}.", ""]
     accumulate = source["layout"].get("accumulate", "float32")
     return [
         f"The weighted average of {len(averaged)} checkpoints, accumulated in {accumulate}, by {tool}"
@@ -96,7 +75,7 @@ def _origin_lines(source: dict, name: CheckpointName, tool: str) -> list[str]:
 
 def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, smoke: dict | None = None) -> str:
     source, decisions, options = manifest["source"], manifest["decisions"], manifest["options"]
-    name = CheckpointName.from_role_dir(source["role_dir"], source.get("role"))
+    name = CheckpointName.from_manifest(source)
     tool = f"{manifest['tool']['name']} {manifest['tool']['version']}"
     dtype = decisions["config_dtype"] + (
         "" if options.get("dtype") in (None, "auto") else f" (requested: {options['dtype']})"
@@ -118,7 +97,7 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, 
         "library_name: transformers",
         "tags:",
         "- merge_pipeline",
-        "- verl",
+        *([f"- {_tag(name.writer)}"] if name.writer else []),
         "---",
         CARD_START,
         "",

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import resource
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -34,8 +35,7 @@ from merge_pipeline.engine.outputs import DTYPES, OutputPlan, ShardFile, config_
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
-from merge_pipeline.engine.resume import ResumeLog, keep_finished, merge_key
-from merge_pipeline.engine.resume import finished as finished_before
+from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, merge_key, seal
 from merge_pipeline.engine.resume import forget as forget_finished
 from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
@@ -45,9 +45,9 @@ from merge_pipeline.formats import BACKENDS as BACKENDS
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
 # a save itself, and whether a save is complete (and why not).
 from merge_pipeline.formats import Completeness as Completeness
+from merge_pipeline.formats import checkpoint_name, open_checkpoint
 from merge_pipeline.formats import completeness as completeness
 from merge_pipeline.formats import newest_change as newest_change
-from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.formats import saved_in_step_folder as saved_in_step_folder
 from merge_pipeline.formats import step_folder as step_folder
 from merge_pipeline.formats import step_folders as step_folders
@@ -109,6 +109,30 @@ class WeightJob:
     local_dir: Path
     staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
     options: MergeOptions
+    # The weight files a killed merge finished, as the lead checked them (file name -> write report entry):
+    # handed to every worker, never re-read from the records in the staging folder, which anyone able to
+    # write there could edit meanwhile.
+    kept: Mapping[str, Mapping] = field(default_factory=dict)
+
+    def saved(self) -> Path:
+        """The job as JSON beside the resume records, for workers started as other processes (on every node
+        that sees the staging folder); removed with the records before the folder is finished."""
+        path = self.staging / RECORDS / "job.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({**asdict(self), "local_dir": str(self.local_dir), "staging": str(self.staging)}))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> WeightJob:
+        job = json.loads(path.read_text())
+        return cls(Path(job["local_dir"]), Path(job["staging"]), MergeOptions(**job["options"]), job["kept"])
+
+    def planned_as(self, prepared: Prepared) -> WeightJob:
+        """For workers in other processes: the backend the lead's plan found, so they do not detect it again.
+        An average keeps its options: each input's backend is its own (the plan's is ``average``)."""
+        if self.options.average_inputs:
+            return self
+        return replace(self, options=replace(self.options, backend=prepared.plan.backend))
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,10 @@ class Workers:
     def on_lead(self, step: Callable[[], T]) -> T | None:
         """Run ``step`` on the lead only; every worker learns whether it failed. ``None`` elsewhere."""
         return step()
+
+    def share(self, value: T | None) -> T:
+        """The lead's ``value``, on every worker (picklable)."""
+        return value
 
     def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
         """The weight files into ``job.staging``, reusing the files a killed merge finished there."""
@@ -248,8 +276,9 @@ def _architecture_tensors(plan: CheckpointPlan, config: ModelConfig, options: Me
     """The tensors (names, shapes) of the architecture config.json describes."""
     from merge_pipeline.hf.architecture import expected_tensors
 
-    value_model = plan.is_value_model or options.is_value_model  # as plan_outputs decides it
-    return expected_tensors(config.path.parent, value_model=value_model, trust_remote_code=options.trust_remote_code)
+    return expected_tensors(
+        config.path.parent, value_model=plan.writes_value_model(options), trust_remote_code=options.trust_remote_code
+    )
 
 
 def _with_inert_tensors(plan: CheckpointPlan, expected: ExpectedTensors) -> CheckpointPlan:
@@ -309,6 +338,7 @@ def write_weights(
             path.parent.mkdir(parents=True, exist_ok=True)
             digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
             size = write_safetensors(path, shard.tensors, progress, digest=digest)
+            seal(path, digest.hexdigest())  # before the identity: a resume trusts the digest only with both
             entry = {
                 "filename": shard.filename,
                 "bytes": size,
@@ -323,6 +353,12 @@ def write_weights(
         progress.close()
     report.seconds = time.monotonic() - progress.started
     return report
+
+
+def gathered(files: list[ShardFile], reports: list[WriteReport]) -> WriteReport:
+    """Workers' reports as one: every file's entry in plan order (``files``), the time of the slowest worker."""
+    by_name = {f["filename"]: f for report in reports for f in report.files}
+    return WriteReport([by_name[f.filename] for f in files], max(r.seconds for r in reports))
 
 
 def resume_key(prepared: Prepared, options: MergeOptions) -> str:
@@ -340,7 +376,7 @@ def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> R
 
 def write_share(job: WeightJob, prepared: Prepared, files: list[ShardFile], *, show_progress: bool) -> WriteReport:
     """A worker's part of the weights: ``files``, reusing those the lead's ``resume_killed`` kept."""
-    resume = finished_before(job.staging, resume_key(prepared, job.options), prepared.outputs.files)
+    resume = ResumeLog(job.staging, resume_key(prepared, job.options), dict(job.kept))
     return write_weights(prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume)
 
 
@@ -369,12 +405,14 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
     # Imported here, as the checks: they import transformers (~1 s), which inspect and test of FSDP never need.
     from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 
+    name = checkpoint_name(plan.role_dir)
     return {
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
             "backend": plan.backend,
             "role_dir": str(plan.role_dir),
-            "role": plan.role,
+            "role": name.role,
+            "checkpoint": asdict(name),
             "layout": plan.layout,
             "inputs": [{"path": str(f.path), "size": f.size} for f in plan.files],
         },
@@ -451,14 +489,15 @@ def merge(
     job = WeightJob(Path(local_dir), staging_path(target), options)
     with prepared, contextlib.ExitStack() as publishing:
 
-        def open_staging() -> None:
+        def open_staging() -> dict[str, dict]:
             publishing.enter_context(
                 staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True)
             )
-            resume_killed(prepared, job.staging, options)
+            kept = resume_killed(prepared, job.staging, options).finished
             write_side_files(prepared, job.staging, options)
+            return kept
 
-        workers.on_lead(open_staging)
+        job = replace(job, kept=workers.share(workers.on_lead(open_staging)))
         written = workers.write(job, prepared, show_progress=show_progress)
 
         def finish_and_publish() -> tuple[dict, list[CheckOutcome]]:
@@ -508,7 +547,7 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
         architecture, tied = config.architecture, config.tie_word_embeddings
     return {
         "backend": plan.backend,
-        "role": plan.role,
+        "role": checkpoint_name(plan.role_dir).role,
         "path": str(plan.role_dir),
         **plan.layout,
         "architecture": architecture,

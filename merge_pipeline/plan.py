@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -22,6 +21,7 @@ import torch
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.input_files import open_regular_stat
+from merge_pipeline.options import MergeOptions
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
 READ_PIECE_BYTES = 8 * 1024 * 1024
@@ -100,6 +100,7 @@ class _OpenFiles:
 
 
 _OPEN = _OpenFiles(MAX_OPEN_FILES)
+_COUNTING = threading.Lock()  # the writer thread's kernel copies and this thread's reads may count one file at once
 
 
 class SourceFile:
@@ -113,6 +114,7 @@ class SourceFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.identity: FileIdentity | None = None
+        self.bytes_read = 0  # tensor bytes taken from it (``counted``): what a launcher reports per node
         with self.opened():  # planning opens each file once: this records its identity
             self.size = self.identity.size
 
@@ -166,7 +168,13 @@ class SourceFile:
                     raise MergeError(
                         self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
                     )
-                done += n
+                done += self.counted(n)
+
+    def counted(self, n: int) -> int:
+        """``n`` bytes were read from this file (by ``read_into``, a grouped read or a kernel copy); returns ``n``."""
+        with _COUNTING:
+            self.bytes_read += n
+        return n
 
     def close(self) -> None:
         _OPEN.close(self)
@@ -375,10 +383,9 @@ class CheckpointPlan:
     check_against_architecture: bool = True
     layout: LayoutFacts = field(default_factory=dict)
 
-    @property
-    def role(self) -> str:
-        # The SFT trainer saves the model in global_step_<N>/ itself: no role folder to name it.
-        return "model" if re.fullmatch(r"global_step_\d+", self.role_dir.name) else self.role_dir.name
+    def writes_value_model(self, options: MergeOptions) -> bool:
+        """The output is a value model (a score head, no lm_head) when the checkpoint is one or the user says so."""
+        return self.is_value_model or options.is_value_model
 
     @property
     def parameter_count(self) -> int:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.dcp import DcpSpec, write_dcp_checkpoint
-from merge_pipeline.sample_checkpoints.deepspeed import write_deepspeed_checkpoints
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
-from merge_pipeline.sample_checkpoints.megatron import VARIANTS as MEGATRON_VARIANTS
-from merge_pipeline.sample_checkpoints.megatron import MegatronSample, write_megatron_samples
+from merge_pipeline_samples.dcp import DcpSpec, write_dcp_checkpoint
+from merge_pipeline_samples.deepspeed import write_deepspeed_checkpoints
+from merge_pipeline_samples.fsdp import FsdpSpec, write_fsdp_checkpoint
+from merge_pipeline_samples.megatron import VARIANTS as MEGATRON_VARIANTS
+from merge_pipeline_samples.megatron import MegatronSample, write_megatron_samples
 from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_cli
 
 # The fixtures that write real trainer checkpoints (torch distributed, megatron-core, DeepSpeed ranks): seconds
@@ -131,3 +131,12 @@ def megatron_lm_sample(tmp_path_factory) -> MegatronSample:
     root = tmp_path_factory.mktemp("megatron_lm")
     variant = MEGATRON_VARIANTS["qwen2_tp2"]
     return write_megatron_samples(root, [variant], timeout=600, layout="megatron_lm")[variant.name]
+
+
+@pytest.fixture(scope="session")
+def megatron_v2_sample(tmp_path_factory) -> MegatronSample:
+    """A real layout-v2 checkpoint: megatron-core writes ``model/dist_ckpt/`` directly, and, as verl
+    with ``use_dist_checkpointing`` and no ``hf_model``, the checkpoint holds no HF files at all
+    (``original_dir`` is the trainer's model folder). Read only."""
+    root = tmp_path_factory.mktemp("megatron_v2")
+    return write_megatron_samples(root, [MEGATRON_VARIANTS["qwen2_tp2"]], timeout=600, layout="v2")["qwen2_tp2"]

@@ -20,8 +20,8 @@ from merge_pipeline.cli import main
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
-from merge_pipeline.sample_checkpoints.deepspeed import DeepSpeedSpec
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.deepspeed import DeepSpeedSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 
 # A one-layer Llama small enough for thousands of rank files: 1003 vocab rows split unevenly over most world sizes.
 TINY_LLAMA = FsdpSpec(
@@ -165,14 +165,14 @@ def merge_error(capsys, local_dir: Path, target: Path, *flags) -> str:
 
 
 def write_with_release(venv: str, writer: str, root: Path, *args: str, timeout: int = 900) -> Path:
-    """Run the sample writer ``merge_pipeline/sample_checkpoints/<writer>`` with the isolated venv that
+    """Run the sample writer ``merge_pipeline_samples/<writer>`` with the isolated venv that
     ``scripts/test.sh`` builds for that library (``.venv-torchtitan``, ``.venv-nemo``, ``.venv-bridge``),
     so the checkpoint in ``root`` is written by the library's own save code, at its pinned release."""
     repo = Path(__file__).resolve().parents[1]
     python = repo / venv / "bin" / "python"
     assert python.is_file(), f"{python} missing: run scripts/test.sh (it builds it)"
     done = subprocess.run(
-        [python, "-W", "ignore", repo / "merge_pipeline" / "sample_checkpoints" / writer, root, *args],
+        [python, "-W", "ignore", repo / "merge_pipeline_samples" / writer, root, *args],
         timeout=timeout,
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30

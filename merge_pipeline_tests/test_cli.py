@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)

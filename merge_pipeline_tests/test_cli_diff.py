@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_pipeline.hf.step_diff import diff_folders
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli
 
 LORA = FsdpSpec(lora=(4, 8))

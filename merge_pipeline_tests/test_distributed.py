@@ -14,7 +14,7 @@ from merge_pipeline.engine.outputs import ShardFile
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.plan import Computed, PlannedTensor
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import run_cli, torchrun, tree_digest
 
 SPEC = FsdpSpec(

@@ -2,7 +2,7 @@
 
 Layers, lowest first: shared leaves (errors, files, options, the plan types) < ``hf`` (the Hugging Face
 folder format) < ``formats`` (readers) and ``engine`` (the writer), which know nothing of each other
-< ``pipeline`` (the one module using both) < ``distributed`` and ``hub`` < ``cli`` and ``defs``.
+< ``pipeline`` (the one module using both) < ``distributed``, ``ray_tasks`` and ``hub`` < ``cli`` and ``defs``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import ast
 import importlib
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,14 +28,16 @@ LAYERS = {
     "options": 0,
     "progress": 0,
     "plan": 0,
+    "ray_settings": 0,
     "model_card": 0,
+    "checkpoint_name": 0,
     "hf": 1,
     "families": 1,
     "formats": 2,
     "engine": 2,
-    "sample_checkpoints": 2,
     "pipeline": 3,
     "distributed": 4,
+    "ray_tasks": 4,
     "hub": 4,
     "cli": 5,
     "defs": 5,
@@ -164,7 +167,32 @@ def test_no_private_dagster_api(path: Path) -> None:
 
 
 def test_the_package_import_stays_light() -> None:
-    code = "import sys, merge_pipeline; print(sorted(m for m in ('dagster', 'torch', 'merge_pipeline.defs') if m in sys.modules))"
+    code = "import sys, merge_pipeline; print(sorted(m for m in ('dagster', 'torch', 'ray', 'merge_pipeline.defs') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert loaded.stdout.strip() == "[]"
     assert "MergeCheckpoints" in dir(importlib.import_module("merge_pipeline"))  # dg's registry lists it
+
+
+def test_the_product_never_imports_the_sample_writers() -> None:
+    """merge_pipeline_samples stays in the repo (the demo, tests and benchmarks write checkpoints with it): the
+    wheel does not ship it, so nothing in the package may need it."""
+    found = {
+        name
+        for name, path in all_modules().items()
+        for m in imports_of(path, {})
+        if m.startswith("merge_pipeline_samples")
+    }
+    assert found == set()
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_product_only(tmp_path) -> None:
+    from merge_pipeline_tests.defs.services import clean_copy  # the repo's files, not its build/ leftovers
+
+    source = tmp_path / "src"
+    clean_copy(source)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, "."]
+    subprocess.run(build, check=True, capture_output=True, timeout=300, cwd=source)  # setuptools builds in the cwd
+    names = zipfile.ZipFile(next(tmp_path.glob("merge_pipeline-*.whl"))).namelist()
+    assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {"merge_pipeline"}
+    assert "merge_pipeline/dagster/run_launcher.py" in names and "merge_pipeline/pipeline.py" in names

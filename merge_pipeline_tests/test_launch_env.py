@@ -13,7 +13,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.services import free_port
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits, torchrun
 

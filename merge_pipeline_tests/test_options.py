@@ -12,7 +12,7 @@ from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_flags
 from merge_pipeline.pipeline import prepare
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
 LAUNCHER_FIELDS = {"launcher", "nproc_per_node", "nnodes", "rdzv_endpoint"}  # Dagster's own

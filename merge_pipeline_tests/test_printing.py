@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_fsdp_checkpoint
+from merge_pipeline_samples.fsdp import FsdpSpec, write_fsdp_checkpoint
 
 pytestmark = pytest.mark.slow
 

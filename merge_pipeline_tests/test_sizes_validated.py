@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli
 
 

@@ -47,8 +47,8 @@ RUN_DIR=${MERGE_PIPELINE_CHECKPOINT_ROOTS%%:*}/demo_run
 if [ ! -f "$RUN_DIR/latest_checkpointed_iteration.txt" ]; then
     echo "writing a demo checkpoint with torch FSDP (2 ranks, gloo, CPU) into $RUN_DIR/global_step_1"
     rm -rf "$RUN_DIR/global_step_1"
-    "$PY" -m merge_pipeline.sample_checkpoints.fsdp "$RUN_DIR/global_step_1/actor" --world-size 2
-    "$PY" -m merge_pipeline.sample_checkpoints.fsdp "$RUN_DIR/global_step_1/critic" --world-size 2 --arch llama --critic
+    "$PY" -m merge_pipeline_samples.fsdp "$RUN_DIR/global_step_1/actor" --world-size 2
+    "$PY" -m merge_pipeline_samples.fsdp "$RUN_DIR/global_step_1/critic" --world-size 2 --arch llama --critic
     printf 1 > "$RUN_DIR/latest_checkpointed_iteration.txt"
 fi
 
@@ -142,7 +142,7 @@ The demo checkpoint is merged. Open:
 In another shell, to reach merge-pipeline, dg and this demo's instance (docs/DAGSTER.md, "After the demo"):
     cd $PWD && source .venv/bin/activate && export DAGSTER_HOME=$DAGSTER_HOME
 Drop another checkpoint into the watched root; the sensor merges it within a minute:
-    $PY -m merge_pipeline.sample_checkpoints.fsdp $RUN_DIR/global_step_$NEXT/actor --seed $NEXT && printf $NEXT > $RUN_DIR/latest_checkpointed_iteration.txt
+    $PY -m merge_pipeline_samples.fsdp $RUN_DIR/global_step_$NEXT/actor --seed $NEXT && printf $NEXT > $RUN_DIR/latest_checkpointed_iteration.txt
 Merged folders land in $MERGE_PIPELINE_OUTPUT_ROOT.
 EOF
 

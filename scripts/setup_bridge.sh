@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv-bridge: Megatron-Bridge 0.6.2 on megatron-core 0.18.2 in its own venv (our megatron-core
 # is 0.16; the bridge pins transformers 5.8-5.12 and pulls CUDA kernels, wandb, mlflow...), for the
-# tests whose checkpoints the bridge itself writes (merge_pipeline/sample_checkpoints/megatron_bridge_save.py).
+# tests whose checkpoints the bridge itself writes (merge_pipeline_samples/megatron_bridge_save.py).
 # Both wheels declare Python 3.12 and run on 3.11: megatron-core's cp312 wheel is installed under a
 # cp311 name (its one compiled module, the dataset index helpers, is never loaded when saving) and
 # Python 3.12's typing.override, which the bridge imports, comes from typing_extensions (a .pth shim).

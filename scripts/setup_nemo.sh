@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv-nemo: NeMo-Automodel 0.7.0 in its own venv (it pins transformers 5.18 and pulls CUDA
 # kernels, datasets and mistral-common, which clash with ours), for the tests whose checkpoints
-# NeMo-Automodel itself writes (merge_pipeline/sample_checkpoints/nemo_automodel_save.py). Only what its
+# NeMo-Automodel itself writes (merge_pipeline_samples/nemo_automodel_save.py). Only what its
 # Checkpointer's save path imports is installed: torch (CPU), transformers and pyyaml, then
 # nemo-automodel without its declared dependencies.
 # A second run is a no-op: the stamp file records what was installed.

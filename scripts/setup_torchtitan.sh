@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv-torchtitan: torchtitan 0.3.0 in its own venv (its dependencies -- huggingface_hub 1.x,
 # wandb, datasets -- clash with ours), for the tests whose checkpoints torchtitan itself writes
-# (merge_pipeline/sample_checkpoints/torchtitan_save.py). Only what its model, fully_shard and
+# (merge_pipeline_samples/torchtitan_save.py). Only what its model, fully_shard and
 # CheckpointManager save path import is installed: torchtitan, spmd_types and triton (imported by its
 # MoE token dispatcher even on CPU) without their declared dependencies, which would pull a CUDA torch.
 # A second run is a no-op: the stamp file records what was installed.

@@ -21,6 +21,7 @@ from merge_pipeline.defs.checks import checks_metadata
 from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.numeric_settings import FRESHNESS
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.pins import unpin
 from merge_pipeline.defs.resources import MergeSettings
@@ -30,7 +31,6 @@ from merge_pipeline.errors import MergeError
 GROUP = "merge"
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
 OWNERS = ["team:training-infra"]
-FRESHNESS_VAR = "MERGE_PIPELINE_FRESHNESS_MINUTES"
 
 
 def checkpoint_spec(names: Names) -> dg.AssetSpec:
@@ -54,7 +54,7 @@ def freshness_policy(minutes: float) -> dg.FreshnessPolicy:
 
 
 def freshness_minutes_from_env() -> float:
-    return float(dg.EnvVar(FRESHNESS_VAR).get_value("30"))
+    return FRESHNESS.from_env()  # checked at load: a junk value is one line, not a traceback
 
 
 def stage_specs(names: Names, freshness_minutes: float) -> list[dg.AssetSpec]:
@@ -175,9 +175,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             **state_dict_metadata(
                 target, written.report, merged.manifest, (written.peak_rss_label, written.peak_rss_bytes)
             ),
-            "launcher": config.launcher
-            if config.launcher == "inprocess"
-            else f"torchrun x{config.nproc_per_node * config.nnodes}",
+            "launcher": config.launcher_label(),
             **checked["state_dict"],
         },
     )

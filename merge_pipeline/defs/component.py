@@ -14,19 +14,22 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 from __future__ import annotations
 
 import textwrap
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import dagster as dg
+from pydantic import ValidationInfo, field_validator
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
-from merge_pipeline.defs.assets import checkpoint_spec, freshness_minutes_from_env, merge_step_definition
+from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
 from merge_pipeline.defs.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
+from merge_pipeline.defs.config import checked_merge_config
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
+from merge_pipeline.defs.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
 from merge_pipeline.defs.report import step_report_definition
 from merge_pipeline.defs.report_sensor import step_report_sensor_definition
 from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensors import checkpoint_sensor, interval_from_env
+from merge_pipeline.defs.sensors import checkpoint_sensor
 
 
 class HubPublishing(dg.Model):
@@ -63,6 +66,12 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                     # set to publish (token: $HF_TOKEN); empty: the schedule stays off
                     organization: ""
                     schedule: "*/10 * * * *"
+                  # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
+                  # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
+                  # merge_config:
+                  #   launcher: ray
+                  #   ray_address: ray://raycluster-head-svc:10001
+                  #   ray_resource: merge
                   # average the newest K merged steps of each run when a step lands (averaged_model)
                   # averaging:
                   #   last_k: 3
@@ -70,6 +79,10 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   #   dtype: auto
                 """)
         )
+
+
+def _as_written(context: dg.ResolutionContext, value: object) -> object:
+    return value
 
 
 @dg.scaffold_with(MergeCheckpointsScaffolder)
@@ -87,11 +100,24 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     smoke_test: bool | None = None  # none: $MERGE_PIPELINE_SMOKE_TEST, else off
     smoke_prompt: str | None = None  # none: $MERGE_PIPELINE_SMOKE_PROMPT, else a fixed one
     smoke_max_size: str | None = None  # none: $MERGE_PIPELINE_SMOKE_MAX_SIZE, else 2GB of weights
-    sensor_interval_seconds: int = 10
-    freshness_minutes: float = 30
+    # defs.yaml may say any number (10, 10.0, .nan): the check below answers it in one line, not dg's int model
+    sensor_interval_seconds: Annotated[int, dg.Resolver(_as_written, model_field_type=float | str)] = (
+        SENSOR_INTERVAL.default
+    )
+    freshness_minutes: float = FRESHNESS.default
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
     averaging: Averaging | None = None  # none: no averaged_model (issue 40: the newest K merged steps of each run)
+    # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
+    # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
+    merge_config: dict[str, Any] | None = None
+
+    @field_validator(*NUMERIC_SETTINGS, mode="before")
+    @classmethod
+    def _numeric_setting(cls, value: object, field: ValidationInfo) -> object:
+        """defs.yaml's numbers pass the environment's check: one line naming the field, not pydantic's report."""
+        setting = NUMERIC_SETTINGS[field.field_name]
+        return None if value is None else setting.checked(value, f"defs.yaml {setting.field}")
 
     @classmethod
     def from_env(cls) -> MergeCheckpoints:
@@ -100,8 +126,8 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         hub = HuggingFaceHub.from_env()
         return cls(
             prefix="",
-            sensor_interval_seconds=interval_from_env(),
-            freshness_minutes=freshness_minutes_from_env(),
+            sensor_interval_seconds=SENSOR_INTERVAL.from_env(),
+            freshness_minutes=FRESHNESS.from_env(),
             hub=HubPublishing(
                 organization=hub.organization,
                 private=hub.private,
@@ -124,7 +150,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             ],
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
-                checkpoint_sensor(names, self.sensor_interval_seconds),
+                checkpoint_sensor(
+                    names, self.sensor_interval_seconds, checked_merge_config(self.merge_config or {}) or None
+                ),
                 step_report_sensor_definition(names, self.sensor_interval_seconds),
                 failure_webhook(names),
             ],

@@ -1,18 +1,20 @@
 """Per-run merge options, set in the Launchpad (or a sensor's run config) for ``hf_model``.
 
 Every ``MergeOptions`` field is a config field here, with the CLI's help as its description and the
-same default; the launcher fields are Dagster's own.
+same default; so is every ``RaySettings`` field, as ``ray_<name>``; the other launcher fields are Dagster's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_type_hints
 
 import dagster as dg
 from pydantic import Field, create_model
 
+from merge_pipeline.errors import MergeError
 from merge_pipeline.options import OPTION_FIELDS, MergeOptions
+from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
 
 
 def _config_type(option: dataclasses.Field) -> object:
@@ -32,10 +34,24 @@ _MergeOptionsConfig = create_model(
 )
 
 
-class MergeConfig(_MergeOptionsConfig):
-    launcher: Literal["inprocess", "torchrun"] = Field(
+# The Ray launcher's settings, each as ray_<name>: the CLI's --ray-<name> with the same help and default.
+_RayConfig = create_model(
+    "_RayConfig",
+    __base__=_MergeOptionsConfig,
+    **{
+        f"ray_{setting.name}": (
+            get_type_hints(RaySettings)[setting.name],
+            Field(default=setting.default, description=f"launcher ray: {setting.metadata['help']}"),
+        )
+        for setting in RAY_FIELDS
+    },
+)
+
+
+class MergeConfig(_RayConfig):
+    launcher: Literal["inprocess", "torchrun", "ray"] = Field(
         default="inprocess",
-        description="write the shards in the run's process, or across processes (and nodes) with torchrun",
+        description="write the shards in the run's process, across processes (and nodes) with torchrun, or as tasks on a Ray cluster (ray_address)",
     )
     nproc_per_node: int = Field(default=2, ge=1, description="torchrun: processes on this node")
     nnodes: int = Field(
@@ -47,3 +63,25 @@ class MergeConfig(_MergeOptionsConfig):
 
     def options(self) -> MergeOptions:
         return MergeOptions(**{option.name: getattr(self, option.name) for option in OPTION_FIELDS})
+
+    def ray_settings(self) -> RaySettings:
+        return RaySettings(**{setting.name: getattr(self, f"ray_{setting.name}") for setting in RAY_FIELDS})
+
+    def launcher_label(self) -> str:
+        """What the ``state_dict`` stage's metadata says wrote the weights."""
+        if self.launcher == "torchrun":
+            return f"torchrun x{self.nproc_per_node * self.nnodes}"
+        return f"ray at {self.ray_address}" if self.launcher == "ray" else self.launcher
+
+
+def checked_merge_config(fields: dict) -> dict:
+    """``hf_model``'s config given outside a run (a component's ``merge_config``): an unknown field or a bad
+    value is refused when the definitions load, not by every merge after."""
+    unknown = sorted(set(fields) - set(MergeConfig.model_fields))
+    if unknown:
+        raise MergeError(None, f"merge_config: unknown field(s) {', '.join(unknown)}: see the hf_model step's config")
+    config = MergeConfig(**fields)
+    config.options()
+    if config.launcher == "ray":
+        config.ray_settings()
+    return fields

@@ -41,28 +41,34 @@ class Scan:
 
 
 def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
-    """Every role folder under every root; the output root is never mistaken for a checkpoint."""
+    """Every role folder under every root; the output root is never mistaken for a checkpoint, however
+    either is spelled (compared with symlinks and ``..`` resolved)."""
     scan = Scan()
     output_root = output_root.absolute()
+    resolved_output = _resolved(output_root)
+    skip = {output} if (output := _identity(output_root)) else set()
     for root in roots:
         root = root.absolute()
-        if output_root.is_relative_to(root):
+        if resolved_output.is_relative_to(_resolved(root)):
             scan.not_watched.append(
                 f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
             )
         if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
             scan.all_roots_read = False
-        scan.found.extend(find_checkpoints(root, scan.not_watched, skip={output_root}))
+        scan.found.extend(find_checkpoints(root, scan.not_watched, skip=skip))
     return scan
 
 
-def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Path] = ()) -> Iterator[FoundCheckpoint]:
+def find_checkpoints(
+    root: Path, not_watched: list[str], *, skip: Collection[tuple[int, int]] = ()
+) -> Iterator[FoundCheckpoint]:
     """Every checkpoint in a step folder (``step_folders()``) at most three levels below ``root``.
 
     The run name is the trainer folder's path relative to ``root``, or ``root``'s own name when the
-    steps sit directly in it. Hidden folders, step folders and the folders in ``skip`` are not
-    entered. Why a folder could not be watched (the root missing or unreadable, a step folder whose
-    name would not lead back to it) is appended to ``not_watched``.
+    steps sit directly in it. Hidden folders, step folders and the folders in ``skip`` (their
+    ``_identity``: the same folder however its path is spelled) are not entered. Why a folder could not be watched (the
+    root missing or unreadable, a step folder whose name would not lead back to it) is appended to
+    ``not_watched``.
     """
     root = root.absolute()
     level = [root]
@@ -70,7 +76,7 @@ def find_checkpoints(root: Path, not_watched: list[str], *, skip: Collection[Pat
         deeper = []
         for folder in level:
             for entry in _subfolders(folder, not_watched, root=root):
-                if entry.name.startswith(".") or entry in skip:
+                if entry.name.startswith(".") or (skip and _identity(entry) in skip):
                     continue
                 found = step_folder(entry.name)
                 if found is None:
@@ -112,7 +118,21 @@ def locate(key: CheckpointKey, roots: Sequence[Path]) -> Path:
 def _inside(path: Path, root: Path) -> bool:
     """Whether ``path``, symlinks resolved, stays inside the watched ``root``: a link out of it (into
     someone's private folder) is never followed."""
-    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+    return _resolved(path).is_relative_to(_resolved(root))
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """A folder's (device, inode), links followed: one stat, where resolving the path costs one per component."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def _resolved(path: Path | str) -> Path:
+    """``path`` with symlinks and ``..`` resolved (a symlink loop left as it is: its listing says why)."""
+    return Path(os.path.realpath(path))
 
 
 def _subfolders(folder: Path, not_watched: list[str], *, root: Path) -> list[Path]:

@@ -5,7 +5,7 @@ Configured from the environment, like the merge settings:
 ``MERGE_PIPELINE_HUB_ORG``            namespace to publish under; unset: publishing is off
 ``MERGE_PIPELINE_HUB_REPO_TEMPLATE``  repo id of a checkpoint (default ``{org}/{run_name}-{role}``)
 ``MERGE_PIPELINE_HUB_PRIVATE``        create new repos private (default 1)
-``MERGE_PIPELINE_HUB_REVISIONS``      ``branch``: one branch per step (``global_step_<N>``);
+``MERGE_PIPELINE_HUB_REVISIONS``      ``branch``: one branch per step, named as its step folder (``global_step_<N>``, ``step-<N>``);
                                       ``commit``: one commit per step on main (default branch)
 ``MERGE_PIPELINE_HUB_TIMEOUT``        seconds a Hub request may wait to connect or for an answer (default 60)
 ``HF_ENDPOINT``, ``HF_TOKEN``         as for the CLI; without HF_TOKEN, the stored ``hf auth login``
@@ -54,7 +54,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
     )
     revisions: Literal["branch", "commit"] = Field(
         default="branch",
-        description="branch: one branch per step (global_step_<N>); commit: one commit per step on main",
+        description="branch: one branch per step, named as its step folder (global_step_<N>, step-<N>, iter_<N>); commit: one commit per step on main",
     )
     timeout_s: float | None = Field(
         default=None,
@@ -81,13 +81,16 @@ class HuggingFaceHub(dg.ConfigurableResource):
         run_name = re.sub(r"[^\w.-]+", "-", key.run_name).strip("-.")
         return self.repo_template.format(org=self.organization, run_name=run_name, role=key.role, step=key.step)
 
+    def revision(self, key: CheckpointKey) -> str | None:
+        """The step's branch, named as its trainer names the step folder (global_step_7, step-10, iter_0000100)."""
+        return key.step_dir if self.revisions == "branch" else None
+
     def publish(self, folder: Path, key: CheckpointKey, smoke: dict | None = None) -> UploadResult:
-        revision = f"global_step_{key.step}" if self.revisions == "branch" else None
         return upload_folder_verified(
             folder,
             self.repo_id(key),
             private=self.private,
-            revision=revision,
+            revision=self.revision(key),
             endpoint=self.endpoint,
             token=self.token,
             timeout_s=self.timeout_s,

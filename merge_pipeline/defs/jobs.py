@@ -9,7 +9,9 @@ from merge_pipeline.defs.names import Names
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
 
 
-def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
+def merge_checkpoint_job(names: Names, merge_config: dict | None = None) -> dg.UnresolvedAssetJobDefinition:
+    """``merge_config``: the merge step's default config (``MergeConfig`` fields) for the runs it starts:
+    the sensor's carry none of their own, the Launchpad shows it filled in."""
     return dg.define_asset_job(
         names("merge_checkpoint"),
         # the merge step alone: a run that fails plans no asset check (step_report's run in its own job)
@@ -19,6 +21,7 @@ def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
         # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of
         # imports (torch, transformers); the merge streams, so memory stays bounded anyway.
         executor_def=dg.in_process_executor,
+        config={"ops": {names("hf_model"): {"config": merge_config}}} if merge_config else None,
         description="Merge one checkpoint role folder into a verified, published Hugging Face folder.",
     )
 

@@ -14,11 +14,10 @@ from pathlib import PurePosixPath
 
 import dagster as dg
 
+from merge_pipeline.checkpoint_name import STEP_ROLE
 from merge_pipeline.errors import MergeError
 
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
-
-STEP_ROLE = "model"  # the role of a checkpoint saved in the step folder itself
 
 
 @dataclass(frozen=True)

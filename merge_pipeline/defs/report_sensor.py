@@ -16,8 +16,8 @@ import dagster as dg
 from merge_pipeline.defs.checks import passed_every_check
 from merge_pipeline.defs.jobs import report_job
 from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.numeric_settings import SENSOR_INTERVAL
 from merge_pipeline.defs.records import latest_materialization
-from merge_pipeline.defs.sensors import interval_from_env
 
 BATCH = 200  # merges looked at per tick; the cursor moves on, so a longer backlog takes a few ticks
 
@@ -56,4 +56,4 @@ def _tick(instance: dg.DagsterInstance, cursor: str | None, names: Names) -> dg.
     )
 
 
-step_report_sensor = step_report_sensor_definition(PLAIN, interval_from_env())  # this project's own instance
+step_report_sensor = step_report_sensor_definition(PLAIN, SENSOR_INTERVAL.from_env())  # this project's own instance

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from merge_pipeline.defs.numeric_settings import SETTLE
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.pins import PINS, PinSpace, verified_pin
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
@@ -34,10 +35,9 @@ from merge_pipeline.options import parse_size
 if TYPE_CHECKING:
     from merge_pipeline.defs.discovery import Scan
 
-ROOTS_VAR, OUTPUT_VAR, SETTLE_VAR, HF_MODEL_VAR = (
+ROOTS_VAR, OUTPUT_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
     "MERGE_PIPELINE_OUTPUT_ROOT",
-    "MERGE_PIPELINE_SETTLE_SECONDS",
     "MERGE_PIPELINE_HF_MODEL_PATH",
 )
 PIN_VAR, PIN_ROOT_VAR = "MERGE_PIPELINE_PIN_STEPS", "MERGE_PIPELINE_PIN_ROOT"
@@ -60,7 +60,7 @@ class MergeSettings(dg.ConfigurableResource):
     )
     settle_seconds: float | None = Field(
         default=None,
-        description=f"without the trainer's tracker file, a step is complete once no file under it changed for this long; unset: ${SETTLE_VAR}, else 60",
+        description=f"without the trainer's tracker file, a step is complete once no file under it changed for this long; unset: ${SETTLE.variable}, else {SETTLE.default:g}",
     )
     hf_model_path: str | None = Field(
         default=None,
@@ -88,6 +88,15 @@ class MergeSettings(dg.ConfigurableResource):
         description=f"folders with more weight bytes than this skip the smoke test (loaded whole); unset: ${SMOKE_LIMIT_VAR}, else {SMOKE_MAX_SIZE}",
     )
 
+    @model_validator(mode="after")
+    def _numbers_checked(self) -> MergeSettings:
+        """The settle time and the smoke test's size limit, the fields' or the environment's, checked
+        when the settings are made (the location's load): a bad value is one line there, not a
+        traceback in every tick or a failure after each merge."""
+        SETTLE.of(self.settle_seconds)
+        _ = self.smoke_limit_bytes  # read for its check
+        return self
+
     @property
     def roots(self) -> list[Path]:
         roots = (
@@ -105,7 +114,7 @@ class MergeSettings(dg.ConfigurableResource):
 
     @property
     def settle_time(self) -> float:
-        return self.settle_seconds if self.settle_seconds is not None else float(dg.EnvVar(SETTLE_VAR).get_value("60"))
+        return SETTLE.of(self.settle_seconds)
 
     @property
     def base_model_dir(self) -> str | None:
@@ -129,12 +138,9 @@ class MergeSettings(dg.ConfigurableResource):
 
     @property
     def smoke_limit_bytes(self) -> int:
-        size = (
-            self.smoke_max_size
-            if self.smoke_max_size is not None
-            else dg.EnvVar(SMOKE_LIMIT_VAR).get_value(SMOKE_MAX_SIZE)
-        )
-        return parse_size(size, "smoke_max_size")
+        if self.smoke_max_size is not None:
+            return parse_size(self.smoke_max_size, "smoke_max_size")
+        return parse_size(dg.EnvVar(SMOKE_LIMIT_VAR).get_value(SMOKE_MAX_SIZE), SMOKE_LIMIT_VAR)
 
     @property
     def pin_spaces(self) -> list[PinSpace]:

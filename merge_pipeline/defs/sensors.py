@@ -23,6 +23,7 @@ import dagster as dg
 
 from merge_pipeline.defs.jobs import merge_checkpoint_job
 from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.defs.numeric_settings import SENSOR_INTERVAL
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.pins import pin, stale_pins, unpin
 from merge_pipeline.defs.resources import MergeSettings
@@ -32,17 +33,14 @@ if TYPE_CHECKING:
     from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint
 
 SOURCE_TAG = "merge_pipeline/source"
-INTERVAL_VAR = "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS"
 
 
-def interval_from_env() -> int:
-    return int(dg.EnvVar(INTERVAL_VAR).get_value("10"))  # fixed when the location loads
+def checkpoint_sensor(names: Names, interval_seconds: int, merge_config: dict | None = None) -> dg.SensorDefinition:
+    """``merge_config``: the merge step's config for the runs it requests (``jobs.merge_checkpoint_job``)."""
 
-
-def checkpoint_sensor(names: Names, interval_seconds: int) -> dg.SensorDefinition:
     @dg.sensor(
         name=names("new_checkpoint_sensor"),
-        job=merge_checkpoint_job(names),
+        job=merge_checkpoint_job(names, merge_config),
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},
@@ -60,31 +58,43 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
     from merge_pipeline.defs.discovery import completeness
 
     checkpoint_partitions = names.partitions
-    seen = cursor_keys(context.cursor)  # requested or already merged
+    seen = cursor_keys(context.cursor)  # requested (with the step's newest change then) or already merged
     present, requests, waiting, saved, found_merged = set(), [], [], [], []
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
+    failed = _failed_partitions(context.instance, partitions, names)
     scan = settings.find_checkpoints()
     for note in scan.not_watched:
         context.log.warning(note)
     for found in scan.found:
         key = str(found.key)
         present.add(key)
-        if key in seen:
+        requested_before = key in seen
+        if requested_before and key not in failed:
             continue
         if settings.target_dir(found.key).exists():
-            seen.add(key)  # merged before (by an earlier run, or by hand with the CLI)
+            seen.setdefault(key, None)  # merged before (by an earlier run, or by hand with the CLI)
             if key not in partitions:  # e.g. a fresh instance: show it as merged, marked as found
                 found_merged.append(key)
                 saved.append(_found_merged(found, settings.target_dir(found.key), names))
             continue
         state = completeness(found.role_dir, found.key.step, settings.settle_time)
+        if requested_before and seen[key] in (None, state.newest_change):
+            seen[key] = state.newest_change  # its merge failed on what is there now: asked again once it changes
+            continue
         if not state.complete:
             waiting.append(f"{key} ({state.reason})")
             continue
-        seen.add(key)
+        seen[key] = state.newest_change
+        # A re-requested step's pin is made again: pin() keeps a pin only if it holds the step's current files.
         if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key)):
             context.log.warning(not_pinned)
-        requests.append(dg.RunRequest(run_key=key, partition_key=key, tags={SOURCE_TAG: str(found.role_dir)}))
+        requests.append(
+            dg.RunRequest(
+                run_key=f"{key}@{state.newest_change}",  # one run per step and save: a changed step is merged again
+                partition_key=key,
+                tags={SOURCE_TAG: str(found.role_dir)},
+            )
+        )
         saved.append(_checkpoint_saved(found, state, names))
     rotated = (
         [
@@ -115,24 +125,29 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
             run_requests=requests,
             dynamic_partitions_requests=changes,
             asset_events=saved,
-            cursor=sensor_cursor(seen & present, requested),
+            cursor=sensor_cursor(_kept(seen, present), requested),
         )
     reason = (
         f"waiting for {len(waiting)} partial checkpoint(s): {'; '.join(waiting[:5])}"
         if waiting
         else f"no new checkpoints ({len(present)} known)"
     )
-    failed = _failed_partitions(context.instance, [k for k in partitions if k not in rotated], names)
+    failed = [k for k in failed if k not in rotated]
     if failed:
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
     if scan.not_watched:  # a missing root must not read as "nothing new"
         reason = f"not watched: {'; '.join(scan.not_watched[:5])} | {reason}"
     return dg.SensorResult(
         skip_reason=reason,
-        cursor=sensor_cursor(seen & present, reason),
+        cursor=sensor_cursor(_kept(seen, present), reason),
         dynamic_partitions_requests=changes,
         asset_events=saved,
     )
+
+
+def _kept(seen: dict[str, float | None], present: set[str]) -> dict[str, float | None]:
+    """The cursor's keys whose folders are still there: those the trainer deleted leave it."""
+    return {k: v for k, v in seen.items() if k in present}
 
 
 def _checkpoint_saved(found: "FoundCheckpoint", state: "Completeness", names: Names) -> dg.AssetMaterialization:
@@ -172,4 +187,4 @@ def _failed_partitions(instance: dg.DagsterInstance, keys: list[str], names: Nam
     return sorted(k for k, s in status.items() if s == dg.AssetPartitionStatus.FAILED)
 
 
-new_checkpoint_sensor = checkpoint_sensor(PLAIN, interval_from_env())  # this project's own instance
+new_checkpoint_sensor = checkpoint_sensor(PLAIN, SENSOR_INTERVAL.from_env())  # this project's own instance

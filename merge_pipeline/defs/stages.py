@@ -23,8 +23,6 @@ from merge_pipeline.progress import human_bytes
 if TYPE_CHECKING:  # the pipeline imports torch: a run does, the code location's load does not
     from merge_pipeline.pipeline import Prepared, WriteReport
 
-INDEX = "model.safetensors.index.json"
-
 
 def parallel_config_metadata(prepared: Prepared, options: MergeOptions, manifest: Mapping) -> dict:
     """``inspect``'s facts (the same function builds both) and the plan's decisions."""
@@ -58,6 +56,8 @@ def _lora_handling(lora: Mapping | None) -> str:
 
 def state_dict_metadata(target: Path, report: WriteReport, manifest: Mapping, rss: tuple[str, int]) -> dict:
     """The weight files of the published folder: names, full sha256, sizes, the write's throughput."""
+    from merge_pipeline.hf.safetensors import INDEX  # torch: imported by the run, not by the location's load
+
     weights = {f["filename"] for f in report.files}
     label, peak = rss
     return {
@@ -77,6 +77,8 @@ def state_dict_metadata(target: Path, report: WriteReport, manifest: Mapping, rs
 
 def hf_model_metadata(target: Path, prepared: Prepared, manifest: Mapping) -> dict:
     """The complete published folder: config, tokenizer and other side files, the manifest of every file."""
+    from merge_pipeline.hf.safetensors import INDEX
+
     weights_and_index = {n for n in manifest["files"] if n.endswith(".safetensors") or n == INDEX}
     return {
         "path": dg.MetadataValue.path(str(target)),

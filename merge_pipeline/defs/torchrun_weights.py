@@ -5,23 +5,20 @@ logs and the write report back to the run. Every rank's own output goes to the r
 through the subprocess's stdout/stderr.
 
     torchrun --nproc_per_node P -m merge_pipeline.defs.torchrun_weights \
-        --local_dir D --staging S --options '{"dtype": "bfloat16", ...}'
+        --job JOB.json   (a WeightJob: the checkpoint, the staging folder, the options, the files the lead kept)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from merge_pipeline.dagster.die_with_parent import die_with_parent
 from merge_pipeline.distributed import write_weights_distributed
 from merge_pipeline.errors import MergeError
-from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import WeightJob
 
 REPORT_MESSAGE = "weights_written"  # the custom Pipes messages rank 0 sends
@@ -30,22 +27,8 @@ ERROR_MESSAGE = "merge_failed"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m merge_pipeline.defs.torchrun_weights")
-    parser.add_argument("--local_dir", type=Path, required=True)
-    parser.add_argument("--staging", type=Path, required=True)
-    parser.add_argument("--options", type=json.loads, required=True, help="MergeOptions fields as JSON")
+    parser.add_argument("--job", type=Path, required=True, help="the WeightJob's file (WeightJob.saved)")
     return parser.parse_args(argv)
-
-
-def command_line(job: WeightJob) -> list[str]:
-    """The arguments after ``-m merge_pipeline.defs.torchrun_weights``: the inverse of ``parse_args``."""
-    return [
-        "--local_dir",
-        str(job.local_dir),
-        "--staging",
-        str(job.staging),
-        "--options",
-        json.dumps(asdict(job.options)),
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
-    job = WeightJob(args.local_dir, args.staging, MergeOptions(**args.options))
+    job = WeightJob.load(args.job)
     if rank != 0:
         try:
             write_weights_distributed(job)
@@ -63,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from dagster_pipes import open_dagster_pipes
 
     with open_dagster_pipes() as pipes:
-        pipes.log.info(f"torchrun merge of {args.local_dir} into {args.staging}: {os.environ.get('WORLD_SIZE')} ranks")
+        pipes.log.info(f"torchrun merge of {job.local_dir} into {job.staging}: {os.environ.get('WORLD_SIZE')} ranks")
         try:
             written = write_weights_distributed(job)
         except MergeError as exc:

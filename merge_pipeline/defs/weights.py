@@ -1,27 +1,31 @@
-"""Who writes the weights of ``hf_model``: the run's own process, or torchrun ranks it launches.
+"""Who writes the weights of ``hf_model``: the run's own process, torchrun ranks it launches, or Ray tasks.
 
-Both are ``Workers`` of the one merge sequence (``pipeline.merge``): the step leads either way (it
+Each is a ``Workers`` of the one merge sequence (``pipeline.merge``): the step leads either way (it
 holds the target's lock, keeps what a killed merge finished, writes the side files, checks and
 publishes). With ``launcher: torchrun`` the weights are written by ranks launched through Dagster
-Pipes, each planning its share itself and reusing the files the step kept. ``MergeConfig.launcher``
-picks one.
+Pipes, each planning its share itself and reusing the files the step kept; with ``launcher: ray`` by
+Ray tasks on the cluster at ``ray_address`` (``ray_tasks``), the step being their driver.
+``MergeConfig.launcher`` picks one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import dagster as dg
 
 from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE, command_line
+from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.pipeline import IN_PROCESS, Prepared, WeightJob, Workers, WriteReport, Written
 
 
 def workers_for(context: dg.AssetExecutionContext, config: MergeConfig) -> Workers:
+    if config.launcher == "ray":
+        from merge_pipeline.ray_tasks import RayTasks  # imports Ray only when a run asks for it
+
+        return RayTasks(config.ray_settings(), context.log)
     return TorchrunLaunch(context, config) if config.launcher == "torchrun" else IN_PROCESS
 
 
@@ -33,8 +37,7 @@ class TorchrunLaunch(Workers):
         self.context, self.config = context, config
 
     def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
-        # With the backend the plan found: the ranks do not detect it again.
-        job = dataclasses.replace(job, options=dataclasses.replace(job.options, backend=prepared.plan.backend))
+        job = job.planned_as(prepared)
         command = [
             sys.executable,
             "-m",
@@ -45,7 +48,8 @@ class TorchrunLaunch(Workers):
             str(self.config.nproc_per_node),
             "-m",
             "merge_pipeline.defs.torchrun_weights",
-            *command_line(job),
+            "--job",
+            str(job.saved()),
         ]
         self.context.log.info("launching: %s", " ".join(command))
         try:

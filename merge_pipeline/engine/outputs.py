@@ -85,7 +85,7 @@ def plan_outputs(plan: CheckpointPlan, config: ModelConfig, options: MergeOption
     elif options.merge_lora:
         raise MergeError(plan.role_dir, "--merge-lora given but the checkpoint has no LoRA tensors")
 
-    is_value_model = plan.is_value_model or options.is_value_model
+    is_value_model = plan.writes_value_model(options)
     if (
         options.is_value_model
         and not plan.is_value_model

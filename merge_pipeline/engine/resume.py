@@ -1,26 +1,28 @@
 """Resuming a killed merge: weight files it finished in the staging folder are kept, not written again.
 
 After each weight file is written and fsynced, the merge records it in ``<staging>/.merge_resume/``:
-its size, its sha256 (computed while it was written), its stat identity and the merge's key, a digest of the inputs
-(path, size, inode, mtime of every file read) and of every option and output decision. A merge of
-the same target started again with the same key keeps each recorded file whose size and sha256
-still match and writes only the rest (the sha256 is not computed again while the file's stat
-identity is still the one recorded, see ``_intact``); anything else in the staging folder is
-removed first. A changed input or option changes the key, and the merge starts over. The records are removed
-before the manifest is written, so a published folder never holds them. A kept file's entry (sha256
-and the identity it was checked with) goes into the write report as a written file's does: the
-blocking check ``manifest_sha256`` compares the file by it, so no byte is hashed twice in one merge.
+its size, its sha256 (computed while it was written), its stat identity and the merge's key, a digest of the
+inputs (path and every field of the identity planning recorded: device, inode, size, mtime, ctime) and of
+every option and output decision. A merge of the same target started again with the same key keeps each
+recorded file whose size and sha256 still match and writes only the rest (a file untouched since its
+fsync and sealed with its digest is not hashed again, see ``seal`` and ``_intact``);
+anything else in the staging folder is removed first. A changed input or option changes the key, and the
+merge starts over. The records are removed before the manifest is written, so a published folder never
+holds them. A kept file's entry (the sha256 just checked and the identity it was checked with) goes into
+the write report as a written file's does: the blocking check ``manifest_sha256`` compares the file by it,
+so no byte is hashed twice in one merge.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ShardFile
@@ -31,13 +33,18 @@ log = logging.getLogger("merge_pipeline")
 
 RECORDS = ".merge_resume"
 _HASH_CHUNK = 16 << 20
+_SEAL = "user.merge_pipeline.sha256"  # on each weight file: the digest the writer computed (``seal``)
 _ENTRY = ("filename", "bytes", "tensors", "sha256", "identity")  # a record: these and the key
 
 
 def merge_key(inputs: Iterable[SourceFile], options: Mapping[str, object], files: Iterable[ShardFile]) -> str:
-    """What the output's bytes depend on: the input files as they are on disk, the options, the output plan."""
+    """What the output's bytes depend on: the input files as they are on disk, the options, the output plan.
+
+    Each input by its path and every field of the identity its planning recorded from the opened file
+    (``SourceFile.identity``: device, inode, size, mtime and ctime): a save rewritten in place at the
+    same size with its mtime put back (``rsync --inplace --times``) still has a new ctime."""
     described = {
-        "inputs": [_identity(f.path) for f in inputs],
+        "inputs": [[str(f.path), asdict(f.identity)] for f in inputs],
         "options": options,
         "outputs": [
             [f.filename, [[t.planned.name, dtype_name(t.dtype), list(t.planned.shape)] for t in f.tensors]]
@@ -45,11 +52,6 @@ def merge_key(inputs: Iterable[SourceFile], options: Mapping[str, object], files
         ],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _identity(path: Path) -> list:
-    found = os.stat(path)
-    return [str(path), found.st_size, found.st_dev, found.st_ino, found.st_mtime_ns]
 
 
 @dataclass
@@ -77,8 +79,8 @@ def _record_name(filename: str) -> str:
 
 def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> ResumeLog:
     """Check what a killed merge left in ``staging``; keep the weight files it finished for the same key
-    (size re-checked, sha256 too unless the file is untouched since its record), remove everything else.
-    Run by one process before any writing."""
+    (size and sha256 re-checked against the record), remove everything else. Run by one process before
+    any writing."""
     kept: dict[str, dict] = {}
     resume = ResumeLog(staging, key)
     for shard in files:
@@ -86,7 +88,7 @@ def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> Resume
         identity = _intact(staging / shard.filename, record) if record is not None else None
         if identity is not None:
             kept[shard.filename] = {**_entry(record), "identity": identity}
-            if identity != record["identity"]:  # hashed again: other ranks and the checks go by the new identity
+            if identity != record["identity"]:  # other ranks and the checks go by the identity just hashed
                 resume.record(kept[shard.filename])
     _remove_all_but(staging, {staging / name for name in kept} | {staging / RECORDS / _record_name(n) for n in kept})
     if kept:
@@ -94,12 +96,6 @@ def keep_finished(staging: Path, key: str, files: Iterable[ShardFile]) -> Resume
         log.info("reusing %d weight file(s), %d bytes, finished by a merge that was killed", len(kept), total)
     resume.finished.update(kept)
     return resume
-
-
-def finished(staging: Path, key: str, files: Iterable[ShardFile]) -> ResumeLog:
-    """The files ``keep_finished`` kept (for processes that did not run it: their records are trusted)."""
-    found = {s.filename: _entry(r) for s in files if (r := _record(staging, s.filename, key)) is not None}
-    return ResumeLog(staging, key, found)
 
 
 def forget(staging: Path) -> None:
@@ -125,27 +121,42 @@ def _entry(record: dict) -> dict:
     return {k: record[k] for k in _ENTRY}
 
 
-def _intact(path: Path, record: dict) -> list[int] | None:
-    """The file's stat identity if it is the one recorded, else None: either its identity is the one
-    taken right after its fsync (then its sha256 is trusted, not computed again), or its size and
-    sha256 match (hashed now; its identity is then the current one).
+def seal(path: Path, sha256: str) -> None:
+    """Write the sha256 of a finished weight file onto the file itself (an extended attribute), before its
+    stat identity is taken: a record naming another digest then cannot match both the file's seal and
+    its identity, since changing the seal changes the file's ctime. Where the filesystem keeps no user
+    attributes, a kept file is hashed on every resume instead."""
+    with contextlib.suppress(OSError):
+        os.setxattr(path, _SEAL, sha256.encode())
 
-    A kept file's sha256 is then as trustworthy as a file's written by this merge: the digest of the
-    bytes the writer handed to the kernel, never read back, and no write, truncate or rename has touched
-    the file since (that changes its ctime). What escapes both (a write within the same clock tick as
-    the record, a clock set back, a raw write to the disk under the filesystem) escapes an
-    uninterrupted merge's own files between their fsync and the blocking checks as well."""
+
+def _intact(path: Path, record: dict) -> list[int] | None:
+    """The file's stat identity if its bytes are those its record names, else None.
+
+    Not hashed when the file is untouched since its fsync and sealed with the record's digest (its
+    identity is the one recorded, taken after ``seal``): the digest is then the one the writer computed
+    from the bytes it handed to the kernel, whatever was done to the record, which is a file anyone able
+    to write to the staging folder can edit. Otherwise its size, then its sha256 are checked now. Read
+    once per resume, never again in this merge: the identity taken here stands for these bytes until
+    the checks; a write meanwhile changes it, and the file is hashed again there."""
     try:
         with open(path, "rb", buffering=0) as f:
             found = os.fstat(f.fileno())
             if found.st_size != record["bytes"]:
                 return None
-            if stat_identity(found) == record.get("identity"):
+            if stat_identity(found) == record.get("identity") and _sealed_with(f.fileno()) == record["sha256"]:
                 return record["identity"]
             digest = hashlib.file_digest(f, "sha256", _bufsize=_HASH_CHUNK)
     except OSError:
         return None
     return stat_identity(found) if digest.hexdigest() == record["sha256"] else None
+
+
+def _sealed_with(fd: int) -> str | None:
+    try:
+        return os.getxattr(fd, _SEAL).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _remove_all_but(staging: Path, keep: set[Path]) -> None:

@@ -11,6 +11,7 @@ of 8 so the data is aligned), then the tensors' bytes in header order.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from merge_pipeline.engine.narrowing import OutOfRange, check_cast, may_overflow, refusal
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.hf.safetensors import METADATA_KEY, SAFETENSORS_DTYPES
 from merge_pipeline.plan import MAX_OPEN_FILES, READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
@@ -107,6 +109,8 @@ _QUEUED = 2
 # Chunk buffers, reused round-robin: one is refilled only after the chunk it held was hashed, since
 # at most 2 * _QUEUED are queued, 1 is being written and 1 hashed while the next is filled.
 _BUFFERS = 2 * _QUEUED + 3
+# What the writer holds beside the tensor being written: the chunk ring and the hasher's read-back buffer.
+BUFFERED_BYTES = (_BUFFERS + 1) * _CHUNK_BYTES
 _END = object()
 
 
@@ -118,14 +122,19 @@ class _Chunks:
         self.buffers = [torch.empty(_CHUNK_BYTES, dtype=torch.uint8) for _ in range(_BUFFERS)]
         self.next = 0
 
-    def of(self, piece: torch.Tensor, dtype: torch.dtype):
+    def of(self, piece: torch.Tensor, dtype: torch.dtype, checked: bool):
+        """``piece`` cast to ``dtype``, chunk by chunk; ``checked``: each cast chunk is checked to hold
+        no inf or NaN its source did not (``narrowing.check_cast``)."""
         piece = piece.reshape(-1)
         per_chunk = _CHUNK_BYTES // dtype.itemsize
         for start in range(0, piece.numel(), per_chunk):
             part = piece[start : start + per_chunk]
             buffer = self.buffers[self.next]
             self.next = (self.next + 1) % len(self.buffers)
-            yield memoryview(buffer.view(dtype)[: part.numel()].copy_(part).view(torch.uint8).numpy())
+            cast = buffer.view(dtype)[: part.numel()].copy_(part)
+            if checked:
+                check_cast(part, cast)
+            yield memoryview(cast.view(torch.uint8).numpy())
 
 
 def _tensor_items(t: OutputTensor, chunks: _Chunks):
@@ -134,8 +143,13 @@ def _tensor_items(t: OutputTensor, chunks: _Chunks):
     if runs is not None:
         yield from runs
         return
-    for piece in t.planned.source.pieces():
-        yield from chunks.of(piece, t.dtype)
+    checked = may_overflow(t.planned.dtype, t.dtype)
+    pieces = iter(t.planned.source.pieces())
+    for piece in pieces:
+        try:
+            yield from chunks.of(piece, t.dtype, checked)
+        except OutOfRange:
+            raise refusal(t.planned.name, t.planned.dtype, t.dtype, itertools.chain([piece], pieces)) from None
         del piece  # a built tensor is freed before the source builds the next one
 
 
@@ -282,7 +296,7 @@ def _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, ha
                 source.path, f"file ends at byte {offset + done}, expected data up to byte {offset + length}"
             )
         hasher.put((out_pos + done, n, None))
-        done += n
+        done += source.counted(n)
         on_bytes(n)
     return done
 

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.step_folders import Completeness, Quiet, StepFolder, newest_change, tracker_says
+from merge_pipeline.formats.step_folders import Completeness, Quiet, StepFolder, newest_change, tracker_vouches
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.input_files import require_opened_inside
 from merge_pipeline.options import BACKENDS, MergeOptions
@@ -75,6 +76,19 @@ def step_folder(name: str) -> tuple[StepFolder, int] | None:
     return None
 
 
+def checkpoint_name(folder: Path) -> CheckpointName:
+    """Where a checkpoint folder sits, by the step folders the readers declare: in a step folder's
+    role folder (verl's ``global_step_<N>/actor``), or a step folder itself (``step-<N>``, ``iter_<N>``)."""
+    if (found := step_folder(folder.parent.name)) and folder.name in found[0].roles:
+        step_dir, role = folder.parent, folder.name
+    elif (found := step_folder(folder.name)) and found[0].in_step_folder:
+        step_dir, role = folder, STEP_ROLE
+    else:
+        return CheckpointName(folder.name)
+    stack, step = found
+    return CheckpointName(role, step_dir.parent.name or None, step_dir.name, step, stack.stack)
+
+
 def _readers_of(stack: StepFolder) -> list[Reader]:
     return [r for r in map(reader, READERS) if stack in r.step_folders]
 
@@ -87,7 +101,8 @@ def saved_in_step_folder(step_dir: Path, stack: StepFolder) -> bool:
 def completeness(folder: Path, step: int, settle_seconds: float, *, now: float | None = None) -> Completeness:
     """Whether a checkpoint folder is completely saved, and why: the readers of its step folder are
     asked in ``READERS`` order; when none knows a marker, the stack's tracker beside the step folders
-    (verl's ``latest_checkpointed_iteration.txt``), else nothing under the folder changed for the settle time."""
+    (verl's ``latest_checkpointed_iteration.txt``) if written after the folder's last change, else
+    nothing under the folder changed for the settle time."""
     newest = newest_change(folder)
     if newest is None:
         return Completeness(False, "no files yet", None)
@@ -96,12 +111,8 @@ def completeness(folder: Path, step: int, settle_seconds: float, *, now: float |
     for r in _readers_of(stack):
         if (answer := r.completeness(folder, step, stack, quiet)) is not None:
             return answer
-    if stack.tracker is None:
-        return quiet.settled(f"{stack.stack}: no marker of a finished save")
-    latest = tracker_says(folder, stack)
-    if latest is not None and latest >= step:
-        return quiet.done(f"{stack.tracker} says {latest} >= {step}")
-    return quiet.settled(f"{stack.tracker} says {latest}" if latest is not None else f"no {stack.tracker}")
+    vouched, says = tracker_vouches(folder, step, stack, newest)
+    return quiet.done(says) if vouched else quiet.settled(says)
 
 
 def _stack_of(folder: Path) -> StepFolder:

@@ -7,9 +7,10 @@ CRC; parsing every file's central directory with ``zipfile`` and reading each re
 from ``zipfile``, each local header read and checked: ``torch_files``) becomes a layout, and another
 file of the same size is laid out the same way when, byte for byte, its central directory through
 the end of the file is the layout's with its own stem as the archive name and any CRCs, and each
-local header is the layout's with its stem: then every record has the layout's name, size, flags,
-header and data offset. That takes one read of the directory and one per run of neighbouring local
-headers. Any other file -- re-packed, renamed, one byte off -- is not matched and is parsed the full
+local header (and the few bytes of ``version``, ``byteorder`` and the like that torch.load reads) is
+the layout's with its stem: then every record has the layout's name, size, flags, header and data
+offset, and torch's zip reader reads it as it read the parsed one. That takes one read of the
+directory and one per run of neighbouring local headers. Any other file -- re-packed, renamed, one byte off -- is not matched and is parsed the full
 way (read or refused). CRCs are checked on neither path.
 """
 
@@ -19,7 +20,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from merge_pipeline.formats.torch_files import TorchArchive
+from merge_pipeline.formats.torch_files import METADATA_RECORDS, TorchArchive
 
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # a central directory entry's fixed part, as zipfile reads it
 _CENTRAL_SIGNATURE = b"PK\x01\x02"
@@ -45,18 +46,20 @@ class ArchiveLayout:
 
     @classmethod
     def of(cls, archive: TorchArchive) -> ArchiveLayout | None:
-        """The layout of an archive whose records were found the full way; ``None`` if its names do not all
-        start with its archive name (then there is nothing to substitute)."""
-        fd, prefix = archive.stream.fileno(), archive.prefix.encode()
+        """The layout of an archive whose records were found the full way; ``None`` if no record starts at
+        byte 0 (then the file's first bytes would go uncompared) or a name is not ASCII."""
+        fd, prefix = archive.stream.fileno(), archive.prefix
+        if not prefix.isascii() or not any(info.header_offset == 0 for info in archive.records.values()):
+            return None
         size = os.fstat(fd).st_size
         directory = os.pread(fd, size - archive.directory_start, archive.directory_start)
         crcs, names, at = [], [], 0
-        for record in archive.records.values():
+        for name in archive.records:
             if directory[at : at + 4] != _CENTRAL_SIGNATURE or at + _CENTRAL.size > len(directory):
                 return None
             fields = _CENTRAL.unpack_from(directory, at)
             name_at = at + _CENTRAL.size
-            if directory[name_at : name_at + fields[12]] != record.orig_filename.encode():
+            if directory[name_at : name_at + fields[12]] != name or not name.isascii():
                 return None
             crcs.append(at + _CRC_AT)
             names.append(name_at)
@@ -66,12 +69,14 @@ class ArchiveLayout:
             masked[crc : crc + 4] = _NO_CRC
         records, headers = {}, []
         for name, record in archive.records.items():
-            if not name.startswith(archive.prefix + "/"):
-                return None
-            data = archive.data_offset(record)
-            header = os.pread(fd, data - record.header_offset, record.header_offset)
+            data = archive.offsets[name]
+            short = name[len(prefix) + 1 :]
+            # The records torch.load reads a few bytes of (version, byteorder, ...) are compared with
+            # their headers: what torch accepted in this file, it accepts in a file that matches.
+            end = data + (record.file_size if short in METADATA_RECORDS else 0)
+            header = os.pread(fd, end - record.header_offset, record.header_offset)
             headers.append((record.header_offset, (header[:_NAME_AT], header[_NAME_AT + len(prefix) :])))
-            records[name[len(archive.prefix) + 1 :]] = (data, record.file_size)
+            records[short.decode()] = (data, record.file_size)
         return cls(
             size,
             len(prefix),

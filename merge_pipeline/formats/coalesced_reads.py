@@ -179,7 +179,7 @@ def _read_span(file: SourceFile, i: int, span: list[_Run], view: memoryview, scr
         buffers.append(view[place + i * length : place + (i + 1) * length])
         end = offset + length
     with file.opened() as fd:
-        done = os.preadv(fd, buffers, span[0][0])
+        done = file.counted(os.preadv(fd, buffers, span[0][0]))
     if done != end - span[0][0]:
         for offset, length, place in span:  # short: read block by block, which names the truncated file
             file.read_into(view[place + i * length : place + (i + 1) * length], offset)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, shown
 from merge_pipeline.formats.expert_matrices import ExpertMatrices, hf_shape
 from merge_pipeline.formats.output_specs import OutputSpec, Piece
 from merge_pipeline.formats.rotary_rows import RotaryRows
@@ -247,7 +247,7 @@ def _chunk_places(
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise MergeError(
                 metadata_path,
-                f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {offset!r:.40}, length {length!r:.40}",
+                f"{key}: chunk at {tuple(chunk.offsets)} has byte range offset {shown(offset)}, length {shown(length)}",
             )
         if offset + length > file.size:
             raise MergeError(
@@ -261,7 +261,7 @@ def _chunk_file(dist_dir: Path, relative_path: object, key: str) -> Path:
     """The file .metadata names for a chunk; it must stay inside ``dist_ckpt/``, symlinks resolved."""
     metadata_path = dist_dir / METADATA
     if not isinstance(relative_path, str) or not relative_path or "\0" in relative_path:
-        raise MergeError(metadata_path, f"{key}: chunk file name {relative_path!r:.80} is not a file name")
+        raise MergeError(metadata_path, f"{key}: chunk file name {shown(relative_path)} is not a file name")
     relative = Path(relative_path)
     if relative.is_absolute() or ".." in relative.parts:
         raise MergeError(metadata_path, f"{key}: chunk file {relative_path!r} lies outside {dist_dir.name}/")
@@ -348,10 +348,10 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: list, metadata_path: 
         if not all(
             isinstance(v, tuple) and len(v) == len(shape) and all(type(i) is int for i in v) for v in (offsets, sizes)
         ):
-            shown = [tuple(v) if isinstance(v, tuple) else v for v in (offsets, sizes)]  # torch.Size prints long
+            plain = [tuple(v) if isinstance(v, tuple) else v for v in (offsets, sizes)]  # torch.Size prints long
             raise MergeError(
                 metadata_path,
-                f"{key}: chunk at {shown[0]!r:.80} of size {shown[1]!r:.80} is not a block of a tensor of shape {shape}",
+                f"{key}: chunk at {shown(plain[0])} of size {shown(plain[1])} is not a block of a tensor of shape {shape}",
             )
         offsets, sizes = tuple(offsets), tuple(sizes)
         if any(o < 0 or n < 0 or o + n > total for o, n, total in zip(offsets, sizes, shape)):

@@ -22,10 +22,17 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, shown
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.coalesced_reads import coalesced
-from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
+from merge_pipeline.formats.step_folders import (
+    HF_TRAINER,
+    Completeness,
+    Quiet,
+    StepFolder,
+    newest_change,
+    written_after,
+)
 from merge_pipeline.formats.torch_files import load_meta_state_dict, stored_tensor
 from merge_pipeline.hf.config import CONFIG, has_value_head
 from merge_pipeline.input_files import read_capped
@@ -210,12 +217,12 @@ def _model_state(path: Path) -> dict:
 def _stage_and_world_size(paths: list[Path], optim: list[dict]) -> tuple[int, int]:
     stage = optim[0]["zero_stage"]
     if type(stage) not in (int, _ZeroStage) or stage not in (1, 2, 3):
-        raise MergeError(paths[0], f"ZeRO stage {stage!r} is not one this reader knows (1, 2 or 3)")
+        raise MergeError(paths[0], f"ZeRO stage {shown(stage)} is not one this reader knows (1, 2 or 3)")
     counts = optim[0].get("partition_count")
     # ZeRO 2: one count per parameter group (expert groups may differ); the largest is the dp world.
     per_group = counts if isinstance(counts, list) and counts else [counts]
     if not all(type(c) is int and c >= 1 for c in per_group):
-        raise MergeError(paths[0], f"partition_count {counts!r:.80} is not a positive integer (or a list of them)")
+        raise MergeError(paths[0], f"partition_count {shown(counts)} is not a positive integer (or a list of them)")
     world_size = max(per_group)
     if world_size != len(paths):
         raise MergeError(
@@ -264,7 +271,7 @@ def _param_shapes(file: SourceFile, model: dict) -> list[dict[str, tuple[int, ..
 
 def _shape(file: SourceFile, name: object, shape: object) -> tuple[int, ...]:
     if not isinstance(name, str) or not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-        raise MergeError(file.path, f"{name!r:.80}: shape {shape!r:.80} is not a tuple of sizes")
+        raise MergeError(file.path, f"{shown(name)}: shape {shown(shape)} is not a tuple of sizes")
     return tuple(shape)
 
 
@@ -391,7 +398,7 @@ def _frozen(files: list[SourceFile], models: list[dict]) -> list[PlannedTensor]:
         runs, dtypes = [], set()
         for f, model in zip(files, models):
             fragment = (model.get("frozen_param_fragments") or {}).get(name)
-            runs.append(_stored(f, f"frozen_param_fragments[{name!r}]", fragment))
+            runs.append(_stored(f, f"frozen_param_fragments[{shown(name)}]", fragment))
             dtypes.add(fragment.dtype)
         if len(dtypes) != 1:
             raise MergeError(files[-1].path, f"frozen parameter {name}: fragments of dtypes {sorted(map(str, dtypes))}")
@@ -413,7 +420,7 @@ def _shared(file: SourceFile, model: dict, tensors: list[PlannedTensor]) -> list
     shared = []
     for name, source in model["shared_params"].items():
         if not isinstance(name, str) or not isinstance(source, str):
-            raise MergeError(file.path, f"shared_params entry {name!r:.80} -> {source!r:.80} is not two names")
+            raise MergeError(file.path, f"shared_params entry {shown(name)} -> {shown(source)} is not two names")
         if source in by_name:  # as zero_to_fp32: a name tied to nothing saved is left out
             t = by_name[source]
             shared.append(PlannedTensor(name, t.shape, t.dtype, t.source))
@@ -485,6 +492,10 @@ def _tag_completeness(save_dir: Path, tag: str, step: int | None, quiet: Quiet) 
         return quiet.settled(f"{says}; the model states do not say the dp world size")
     if missing:
         return quiet.not_yet(f"{says}, but {len(missing)} rank file(s) missing: {', '.join(missing[:3])}")
+    # an earlier run's `latest` (naming a later tag, or this one) speaks for none of this tag's files written since
+    tag_changed = quiet.newest if step is not None else newest_change(save_dir / tag) or quiet.newest
+    if not written_after(save_dir / LATEST, tag_changed):
+        return quiet.settled(f"{says}, but was written before the tag's last change (an earlier run's?)")
     return quiet.done(f"{says} and every rank's *_optim_states.pt is there")
 
 

@@ -44,7 +44,7 @@ from merge_pipeline.formats.megatron_lm_save import (
 from merge_pipeline.formats.megatron_names import KeyMapper, megatron_family, model_shape
 from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
 from merge_pipeline.formats.safetensors_folder import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
-from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_says
+from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_vouches
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.hf.lora import ADAPTER_CONFIG
 from merge_pipeline.json_files import read_json_object
@@ -410,11 +410,12 @@ def _layout(
 
 def completeness(folder: Path, step: int, stack: StepFolder, quiet: Quiet) -> Completeness | None:
     """verl writes its layout v2's manifest last; a v2 folder without it is not finished (unless the
-    tracker says so). A legacy folder leaves no marker: the tracker or the settle time decides."""
+    tracker says so, written after the folder's last change). A legacy folder leaves no marker: the
+    tracker or the settle time decides."""
     if (folder / MANIFEST).is_file():
         return quiet.done(f"{MANIFEST} present (verl writes it last)")
-    latest = tracker_says(folder, stack)
-    if (latest is None or latest < step) and any((folder / v2).is_dir() for v2 in _V2_FOLDERS):
+    vouched, _ = tracker_vouches(folder, step, stack, quiet.newest)
+    if not vouched and any((folder / v2).is_dir() for v2 in _V2_FOLDERS):
         # A quiet folder proves nothing here: the bridge may gather weights for minutes before writing.
         return quiet.not_yet(f"Megatron layout v2 without {MANIFEST}: verl writes it last, the save is not finished")
     return None

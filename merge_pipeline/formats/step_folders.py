@@ -114,9 +114,37 @@ def read_tracker(path: Path) -> int | None:
         return None
 
 
-def tracker_says(folder: Path, stack: StepFolder) -> int | None:
-    """The newest complete step the stack's tracker beside the step folders names; None without one."""
-    return read_tracker(step_dir_of(folder, stack).parent / stack.tracker) if stack.tracker else None
+def tracker_vouches(folder: Path, step: int, stack: StepFolder, newest: float) -> tuple[bool, str]:
+    """Whether the stack's tracker beside the step folders says ``step``'s save is finished, and what
+    it says (for the reason).
+
+    It must name ``step`` or a later one and have been written after the step's last change
+    (``newest``): a tracker left by an earlier run ("5" while step 3 is being saved again) names a
+    later step but vouches for nothing."""
+    if stack.tracker is None:
+        return False, f"{stack.stack}: no marker of a finished save"
+    tracker = step_dir_of(folder, stack).parent / stack.tracker
+    latest = read_tracker(tracker)
+    if latest is None:
+        return False, f"no {stack.tracker}"
+    if latest < step:
+        return False, f"{stack.tracker} says {latest}"
+    if not written_after(tracker, newest):
+        return (
+            False,
+            f"{stack.tracker} says {latest} >= {step}, but was written before the step's last change (an earlier run's?)",
+        )
+    return True, f"{stack.tracker} says {latest} >= {step}"
+
+
+def written_after(marker: Path, newest: float) -> bool:
+    """Whether ``marker`` (a file a trainer writes once a save is finished) was last written at or after
+    ``newest``, the saved folder's last change; only then does it speak for that save. Equal times
+    count: a marker written in the same clock tick as the last file is that save's."""
+    try:
+        return os.stat(marker).st_mtime >= newest
+    except OSError:
+        return False
 
 
 def newest_change(folder: Path) -> float | None:

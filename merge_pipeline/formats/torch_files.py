@@ -1,25 +1,25 @@
 """Read what a ``torch.save`` file holds without reading its tensor data.
 
-The pickle is read with torch's own allow-list (the globals ``torch.load(weights_only=True)``
-accepts: no arbitrary globals, ever) onto the meta device, by the C unpickler: torch's
-weights-only unpickler is pure Python and costs ~70 ms per rank file, which at world size 1024
-was most of a merge; the C one with the same ``find_class`` allow-list takes a fifth of that. Where each storage's bytes are is taken
-from the zip's own central directory and local headers, by record name, never computed from an
-assumed layout: torch's meta loading computes offsets as if torch's writer had laid the archive
-out, which is wrong for a file an ordinary zip tool re-packed. Every record must be STORED (a
-plain file range we can copy in pieces) and exactly as long as the pickle declares its storage;
-every tensor view must lie inside its storage. A ``torch.load`` that would read other bytes, or
-refuse the file, is matched by a refusal here, before any allocation sized by the file's claims.
+The file is read as ``torch.load(f, map_location="cpu", weights_only=True, mmap=True)`` reads it,
+or refused: a zip archive from byte 0 (``torch.serialization._is_zipfile``: a pre-1.6 stream with a
+zip appended is refused, never read as the zip), whose records torch's own zip reader
+(``PyTorchFileReader``, miniz) finds at the very offsets ``zipfile`` does -- names compared as raw
+bytes, no data before the archive (zipfile's ``concat``), a ``version`` record torch supports --, and
+without the records ``torch.load(weights_only=True)`` refuses (``constants.pkl``, an unparsable
+``.storage_alignment``). Where each storage's bytes are is taken from the zip's own central directory
+and local headers, by record name, never computed from an assumed layout: torch's meta loading
+computes offsets as if torch's writer had laid the archive out, which is wrong for a file an
+ordinary zip tool re-packed. Every record must be STORED (a plain file range we can copy in pieces)
+and exactly as long as the pickle declares its storage; every tensor view must lie inside its
+storage. The pickle is read by ``state_dict_pickle`` (what a state dict needs, nothing else), onto
+the meta device, before any allocation sized by the file's claims.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
-import pickle
-import re
 import struct
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -28,16 +28,16 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-import torch.distributed.tensor  # noqa: F401  (puts DTensor and its placements on the safe list)
-from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, first_line
+from merge_pipeline.formats.state_dict_pickle import PickleRefused, StateDictUnpickler
 from merge_pipeline.input_files import open_regular
 from merge_pipeline.plan import ByteRun, SourceFile
 
+_ZIP_START = b"PK\x03\x04"  # what torch.load needs at byte 0 to read a file as a zip archive
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, as zipfile reads it
-_LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Records whose contents torch.load reads besides the pickle and the storages (a few bytes each).
+METADATA_RECORDS = (b"version", b".data/version", b".format_version", b".storage_alignment", b"byteorder")
 
 
 @dataclass(frozen=True)
@@ -55,19 +55,10 @@ class StoredTensor:
         return ByteRun(file, self.storage_file_offset + self.meta.storage_offset() * item, self.meta.numel() * item)
 
 
-class _QuietDeviceMesh(logging.Filter):
-    # Unpickling a DeviceMesh outside its process group logs a torch.compile warning per tensor.
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "pickling/unpickling of the DeviceMesh" not in record.getMessage()
-
-
-logging.getLogger("torch.distributed.device_mesh").addFilter(_QuietDeviceMesh())
-
-
-def load_meta_state_dict(path: Path, allowed_globals: Mapping[str, object] | None = None) -> dict[str, object]:
+def load_meta_state_dict(path: Path, stand_ins: Mapping[str, type] | None = None) -> dict[str, object]:
     """Unpickle a state dict safely onto the meta device; one-line ``MergeError`` on any problem."""
     with torch_archive(path) as archive:
-        return archive.state_dict(allowed_globals)
+        return archive.state_dict(stand_ins)
 
 
 @contextlib.contextmanager
@@ -78,80 +69,120 @@ def torch_archive(path: Path) -> Iterator[TorchArchive]:
     with os.fdopen(open_regular(path), "rb", buffering=0) as stream:  # never a FIFO or device
         if os.fstat(stream.fileno()).st_size == 0:
             raise MergeError(path, "file is empty")
-        if not zipfile.is_zipfile(stream):
-            raise MergeError(path, "not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)")
         yield TorchArchive(stream, path)
 
 
-def load_meta_archive(stream: BinaryIO, path: Path, allowed_globals: Mapping[str, object] | None = None) -> object:
+def load_meta_archive(stream: BinaryIO, path: Path, stand_ins: Mapping[str, type] | None = None) -> object:
     """What ``torch.load(stream, map_location="meta", weights_only=True)`` returns (``TorchArchive.unpickle``)."""
-    return TorchArchive(stream, path).unpickle(allowed_globals)
+    return TorchArchive(stream, path).unpickle(stand_ins)
 
 
 class TorchArchive:
-    """A torch.save zip archive: its records by name and its pickle's bytes, read but not yet unpickled."""
+    """A torch.save zip archive: its records by raw name and its pickle's bytes, read but not yet unpickled."""
 
     def __init__(self, stream: BinaryIO, path: Path):
         self.stream, self.path = stream, path
+        stream.seek(0)
+        if stream.read(len(_ZIP_START)) != _ZIP_START:
+            raise MergeError(
+                path,
+                "not a torch.save zip archive: it does not start with a zip record (truncated, corrupt, or the pre-1.6 legacy format, which is not read)",
+            )
         self.records, self.directory_start = _stored_records(stream, path)
-        self.prefix = next(iter(self.records)).split("/", 1)[0]  # torch names every record <archive>/...
-        byteorder = self.records.get(f"{self.prefix}/byteorder")
+        self.prefix = next(iter(self.records)).split(b"/", 1)[0]  # torch names every record <archive>/...
+        outside = next((name for name in self.records if not name.startswith(self.prefix + b"/")), None)
+        if outside is not None:
+            raise MergeError(path, f"record {_shown(outside)} is outside the archive folder {_shown(self.prefix)}/")
+        self.offsets = {name: _data_offset(stream, info, path) for name, info in self.records.items()}
+        _read_alike_by_torch(stream, path, self)
+        if self.record("constants.pkl") is not None:
+            raise MergeError(
+                path, "a TorchScript archive (it holds constants.pkl): torch.load(weights_only=True) refuses it too"
+            )
+        alignment = self.record(".storage_alignment")
+        if alignment is not None:
+            try:
+                int(self.read(alignment, limit=64))  # torch.load's own parse
+            except ValueError:
+                raise MergeError(
+                    path, "its .storage_alignment record is not a number: torch.load refuses it too"
+                ) from None
+        byteorder = self.record("byteorder")
         if byteorder is not None:
-            order = _read_record(stream, byteorder, path, limit=16)
+            order = self.read(byteorder, limit=16)
             if order != b"little":
                 raise MergeError(
                     path,
                     f"records are stored {order.decode(errors='replace')!r}-endian; only little-endian checkpoints can be merged (re-save it on a little-endian machine)",
                 )
-        pickled = self.records.get(f"{self.prefix}/data.pkl")
+        pickled = self.record("data.pkl")
         if pickled is None:
             raise MergeError(path, "not a torch.save archive (no data.pkl record)")
-        self.pickled = _read_record(stream, pickled, path)
+        self.pickled = self.read(pickled)
+
+    def record(self, name: str) -> zipfile.ZipInfo | None:
+        """The record ``<archive>/<name>``, its name compared as bytes (UTF-8), as torch's reader compares it."""
+        try:
+            return self.records.get(self.prefix + b"/" + name.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate: torch cannot name it either
+            return None
+
+    def read(self, info: zipfile.ZipInfo, limit: int | None = None) -> bytes:
+        if limit is not None and info.file_size > limit:
+            raise MergeError(
+                self.path, f"record {_shown(info.orig_filename)} is {info.file_size} bytes, expected at most {limit}"
+            )
+        self.stream.seek(self.offsets[_raw_name(info)])
+        return self.stream.read(info.file_size)
 
     def storage_offset(self, key: str, numel: int, dtype: torch.dtype) -> int:
         """Where storage ``data/<key>`` starts in the file, once its record is found to hold ``numel`` x ``dtype``."""
         nbytes = numel * dtype.itemsize
-        record = self.records.get(f"{self.prefix}/data/{key}")
+        record = self.record(f"data/{key}")
         if record is None:
-            raise MergeError(self.path, f"the pickle refers to storage data/{key}, which the archive does not hold")
+            raise MergeError(
+                self.path, f"the pickle refers to storage data/{_shown(key)}, which the archive does not hold"
+            )
         if record.file_size != nbytes:
             raise MergeError(
                 self.path,
                 f"storage record data/{key} holds {record.file_size} bytes but the pickle declares {numel} x {dtype} = {nbytes} bytes",
             )
-        return _data_offset(self.stream, record, self.path)
+        return self.offsets[_raw_name(record)]
 
-    def data_offset(self, record: zipfile.ZipInfo) -> int:
-        """Where ``record``'s bytes start, after its local header (checked)."""
-        return _data_offset(self.stream, record, self.path)
-
-    def state_dict(self, allowed_globals: Mapping[str, object] | None = None) -> dict[str, object]:
-        state = self.unpickle(allowed_globals)
+    def state_dict(self, stand_ins: Mapping[str, type] | None = None) -> dict[str, object]:
+        state = self.unpickle(stand_ins)
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise MergeError(self.path, f"expected a state dict of name -> tensor, found {type(state).__name__}")
         return state
 
-    def unpickle(self, allowed_globals: Mapping[str, object] | None = None) -> object:
-        """What ``torch.load(map_location="meta", weights_only=True)`` returns, with each storage's
-        ``_checkpoint_offset`` (data start) read from its record's local header, its declared size
-        (``_checkpoint_nbytes``) checked against the record, and its record key (``_checkpoint_key``).
+    def unpickle(self, stand_ins: Mapping[str, type] | None = None) -> object:
+        """What ``torch.load(map_location="meta", weights_only=True)`` returns, where the file is one a
+        state dict's pickle can be (``state_dict_pickle``), with each storage's ``_checkpoint_offset``
+        (data start) read from its record's local header, its declared size (``_checkpoint_nbytes``)
+        checked against the record, and its record key (``_checkpoint_key``).
 
-        ``allowed_globals``: full global name -> the object to build in its place, added to torch's
-        allow-list for this load only (a reader's inert stand-ins for its trainer's plain-data classes)."""
+        ``stand_ins``: full global name -> the inert class to build in its place, for this load only
+        (a reader's stand-ins for its trainer's plain-data classes)."""
         path = self.path
         storages: dict[str, torch.storage.TypedStorage] = {}
 
         def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
-            kind, storage_type, key, _location, numel = saved_id
-            dtype = getattr(storage_type, "dtype", None)
+            kind, storage_type, key, location, numel = saved_id if len(saved_id) == 5 else (None,) * 5
             if (
                 kind != "storage"
-                or not isinstance(dtype, torch.dtype)
-                or not isinstance(key, str)
+                or type(storage_type) is not torch.serialization.StorageType
+                or not (type(key) is str and len(key) <= 64)
+                or not (type(location) is str and len(location) <= 64)
                 or type(numel) is not int
                 or numel < 0
             ):
-                raise MergeError(path, f"malformed storage reference {saved_id!r:.100}")
+                kinds = ", ".join(type(v).__name__ for v in saved_id[:6])
+                raise MergeError(
+                    path,
+                    f"malformed storage reference ({kinds}): expected ('storage', a storage type, key, location, element count)",
+                )
+            dtype = storage_type.dtype
             nbytes = numel * dtype.itemsize
             if key not in storages:
                 storage = torch.UntypedStorage(nbytes, device="meta")
@@ -163,110 +194,90 @@ class TorchArchive:
                 raise MergeError(path, f"storage data/{key} is declared with two different sizes")
             return storages[key]
 
-        allowed = {
-            **_get_allowed_globals(),
-            **_get_user_allowed_globals(),
-            "torch._utils._rebuild_tensor_v2": _rebuild_meta_tensor,
-            **(allowed_globals or {}),
-        }
-        unpickler = _AllowListUnpickler(io.BytesIO(self.pickled), allowed, encoding="utf-8")
-        unpickler.persistent_load = persistent_load
         try:
-            return unpickler.load()
-        except MergeError:
-            raise
-        except Exception as exc:  # a hostile pickle can raise anything; it must still be one line
-            raise MergeError(path, _unpickling_problem(exc)) from None
+            return StateDictUnpickler(self.pickled, persistent_load, stand_ins).load()
+        except PickleRefused as exc:
+            raise MergeError(path, f"refused to unpickle (weights_only=True): {exc}") from None
 
 
-def _rebuild_meta_tensor(
-    storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None
-):
-    """``torch._utils._rebuild_tensor_v2`` for meta storages: the same view, without its search for a
-    fake-tensor mode on every tensor (a third of the unpickling time) or the training-only attributes."""
-    return torch.empty((0,), dtype=storage.dtype, device="meta").set_(
-        storage._untyped_storage, storage_offset, size, stride
-    )
+def _shown(name: bytes | str) -> str:
+    """A record name or storage key for a message: printable, and cut short."""
+    text = name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else name
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
-class _AllowListUnpickler(pickle.Unpickler):
-    """Every global the pickle names (GLOBAL, STACK_GLOBAL, EXT) comes through ``find_class``, so
-    every object it builds or calls is one of ``allowed``: exactly what torch's weights-only unpickler
-    lets a pickle reach."""
-
-    def __init__(self, stream: BinaryIO, allowed: Mapping[str, object], **kwargs):
-        super().__init__(stream, **kwargs)
-        self.allowed = allowed
-
-    def find_class(self, module: str, name: str) -> object:
-        found = self.allowed.get(f"{module}.{name}")
-        if found is None:
-            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not an allowed global")
-        return found
+def _raw_name(info: zipfile.ZipInfo) -> bytes:
+    """A record's name as its bytes in the archive (zipfile decodes names without the UTF-8 flag as cp437)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
 
 
-def _unpickling_problem(exc: Exception) -> str:
-    """One line naming what was refused; torch's own wording spans lines and may carry colour codes."""
-    message = _ANSI_ESCAPE.sub("", str(exc)).strip()
-    first_line = message.splitlines()[0] if message else type(exc).__name__
-    if refused := re.search(r"GLOBAL (\S+)", message):
-        return f"refused to unpickle (weights_only=True): the file names the global {refused[1].rstrip('.')}, which is not allowed"
-    if isinstance(exc, pickle.UnpicklingError):
-        return f"refused to unpickle (weights_only=True): {first_line}"
-    return f"unreadable torch.save pickle ({type(exc).__name__}: {first_line})"
-
-
-def _stored_records(stream: BinaryIO, path: Path) -> tuple[dict[str, zipfile.ZipInfo], int]:
-    """Every record by name, from the central directory (and where that starts); each must be STORED,
-    unencrypted, once."""
+def _stored_records(stream: BinaryIO, path: Path) -> tuple[dict[bytes, zipfile.ZipInfo], int]:
+    """Every record by raw name, from the central directory (and where that starts); each must be
+    STORED, unencrypted, once."""
     try:
         directory = zipfile.ZipFile(stream)
         infos = directory.infolist()
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise MergeError(path, f"not a readable zip archive ({exc})") from None
+        raise MergeError(path, f"not a readable zip archive, truncated or corrupt ({first_line(exc)[:160]})") from None
     if not infos:
         raise MergeError(path, "empty zip archive: not a torch.save file")
-    records: dict[str, zipfile.ZipInfo] = {}
+    records: dict[bytes, zipfile.ZipInfo] = {}
     for info in infos:
-        if info.filename in records:
-            raise MergeError(path, f"record {info.filename} appears twice in the zip directory")
+        name = _raw_name(info)
+        if name in records:
+            raise MergeError(path, f"record {_shown(name)} appears twice in the zip directory")
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
             what = "encrypted" if info.flag_bits & 0x1 else f"compressed record (method {info.compress_type})"
             raise MergeError(
                 path,
-                f"{what}: {info.filename}; torch.save writes records uncompressed, so this file was re-packed by a zip tool (re-save it with torch.save)",
+                f"{what}: {_shown(name)}; torch.save writes records uncompressed, so this file was re-packed by a zip tool (re-save it with torch.save)",
             )
-        records[info.filename] = info
+        records[name] = info
     return records, directory.start_dir
+
+
+def _read_alike_by_torch(stream: BinaryIO, path: Path, archive: TorchArchive) -> None:
+    """torch.load's own zip reader must accept the archive and find every record where ``zipfile`` did.
+
+    The two parsers differ where a file is crafted to tell them apart: zipfile honours data before
+    the archive (``concat``) and decodes names without the UTF-8 flag as cp437; torch's reader takes
+    offsets as they are, compares names as bytes and wants a ``version`` record it supports."""
+    try:
+        stream.seek(0)  # torch's reader takes the stream's position as the archive's start
+        reader = torch._C.PyTorchFileReader(stream)
+        names = reader.get_all_records()
+        found = [(reader.get_record_offset(name), reader.get_record_size(name)) for name in names]
+    except Exception as exc:  # torch's reader refuses in its own words (a RuntimeError, a UnicodeDecodeError)
+        raise MergeError(path, f"torch.load's zip reader refuses it: {first_line(exc)[:160]}") from None
+    start = len(archive.prefix) + 1
+    ours = [(archive.offsets[name], info.file_size) for name, info in archive.records.items()]
+    if [name.encode("utf-8") for name in names] != [name[start:] for name in archive.records] or found != ours:
+        raise MergeError(
+            path,
+            "torch.load would read other records than its zip directory names (data before the archive, or names that decode two ways): a crafted or damaged archive",
+        )
 
 
 def _data_offset(stream: BinaryIO, info: zipfile.ZipInfo, path: Path) -> int:
     """Where a record's bytes start: after its local header, whose name and extra field lengths
     may differ from the central directory's (zip tools pad and reorder as they like)."""
-    name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+    name = _raw_name(info)
     end = stream.seek(0, io.SEEK_END)
     stream.seek(info.header_offset)
     header = stream.read(_LOCAL_HEADER.size + len(name))  # one read: a rank file has a hundred records
-    if len(header) < _LOCAL_HEADER.size or not header.startswith(_LOCAL_HEADER_SIGNATURE):
-        raise MergeError(path, f"record {info.filename}: no local zip header at byte {info.header_offset}")
+    if len(header) < _LOCAL_HEADER.size or not header.startswith(_ZIP_START):
+        raise MergeError(path, f"record {_shown(name)}: no local zip header at byte {info.header_offset}")
     fields = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])
     name_length, extra_length = fields[10], fields[11]
     if header[_LOCAL_HEADER.size :] != name or name_length != len(name):
-        raise MergeError(path, f"record {info.filename}: local header names a different record")
+        raise MergeError(path, f"record {_shown(name)}: local header names a different record")
     offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
     if info.file_size != info.compress_size or offset + info.file_size > end:
         raise MergeError(
             path,
-            f"record {info.filename}: data ends at byte {offset + info.compress_size} but the file has {end} bytes (truncated)",
+            f"record {_shown(name)}: data ends at byte {offset + info.compress_size} but the file has {end} bytes (truncated)",
         )
     return offset
-
-
-def _read_record(stream: BinaryIO, info: zipfile.ZipInfo, path: Path, limit: int | None = None) -> bytes:
-    if limit is not None and info.file_size > limit:
-        raise MergeError(path, f"record {info.filename} is {info.file_size} bytes, expected at most {limit}")
-    stream.seek(_data_offset(stream, info, path))
-    return stream.read(info.file_size)
 
 
 def stored_tensor(path: Path, name: str, tensor: torch.Tensor, file_size: int) -> StoredTensor:

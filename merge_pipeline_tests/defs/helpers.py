@@ -14,7 +14,7 @@ from merge_pipeline.defs.checks import PASSED
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
@@ -49,14 +49,20 @@ class Roots:
             sample.role_dir, role_dir, copy_function=os.link if link else shutil.copy
         )  # fresh mtimes, as if just saved
         if tracker is not None:
-            (role_dir.parent.parent / TRACKER).write_text(str(tracker))
+            self.track(role_dir, tracker)
         return role_dir
+
+    def track(self, role_dir: Path, step: int) -> None:
+        """Write the trainer's latest_checkpointed_iteration.txt beside ``role_dir``'s step, as verl does once
+        every role of the step is saved: it vouches only for files written before it."""
+        (role_dir.parent.parent / TRACKER).write_text(str(step))
 
 
 def materialize(
-    instance, settings: MergeSettings, key: str, *, merge_config: dict | None = None, selection=CHAIN
+    instance, settings: MergeSettings, key: str, *, merge_config: dict | None = None, selection=CHAIN, tags=None
 ) -> dg.ExecuteInProcessResult:
-    """Run the merge chain (and its checks) for one partition, as the merge job does; failures are returned."""
+    """Run the merge chain (and its checks) for one partition, as the merge job does; failures are returned.
+    ``tags``: the run's, e.g. those the daemon gives a sensor's run (its run key)."""
     instance.add_dynamic_partitions("checkpoints", [key])
     run_config = {"ops": {"hf_model": {"config": merge_config}}} if merge_config else None
     return dg.materialize(
@@ -66,6 +72,7 @@ def materialize(
         resources={"settings": settings},
         run_config=run_config,
         raise_on_error=False,
+        tags=tags,
     )
 
 

@@ -15,7 +15,7 @@ from merge_pipeline.hf.manifest import MANIFEST, write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import describe, prepare
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
+from merge_pipeline_samples.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 

@@ -13,7 +13,7 @@ import yaml
 from merge_pipeline.defs.checks import PASSED
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import read_manifest
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.engine.test_average import weighted_sum
 from merge_pipeline_tests.helpers import assert_bit_exact, load_safetensors_dir
 

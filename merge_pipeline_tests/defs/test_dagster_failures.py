@@ -31,9 +31,10 @@ def assert_nothing_published(instance, roots, key=KEY):
 
 
 def test_corrupt_rank_file_fails_with_one_line_naming_it(fsdp_checkpoint, roots, instance):
-    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2", tracker=2)
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2")
     rank_file = role_dir / "model_world_size_2_rank_1.pt"
     rank_file.write_bytes(rank_file.read_bytes()[: rank_file.stat().st_size // 2])  # a crash mid-write
+    roots.track(role_dir, 2)  # and the tracker written all the same
 
     result = materialize(instance, roots.settings(), KEY)
 
@@ -57,13 +58,14 @@ def test_failure_while_writing_weights_removes_the_staging_folder(fsdp_checkpoin
 
 
 def test_a_failed_blocking_check_publishes_nothing_and_says_so(fsdp_checkpoint, roots, instance):
-    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2", tracker=2)
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2")
     config_path = role_dir / "huggingface" / "config.json"
     config = json.loads(config_path.read_text())
     layers = config["num_hidden_layers"]
     config_path.write_text(
         json.dumps({**config, "num_hidden_layers": layers + 1, "layer_types": config["layer_types"][:1] * (layers + 1)})
     )  # a layer's weights missing
+    roots.track(role_dir, 2)  # the trainer's tracker, after the save as edited
     before = tree_digest(role_dir)
 
     result = materialize(instance, roots.settings(), KEY)

@@ -54,9 +54,10 @@ def failure_context(instance, result, webhook: AlertWebhook) -> dg.RunFailureSen
 
 
 def test_a_failed_run_is_posted_to_the_webhook(fsdp_checkpoint, roots, instance, monkeypatch):
-    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2", tracker=2)
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_2")
     rank_file = role_dir / "model_world_size_2_rank_1.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])
+    roots.track(role_dir, 2)
     result = materialize(instance, roots.settings(), KEY)
     assert not result.success
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.helpers import materialize
 from merge_pipeline_tests.defs.test_dagster_failures import assert_nothing_published, failure
 from merge_pipeline_tests.helpers import config_says_tied, error_lines, load_safetensors_dir, run_cli, same_bits
@@ -16,8 +16,9 @@ KEY = "run/global_step_2/actor"
 def test_untie_word_embedding_in_the_run_config_merges_as_the_cli_flag(
     capsys, fsdp_checkpoint, roots, instance, tmp_path
 ):
-    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2")
     config_says_tied(role_dir)  # tying would drop the trained lm_head: refused unless untied
+    roots.track(role_dir, 2)  # the trainer's tracker, after the save as edited
     cli_dir = tmp_path / "cli"
     code, _, err = run_cli(
         capsys, "merge", "--local_dir", role_dir, "--target_dir", cli_dir, "--no-progress", "--untie-word-embedding"
@@ -36,8 +37,9 @@ def test_untie_word_embedding_in_the_run_config_merges_as_the_cli_flag(
 
 
 def test_without_untie_the_run_fails_naming_the_run_config_field(capsys, fsdp_checkpoint, roots, instance, tmp_path):
-    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2")
     config = config_says_tied(role_dir)
+    roots.track(role_dir, 2)
     code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "cli", "--no-progress")
     [cli_line] = error_lines(err)
     assert code == 1 and "--untie-word-embedding" in cli_line

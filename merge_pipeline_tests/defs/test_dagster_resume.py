@@ -20,7 +20,7 @@ from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.defs.services import Dagster, clean_copy, running_dagster_dev
 from merge_pipeline_tests.engine.test_resume import SPEC
 from merge_pipeline_tests.helpers import cli_merge_command

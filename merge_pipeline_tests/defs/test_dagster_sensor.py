@@ -47,7 +47,6 @@ def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, root
 
     keys = ["proj/exp/global_step_5/actor", "proj/exp/global_step_5/critic"]
     assert requested(result) == keys
-    assert [r.run_key for r in result.run_requests] == keys
     assert [r.tags[SOURCE_TAG] for r in result.run_requests] == [str(actor), str(critic)]
     [added] = result.dynamic_partitions_requests
     assert (added.partitions_def_name, list(added.partition_keys)) == ("checkpoints", keys)
@@ -58,6 +57,10 @@ def test_complete_roles_get_one_run_and_one_partition_each(fsdp_checkpoint, root
     ]
     assert [e.metadata["path"].value for e in result.asset_events] == [str(actor), str(critic)]
     assert result.asset_events[1].metadata["completeness"].value == "latest_checkpointed_iteration.txt says 5 >= 5"
+    # one run per step and save: the run key is the partition key at the step's newest change
+    assert [r.run_key for r in result.run_requests] == [
+        f"{k}@{e.metadata['written_at'].value}" for k, e in zip(keys, result.asset_events, strict=True)
+    ]
 
 
 def test_partial_checkpoint_waits_until_the_trainer_says_it_is_done(fsdp_checkpoint, roots, instance):
@@ -72,6 +75,24 @@ def test_partial_checkpoint_waits_until_the_trainer_says_it_is_done(fsdp_checkpo
 
     (roots.checkpoints / "run" / TRACKER).write_text("6")
     assert requested(tick(instance, settings, waiting.cursor)) == ["run/global_step_6/actor"]
+
+
+def test_an_earlier_runs_tracker_does_not_skip_the_settle_time(fsdp_checkpoint, roots, instance):
+    tracker = roots.checkpoints / "run" / TRACKER
+    tracker.parent.mkdir()
+    tracker.write_text("5")  # an earlier run's, still there when the new run saves step 3
+    age(tracker, 600)
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_3")
+    settings = roots.settings(settle_seconds=60)
+
+    waiting = tick(instance, settings)
+
+    assert requested(waiting) == []
+    assert waiting.skip_reason.skip_message.startswith(
+        f"waiting for 1 partial checkpoint(s): run/global_step_3/actor ({TRACKER} says 5 >= 3, but was written before the step's last change (an earlier run's?); a file changed"
+    )
+    age(role_dir, 61)
+    assert requested(tick(instance, settings, waiting.cursor)) == ["run/global_step_3/actor"]
 
 
 def test_without_tracker_a_checkpoint_is_complete_once_settled(fsdp_checkpoint, roots, instance):
@@ -218,11 +239,13 @@ def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_chec
 
 
 def test_skip_reason_lists_partitions_whose_last_merge_failed(fsdp_checkpoint, roots, instance):
-    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1")
     rank_file = role_dir / "model_world_size_2_rank_0.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])
+    roots.track(role_dir, 1)  # the trainer's word, after the (broken) save
     settings = roots.settings()
     first = tick(instance, settings)
+    assert requested(first) == ["run/global_step_1/actor"]
     assert not materialize(instance, settings, "run/global_step_1/actor").success
 
     reason = tick(instance, settings, first.cursor).skip_reason.skip_message
@@ -231,6 +254,40 @@ def test_skip_reason_lists_partitions_whose_last_merge_failed(fsdp_checkpoint, r
         reason
         == "no new checkpoints (1 known) | last merge failed for 1: run/global_step_1/actor (see Runs; re-execute or backfill them)"
     )
+
+
+def test_a_failed_merge_is_requested_again_once_the_step_changes(fsdp_checkpoint, roots, instance):
+    """A save that paused longer than the settle time: the too-early merge fails; the finished save is merged."""
+    sample = fsdp_checkpoint(ACTOR)
+    role_dir = roots.drop(sample, "run/global_step_1")  # no tracker: the settle time decides
+    rank_file = role_dir / "model_world_size_2_rank_1.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])  # half written when the save paused
+    age(role_dir, 120)
+    settings, key = roots.settings(settle_seconds=60), "run/global_step_1/actor"
+    first = tick(instance, settings)
+    [request] = first.run_requests
+    daemon_tags = {"dagster/run_key": request.run_key, "dagster/sensor_name": "new_checkpoint_sensor"}
+    assert not materialize(instance, settings, key, tags=daemon_tags).success  # the run the daemon launched
+
+    unchanged = tick(instance, settings, first.cursor)
+    assert requested(unchanged) == []  # the same save would fail the same way
+    assert "| last merge failed for 1: run/global_step_1/actor" in unchanged.skip_reason.skip_message
+
+    shutil.copy(sample.role_dir / rank_file.name, rank_file)  # the save goes on and finishes
+    settling = tick(instance, settings, unchanged.cursor)
+    assert requested(settling) == [] and settling.skip_reason.skip_message.startswith(
+        "waiting for 1 partial checkpoint(s): run/global_step_1/actor (no latest_checkpointed_iteration.txt; a file changed"
+    )
+    age(role_dir, 61)
+    again = tick(instance, settings, settling.cursor)
+
+    [retry] = again.run_requests
+    assert retry.partition_key == key and retry.run_key != request.run_key
+    # the daemon launches a request unless a run of this sensor has its run key: the first key has one, this one none
+    assert instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": request.run_key}))
+    assert not instance.get_runs(dg.RunsFilter(tags={"dagster/run_key": retry.run_key}))
+    assert materialize(instance, settings, key, tags={**daemon_tags, "dagster/run_key": retry.run_key}).success
+    assert requested(tick(instance, settings, again.cursor)) == []  # merged: never again
 
 
 def test_the_cursor_leads_with_what_the_last_tick_did(fsdp_checkpoint, roots, instance):

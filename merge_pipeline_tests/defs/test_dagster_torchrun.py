@@ -45,11 +45,12 @@ def test_torchrun_launcher_matches_in_process(fsdp_checkpoint, roots, instance):
 
 
 def test_torchrun_launcher_fails_with_the_engine_line(fsdp_checkpoint, roots, instance):
-    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "bad/global_step_1", tracker=1)
+    role_dir = roots.drop(fsdp_checkpoint(ACTOR), "bad/global_step_1")
     settings = roots.settings()
     key = "bad/global_step_1/actor"
     rank1 = role_dir / "model_world_size_2_rank_1.pt"
-    rank1.write_bytes(rank1.read_bytes()[:1000])  # a crash mid-save, after the tracker was written
+    rank1.write_bytes(rank1.read_bytes()[:1000])  # a rank file cut short
+    roots.track(role_dir, 1)  # and the tracker written all the same
 
     result = materialize(instance, settings, key, merge_config=TORCHRUN)
 

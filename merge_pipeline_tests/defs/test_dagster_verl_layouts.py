@@ -9,13 +9,14 @@ import shutil
 import dagster as dg
 from safetensors.torch import load_file
 
+from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems
 from merge_pipeline.pipeline import merge
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
+from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.defs.helpers import checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
@@ -42,7 +43,8 @@ def test_sensor_finds_an_sft_step_folder_and_the_chain_merges_it(fsdp_checkpoint
     assert waiting.skip_reason.skip_message.startswith(f"waiting for 1 partial checkpoint(s): {KEY} ({TRACKER} says 3")
     tracker.write_text("4")
     [request] = tick(waiting.cursor).run_requests
-    assert (request.partition_key, request.run_key, request.tags[SOURCE_TAG]) == (KEY, KEY, str(step_dir))
+    assert (request.partition_key, request.tags[SOURCE_TAG]) == (KEY, str(step_dir))
+    assert request.run_key == f"{KEY}@{completeness(step_dir, 4, 3600).newest_change}"  # the step as saved
     assert settings.role_dir(CheckpointKey.parse(KEY)) == step_dir
 
     result = materialize(instance, settings, KEY)

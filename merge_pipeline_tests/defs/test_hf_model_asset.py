@@ -12,7 +12,7 @@ from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
+from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import assert_bit_exact
 
 KEY = "nemo/global_step_3/actor"

@@ -97,3 +97,28 @@ def test_output_root_inside_a_checkpoint_root_is_reported(capfd, roots, instance
     note = f"{output}: the output root lies inside the checkpoint root {roots.checkpoints}"
     assert result.skip_reason.skip_message.startswith(f"not watched: {note}")
     assert len(warnings) == 1 and warnings[0].startswith(note)
+
+
+@pytest.mark.parametrize(
+    "spelling", ["output through ..", "output through a symlink", "checkpoint root through a symlink"]
+)
+def test_an_output_root_inside_a_checkpoint_root_is_recognised_however_spelled(capfd, roots, instance, spelling):
+    """Compared resolved: the sensor never takes its own merged folders for checkpoints (before: requested them)."""
+    merged = roots.checkpoints / "merged" / "run" / "global_step_1" / "actor"  # an earlier merge's output
+    merged.mkdir(parents=True)
+    (merged / "config.json").write_text("{}")
+    link = roots.checkpoints.parent / "checkpoints_link"
+    link.symlink_to(roots.checkpoints)
+    root, output = {
+        "output through ..": (roots.checkpoints, roots.checkpoints / ".." / "checkpoints" / "merged"),
+        "output through a symlink": (roots.checkpoints, link / "merged"),
+        "checkpoint root through a symlink": (link, roots.checkpoints / "merged"),
+    }[spelling]
+    settings = MergeSettings(checkpoint_roots=[str(root)], output_root=str(output), settle_seconds=0)
+
+    result, warnings = tick(capfd, instance, settings)
+
+    assert result.run_requests == [] and cursor_keys(result.cursor) == {}
+    note = f"{output}: the output root lies inside the checkpoint root {root} (not scanned; better kept apart)"
+    assert result.skip_reason.skip_message == f"not watched: {note} | no new checkpoints (0 known)"
+    assert warnings == [note]

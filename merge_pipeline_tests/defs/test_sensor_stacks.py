@@ -5,7 +5,9 @@ and a half-written save never offered."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -35,8 +37,11 @@ def requested(result: dg.SensorResult) -> list[str]:
 
 
 def place(source: Path, root: Path, folder: str) -> Path:
-    """A copy of a sample checkpoint at ``root/folder``, with fresh mtimes, as its trainer just saved it."""
+    """A copy of a sample checkpoint at ``root/folder``, with fresh mtimes, as its trainer just saved it:
+    DeepSpeed's ``latest`` last (a ``latest`` older than its tag's files is an earlier run's)."""
     shutil.copytree(source, root / folder, copy_function=shutil.copy)
+    for latest in (root / folder).rglob("latest"):
+        os.utime(latest)
     return root / folder
 
 
@@ -131,6 +136,27 @@ def test_a_half_written_save_is_not_offered_and_the_skip_reason_says_why(
         "DeepSpeed: latest names this tag; the model states do not say the dp world size; a file changed"
     )
     assert completeness(save_dir / "global_step3", 3, 0).complete
+
+
+def test_an_earlier_runs_latest_does_not_skip_the_settle_time(roots, instance, deepspeed_checkpoints):
+    """DeepSpeed's ``latest`` left by an earlier run (naming a later tag, or this one) while a tag is saved again."""
+    save_dir = place(deepspeed_checkpoints[DEEPSPEED][0], roots.checkpoints, "ds/ckpt")
+    latest = save_dir / "latest"
+    then = time.time() - 600
+    for named in ("global_step9", "global_step2"):
+        latest.write_text(named)
+        os.utime(latest, (then, then))  # before every file of the tag below was written
+
+        state = completeness(save_dir / "global_step2", 2, 3600)
+
+        assert not state.complete and state.reason.startswith(
+            f"DeepSpeed: latest names {'the later tag global_step9' if named == 'global_step9' else 'this tag'}, "
+            "but was written before the tag's last change (an earlier run's?); a file changed"
+        )
+    assert requested(tick(instance, roots.settings(settle_seconds=3600))) == []
+    assert completeness(save_dir / "global_step2", 2, 0).complete  # the settle time decides
+    os.utime(latest)  # written after the tag: it speaks for it
+    assert completeness(save_dir / "global_step2", 2, 3600).reason == DEEPSPEED_DONE
 
 
 def test_a_latest_file_naming_no_tag_folder_is_not_offered(roots, deepspeed_checkpoints):

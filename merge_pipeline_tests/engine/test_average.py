@@ -34,8 +34,8 @@ from merge_pipeline.pipeline import (
     write_weights,
 )
 from merge_pipeline.plan import PlannedTensor
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline.sample_checkpoints.megatron import VARIANTS, write_megatron_samples
+from merge_pipeline_samples.fsdp import FsdpSpec
+from merge_pipeline_samples.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.engine.test_inputs_changed import rewrite_in_place
 from merge_pipeline_tests.helpers import (
     assert_bit_exact,
@@ -181,7 +181,9 @@ def test_the_sum_does_not_depend_on_how_the_inputs_are_cut(accumulate):
 
 def test_integer_tensors_are_kept_when_equal_and_refused_when_not():
     counts = torch.arange(3_000_000, dtype=torch.int64)
-    kept = torch.cat([p.clone() for p in source_of([counts, counts.clone()], [1_000_000, 999_983], (0.5, 0.5)).pieces()])
+    kept = torch.cat(
+        [p.clone() for p in source_of([counts, counts.clone()], [1_000_000, 999_983], (0.5, 0.5)).pieces()]
+    )
     assert same_bits(kept, counts)
     other = counts.clone()
     other[-1] = 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,22 +14,12 @@ import pytest
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.plan import READ_PIECE_BYTES
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
-from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_tests.engine.test_resume import SPEC, kill_after  # three of its ~200 MB checkpoints
 from merge_pipeline_tests.helpers import cli_merge_command, tree_digest
 
 pytestmark = pytest.mark.slow
 
-# ~48M parameters each (192 MB of fp32 rank files; a 65 MB embedding), written by torch's fake process group.
-SPEC = FsdpSpec(
-    arch="llama",
-    world_size=2,
-    hidden_size=512,
-    intermediate_size=2048,
-    num_layers=4,
-    vocab_size=32000,
-    with_optimizer=False,
-)
 FLAGS = ("--dtype", "bfloat16", "--max-shard-size", "8MB")  # 12 files: a kill lands between two
 
 
@@ -78,13 +66,7 @@ def test_a_killed_average_resumes_with_the_files_it_finished(run, tmp_path):
     target = tmp_path / "out"
     command = average_command(inputs, target)
     staging = staging_path(target)
-    average = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in average.stderr:
-        if (done := re.match(r"writing weights: (\d+)%", line)) and int(done[1]) >= 50:
-            average.send_signal(signal.SIGKILL)
-            break
-    assert average.wait() == -signal.SIGKILL, "the average ended before it could be killed"
-    average.stderr.close()
+    kill_after(command, percent=50)
     done = sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json"))
     inodes = {name: (staging / name).stat().st_ino for name in done}
     assert 1 <= len(done) < len(list(reference.glob("*.safetensors")))

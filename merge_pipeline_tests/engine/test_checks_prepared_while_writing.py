@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 
 # Records which thread first looks for each module (import statements and importlib.import_module,
 # which transformers' lazy attributes use, alike), then runs the CLI as ``python -m merge_pipeline`` would.

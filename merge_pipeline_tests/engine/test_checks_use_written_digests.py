@@ -22,7 +22,7 @@ from merge_pipeline.pipeline import (
     write_side_files,
     write_weights,
 )
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 
 SPEC = FsdpSpec(world_size=2, with_optimizer=False)
 OPTIONS = MergeOptions(max_shard_size="100KB")  # several weight files

@@ -1,6 +1,7 @@
-"""The resume records' rule for a finished file: its recorded sha256 is trusted without reading the
-file only while the file's stat identity (inode, size, mtime, ctime) is the one recorded after its
-fsync; any other file is hashed again, and kept only if the sha256 still matches."""
+"""The resume records' rule for a finished file: it is kept only if its bytes are those its record
+names: untouched since its fsync and sealed with the record's digest, or else its size and sha256
+checked now (its entry then carries the identity it was hashed with); any other file is removed and
+written again."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ShardFile
-from merge_pipeline.engine.resume import RECORDS, ResumeLog, finished, keep_finished
+from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, seal
 from merge_pipeline.hf.manifest import stat_identity
 
 KEY = "a merge key"
@@ -24,6 +25,7 @@ def _finished_file(staging: Path, data: bytes = b"weights" * 1000) -> Path:
     path = staging / NAME
     path.write_bytes(data)
     entry = {"filename": NAME, "bytes": len(data), "tensors": 1, "sha256": hashlib.sha256(data).hexdigest()}
+    seal(path, entry["sha256"])
     ResumeLog(staging, KEY).record({**entry, "identity": stat_identity(path.stat())})
     return path
 
@@ -33,14 +35,17 @@ def _rewrite_record(staging: Path, **changes) -> None:
     record.write_text(json.dumps({**json.loads(record.read_text()), **changes}))
 
 
-def test_an_untouched_file_is_kept_on_its_record_without_being_read(tmp_path):
-    _finished_file(tmp_path)
-    # A wrong sha256 in the record shows whether the file was hashed: with the identity matching it is not.
+def test_a_record_naming_a_sha256_its_untouched_file_does_not_have_drops_the_file(tmp_path):
+    """A record edited by someone who can write to the staging folder: the file is the one recorded
+    (same stat identity) but the digest is not its bytes'. Taken from the record, that digest would go
+    into the manifest, and ``manifest_sha256`` would compare the file by it (issue 34, K)."""
+    path = _finished_file(tmp_path)
     _rewrite_record(tmp_path, sha256="0" * 64)
 
     kept = keep_finished(tmp_path, KEY, FILES)
 
-    assert list(kept.finished) == [NAME] and kept.finished[NAME]["sha256"] == "0" * 64
+    assert kept.finished == {} and not path.exists()
+    assert not (tmp_path / RECORDS / f"{NAME}.json").exists()
 
 
 def test_a_file_edited_in_place_with_its_mtime_restored_is_hashed_and_dropped(tmp_path):
@@ -65,8 +70,31 @@ def test_a_file_with_another_identity_but_the_recorded_bytes_is_kept_after_hashi
     kept = keep_finished(tmp_path, KEY, FILES)
 
     assert list(kept.finished) == [NAME] and path.exists()
-    # Hashed once here: the entry (and the record other torchrun ranks read) carries the identity it was
-    # checked with, so the blocking checks compare the file by this sha256 rather than reading it again.
-    now = stat_identity(path.stat())
-    assert kept.finished[NAME]["identity"] == now
-    assert finished(tmp_path, KEY, FILES).finished[NAME]["identity"] == now
+    # Hashed once here: the entry (handed to every worker) carries the identity it was checked with, so the
+    # blocking checks compare the file by this sha256 rather than reading it again.
+    assert kept.finished[NAME]["identity"] == stat_identity(path.stat())
+
+
+def test_an_untouched_sealed_file_is_kept_without_hashing_it(tmp_path, monkeypatch):
+    """The resume's fast path (issue 19): a file untouched since its fsync, sealed with its record's digest,
+    is not read again (at 8B, hashing the kept files would cost more than the rest of the resume)."""
+    _finished_file(tmp_path)
+    hashed = []
+    monkeypatch.setattr(hashlib, "file_digest", lambda *a, **k: hashed.append(a) or hashlib.sha256())
+
+    kept = keep_finished(tmp_path, KEY, FILES)
+
+    assert list(kept.finished) == [NAME] and hashed == []
+
+
+def test_a_file_with_another_seal_than_its_records_digest_is_hashed(tmp_path):
+    """Someone edited both the record's digest and the file's seal: the seal's change set the file's
+    ctime, so its identity is no longer the recorded one, and the bytes are hashed (and do not match)."""
+    path = _finished_file(tmp_path)
+    time.sleep(0.05)
+    seal(path, "0" * 64)
+    _rewrite_record(tmp_path, sha256="0" * 64)
+
+    kept = keep_finished(tmp_path, KEY, FILES)
+
+    assert kept.finished == {} and not path.exists()

@@ -11,7 +11,7 @@ import struct
 
 import torch
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import merge_error
 
 PLAIN = FsdpSpec(fsdp_version=1, world_size=1)  # plain tensors in one rank file: any key can be written

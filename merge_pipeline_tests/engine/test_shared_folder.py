@@ -17,7 +17,7 @@ import pytest
 
 from merge_pipeline.engine.publish import lock_path, locked_target, previous_path, staging_path
 from merge_pipeline.errors import MergeError
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)

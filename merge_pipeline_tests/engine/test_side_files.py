@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from merge_pipeline.engine.hf_folder import copy_side_files
 from merge_pipeline.errors import MergeError
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)

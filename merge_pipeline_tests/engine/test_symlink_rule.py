@@ -10,7 +10,7 @@ import shutil
 from safetensors.torch import load_file
 
 from merge_pipeline.defs.discovery import find_checkpoints
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)

@@ -16,7 +16,7 @@ import pytest
 
 from merge_pipeline.engine.publish import previous_path, staging_path
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits, tree_digest
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)  # 0.8 MB of weights; the same spec as test_fsdp_bad_input

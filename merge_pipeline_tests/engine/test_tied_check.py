@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import (
     config_says_tied,
     error_lines,

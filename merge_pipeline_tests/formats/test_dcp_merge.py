@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.sample_checkpoints.dcp import SOURCES, torchtitan_name
+from merge_pipeline_samples.dcp import SOURCES, torchtitan_name
 from merge_pipeline_tests.helpers import (
     DcpSample,
     error_lines,

@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.deepspeed import TRAINED_WEIGHTS
+from merge_pipeline_samples.deepspeed import TRAINED_WEIGHTS
 from merge_pipeline_tests.helpers import (
     VARIANTS,
     assert_loads_every_stored_value,

@@ -10,7 +10,7 @@ import transformers
 from safetensors.torch import load_file
 
 from merge_pipeline.hf.manifest import MANIFEST, sha256_file
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import (
     assert_loads_every_stored_value,
     load_safetensors_dir,

@@ -28,7 +28,7 @@ from merge_pipeline.formats.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.fsdp import RankShard, plan_fsdp
 from merge_pipeline.formats.fsdp_template import RankTemplate
 from merge_pipeline.formats.torch_files import torch_archive
-from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.formats.test_fsdp_hostile_files import edit_pickle, repack
 from merge_pipeline_tests.formats.test_fsdp_world_size import SPEC as WORLD_SIZE_SPEC
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
@@ -141,8 +141,11 @@ def records_found(role_dir, rank, layout, name=None):
 def records_parsed(role_dir, rank):
     """Each record's (data offset, size) as the full way finds them: zipfile's directory, every local header."""
     with torch_archive(rank_file(role_dir, rank)) as archive:
-        prefix = archive.prefix + "/"
-        return {name.removeprefix(prefix): (archive.data_offset(r), r.file_size) for name, r in archive.records.items()}
+        prefix = archive.prefix + b"/"
+        return {
+            name.removeprefix(prefix).decode(): (archive.offsets[name], r.file_size)
+            for name, r in archive.records.items()
+        }
 
 
 def test_a_zip_layout_locates_each_record_where_the_full_parse_finds_it(checkpoint):
@@ -197,7 +200,7 @@ def big_endian(role_dir):
     with zipfile.ZipFile(path) as z:
         record = z.getinfo(f"{path.stem}/byteorder")
     with torch_archive(path) as archive:
-        overwrite(path, archive.data_offset(record), b"big\x00\x00\x00")
+        overwrite(path, archive.offsets[record.filename.encode()], b"big\x00\x00\x00")
     return "records are stored 'big\\x00\\x00\\x00'-endian"
 
 

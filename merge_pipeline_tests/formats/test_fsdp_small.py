@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.helpers import TINY_LLAMA, assert_bit_exact, merge_ok
 
 SPEC = replace(TINY_LLAMA, world_size=3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import peft
 import pytest
@@ -15,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.model_card import CheckpointName
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
+from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import (
     assert_bit_exact,
     load_safetensors_dir,
@@ -216,9 +217,16 @@ def test_sft_partition_key_has_no_role_part():
     assert CheckpointKey.parse("team/exp/global_step_7/actor").role == "actor"
 
 
-def test_sft_model_card_names_run_step_and_role():
-    name = CheckpointName.from_role_dir("/ckpts/sft_run/global_step_7", "model")
-    assert (name.run, name.step, name.role) == ("sft_run", 7, "model")
+def test_sft_checkpoint_name_has_run_step_and_role():
+    name = checkpoint_name(Path("/ckpts/sft_run/global_step_7"))
+    assert (name.run, name.step_folder, name.step, name.role, name.writer) == (
+        "sft_run",
+        "global_step_7",
+        7,
+        "model",
+        "verl",
+    )
+    assert str(name) == str(CheckpointKey.parse("sft_run/global_step_7"))
 
 
 # --- NeMo-Automodel: consolidated HF safetensors in <role>/model/ ------------------------------------

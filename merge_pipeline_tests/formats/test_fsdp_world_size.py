@@ -1,5 +1,5 @@
 """FSDP at a world size far beyond the file limit: 1024 rank files written by torch's fake process group
-(one process plays every rank, see sample_checkpoints/fsdp_fake_pg.py), merged by the CLI under
+(one process plays every rank, see merge_pipeline_samples/fsdp_fake_pg.py), merged by the CLI under
 RLIMIT_NOFILE 128, bit for bit. Most ranks hold one row of a tensor, many none (trailing empty shards).
 The benchmark runs world size 4096 under 256 (docs/BENCHMARKS.md)."""
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.helpers import TINY_LLAMA, assert_bit_exact, cli_merge_command
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """Megatron-Core checkpoints of 64 ranks, saved by megatron-core's own code in one process under torch's
-fake process group (``sample_checkpoints/megatron_fake_pg.py``: ``initialize_model_parallel``, the
+fake process group (``merge_pipeline_samples/megatron_fake_pg.py``: ``initialize_model_parallel``, the
 ``GPTModel`` of each rank, ``dist_checkpointing.save``'s torch_dist steps; only the collectives that
 gather the local plans, the write results and the shard metadata are passed by hand), merge bit for bit
 from the CLI under a file limit below the number of files:
@@ -32,7 +32,7 @@ PARALLEL = {"llama_tp8_pp8": (8, 8, 1), "mixtral_tp2_ep8_pp4": (2, 4, 8)}  # TP,
 def saved_by_64_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron64")
     # In its own process, as a trainer's: the writer patches torch for megatron-core on CPU.
-    command = [sys.executable, "-m", "merge_pipeline.sample_checkpoints.megatron_fake_pg", str(root)]
+    command = [sys.executable, "-m", "merge_pipeline_samples.megatron_fake_pg", str(root)]
     for name in PARALLEL:
         command += ["--variant", name]
     subprocess.run(command, check=True, capture_output=True, timeout=600)

@@ -6,7 +6,7 @@ NeMo-Automodel exports itself: its sharded safetensors (DCP in HF storage, the c
 NeMo-RL 0.6's policy folder, which NeMo-RL saves through the same calls.
 
 NeMo-Automodel runs in its own venv (``scripts/setup_nemo.sh``, called by ``scripts/test.sh``);
-the writer is ``merge_pipeline/sample_checkpoints/nemo_automodel_save.py``."""
+the writer is ``merge_pipeline_samples/nemo_automodel_save.py``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """DCP and DeepSpeed checkpoints saved by many ranks, each by its trainer's own save code in one process
 under torch's fake process group, merge bit for bit, under a file limit below the number of rank files.
 
-- DCP, 256 ranks: ``sample_checkpoints/dcp_fake_pg.py`` runs torch's own DCP save steps
+- DCP, 256 ranks: ``merge_pipeline_samples/dcp_fake_pg.py`` runs torch's own DCP save steps
   (``DefaultSavePlanner``, ``FileSystemWriter``) rank by rank; only the two collectives are passed
   by hand, because under the fake group ``dcp.save``'s gather moves no plans. torchtitan's layout:
   q/k rows in its rotary order, most ranks holding one row of a tensor or none.
-- DeepSpeed ZeRO-3, 16 ranks: ``sample_checkpoints/deepspeed_fake_pg.py`` runs ``deepspeed.initialize``
+- DeepSpeed ZeRO-3, 16 ranks: ``merge_pipeline_samples/deepspeed_fake_pg.py`` runs ``deepspeed.initialize``
   and ``engine.save_checkpoint`` rank by rank (no training step: the fake group's all-reduce moves no
   gradients). Every large parameter spans all 16 partitions.
 
@@ -23,8 +23,8 @@ from dataclasses import replace
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.dcp_fake_pg import write_fake_pg_dcp
-from merge_pipeline.sample_checkpoints.deepspeed import TRAINED_WEIGHTS
+from merge_pipeline_samples.dcp_fake_pg import write_fake_pg_dcp
+from merge_pipeline_samples.deepspeed import TRAINED_WEIGHTS
 from merge_pipeline_tests.helpers import TINY_LLAMA, assert_bit_exact, cli_merge_command
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_a_chunk_archive_unlike_the_others_of_its_kind_is_read_in_full_and_refus
 def test_deepspeed_zero3_saved_by_16_ranks_merges_bit_exact(tmp_path):
     save_dir, reference = tmp_path / "ckpt", tmp_path / "reference"
     # In its own process, as a trainer's: DeepSpeed leaves this one unable to fork (ENOMEM) after it ran.
-    module = "merge_pipeline.sample_checkpoints.deepspeed_fake_pg"
+    module = "merge_pipeline_samples.deepspeed_fake_pg"
     subprocess.run(
         [
             sys.executable,

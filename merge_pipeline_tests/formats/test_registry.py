@@ -6,7 +6,7 @@ import pytest
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import BACKENDS, READERS, detect_backend, reader
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.conftest import copy_checkpoint
 from merge_pipeline_tests.helpers import error_lines, run_cli
 

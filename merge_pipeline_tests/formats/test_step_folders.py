@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -80,6 +81,42 @@ def test_verl_completeness_tracker_manifest_and_settle_time(tmp_path):
     assert reason(actor, 3) == (True, f"{TRACKER} says 3 >= 3")
     touch(actor / "ckpt_contents.json", "{}")
     assert reason(actor, 3) == (True, "ckpt_contents.json present (verl writes it last)")
+
+
+def earlier(path: Path) -> Path:
+    """``path`` as an earlier run left it: last written ten minutes ago."""
+    then = time.time() - 600
+    os.utime(path, (then, then))
+    return path
+
+
+def test_a_tracker_written_before_the_steps_last_change_does_not_skip_the_settle_time(tmp_path):
+    """An earlier run's tracker says 5 while step 3 is being saved again: it vouches for nothing."""
+    actor, iteration, v2 = (
+        tmp_path / "verl" / "global_step_3" / "actor",
+        tmp_path / "megatron_lm" / "iter_0000003",
+        tmp_path / "verl_v2" / "global_step_3" / "actor",
+    )
+    for folder, tracker in [
+        (actor, tmp_path / "verl" / TRACKER),
+        (iteration, tmp_path / "megatron_lm" / TRACKER),
+        (v2, tmp_path / "verl_v2" / TRACKER),
+    ]:
+        earlier(touch(tracker, "5"))
+        touch(folder / "model" / "dist_ckpt" / "__0_0.distcp" if folder is v2 else folder / ".metadata")
+    stale = f"{TRACKER} says 5 >= 3, but was written before the step's last change (an earlier run's?)"
+
+    assert reason(actor, 3, now=time.time()) == (False, f"{stale}; a file changed 0 s ago (settle time 60 s)")
+    assert reason(actor, 3) == (True, f"{stale}; no file changed for 3600 s (settle time 60 s)")
+    assert reason(iteration, 3, now=time.time()) == (False, f"{stale}; a file changed 0 s ago (settle time 60 s)")
+    # verl's Megatron layout v2 is finished by its manifest: quiet or not, a stale tracker does not stand in for it
+    assert reason(v2, 3) == (
+        False,
+        "Megatron layout v2 without ckpt_contents.json: verl writes it last, the save is not finished",
+    )
+    for folder, tracker in [(actor, tmp_path / "verl" / TRACKER), (v2, tmp_path / "verl_v2" / TRACKER)]:
+        touch(tracker, "5")  # written after the save: it speaks for it
+        assert reason(folder, 3, now=time.time()) == (True, f"{TRACKER} says 5 >= 3")
 
 
 def test_megatron_lm_completeness_follows_its_tracker(tmp_path):

@@ -14,7 +14,7 @@ GptOssForCausalLM loads them, checked bit for bit against torchtitan's own tenso
 its ``last_save_in_hf`` step, without them, is refused in one line.
 
 torchtitan runs in its own venv (``scripts/setup_torchtitan.sh``, called by ``scripts/test.sh``);
-the writer is ``merge_pipeline/sample_checkpoints/torchtitan_save.py``."""
+the writer is ``merge_pipeline_samples/torchtitan_save.py``."""
 
 from __future__ import annotations
 

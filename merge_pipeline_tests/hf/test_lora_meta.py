@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits, tree_digest
 
 SPEC = FsdpSpec(lora=(4, 8))  # r=4 on q/k/v/o; hidden 64, k_proj has 32 output rows

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
 from merge_pipeline_tests.hub.conftest import TOKENS, WRITER, endless_endpoint, silent_endpoint
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from merge_pipeline.sample_checkpoints.megatron import (
+from merge_pipeline_samples.megatron import (
     VARIANTS,
     MegatronSample,
     Variant,
@@ -41,18 +41,9 @@ def fresh_megatron(megatron_samples, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def megatron_v2_sample(tmp_path_factory) -> MegatronSample:
-    """A real layout-v2 checkpoint: megatron-core writes ``model/dist_ckpt/`` directly, and, as verl
-    with ``use_dist_checkpointing`` and no ``hf_model``, the checkpoint holds no HF files at all
-    (``original_dir`` is the trainer's model folder). Read only."""
-    root = tmp_path_factory.mktemp("megatron_v2")
-    return write_megatron_samples(root, [VARIANTS["qwen2_tp2"]], timeout=600, layout="v2")["qwen2_tp2"]
-
-
-@pytest.fixture(scope="session")
 def megatron_fsdp_sample(tmp_path_factory) -> MegatronSample:
     """verl's Megatron-FSDP role folder, written by Megatron-FSDP itself (megatron-core 0.18.2's, in the
-    bridge venv: ``sample_checkpoints/megatron_fsdp_save.py``) on 3 gloo ranks: one DCP of uneven
+    bridge venv: ``merge_pipeline_samples/megatron_fsdp_save.py``) on 3 gloo ranks: one DCP of uneven
     row-sharded DTensors in ``model/dist_ckpt/``, no HF files in the checkpoint; the reference and the
     trainer's model folder are the Qwen3 it loaded. Read only."""
     root = write_with_release(".venv-bridge", "megatron_fsdp_save.py", tmp_path_factory.mktemp("megatron_fsdp"))

@@ -8,7 +8,7 @@ bit for bit into what the bridge's own ``export_hf_weights`` gives: so our Megat
 equals the bridge's.
 
 The bridge runs in its own venv (``scripts/setup_bridge.sh``, called by ``scripts/setup.sh``); the
-writer is ``merge_pipeline/sample_checkpoints/megatron_bridge_save.py``, which says what stands in for
+writer is ``merge_pipeline_samples/megatron_bridge_save.py``, which says what stands in for
 TransformerEngine's import."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.megatron import sample_tokens
+from merge_pipeline_samples.megatron import sample_tokens
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge_ok, run_cli, same_bits, tree_digest
 
 

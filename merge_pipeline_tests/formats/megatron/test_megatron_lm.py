@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from merge_pipeline.sample_checkpoints.megatron import MEGATRON_LM_ITERATION
+from merge_pipeline_samples.megatron import MEGATRON_LM_ITERATION
 from merge_pipeline_tests.formats.megatron.test_release_gaps import VOCAB_ROWS, original_with_vocab
 from merge_pipeline_tests.formats.megatron.test_verl_v2 import logits
 from merge_pipeline_tests.helpers import (

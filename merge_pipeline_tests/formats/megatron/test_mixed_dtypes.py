@@ -16,7 +16,7 @@ from merge_pipeline.defs.resources import OUTPUT_VAR, ROOTS_VAR, MergeSettings
 from merge_pipeline.defs.sensors import new_checkpoint_sensor
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.sample_checkpoints.megatron import arrange_v2
+from merge_pipeline_samples.megatron import arrange_v2
 from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 - fixtures: a real instance, watched roots
 from merge_pipeline_tests.defs.helpers import checks_passed
 from merge_pipeline_tests.helpers import (

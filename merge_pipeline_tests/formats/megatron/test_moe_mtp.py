@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from merge_pipeline.cli import main
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.sample_checkpoints.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
+from merge_pipeline_samples.megatron import MLA_SIZES, SIZE_PRESETS, global_values, sample_tokens
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 FAMILIES = ["mixtral_ep2", "deepseek_v3_mtp", "glm4_moe_mtp", "gpt_oss_ep2", "gpt_oss_tp2_per_layer"]

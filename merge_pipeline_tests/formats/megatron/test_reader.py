@@ -9,7 +9,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from merge_pipeline.hf.architecture import check_plan_against_architecture, expected_tensors
 from merge_pipeline.plan import StoredBytes
-from merge_pipeline.sample_checkpoints.megatron import VARIANTS
+from merge_pipeline_samples.megatron import VARIANTS
 from merge_pipeline_tests.helpers import megatron_plan, same_bits
 
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from merge_pipeline.families import MEGATRON_REFUSED
-from merge_pipeline.sample_checkpoints.megatron import arrange_v2
+from merge_pipeline_samples.megatron import arrange_v2
 from merge_pipeline_tests.helpers import assert_bit_exact, merge_error, merge_ok, tree_digest
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from merge_pipeline.defs.discovery import completeness
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import new_checkpoint_sensor
-from merge_pipeline.sample_checkpoints.megatron import (
+from merge_pipeline_samples.megatron import (
     LORA_ALPHA,
     LORA_R,
     LORA_TARGETS,

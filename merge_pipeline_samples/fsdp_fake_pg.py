@@ -7,7 +7,7 @@ builds the mesh, wraps every tensor's ``torch.chunk`` piece for r in a ``DTensor
 ``torch.save``s the state dict as ``model_world_size_W_rank_r.pt`` and leaves the group. The
 metadata beside the rank files (``fsdp_config.json``, ``huggingface/``) is ``fsdp.py``'s.
 
-    python -m merge_pipeline.sample_checkpoints.fsdp_fake_pg OUT_ROLE_DIR --world-size 1024 [...]
+    python -m merge_pipeline_samples.fsdp_fake_pg OUT_ROLE_DIR --world-size 1024 [...]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _save_rank(role_dir: Path, weights: dict, pieces: dict, rank: int, world_siz
 
 def main(argv: list[str] | None = None) -> None:
     parser = _fsdp_parser()
-    parser.prog = "python -m merge_pipeline.sample_checkpoints.fsdp_fake_pg"
+    parser.prog = "python -m merge_pipeline_samples.fsdp_fake_pg"
     parser.description = "Write a verl FSDP2 checkpoint at any world size in one process (torch's fake process group)."
     args = parser.parse_args(argv)
     spec = _spec_from_args(args, args.world_size or FsdpSpec().world_size)

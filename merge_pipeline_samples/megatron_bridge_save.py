@@ -1,6 +1,6 @@
 """A verl Megatron checkpoint written through Megatron-Bridge 0.6 itself: run with the bridge venv's python.
 
-    .venv-bridge/bin/python merge_pipeline/sample_checkpoints/megatron_bridge_save.py OUT
+    .venv-bridge/bin/python merge_pipeline_samples/megatron_bridge_save.py OUT
 
 ``scripts/setup_bridge.sh`` builds that venv (megatron-core 0.18 and Megatron-Bridge 0.6, whose
 wheels say Python 3.12, installed on 3.11 without their dependencies), so this file imports only
@@ -40,8 +40,8 @@ import torch.distributed as dist
 # Run as a script, its own folder comes first on the path, where megatron.py would hide megatron-core:
 # the repository's root takes its place.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-from merge_pipeline.sample_checkpoints.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from merge_pipeline_samples.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
 
 FAMILIES = ("llama", "qwen3")
 LORA_FAMILY = "llama"  # also saved with the bridge's LoRA, into OUT/llama/lora/

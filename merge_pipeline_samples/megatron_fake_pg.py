@@ -29,7 +29,7 @@ all-gather of shard metadata); at data parallel 1 (TP=8 x PP=8) that changes not
 (data parallel 8) the first replica of each dense shard writes it, as plain ``dist_checkpointing.save``
 does. No forward pass: pipeline stages need a schedule.
 
-    python -m merge_pipeline.sample_checkpoints.megatron_fake_pg OUT --variant llama_tp8_pp8
+    python -m merge_pipeline_samples.megatron_fake_pg OUT --variant llama_tp8_pp8
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from merge_pipeline.sample_checkpoints.megatron import (
+from merge_pipeline_samples.megatron import (
     MegatronSample,
     Variant,
     _hf_config,
@@ -70,7 +70,7 @@ def write_fake_pg_megatron(root: Path, v: Variant, world_size: int = WORLD_SIZE)
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.utils import _get_failure_dict
 
-    from merge_pipeline.sample_checkpoints.megatron_worker import _patch_for_cpu, _write_transformer_config
+    from merge_pipeline_samples.megatron_worker import _patch_for_cpu, _write_transformer_config
 
     warnings.filterwarnings("ignore")
     _patch_for_cpu()
@@ -128,7 +128,7 @@ def _save_rank(v: Variant, rank: int, world_size: int, dist_dir: Path, full: dic
         mcore_to_pyt_state_dict,
     )
 
-    from merge_pipeline.sample_checkpoints.megatron_worker import _build_model, _fill, _metadata, _transformer_config
+    from merge_pipeline_samples.megatron_worker import _build_model, _fill, _metadata, _transformer_config
 
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m merge_pipeline.sample_checkpoints.megatron_fake_pg",
+        prog="python -m merge_pipeline_samples.megatron_fake_pg",
         description="Save Megatron-Core checkpoints of 64 ranks in one process (fake process group).",
     )
     parser.add_argument("out", type=Path)

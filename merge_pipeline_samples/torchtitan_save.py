@@ -1,6 +1,6 @@
 """A torchtitan 0.3 checkpoint written by torchtitan itself: run with the torchtitan venv's python.
 
-    .venv-torchtitan/bin/python merge_pipeline/sample_checkpoints/torchtitan_save.py OUT --family llama3
+    .venv-torchtitan/bin/python merge_pipeline_samples/torchtitan_save.py OUT --family llama3
 
 ``scripts/setup_torchtitan.sh`` builds that venv (torchtitan's dependencies clash with ours), so this
 file imports only torch, torchtitan, safetensors and, of merge_pipeline, the standard-library-only
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script in torchtitan's venv
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script in torchtitan's venv
 from merge_pipeline.families import by_model_type  # noqa: E402  (after the path it is found on)
 
 # family -> (torchtitan flavor, HF model_type); the HF config is derived from the torchtitan config below.

@@ -19,7 +19,7 @@ and only the two collectives replaced by passing the values between the ranks it
 The state dict is what the trainer hands ``dcp.save``: torchtitan's flat model keys (its names, q/k
 rows in its rotary layout: ``dcp._torchtitan_weights``) or accelerate's ``{"model": ...}``.
 
-    python -m merge_pipeline.sample_checkpoints.dcp_fake_pg OUT_DIR --source torchtitan --world-size 1024 \\
+    python -m merge_pipeline_samples.dcp_fake_pg OUT_DIR --source torchtitan --world-size 1024 \\
         --reference-dir REF [--hidden-size ... fsdp.py's model flags]
 """
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     from .fsdp import _parser, _spec_from_args
 
     parser = _parser()
-    parser.prog = "python -m merge_pipeline.sample_checkpoints.dcp_fake_pg"
+    parser.prog = "python -m merge_pipeline_samples.dcp_fake_pg"
     parser.description = (
         "Write a DCP folder at any world size in one process (torch's DCP save steps, fake process group)."
     )

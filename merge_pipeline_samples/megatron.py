@@ -230,7 +230,7 @@ def write_megatron_samples(
             samples[v.name] = replace(sample, original_dir=hf_dir)
         config.save_pretrained(hf_dir)
         if v.family == "qwen2":
-            from merge_pipeline.sample_checkpoints.tokenizer import write_tokenizer
+            from merge_pipeline_samples.tokenizer import write_tokenizer
 
             write_tokenizer(hf_dir, vocab_size=v.sizes["vocab"])
         reference = reference_weights(full, v)
@@ -274,7 +274,7 @@ def _run_megatron_job(root: Path, dist_dirs: dict[Variant, Path], timeout: float
     ]
     run_torchrun_job(
         root,
-        "merge_pipeline.sample_checkpoints.megatron_worker",
+        "merge_pipeline_samples.megatron_worker",
         {"timeout": int(timeout), "variants": entries},
         nproc=2,
         timeout=timeout,
@@ -306,7 +306,7 @@ def run_torchrun_job(root: Path, module: str, job: dict, *, nproc: int, timeout:
         ]
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
         }
         log_path = root / "megatron_job.log"
@@ -969,7 +969,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m merge_pipeline.sample_checkpoints.megatron",
+        prog="python -m merge_pipeline_samples.megatron",
         description="Write sample Megatron-Core role folders as verl lays them out.",
     )
     parser.add_argument("out", type=Path)

@@ -9,7 +9,7 @@ there is no training step (its gradients would be garbage): the saved weights ar
 written to the reference folder as ``TRAINED_WEIGHTS`` before the first rank. DeepSpeed caches its
 process groups in ``deepspeed.utils.groups``; they are cleared between ranks.
 
-    python -m merge_pipeline.sample_checkpoints.deepspeed_fake_pg OUT_SAVE_DIR --world-size 512 \\
+    python -m merge_pipeline_samples.deepspeed_fake_pg OUT_SAVE_DIR --world-size 512 \\
         [--reference-dir REF] [deepspeed.py's model flags]
 """
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m merge_pipeline.sample_checkpoints.deepspeed_fake_pg",
+        prog="python -m merge_pipeline_samples.deepspeed_fake_pg",
         description="Save a DeepSpeed ZeRO-3 checkpoint at any world size in one process (fake process group).",
     )
     defaults = DeepSpeedSpec()

@@ -24,7 +24,7 @@ rank, each ``fully_shard``s a module tree and saves it with ``dcp.save`` the way
 Neither writes a config or tokenizer into the checkpoint; the reference folder is the original HF
 model folder (weights, config, tokenizer) a user passes as ``--hf_model_path``.
 
-    python -m merge_pipeline.sample_checkpoints.dcp OUT_DIR --source torchtitan|accelerate --reference-dir REF
+    python -m merge_pipeline_samples.dcp OUT_DIR --source torchtitan|accelerate --reference-dir REF
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from .fsdp import (
     _write_reference,
 )
 
-_MODULE = "merge_pipeline.sample_checkpoints.dcp"
+_MODULE = "merge_pipeline_samples.dcp"
 # The folder each writes the model's DCP into, inside the folder it is given.
 MODEL_DIRS = {
     "torchtitan": ".",

@@ -5,7 +5,7 @@ every parameter values that depend only on its checkpoint key and global positio
 the reference agree, whatever the parallel layout), save it with ``dist_checkpointing.save`` like
 verl (or as Megatron-LM's ``save_checkpoint``), and optionally run megatron-core's own forward pass to record logits.
 
-    torchrun --nproc_per_node 2 -m merge_pipeline.sample_checkpoints.megatron_worker JOB.json
+    torchrun --nproc_per_node 2 -m merge_pipeline_samples.megatron_worker JOB.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from merge_pipeline.sample_checkpoints.megatron import (
+from merge_pipeline_samples.megatron import (
     GLM_ROTARY_FRACTION,
     MLA_SIZES,
     ROUTED_SCALING,

@@ -1,6 +1,6 @@
 """A NeMo-Automodel 0.7 checkpoint written by NeMo-Automodel itself: run with the nemo venv's python.
 
-    .venv-nemo/bin/python merge_pipeline/sample_checkpoints/nemo_automodel_save.py OUT
+    .venv-nemo/bin/python merge_pipeline_samples/nemo_automodel_save.py OUT
 
 ``scripts/setup_nemo.sh`` builds that venv (NeMo-Automodel pins transformers 5.18 and its own
 dependencies), so this file imports only torch, transformers, safetensors and nemo_automodel. Two gloo
@@ -31,8 +31,8 @@ import torch
 # Run as a script, its own folder comes first on the path (where megatron.py would hide megatron-core
 # from an optional import): the repository's root takes its place.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-from merge_pipeline.sample_checkpoints.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from merge_pipeline_samples.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
 
 FORMATS = ("safetensors", "torch_save")
 WEIGHTS = "epoch_0_step_1"  # the folder its recipes save each step into

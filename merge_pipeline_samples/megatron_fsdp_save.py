@@ -1,7 +1,7 @@
 """A verl Megatron-FSDP checkpoint (``use_megatron_fsdp``) written by Megatron-FSDP itself: run with the
 bridge venv's python.
 
-    .venv-bridge/bin/python merge_pipeline/sample_checkpoints/megatron_fsdp_save.py OUT [--world-size 3]
+    .venv-bridge/bin/python merge_pipeline_samples/megatron_fsdp_save.py OUT [--world-size 3]
 
 What verl 0.9.1 runs, on megatron-core 0.18.2 (whose Megatron-FSDP is its bundled copy of megatron-fsdp
 0.5.1) and Megatron-Bridge 0.6.2, the venv ``scripts/setup_bridge.sh`` builds. Rank 0 saves a small
@@ -13,7 +13,7 @@ so megatron-core's ``FullyShardedDataParallel`` / ``MegatronFSDP`` shards every 
 Then verl's ``_save_megatron_fsdp_checkpoint``: ``{"model": model.state_dict_for_save_checkpoint(),
 "rng_state": ...}`` through the bridge's ``save_fsdp_dtensor_checkpoint`` into
 ``OUT/actor/model/dist_ckpt/``. The rest of verl's role folder (manifest, empty folders) is laid out by
-the test with ``sample_checkpoints.megatron``, which needs our venv.
+the test with ``merge_pipeline_samples.megatron``, which needs our venv.
 
 What stands in for what is missing here, and why:
 - CUDA (CPU-only torch): the CUDA calls the wrapping makes (current device, side streams, cache) are
@@ -45,9 +45,9 @@ import torch.distributed as dist
 # Run as a script, its own folder comes first on the path, where megatron.py would hide megatron-core:
 # the repository's root takes its place.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-from merge_pipeline.sample_checkpoints.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
-from merge_pipeline.sample_checkpoints.megatron_bridge_save import (  # noqa: E402
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from merge_pipeline_samples.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
+from merge_pipeline_samples.megatron_bridge_save import (  # noqa: E402
     _CUDA_FUSIONS,
     _hf_model,
     _import_bridge,

@@ -8,7 +8,7 @@ OpenRLHF and the HF Trainer save them. Rank 0 also saves the trained weights, ga
 (``GatheredParameters`` under ZeRO-3), as ``trained.safetensors``. Several checkpoints are written
 by one launch: importing deepspeed and transformers costs more than training the tiny model.
 
-    python -m merge_pipeline.sample_checkpoints.deepspeed OUT_SAVE_DIR --stage 3 [--tie-word-embeddings]
+    python -m merge_pipeline_samples.deepspeed OUT_SAVE_DIR --stage 3 [--tie-word-embeddings]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-_MODULE = "merge_pipeline.sample_checkpoints.deepspeed"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_MODULE = "merge_pipeline_samples.deepspeed"
+_REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAINED_WEIGHTS = "trained.safetensors"  # beside the checkpoint folders, in the reference folder
 TRAIN_STEPS = 2
 

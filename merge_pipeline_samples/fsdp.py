@@ -6,7 +6,7 @@ process per rank; each rebuilds a module tree with the reference's parameter nam
 FSDP1 or FSDP2 and ``torch.save``s its ``state_dict()`` the way verl does. transformers, peft and
 tokenizers are imported inside the calling-process functions only: the launcher never needs them.
 
-    python -m merge_pipeline.sample_checkpoints.fsdp OUT_ROLE_DIR [--world-size N ...]
+    python -m merge_pipeline_samples.fsdp OUT_ROLE_DIR [--world-size N ...]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, S
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-_MODULE = "merge_pipeline.sample_checkpoints.fsdp"
+_MODULE = "merge_pipeline_samples.fsdp"
 _LAUNCHER_LOG = "launcher.log"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[1]
 _CONFIGS = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -1,0 +1,83 @@
+"""What a merge on a Ray cluster asks of it, described once: ``merge --ray-*`` flags and Dagster's ``ray_*`` fields.
+
+No Ray here: the CLI and the code location build their flags and config from these fields without it;
+``ray_tasks`` imports Ray when a merge runs there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.options import parse_size
+
+
+def _setting(default, help: str, **cli):
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    address: str = _setting(
+        "auto",
+        "the Ray cluster: the head's host:port (ray start --head prints it), ray://HOST:10001 for Ray Client"
+        " (a KubeRay head service), or auto (RAY_ADDRESS, else the cluster this machine is a node of)",
+        metavar="ADDR",
+    )
+    cpus_per_task: float = _setting(1.0, "CPUs each write task reserves (it asks for no GPU)", metavar="N")
+    memory_per_task: str | None = _setting(
+        None,
+        "memory each write task reserves, HF-style (e.g. 8GB); default: from the plan, its largest tensor twice"
+        " plus the writer's buffers and the process",
+        metavar="SIZE",
+    )
+    resource: str | None = _setting(
+        None,
+        "a custom resource each write task takes one unit of, to keep merges on the nodes that offer it"
+        " (ray start --resources '{\"merge\": 4}')",
+        metavar="NAME",
+    )
+    node_label: str | None = _setting(
+        None, "only nodes with this label run write tasks (ray start --labels)", metavar="KEY=VALUE"
+    )
+    tasks: int | None = _setting(
+        None, "write tasks, each a set of whole weight files (default: one per node that can run one)", metavar="N"
+    )
+    max_retries: int = _setting(3, "times a task whose node or worker died is run again, on another node", metavar="N")
+    timeout: float = _setting(
+        600.0,
+        "fail when no weight byte was written for this long (tasks waiting for resources, a hung node)",
+        metavar="SECONDS",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.address.strip():
+            raise MergeError(None, "--ray-address: empty; give the head's HOST:PORT, ray://HOST:10001 or auto")
+        if not self.cpus_per_task > 0:
+            raise MergeError(None, f"--ray-cpus-per-task {self.cpus_per_task:g}: must be a positive number")
+        if self.memory_per_task is not None:
+            parse_size(self.memory_per_task, "--ray-memory-per-task")
+        if self.node_label is not None and not _label_pair(self.node_label):
+            raise MergeError(None, f"--ray-node-label {self.node_label!r}: expected KEY=VALUE")
+        if self.tasks is not None and self.tasks < 1:
+            raise MergeError(None, f"--ray-tasks {self.tasks}: must be at least 1")
+        if self.max_retries < 0:
+            raise MergeError(None, f"--ray-max-retries {self.max_retries}: must be 0 or more")
+        if not self.timeout > 0:
+            raise MergeError(None, f"--ray-timeout {self.timeout:g}: must be a positive number of seconds")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory_per_task is None else parse_size(self.memory_per_task, "--ray-memory-per-task")
+
+    @property
+    def label_selector(self) -> dict[str, str]:
+        return dict([_label_pair(self.node_label)]) if self.node_label else {}
+
+
+def _label_pair(text: str) -> tuple[str, str] | None:
+    key, equals, value = text.partition("=")
+    return (key.strip(), value.strip()) if equals and key.strip() and value.strip() else None
+
+
+RAY_FIELDS = fields(RaySettings)

@@ -1,0 +1,229 @@
+"""Merging on a real multi-node Ray cluster (``merge --ray-address``): tasks on several nodes, a node killed
+mid-merge, the same bytes as one process; a bad address or an impossible request in one line."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import merge, staging_path
+from merge_pipeline.ray_settings import RaySettings
+from merge_pipeline.ray_tasks import RayTasks
+from merge_pipeline_samples.fsdp import FsdpSpec
+from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
+from merge_pipeline_tests.ray_cluster import MERGE_RESOURCE, add_worker, local_cluster, write_tasks
+
+SHARDS = "200KB"  # several weight files from the small samples: something to spread over the nodes
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(workers=2) as started:
+        yield started
+
+
+def merged_on_ray(address: str, local_dir: Path, target: Path, options: MergeOptions, **settings) -> RayTasks:
+    workers = RayTasks(RaySettings(address=address, **settings))
+    merge(local_dir, target, options, workers=workers, show_progress=False)
+    return workers
+
+
+def assert_same_as_one_process(target: Path, local_dir: Path, options: MergeOptions, tmp_path: Path) -> None:
+    merge(local_dir, tmp_path / "one_process", options, show_progress=False)
+    assert tree_digest(target) == tree_digest(tmp_path / "one_process")  # the manifest too: same inputs, options
+
+
+def samples(request, name: str) -> tuple[Path, MergeOptions]:
+    """The checkpoint folder and its options: FSDP, Megatron-Core (verl's v2 layout), torchtitan's DCP."""
+    if name == "fsdp":
+        return request.getfixturevalue("fsdp_checkpoint")(FsdpSpec()).role_dir, MergeOptions(max_shard_size=SHARDS)
+    if name == "megatron":
+        sample = request.getfixturevalue("megatron_v2_sample")
+        return sample.role_dir, MergeOptions(max_shard_size=SHARDS, hf_model_path=str(sample.original_dir))
+    sample = request.getfixturevalue("dcp_sample")("torchtitan")
+    return sample.folder, MergeOptions(max_shard_size=SHARDS, hf_model_path=str(sample.original_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp", "megatron", "dcp"])
+def test_tasks_on_several_nodes_write_what_one_process_writes(request, cluster, tmp_path, name):
+    local_dir, options = samples(request, name)
+    before = {t.task_id for t in write_tasks(cluster)}
+
+    workers = merged_on_ray(cluster.address, local_dir, tmp_path / "out", options)
+
+    assert_same_as_one_process(tmp_path / "out", local_dir, options, tmp_path)
+    ours = [t for t in write_tasks(cluster) if t.task_id not in before]
+    assert len(ours) == 2 and all(t.state == "FINISHED" for t in ours)
+    assert len({t.node_id for t in ours}) == 2, "Ray's records: the tasks ran on two nodes"
+    assert {r.node_id for r in workers.results} == {t.node_id for t in ours}
+    assert all(r.bytes_read > 0 and r.peak_rss_bytes > 0 for r in workers.results)
+
+
+@pytest.mark.slow
+def test_cli_merges_over_the_cluster_and_reports_each_task(capsys, caplog, cluster, fsdp_checkpoint, tmp_path):
+    caplog.set_level(logging.INFO, logger="merge_pipeline")
+    local_dir = fsdp_checkpoint(FsdpSpec()).role_dir
+    target = tmp_path / "out"
+
+    code, out, err = run_cli(
+        capsys,
+        "merge",
+        "--local_dir",
+        local_dir,
+        "--target_dir",
+        target,
+        "--no-progress",
+        "--max-shard-size",
+        SHARDS,
+        "--ray-address",
+        cluster.address,
+        "--ray-resource",
+        MERGE_RESOURCE,
+    )
+
+    assert code == 0, err
+    assert out.startswith("merged ")
+    assert "Ray task 1/2 on " in caplog.text and "Ray task 2/2 on " in caplog.text and "per node: " in caplog.text
+    assert_same_as_one_process(target, local_dir, MergeOptions(max_shard_size=SHARDS), tmp_path)
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_merge_costs_its_task_and_the_folder_is_bit_exact(cluster, fsdp_checkpoint, tmp_path):
+    """Three tasks, one per node (each node offers one unit of ``merge``); the third node dies while its
+    task is on it: Ray runs that task again on a surviving node."""
+    local_dir, options = fsdp_checkpoint(FsdpSpec()).role_dir, MergeOptions(max_shard_size="100KB")
+    victim = add_worker(cluster)
+    before = {t.task_id for t in write_tasks(cluster)}
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["workers"] = merged_on_ray(
+                cluster.address, local_dir, tmp_path / "out", options, resource=MERGE_RESOURCE, tasks=3
+            )
+        except BaseException as exc:  # noqa: BLE001 (reported by the assertion below)
+            outcome["error"] = exc
+
+    merging = threading.Thread(target=run)
+    merging.start()
+    deadline = time.monotonic() + 120
+    while not any(t.node_id == victim.node_id and t.task_id not in before for t in write_tasks(cluster, settled=False)):
+        assert merging.is_alive() and time.monotonic() < deadline, "no task was placed on the third node"
+        time.sleep(0.2)
+    cluster.remove_node(victim, allow_graceful=False)
+    merging.join(timeout=300)
+
+    assert "error" not in outcome, outcome.get("error")
+    assert_same_as_one_process(tmp_path / "out", local_dir, options, tmp_path)
+    ours = [t for t in write_tasks(cluster) if t.task_id not in before]
+    retried = [t for t in ours if t.attempt_number > 0]
+    assert retried and all(t.state == "FINISHED" and t.node_id != victim.node_id for t in retried)
+    assert victim.node_id not in {r.node_id for r in outcome["workers"].results}
+
+
+def cli_merge(capsys, local_dir: Path, target: Path, *flags) -> tuple[int, str, str]:
+    return run_cli(capsys, "merge", "--local_dir", local_dir, "--target_dir", target, "--no-progress", *flags)
+
+
+def test_an_unreachable_address_is_one_line(capsys, tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+
+    code, _, err = cli_merge(capsys, tmp_path / "checkpoint", tmp_path / "out", "--ray-address", "127.0.0.1:1")
+
+    assert code == 1
+    assert error_lines(err) == [
+        "error: Ray cluster at 127.0.0.1:1: cannot connect (Connection refused); is its head running?"
+    ]
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_ray_settings_without_an_address_are_refused(capsys, tmp_path):
+    code, _, err = cli_merge(capsys, tmp_path, tmp_path / "out", "--ray-tasks", "2")
+
+    assert code == 1 and error_lines(err) == ["error: --ray-tasks needs --ray-address"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags, missing",
+    [
+        (
+            ["--ray-resource", "merge_cpu"],
+            "no node has resource 'merge_cpu' 1 (the most a node has: resource 'merge_cpu' 0)",
+        ),
+        (["--ray-memory-per-task", "100TB"], "no node has memory 90.95 TiB (the most a node has: memory "),
+        (["--ray-node-label", "pool=merge"], "no node has label pool=merge"),
+    ],
+)
+def test_a_request_no_node_can_satisfy_is_one_line_naming_what_is_missing(
+    capsys, cluster, fsdp_checkpoint, tmp_path, flags, missing
+):
+    code, _, err = cli_merge(
+        capsys, fsdp_checkpoint(FsdpSpec()).role_dir, tmp_path / "out", "--ray-address", cluster.address, *flags
+    )
+
+    assert code == 1
+    [line] = error_lines(err)
+    assert line.startswith(
+        f"error: Ray cluster at {cluster.address}: no node can run a write task, which needs CPU 1, "
+    )
+    assert missing in line
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert not staging_path(tmp_path / "out").exists()
+
+
+HOLD_EVERY_MERGE_SLOT = """
+import sys, ray
+ray.init(address=sys.argv[1])
+Holder = ray.remote(num_cpus=0, resources={"merge": 1})(type("Holder", (), {"ready": lambda self: True}))
+holders = [Holder.remote() for _ in range(int(sys.argv[2]))]
+ray.get([h.ready.remote() for h in holders])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_tasks_that_never_start_fail_after_the_timeout_in_one_line(capsys, cluster, fsdp_checkpoint, tmp_path):
+    """Another job holds every node's ``merge`` unit (a trainer's actors): the request fits the nodes, the
+    tasks wait; after --ray-timeout the merge stops, naming what a task needs and what is free."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_EVERY_MERGE_SLOT, cluster.address, "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        code, _, err = cli_merge(
+            capsys,
+            fsdp_checkpoint(FsdpSpec()).role_dir,
+            tmp_path / "out",
+            "--ray-address",
+            cluster.address,
+            "--ray-resource",
+            MERGE_RESOURCE,
+            "--ray-timeout",
+            "5",
+        )
+        waited = time.monotonic() - started
+    finally:
+        holder.communicate(timeout=60)  # its stdin closed: it ends, and Ray frees what it held
+
+    assert code == 1 and waited < 60
+    [line] = error_lines(err)
+    assert line.startswith(
+        "error: Ray: no weight byte written for 5 s (--ray-timeout) by 1 task(s) each needing CPU 1, "
+    )
+    assert "resource 'merge' 1; free on the cluster now: CPU 2, memory " in line
+    assert line.endswith(", resource 'merge' 0")
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
