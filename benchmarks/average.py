@@ -12,7 +12,7 @@ one output written by plain system calls). Wall from spawn to exit, CPU seconds 
 
 The issue's target is the average's wall against "K single merges' reading plus one write". A step's
 reading R_k is timed in a child that plans the step as its merge does and drains every tensor source
-(the reads, the rank files' reassembly), writing nothing. A single merge's wall S less its reading is
+(each piece copied out: the reads, the rank files' reassembly), writing nothing. A single merge's wall S less its reading is
 its write and fixed costs, paid once by the average too: the target is ``S + sum(R_k) - R_last``,
 with S the last step's merge.
 """
@@ -129,6 +129,8 @@ def _cli_read(step: Path, dtype: str):
 
 
 def _read_only(step: Path, dtype: str) -> None:
+    import torch
+
     import merge_pipeline.hf.architecture  # noqa: F401  transformers: a one-time import, not reading
     from merge_pipeline.options import MergeOptions
     from merge_pipeline.pipeline import prepare
@@ -136,8 +138,8 @@ def _read_only(step: Path, dtype: str) -> None:
     started = time.perf_counter()
     with prepare(step, MergeOptions(dtype=dtype)) as prepared:
         for tensor in prepared.outputs.planned_tensors:
-            for _ in tensor.source.pieces():
-                pass
+            for piece in tensor.source.pieces():
+                torch.empty_like(piece).copy_(piece)  # the bytes themselves: a piece may be a mapped view
     print(f"{time.perf_counter() - started:.3f}")
 
 
