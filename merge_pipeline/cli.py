@@ -110,13 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
     _hub_flags(merge)
-    merge.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    merge.add_argument(
-        "--dist-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
-    )
+    _writer_flags(merge)
     _ray_flags(merge)
     merge.set_defaults(run=_run_merge)
 
@@ -153,13 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     average.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
     _option_flags(average, "merge")
-    average.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    average.add_argument(
-        "--dist-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
-    )
+    _writer_flags(average)
     average.set_defaults(run=_run_average)
 
     test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
@@ -193,6 +181,17 @@ def _options(args: argparse.Namespace) -> MergeOptions:
         log.info("--use_cpu_initialization is accepted for verl compatibility and ignored: merging always runs on CPU")
     return MergeOptions(
         **{option.name: getattr(args, option.name) for option in OPTION_FIELDS if hasattr(args, option.name)}
+    )
+
+
+def _writer_flags(parser: argparse.ArgumentParser) -> None:
+    """What every command that writes a folder takes (merge, average): its progress, torchrun's patience."""
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
     )
 
 

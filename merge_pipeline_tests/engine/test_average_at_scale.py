@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.engine.publish import staging_path
-from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.plan import READ_PIECE_BYTES
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
-from merge_pipeline_tests.engine.test_resume import SPEC, kill_after  # three of its ~200 MB checkpoints
-from merge_pipeline_tests.helpers import cli_merge_command, tree_digest
+from merge_pipeline_tests.engine.test_resume import SPEC, killed_and_resumed  # three of its ~200 MB checkpoints
+from merge_pipeline_tests.helpers import cli_merge_command
 
 pytestmark = pytest.mark.slow
 
@@ -64,16 +62,4 @@ def test_peak_rss_is_a_few_read_pieces_per_input_above_one_merge(run, tmp_path):
 def test_a_killed_average_resumes_with_the_files_it_finished(run, tmp_path):
     inputs, reference, _ = run
     target = tmp_path / "out"
-    command = average_command(inputs, target)
-    staging = staging_path(target)
-    kill_after(command, percent=50)
-    done = sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json"))
-    inodes = {name: (staging / name).stat().st_ino for name in done}
-    assert 1 <= len(done) < len(list(reference.glob("*.safetensors")))
-
-    again = subprocess.run(command, capture_output=True, text=True)
-
-    assert again.returncode == 0, again.stderr
-    assert f"({len(done)} of " in again.stderr and "files reused from a killed merge" in again.stderr
-    assert {name: (target / name).stat().st_ino for name in done} == inodes  # kept, not written again
-    assert tree_digest(target) == tree_digest(reference)  # every file, the manifest included
+    killed_and_resumed(average_command(inputs, target), target, reference)

@@ -64,7 +64,11 @@ def uninterrupted(tmp_path_factory):
 def test_killed_merge_resumes_with_the_files_it_finished(uninterrupted, tmp_path):
     role_dir, reference = uninterrupted
     target = tmp_path / "out"
-    command = _merge_command(role_dir, target)
+    killed_and_resumed(_merge_command(role_dir, target), target, reference)
+
+
+def killed_and_resumed(command: list[str], target: Path, reference: Path) -> None:
+    """Kill ``command`` half-way, run it again: the files it finished are kept, the folder equals ``reference``."""
     staging = staging_path(target)
     kill_after(command, percent=50)
     done = sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json"))
