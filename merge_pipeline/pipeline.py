@@ -86,6 +86,11 @@ class WriteReport:
     def tensors(self) -> int:
         return sum(f["tensors"] for f in self.files)
 
+    @property
+    def written_bytes(self) -> int:
+        """The bytes this merge wrote: a resumed merge's kept files (``kept``) took none of its seconds."""
+        return sum(f["bytes"] for f in self.files if not f.get("kept"))
+
 
 class Prepared(NamedTuple):
     """A validated plan, built once and handed on: the input (open files), its config, the output files."""
@@ -332,7 +337,7 @@ def write_weights(
     try:
         for shard in files:
             if shard.filename in reused:
-                report.files.append(resume.finished[shard.filename])
+                report.files.append({**resume.finished[shard.filename], "kept": True})
                 continue
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)

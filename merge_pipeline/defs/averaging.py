@@ -28,6 +28,7 @@ from merge_pipeline.defs.jobs import HEAVY_TAG
 from merge_pipeline.defs.names import Names
 from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.defs.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MergeOptions, average_weights
@@ -212,7 +213,12 @@ def averaging_job(names: Names) -> "dg.UnresolvedAssetJobDefinition":
     )
 
 
-def averaged_model_sensor_definition(names: Names, interval_seconds: int, averaging: Averaging) -> dg.SensorDefinition:
+def averaged_model_sensor_definition(
+    names: Names, interval_seconds: int, averaging: Averaging, max_concurrent_merges: int = 0
+) -> dg.SensorDefinition:
+    """``max_concurrent_merges``: no average requested while this many merge, report or average runs of
+    this instance are queued or running (0: leave it to the instance's run queue), as the report sensor."""
+
     @dg.sensor(
         name=names("averaged_model_sensor"),
         job=averaging_job(names),
@@ -222,14 +228,25 @@ def averaged_model_sensor_definition(names: Names, interval_seconds: int, averag
         description=f"When a merged step lands (a new hf_model materialization), averages the newest {averaging.last_k} merged steps of its run and role.",
     )
     def averaged_model_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
-        return _tick(context, getattr(context.resources, names("settings")), names, averaging)
+        return _tick(context, getattr(context.resources, names("settings")), names, averaging, max_concurrent_merges)
 
     return averaged_model_sensor
 
 
 def _tick(
-    context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names, averaging: Averaging
+    context: dg.SensorEvaluationContext,
+    settings: MergeSettings,
+    names: Names,
+    averaging: Averaging,
+    max_concurrent_merges: int,
 ) -> dg.SensorResult:
+    room = BATCH
+    if max_concurrent_merges:  # a project without a run queue's limits: an average is not run beside a merge
+        room = max_concurrent_merges - heavy_runs_in_flight(context.instance, names)
+        if room <= 0:  # the cursor stays: the next tick reads these merges again
+            return dg.SensorResult(
+                skip_reason="a merge, report or average of this instance is queued or running", cursor=context.cursor
+            )
     merges = context.instance.fetch_materializations(
         dg.AssetRecordsFilter(names.key("hf_model"), after_storage_id=int(context.cursor) if context.cursor else None),
         limit=BATCH,
@@ -249,6 +266,8 @@ def _tick(
             continue
         requests.append(dg.RunRequest(run_key=f"{run}@{storage_id}", partition_key=str(run)))
     cursor = str(merges[-1].storage_id) if merges else context.cursor
+    if len(requests) > room:  # the rest by later ticks: the cursor stays, and a run key is launched once
+        requests, cursor = requests[:room], context.cursor
     partitions = averaged_partitions(names)
     known = set(context.instance.get_dynamic_partitions(partitions.name))
     new = sorted({r.partition_key for r in requests} - known)
