@@ -1,6 +1,6 @@
 """``averaged_model`` (issue 40), switched on in a component's defs.yaml, in a real instance: nothing to
-average after two merged steps; when the third lands, its sensor requests the run's average, which is
-published beside the steps, bit for bit the float32 average of the three merged folders."""
+average after two merged steps; when the third lands (and no merge of the instance is in flight), its
+sensor requests the run's average, which is published beside the steps, bit for bit the float32 average of the three merged folders."""
 
 from __future__ import annotations
 
@@ -75,6 +75,13 @@ def test_the_third_merged_step_gets_the_run_averaged(tmp_path, monkeypatch, root
     assert waiting.skip_reason.skip_message == f"waiting for more merged steps: {RUN}/actor (2 of 3 merged steps)"
 
     keys.append(land(defs, instance, roots, samples[2], 3))
+    # max_concurrent_merges (1, the default): no average beside a merge of the instance (NOT_STARTED: a request)
+    merging = instance.create_run_for_job(
+        defs.resolve_job_def("cluster__merge_checkpoint"), tags={"dagster/partition": keys[-1]}
+    )
+    held = averaging_tick(defs, instance, waiting.cursor)
+    assert not held.run_requests and held.cursor == waiting.cursor  # read again once the merge ended
+    instance.report_run_canceled(merging)
     ticked = averaging_tick(defs, instance, waiting.cursor)
     [request] = ticked.run_requests
     [added] = ticked.dynamic_partitions_requests
