@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from merge_pipeline import __version__
+from merge_pipeline.engine.averaging import AveragedInput, average_plan
 from merge_pipeline.engine.fp8 import fp8_outputs
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.lora import model_tensors
-from merge_pipeline.engine.outputs import OutputPlan, ShardFile, config_dtype_for, plan_outputs
+from merge_pipeline.engine.outputs import DTYPES, OutputPlan, ShardFile, config_dtype_for, plan_outputs
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
@@ -132,7 +133,10 @@ class WeightJob:
         return cls(Path(job["local_dir"]), Path(job["staging"]), MergeOptions(**job["options"]), job["kept"])
 
     def planned_as(self, prepared: Prepared) -> WeightJob:
-        """For workers in other processes: the backend the lead's plan found, so they do not detect it again."""
+        """For workers in other processes: the backend the lead's plan found, so they do not detect it again.
+        An average keeps its options: each input's backend is its own (the plan's is ``average``)."""
+        if self.options.average_inputs:
+            return self
         return replace(self, options=replace(self.options, backend=prepared.plan.backend))
 
 
@@ -211,9 +215,16 @@ def peak_rss_bytes() -> int:
 def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
     """Open and validate the checkpoint and decide every output file, reading no tensor data.
 
-    The model config is resolved here, once: the readers that need it to plan ask the same one."""
+    The model config is resolved here, once: the readers that need it to plan ask the same one.
+    With ``options.average_inputs``: the plan of their average (``_prepare_average``)."""
+    if options.average_inputs:
+        return _prepare_average(local_dir, options)
+    return _prepare_one(local_dir, options)
+
+
+def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool = False) -> Prepared:
     configs = CheckpointConfig.of(local_dir, options)
-    plan = open_checkpoint(local_dir, options, configs)
+    plan = open_checkpoint(local_dir, options, configs, merged=merged)
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path).absolute())
@@ -232,6 +243,35 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
         plan.close()
         raise
     return Prepared(plan, config, outputs)
+
+
+def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
+    """Averaging (issue 40): each input (a role folder or a merged HF folder) planned as a merge of it
+    alone, then one plan whose tensors are their weighted average, computed while written; ``local_dir``,
+    one of the inputs, gives the config and the side files. The merge sequence runs on it unchanged."""
+    alone = replace(options, average_inputs=(), average_weights=(), dtype="auto")  # the cast comes after the sum
+    inputs: list[AveragedInput] = []
+    configs: dict[Path, ModelConfig] = {}
+    try:
+        for path, weight in zip(options.average_inputs, options.average_weights, strict=True):
+            one = _prepare_one(path, alone, merged=True)
+            inputs.append(AveragedInput(one.plan, one.outputs, weight))
+            configs[one.plan.role_dir] = one.config
+        reference = Path(local_dir).absolute()
+        plan, outputs = average_plan(
+            inputs,
+            reference,
+            dtype=DTYPES.get(options.dtype),
+            accumulate=options.average_accumulate,
+            max_shard_size=options.max_shard_size,
+        )
+        if options.dtype == "fp8":  # the average, quantized
+            outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, reference)
+    except BaseException:
+        for one in inputs:
+            one.plan.close()
+        raise
+    return Prepared(plan, configs[reference], outputs)
 
 
 # Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
@@ -445,7 +485,8 @@ def merge(
     target = Path(target_dir).absolute()
 
     def checked_and_prepared() -> Prepared:
-        check_target(target, source=local_dir, overwrite=options.overwrite)  # refused before any work
+        for source in (local_dir, *options.average_inputs):  # refused before any work
+            check_target(target, source=source, overwrite=options.overwrite)
         return prepare(local_dir, options)
 
     prepared = workers.everywhere(checked_and_prepared)

@@ -24,6 +24,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
+from merge_pipeline.defs.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.defs.config import checked_merge_config
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
@@ -82,6 +83,11 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   #   launcher: ray
                   #   ray_address: ray://raycluster-head-svc:10001
                   #   ray_resource: merge
+                  # average the newest K merged steps of each run when a step lands (averaged_model)
+                  # averaging:
+                  #   last_k: 3
+                  #   scheme: uniform    # or ema (ema_decay: 0.9), or weighted (weights: [1, 2, 3])
+                  #   dtype: auto
                 """)
         )
 
@@ -128,6 +134,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     max_concurrent_merges: int = Field(default=1, ge=0)
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
+    averaging: Averaging | None = None  # none: no averaged_model (issue 40: the newest K merged steps of each run)
     # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
     # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
     merge_config: dict[str, Any] | None = None
@@ -162,7 +169,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
 
     def definitions(self, names: Names) -> dg.Definitions:
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, bool(self.hub.organization))
-        return dg.Definitions(
+        merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
                 merge_step_definition(names, self.freshness_minutes),
@@ -193,6 +200,17 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
                 names("alert_webhook"): AlertWebhook(url=self.alert_webhook_url),
             },
         )
+        if self.averaging is None:
+            return merge
+        averaging = dg.Definitions(
+            assets=[averaged_model_definition(names, self.averaging)],
+            sensors=[
+                averaged_model_sensor_definition(
+                    names, self.sensor_interval_seconds, self.averaging, self.max_concurrent_merges
+                )
+            ],
+        )
+        return dg.Definitions.merge(merge, averaging)
 
     def settings(self) -> MergeSettings:
         return MergeSettings(

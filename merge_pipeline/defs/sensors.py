@@ -171,11 +171,11 @@ def _tick(
 
 
 def heavy_runs_in_flight(instance: dg.DagsterInstance, names: Names) -> int:
-    """Runs of this instance's merge and report jobs (the sensors', retries, backfills, ``dagster job
-    launch``) queued or running: both read or write every weight."""
+    """Runs of this instance's merge, report and average jobs (the sensors', retries, backfills, ``dagster job
+    launch``) queued or running: all read or write every weight."""
     return sum(
         instance.get_runs_count(dg.RunsFilter(job_name=names(job), statuses=ACTIVE_RUNS))
-        for job in ("merge_checkpoint", "report_merged_step")
+        for job in ("merge_checkpoint", "report_merged_step", "average_run")
     )
 
 
