@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -38,7 +39,7 @@ from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, merg
 from merge_pipeline.engine.resume import forget as forget_finished
 from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
-from merge_pipeline.errors import MergeError, naming
+from merge_pipeline.errors import MergeError, naming, shown_path
 from merge_pipeline.formats import BACKENDS as BACKENDS
 
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
@@ -58,6 +59,7 @@ from merge_pipeline.hf.manifest import stat_identity, write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
+from merge_pipeline.storage import check_store_target, is_store_url, local_twin, publish_folder, viewed
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
@@ -92,12 +94,15 @@ class Prepared(NamedTuple):
     plan: CheckpointPlan
     config: ModelConfig
     outputs: OutputPlan
+    views: contextlib.ExitStack | None = None  # local views of store prefixes the plan reads (``storage.viewed``)
 
     def __enter__(self) -> Prepared:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.plan.close()
+        if self.views is not None:
+            self.views.close()
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ class WeightJob:
     """What a worker needs to write its share of the weights: it opens and plans ``local_dir`` itself
     (metadata only) when it runs in another process, and reuses what the lead kept in ``staging``."""
 
-    local_dir: Path
+    local_dir: str | Path  # a path, or a store URL (each worker reads it through its own view)
     staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
     options: MergeOptions
     # The weight files a killed merge finished, as the lead checked them (file name -> write report entry):
@@ -124,7 +129,8 @@ class WeightJob:
     @classmethod
     def load(cls, path: Path) -> WeightJob:
         job = json.loads(path.read_text())
-        return cls(Path(job["local_dir"]), Path(job["staging"]), MergeOptions(**job["options"]), job["kept"])
+        local_dir = job["local_dir"] if is_store_url(job["local_dir"]) else Path(job["local_dir"])
+        return cls(local_dir, Path(job["staging"]), MergeOptions(**job["options"]), job["kept"])
 
     def planned_as(self, prepared: Prepared) -> WeightJob:
         """For workers in other processes: the backend the lead's plan found, so they do not detect it again."""
@@ -175,7 +181,7 @@ IN_PROCESS = Workers()
 
 @dataclass
 class MergeResult:
-    target_dir: Path
+    target_dir: Path | str  # a path, or the store URL published to
     prepared: Prepared  # closed: the plan's metadata and decisions, no open file
     written: Written
     manifest: dict
@@ -206,9 +212,19 @@ def peak_rss_bytes() -> int:
 def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
     """Open and validate the checkpoint and decide every output file, reading no tensor data.
 
-    The model config is resolved here, once: the readers that need it to plan ask the same one."""
-    configs = CheckpointConfig.of(local_dir, options)
-    plan = open_checkpoint(local_dir, options, configs)
+    The model config is resolved here, once: the readers that need it to plan ask the same one.
+    ``local_dir`` and ``options.hf_model_path`` may be store URLs: read through local views, kept
+    while the plan is (``Prepared.views``)."""
+    views = contextlib.ExitStack()
+    try:
+        local_dir = views.enter_context(viewed(local_dir))
+        if options.hf_model_path and is_store_url(options.hf_model_path):
+            options = replace(options, hf_model_path=str(views.enter_context(viewed(options.hf_model_path))))
+        configs = CheckpointConfig.of(local_dir, options)
+        plan = open_checkpoint(local_dir, options, configs)
+    except BaseException:
+        views.close()
+        raise
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path).absolute())
@@ -225,8 +241,9 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
     except BaseException:
         plan.close()
+        views.close()
         raise
-    return Prepared(plan, config, outputs)
+    return Prepared(plan, config, outputs, views)
 
 
 # Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
@@ -351,7 +368,7 @@ def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, writ
     from merge_pipeline.hf.blocking_checks import check_imports_done
 
     check_imports_done()  # config.json's value head asks transformers: never beside the importing thread
-    plan, config, outputs = prepared
+    plan, config, outputs = prepared.plan, prepared.config, prepared.outputs
     with naming(out_dir):
         write_index(outputs, out_dir)
         write_configs(config, outputs, out_dir)
@@ -370,11 +387,11 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
             "backend": plan.backend,
-            "role_dir": str(plan.role_dir),
+            "role_dir": shown_path(plan.role_dir),
             "role": name.role,
             "checkpoint": asdict(name),
             "layout": plan.layout,
-            "inputs": [{"path": str(f.path), "size": f.size} for f in plan.files],
+            "inputs": [{"path": shown_path(f.path), "size": f.size} for f in plan.files],
         },
         "options": asdict(options),
         "decisions": {
@@ -438,20 +455,26 @@ def merge(
     Every worker runs the same steps in the same order (the collectives of a distributed ``workers``)."""
     started = time.monotonic()
     options = options or MergeOptions()
-    target = Path(target_dir).absolute()
+    # A target in a store is built in a folder of this machine named by its URL (the same lock, staging,
+    # resume and checks as a local target), then uploaded with the manifest last (``storage.publish_folder``).
+    store_target = str(target_dir).rstrip("/") if is_store_url(target_dir) else None
+    target = local_twin(store_target) if store_target else Path(target_dir).absolute()
+    overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked
+    source = local_dir if is_store_url(local_dir) else Path(local_dir)
 
     def checked_and_prepared() -> Prepared:
-        check_target(target, source=local_dir, overwrite=options.overwrite)  # refused before any work
-        return prepare(local_dir, options)
+        if store_target:
+            check_store_target(store_target, overwrite=options.overwrite)
+        if not is_store_url(source):
+            check_target(target, source=source, overwrite=overwrite)  # refused before any work
+        return prepare(source, options)
 
     prepared = workers.everywhere(checked_and_prepared)
-    job = WeightJob(Path(local_dir), staging_path(target), options)
+    job = WeightJob(source, staging_path(target), options)
     with prepared, contextlib.ExitStack() as publishing:
 
         def open_staging() -> dict[str, dict]:
-            publishing.enter_context(
-                staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True)
-            )
+            publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
             kept = resume_killed(prepared, job.staging, options).finished
             write_side_files(prepared, job.staging, options)
             return kept
@@ -464,13 +487,16 @@ def merge(
             manifest = finish_folder(prepared, job.staging, options, written.report)
             checks = check_before_publishing(job.staging, target, written.report)
             publishing.close()  # leaves staged_output cleanly: the rename into place happens here
+            if store_target:
+                publish_folder(target, store_target, manifest)
+                shutil.rmtree(target)  # the twin: uploaded, no longer needed
             return manifest, checks
 
         finished = workers.on_lead(finish_and_publish)
     if not workers.lead:
         return None
     manifest, checks = finished
-    result = MergeResult(target, prepared, written, manifest, checks, time.monotonic() - started)
+    result = MergeResult(store_target or target, prepared, written, manifest, checks, time.monotonic() - started)
     log.info(
         "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
         prepared.plan.role_dir,
@@ -482,15 +508,16 @@ def merge(
     return result
 
 
-def describe(local_dir: Path, options: MergeOptions) -> dict:
+def describe(local_dir: str | Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
-    configs = CheckpointConfig.of(local_dir, options)
-    with open_checkpoint(local_dir, options, configs) as plan:
-        try:
-            config = configs.load(plan.hf_dir)
-        except MergeError as exc:  # a checkpoint without a config is still described
-            config = exc
-        return checkpoint_facts(plan, options, config)
+    with viewed(local_dir) as folder:
+        configs = CheckpointConfig.of(folder, options)
+        with open_checkpoint(folder, options, configs) as plan:
+            try:
+                config = configs.load(plan.hf_dir)
+            except MergeError as exc:  # a checkpoint without a config is still described
+                config = exc
+            return checkpoint_facts(plan, options, config)
 
 
 def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelConfig | MergeError) -> dict:
