@@ -214,11 +214,25 @@ def store_object(path: Path) -> StoreObject | None:
     return _OBJECTS.get(Path(path).absolute())
 
 
+def _check_bucket(store: StoreLocation) -> None:
+    """Ask for the bucket with the credentials: wrong ones and a missing bucket are refused here, in one
+    line, before any work (``exists`` would answer False to both)."""
+    bucket = store.path.split("/")[0]
+    if _is_s3(store.fs):
+        from fsspec.asyn import sync
+
+        try:
+            sync(store.fs.loop, store.fs._call_s3, "head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise MergeError(None, f"{store.url}: the bucket does not exist") from None
+    elif not store.fs.exists(bucket):
+        raise MergeError(None, f"{store.url}: the bucket does not exist")
+
+
 def _listing(store: StoreLocation) -> dict[str, dict]:
     """Every object under the prefix, by key relative to it (listed in the library's pages)."""
     with asking(store.url):
-        if not store.fs.exists(store.path.split("/")[0]):
-            raise MergeError(None, f"{store.url}: the bucket does not exist")
+        _check_bucket(store)
         found = store.fs.find(store.path, detail=True, withdirs=False)
     objects = {}
     for key, info in found.items():
@@ -285,10 +299,7 @@ def check_store_target(url: str, *, overwrite: bool) -> StoreLocation:
     without ``--overwrite``."""
     store = location(url)
     with asking(url):
-        bucket = store.path.split("/")[0]
-        if not store.fs.exists(bucket):
-            raise MergeError(None, f"{url}: the bucket does not exist")
-        store.fs.ls(store.path.split("/")[0], detail=False)  # asks with the credentials: refused here, not at the end
+        _check_bucket(store)
         if store.fs.exists(store.key(MANIFEST)) and not overwrite:
             raise MergeError(None, f"{url}: already holds a merged model (pass --overwrite to replace it)")
     return store

@@ -188,7 +188,7 @@ def test_local_to_store_from_the_cli_and_a_reader_never_sees_the_index_before_ev
     try:
         code, out, err = run_cli(
             capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", target,
-            "--max_shard_size", str(SHARDS), "--no-progress",
+            "--max-shard-size", str(SHARDS), "--no-progress",
         )  # fmt: skip
     finally:
         done.set()
