@@ -59,7 +59,15 @@ from merge_pipeline.hf.manifest import stat_identity, write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
-from merge_pipeline.storage import check_store_target, is_store_url, local_twin, publish_folder, viewed
+from merge_pipeline.storage import (
+    UploadSink,
+    check_store_target,
+    invalidate_target,
+    is_store_url,
+    local_twin,
+    publish_folder,
+    viewed,
+)
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
@@ -117,6 +125,8 @@ class WeightJob:
     # handed to every worker, never re-read from the records in the staging folder, which anyone able to
     # write there could edit meanwhile.
     kept: Mapping[str, Mapping] = field(default_factory=dict)
+    # A target in a store: each weight file is uploaded there as soon as it is written (``storage.UploadSink``).
+    upload_to: str | None = None
 
     def saved(self) -> Path:
         """The job as JSON beside the resume records, for workers started as other processes (on every node
@@ -130,7 +140,7 @@ class WeightJob:
     def load(cls, path: Path) -> WeightJob:
         job = json.loads(path.read_text())
         local_dir = job["local_dir"] if is_store_url(job["local_dir"]) else Path(job["local_dir"])
-        return cls(local_dir, Path(job["staging"]), MergeOptions(**job["options"]), job["kept"])
+        return cls(local_dir, Path(job["staging"]), MergeOptions(**job["options"]), job["kept"], job["upload_to"])
 
     def planned_as(self, prepared: Prepared) -> WeightJob:
         """For workers in other processes: the backend the lead's plan found, so they do not detect it again."""
@@ -293,9 +303,10 @@ def write_weights(
     files: list[ShardFile] | None = None,
     show_progress: bool = True,
     resume: ResumeLog | None = None,
+    sink: UploadSink | None = None,
 ) -> WriteReport:
     """Stream the weight files (all, or the given subset) into ``out_dir``; with ``resume``, keep the
-    files it lists as finished and record each newly finished one."""
+    files it lists as finished and record each newly finished one; with ``sink``, upload each once written."""
     files = outputs.files if files is None else files
     reused = {shard.filename for shard in files if resume and shard.filename in resume.finished}
     description = "writing weights"
@@ -326,6 +337,12 @@ def write_weights(
             report.files.append(entry)
             if resume:
                 resume.record(entry)
+            if sink:
+                sink.add(out_dir, shard.filename, entry["sha256"])
+        if sink:
+            sink.close()
+            for entry in report.files:  # a hole was punched in each: the checks trust its sha256 as it is now
+                entry["identity"] = stat_identity(os.stat(out_dir / entry["filename"]))
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
@@ -354,7 +371,14 @@ def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> R
 def write_share(job: WeightJob, prepared: Prepared, files: list[ShardFile], *, show_progress: bool) -> WriteReport:
     """A worker's part of the weights: ``files``, reusing those the lead's ``resume_killed`` kept."""
     resume = ResumeLog(job.staging, resume_key(prepared, job.options), dict(job.kept))
-    return write_weights(prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume)
+    sink = UploadSink(job.upload_to) if job.upload_to else None
+    try:
+        return write_weights(
+            prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume, sink=sink
+        )
+    finally:
+        if sink:
+            sink.pool.shutdown(cancel_futures=True)
 
 
 def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, written: WriteReport) -> dict:
@@ -470,12 +494,14 @@ def merge(
         return prepare(source, options)
 
     prepared = workers.everywhere(checked_and_prepared)
-    job = WeightJob(source, staging_path(target), options)
+    job = WeightJob(source, staging_path(target), options, upload_to=store_target)
     with prepared, contextlib.ExitStack() as publishing:
 
         def open_staging() -> dict[str, dict]:
             publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
             kept = resume_killed(prepared, job.staging, options).finished
+            if store_target:
+                invalidate_target(store_target)  # before the first weight file goes up
             write_side_files(prepared, job.staging, options)
             return kept
 

@@ -346,12 +346,83 @@ def publish_folder(folder: Path, url: str, manifest: dict) -> None:
     log.info("published %d files to %s (%s last)", len(local), url, MANIFEST)
 
 
+def invalidate_target(url: str) -> None:
+    """Before the first byte of a merge reaches ``url``: its old manifest, if any, is deleted, so that no
+    reader takes the prefix for complete while new weight files replace old ones (docs/SAFETY.md)."""
+    store = location(url)
+    with asking(url):
+        if store.fs.exists(store.key(MANIFEST)):
+            log.warning("%s: replacing a merged model: incomplete until the new %s is uploaded", url, MANIFEST)
+            store.fs.rm_file(store.key(MANIFEST))
+
+
+class UploadSink:
+    """Weight files uploaded while the merge writes the next ones: each, once written, fsynced and hashed,
+    goes up in parts (``PART_BYTES``, ``PARTS_IN_FLIGHT`` at once) on one of ``PARALLEL_FILES`` threads,
+    then its tensor bytes are freed on local disk (a hole punched; the header stays for the blocking
+    checks). The writer waits while ``PARALLEL_FILES`` files are written and not yet uploaded: local disk
+    holds at most that many weight files, memory at most the parts in flight."""
+
+    def __init__(self, url: str):
+        self.store = location(url)
+        self.pool = ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload")
+        self.slots = threading.BoundedSemaphore(PARALLEL_FILES)
+        self.futures = []
+
+    def add(self, folder: Path, relative: str, sha256: str) -> None:
+        for future in self.futures:  # an upload that failed stops the merge at its next file
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+        self.slots.acquire()
+        future = self.pool.submit(self._upload_and_free, folder, relative, sha256)
+        future.add_done_callback(lambda _: self.slots.release())
+        self.futures.append(future)
+
+    def _upload_and_free(self, folder: Path, relative: str, sha256: str) -> None:
+        with asking(self.store.url_of(relative)):
+            _upload(self.store, folder, relative, sha256)
+        free_tensor_bytes(folder / relative)
+
+    def close(self) -> None:
+        """Wait for every upload; the first failure is raised (after the others ended)."""
+        try:
+            for future in self.futures:
+                future.exception()
+            for future in self.futures:
+                future.result()
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def free_tensor_bytes(path: Path) -> None:
+    """Punch a hole over the tensor bytes of an uploaded safetensors file (its size and header stay, so the
+    blocking checks, which read headers only, still run on it); a filesystem that cannot punch keeps them."""
+    import ctypes
+
+    with open(path, "rb+") as f:
+        header = 8 + int.from_bytes(f.read(8), "little")
+        start = -(-header // 4096) * 4096
+        size = os.fstat(f.fileno()).st_size
+        if size <= start:
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = libc.fallocate
+        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        if fallocate(f.fileno(), _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, start, size - start) != 0:
+            log.debug("%s: cannot punch a hole (errno %d): kept on disk until published", path, ctypes.get_errno())
+
+
 def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | None) -> None:
     path, key = folder / relative, store.key(relative)
     size = path.stat().st_size
     if sha256 is not None and _uploaded(store, key, size) == sha256:
         log.info("%s: kept (uploaded before with the same sha256)", store.url_of(relative))
         return
+    if path.stat().st_blocks * 512 < size - 4096:  # its tensor bytes were freed after an upload that is gone
+        raise MergeError(None, f"{store.url_of(relative)}: uploaded during the merge, no longer in the store: re-run")
     metadata = {"Metadata": {"sha256": sha256}} if sha256 and _is_s3(store.fs) else {}
     store.fs.put_file(str(path), key, chunksize=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT, **metadata)
 
