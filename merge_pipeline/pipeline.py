@@ -525,8 +525,8 @@ def merge(
     result = MergeResult(store_target or target, prepared, written, manifest, checks, time.monotonic() - started)
     log.info(
         "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
-        prepared.plan.role_dir,
-        target,
+        shown_path(prepared.plan.role_dir),
+        result.target_dir,
         result.tensors,
         human_bytes(written.report.bytes),
         result.seconds,

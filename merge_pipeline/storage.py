@@ -72,6 +72,11 @@ class StoreLocation:
         return f"{self.url}/{relative}"
 
 
+# Their debug logs print request headers (the signature, the key id): never shown, even with --verbose.
+for _name in ("botocore", "aiobotocore", "s3fs", "urllib3", "google", "gcsfs", "fsspec"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+
 def location(url: str) -> StoreLocation:
     """The store prefix ``url`` names; a ``..`` or ``.`` in its keys, an unknown protocol: one line."""
     import fsspec
@@ -336,7 +341,7 @@ def publish_folder(folder: Path, url: str, manifest: dict) -> None:
         if MANIFEST in before:
             store.fs.rm_file(store.key(MANIFEST))
         with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload") as pool:
-            list(pool.map(lambda r: _upload(store, folder, r, digests.get(r)), weights))
+            list(pool.map(lambda r: _upload(store, folder, r, digests.get(r), streamed=True), weights))
         with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload") as pool:
             list(pool.map(lambda r: _upload(store, folder, r, None), others))
         _upload(store, folder, MANIFEST, None)
@@ -415,11 +420,13 @@ def free_tensor_bytes(path: Path) -> None:
             log.debug("%s: cannot punch a hole (errno %d): kept on disk until published", path, ctypes.get_errno())
 
 
-def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | None) -> None:
+def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | None, *, streamed: bool = False) -> None:
+    """``streamed``: the file may have been uploaded while the merge wrote (``UploadSink``): say nothing."""
     path, key = folder / relative, store.key(relative)
     size = path.stat().st_size
     if sha256 is not None and _uploaded(store, key, size) == sha256:
-        log.info("%s: kept (uploaded before with the same sha256)", store.url_of(relative))
+        if not streamed:
+            log.info("%s: kept (uploaded before with the same sha256)", store.url_of(relative))
         return
     if path.stat().st_blocks * 512 < size - 4096:  # its tensor bytes were freed after an upload that is gone
         raise MergeError(None, f"{store.url_of(relative)}: uploaded during the merge, no longer in the store: re-run")

@@ -182,6 +182,7 @@ def test_local_to_store_from_the_cli_and_a_reader_never_sees_the_index_before_ev
                 seen.append({k.rsplit("/", 1)[-1] for k in reader.find(f"{b}/models/step1", refresh=True)})
             except FileNotFoundError:
                 pass
+            time.sleep(0.02)  # two cores: a tight loop would starve the merge
 
     poller = threading.Thread(target=poll)
     poller.start()
@@ -204,10 +205,14 @@ def test_local_to_store_from_the_cli_and_a_reader_never_sees_the_index_before_ev
             assert shards <= listing, f"index or manifest listed before every shard: {sorted(listing)}"
         if "merge_manifest.json" in listing:
             assert "model.safetensors.index.json" in listing
-    assert any("merge_manifest.json" not in s and s & shards for s in seen) or len(seen) < 3, "the poller saw the upload"
+    assert any("merge_manifest.json" not in s and s & shards for s in seen) or len(seen) < 3, (
+        "the poller saw the upload"
+    )
 
     again = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", target, "--no-progress")
-    assert again[0] != 0 and error_lines(again[2]) == [f"error: {target}: already holds a merged model (pass --overwrite to replace it)"]
+    assert again[0] != 0 and error_lines(again[2]) == [
+        f"error: {target}: already holds a merged model (pass --overwrite to replace it)"
+    ]
 
 
 def test_an_object_replaced_mid_merge_is_refused_in_one_line(bucket, fsdp_checkpoint, tmp_path, monkeypatch):
@@ -253,7 +258,53 @@ def test_wrong_credentials_a_missing_bucket_and_dotdot_are_one_line_without_the_
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + SECRET_KEY)
     s3fs.S3FileSystem.clear_instance_cache()
-    code, out, err = run_cli(capsys, "merge", "--local_dir", source, "--target_dir", str(tmp_path / "o"), "--no-progress")
+    code, out, err = run_cli(
+        capsys, "merge", "--local_dir", source, "--target_dir", str(tmp_path / "o"), "--no-progress"
+    )
     lines = error_lines(err)
     assert code != 0 and len(lines) == 1 and "access denied" in lines[0], err
     assert SECRET_KEY not in out + err
+
+
+def test_overwrite_replaces_the_target_and_leaves_none_of_the_old_files(capsys, bucket, fsdp_checkpoint, tmp_path):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    target = f"s3://{b}/model"
+    merge(sample.role_dir, target, MergeOptions(max_shard_size=SHARDS), show_progress=False)
+    assert len(fs.find(f"{b}/model")) > 5
+
+    options = MergeOptions(max_shard_size=10**9, overwrite=True)  # one weight file: the old shards are stale
+    merge(sample.role_dir, target, options, show_progress=False)
+    merge(sample.role_dir, tmp_path / "local", options, show_progress=False)
+
+    merged = download(fs, target, tmp_path / "downloaded")
+    assert weights_and_index(merged) == weights_and_index(tmp_path / "local")  # the old shards are gone too
+    assert_bit_exact(merged, sample.reference_dir)
+
+
+def test_a_merge_killed_mid_upload_leaves_nothing_complete_and_resumes(bucket, fsdp_checkpoint, tmp_path):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    target = f"s3://{b}/model"
+    command = [
+        sys.executable, "-m", "merge_pipeline", "-v", "merge", "--local_dir", str(sample.role_dir),
+        "--target_dir", target, "--max-shard-size", "20000", "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "MERGE_PIPELINE_SCRATCH": str(tmp_path / "scratch"), "MERGE_PIPELINE_PARALLEL_UPLOADS": "1"}
+    killed = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not [k for k in fs.find(f"{b}/model", refresh=True) if k.endswith(".safetensors")]:
+        assert killed.poll() is None and time.monotonic() < deadline, killed.stdout.read().decode()[-3000:]
+        time.sleep(0.02)
+    killed.kill()
+    killed.wait()
+    uploaded = {k for k in fs.find(f"{b}/model", refresh=True) if k.endswith(".safetensors")}
+    assert not fs.exists(f"{b}/model/merge_manifest.json") and not fs.exists(f"{b}/model/config.json")
+
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("kept (uploaded before with the same sha256)") >= len(uploaded), resumed.stderr
+    merge(sample.role_dir, tmp_path / "local", MergeOptions(max_shard_size=20000), show_progress=False)
+    merged = download(fs, target, tmp_path / "downloaded")
+    assert weights_and_index(merged) == weights_and_index(tmp_path / "local")
+    assert not any((tmp_path / "scratch").iterdir())  # the twin is removed once published
