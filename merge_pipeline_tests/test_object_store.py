@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -151,8 +152,13 @@ def test_store_to_store_and_store_to_local_write_what_local_disk_writes(request,
     merge(role_dir, tmp_path / "local", options, show_progress=False)
     source = upload(fs, root, f"{b}/ckpt") + "/" + role_dir.relative_to(root).as_posix()
 
-    merge(source, f"s3://{b}/merged", options, show_progress=False)
-    merge(source, tmp_path / "from_store", options, show_progress=False)
+    if options.hf_model_path:  # the trainer's model folder (config, tokenizer) in the store as well
+        hf_model = upload(fs, Path(options.hf_model_path), f"{b}/base")
+        store_options = replace(options, hf_model_path=hf_model)
+    else:
+        store_options = options
+    merge(source, f"s3://{b}/merged", store_options, show_progress=False)
+    merge(source, tmp_path / "from_store", store_options, show_progress=False)
 
     from_store = download(fs, f"s3://{b}/merged", tmp_path / "downloaded")
     assert weights_and_index(from_store) == weights_and_index(tmp_path / "local")
