@@ -218,10 +218,12 @@ class SourceFile:
             return self.counted(os.preadv(fd, buffers, offset))
 
     def advise_will_need(self, offset: int, length: int) -> None:
-        """Ask the kernel to start reading this range into the page cache (a store object: nothing to ask)."""
-        if self.remote is None:
-            with self.opened() as fd:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        """Ask the kernel to start reading this range into the page cache (a store object: GETs ahead)."""
+        if self.remote is not None:
+            self.remote.prefetch(offset, length)
+            return
+        with self.opened() as fd:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         if self.remote is None:

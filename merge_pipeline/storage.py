@@ -155,6 +155,12 @@ class StoreObject:
         if length <= 0 or offset >= self.identity.size:
             return b""
         end = min(offset + length, self.identity.size)
+        prefetched = _PREFETCHED.take(self, offset, end)
+        if prefetched is not None:
+            return prefetched
+        return self._get(offset, end)
+
+    def _get(self, offset: int, end: int) -> bytes:
         with asking(self.url):
             try:
                 if _is_s3(self.store.fs):
@@ -167,6 +173,10 @@ class StoreObject:
         if len(data) != end - offset:
             raise self.changed()
         return data
+
+    def prefetch(self, offset: int, length: int) -> None:
+        """Start GETs of this range (the writer's hint for the next tensor), kept for ``read`` to take."""
+        _PREFETCHED.start(self, offset, min(offset + length, self.identity.size))
 
     def check_unchanged(self) -> None:
         with asking(self.url):
@@ -182,6 +192,57 @@ class StoreObject:
             None,
             f"{self.url}: changed while it was being merged (ETag {self.identity.etag} no longer matches): re-run once the save is complete",
         )
+
+
+class _Prefetched:
+    """Ranges of input objects being fetched ahead (pieces of ``PREFETCH_PIECE``, ``PREFETCH_BYTES`` at
+    most): a hint past the budget is dropped, so memory stays bounded; a piece is handed to the read
+    that asks for bytes inside it and dropped once read to its end (or, unread, when the budget needs it)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.pieces: dict[tuple[str, int], tuple[int, Any]] = {}  # (url, start) -> (end, future of bytes)
+
+    def start(self, obj: StoreObject, start: int, end: int) -> None:
+        with self.lock:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="merge-prefetch")
+            for at in range(start, end, PREFETCH_PIECE):
+                if (obj.url, at) in self.pieces:
+                    continue
+                while self.pieces and self._held() + PREFETCH_PIECE > PREFETCH_BYTES:
+                    self.pieces.pop(next(iter(self.pieces)))  # the oldest hint, never read
+                piece_end = min(at + PREFETCH_PIECE, end)
+                self.pieces[(obj.url, at)] = (piece_end, self.pool.submit(obj._get, at, piece_end))
+
+    def _held(self) -> int:
+        return sum(end - start for (_, start), (end, _) in self.pieces.items())
+
+    def take(self, obj: StoreObject, offset: int, end: int) -> bytes | None:
+        with self.lock:
+            found = next(
+                (
+                    (key, piece)
+                    for key, piece in self.pieces.items()
+                    if key[0] == obj.url and key[1] <= offset and end <= piece[0]
+                ),
+                None,
+            )
+            if found is None:
+                return None
+            (url, start), (piece_end, future) = found
+            if end == piece_end:
+                del self.pieces[(url, start)]
+        data = future.result()  # an error (a changed object) is raised to the reader, as its own GET would
+        return data[offset - start : end - start]
+
+
+# Reads ahead: pieces of this size, at most this many bytes held or in flight, on this many threads.
+PREFETCH_PIECE = 8 << 20
+PREFETCH_BYTES = int(os.environ.get("MERGE_PIPELINE_PREFETCH_BYTES", 64 << 20))
+PREFETCH_THREADS = 8
+_PREFETCHED = _Prefetched()
 
 
 def _is_s3(fs) -> bool:
