@@ -102,15 +102,12 @@ class Prepared(NamedTuple):
     plan: CheckpointPlan
     config: ModelConfig
     outputs: OutputPlan
-    views: contextlib.ExitStack | None = None  # local views of store prefixes the plan reads (``storage.viewed``)
 
     def __enter__(self) -> Prepared:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.plan.close()
-        if self.views is not None:
-            self.views.close()
 
 
 @dataclass(frozen=True)
@@ -224,7 +221,7 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
 
     The model config is resolved here, once: the readers that need it to plan ask the same one.
     ``local_dir`` and ``options.hf_model_path`` may be store URLs: read through local views, kept
-    while the plan is (``Prepared.views``)."""
+    while the plan is (``CheckpointPlan.views``)."""
     views = contextlib.ExitStack()
     try:
         local_dir = views.enter_context(viewed(local_dir))
@@ -235,6 +232,7 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
     except BaseException:
         views.close()
         raise
+    plan.views.enter_context(views)
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path).absolute())
@@ -251,9 +249,8 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
     except BaseException:
         plan.close()
-        views.close()
         raise
-    return Prepared(plan, config, outputs, views)
+    return Prepared(plan, config, outputs)
 
 
 # Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.

@@ -460,6 +460,9 @@ class CheckpointPlan:
     # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
     check_against_architecture: bool = True
     layout: LayoutFacts = field(default_factory=dict)
+    # What the plan reads through besides its files, released with them: the local views of store
+    # prefixes (``storage.viewed``) that ``pipeline.prepare`` opened for it.
+    views: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, compare=False, repr=False)
 
     def writes_value_model(self, options: MergeOptions) -> bool:
         """The output is a value model (a score head, no lm_head) when the checkpoint is one or the user says so."""
@@ -471,6 +474,7 @@ class CheckpointPlan:
 
     def close(self) -> None:
         close_all(self.files)
+        self.views.close()
 
     def __enter__(self) -> CheckpointPlan:
         return self
