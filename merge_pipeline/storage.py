@@ -2,8 +2,8 @@
 whose filesystem is installed): where a store plugs into the one merge sequence, ``pipeline.merge``.
 
 Inputs: ``viewed`` lists the prefix once and lays it out as a local folder that the readers walk as
-they walk any checkpoint: small files (trackers, JSON, DCP ``.metadata``, configs, tokenizer) are
-downloaded; weight files (rank files, ``.distcp``, ``.safetensors``, ...) are sparse placeholders of
+they walk any checkpoint: other files (trackers, JSON, DCP ``.metadata``, configs, tokenizer) are
+downloaded whole; weight files (rank files, ``.distcp``, ``.safetensors``, ...) are sparse placeholders of
 their size (no disk used), registered here as ``StoreObject``s. ``plan.SourceFile`` reads those with
 ranged GETs pinned to the ETag listed (``If-Match``): an object replaced mid-merge fails its next read,
 and ``check_unchanged`` asks again before publishing. Nothing large is downloaded whole.
@@ -41,9 +41,9 @@ log = logging.getLogger("merge_pipeline")
 MANIFEST = "merge_manifest.json"  # hf.manifest's name for it (the commit marker of a published folder)
 # Files read through ranged GETs, never downloaded: what the readers stream tensor bytes from.
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".distcp", ".safetensors", ".ckpt")
-# Any other file up to this size is downloaded into the view (a JSON, a tracker, a tokenizer); larger ones
-# are read through ranged GETs as well.
-SMALL_FILE_BYTES = 64 << 20
+# Any other file is downloaded into the view whole (a JSON, a tracker, DCP's .metadata, a tokenizer): a side
+# file must be copied with its bytes, never a placeholder's. Past this total the prefix is refused.
+DOWNLOADED_BYTES = int(os.environ.get("MERGE_PIPELINE_MAX_DOWNLOAD_BYTES", 4 << 30))
 # Uploads: parts of this size, this many files at once, each with this many parts in flight; the bytes in
 # flight are bounded by their product (configurable through the environment).
 PART_BYTES = int(os.environ.get("MERGE_PIPELINE_PART_BYTES", 32 << 20))
@@ -202,22 +202,23 @@ class _Prefetched:
     def __init__(self):
         self.lock = threading.Lock()
         self.pool: ThreadPoolExecutor | None = None
-        self.pieces: dict[tuple[str, int], tuple[int, Any]] = {}  # (url, start) -> (end, future of bytes)
+        # (url, ETag, start) -> (end, future of bytes): a re-uploaded object's old bytes are never handed out
+        self.pieces: dict[tuple[str, str, int], tuple[int, Any]] = {}
 
     def start(self, obj: StoreObject, start: int, end: int) -> None:
         with self.lock:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="merge-prefetch")
             for at in range(start, end, PREFETCH_PIECE):
-                if (obj.url, at) in self.pieces:
+                if (obj.url, obj.identity.etag, at) in self.pieces:
                     continue
                 while self.pieces and self._held() + PREFETCH_PIECE > PREFETCH_BYTES:
                     self.pieces.pop(next(iter(self.pieces)))  # the oldest hint, never read
                 piece_end = min(at + PREFETCH_PIECE, end)
-                self.pieces[(obj.url, at)] = (piece_end, self.pool.submit(obj._get, at, piece_end))
+                self.pieces[(obj.url, obj.identity.etag, at)] = (piece_end, self.pool.submit(obj._get, at, piece_end))
 
     def _held(self) -> int:
-        return sum(end - start for (_, start), (end, _) in self.pieces.items())
+        return sum(end - start for (_, _, start), (end, _) in self.pieces.items())
 
     def take(self, obj: StoreObject, offset: int, end: int) -> bytes | None:
         with self.lock:
@@ -225,17 +226,17 @@ class _Prefetched:
                 (
                     (key, piece)
                     for key, piece in self.pieces.items()
-                    if key[0] == obj.url and key[1] <= offset and end <= piece[0]
+                    if key[:2] == (obj.url, obj.identity.etag) and key[2] <= offset and end <= piece[0]
                 ),
                 None,
             )
             if found is None:
                 return None
-            (url, start), (piece_end, future) = found
+            key, (piece_end, future) = found
             if end == piece_end:
-                del self.pieces[(url, start)]
+                del self.pieces[key]
         data = future.result()  # an error (a changed object) is raised to the reader, as its own GET would
-        return data[offset - start : end - start]
+        return data[offset - key[2] : end - key[2]]
 
 
 # Reads ahead: pieces of this size, at most this many bytes held or in flight, on this many threads.
@@ -311,15 +312,11 @@ def _listing(store: StoreLocation) -> dict[str, dict]:
     return objects
 
 
-def _is_weight_file(relative: str, size: int) -> bool:
-    return relative.endswith(WEIGHT_SUFFIXES) or size > SMALL_FILE_BYTES
-
-
 @contextlib.contextmanager
 def viewed(location_or_url: str | Path) -> Iterator[Path]:
     """A local folder standing for a store prefix while the block runs (a local path is yielded as it is).
 
-    Small files are downloaded, weight files are sparse placeholders read through ``store_object``.
+    Other files are downloaded, weight files are sparse placeholders read through ``store_object``.
     Errors naming a file in the view name its URL (``errors.show_folder_as``)."""
     if not is_store_url(location_or_url):
         yield Path(location_or_url)
@@ -335,7 +332,7 @@ def viewed(location_or_url: str | Path) -> Iterator[Path]:
         for relative, info in objects.items():
             local = root / relative
             local.parent.mkdir(parents=True, exist_ok=True)
-            if _is_weight_file(relative, int(info["size"])):
+            if relative.endswith(WEIGHT_SUFFIXES):
                 with open(local, "wb") as f:
                     f.truncate(int(info["size"]))  # sparse: stat tells its size, reads go to the store
                 with _OBJECTS_LOCK:
@@ -345,6 +342,12 @@ def viewed(location_or_url: str | Path) -> Iterator[Path]:
                 registered.append(local.absolute())
             else:
                 small.append((store.key(relative), str(local)))
+        if sum(int(objects[k[len(store.path) + 1 :]]["size"]) for k, _ in small) > DOWNLOADED_BYTES:
+            raise MergeError(
+                None,
+                f"{store.url}: holds more than {DOWNLOADED_BYTES:,} bytes of files that are not weight files "
+                "(downloaded whole): give the checkpoint's own prefix, or raise MERGE_PIPELINE_MAX_DOWNLOAD_BYTES",
+            )
         if small:
             with asking(store.url):
                 store.fs.get([k for k, _ in small], [p for _, p in small])
@@ -366,8 +369,8 @@ def check_store_target(url: str, *, overwrite: bool) -> StoreLocation:
     store = location(url)
     with asking(url):
         _check_bucket(store)
-        if store.fs.exists(store.key(MANIFEST)) and not overwrite:
-            raise MergeError(None, f"{url}: already holds a merged model (pass --overwrite to replace it)")
+    if not overwrite and complete_target(url) is not None:
+        raise MergeError(None, f"{url}: already holds a merged model (pass --overwrite to replace it)")
     return store
 
 

@@ -140,12 +140,13 @@ def samples(request, name: str) -> tuple[Path, Path, MergeOptions]:
             sample.role_dir,
             MergeOptions(max_shard_size=SHARDS, hf_model_path=str(sample.original_dir)),
         )
-    sample = request.getfixturevalue("dcp_sample")("torchtitan")
+    # torchtitan's .distcp files, or NeMo-Automodel's DCP with HF safetensors storage
+    sample = request.getfixturevalue("dcp_sample")("torchtitan" if name == "dcp" else "nemo_automodel_safetensors")
     options = MergeOptions(max_shard_size=SHARDS, hf_model_path=str(sample.original_dir))
     return sample.folder.parent, sample.folder, options
 
 
-@pytest.mark.parametrize("name", ["fsdp", "megatron", "dcp"])
+@pytest.mark.parametrize("name", ["fsdp", "megatron", "dcp", "dcp-safetensors"])
 def test_store_to_store_and_store_to_local_write_what_local_disk_writes(request, bucket, tmp_path, name):
     fs, b = bucket
     root, role_dir, options = samples(request, name)
