@@ -557,7 +557,7 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
     return {
         "backend": plan.backend,
         "role": checkpoint_name(plan.role_dir).role,
-        "path": str(plan.role_dir),
+        "path": shown_path(plan.role_dir),
         **plan.layout,
         "architecture": architecture,
         "parameters": plan.parameter_count,
@@ -568,7 +568,7 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
         "lora": has_lora_tensors(plan.tensors),
         "value_model": plan.is_value_model,
         "tied_word_embeddings": tied,
-        "files": [{"path": str(f.path), "size": f.size} for f in plan.files],
+        "files": [{"path": shown_path(f.path), "size": f.size} for f in plan.files],
         **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
     }
 

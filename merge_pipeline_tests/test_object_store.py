@@ -25,7 +25,7 @@ import pytest
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline import describe, merge
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest
 
@@ -169,6 +169,8 @@ def test_store_to_store_and_store_to_local_write_what_local_disk_writes(request,
     assert all(i["path"].startswith(source + "/") for i in manifest["source"]["inputs"])
     if name == "fsdp":
         assert_bit_exact(from_store, request.getfixturevalue("fsdp_checkpoint")(FsdpSpec(world_size=3)).reference_dir)
+        facts = describe(source, options)  # `inspect s3://...`: the files by their URLs
+        assert facts["path"] == source and all(f["path"].startswith(source + "/") for f in facts["files"])
 
 
 def test_local_to_store_from_the_cli_and_a_reader_never_sees_the_index_before_every_shard(
