@@ -95,6 +95,11 @@ class WriteReport:
     def tensors(self) -> int:
         return sum(f["tensors"] for f in self.files)
 
+    @property
+    def written_bytes(self) -> int:
+        """The bytes this merge wrote: a resumed merge's kept files (``kept``) took none of its seconds."""
+        return sum(f["bytes"] for f in self.files if not f.get("kept"))
+
 
 class Prepared(NamedTuple):
     """A validated plan, built once and handed on: the input (open files), its config, the output files."""
@@ -285,12 +290,13 @@ def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, 
 def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -> None:
     """Tokenizer and friends, first: a trainer deleting the checkpoint mid-merge cannot take them away.
 
-    Every entry point calls this once, just before the weights: the blocking checks' imports start here."""
-    from merge_pipeline.hf.blocking_checks import import_checks_meanwhile
+    Every entry point calls this once, just before the weights: the blocking checks' worker starts here
+    (``hf/check_worker.py``: it imports transformers in its own process while the weights are written)."""
+    from merge_pipeline.hf.check_worker import start_beside
 
     config = prepared.config
     copy_side_files(config.path.parent, out_dir, options.max_side_file_size, confine_to=config.confine_to)
-    import_checks_meanwhile(config.raw)
+    start_beside(config.raw, out_dir)
 
 
 def write_weights(
@@ -317,7 +323,7 @@ def write_weights(
     try:
         for shard in files:
             if shard.filename in reused:
-                report.files.append(resume.finished[shard.filename])
+                report.files.append({**resume.finished[shard.filename], "kept": True})
                 continue
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -386,10 +392,7 @@ def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, writ
     one planned, unchanged: a trainer re-saving the step meanwhile would leave a folder mixing two saves.
     Every writer (the CLI, torchrun rank 0 once all ranks wrote, the Dagster asset) publishes only after.
     """
-    from merge_pipeline.hf.blocking_checks import check_imports_done
-
-    check_imports_done()  # config.json's value head asks transformers: never beside the importing thread
-    plan, config, outputs = prepared.plan, prepared.config, prepared.outputs
+    plan, config, outputs = prepared
     with naming(out_dir):
         write_index(outputs, out_dir)
         write_configs(config, outputs, out_dir)
@@ -443,10 +446,11 @@ def check_before_publishing(staging: Path, target: Path, written: WriteReport) -
     any failure is one line; when all passed, their outcomes (Dagster shows them on the stages).
 
     ``written``: the report of the weights written into ``staging`` (its digests: no weight byte is read again)."""
-    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal
+    from merge_pipeline.hf.check_worker import checks_on
 
     started = time.monotonic()
-    outcomes = run_blocking_checks(staging, written.by_file)
+    outcomes = checks_on(staging, written.by_file)
     problem = refusal(outcomes)
     if problem:
         raise MergeError(target, problem)

@@ -85,7 +85,7 @@ def test_a_killed_torchrun_merge_resumes_bit_identical(capsys, tmp_path, fsdp_ch
     target, staging = tmp_path / "out", tmp_path / ".out.staging"
     with torchrun(2, "--local_dir", role_dir, "--target_dir", target, "--max-shard-size", "256KB") as run:
         deadline = time.monotonic() + 120
-        while not (staging.is_dir() and any((staging / RECORDS).glob("*.json"))):
+        while not (staging.is_dir() and any((staging / RECORDS).glob("*.safetensors.json"))):
             assert run.poll() is None and time.monotonic() < deadline, "merge ended before it could be killed"
             time.sleep(0.01)
         agent = psutil.Process(run.pid)

@@ -13,11 +13,14 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 
 from __future__ import annotations
 
+import shutil
 import textwrap
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import click
 import dagster as dg
-from pydantic import ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
@@ -30,6 +33,8 @@ from merge_pipeline.defs.report_sensor import step_report_sensor_definition
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import checkpoint_sensor
 
+INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
+
 
 class HubPublishing(dg.Model):
     organization: str = ""  # empty: publishing is off (the schedule stopped, hub_model records nothing)
@@ -40,9 +45,12 @@ class HubPublishing(dg.Model):
 
 
 class MergeCheckpointsScaffolder(dg.Scaffolder):
-    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting."""
+    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting, and
+    the instance settings (``dagster.yaml``) in a project root that has none."""
 
     def scaffold(self, request: dg.ScaffoldRequest) -> None:
+        if request.project_root is not None:
+            click.echo(_write_instance_settings(request.project_root))
         request.target_path.mkdir(parents=True, exist_ok=True)
         prefix = request.target_path.name.replace("-", "_")
         (request.target_path / "defs.yaml").write_text(
@@ -54,6 +62,9 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   checkpoint_roots: [/data/{prefix}/checkpoints]
                   output_root: /data/{prefix}/merged
                   settle_seconds: 60
+                  # merge and report runs of this instance at once (the sensors hold back the rest);
+                  # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
+                  max_concurrent_merges: 1
                   # for checkpoints without a config of their own (torchtitan, NeMo-RL, ...)
                   # hf_model_path: /models/base
                   # hard-link a complete step until its merge is done (the trainer's rotation may delete it)
@@ -73,6 +84,19 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   #   ray_resource: merge
                 """)
         )
+
+
+def _write_instance_settings(project_root: Path) -> str:
+    """A new project's instance has no run queue limits, DEBUG event logs, no run monitoring and no
+    retries: this package's instance settings, written where ``dg dev`` reads them. What it did, in one line."""
+    written = project_root / "dagster.yaml"
+    if written.exists() or (project_root / "dagster.yml").exists():
+        return f"{written.name} kept as it is; merge_pipeline's instance settings are in {INSTANCE_SETTINGS}"
+    shutil.copyfile(INSTANCE_SETTINGS, written)
+    return (
+        f"wrote {written}: merge_pipeline's instance settings (one heavy run at a time, INFO logs, run "
+        "monitoring and retries); `dg dev` reads it here, with DAGSTER_HOME set copy it there"
+    )
 
 
 def _as_written(context: dg.ResolutionContext, value: object) -> object:
@@ -99,6 +123,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         SENSOR_INTERVAL.default
     )
     freshness_minutes: float = FRESHNESS.default
+    # Merge and report runs of this instance queued or running at once; the sensors hold back the rest
+    # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
+    max_concurrent_merges: int = Field(default=1, ge=0)
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
     # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
@@ -119,6 +146,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         hub = HuggingFaceHub.from_env()
         return cls(
             prefix="",
+            max_concurrent_merges=0,  # this project's dagster.yaml queues them, one at a time
             sensor_interval_seconds=SENSOR_INTERVAL.from_env(),
             freshness_minutes=FRESHNESS.from_env(),
             hub=HubPublishing(
@@ -144,9 +172,12 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
                 checkpoint_sensor(
-                    names, self.sensor_interval_seconds, checked_merge_config(self.merge_config or {}) or None
+                    names,
+                    self.sensor_interval_seconds,
+                    checked_merge_config(self.merge_config or {}) or None,
+                    self.max_concurrent_merges,
                 ),
-                step_report_sensor_definition(names, self.sensor_interval_seconds),
+                step_report_sensor_definition(names, self.sensor_interval_seconds, self.max_concurrent_merges),
                 failure_webhook(names),
             ],
             schedules=[publish_latest_steps],

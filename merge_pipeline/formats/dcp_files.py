@@ -43,6 +43,9 @@ METADATA = ".metadata"
 # ---- metadata -------------------------------------------------------------------------------------
 
 
+_ABSENT = object()
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP ``.metadata`` with only the classes torch writes there: a checkpoint file
     must never be able to run code (torch's own reader uses plain ``pickle.load``)."""
@@ -72,12 +75,37 @@ class _MetadataUnpickler(pickle.Unpickler):
         "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id of a single-process save
     }
 
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.classes: dict[type, dict] = {}  # each class the pickle named -> its attributes before the load
+
     def find_class(self, module: str, name: str) -> object:
         if name in self._ALLOWED.get(module, ()):
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
+            if not isinstance(found, type):  # BUILD could set a function's __defaults__: hand it a stand-in
+                return lambda *args, call=found: call(*args)
+            self.classes.setdefault(found, dict(vars(found)))
+            return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+
+    def changed_classes(self) -> list[str]:
+        """``Class.attribute`` for each attribute a BUILD on the class itself changed (``pickle`` sets a state
+        tuple's second half with ``setattr``: torch's own reader refuses BUILD on anything but an instance),
+        each put back as it was."""
+        changed = []
+        for cls, before in self.classes.items():
+            after = dict(vars(cls))
+            for attribute in sorted(before.keys() | after.keys()):
+                if before.get(attribute, _ABSENT) is after.get(attribute, _ABSENT):
+                    continue
+                changed.append(f"{cls.__name__}.{attribute}")
+                if attribute in before:
+                    setattr(cls, attribute, before[attribute])
+                else:
+                    delattr(cls, attribute)
+        return changed
 
 
 # ``.metadata`` holds an entry per tensor and per chunk each rank saved: it scales with tensors x ranks,
@@ -95,10 +123,15 @@ def read_dcp_metadata(path: Path) -> Metadata:
     raw = read_capped(
         path, cap, f"is larger than {cap:,} bytes, more than DCP metadata for {files} .distcp files takes"
     )
+    unpickler = _MetadataUnpickler(io.BytesIO(raw))
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        metadata = unpickler.load()
     except Exception as exc:  # any unpickling failure means the same thing: not readable metadata
         raise MergeError(path, f"corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+    finally:
+        changed = unpickler.changed_classes()
+    if changed:
+        raise MergeError(path, f"corrupt DCP metadata: it sets {changed[0]} on the class itself, as no save does")
     if (
         not isinstance(metadata, Metadata)
         or not isinstance(metadata.state_dict_metadata, dict)

@@ -67,7 +67,7 @@ def test_killed_merge_resumes_with_the_files_it_finished(uninterrupted, tmp_path
     command = _merge_command(role_dir, target)
     staging = staging_path(target)
     _kill_after(command, percent=50)
-    done = sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json"))
+    done = sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.safetensors.json"))
     inodes = {name: (staging / name).stat().st_ino for name in done}
     assert 1 <= len(done) < len(list(reference.glob("*.safetensors")))
 
@@ -85,7 +85,7 @@ def test_a_changed_option_starts_over(uninterrupted, tmp_path):
     target = tmp_path / "out"
     staging = staging_path(target)
     _kill_after(_merge_command(role_dir, target), percent=50)
-    done = [p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.json")]
+    done = [p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.safetensors.json")]
     inodes = {name: (staging / name).stat().st_ino for name in done}
 
     again = subprocess.run(_merge_command(role_dir, target, dtype="float32"), capture_output=True, text=True)
@@ -111,7 +111,7 @@ def test_an_input_resaved_in_place_with_its_mtime_put_back_starts_over(uninterru
     target = tmp_path / "out"
     command = _merge_command(role_dir, target)
     _kill_after(command, percent=50)
-    assert any((staging_path(target) / RECORDS).glob("*.json"))
+    assert any((staging_path(target) / RECORDS).glob("*.safetensors.json"))
 
     for rank_file in sorted(role_dir.glob("model_world_size_*_rank_*.pt")):
         before, data = rank_file.stat(), (new / rank_file.name).read_bytes()
@@ -137,7 +137,7 @@ def test_a_record_edited_to_name_another_sha256_gets_its_file_written_again(unin
     target = tmp_path / "out"
     command = _merge_command(role_dir, target)
     _kill_after(command, percent=50)
-    records = sorted((staging_path(target) / RECORDS).glob("*.json"))
+    records = sorted((staging_path(target) / RECORDS).glob("*.safetensors.json"))
     edited = records[0]
     edited.write_text(json.dumps({**json.loads(edited.read_text()), "sha256": "0" * 64}))
 
