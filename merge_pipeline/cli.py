@@ -25,6 +25,7 @@ from merge_pipeline.options import (
 )
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
+from merge_pipeline.storage import is_store_url
 
 log = logging.getLogger("merge_pipeline")
 
@@ -51,9 +52,17 @@ def _option_flags(parser: argparse.ArgumentParser, command: str) -> None:
             )
 
 
+def _location(text: str) -> str | Path:
+    """A local folder, or a store URL kept as written (``Path`` would fold ``s3://`` into ``s3:/``)."""
+    return text if is_store_url(text) else Path(text)
+
+
 def _checkpoint_flags(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument(
-        "--local_dir", required=True, type=Path, help="role folder, e.g. checkpoints/global_step_100/actor"
+        "--local_dir",
+        required=True,
+        type=_location,
+        help="role folder, e.g. checkpoints/global_step_100/actor, or a store URL (s3://bucket/prefix/actor)",
     )
     _option_flags(parser, command)
     parser.add_argument(
@@ -107,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = commands.add_parser("merge", help="merge a checkpoint role folder into an HF folder")
     _checkpoint_flags(merge, "merge")
-    merge.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
+    merge.add_argument(
+        "--target_dir",
+        required=True,
+        type=_location,
+        help="output HF folder (created atomically), or a store URL (published with merge_manifest.json last)",
+    )
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
     _hub_flags(merge)
     _writer_flags(merge)
@@ -163,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     upload.set_defaults(run=_run_upload)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint without loading tensor data")
-    inspect.add_argument("local_dir", type=Path)
+    inspect.add_argument("local_dir", type=_location)
     _option_flags(inspect, "inspect")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)

@@ -31,6 +31,7 @@ from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (
     READ_PIECE_BYTES,
     ByteRun,
+    FileRange,
     PlannedTensor,
     SourceFile,
     StoredBytes,
@@ -180,35 +181,6 @@ class DcpTensor:
         return table.get(tuple(index), ())
 
 
-class _FileRange(io.RawIOBase):
-    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive."""
-
-    def __init__(self, file: SourceFile, offset: int, length: int):
-        super().__init__()
-        self.file, self.offset, self.length, self.position = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        self.position = base + position
-        return self.position
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.position))
-        if n:
-            self.file.read_into(memoryview(buffer)[:n], self.offset + self.position)
-        self.position += n
-        return n
-
-
 def locate_tensors(
     dist_dir: Path,
     stored: dict[str, TensorStorageMetadata],
@@ -324,7 +296,7 @@ def _chunk_bytes(
 ) -> ByteRun:
     """Find the raw bytes inside one chunk's ``torch.save`` archive (reads its pickle only)."""
     try:
-        meta = load_meta_archive(io.BufferedReader(_FileRange(file, offset, length)), file.path)
+        meta = load_meta_archive(io.BufferedReader(FileRange(file, offset, length)), file.path)
     except MergeError as exc:
         raise MergeError(file.path, f"{key}: chunk at byte {offset}: {exc.problem}") from None
     if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != sizes or meta.dtype != dtype:
