@@ -1,4 +1,4 @@
-"""``merge-pipeline merge | test | inspect | upload | diff``: verl's ``model_merger`` flags, plus our own.
+"""``merge-pipeline merge | average | test | inspect | upload | diff``: verl's ``model_merger`` flags, plus our own.
 
 Every user error ends as one line on stderr (``error: <file>: <problem>``) and a non-zero exit.
 """
@@ -6,6 +6,7 @@ Every user error ends as one line on stderr (``error: <file>: <problem>``) and a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -14,9 +15,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError, os_error, printable
-from merge_pipeline.options import OPTION_FIELDS, MergeOptions, cli_flags, options_of
+from merge_pipeline.options import (
+    ACCUMULATE_CHOICES,
+    OPTION_FIELDS,
+    MergeOptions,
+    average_weights,
+    cli_flags,
+    options_of,
+)
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
+from merge_pipeline.storage import is_store_url
 
 log = logging.getLogger("merge_pipeline")
 
@@ -43,9 +52,17 @@ def _option_flags(parser: argparse.ArgumentParser, command: str) -> None:
             )
 
 
+def _location(text: str) -> str | Path:
+    """A local folder, or a store URL kept as written (``Path`` would fold ``s3://`` into ``s3:/``)."""
+    return text if is_store_url(text) else Path(text)
+
+
 def _checkpoint_flags(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument(
-        "--local_dir", required=True, type=Path, help="role folder, e.g. checkpoints/global_step_100/actor"
+        "--local_dir",
+        required=True,
+        type=_location,
+        help="role folder, e.g. checkpoints/global_step_100/actor, or a store URL (s3://bucket/prefix/actor)",
     )
     _option_flags(parser, command)
     parser.add_argument(
@@ -99,18 +116,53 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = commands.add_parser("merge", help="merge a checkpoint role folder into an HF folder")
     _checkpoint_flags(merge, "merge")
-    merge.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
+    merge.add_argument(
+        "--target_dir",
+        required=True,
+        type=_location,
+        help="output HF folder (created atomically), or a store URL (published with merge_manifest.json last)",
+    )
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
     _hub_flags(merge)
-    merge.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    merge.add_argument(
-        "--dist-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
-    )
+    _writer_flags(merge)
     _ray_flags(merge)
     merge.set_defaults(run=_run_merge)
+
+    average = commands.add_parser(
+        "average", help="average the weights of several checkpoints of one model into an HF folder (streamed)"
+    )
+    average.add_argument(
+        "--inputs",
+        required=True,
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="checkpoint role folders or merged HF folders (mixed allowed), oldest first; the last gives config.json and the tokenizer",
+    )
+    scheme = average.add_mutually_exclusive_group()
+    scheme.add_argument(
+        "--weights",
+        nargs="+",
+        type=float,
+        metavar="W",
+        help="one weight per input, scaled to sum to 1 (default: equal)",
+    )
+    scheme.add_argument(
+        "--ema",
+        type=float,
+        metavar="DECAY",
+        help="exponential moving average over the inputs, oldest first: the newest weighs 1 - DECAY",
+    )
+    average.add_argument(
+        "--accumulate",
+        choices=ACCUMULATE_CHOICES,
+        default=ACCUMULATE_CHOICES[0],
+        help="dtype the weighted sum is accumulated in (default float32); --dtype is the output's",
+    )
+    average.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
+    _option_flags(average, "merge")
+    _writer_flags(average)
+    average.set_defaults(run=_run_average)
 
     test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
     _checkpoint_flags(test, "test")
@@ -125,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     upload.set_defaults(run=_run_upload)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint without loading tensor data")
-    inspect.add_argument("local_dir", type=Path)
+    inspect.add_argument("local_dir", type=_location)
     _option_flags(inspect, "inspect")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)
@@ -143,6 +195,17 @@ def _options(args: argparse.Namespace) -> MergeOptions:
         log.info("--use_cpu_initialization is accepted for verl compatibility and ignored: merging always runs on CPU")
     return MergeOptions(
         **{option.name: getattr(args, option.name) for option in OPTION_FIELDS if hasattr(args, option.name)}
+    )
+
+
+def _writer_flags(parser: argparse.ArgumentParser) -> None:
+    """What every command that writes a folder takes (merge, average): its progress, torchrun's patience."""
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
     )
 
 
@@ -192,6 +255,35 @@ def _run_merge(args: argparse.Namespace) -> int:
     )
     if args.hf_upload_path:
         return _upload(result.target_dir, args.hf_upload_path, args)
+    return 0
+
+
+def _run_average(args: argparse.Namespace) -> int:
+    """The merge sequence on the average of ``--inputs`` (issue 40): under torchrun too, as ``merge``."""
+    from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
+    from merge_pipeline.pipeline import merge
+
+    inputs = tuple(str(path.absolute()) for path in args.inputs)
+    options = dataclasses.replace(
+        _options(args),
+        average_inputs=inputs,
+        average_weights=average_weights(len(inputs), weights=args.weights, ema=args.ema),
+        average_accumulate=args.accumulate,
+    )
+    show_progress = not args.no_progress
+    if launched_by_torchrun():
+        result = merge_distributed(
+            inputs[-1], args.target_dir, options, show_progress=show_progress, timeout_seconds=args.dist_timeout
+        )
+    else:
+        result = merge(inputs[-1], args.target_dir, options, show_progress=show_progress)
+    if result is None:  # a torchrun rank other than 0
+        return 0
+    weights = ", ".join(f"{w:.4g}" for w in options.average_weights)
+    print(
+        f"averaged {len(inputs)} checkpoints (weights {weights}, accumulated in {args.accumulate}): {result.parameters:,} parameters"
+        f" ({result.tensors} tensors, {human_bytes(result.tensor_bytes)} of tensor data) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
+    )
     return 0
 
 

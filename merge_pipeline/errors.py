@@ -30,6 +30,29 @@ def shown(value: object) -> str:
     return _BOUNDED.repr(value)
 
 
+# Local folders standing for store prefixes (``storage.viewed``): a path inside one is shown as its URL.
+_SHOWN_AS: dict[Path, str] = {}
+
+
+@contextlib.contextmanager
+def show_folder_as(folder: Path, url: str) -> Iterator[None]:
+    """While the block runs, a path inside ``folder`` is shown in errors as the same key under ``url``."""
+    _SHOWN_AS[Path(folder).absolute()] = url.rstrip("/")
+    try:
+        yield
+    finally:
+        _SHOWN_AS.pop(Path(folder).absolute(), None)
+
+
+def shown_path(path: str | Path) -> str:
+    """``path`` as users know it: a URL for a file in a store's local view, else the path."""
+    for folder, url in list(_SHOWN_AS.items()):
+        if Path(path).is_relative_to(folder):
+            relative = Path(path).relative_to(folder).as_posix()
+            return url if relative == "." else f"{url}/{relative}"
+    return str(path)
+
+
 class MergeError(Exception):
     """A problem with the input or the target that the user must fix.
 
@@ -39,7 +62,9 @@ class MergeError(Exception):
     def __init__(self, path: str | Path | None, problem: str):
         self.path = Path(path) if path is not None else None
         self.problem = printable(" ".join(str(problem).split()))  # always one line
-        super().__init__(f"{printable(str(self.path))}: {self.problem}" if self.path is not None else self.problem)
+        super().__init__(
+            f"{printable(shown_path(self.path))}: {self.problem}" if self.path is not None else self.problem
+        )
 
 
 def os_error(exc: OSError, path: str | Path | None = None, *, doing: str | None = None) -> MergeError:

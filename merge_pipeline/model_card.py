@@ -56,6 +56,23 @@ def _smoke_lines(smoke: dict | None) -> list[str]:
     ]
 
 
+def _origin_lines(source: dict, name: CheckpointName, tool: str) -> list[str]:
+    """Where the weights come from: one checkpoint, or the weighted average of several (``average``)."""
+    averaged = source["layout"].get("averaged_inputs")
+    if not averaged:
+        return [f"Merged from the {name.writer or 'training'} {source['backend']} checkpoint `{name}` by {tool}.", ""]
+    accumulate = source["layout"].get("accumulate", "float32")
+    return [
+        f"The weighted average of {len(averaged)} checkpoints, accumulated in {accumulate}, by {tool}"
+        " (config and tokenizer from the last):",
+        "",
+        "| averaged checkpoint | backend | weight |",
+        "|---|---|---:|",
+        *(f"| {_code(i['path'])} | {i['backend']} | {i['weight']:.6g} |" for i in averaged),
+        "",
+    ]
+
+
 def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, smoke: dict | None = None) -> str:
     source, decisions, options = manifest["source"], manifest["decisions"], manifest["options"]
     name = CheckpointName.from_manifest(source)
@@ -86,8 +103,7 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, 
         "",
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"Merged from the {name.writer or 'training'} {source['backend']} checkpoint `{name}` by {tool}.",
-        "",
+        *_origin_lines(source, name, tool),
         "| | |",
         "|---|---|",
         *(f"| {key} | {value} |" for key, value in rows),

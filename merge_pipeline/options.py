@@ -6,7 +6,9 @@ Each field carries its help text, choices and the CLI commands that take it as m
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields
 
 from merge_pipeline.errors import MergeError
@@ -18,6 +20,8 @@ DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
 READING = ("merge", "test", "inspect")  # how to open the checkpoint: every command
 TENSORS = ("merge", "test")  # what tensors come out: also compared by `test`
 FOLDER = ("merge",)  # how the folder is written
+AVERAGE = ("average",)  # averaging: set by the `average` command and Dagster's averaged_model, no merge flag
+ACCUMULATE_CHOICES = ("float32", "float64")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
@@ -66,6 +70,16 @@ class MergeOptions:
         commands=FOLDER,
     )
 
+    # Averaging (issue 40): a merge of several inputs whose every floating tensor is their weighted
+    # average. Carried by the options so every launcher's workers plan the same average.
+    average_inputs: tuple[str, ...] = _option(
+        (), "the checkpoints (role folders or merged HF folders) to average, oldest first", commands=AVERAGE
+    )
+    average_weights: tuple[float, ...] = _option((), "one weight per input, summing to 1", commands=AVERAGE)
+    average_accumulate: str = _option(
+        "float32", "the dtype the weighted sum is accumulated in", commands=AVERAGE, choices=ACCUMULATE_CHOICES
+    )
+
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
@@ -77,6 +91,47 @@ class MergeOptions:
             raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
         parse_size(self.max_shard_size, "--max-shard-size")  # checked before any work, not after the plan
         parse_size(self.max_side_file_size, "--max-side-file-size")
+        # tuples, also when the fields come back from JSON (a torchrun worker's options) as lists
+        object.__setattr__(self, "average_inputs", tuple(str(p) for p in self.average_inputs))
+        object.__setattr__(self, "average_weights", tuple(float(w) for w in self.average_weights))
+        if self.average_inputs or self.average_weights:
+            _check_average(self.average_inputs, self.average_weights, self.average_accumulate)
+
+
+def _check_average(inputs: tuple[str, ...], weights: tuple[float, ...], accumulate: str) -> None:
+    if len(inputs) < 2:
+        raise MergeError(None, f"--inputs: averaging needs at least two checkpoints, got {len(inputs)}")
+    if len(set(inputs)) != len(inputs):
+        twice = next(p for p in inputs if inputs.count(p) > 1)
+        raise MergeError(twice, "is given twice in --inputs: give each checkpoint once (--weights weighs them)")
+    if len(weights) != len(inputs):
+        raise MergeError(None, f"--weights: {len(weights)} weights for {len(inputs)} inputs")
+    if not all(math.isfinite(w) and w > 0 for w in weights) or abs(math.fsum(weights) - 1) > 1e-9:
+        raise MergeError(None, f"--weights {list(weights)}: expected positive weights summing to 1")
+    if accumulate not in ACCUMULATE_CHOICES:
+        raise MergeError(None, f"--accumulate must be one of {', '.join(ACCUMULATE_CHOICES)}, not {accumulate!r}")
+
+
+def average_weights(
+    count: int, *, weights: Sequence[float] | None = None, ema: float | None = None
+) -> tuple[float, ...]:
+    """The weights of ``count`` inputs (oldest first): uniform; ``weights`` scaled to sum to 1; or the
+    exponential moving average with decay ``ema`` started at the oldest input (the newest weighs ``1 - ema``)."""
+    if weights is not None and ema is not None:
+        raise MergeError(None, "--weights and --ema contradict each other: give one")
+    if weights is not None:
+        if len(weights) != count:
+            raise MergeError(None, f"--weights: {len(weights)} weights for {count} inputs")
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            raise MergeError(None, f"--weights {list(weights)}: every weight must be a positive number")
+        total = math.fsum(weights)
+        return tuple(w / total for w in weights)
+    if ema is not None:
+        if not 0 < ema < 1:
+            raise MergeError(None, f"--ema {ema}: the decay must lie between 0 and 1")
+        # ema_0 = x_0, ema_i = ema * ema_{i-1} + (1 - ema) * x_i: the oldest keeps ema^(K-1)
+        return tuple(ema ** (count - 1) if i == 0 else (1 - ema) * ema ** (count - 1 - i) for i in range(count))
+    return (1 / count,) * count
 
 
 def parse_size(size: str | int, flag: str) -> int:
@@ -93,7 +148,8 @@ def parse_size(size: str | int, flag: str) -> int:
     return value
 
 
-OPTION_FIELDS = fields(MergeOptions)
+# The options of one merge (CLI flags, hf_model's run config); averaging's are set by its own command and asset.
+OPTION_FIELDS = tuple(option for option in fields(MergeOptions) if option.metadata["commands"] != AVERAGE)
 
 
 def cli_flags(option: Field) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -27,10 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from merge_pipeline import __version__
+from merge_pipeline.engine.averaging import AveragedInput, average_plan
 from merge_pipeline.engine.fp8 import fp8_outputs
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.lora import model_tensors
-from merge_pipeline.engine.outputs import OutputPlan, ShardFile, config_dtype_for, plan_outputs
+from merge_pipeline.engine.outputs import DTYPES, OutputPlan, ShardFile, config_dtype_for, plan_outputs
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
@@ -38,7 +40,7 @@ from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, merg
 from merge_pipeline.engine.resume import forget as forget_finished
 from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
-from merge_pipeline.errors import MergeError, naming
+from merge_pipeline.errors import MergeError, naming, shown_path
 from merge_pipeline.formats import BACKENDS as BACKENDS
 
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
@@ -58,6 +60,15 @@ from merge_pipeline.hf.manifest import stat_identity, write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
+from merge_pipeline.storage import (
+    UploadSink,
+    check_store_target,
+    invalidate_target,
+    is_store_url,
+    local_twin,
+    publish_folder,
+    viewed,
+)
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
@@ -85,6 +96,11 @@ class WriteReport:
     def tensors(self) -> int:
         return sum(f["tensors"] for f in self.files)
 
+    @property
+    def written_bytes(self) -> int:
+        """The bytes this merge wrote: a resumed merge's kept files (``kept``) took none of its seconds."""
+        return sum(f["bytes"] for f in self.files if not f.get("kept"))
+
 
 class Prepared(NamedTuple):
     """A validated plan, built once and handed on: the input (open files), its config, the output files."""
@@ -105,13 +121,15 @@ class WeightJob:
     """What a worker needs to write its share of the weights: it opens and plans ``local_dir`` itself
     (metadata only) when it runs in another process, and reuses what the lead kept in ``staging``."""
 
-    local_dir: Path
+    local_dir: str | Path  # a path, or a store URL (each worker reads it through its own view)
     staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
     options: MergeOptions
     # The weight files a killed merge finished, as the lead checked them (file name -> write report entry):
     # handed to every worker, never re-read from the records in the staging folder, which anyone able to
     # write there could edit meanwhile.
     kept: Mapping[str, Mapping] = field(default_factory=dict)
+    # A target in a store: each weight file is uploaded there as soon as it is written (``storage.UploadSink``).
+    upload_to: str | None = None
 
     def saved(self) -> Path:
         """The job as JSON beside the resume records, for workers started as other processes (on every node
@@ -124,10 +142,14 @@ class WeightJob:
     @classmethod
     def load(cls, path: Path) -> WeightJob:
         job = json.loads(path.read_text())
-        return cls(Path(job["local_dir"]), Path(job["staging"]), MergeOptions(**job["options"]), job["kept"])
+        local_dir = job["local_dir"] if is_store_url(job["local_dir"]) else Path(job["local_dir"])
+        return cls(local_dir, Path(job["staging"]), MergeOptions(**job["options"]), job["kept"], job["upload_to"])
 
     def planned_as(self, prepared: Prepared) -> WeightJob:
-        """For workers in other processes: the backend the lead's plan found, so they do not detect it again."""
+        """For workers in other processes: the backend the lead's plan found, so they do not detect it again.
+        An average keeps its options: each input's backend is its own (the plan's is ``average``)."""
+        if self.options.average_inputs:
+            return self
         return replace(self, options=replace(self.options, backend=prepared.plan.backend))
 
 
@@ -175,7 +197,7 @@ IN_PROCESS = Workers()
 
 @dataclass
 class MergeResult:
-    target_dir: Path
+    target_dir: Path | str  # a path, or the store URL published to
     prepared: Prepared  # closed: the plan's metadata and decisions, no open file
     written: Written
     manifest: dict
@@ -206,9 +228,27 @@ def peak_rss_bytes() -> int:
 def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
     """Open and validate the checkpoint and decide every output file, reading no tensor data.
 
-    The model config is resolved here, once: the readers that need it to plan ask the same one."""
-    configs = CheckpointConfig.of(local_dir, options)
-    plan = open_checkpoint(local_dir, options, configs)
+    The model config is resolved here, once: the readers that need it to plan ask the same one.
+    With ``options.average_inputs``: the plan of their average (``_prepare_average``). ``local_dir`` and
+    ``options.hf_model_path`` may be store URLs: read through local views, kept while the plan is
+    (``CheckpointPlan.views``)."""
+    if options.average_inputs:
+        return _prepare_average(local_dir, options)
+    return _prepare_one(local_dir, options)
+
+
+def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool = False) -> Prepared:
+    views = contextlib.ExitStack()
+    try:
+        local_dir = views.enter_context(viewed(local_dir))
+        if options.hf_model_path and is_store_url(options.hf_model_path):
+            options = replace(options, hf_model_path=str(views.enter_context(viewed(options.hf_model_path))))
+        configs = CheckpointConfig.of(local_dir, options)
+        plan = open_checkpoint(local_dir, options, configs, merged=merged)
+    except BaseException:
+        views.close()
+        raise
+    plan.views.enter_context(views)
     try:
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path).absolute())
@@ -227,6 +267,35 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
         plan.close()
         raise
     return Prepared(plan, config, outputs)
+
+
+def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
+    """Averaging (issue 40): each input (a role folder or a merged HF folder) planned as a merge of it
+    alone, then one plan whose tensors are their weighted average, computed while written; ``local_dir``,
+    one of the inputs, gives the config and the side files. The merge sequence runs on it unchanged."""
+    alone = replace(options, average_inputs=(), average_weights=(), dtype="auto")  # the cast comes after the sum
+    inputs: list[AveragedInput] = []
+    configs: dict[Path, ModelConfig] = {}
+    try:
+        for path, weight in zip(options.average_inputs, options.average_weights, strict=True):
+            one = _prepare_one(path, alone, merged=True)
+            inputs.append(AveragedInput(one.plan, one.outputs, weight))
+            configs[one.plan.role_dir] = one.config
+        reference = Path(local_dir).absolute()
+        plan, outputs = average_plan(
+            inputs,
+            reference,
+            dtype=DTYPES.get(options.dtype),
+            accumulate=options.average_accumulate,
+            max_shard_size=options.max_shard_size,
+        )
+        if options.dtype == "fp8":  # the average, quantized
+            outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, reference)
+    except BaseException:
+        for one in inputs:
+            one.plan.close()
+        raise
+    return Prepared(plan, configs[reference], outputs)
 
 
 # Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
@@ -261,12 +330,13 @@ def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, 
 def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -> None:
     """Tokenizer and friends, first: a trainer deleting the checkpoint mid-merge cannot take them away.
 
-    Every entry point calls this once, just before the weights: the blocking checks' imports start here."""
-    from merge_pipeline.hf.blocking_checks import import_checks_meanwhile
+    Every entry point calls this once, just before the weights: the blocking checks' worker starts here
+    (``hf/check_worker.py``: it imports transformers in its own process while the weights are written)."""
+    from merge_pipeline.hf.check_worker import start_beside
 
     config = prepared.config
     copy_side_files(config.path.parent, out_dir, options.max_side_file_size, confine_to=config.confine_to)
-    import_checks_meanwhile(config.raw)
+    start_beside(config.raw, out_dir)
 
 
 def write_weights(
@@ -276,9 +346,10 @@ def write_weights(
     files: list[ShardFile] | None = None,
     show_progress: bool = True,
     resume: ResumeLog | None = None,
+    sink: UploadSink | None = None,
 ) -> WriteReport:
     """Stream the weight files (all, or the given subset) into ``out_dir``; with ``resume``, keep the
-    files it lists as finished and record each newly finished one."""
+    files it lists as finished and record each newly finished one; with ``sink``, upload each once written."""
     files = outputs.files if files is None else files
     reused = {shard.filename for shard in files if resume and shard.filename in resume.finished}
     description = "writing weights"
@@ -292,7 +363,7 @@ def write_weights(
     try:
         for shard in files:
             if shard.filename in reused:
-                report.files.append(resume.finished[shard.filename])
+                report.files.append({**resume.finished[shard.filename], "kept": True})
                 continue
             path = out_dir / shard.filename
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,6 +380,12 @@ def write_weights(
             report.files.append(entry)
             if resume:
                 resume.record(entry)
+            if sink:
+                sink.add(out_dir, shard.filename, entry["sha256"])
+        if sink:
+            sink.close()
+            for entry in report.files:  # a hole was punched in each: the checks trust its sha256 as it is now
+                entry["identity"] = stat_identity(os.stat(out_dir / entry["filename"]))
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
@@ -337,7 +414,14 @@ def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> R
 def write_share(job: WeightJob, prepared: Prepared, files: list[ShardFile], *, show_progress: bool) -> WriteReport:
     """A worker's part of the weights: ``files``, reusing those the lead's ``resume_killed`` kept."""
     resume = ResumeLog(job.staging, resume_key(prepared, job.options), dict(job.kept))
-    return write_weights(prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume)
+    sink = UploadSink(job.upload_to) if job.upload_to else None
+    try:
+        return write_weights(
+            prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume, sink=sink
+        )
+    finally:
+        if sink:
+            sink.pool.shutdown(cancel_futures=True)
 
 
 def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, written: WriteReport) -> dict:
@@ -348,9 +432,6 @@ def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, writ
     one planned, unchanged: a trainer re-saving the step meanwhile would leave a folder mixing two saves.
     Every writer (the CLI, torchrun rank 0 once all ranks wrote, the Dagster asset) publishes only after.
     """
-    from merge_pipeline.hf.blocking_checks import check_imports_done
-
-    check_imports_done()  # config.json's value head asks transformers: never beside the importing thread
     plan, config, outputs = prepared
     with naming(out_dir):
         write_index(outputs, out_dir)
@@ -370,11 +451,11 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
             "backend": plan.backend,
-            "role_dir": str(plan.role_dir),
+            "role_dir": shown_path(plan.role_dir),
             "role": name.role,
             "checkpoint": asdict(name),
             "layout": plan.layout,
-            "inputs": [{"path": str(f.path), "size": f.size} for f in plan.files],
+            "inputs": [{"path": shown_path(f.path), "size": f.size} for f in plan.files],
         },
         "options": asdict(options),
         "decisions": {
@@ -405,10 +486,11 @@ def check_before_publishing(staging: Path, target: Path, written: WriteReport) -
     any failure is one line; when all passed, their outcomes (Dagster shows them on the stages).
 
     ``written``: the report of the weights written into ``staging`` (its digests: no weight byte is read again)."""
-    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal, run_blocking_checks
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal
+    from merge_pipeline.hf.check_worker import checks_on
 
     started = time.monotonic()
-    outcomes = run_blocking_checks(staging, written.by_file)
+    outcomes = checks_on(staging, written.by_file)
     problem = refusal(outcomes)
     if problem:
         raise MergeError(target, problem)
@@ -438,21 +520,30 @@ def merge(
     Every worker runs the same steps in the same order (the collectives of a distributed ``workers``)."""
     started = time.monotonic()
     options = options or MergeOptions()
-    target = Path(target_dir).absolute()
+    # A target in a store is built in a folder of this machine named by its URL (the same lock, staging,
+    # resume and checks as a local target), then uploaded with the manifest last (``storage.publish_folder``).
+    store_target = str(target_dir).rstrip("/") if is_store_url(target_dir) else None
+    target = local_twin(store_target) if store_target else Path(target_dir).absolute()
+    overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked
+    source = local_dir if is_store_url(local_dir) else Path(local_dir)
 
     def checked_and_prepared() -> Prepared:
-        check_target(target, source=local_dir, overwrite=options.overwrite)  # refused before any work
-        return prepare(local_dir, options)
+        if store_target:
+            check_store_target(store_target, overwrite=options.overwrite)
+        for input_dir in (source, *options.average_inputs):  # refused before any work
+            if not is_store_url(input_dir):
+                check_target(target, source=input_dir, overwrite=overwrite)
+        return prepare(source, options)
 
     prepared = workers.everywhere(checked_and_prepared)
-    job = WeightJob(Path(local_dir), staging_path(target), options)
+    job = WeightJob(source, staging_path(target), options, upload_to=store_target)
     with prepared, contextlib.ExitStack() as publishing:
 
         def open_staging() -> dict[str, dict]:
-            publishing.enter_context(
-                staged_output(target, source=local_dir, overwrite=options.overwrite, keep_killed=True)
-            )
+            publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
             kept = resume_killed(prepared, job.staging, options).finished
+            if store_target:
+                invalidate_target(store_target)  # before the first weight file goes up
             write_side_files(prepared, job.staging, options)
             return kept
 
@@ -464,17 +555,20 @@ def merge(
             manifest = finish_folder(prepared, job.staging, options, written.report)
             checks = check_before_publishing(job.staging, target, written.report)
             publishing.close()  # leaves staged_output cleanly: the rename into place happens here
+            if store_target:
+                publish_folder(target, store_target, manifest)
+                shutil.rmtree(target)  # the twin: uploaded, no longer needed
             return manifest, checks
 
         finished = workers.on_lead(finish_and_publish)
     if not workers.lead:
         return None
     manifest, checks = finished
-    result = MergeResult(target, prepared, written, manifest, checks, time.monotonic() - started)
+    result = MergeResult(store_target or target, prepared, written, manifest, checks, time.monotonic() - started)
     log.info(
         "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
-        prepared.plan.role_dir,
-        target,
+        shown_path(prepared.plan.role_dir),
+        result.target_dir,
         result.tensors,
         human_bytes(written.report.bytes),
         result.seconds,
@@ -482,15 +576,16 @@ def merge(
     return result
 
 
-def describe(local_dir: Path, options: MergeOptions) -> dict:
+def describe(local_dir: str | Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
-    configs = CheckpointConfig.of(local_dir, options)
-    with open_checkpoint(local_dir, options, configs) as plan:
-        try:
-            config = configs.load(plan.hf_dir)
-        except MergeError as exc:  # a checkpoint without a config is still described
-            config = exc
-        return checkpoint_facts(plan, options, config)
+    with viewed(local_dir) as folder:
+        configs = CheckpointConfig.of(folder, options)
+        with open_checkpoint(folder, options, configs) as plan:
+            try:
+                config = configs.load(plan.hf_dir)
+            except MergeError as exc:  # a checkpoint without a config is still described
+                config = exc
+            return checkpoint_facts(plan, options, config)
 
 
 def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelConfig | MergeError) -> dict:
@@ -507,7 +602,7 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
     return {
         "backend": plan.backend,
         "role": checkpoint_name(plan.role_dir).role,
-        "path": str(plan.role_dir),
+        "path": shown_path(plan.role_dir),
         **plan.layout,
         "architecture": architecture,
         "parameters": plan.parameter_count,
@@ -518,7 +613,7 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
         "lora": has_lora_tensors(plan.tensors),
         "value_model": plan.is_value_model,
         "tied_word_embeddings": tied,
-        "files": [{"path": str(f.path), "size": f.size} for f in plan.files],
+        "files": [{"path": shown_path(f.path), "size": f.size} for f in plan.files],
         **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
     }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import threading
 from collections import Counter, OrderedDict
@@ -22,6 +23,7 @@ import torch
 from merge_pipeline.errors import MergeError
 from merge_pipeline.input_files import open_regular_stat
 from merge_pipeline.options import MergeOptions
+from merge_pipeline.storage import ObjectIdentity, store_object
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
 READ_PIECE_BYTES = 8 * 1024 * 1024
@@ -113,8 +115,14 @@ class SourceFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.identity: FileIdentity | None = None
+        self.identity: FileIdentity | ObjectIdentity | None = None
         self.bytes_read = 0  # tensor bytes taken from it (``counted``): what a launcher reports per node
+        # A placeholder of a store's view (``storage.viewed``): read through ranged GETs pinned to its ETag.
+        self.remote = store_object(self.path)
+        if self.remote is not None:
+            self.identity = self.remote.identity
+            self.size = self.identity.size
+            return
         with self.opened():  # planning opens each file once: this records its identity
             self.size = self.identity.size
 
@@ -146,6 +154,9 @@ class SourceFile:
         meanwhile (the trainer's rotation) is fine if the one we hold open is unchanged: deleting it
         changes only its ctime. Run before publishing; every re-open checks the same in ``_open``.
         """
+        if self.remote is not None:
+            self.remote.check_unchanged()
+            return
         try:
             now = FileIdentity.of(os.stat(self.path))
         except FileNotFoundError:
@@ -160,6 +171,16 @@ class SourceFile:
 
     def read_into(self, buffer: memoryview, offset: int) -> None:
         """Fill ``buffer`` with the bytes at ``offset``; a short read means the file was truncated."""
+        if self.remote is not None:
+            data = self.remote.read(offset, len(buffer))
+            if len(data) != len(buffer):
+                raise MergeError(
+                    self.path,
+                    f"file ends at byte {offset + len(data)}, expected data up to byte {offset + len(buffer)}",
+                )
+            buffer[:] = data
+            self.counted(len(data))
+            return
         with self.opened() as fd:
             done = 0
             while done < len(buffer):
@@ -176,8 +197,67 @@ class SourceFile:
             self.bytes_read += n
         return n
 
+    def pread(self, length: int, offset: int) -> bytes:
+        """Up to ``length`` bytes at ``offset`` (fewer at the end), as ``os.pread``: for reading metadata."""
+        if self.remote is not None:
+            return self.remote.read(offset, length)
+        with self.opened() as fd:
+            return os.pread(fd, length, offset)
+
+    def preadv(self, buffers: list[memoryview], offset: int) -> int:
+        """Fill ``buffers`` in turn from ``offset`` (one read); the bytes read, as ``os.preadv``."""
+        if self.remote is not None:
+            data = memoryview(self.remote.read(offset, sum(len(b) for b in buffers)))
+            done = 0
+            for b in buffers:
+                piece = data[done : done + len(b)]
+                b[: len(piece)] = piece
+                done += len(piece)
+            return self.counted(done)
+        with self.opened() as fd:
+            return self.counted(os.preadv(fd, buffers, offset))
+
+    def advise_will_need(self, offset: int, length: int) -> None:
+        """Ask the kernel to start reading this range into the page cache (a store object: GETs ahead)."""
+        if self.remote is not None:
+            self.remote.prefetch(offset, length)
+            return
+        with self.opened() as fd:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
     def close(self) -> None:
-        _OPEN.close(self)
+        if self.remote is None:
+            _OPEN.close(self)
+
+
+class FileRange(io.RawIOBase):
+    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive,
+    or a whole torch.save file of a store (``torch_files.torch_archive``)."""
+
+    def __init__(self, file: SourceFile, offset: int, length: int):
+        super().__init__()
+        self.file, self.offset, self.length, self.position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = base + position
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.position))
+        if n:
+            self.file.read_into(memoryview(buffer)[:n], self.offset + self.position)
+        self.position += n
+        return n
 
 
 def _changed(path: Path) -> MergeError:
@@ -362,6 +442,8 @@ class LayoutFacts(TypedDict, total=False):
     stored_tensors: int
     chunks: int
     files: int
+    averaged_inputs: list[dict]  # an average (issue 40): each input's path, backend and weight
+    accumulate: str  # and the dtype its weighted sum was accumulated in
 
 
 @dataclass
@@ -380,6 +462,9 @@ class CheckpointPlan:
     # trained HF model's own state-dict keys (FSDP), where the check would cost seconds for nothing.
     check_against_architecture: bool = True
     layout: LayoutFacts = field(default_factory=dict)
+    # What the plan reads through besides its files, released with them: the local views of store
+    # prefixes (``storage.viewed``) that ``pipeline.prepare`` opened for it.
+    views: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, compare=False, repr=False)
 
     def writes_value_model(self, options: MergeOptions) -> bool:
         """The output is a value model (a score head, no lm_head) when the checkpoint is one or the user says so."""
@@ -391,6 +476,7 @@ class CheckpointPlan:
 
     def close(self) -> None:
         close_all(self.files)
+        self.views.close()
 
     def __enter__(self) -> CheckpointPlan:
         return self

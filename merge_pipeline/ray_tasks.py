@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import socket
 import time
 from collections import defaultdict
@@ -72,6 +73,7 @@ class TaskResult:
     report: WriteReport | None = None
     bytes_read: int = 0  # tensor bytes read from the checkpoint's files by this task's writing
     peak_rss_bytes: int = 0
+    cpu_s: float = 0.0  # user + system CPU of the task's worker process, start-up included
     error: str | None = None
 
     @property
@@ -211,7 +213,8 @@ def _write_task(job: WeightJob, filenames: list[str]) -> TaskResult:
         return TaskResult(node_id, node_ip, error=str(exc))
     except OSError as exc:
         return TaskResult(node_id, node_ip, error=str(os_error(exc)))
-    return TaskResult(node_id, node_ip, report, read, peak_rss_bytes())
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # a fresh worker per task (max_calls=1): the task's own
+    return TaskResult(node_id, node_ip, report, read, peak_rss_bytes(), usage.ru_utime + usage.ru_stime)
 
 
 def _bytes_read(prepared: Prepared) -> int:
@@ -276,13 +279,15 @@ def _gather(
                 i = pending.pop(ref)
                 results[i] = _result(ray, ref, i, shares, settings)
                 logger.info(
-                    "Ray task %d/%d on %s wrote %d weight file(s), %s, reading %s",
+                    "Ray task %d/%d on %s wrote %d weight file(s), %s, reading %s (peak RSS %s, CPU %.1f s)",
                     i + 1,
                     len(shares),
                     results[i].node,
                     len(shares[i]),
                     human_bytes(results[i].report.bytes),
                     human_bytes(results[i].bytes_read),
+                    human_bytes(results[i].peak_rss_bytes),
+                    results[i].cpu_s,
                 )
             nodes = _note_lost_nodes(ray, nodes, settings, logger)
             stalled = watch.poll()

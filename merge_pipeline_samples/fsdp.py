@@ -76,6 +76,9 @@ class FsdpSpec:
     with_optimizer: bool = True  # optim_* and extra_state_* files beside the model files
     legacy_no_fsdp_config: bool = False  # older verl wrote no fsdp_config.json
     seed: int = 0
+    # The seed's weights moved this far along one fixed direction: a later step of the same run, so the
+    # step report shows small changes from the step before (another seed is a different model).
+    trained_steps: int = 0
 
     def __post_init__(self):
         if self.arch not in _CONFIGS:
@@ -211,7 +214,7 @@ def _build_model(spec: FsdpSpec, config):
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in 5.x
             warnings.simplefilter("ignore", FutureWarning)
             model = peft.get_peft_model(model, lora)
-    _randomize(model, spec.seed)
+    _randomize(model, spec.seed, spec.trained_steps)
     return model.to(spec.dtype), trained_config
 
 
@@ -226,13 +229,18 @@ def _write_base_model(model, spec: FsdpSpec, out_dir: Path) -> None:
 
 
 @torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Seeded weights with no structure a merge bug could hide behind: no ones, no zeros."""
+def _randomize(model: torch.nn.Module, seed: int, trained_steps: int = 0) -> None:
+    """Seeded weights with no structure a merge bug could hide behind: no ones, no zeros; moved
+    ``trained_steps`` times by 1/50 of their scale along a direction seeded by ``seed`` too."""
     generator = torch.Generator().manual_seed(seed)
+    direction = torch.Generator().manual_seed(seed + 1)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=generator)
         is_norm = "norm" in name.rsplit(".", 2)[-2]
-        param.copy_(1.0 + 0.1 * noise if is_norm else 0.05 * noise)
+        scale = 0.1 if is_norm else 0.05
+        param.copy_((1.0 if is_norm else 0.0) + scale * noise)
+        if trained_steps:
+            param.add_(torch.randn(param.shape, generator=direction), alpha=scale * trained_steps / 50)
 
 
 def _write_reference(spec: FsdpSpec, config, out_dir: Path) -> dict:
@@ -546,6 +554,12 @@ def _parser() -> argparse.ArgumentParser:
         help="sft: the SFT trainer's step folder (pass global_step_N as the folder)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--trained-steps",
+        type=int,
+        default=defaults.trained_steps,
+        help="the seed's weights after this many steps along one direction: a later step of the same run",
+    )
     parser.add_argument("--reference-dir", type=Path, help="also write the unsharded weights and config here")
     parser.add_argument("--timeout", type=float, default=300)
     return parser
@@ -586,6 +600,7 @@ def _spec_from_args(args: argparse.Namespace, world_size: int) -> FsdpSpec:
         placements=tuple(args.placements) if args.placements else None,
         layout=args.layout,
         seed=args.seed,
+        trained_steps=args.trained_steps,
     )
 
 

@@ -137,6 +137,7 @@ class Variant:
     size: str = "tiny"  # a key of SIZE_PRESETS
     te_spec: bool = False  # key names of the TransformerEngine layer spec, which megatron-core cannot run on CPU
     mtp_layers: int = 0  # DeepSeek-V3 multi-token-prediction modules (megatron-core's mtp_num_layers)
+    seed: int = 0  # another seed: other values for every key (several "steps" of one model, to average)
 
     @property
     def sizes(self) -> dict:
@@ -191,9 +192,9 @@ class MegatronSample:
         return self.role_dir.parent / "megatron_logits.pt"
 
 
-def global_values(key: str, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
-    """The whole tensor stored under ``key``: seeded by the key alone, so every rank agrees."""
-    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+def global_values(key: str, shape: Iterable[int], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """The whole tensor stored under ``key``: seeded by the key alone (and the variant's seed), so every rank agrees."""
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()) + (seed << 32))
     values = torch.randn(tuple(shape), generator=generator)
     values = 1.0 + 0.1 * values if re.search(r"norm", key) else 0.1 * values
     return values.to(dtype)
@@ -469,7 +470,7 @@ def _write_hf_weights(hf_dir: Path, weights: dict[str, torch.Tensor]) -> None:
 
 def _handmade_weights(v: Variant) -> dict[str, torch.Tensor]:
     shapes = _handmade_shapes(v)
-    return {key: global_values(key, shape, getattr(torch, v.dtype)) for key, shape in shapes.items()}
+    return {key: global_values(key, shape, getattr(torch, v.dtype), v.seed) for key, shape in shapes.items()}
 
 
 def _handmade_shapes(v: Variant) -> dict[str, tuple[int, ...]]:

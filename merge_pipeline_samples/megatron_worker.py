@@ -226,7 +226,7 @@ def _fill(model, v: Variant, full: dict[str, torch.Tensor] | None = None) -> dic
             if not isinstance(item, ShardedTensor):
                 continue
             if item.key not in full:
-                full[item.key] = global_values(item.key, item.global_shape, item.data.dtype)
+                full[item.key] = global_values(item.key, item.global_shape, item.data.dtype, v.seed)
             item.data.copy_(full[item.key][item.global_slice()].reshape(item.data.shape))
             if is_main_replica(item.replica_id) and not any(item.global_offset):
                 owned[item.key] = full[item.key]

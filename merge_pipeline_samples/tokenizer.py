@@ -37,13 +37,20 @@ _CORPUS = (
 
 
 def write_tokenizer(out_dir: Path, *, vocab_size: int) -> None:
-    """Train the tokenizer, keeping at most ``vocab_size`` tokens, and ``save_pretrained`` it."""
+    """Train the tokenizer, keeping at most ``vocab_size`` tokens, and ``save_pretrained`` it. Ids the
+    corpus leaves free up to ``vocab_size`` are filler words (``w123``), so every row of the model's
+    embedding decodes to a word: a random model's generated text reads as words, not as ``''``."""
     if vocab_size < len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size {vocab_size} cannot hold the special tokens and one word")
-    tokenizer = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trained = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+    trained.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS))
-    tokenizer.train_from_iterator(_CORPUS, trainer=trainer)
+    trained.train_from_iterator(_CORPUS, trainer=trainer)
+    vocab = trained.get_vocab()
+    vocab |= {f"w{i}": i for i in range(len(vocab), vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=EOS_TOKEN,

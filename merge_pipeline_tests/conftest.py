@@ -20,29 +20,9 @@ from merge_pipeline_samples.megatron import VARIANTS as MEGATRON_VARIANTS
 from merge_pipeline_samples.megatron import MegatronSample, write_megatron_samples
 from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_cli
 
-# The fixtures that write real trainer checkpoints (torch distributed, megatron-core, DeepSpeed ranks): seconds
-# each. A test that needs one, directly or through another fixture, is in the slow tier.
-WRITES_SAMPLES = {
-    "fsdp_checkpoint",
-    "dcp_sample",
-    "deepspeed_checkpoints",
-    "megatron_samples",
-    "megatron_v2_sample",
-    "megatron_fsdp_sample",
-    "megatron_lm_sample",
-}
-
-
-def pytest_collection_modifyitems(items):
-    """The tiers (README "The two commands"): ``slow`` also marks every test that writes a sample checkpoint, launches
-    torchrun or runs Dagster's processes, so ``-m "not slow"`` leaves the unit tests on small synthetic inputs."""
-    for item in items:
-        if (
-            WRITES_SAMPLES.intersection(item.fixturenames)
-            or any(item.iter_markers("torchrun"))
-            or any(item.iter_markers("e2e"))
-        ):
-            item.add_marker(pytest.mark.slow)
+# The tiers (README "The two commands"): a test is slow when its body or a fixture it uses writes a sample
+# checkpoint or starts a process, read from their code (tiers.py); the fast tier fails a test that does so unseen.
+from merge_pipeline_tests.tiers import pytest_collection_modifyitems, pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,8 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
 @contextlib.contextmanager
-def torchrun(nproc: int, *args) -> Iterator[subprocess.Popen]:
-    """torchrun in its own process group, killed with all its ranks whatever the test does."""
+def torchrun(nproc: int, *args, command: str = "merge") -> Iterator[subprocess.Popen]:
+    """torchrun of ``merge-pipeline <command>`` in its own process group, killed with all its ranks whatever the test does."""
     command = [
         TORCHRUN,
         "--standalone",
@@ -195,7 +195,7 @@ def torchrun(nproc: int, *args) -> Iterator[subprocess.Popen]:
         str(nproc),
         "-m",
         "merge_pipeline",
-        "merge",
+        command,
         *map(str, args),
     ]
     run = subprocess.Popen(

@@ -78,3 +78,30 @@ def test_benchmark_plot_renders(bench, tmp_path):
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_the_launcher_benchmark_measures_in_process_and_ray_on_two_nodes(tmp_path):
+    """benchmarks/launchers.py once on the tiny FSDP checkpoint: its local Ray cluster, the figures it reads
+    from the merge's own log lines (bytes read per node, each task's peak RSS and CPU), the table."""
+    command = [sys.executable, "-m", "benchmarks.launchers", "--sizes", "tiny", "--repeat", "1"]
+    command += ["--launchers", "in-process,ray", "--nodes", "2", "--max-shard-size", "200KB"]
+    command += ["--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "launchers.json").read_text())
+    assert not (tmp_path / "out" / "launchers-scratch").exists()
+
+    in_process, ray = results["cases"]
+    assert (in_process["launcher"], ray["launcher"]) == ("in process", "Ray 2")
+    assert 0 < in_process["wall_s"] < 600 and in_process["cpu_s"] > 0
+    total = results["input_bytes"]["tiny"]
+    tasks = ray["tasks"]
+    assert len(tasks) == 2 and len({t["node"] for t in tasks}) == 2, "one task on each of two nodes"
+    assert all(0 < t["read"] <= 1.05 * total for t in tasks)
+    assert sum(t["read"] for t in tasks) >= 0.9 * total  # together they read the whole checkpoint
+    assert all(50 * 2**20 < t["peak_rss_bytes"] < 2 * GiB and t["cpu_s"] > 0 for t in tasks)
+    assert ray["cpu_s"] > ray["driver_cpu_s"] + sum(t["cpu_s"] for t in tasks) - 0.01
+    (launch,) = results["launch"]
+    assert all(launch[k] > 0 for k in ("import_s", "connect_s", "first_task_s", "torch_task_s"))
+    assert "| tiny bfloat16 | Ray 2 |" in (tmp_path / "out" / "launchers.md").read_text()

@@ -31,6 +31,7 @@ LAYERS = {
     "ray_settings": 0,
     "model_card": 0,
     "checkpoint_name": 0,
+    "storage": 0,
     "hf": 1,
     "families": 1,
     "formats": 2,

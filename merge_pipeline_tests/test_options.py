@@ -12,10 +12,12 @@ from merge_pipeline.defs.config import MergeConfig
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_flags
 from merge_pipeline.pipeline import prepare
+from merge_pipeline.ray_settings import RAY_FIELDS
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
 LAUNCHER_FIELDS = {"launcher", "nproc_per_node", "nnodes", "rdzv_endpoint"}  # Dagster's own
+RAY_CONFIG_FIELDS = {f"ray_{setting.name}" for setting in RAY_FIELDS}  # the CLI's --ray-<name>
 
 
 def command_flags(command: str) -> dict[str, argparse.Action]:
@@ -36,10 +38,13 @@ def test_every_option_is_a_merge_flag_with_its_help_and_default():
 
 def test_every_option_is_a_dagster_config_field_with_the_same_description_and_default():
     config_fields = MergeConfig.model_fields
-    assert set(config_fields) == {option.name for option in OPTION_FIELDS} | LAUNCHER_FIELDS
+    assert set(config_fields) == {option.name for option in OPTION_FIELDS} | LAUNCHER_FIELDS | RAY_CONFIG_FIELDS
     for option in OPTION_FIELDS:
         assert config_fields[option.name].default == option.default, option.name
         assert config_fields[option.name].description == option.metadata["help"], option.name
+    for setting in RAY_FIELDS:
+        field = config_fields[f"ray_{setting.name}"]
+        assert field.default == setting.default and setting.metadata["help"] in field.description, setting.name
     every_option_set = {
         "backend": "fsdp",
         "tie_word_embedding": True,

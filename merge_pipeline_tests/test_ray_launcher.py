@@ -4,6 +4,7 @@ mid-merge, the same bytes as one process; a bad address or an impossible request
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -64,7 +65,7 @@ def test_tasks_on_several_nodes_write_what_one_process_writes(request, cluster, 
     assert len(ours) == 2 and all(t.state == "FINISHED" for t in ours)
     assert len({t.node_id for t in ours}) == 2, "Ray's records: the tasks ran on two nodes"
     assert {r.node_id for r in workers.results} == {t.node_id for t in ours}
-    assert all(r.bytes_read > 0 and r.peak_rss_bytes > 0 for r in workers.results)
+    assert all(r.bytes_read > 0 and r.peak_rss_bytes > 0 and r.cpu_s > 0 for r in workers.results)
 
 
 @pytest.mark.slow
@@ -92,6 +93,7 @@ def test_cli_merges_over_the_cluster_and_reports_each_task(capsys, caplog, clust
     assert code == 0, err
     assert out.startswith("merged ")
     assert "Ray task 1/2 on " in caplog.text and "Ray task 2/2 on " in caplog.text and "per node: " in caplog.text
+    assert len(re.findall(r"\(peak RSS [\d.]+ [KMG]iB, CPU [\d.]+ s\)", caplog.text)) == 2  # each task's own
     assert_same_as_one_process(target, local_dir, MergeOptions(max_shard_size=SHARDS), tmp_path)
 
 

@@ -142,7 +142,7 @@ The demo checkpoint is merged. Open:
 In another shell, to reach merge-pipeline, dg and this demo's instance (docs/DAGSTER.md, "After the demo"):
     cd $PWD && source .venv/bin/activate && export DAGSTER_HOME=$DAGSTER_HOME
 Drop another checkpoint into the watched root; the sensor merges it within a minute:
-    $PY -m merge_pipeline_samples.fsdp $RUN_DIR/global_step_$NEXT/actor --seed $NEXT && printf $NEXT > $RUN_DIR/latest_checkpointed_iteration.txt
+    $PY -m merge_pipeline_samples.fsdp $RUN_DIR/global_step_$NEXT/actor --trained-steps $((NEXT - 1)) && printf $NEXT > $RUN_DIR/latest_checkpointed_iteration.txt
 Merged folders land in $MERGE_PIPELINE_OUTPUT_ROOT.
 EOF
 

@@ -13,14 +13,18 @@ instance with no prefix whose settings come from the environment (``MergeCheckpo
 
 from __future__ import annotations
 
+import shutil
 import textwrap
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import click
 import dagster as dg
-from pydantic import ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
+from merge_pipeline.defs.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.defs.config import checked_merge_config
 from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
 from merge_pipeline.defs.names import Names
@@ -29,6 +33,8 @@ from merge_pipeline.defs.report import step_report_definition
 from merge_pipeline.defs.report_sensor import step_report_sensor_definition
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensors import checkpoint_sensor
+
+INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
 
 
 class HubPublishing(dg.Model):
@@ -40,9 +46,12 @@ class HubPublishing(dg.Model):
 
 
 class MergeCheckpointsScaffolder(dg.Scaffolder):
-    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting."""
+    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting, and
+    the instance settings (``dagster.yaml``) in a project root that has none."""
 
     def scaffold(self, request: dg.ScaffoldRequest) -> None:
+        if request.project_root is not None:
+            click.echo(_write_instance_settings(request.project_root))
         request.target_path.mkdir(parents=True, exist_ok=True)
         prefix = request.target_path.name.replace("-", "_")
         (request.target_path / "defs.yaml").write_text(
@@ -54,6 +63,9 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   checkpoint_roots: [/data/{prefix}/checkpoints]
                   output_root: /data/{prefix}/merged
                   settle_seconds: 60
+                  # merge and report runs of this instance at once (the sensors hold back the rest);
+                  # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
+                  max_concurrent_merges: 1
                   # for checkpoints without a config of their own (torchtitan, NeMo-RL, ...)
                   # hf_model_path: /models/base
                   # hard-link a complete step until its merge is done (the trainer's rotation may delete it)
@@ -71,8 +83,26 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
                   #   launcher: ray
                   #   ray_address: ray://raycluster-head-svc:10001
                   #   ray_resource: merge
+                  # average the newest K merged steps of each run when a step lands (averaged_model)
+                  # averaging:
+                  #   last_k: 3
+                  #   scheme: uniform    # or ema (ema_decay: 0.9), or weighted (weights: [1, 2, 3])
+                  #   dtype: auto
                 """)
         )
+
+
+def _write_instance_settings(project_root: Path) -> str:
+    """A new project's instance has no run queue limits, DEBUG event logs, no run monitoring and no
+    retries: this package's instance settings, written where ``dg dev`` reads them. What it did, in one line."""
+    written = project_root / "dagster.yaml"
+    if written.exists() or (project_root / "dagster.yml").exists():
+        return f"{written.name} kept as it is; merge_pipeline's instance settings are in {INSTANCE_SETTINGS}"
+    shutil.copyfile(INSTANCE_SETTINGS, written)
+    return (
+        f"wrote {written}: merge_pipeline's instance settings (one heavy run at a time, INFO logs, run "
+        "monitoring and retries); `dg dev` reads it here, with DAGSTER_HOME set copy it there"
+    )
 
 
 def _as_written(context: dg.ResolutionContext, value: object) -> object:
@@ -99,8 +129,12 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         SENSOR_INTERVAL.default
     )
     freshness_minutes: float = FRESHNESS.default
+    # Merge and report runs of this instance queued or running at once; the sensors hold back the rest
+    # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
+    max_concurrent_merges: int = Field(default=1, ge=0)
     alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
+    averaging: Averaging | None = None  # none: no averaged_model (issue 40: the newest K merged steps of each run)
     # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
     # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
     merge_config: dict[str, Any] | None = None
@@ -119,6 +153,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         hub = HuggingFaceHub.from_env()
         return cls(
             prefix="",
+            max_concurrent_merges=0,  # this project's dagster.yaml queues them, one at a time
             sensor_interval_seconds=SENSOR_INTERVAL.from_env(),
             freshness_minutes=FRESHNESS.from_env(),
             hub=HubPublishing(
@@ -134,7 +169,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
 
     def definitions(self, names: Names) -> dg.Definitions:
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, bool(self.hub.organization))
-        return dg.Definitions(
+        merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
                 merge_step_definition(names, self.freshness_minutes),
@@ -144,9 +179,12 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
                 checkpoint_sensor(
-                    names, self.sensor_interval_seconds, checked_merge_config(self.merge_config or {}) or None
+                    names,
+                    self.sensor_interval_seconds,
+                    checked_merge_config(self.merge_config or {}) or None,
+                    self.max_concurrent_merges,
                 ),
-                step_report_sensor_definition(names, self.sensor_interval_seconds),
+                step_report_sensor_definition(names, self.sensor_interval_seconds, self.max_concurrent_merges),
                 failure_webhook(names),
             ],
             schedules=[publish_latest_steps],
@@ -162,6 +200,17 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
                 names("alert_webhook"): AlertWebhook(url=self.alert_webhook_url),
             },
         )
+        if self.averaging is None:
+            return merge
+        averaging = dg.Definitions(
+            assets=[averaged_model_definition(names, self.averaging)],
+            sensors=[
+                averaged_model_sensor_definition(
+                    names, self.sensor_interval_seconds, self.averaging, self.max_concurrent_merges
+                )
+            ],
+        )
+        return dg.Definitions.merge(merge, averaging)
 
     def settings(self) -> MergeSettings:
         return MergeSettings(

@@ -34,21 +34,7 @@ _MergeOptionsConfig = create_model(
 )
 
 
-# The Ray launcher's settings, each as ray_<name>: the CLI's --ray-<name> with the same help and default.
-_RayConfig = create_model(
-    "_RayConfig",
-    __base__=_MergeOptionsConfig,
-    **{
-        f"ray_{setting.name}": (
-            get_type_hints(RaySettings)[setting.name],
-            Field(default=setting.default, description=f"launcher ray: {setting.metadata['help']}"),
-        )
-        for setting in RAY_FIELDS
-    },
-)
-
-
-class MergeConfig(_RayConfig):
+class _LauncherConfig(_MergeOptionsConfig):
     launcher: Literal["inprocess", "torchrun", "ray"] = Field(
         default="inprocess",
         description="write the shards in the run's process, across processes (and nodes) with torchrun, or as tasks on a Ray cluster (ray_address)",
@@ -61,6 +47,22 @@ class MergeConfig(_RayConfig):
     )
     rdzv_endpoint: str = Field(default="127.0.0.1:29400", description="torchrun: rendezvous host:port when nnodes > 1")
 
+
+# The Ray launcher's settings, each as ray_<name>: the CLI's --ray-<name> with the same help and default.
+_RayConfig = create_model(
+    "_RayConfig",
+    __base__=_LauncherConfig,
+    **{
+        f"ray_{setting.name}": (
+            get_type_hints(RaySettings)[setting.name],
+            Field(default=setting.default, description=f"launcher ray: {setting.metadata['help']}"),
+        )
+        for setting in RAY_FIELDS
+    },
+)
+
+
+class MergeConfig(_RayConfig):
     def options(self) -> MergeOptions:
         return MergeOptions(**{option.name: getattr(self, option.name) for option in OPTION_FIELDS})
 

@@ -18,11 +18,17 @@ from merge_pipeline.defs.jobs import report_job
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.numeric_settings import SENSOR_INTERVAL
 from merge_pipeline.defs.records import latest_materialization
+from merge_pipeline.defs.sensors import heavy_runs_in_flight
 
 BATCH = 200  # merges looked at per tick; the cursor moves on, so a longer backlog takes a few ticks
 
 
-def step_report_sensor_definition(names: Names, interval_seconds: int) -> dg.SensorDefinition:
+def step_report_sensor_definition(
+    names: Names, interval_seconds: int, max_concurrent_merges: int = 0
+) -> dg.SensorDefinition:
+    """``max_concurrent_merges``: no report requested while this many merge or report runs of this
+    instance are queued or running (0: leave it to the instance's run queue)."""
+
     @dg.sensor(
         name=names("step_report_sensor"),
         job=report_job(names),
@@ -31,12 +37,19 @@ def step_report_sensor_definition(names: Names, interval_seconds: int) -> dg.Sen
         description="After each successful merge (a new hf_model materialization), materializes that partition's step_report in a run of its own.",
     )
     def step_report_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        return _tick(context.instance, context.cursor, names)
+        return _tick(context.instance, context.cursor, names, max_concurrent_merges)
 
     return step_report_sensor
 
 
-def _tick(instance: dg.DagsterInstance, cursor: str | None, names: Names) -> dg.SensorResult:
+def _tick(
+    instance: dg.DagsterInstance, cursor: str | None, names: Names, max_concurrent_merges: int
+) -> dg.SensorResult:
+    room = BATCH
+    if max_concurrent_merges:  # a project without a run queue's limits: a report is not run beside a merge
+        room = max_concurrent_merges - heavy_runs_in_flight(instance, names)
+        if room <= 0:  # the cursor stays: the next tick reads these merges again
+            return dg.SensorResult(skip_reason="a merge or report of this instance is queued or running", cursor=cursor)
     merges = instance.fetch_materializations(
         dg.AssetRecordsFilter(names.key("hf_model"), after_storage_id=int(cursor) if cursor else None),
         limit=BATCH,
@@ -49,6 +62,8 @@ def _tick(instance: dg.DagsterInstance, cursor: str | None, names: Names) -> dg.
         if report is None or report.storage_id < merge.storage_id:
             requests.append(dg.RunRequest(run_key=f"{partition}@{merge.storage_id}", partition_key=partition))
     moved = str(merges[-1].storage_id) if merges else cursor
+    if len(requests) > room:  # the rest by later ticks: the cursor stays, and a run key is launched once
+        requests, moved = requests[:room], cursor
     if requests:
         return dg.SensorResult(run_requests=requests, cursor=moved)
     return dg.SensorResult(

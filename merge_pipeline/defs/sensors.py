@@ -25,7 +25,7 @@ from merge_pipeline.defs.jobs import merge_checkpoint_job
 from merge_pipeline.defs.names import PLAIN, Names
 from merge_pipeline.defs.numeric_settings import SENSOR_INTERVAL
 from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import pin, stale_pins, unpin
+from merge_pipeline.defs.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.defs.resources import MergeSettings
 from merge_pipeline.defs.sensor_cursor import cursor_keys, sensor_cursor
 
@@ -35,8 +35,13 @@ if TYPE_CHECKING:
 SOURCE_TAG = "merge_pipeline/source"
 
 
-def checkpoint_sensor(names: Names, interval_seconds: int, merge_config: dict | None = None) -> dg.SensorDefinition:
-    """``merge_config``: the merge step's config for the runs it requests (``jobs.merge_checkpoint_job``)."""
+def checkpoint_sensor(
+    names: Names, interval_seconds: int, merge_config: dict | None = None, max_concurrent_merges: int = 0
+) -> dg.SensorDefinition:
+    """``merge_config``: the merge step's config for the runs it requests (``jobs.merge_checkpoint_job``).
+    ``max_concurrent_merges``: at most this many runs of this instance's merge and report jobs queued or
+    running at once, the rest of the complete steps held back for later ticks (0: request every complete
+    step at once, for an instance whose run queue limits them, as this project's ``dagster.yaml`` does)."""
 
     @dg.sensor(
         name=names("new_checkpoint_sensor"),
@@ -48,18 +53,20 @@ def checkpoint_sensor(names: Names, interval_seconds: int, merge_config: dict | 
     )
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
         # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)
-        return _tick(context, getattr(context.resources, names("settings")), names)
+        return _tick(context, getattr(context.resources, names("settings")), names, max_concurrent_merges)
 
     return new_checkpoint_sensor
 
 
-def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names) -> dg.SensorResult:
+def _tick(
+    context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names, max_concurrent_merges: int
+) -> dg.SensorResult:
     # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
     from merge_pipeline.defs.discovery import completeness
 
     checkpoint_partitions = names.partitions
     seen = cursor_keys(context.cursor)  # requested (with the step's newest change then) or already merged
-    present, requests, waiting, saved, found_merged = set(), [], [], [], []
+    present, complete, requests, waiting, saved, found_merged = set(), [], [], [], [], []
     partitions = context.instance.get_dynamic_partitions(checkpoint_partitions.name)
     failed = _failed_partitions(context.instance, partitions, names)
     scan = settings.find_checkpoints()
@@ -84,6 +91,14 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
         if not state.complete:
             waiting.append(f"{key} ({state.reason})")
             continue
+        complete.append((found, state))
+    room = len(complete)
+    if max_concurrent_merges:  # a project without a run queue's limits: the sensor keeps the limit itself
+        room = max(0, max_concurrent_merges - heavy_runs_in_flight(context.instance, names))
+        complete.sort(key=lambda c: (c[0].key.run_name, c[0].key.step, c[0].key.role))  # the oldest steps first
+    held = [str(found.key) for found, _ in complete[room:]]  # not in the cursor: looked at again next tick
+    for found, state in complete[:room]:
+        key = str(found.key)
         seen[key] = state.newest_change
         # A re-requested step's pin is made again: pin() keeps a pin only if it holds the step's current files.
         if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key)):
@@ -118,9 +133,17 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
         changes.append(checkpoint_partitions.build_delete_request(rotated))
     if requests or found_merged:
         changes.append(checkpoint_partitions.build_add_request([r.partition_key for r in requests] + found_merged))
+    held_back = (
+        f"{len(held)} complete checkpoint(s) held back: at most {max_concurrent_merges} merge or report run(s) "
+        f"queued or running at once (max_concurrent_merges): {', '.join(held[:5])}"
+        if held
+        else ""
+    )
+    if held:
+        context.log.info(held_back)
     if requests:
         keys = [r.partition_key for r in requests]
-        requested = f"requested {len(keys)} merge(s): {', '.join(keys[:5])}"
+        requested = f"requested {len(keys)} merge(s): {', '.join(keys[:5])}" + (f" | {held_back}" if held else "")
         return dg.SensorResult(
             run_requests=requests,
             dynamic_partitions_requests=changes,
@@ -132,6 +155,8 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
         if waiting
         else f"no new checkpoints ({len(present)} known)"
     )
+    if held:
+        reason = f"{held_back} | {reason}" if waiting else held_back
     failed = [k for k in failed if k not in rotated]
     if failed:
         reason = f"{reason} | last merge failed for {len(failed)}: {', '.join(failed[:5])} (see Runs; re-execute or backfill them)"
@@ -142,6 +167,15 @@ def _tick(context: dg.SensorEvaluationContext, settings: MergeSettings, names: N
         cursor=sensor_cursor(_kept(seen, present), reason),
         dynamic_partitions_requests=changes,
         asset_events=saved,
+    )
+
+
+def heavy_runs_in_flight(instance: dg.DagsterInstance, names: Names) -> int:
+    """Runs of this instance's merge, report and average jobs (the sensors', retries, backfills, ``dagster job
+    launch``) queued or running: all read or write every weight."""
+    return sum(
+        instance.get_runs_count(dg.RunsFilter(job_name=names(job), statuses=ACTIVE_RUNS))
+        for job in ("merge_checkpoint", "report_merged_step", "average_run")
     )
 
 

@@ -40,7 +40,7 @@ def parallel_config_metadata(prepared: Prepared, options: MergeOptions, manifest
         "requested dtype": options.dtype,
         **({"fp8": dg.MetadataValue.json(decisions["fp8"])} if "fp8" in decisions else {}),
         "shards": len(prepared.outputs.files),
-        "max_shard_size": str(options.max_shard_size),
+        "max shard size": str(options.max_shard_size),
         "tied (written)": value(decisions["tied_word_embeddings"]),
         "dropped tensors": value(decisions["dropped_tensors"]),
         "lora handling": _lora_handling(decisions["lora"]),
@@ -68,9 +68,8 @@ def state_dict_metadata(target: Path, report: WriteReport, manifest: Mapping, rs
         "size": human_bytes(report.bytes),
         "bytes": report.bytes,
         "weights seconds": round(report.seconds, 3),
-        "throughput": f"{human_bytes(report.bytes / max(report.seconds, 1e-9))}/s",
-        label: human_bytes(peak),
-        "peak_rss_bytes": peak,
+        "throughput": f"{human_bytes(report.written_bytes / max(report.seconds, 1e-9))}/s",  # kept files: no time
+        label: human_bytes(peak),  # whose peak: the process's, the largest rank's or Ray task's
         "files": sha256_table({n: f for n, f in manifest["files"].items() if n in weights}),
     }
 

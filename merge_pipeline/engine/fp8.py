@@ -21,6 +21,7 @@ tensor, e.g. a LoRA merge).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from merge_pipeline.engine.outputs import (
 )  # the one HF shard split (name kept: other branches use it)
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, decide_fp8
+from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, Fp8Decisions, decide_fp8
 from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor
 
 
@@ -46,6 +47,8 @@ def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, wher
         )
     model = [t for shard in outputs.shards for t in shard.tensors]
     decisions = decide_fp8([t.planned for t in model], block, where)
+    if not decisions.quantized:
+        raise MergeError(where, nothing_to_quantize(decisions, {t.planned.name: t.planned.shape for t in model}))
     quantized = set(decisions.quantized)
     tensors: list[OutputTensor] = []
     followers: dict[str, OutputTensor] = {}
@@ -61,6 +64,28 @@ def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, wher
         shards=_split_shards(tensors, max_shard_size, followers=followers),
         config_dtype=KEPT_DTYPE,
         fp8=decisions,
+    )
+
+
+def nothing_to_quantize(decisions: Fp8Decisions, shapes: dict[str, tuple[int, ...]]) -> str:
+    """Why ``--dtype fp8`` would write no FP8 weight, and what to pass instead. Such a folder would still
+    carry a ``quantization_config``, and loaders would treat a bfloat16 model as an FP8 one."""
+    block = decisions.block
+    if not decisions.off_grid:
+        return (
+            "--dtype fp8 would quantize nothing: no weight here is a linear layer FP8 releases quantize"
+            f" (the {len(decisions.kept)} 2-D weights are embeddings, heads, routers or vision towers);"
+            " pass another --dtype (e.g. bfloat16)"
+        )
+    dims = [d for name in decisions.off_grid for d in shapes[name]]
+    fitting = math.gcd(*dims) & -math.gcd(*dims)  # the largest power of two dividing every one of their dimensions
+    first = decisions.off_grid[0]
+    instead = f"--fp8-block-size {fitting} (it divides all their dimensions) or " if fitting > 1 else ""
+    return (
+        f"--dtype fp8 would quantize nothing: none of the {len(decisions.off_grid)} linear weights lies on the"
+        f" {block}x{block} block grid (both dimensions multiples of {block}; {first} is"
+        f" {'x'.join(map(str, shapes[first]))}), and the folder would claim FP8 with every weight in bfloat16;"
+        f" pass {instead}another --dtype (e.g. bfloat16)"
     )
 
 

@@ -14,7 +14,7 @@ from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.fp8 import Fp8Decisions
-from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, has_lora_tensors
+from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, OUTPUT_ADAPTER_DIR, has_lora_tensors
 from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
@@ -22,7 +22,6 @@ from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 # fp8 is no cast: engine/fp8.py rewrites the plan (tensors are planned here in their stored dtype first).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
-OUTPUT_ADAPTER_DIR = "lora_adapter"  # base weights beside it; PEFT loads the adapter from here
 ADAPTER_WEIGHTS = f"{OUTPUT_ADAPTER_DIR}/{ADAPTER_FILE}"
 
 

@@ -127,15 +127,30 @@ def locked_target(target: str | Path, *, source: str | Path, overwrite: bool) ->
     """Hold the target's lock: refuse if another writer holds it, recover what a killed one left, re-check."""
     target = Path(target).absolute()
     check_target(target, source=source, overwrite=overwrite)
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise os_error(exc, target.parent, doing="cannot create") from None
-    with _exclusive_lock(target):
-        with naming(target):
-            _restore_or_remove_previous(target)
-        check_target(target, source=source, overwrite=overwrite)  # a restored previous target counts
-        yield LockedTarget(target, overwrite)
+    try:
+        with _exclusive_lock(target):
+            with naming(target):
+                _restore_or_remove_previous(target)
+            check_target(target, source=source, overwrite=overwrite)  # a restored previous target counts
+            yield LockedTarget(target, overwrite)
+    finally:
+        if not target.exists():
+            _remove_if_empty(made)
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """A merge that published nothing leaves no empty ``global_step_<N>/`` it made in the output root. A folder
+    another merge has put its lock, staging folder or target in meanwhile is not empty, and stays."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import ShardFile
+from merge_pipeline.errors import shown_path
 from merge_pipeline.hf.manifest import stat_identity
 from merge_pipeline.plan import SourceFile, dtype_name
 
@@ -44,7 +45,7 @@ def merge_key(inputs: Iterable[SourceFile], options: Mapping[str, object], files
     (``SourceFile.identity``: device, inode, size, mtime and ctime): a save rewritten in place at the
     same size with its mtime put back (``rsync --inplace --times``) still has a new ctime."""
     described = {
-        "inputs": [[str(f.path), asdict(f.identity)] for f in inputs],
+        "inputs": [[shown_path(f.path), asdict(f.identity)] for f in inputs],  # a store's file by its URL
         "options": options,
         "outputs": [
             [f.filename, [[t.planned.name, dtype_name(t.dtype), list(t.planned.shape)] for t in f.tensors]]

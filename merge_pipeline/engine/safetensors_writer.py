@@ -162,8 +162,7 @@ def _read_ahead(tensors: Sequence[OutputTensor]) -> None:
             # read-ahead that a warm cache does not need (a group of small pieces is not read ahead either)
             continue
         for run in runs:
-            with run.file.opened() as fd:
-                os.posix_fadvise(fd, run.offset, run.length, os.POSIX_FADV_WILLNEED)
+            run.file.advise_will_need(run.offset, run.length)
 
 
 class _Stage:
@@ -276,6 +275,8 @@ def _copy_run(
     hasher: _Hasher,
 ) -> int:
     """Copy a file range to ``out_pos`` of ``out_fd``, inside the kernel where the filesystems allow."""
+    if source.remote is not None:  # an object in a store: its bytes come through ranged GETs
+        return _copy_through_buffer(source, offset, length, out_fd, out_pos, on_bytes, hasher)
     with source.opened() as source_fd:
         return _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, hasher)
 

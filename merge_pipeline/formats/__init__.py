@@ -52,6 +52,8 @@ class Reader:
     # Whether a save in one of those step folders is complete, and why; None: this format leaves no
     # marker there, so the next reader of that step folder is asked (the last word: its tracker, or the settle time).
     completeness: Callable[[Path, int, StepFolder, Quiet], Completeness | None] = _no_marker
+    # An HF model folder (a merge's output) as an input to averaging: the hf reader's only.
+    plan_model_folder: Callable[[Path], CheckpointPlan] | None = None
 
 
 def reader(name: str) -> Reader:
@@ -129,10 +131,15 @@ def detect_backend(role_dir: Path) -> str:
     raise MergeError(role_dir, problem)
 
 
+def is_hf_model_folder(folder: Path) -> bool:
+    """A Hugging Face model folder (a merge's output, a released model): config.json and safetensors weights."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
 def misplaced_folder(folder: Path) -> str | None:
     """What ``folder`` is when it is one of the common wrong answers to "which folder?", and what to
     pass instead: a step holding role folders, a trainer's run folder, or an already merged HF folder."""
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+    if is_hf_model_folder(folder):
         return "is already a merged Hugging Face folder (config.json, *.safetensors): nothing to merge"
     roles = _checkpoints_in(folder)
     if roles:
@@ -158,23 +165,28 @@ def _checkpoints_in(folder: Path) -> list[str]:
 
 
 def open_checkpoint(
-    role_dir: str | Path, options: MergeOptions, config: CheckpointConfig | None = None
+    role_dir: str | Path, options: MergeOptions, config: CheckpointConfig | None = None, *, merged: bool = False
 ) -> CheckpointPlan:
     """Discover and validate one role folder (``global_step_N/actor``); every problem is a ``MergeError``.
 
     ``config``: the checkpoint's model config, resolved once for the whole merge (``pipeline.prepare``).
+    ``merged``: an HF model folder (a merge's output) is taken too, as averaging takes its inputs.
     """
     role_dir = Path(role_dir).absolute()
     if not role_dir.is_dir():
         raise MergeError(role_dir, "not a directory" if role_dir.exists() else "does not exist")
-    backend = detect_backend(role_dir) if options.backend == "auto" else options.backend
-    plan = reader(backend).plan(role_dir, options, config or CheckpointConfig.of(role_dir, options))
+    if merged and is_hf_model_folder(role_dir):
+        plan = reader("hf").plan_model_folder(role_dir)
+    else:
+        backend = detect_backend(role_dir) if options.backend == "auto" else options.backend
+        plan = reader(backend).plan(role_dir, options, config or CheckpointConfig.of(role_dir, options))
     # Weights follow the side files' rule: no link out of the checkpoint. The base model folder
     # (--hf_model_path, where a LoRA-only checkpoint's base weights come from) is the user's own choice.
     base = Path(options.hf_model_path).absolute() if options.hf_model_path else None
     with closed_on_failure(plan.files):
         for f in plan.files:
-            if base is None or not f.path.absolute().is_relative_to(base):
+            # a store's view holds only the prefix's own objects: no link to follow out of it
+            if f.remote is None and (base is None or not f.path.absolute().is_relative_to(base)):
                 with f.opened() as fd:
                     require_opened_inside(fd, f.path, role_dir)
     return plan

@@ -16,11 +16,12 @@ way (read or refused). CRCs are checked on neither path.
 
 from __future__ import annotations
 
-import os
+import io
 import struct
 from dataclasses import dataclass
 
-from merge_pipeline.formats.torch_files import METADATA_RECORDS, TorchArchive
+from merge_pipeline.formats.torch_files import METADATA_RECORDS, TorchArchive, read_at
+from merge_pipeline.plan import SourceFile
 
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # a central directory entry's fixed part, as zipfile reads it
 _CENTRAL_SIGNATURE = b"PK\x01\x02"
@@ -48,11 +49,11 @@ class ArchiveLayout:
     def of(cls, archive: TorchArchive) -> ArchiveLayout | None:
         """The layout of an archive whose records were found the full way; ``None`` if no record starts at
         byte 0 (then the file's first bytes would go uncompared) or a name is not ASCII."""
-        fd, prefix = archive.stream.fileno(), archive.prefix
+        stream, prefix = archive.stream, archive.prefix
         if not prefix.isascii() or not any(info.header_offset == 0 for info in archive.records.values()):
             return None
-        size = os.fstat(fd).st_size
-        directory = os.pread(fd, size - archive.directory_start, archive.directory_start)
+        size = stream.seek(0, io.SEEK_END)
+        directory = read_at(stream, size - archive.directory_start, archive.directory_start)
         crcs, names, at = [], [], 0
         for name in archive.records:
             if directory[at : at + 4] != _CENTRAL_SIGNATURE or at + _CENTRAL.size > len(directory):
@@ -74,7 +75,7 @@ class ArchiveLayout:
             # The records torch.load reads a few bytes of (version, byteorder, ...) are compared with
             # their headers: what torch accepted in this file, it accepts in a file that matches.
             end = data + (record.file_size if short in METADATA_RECORDS else 0)
-            header = os.pread(fd, end - record.header_offset, record.header_offset)
+            header = read_at(stream, end - record.header_offset, record.header_offset)
             headers.append((record.header_offset, (header[:_NAME_AT], header[_NAME_AT + len(prefix) :])))
             records[short.decode()] = (data, record.file_size)
         return cls(
@@ -87,19 +88,19 @@ class ArchiveLayout:
             records,
         )
 
-    def locate(self, fd: int, size: int, name: str) -> dict[str, tuple[int, int]] | None:
-        """Each record's (data offset, size) in the file open as ``fd`` (``size`` bytes), whose archive
+    def locate(self, file: SourceFile, name: str) -> dict[str, tuple[int, int]] | None:
+        """Each record's (data offset, size) in ``file``, whose archive
         name must be ``name``, if it is laid out as this layout; else ``None``."""
         encoded = name.encode()
-        if size != self.size or len(encoded) != self.name_length:
+        if file.size != self.size or len(encoded) != self.name_length:
             return None
-        found = bytearray(os.pread(fd, self.size - self.directory_start, self.directory_start))
+        found = bytearray(file.pread(self.size - self.directory_start, self.directory_start))
         for crc in self.crcs:
             found[crc : crc + 4] = _NO_CRC
         if found != encoded.join(self.directory):
             return None
         for start, length, headers, around in self.windows:
-            window = os.pread(fd, length, start)
+            window = file.pread(length, start)
             # the window's headers one after the other, against the layout's with this file's archive name
             if b"".join([window[at:end] for at, end in headers]) != encoded.join(around):
                 return None

@@ -17,7 +17,6 @@ open and one ``preadv`` per rank file and group.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -178,8 +177,7 @@ def _read_span(file: SourceFile, i: int, span: list[_Run], view: memoryview, scr
             buffers.append(scratch[: offset - end])
         buffers.append(view[place + i * length : place + (i + 1) * length])
         end = offset + length
-    with file.opened() as fd:
-        done = file.counted(os.preadv(fd, buffers, span[0][0]))
+    done = file.preadv(buffers, span[0][0])
     if done != end - span[0][0]:
         for offset, length, place in span:  # short: read block by block, which names the truncated file
             file.read_into(view[place + i * length : place + (i + 1) * length], offset)

@@ -31,6 +31,7 @@ from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (
     READ_PIECE_BYTES,
     ByteRun,
+    FileRange,
     PlannedTensor,
     SourceFile,
     StoredBytes,
@@ -40,6 +41,9 @@ from merge_pipeline.plan import (
 METADATA = ".metadata"
 
 # ---- metadata -------------------------------------------------------------------------------------
+
+
+_ABSENT = object()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -71,12 +75,37 @@ class _MetadataUnpickler(pickle.Unpickler):
         "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id of a single-process save
     }
 
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.classes: dict[type, dict] = {}  # each class the pickle named -> its attributes before the load
+
     def find_class(self, module: str, name: str) -> object:
         if name in self._ALLOWED.get(module, ()):
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
+            if not isinstance(found, type):  # BUILD could set a function's __defaults__: hand it a stand-in
+                return lambda *args, call=found: call(*args)
+            self.classes.setdefault(found, dict(vars(found)))
+            return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+
+    def changed_classes(self) -> list[str]:
+        """``Class.attribute`` for each attribute a BUILD on the class itself changed (``pickle`` sets a state
+        tuple's second half with ``setattr``: torch's own reader refuses BUILD on anything but an instance),
+        each put back as it was."""
+        changed = []
+        for cls, before in self.classes.items():
+            after = dict(vars(cls))
+            for attribute in sorted(before.keys() | after.keys()):
+                if before.get(attribute, _ABSENT) is after.get(attribute, _ABSENT):
+                    continue
+                changed.append(f"{cls.__name__}.{attribute}")
+                if attribute in before:
+                    setattr(cls, attribute, before[attribute])
+                else:
+                    delattr(cls, attribute)
+        return changed
 
 
 # ``.metadata`` holds an entry per tensor and per chunk each rank saved: it scales with tensors x ranks,
@@ -94,10 +123,15 @@ def read_dcp_metadata(path: Path) -> Metadata:
     raw = read_capped(
         path, cap, f"is larger than {cap:,} bytes, more than DCP metadata for {files} .distcp files takes"
     )
+    unpickler = _MetadataUnpickler(io.BytesIO(raw))
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        metadata = unpickler.load()
     except Exception as exc:  # any unpickling failure means the same thing: not readable metadata
         raise MergeError(path, f"corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+    finally:
+        changed = unpickler.changed_classes()
+    if changed:
+        raise MergeError(path, f"corrupt DCP metadata: it sets {changed[0]} on the class itself, as no save does")
     if (
         not isinstance(metadata, Metadata)
         or not isinstance(metadata.state_dict_metadata, dict)
@@ -145,35 +179,6 @@ class DcpTensor:
                 for at in itertools.product(*spans):
                     table.setdefault(at, []).append(chunk)
         return table.get(tuple(index), ())
-
-
-class _FileRange(io.RawIOBase):
-    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive."""
-
-    def __init__(self, file: SourceFile, offset: int, length: int):
-        super().__init__()
-        self.file, self.offset, self.length, self.position = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        self.position = base + position
-        return self.position
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.position))
-        if n:
-            self.file.read_into(memoryview(buffer)[:n], self.offset + self.position)
-        self.position += n
-        return n
 
 
 def locate_tensors(
@@ -291,7 +296,7 @@ def _chunk_bytes(
 ) -> ByteRun:
     """Find the raw bytes inside one chunk's ``torch.save`` archive (reads its pickle only)."""
     try:
-        meta = load_meta_archive(io.BufferedReader(_FileRange(file, offset, length)), file.path)
+        meta = load_meta_archive(io.BufferedReader(FileRange(file, offset, length)), file.path)
     except MergeError as exc:
         raise MergeError(file.path, f"{key}: chunk at byte {offset}: {exc.problem}") from None
     if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != sizes or meta.dtype != dtype:

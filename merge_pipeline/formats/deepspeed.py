@@ -63,7 +63,7 @@ class _PlainRecord:
 
 
 # DeepSpeed's own globals that its optimizer-state pickles name, and what is built in their place.
-# Nothing else outside torch's weights-only allow-list is accepted.
+# Nothing else beyond what ``state_dict_pickle`` builds a state dict with is accepted.
 ALLOWED_GLOBALS = {
     "deepspeed.runtime.zero.config.ZeroStageEnum": _ZeroStage,  # optimizer_state_dict["zero_stage"]
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": _PlainRecord,  # static loss scale (fp32, bf16)

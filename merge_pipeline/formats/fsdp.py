@@ -8,6 +8,7 @@ must tile its global shape exactly. Nothing is written before all of that holds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -140,16 +141,16 @@ def _by_layout(layouts: list[ArchiveLayout], templates: list[RankTemplate], rank
     neighbouring ranks share theirs --, the rank if so and its pickle is a template's with this rank's
     numbers, else ``None``), from a few reads. ``shared``: storage offsets by layout and template, one
     dict for all ranks of a layout."""
-    with file.opened() as fd:
+    with file.opened() if file.remote is None else contextlib.nullcontext():  # one open for all the reads
         for index, layout in enumerate(layouts):
-            if (records := layout.locate(fd, file.size, file.path.stem)) is not None:
+            if (records := layout.locate(file, file.path.stem)) is not None:
                 layouts.insert(0, layouts.pop(index))
                 break
         else:
             return False, None
-        if (order := records.get("byteorder")) is not None and os.pread(fd, order[1], order[0]) != b"little":
+        if (order := records.get("byteorder")) is not None and file.pread(order[1], order[0]) != b"little":
             return True, None  # the full way names the problem
-        pickled = os.pread(fd, records["data.pkl"][1], records["data.pkl"][0])
+        pickled = file.pread(records["data.pkl"][1], records["data.pkl"][0])
 
     def located(key: str, numel: int, dtype: torch.dtype) -> int | None:
         found = records.get(f"data/{key}")

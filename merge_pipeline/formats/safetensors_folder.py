@@ -24,7 +24,14 @@ from pathlib import Path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
 from merge_pipeline.hf.config import VALUE_HEAD, CheckpointConfig, has_value_head
-from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, lora_module, peft_base_names
+from merge_pipeline.hf.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    OUTPUT_ADAPTER_DIR,
+    PEFT_PREFIX,
+    lora_module,
+    peft_base_names,
+)
 from merge_pipeline.hf.safetensors import INDEX, MAX_HEADER_BYTES, METADATA_KEY, SAFETENSORS_DTYPES, SINGLE_FILE
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.options import MergeOptions
@@ -103,6 +110,20 @@ def plan_hf_safetensors(
     return CheckpointPlan(
         backend, role_dir, hf_dir, planned, files, is_value_model=value_model, lora=info, layout=facts
     )
+
+
+def _plan_model_folder(folder: Path) -> CheckpointPlan:
+    """An HF model folder (a merge's output, a released model) as an input to averaging: its tensors
+    under their own names (a merge's output names: tying and LoRA folding already decided), its config beside them."""
+    adapter = folder / OUTPUT_ADAPTER_DIR
+    if adapter.is_dir():
+        raise MergeError(
+            adapter,
+            "a LoRA adapter beside the base weights: averaging takes folded weights (merge the checkpoint with --merge-lora)",
+        )
+    plan = plan_hf_safetensors(folder, folder, backend="hf")
+    plan.check_against_architecture = False  # the names are the model's own, as a merge checked them
+    return plan
 
 
 def read_hf_weights(folder: Path) -> tuple[list[PlannedTensor], list[SourceFile]]:
@@ -328,4 +349,5 @@ READER = Reader(
     looks_for=f"consolidated HF weights ({NEMO_MODEL_DIR}/*.safetensors, or {INDEX} beside {TORCHTITAN_SHARDS}/)",
     detect=lambda role_dir: weights_dir(role_dir) is not None,
     plan=_plan,
+    plan_model_folder=_plan_model_folder,
 )

@@ -8,17 +8,13 @@ Each gets the write report's entries of the merge (``written``): ``manifest_sha2
 files by the sha256 that merge computed while writing them (or while verifying a file a killed merge
 finished), for as long as each is still the file it hashed, instead of reading every byte again.
 
-``import_checks_meanwhile``, called as the weights start being written, prepares the checks on a
-thread: it imports transformers (torch._dynamo and DTensor through it) and the modeling module of the
-class config.json names, and builds transformers' table of checkpoint renamings: ~3-5 s of CPU that
-every merge otherwise paid after its last byte. The writer mostly waits on the disk or runs C code
-without the GIL, so most of it overlaps (its threads do wait for the GIL more often meanwhile:
-docs/BENCHMARKS.md measures both); the checks wait for the thread.
+They run where ``hf/check_worker.py`` says: in a worker process started as the weights start being
+written, which has imported transformers meanwhile (``prepare_checks``), or in this process when there
+is no worker or it gave no answer. The same functions on the same folder either way.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,23 +77,9 @@ class CheckOutcome:
         return not self.problems
 
 
-# The one importing thread of this process (later merges find the modules imported).
-_importing: threading.Thread | None = None
-
-
-def import_checks_meanwhile(config: Mapping) -> None:
-    """Start importing, on a thread, what the checks will need for a model with this config.json."""
-    global _importing
-    if _importing is None:
-        architecture = str((config.get("architectures") or [""])[0])
-        model_type = str(config.get("model_type", ""))
-        _importing = threading.Thread(
-            target=_import_checks, args=(architecture, model_type), name="check-imports", daemon=True
-        )
-        _importing.start()
-
-
-def _import_checks(architecture: str, model_type: str) -> None:
+def prepare_checks(architecture: str, model_type: str) -> None:
+    """Import what the checks will need for a model of this class and type (the check worker, before
+    the folder is complete): transformers, its table of checkpoint renamings, the modeling module."""
     try:
         import transformers
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -112,19 +94,10 @@ def _import_checks(architecture: str, model_type: str) -> None:
         pass
 
 
-def check_imports_done() -> None:
-    """Wait for the importing thread. Called before this process touches transformers again: its lazy
-    module is not safe across threads (a ``hasattr(transformers, name)`` racing the thread's import of
-    the same modeling module has answered False: a value model's head class then looked missing)."""
-    if _importing is not None:
-        _importing.join()
-
-
 def run_blocking_checks(folder: Path, written: Written) -> list[CheckOutcome]:
     """Every blocking check's problems on a complete, not yet published folder (none = passed).
 
     ``written``: the entries of the write report of the merge that made ``folder`` (see above)."""
-    check_imports_done()
     return [CheckOutcome(check, _problems(check, folder, written)) for check in BLOCKING_CHECKS]
 
 

@@ -20,6 +20,7 @@ PEFT_PREFIX = "base_model.model."
 LORA_META = "lora_train_meta.json"
 ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter folder: this config and its weights
 ADAPTER_FILE = "adapter_model.safetensors"
+OUTPUT_ADAPTER_DIR = "lora_adapter"  # a merged folder's adapter: base weights beside it; PEFT loads it from here
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?:(?P<adapter>[^.]+)\.)?weight$")
 
 

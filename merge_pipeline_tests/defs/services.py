@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,13 +19,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+import pytest
 
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
 VENV_BIN = Path(sys.executable).parent
+T = TypeVar("T")
 
 SENSOR_TICKS_QUERY = """
 query Ticks($sensor: SensorSelector!) {
@@ -37,6 +42,17 @@ RUNS_QUERY = """
 query Runs($filter: RunsFilter) {
   runsOrError(filter: $filter) { ... on Runs { results { runId status startTime endTime tags { key value } } } }
 }"""
+RUN_QUERY = """
+query Run($runId: ID!) { runOrError(runId: $runId) { ... on Run { status } } }"""
+MESSAGES_QUERY = """
+query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events { ... on MessageEvent { message } } } } }"""
+EVENT_TYPES_QUERY = """
+query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events { __typename } } } }"""
+MATERIALIZED_QUERY = """
+query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events {
+  ... on MaterializationEvent { assetKey { path } metadataEntries { label
+    ... on TextMetadataEntry { text } ... on FloatMetadataEntry { floatValue } ... on IntMetadataEntry { intValue } } } } } } }"""
+ENDED = ("SUCCESS", "FAILURE", "CANCELED")
 
 
 @dataclass
@@ -77,6 +93,54 @@ class Dagster:
             time.sleep(0.5)
         raise TimeoutError(f"sensor {sensor} not evaluated after {timeout} s\n{self.log_tail()}")
 
+    def messages(self, run_id: str) -> list[str]:
+        events = self.graphql(MESSAGES_QUERY, {"runId": run_id})["logsForRun"]["events"]
+        return [e["message"] for e in events if e.get("message")]
+
+    def materialized(self, run_id: str, asset: str) -> dict[str, str | float | int]:
+        """The text and number metadata of ``asset``'s materialization in the run (label -> value)."""
+        events = self.graphql(MATERIALIZED_QUERY, {"runId": run_id})["logsForRun"]["events"]
+        [event] = [e for e in events if (e.get("assetKey") or {}).get("path") == [asset]]
+        kinds = ("text", "floatValue", "intValue")
+        return {m["label"]: m[k] for m in event["metadataEntries"] for k in kinds if m.get(k) is not None}
+
+    def event_types(self, run_id: str) -> list[str]:
+        """The GraphQL types of the run's events, in order (``RunEnqueuedEvent``, ``RunStartingEvent``, ...)."""
+        events = self.graphql(EVENT_TYPES_QUERY, {"runId": run_id})["logsForRun"]["events"]
+        return [e["__typename"] for e in events]
+
+    def outcome(self, run_id: str) -> str | None:
+        """The run's status once it ended, else None."""
+        status = self.graphql(RUN_QUERY, {"runId": run_id})["runOrError"]["status"]
+        return status if status in ENDED else None
+
+    def ended_run(self, partition_key: str, job: str) -> dict | None:
+        """The partition's newest run of ``job`` once it ended, else None."""
+        runs = self.partition_runs(partition_key, job)
+        return runs[0] if runs and runs[0]["status"] in ENDED else None
+
+    def retry_of(self, run_id: str) -> str | None:
+        """The run the instance's run retries started for ``run_id``, if any yet."""
+        tags = [{"key": "dagster/parent_run_id", "value": run_id}]
+        runs = self.graphql(RUNS_QUERY, {"filter": {"tags": tags}})["runsOrError"]["results"]
+        return runs[0]["runId"] if runs else None
+
+    def worker_pid(self, run_id: str) -> int | None:
+        """The pid of the run's worker, from the code server's "Started process for run" event."""
+        for message in self.messages(run_id):
+            if found := re.match(r"Started process for run \(pid: (\d+)\)", message):
+                return int(found[1])
+        return None
+
+    def wait_for(self, what: str, found: Callable[[], T | None], timeout: float = 240, every: float = 0.5) -> T:
+        """``found()``'s first value that is not None; the test fails, with the servers' logs, after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (value := found()) is not None:
+                return value
+            time.sleep(every)
+        pytest.fail(f"{what}: not after {timeout} s\n{self.log_tail()}")
+
     def log_tail(self, chars: int = 4000) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in self.logs)
 
@@ -116,21 +180,29 @@ def running_dagster_dev(
     port = free_port()
     dagster = Dagster(f"http://127.0.0.1:{port}", project, [log])
     env = {k: v for k, v in {**os.environ, **env}.items() if k != "DAGSTER_HOME"}
+    process = start_service(
+        [str(VENV_BIN / command), "dev", "--host", "127.0.0.1", "--port", str(port)], project, env, log
+    )
+    try:
+        wait_until_serving(dagster, [process], start_timeout)
+        yield dagster
+    finally:
+        stop_group(process)
+
+
+def start_service(command: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A Dagster process in its own session (its group holds every child it starts), SIGINT at its
+    default disposition, its output in ``log``; stop it with ``stop_group``."""
     with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [str(VENV_BIN / command), "dev", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=project,
+        return subprocess.Popen(
+            command,
+            cwd=cwd,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_default_sigint,
         )
-    try:
-        _wait_until_serving(dagster, [process], start_timeout)
-        yield dagster
-    finally:
-        stop_group(process)
 
 
 def stop_group(process: subprocess.Popen, grace: float = 30) -> None:
@@ -154,7 +226,7 @@ def _group_alive(process: subprocess.Popen) -> bool:
     return True
 
 
-def _wait_until_serving(dagster: Dagster, processes: list[subprocess.Popen], timeout: float) -> None:
+def wait_until_serving(dagster: Dagster, processes: list[subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes):

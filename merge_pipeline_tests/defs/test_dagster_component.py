@@ -57,10 +57,26 @@ def project(tmp_path_factory) -> Path:
     (project / "src" / "clusters" / "__init__.py").touch()
     (project / "src" / "clusters" / "defs" / "__init__.py").touch()
     (project / "src" / "clusters" / "definitions.py").write_text(DEFINITIONS_PY)
+    said = []
     for name in CLUSTERS:
         scaffolded = dg_command(project, "scaffold", "defs", "merge_pipeline.MergeCheckpoints", name)
         assert scaffolded.returncode == 0, scaffolded.stderr[-3000:]
+        said.append(scaffolded.stdout + scaffolded.stderr)
+    # the first writes the instance settings where `dg dev` reads them and says so; the second keeps them
+    assert f"wrote {project / 'dagster.yaml'}: merge_pipeline's instance settings" in said[0], said[0]
+    assert "dagster.yaml kept as it is" in said[1], said[1]
     return project
+
+
+def test_the_scaffolder_writes_the_instance_settings_a_new_project_lacks(project, tmp_path):
+    from merge_pipeline.defs.component import INSTANCE_SETTINGS
+
+    assert (project / "dagster.yaml").read_text() == INSTANCE_SETTINGS.read_text()
+    assert (PROJECT_ROOT / "dagster.yaml").resolve() == INSTANCE_SETTINGS.resolve()  # this repo's is the same file
+    shutil.copy(project / "dagster.yaml", tmp_path)  # an instance folder of its own: the project stays clean
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        assert instance.python_log_level == "INFO" and instance.run_monitoring_enabled
+        assert instance.run_retries_enabled and type(instance.run_launcher).__name__ == "MonitoredRunLauncher"
 
 
 def test_two_scaffolded_instances_load_with_dg_under_their_own_prefixes(project):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -94,6 +95,19 @@ def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_without_ass
         "hf_model",
     }
     assert hf_model.op.pool == "merge" and hf_model.partitions_def.name == "checkpoints"
+
+
+@pytest.mark.parametrize("prefix", ["", "cluster_a"])
+def test_job_descriptions_name_sensors_that_exist(prefix):
+    from merge_pipeline.defs.component import MergeCheckpoints
+    from merge_pipeline.defs.names import Names
+
+    built = MergeCheckpoints(prefix=prefix).definitions(Names(prefix))
+    sensors = {s.name for s in built.sensors}
+    named = {
+        name for job in built.resolve_all_job_defs() for name in re.findall(r"\w+_sensor\b", job.description or "")
+    }
+    assert named and named <= sensors, named - sensors
 
 
 def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy():
@@ -203,3 +217,42 @@ def test_dg_launch_merges_one_partition(fsdp_checkpoint, roots, instance, tmp_pa
     merged, reference = load_safetensors_dir(roots.target(key)), load_file(sample.reference_dir / "model.safetensors")
     assert set(merged) == set(reference) and all(same_bits(merged[n], t) for n, t in reference.items())
     assert (roots.target(key) / "model.safetensors.index.json").is_file()
+    # What docs/DAGSTER.md says: dg launch executes the run in its own process, past the run queue
+    [run] = instance.get_runs()
+    assert run.status == dg.DagsterRunStatus.SUCCESS
+    assert not instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_ENQUEUED)
+
+
+@pytest.mark.e2e
+def test_dagster_job_launch_queues_the_merge(roots, instance, tmp_path):
+    """The shell command docs/DAGSTER.md gives for a queued merge: the run waits in the queue (here, with
+    no daemon, for ever) under the heavy tag, with the partition and the run config given."""
+    key = "run/global_step_1/actor"
+    instance.add_dynamic_partitions("checkpoints", [key])
+    config = '{"ops": {"hf_model": {"config": {"overwrite": true, "dtype": "bfloat16"}}}}'
+    launched = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "dagster"),
+            "job",
+            "launch",
+            "-j",
+            "merge_checkpoint",
+            "--tags",
+            json.dumps({"dagster/partition": key}),
+            "--config-json",
+            config,
+        ],
+        cwd=PROJECT_ROOT,
+        env=os.environ | {"DAGSTER_DISABLE_TELEMETRY": "1", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    [run] = instance.get_runs()
+    assert run.status == dg.DagsterRunStatus.QUEUED and run.job_name == "merge_checkpoint"
+    assert run.tags["dagster/partition"] == key and run.tags[HEAVY_TAG] == "merge"
+    assert run.run_config == json.loads(config)
+    assert instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_ENQUEUED)
+    assert not roots.output.exists()

@@ -22,6 +22,7 @@ def failure(result: dg.ExecuteInProcessResult) -> tuple[str, str]:
 def assert_nothing_published(instance, roots, key=KEY):
     target = roots.target(key)
     assert not target.exists() and not staging_path(target).exists()
+    assert not target.parent.exists()  # nor the step folder the merge made for it in the output root
     for stage in (
         "parallel_config",
         "state_dict",

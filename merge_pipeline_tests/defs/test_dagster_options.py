@@ -101,3 +101,24 @@ def test_fp8_in_the_run_config_merges_as_the_cli_flag_and_passes_the_checks(
         m for m in result.asset_materializations_for_node("hf_model") if m.asset_key == dg.AssetKey("parallel_config")
     ]
     assert materialization.metadata["fp8"].data["quantized_weights"] == 14
+
+
+def test_fp8_that_would_quantize_nothing_fails_as_the_cli_does(capsys, fsdp_checkpoint, roots, instance, tmp_path):
+    """The demo's model is off the 128 grid: the run fails with the CLI's line in run config words (the
+    refusal is made where the fp8 plan is), and nothing, no quantization_config, is written."""
+    role_dir = roots.drop(fsdp_checkpoint(UNTIED), "run/global_step_2", tracker=2)
+    code, _, err = run_cli(capsys, "merge", "--local_dir", role_dir, "--target_dir", tmp_path / "cli", "--dtype", "fp8")
+    [cli_line] = error_lines(err)
+    assert code == 1 and "would quantize nothing" in cli_line
+
+    result = materialize(instance, roots.settings(), KEY, merge_config={"dtype": "fp8"})
+
+    step, description = failure(result)
+    assert step == "hf_model" and description == cli_line.removeprefix("error: ").replace(
+        "--fp8-block-size", "fp8_block_size"
+    ).replace("--dtype", "dtype")
+    assert description.endswith(
+        "pass fp8_block_size 32 (it divides all their dimensions) or another dtype (e.g. bfloat16)"
+    )
+    assert_nothing_published(instance, roots)
+    assert not roots.output.exists()

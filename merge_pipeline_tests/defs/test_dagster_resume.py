@@ -10,7 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
-import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -32,31 +32,7 @@ LAUNCH = """
 mutation Launch($params: ExecutionParams!) {
   launchPipelineExecution(executionParams: $params) { __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } }
 }"""
-RUN = """
-query Run($runId: ID!) { runOrError(runId: $runId) { ... on Run { status } } }"""
-MESSAGES = """
-query Events($runId: ID!) { logsForRun(runId: $runId) { ... on EventConnection { events { ... on MessageEvent { message } } } } }"""
 UNITS = {unit: 1024**power for power, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))}
-RETRIES = """
-query Runs($filter: RunsFilter) { runsOrError(filter: $filter) { ... on Runs { results { runId status } } } }"""
-
-
-def messages(dagster: Dagster, run_id: str) -> list[str]:
-    events = dagster.graphql(MESSAGES, {"runId": run_id})["logsForRun"]["events"]
-    return [e["message"] for e in events if e.get("message")]
-
-
-def wait_for(what: str, found, dagster: Dagster, timeout: float = 240, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (value := found()) is not None:
-            return value
-        time.sleep(every)
-    pytest.fail(f"{what}: not after {timeout} s\n{dagster.log_tail()}")
-
-
-def run_status(dagster: Dagster, run_id: str) -> str:
-    return dagster.graphql(RUN, {"runId": run_id})["runOrError"]["status"]
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +42,7 @@ def served(tmp_path_factory):
     settings = MergeSettings(
         checkpoint_roots=[str(base / "checkpoints")], output_root=str(base / "merged"), settle_seconds=3600
     )
-    written = base / "written" / "global_step_1" / "actor"
-    write_fake_pg_checkpoint(written, SPEC)
-    reference = base / "uninterrupted"
-    subprocess.run(
-        cli_merge_command(written, reference, "--dtype", "bfloat16", "--max-shard-size", "8MB"),
-        check=True,
-        capture_output=True,
-    )
+    written, reference = write_killable_checkpoint(base)
     project = tmp_path_factory.mktemp("project")
     clean_copy(project)
     env = {
@@ -87,24 +56,47 @@ def served(tmp_path_factory):
         yield dagster, settings, written, reference
 
 
+def write_killable_checkpoint(base: Path, *, unsharded: Path | None = None) -> tuple[Path, Path]:
+    """A checkpoint whose merge in 6 weight files a test can kill between two of them, and the CLI's
+    uninterrupted merge of it with those options; ``unsharded``: keep its weights there too."""
+    written = base / "written" / "global_step_1" / "actor"
+    write_fake_pg_checkpoint(written, SPEC, reference_dir=unsharded)
+    reference = base / "uninterrupted"
+    subprocess.run(
+        cli_merge_command(written, reference, "--dtype", "bfloat16", "--max-shard-size", "8MB"),
+        check=True,
+        capture_output=True,
+    )
+    return written, reference
+
+
+def drop_and_wait_for_the_sensors_merge(dagster: Dagster, settings: MergeSettings, written: Path, key: CheckpointKey):
+    """The checkpoint put in the watched root (hard links: the same files, no disk), its tracker last; the
+    sensor's merge (one file) makes the partition."""
+    shutil.copytree(written, settings.roots[0] / key.path, copy_function=os.link)
+    (settings.roots[0] / key.run_name / TRACKER).write_text(str(key.step))
+    sensor_run = dagster.wait_for("the sensor's merge", lambda: dagster.ended_run(str(key), "merge_checkpoint"))
+    assert sensor_run["status"] == "SUCCESS", dagster.log_tail()
+
+
 @pytest.mark.parametrize("launcher", [{"launcher": "inprocess"}, {"launcher": "torchrun", "nproc_per_node": 2}])
 def test_a_killed_run_is_retried_and_resumes_from_the_finished_files(served, launcher):
     dagster, settings, written, reference = served
     key = CheckpointKey.parse(f"resume_{launcher['launcher']}/global_step_1/actor")
-    shutil.copytree(written, settings.roots[0] / key.path, copy_function=os.link)  # the same files, no disk
-    (settings.roots[0] / key.run_name / TRACKER).write_text(str(key.step))
-    # The sensor's merge (one file) makes the partition; the merge killed below is a re-merge in 6 files.
-    sensor_run = wait_for("the sensor's merge", lambda: _finished(dagster, str(key)), dagster)
-    assert sensor_run["status"] == "SUCCESS", dagster.log_tail()
-    target = settings.target_dir(key)
-    staging = staging_path(target)
+    drop_and_wait_for_the_sensors_merge(dagster, settings, written, key)
+    # The merge killed below is a re-merge in 6 files.
     params = _materialize(str(key), {"overwrite": True, **SHARDS, **launcher})
     launched = dagster.graphql(LAUNCH, {"params": params})["launchPipelineExecution"]
     assert launched["__typename"] == "LaunchRunSuccess", launched
-    killed_run = launched["run"]["runId"]
+    kill_the_worker_and_check_the_retry_resumes(dagster, launched["run"]["runId"], settings.target_dir(key), reference)
 
-    worker = wait_for("the run worker's pid", lambda: _worker_pid(dagster, killed_run), dagster, every=0.05)
-    finished = wait_for("a finished weight file", lambda: _records(staging) or None, dagster, timeout=120, every=0.01)
+
+def kill_the_worker_and_check_the_retry_resumes(dagster: Dagster, killed_run: str, target: Path, reference: Path):
+    """SIGKILL the run's worker once it finished a weight file: run monitoring marks the run failed, the
+    instance retries it, and the retry resumes from the finished files, publishing ``reference``'s bytes."""
+    staging = staging_path(target)
+    worker = dagster.wait_for("the run worker's pid", lambda: dagster.worker_pid(killed_run), every=0.05)
+    finished = dagster.wait_for("a finished weight file", lambda: _records(staging) or None, timeout=120, every=0.01)
     descendants = psutil.Process(worker).children(recursive=True)  # torchrun and its ranks, if launched
     os.kill(worker, signal.SIGKILL)
     _, alive = psutil.wait_procs(descendants, timeout=30)
@@ -114,15 +106,21 @@ def test_a_killed_run_is_retried_and_resumes_from_the_finished_files(served, lau
     assert 1 <= len(finished) <= len(kept) < files
     inodes = {name: (staging / name).stat().st_ino for name in kept}
 
-    assert wait_for("the killed run failed", lambda: _outcome(dagster, killed_run), dagster) == "FAILURE"
-    retry = wait_for("the instance's retry", lambda: _retry_of(dagster, killed_run), dagster)
-    assert wait_for("the retry finished", lambda: _outcome(dagster, retry), dagster) == "SUCCESS", dagster.log_tail()
-    said = "\n".join(messages(dagster, retry))
+    assert dagster.wait_for("the killed run failed", lambda: dagster.outcome(killed_run)) == "FAILURE"
+    retry = dagster.wait_for("the instance's retry", lambda: dagster.retry_of(killed_run))
+    assert dagster.wait_for("the retry finished", lambda: dagster.outcome(retry)) == "SUCCESS", dagster.log_tail()
+    said = "\n".join(dagster.messages(retry))
 
     assert f"reusing {len(kept)} weight file(s)" in said, said  # the lead's count, whoever writes the rest
     # The throughput counts the bytes written, not the kept files (it once read 837 GiB/s here).
     rates = [float(n) * UNITS[unit] for n, unit in re.findall(r"([\d.]+) (B|KiB|MiB|GiB|TiB)/s", said)]
     assert max(rates, default=0) < 20 * UNITS["GiB"], rates
+    # So does the state_dict page's (it once read 4.91 TiB/s): the files written over the write's seconds.
+    shown = dagster.materialized(retry, "state_dict")
+    kept_bytes = sum((reference / name).stat().st_size for name in kept)
+    written_rate = (shown["bytes"] - kept_bytes) / shown["weights seconds"]
+    [(n, unit)] = re.findall(r"^([\d.]+) (B|KiB|MiB|GiB|TiB)/s$", shown["throughput"])
+    assert abs(float(n) * UNITS[unit] / written_rate - 1) < 0.1, (shown, kept_bytes)
     assert {name: (target / name).stat().st_ino for name in kept} == inodes  # kept, not written again
     for weights in reference.glob("*.safetensors"):
         assert (target / weights.name).read_bytes() == weights.read_bytes(), weights.name
@@ -145,29 +143,6 @@ def _materialize(partition: str, config: dict) -> dict:
     }
 
 
-def _finished(dagster: Dagster, key: str) -> dict | None:
-    runs = dagster.partition_runs(key, "merge_checkpoint")
-    return runs[0] if runs and runs[0]["status"] in ("SUCCESS", "FAILURE", "CANCELED") else None
-
-
-def _worker_pid(dagster: Dagster, run_id: str) -> int | None:
-    for message in messages(dagster, run_id):
-        if found := re.match(r"Started process for run \(pid: (\d+)\)", message):
-            return int(found[1])
-    return None
-
-
 def _records(staging) -> list[str]:
     # The weight files' records (the folder also holds the job handed to the torchrun ranks).
     return sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.safetensors.json"))
-
-
-def _outcome(dagster: Dagster, run_id: str) -> str | None:
-    status = run_status(dagster, run_id)
-    return status if status in ("SUCCESS", "FAILURE", "CANCELED") else None
-
-
-def _retry_of(dagster: Dagster, run_id: str) -> str | None:
-    tags = [{"key": "dagster/parent_run_id", "value": run_id}]
-    runs = dagster.graphql(RETRIES, {"filter": {"tags": tags}})["runsOrError"]["results"]
-    return runs[0]["runId"] if runs else None

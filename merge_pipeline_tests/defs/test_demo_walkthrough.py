@@ -44,7 +44,7 @@ def test_every_documented_command_works_after_the_demo(tmp_path):
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     # its last lines say how to reach the commands and the instance, and which step to drop next
     assert f"cd {project} && source .venv/bin/activate && export DAGSTER_HOME={project}/.dagster_home" in demo.stdout
-    assert "global_step_2/actor --seed 2 && printf 2 >" in demo.stdout
+    assert "global_step_2/actor --trained-steps 1 && printf 2 >" in demo.stdout
 
     walk = subprocess.run(
         ["bash", "-c", "set -eo pipefail\n" + documented_commands()],

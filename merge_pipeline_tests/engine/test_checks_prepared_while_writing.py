@@ -1,6 +1,7 @@
-"""The blocking checks' imports (transformers, the model's modeling module) run on their own thread
-while the weights are written, not on the main thread after the last byte (issue 19: a fixed cost
-every merge paid at its end). A fresh interpreter is needed: this one has imported them already.
+"""The blocking checks that need transformers run in a worker process started as the weights start
+being written (issue 35; a thread of the merging process did it before, holding the GIL its writer
+needs): the merging process itself never imports transformers or ``hf.folder_checks`` for a FSDP
+merge, and the checks still ran and passed. A fresh interpreter is needed: this one has imported them.
 """
 
 from __future__ import annotations
@@ -9,26 +10,28 @@ import json
 import subprocess
 import sys
 
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_samples.fsdp import FsdpSpec
 
-# Records which thread first looks for each module (import statements and importlib.import_module,
+# Records every module the merging process looks for (import statements and importlib.import_module,
 # which transformers' lazy attributes use, alike), then runs the CLI as ``python -m merge_pipeline`` would.
 _RECORDING_CLI = """
-import json, sys, threading
-loaded = {}
+import json, sys
+loaded = set()
 class Record:
     def find_spec(self, name, path=None, target=None):
-        loaded.setdefault(name, threading.current_thread().name)
+        loaded.add(name)
 sys.meta_path.insert(0, Record())
 from merge_pipeline.cli import main
 try:
     main(sys.argv[1:])
 finally:
-    print(json.dumps(loaded))
+    print(json.dumps(sorted(loaded)))
 """
 
 
-def test_the_checks_modules_are_imported_on_their_thread_while_the_weights_are_written(tmp_path, fsdp_checkpoint):
+def test_the_merging_process_imports_no_transformers_and_the_worker_runs_the_checks(tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(FsdpSpec(world_size=2, with_optimizer=False)).role_dir
     target = tmp_path / "out"
     done = subprocess.run(
@@ -39,7 +42,8 @@ def test_the_checks_modules_are_imported_on_their_thread_while_the_weights_are_w
     )
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (target / "model.safetensors").is_file()
-    assert loaded["merge_pipeline.hf.folder_checks"] == "check-imports"
-    assert loaded["transformers.models.qwen2.modeling_qwen2"] == "check-imports"  # the config names Qwen2ForCausalLM
-    assert loaded["transformers.conversion_mapping"] == "check-imports"
+    assert [m for m in loaded if m.split(".")[0] in ("transformers", "peft")] == []
+    assert "merge_pipeline.hf.folder_checks" not in loaded  # what runs the checks: imported in the worker only
+    assert f"blocking checks passed ({', '.join(CHECK_NAMES)})" in done.stderr
+    assert "running them in this process" not in done.stderr
+    assert json.loads((target / MANIFEST).read_text())["checks_before_publishing"] == CHECK_NAMES

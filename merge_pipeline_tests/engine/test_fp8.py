@@ -24,6 +24,7 @@ from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import (
     error_lines,
     load_safetensors_dir,
+    merge_error,
     merge_ok,
     run_cli,
     same_bits,
@@ -191,13 +192,56 @@ def test_llama_fp8_folder_loads_in_transformers(capsys, tmp_path, fsdp_checkpoin
 
 def test_off_grid_weights_stay_in_bfloat16_and_are_listed(capsys, tmp_path, fsdp_checkpoint):
     sample = fsdp_checkpoint(LLAMA)
-    out = merge_ok(capsys, sample.role_dir, tmp_path / "fp8", "--dtype", "fp8", "--fp8-block-size", "96")
-    # 96 divides 384 = 3 x 128 (no weight here) but neither 256 nor 512: every linear weight is off the grid
-    assert "0 weights quantized in 96x96 blocks, 16 modules kept in bfloat16 (14 off the block grid)" in out
+    out = merge_ok(capsys, sample.role_dir, tmp_path / "fp8", "--dtype", "fp8", "--fp8-block-size", "256")
+    # 256 divides q/o_proj (256x256) and the MLP (256x512, 512x256), not k/v_proj (128x256)
+    assert "10 weights quantized in 256x256 blocks, 6 modules kept in bfloat16 (4 off the block grid)" in out
     written = load_safetensors_dir(tmp_path / "fp8")
-    assert not any(t.dtype == FP8 for t in written.values())
+    assert written["model.layers.0.self_attn.k_proj.weight"].dtype == torch.bfloat16
+    assert written["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
+    kept = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.1.self_attn.v_proj" in kept
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.parametrize(
+    "spec, block, instead",
+    [
+        # the demo's model: every linear weight 32 to 128 wide, none on the default 128 grid
+        (
+            FsdpSpec(),
+            "128",
+            "model.layers.0.self_attn.q_proj.weight is 64x64), and the folder would claim FP8 with "
+            "every weight in bfloat16; pass --fp8-block-size 32 (it divides all their dimensions) or another --dtype",
+        ),
+        # 96 divides none of 128, 256, 512
+        (
+            LLAMA,
+            "96",
+            "model.layers.0.self_attn.q_proj.weight is 256x256), and the folder would claim FP8 with "
+            "every weight in bfloat16; pass --fp8-block-size 128 (it divides all their dimensions) or another --dtype",
+        ),
+    ],
+)
+def test_fp8_that_would_quantize_nothing_is_refused_in_one_line(
+    capsys, tmp_path, fsdp_checkpoint, spec, block, instead
+):
+    """A folder with a quantization_config and no FP8 weight is one loaders take for an FP8 model: refused
+    before anything is written, by merge and inspect alike (the plan is made in one place)."""
+    role_dir = fsdp_checkpoint(spec).role_dir
+    expected = (
+        f"error: {role_dir}: --dtype fp8 would quantize nothing: none of the 14 linear weights lies on the "
+        f"{block}x{block} block grid (both dimensions multiples of {block}; {instead} (e.g. bfloat16)"
+    )
+    target = tmp_path / "out" / "global_step_1" / "actor"
+    flags = ("--dtype", "fp8", "--fp8-block-size", block)
+    assert merge_error(capsys, role_dir, target, *flags) == expected
+    assert not (tmp_path / "out").exists()  # nor a quantization_config anywhere
+    code, _, err = run_cli(capsys, "inspect", role_dir, *flags)
+    assert code == 1 and error_lines(err) == [expected]
+    suggested = expected.split("--fp8-block-size ")[1].split()[0]
+    out = merge_ok(capsys, role_dir, target, "--dtype", "fp8", "--fp8-block-size", suggested)
+    assert f"fp8: 14 weights quantized in {suggested}x{suggested} blocks" in out
 
 
 @pytest.mark.torchrun

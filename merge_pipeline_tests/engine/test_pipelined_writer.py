@@ -104,6 +104,6 @@ def test_plain_fsdp_merge_imports_no_dagster_or_http_client(fsdp_checkpoint, tmp
     assert done.returncode == 0, done.stderr[-3000:]
     rc, imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert rc == 0 and (tmp_path / "out" / "model.safetensors").is_file()
-    # transformers (and the Hub library it loads) for the blocking checks run before publishing (the
-    # model built on the meta device, as Dagster checks it): no Dagster, no HTTP stack.
-    assert {m.split(".")[0] for m in imported} == {"transformers", "huggingface_hub"}
+    # The blocking checks import transformers in their own worker process (hf/check_worker.py), not in
+    # the merging one; no Dagster, no HTTP stack.
+    assert {m.split(".")[0] for m in imported} <= {"huggingface_hub"}

@@ -96,6 +96,24 @@ def test_target_that_appeared_foreign_while_merging_is_not_replaced(tmp_path, so
     assert leftovers(target) == []
 
 
+def test_a_failed_merge_leaves_no_folder_it_made_and_keeps_the_others(tmp_path, source):
+    """The step folder a merge made for its target (``merged/run/global_step_3/``) goes with the failure;
+    folders that were there before, or that hold a sibling's target, stay."""
+    (tmp_path / "merged").mkdir()
+    target = tmp_path / "merged" / "run" / "global_step_3" / "actor"
+    with pytest.raises(MergeError, match="shard too large"):
+        with staged_output(target, source=source, overwrite=False) as staging:
+            (staging / "model.safetensors").write_bytes(b"half")
+            raise MergeError(staging, "shard too large")
+    assert list((tmp_path / "merged").iterdir()) == []
+
+    critic = our_folder(tmp_path / "merged" / "run" / "global_step_3" / "critic", b"published")
+    with pytest.raises(MergeError):
+        with staged_output(target, source=source, overwrite=False):
+            raise MergeError(None, "failed")
+    assert [p.name for p in critic.parent.iterdir()] == ["critic"]
+
+
 # --- publishing ---------------------------------------------------------------------------------
 
 

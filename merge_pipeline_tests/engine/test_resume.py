@@ -42,8 +42,8 @@ def _merge_command(role_dir: Path, target: Path, dtype: str = "bfloat16") -> lis
     return cli_merge_command(role_dir, target, "--dtype", dtype, "--max-shard-size", "8MB")
 
 
-def _kill_after(command: list[str], percent: int) -> None:
-    """Start the merge and SIGKILL it as soon as it reports at least ``percent`` of its bytes written."""
+def kill_after(command: list[str], percent: int) -> None:
+    """Start the merge (or average) and SIGKILL it as soon as it reports at least ``percent`` of its bytes written."""
     merge = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in merge.stderr:
         if (done := re.match(r"writing weights: (\d+)%", line)) and int(done[1]) >= percent:
@@ -64,9 +64,13 @@ def uninterrupted(tmp_path_factory):
 def test_killed_merge_resumes_with_the_files_it_finished(uninterrupted, tmp_path):
     role_dir, reference = uninterrupted
     target = tmp_path / "out"
-    command = _merge_command(role_dir, target)
+    killed_and_resumed(_merge_command(role_dir, target), target, reference)
+
+
+def killed_and_resumed(command: list[str], target: Path, reference: Path) -> None:
+    """Kill ``command`` half-way, run it again: the files it finished are kept, the folder equals ``reference``."""
     staging = staging_path(target)
-    _kill_after(command, percent=50)
+    kill_after(command, percent=50)
     done = sorted(p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.safetensors.json"))
     inodes = {name: (staging / name).stat().st_ino for name in done}
     assert 1 <= len(done) < len(list(reference.glob("*.safetensors")))
@@ -84,7 +88,7 @@ def test_a_changed_option_starts_over(uninterrupted, tmp_path):
     role_dir, _ = uninterrupted
     target = tmp_path / "out"
     staging = staging_path(target)
-    _kill_after(_merge_command(role_dir, target), percent=50)
+    kill_after(_merge_command(role_dir, target), percent=50)
     done = [p.name.removesuffix(".json") for p in (staging / RECORDS).glob("*.safetensors.json")]
     inodes = {name: (staging / name).stat().st_ino for name in done}
 
@@ -110,7 +114,7 @@ def test_an_input_resaved_in_place_with_its_mtime_put_back_starts_over(uninterru
     write_fake_pg_checkpoint(new, replace(SPEC, seed=1))
     target = tmp_path / "out"
     command = _merge_command(role_dir, target)
-    _kill_after(command, percent=50)
+    kill_after(command, percent=50)
     assert any((staging_path(target) / RECORDS).glob("*.safetensors.json"))
 
     for rank_file in sorted(role_dir.glob("model_world_size_*_rank_*.pt")):
@@ -136,7 +140,7 @@ def test_a_record_edited_to_name_another_sha256_gets_its_file_written_again(unin
     role_dir, reference = uninterrupted
     target = tmp_path / "out"
     command = _merge_command(role_dir, target)
-    _kill_after(command, percent=50)
+    kill_after(command, percent=50)
     records = sorted((staging_path(target) / RECORDS).glob("*.safetensors.json"))
     edited = records[0]
     edited.write_text(json.dumps({**json.loads(edited.read_text()), "sha256": "0" * 64}))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import Metadata
 
 from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.options import MergeOptions
@@ -129,10 +130,21 @@ def _chunk_past_the_end_of_its_file(sample: DcpSample) -> tuple[Path, str]:
     return victim, "(truncated)"
 
 
+def _build_on_the_metadata_class(sample: DcpSample) -> tuple[Path, str]:
+    """A pickle that BUILDs on the class Metadata (a state tuple's second half is set with setattr):
+    every later read in the process would see it, were it not put back."""
+    metadata_path = sample.model_dir / ".metadata"
+    global_ = b"c" + b"torch.distributed.checkpoint.metadata\nMetadata\n"
+    state = b"N}" + pickle.dumps("planted", protocol=2)[2:-1] + b"}s\x86"  # (None, {"planted": {}})
+    metadata_path.write_bytes(b"\x80\x02" + global_ + state + b"b.")
+    return metadata_path, "sets Metadata.planted on the class itself"
+
+
 HOSTILE = [
     ("accelerate", _missing_distcp),
     ("torchtitan", _chunk_outside_its_folder),
     ("nemo_rl", _chunk_past_the_end_of_its_file),
+    ("accelerate", _build_on_the_metadata_class),
 ]
 
 
@@ -153,6 +165,7 @@ def test_damaged_folder_is_refused_in_one_line_and_a_good_output_is_kept(capsys,
     assert str(path) in line and problem in line, line
     assert "Traceback" not in err
     assert tree_digest(sample.folder) == before and tree_digest(target) == good
+    assert not hasattr(Metadata, "planted")  # the class is as torch made it
 
 
 def test_config_and_tokenizer_in_the_checkpoint_need_no_hf_model_path(capsys, tmp_path, fresh_dcp):

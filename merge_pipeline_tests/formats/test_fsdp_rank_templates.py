@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import re
 import shutil
 import zipfile
@@ -131,11 +130,11 @@ def zip_layout(role_dir, rank):
 
 def records_found(role_dir, rank, layout, name=None):
     path = rank_file(role_dir, rank)
-    fd = os.open(path, os.O_RDONLY)
+    file = plan_module.SourceFile(path)
     try:
-        return layout.locate(fd, path.stat().st_size, name or path.stem)
+        return layout.locate(file, name or path.stem)
     finally:
-        os.close(fd)
+        file.close()
 
 
 def records_parsed(role_dir, rank):

