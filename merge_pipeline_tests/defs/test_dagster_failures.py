@@ -43,7 +43,7 @@ def test_corrupt_rank_file_fails_with_one_line_naming_it(fsdp_checkpoint, roots,
     step, description = failure(result)
     assert step == "hf_model"
     assert (
-        description == f"{rank_file}: not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)"
+        description == f"{rank_file}: not a readable zip archive, truncated or corrupt (File is not a zip file)"
     )
     assert_nothing_published(instance, roots)
 
