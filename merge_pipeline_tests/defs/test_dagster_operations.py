@@ -66,7 +66,7 @@ def test_a_failed_run_is_posted_to_the_webhook(fsdp_checkpoint, roots, instance,
         merge_failure_webhook(failure_context(instance, result, AlertWebhook()))
 
     [body] = received
-    error = f"{rank_file}: not a torch.save zip archive (truncated, corrupt, or the pre-1.6 legacy format)"
+    error = f"{rank_file}: not a readable zip archive, truncated or corrupt (File is not a zip file)"
     assert body == {
         "text": f"merge_pipeline: run {result.run_id[:8]} of __ephemeral_asset_job__ for {KEY} failed: {error}",
         "run_id": result.run_id,
