@@ -5,6 +5,7 @@ sensor requests the run's average, which is published beside the steps, bit for 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import dagster as dg
 import torch
@@ -24,13 +25,16 @@ RUN = "proj/exp"
 def load_component(tmp_path, monkeypatch, roots) -> dg.Definitions:
     """A dg project whose one component instance has ``averaging`` set in its defs.yaml."""
     project = tmp_path / "project"
-    defs_dir = project / "src" / "clusters" / "defs" / "cluster"
+    # A root module of its own: dg imports the project's modules by name, and Python keeps them for the
+    # session (another test's "clusters" project would answer otherwise).
+    root = "averaging_" + re.sub(r"\W", "_", tmp_path.name)
+    defs_dir = project / "src" / root / "defs" / "cluster"
     defs_dir.mkdir(parents=True)
     (project / "pyproject.toml").write_text(
-        '[project]\nname = "clusters"\nversion = "0.1.0"\n\n[tool.dg]\ndirectory_type = "project"\n\n'
-        '[tool.dg.project]\nroot_module = "clusters"\n'
+        f'[project]\nname = "{root}"\nversion = "0.1.0"\n\n[tool.dg]\ndirectory_type = "project"\n\n'
+        f'[tool.dg.project]\nroot_module = "{root}"\n'
     )
-    for package in (project / "src" / "clusters", project / "src" / "clusters" / "defs"):
+    for package in (project / "src" / root, project / "src" / root / "defs"):
         (package / "__init__.py").touch()
     attributes = {
         "checkpoint_roots": [str(roots.checkpoints)],
