@@ -42,9 +42,7 @@ def test_corrupt_rank_file_fails_with_one_line_naming_it(fsdp_checkpoint, roots,
     assert not result.success
     step, description = failure(result)
     assert step == "hf_model"
-    assert (
-        description == f"{rank_file}: not a readable zip archive, truncated or corrupt (File is not a zip file)"
-    )
+    assert description == f"{rank_file}: not a readable zip archive, truncated or corrupt (File is not a zip file)"
     assert_nothing_published(instance, roots)
 
 
