@@ -209,7 +209,10 @@ def _averaged_inputs(folder: Path) -> list[dict]:
     """The averaged merged folders its manifest records, oldest first."""
     if not (folder / MANIFEST).is_file():
         raise MergeError(folder, f"has no {MANIFEST}: materialize averaged_model for this run first")
-    inputs = read_json_object(folder / MANIFEST)["source"]["layout"].get("averaged_inputs")
+    try:
+        inputs = read_json_object(folder / MANIFEST)["source"]["layout"].get("averaged_inputs")
+    except (KeyError, TypeError, AttributeError):
+        inputs = None
     if not inputs:
         raise MergeError(folder / MANIFEST, "records no averaged inputs: not an averaged model")
     return inputs

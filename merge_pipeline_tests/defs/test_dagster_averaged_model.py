@@ -118,8 +118,19 @@ def test_the_third_merged_step_gets_the_run_averaged_and_published(
     # nothing new: no second average of the same steps
     assert not averaging_tick(defs, instance, ticked.cursor).run_requests
 
+    hub_averaged = defs.resolve_assets_def(dg.AssetKey(["cluster", "hub_averaged_model"]))
+    instance.add_dynamic_partitions(added.partitions_def_name, ["proj/other/actor"])
+    unaveraged = dg.materialize(
+        [hub_averaged], partition_key="proj/other/actor", instance=instance, raise_on_error=False
+    )
+    assert not unaveraged.success and not hub.repos  # nothing averaged yet: one line, nothing sent
+    failure = next(e for e in unaveraged.all_events if e.is_step_failure).step_failure_data.error
+    assert f"{roots.output}/proj/other/averaged/actor: has no merge_manifest.json: materialize averaged_model" in (
+        failure.message
+    )
+
     published = dg.materialize(
-        [defs.resolve_assets_def(dg.AssetKey(["cluster", "hub_averaged_model"]))],
+        [hub_averaged],
         partition_key=request.partition_key,
         instance=instance,  # the resources: the component's, bound to the asset
     )
