@@ -26,7 +26,14 @@ from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
 from merge_pipeline.defs.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.defs.config import checked_merge_config
-from merge_pipeline.defs.hub import CRON, DEFAULT_TEMPLATE, HuggingFaceHub, env_token, hub_definitions
+from merge_pipeline.defs.hub import (
+    CRON,
+    DEFAULT_TEMPLATE,
+    HuggingFaceHub,
+    env_token,
+    hub_averaged_definition,
+    hub_definitions,
+)
 from merge_pipeline.defs.names import Names
 from merge_pipeline.defs.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
 from merge_pipeline.defs.report import step_report_definition
@@ -203,7 +210,11 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         if self.averaging is None:
             return merge
         averaging = dg.Definitions(
-            assets=[averaged_model_definition(names, self.averaging)],
+            assets=[
+                averaged_model_definition(names, self.averaging),
+                # its Hub upload, materialized from the UI (no schedule of its own)
+                *([hub_averaged_definition(names)] if self.hub.organization else []),
+            ],
             sensors=[
                 averaged_model_sensor_definition(
                     names, self.sensor_interval_seconds, self.averaging, self.max_concurrent_merges

@@ -1,4 +1,6 @@
-"""Publishing to a Hugging Face Hub: the ``hub`` resource, the ``hub_model`` asset and its schedule.
+"""Publishing to a Hugging Face Hub: the ``hub`` resource, the ``hub_model`` asset and its schedule, and
+``hub_averaged_model`` (with the component's ``averaging:``): a run's averaged model, on a branch of its
+role's repo named ``averaged-last-<K>``.
 
 Configured from the environment, like the merge settings:
 
@@ -20,6 +22,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from merge_pipeline.defs.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.defs.checks import passed_every_check
 from merge_pipeline.defs.failures import one_line_failure
 from merge_pipeline.defs.names import PLAIN, Names
@@ -27,11 +30,17 @@ from merge_pipeline.defs.partitions import CheckpointKey
 from merge_pipeline.defs.records import latest_materialization
 from merge_pipeline.defs.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub import UploadResult, upload_folder_verified
+from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
 
 GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
+# The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
+# the step branches), and one branch per K, updated in place as steps land (its history: the averages).
+AVERAGED_BRANCH = "averaged-last-{k}"
 
 
 def env_token() -> dg.EnvVar | None:
@@ -85,12 +94,15 @@ class HuggingFaceHub(dg.ConfigurableResource):
         """The step's branch, named as its trainer names the step folder (global_step_7, step-10, iter_0000100)."""
         return key.step_dir if self.revisions == "branch" else None
 
-    def publish(self, folder: Path, key: CheckpointKey, smoke: dict | None = None) -> UploadResult:
+    def publish(
+        self, folder: Path, key: CheckpointKey, smoke: dict | None = None, branch: str | None = None
+    ) -> UploadResult:
+        """``branch``: that branch of the key's repo instead of the step's revision (an averaged model's)."""
         return upload_folder_verified(
             folder,
             self.repo_id(key),
             private=self.private,
-            revision=self.revision(key),
+            revision=branch or self.revision(key),
             endpoint=self.endpoint,
             token=self.token,
             timeout_s=self.timeout_s,
@@ -150,18 +162,68 @@ def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: Hu
     with one_line_failure():
         key = CheckpointKey.parse(context.partition_key)
         result = hub.publish(settings.target_dir(key), key, _smoke_of(context.instance, names, str(key)))
-    yield dg.MaterializeResult(
-        metadata={
-            "repo": result.repo_id,
-            "revision": result.revision,
-            "url": dg.MetadataValue.url(result.url),
-            "commit_url": dg.MetadataValue.url(result.commit_url),
-            "files": result.files,
-            "bytes": result.bytes,
-            "size": human_bytes(result.bytes),
-            "files_sent": len(result.sent),
-        }
+    yield dg.MaterializeResult(metadata=_published(result))
+
+
+def _published(result: UploadResult) -> dict:
+    return {
+        "repo": result.repo_id,
+        "revision": result.revision,
+        "url": dg.MetadataValue.url(result.url),
+        "commit_url": dg.MetadataValue.url(result.commit_url),
+        "files": result.files,
+        "bytes": result.bytes,
+        "size": human_bytes(result.bytes),
+        "files_sent": len(result.sent),
+    }
+
+
+def hub_averaged_definition(names: Names) -> dg.AssetsDefinition:
+    """``hub_averaged_model``: defined by the component only when both averaging and a Hub organization are set."""
+
+    @dg.asset(
+        key=names.key("hub_averaged_model"),
+        partitions_def=averaged_partitions(names),
+        group_name=names(GROUP),
+        deps=[names.key("averaged_model")],
+        kinds={"huggingface"},
+        required_resource_keys={names("settings"), names("hub")},
     )
+    def hub_averaged_model(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        """The run's averaged folder on branch ``averaged-last-<K>`` of its role's repo (the repo its steps
+        go to), with a model card naming every averaged step and its weight, checked file by file after upload."""
+        settings: MergeSettings = getattr(context.resources, names("settings"))
+        hub: HuggingFaceHub = getattr(context.resources, names("hub"))
+        with one_line_failure():
+            folder = averaged_dir(settings, RunKey.parse(context.partition_key))
+            inputs = _averaged_inputs(folder)
+            result = hub.publish(
+                folder, _newest_step(inputs, settings, folder), branch=AVERAGED_BRANCH.format(k=len(inputs))
+            )
+        return dg.MaterializeResult(metadata=_published(result))
+
+    return hub_averaged_model
+
+
+def _averaged_inputs(folder: Path) -> list[dict]:
+    """The averaged merged folders its manifest records, oldest first."""
+    if not (folder / MANIFEST).is_file():
+        raise MergeError(folder, f"has no {MANIFEST}: materialize averaged_model for this run first")
+    try:
+        inputs = read_json_object(folder / MANIFEST)["source"]["layout"].get("averaged_inputs")
+    except (KeyError, TypeError, AttributeError):
+        inputs = None
+    if not inputs:
+        raise MergeError(folder / MANIFEST, "records no averaged inputs: not an averaged model")
+    return inputs
+
+
+def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointKey:
+    """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step)."""
+    newest = Path(inputs[-1]["path"])
+    if not newest.is_relative_to(settings.output_dir):
+        raise MergeError(folder, f"its newest input {newest} is not a merged step under {settings.output_dir}")
+    return CheckpointKey.parse(newest.relative_to(settings.output_dir).as_posix())
 
 
 def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):

@@ -1,6 +1,7 @@
 """``averaged_model`` (issue 40), switched on in a component's defs.yaml, in a real instance: nothing to
 average after two merged steps; when the third lands (and no merge of the instance is in flight), its
-sensor requests the run's average, which is published beside the steps, bit for bit the float32 average of the three merged folders."""
+sensor requests the run's average, which is published beside the steps, bit for bit the float32 average of the three merged folders;
+then ``hub_averaged_model`` uploads that folder, byte for byte, to its run's repo on a test Hub (the real huggingface_hub client)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.engine.test_average import weighted_sum
 from merge_pipeline_tests.helpers import assert_bit_exact, load_safetensors_dir
+from merge_pipeline_tests.hub.conftest import hub  # noqa: F401 (the test Hub on 127.0.0.1)
 
 STEP = FsdpSpec(with_optimizer=False)  # the engine's averaging tests' steps: written once per session
 RUN = "proj/exp"
@@ -40,6 +42,7 @@ def load_component(tmp_path, monkeypatch, roots) -> dg.Definitions:
         "checkpoint_roots": [str(roots.checkpoints)],
         "output_root": str(roots.output),
         "averaging": {"last_k": 3, "scheme": "uniform"},
+        "hub": {"organization": "org"},  # with averaging: hub_averaged_model (token: $HF_TOKEN, the Hub's writer)
     }
     (defs_dir / "defs.yaml").write_text(
         yaml.safe_dump({"type": "merge_pipeline.MergeCheckpoints", "attributes": attributes})
@@ -69,7 +72,14 @@ def averaging_tick(defs, instance, cursor=None) -> dg.SensorResult:
     )
 
 
-def test_the_third_merged_step_gets_the_run_averaged(tmp_path, monkeypatch, roots, instance, fsdp_checkpoint):
+def test_the_third_merged_step_gets_the_run_averaged_and_published(
+    tmp_path,
+    monkeypatch,
+    roots,
+    instance,
+    fsdp_checkpoint,
+    hub,  # noqa: F811 - the fixture imported above
+):
     defs = load_component(tmp_path, monkeypatch, roots)
     samples = [fsdp_checkpoint(dataclasses.replace(STEP, seed=seed)) for seed in range(3)]
     keys = [land(defs, instance, roots, samples[0], 1), land(defs, instance, roots, samples[1], 2)]
@@ -111,3 +121,34 @@ def test_the_third_merged_step_gets_the_run_averaged(tmp_path, monkeypatch, root
     assert [i["path"] for i in inputs] == [str(roots.target(key)) for key in keys]
     # nothing new: no second average of the same steps
     assert not averaging_tick(defs, instance, ticked.cursor).run_requests
+
+    hub_averaged = defs.resolve_assets_def(dg.AssetKey(["cluster", "hub_averaged_model"]))
+    instance.add_dynamic_partitions(added.partitions_def_name, ["proj/other/actor"])
+    unaveraged = dg.materialize(
+        [hub_averaged], partition_key="proj/other/actor", instance=instance, raise_on_error=False
+    )
+    assert not unaveraged.success and not hub.repos  # nothing averaged yet: one line, nothing sent
+    failure = next(e for e in unaveraged.all_events if e.is_step_failure).step_failure_data.error
+    assert f"{roots.output}/proj/other/averaged/actor: has no merge_manifest.json: materialize averaged_model" in (
+        failure.message
+    )
+
+    published = dg.materialize(
+        [hub_averaged],
+        partition_key=request.partition_key,
+        instance=instance,  # the resources: the component's, bound to the asset
+    )
+
+    assert published.success
+    [event] = published.get_asset_materialization_events()
+    metadata = event.materialization.metadata
+    # the run's role repo (where its steps go), on the branch of the last-3 average
+    assert (metadata["repo"].value, metadata["revision"].value) == ("org/proj-exp-actor", "averaged-last-3")
+    on_hub = hub.tree("org/proj-exp-actor", "averaged-last-3")
+    card = on_hub.pop("README.md").decode()
+    on_hub.pop(".gitattributes")
+    assert on_hub == {p.name: p.read_bytes() for p in target.iterdir()}
+    assert "The weighted average of 3 checkpoints, accumulated in float32" in card
+    for key in keys:
+        assert f"| `{roots.target(key)}` | hf | 0.333333 |" in card
+    assert set(hub.repos[("model", "org/proj-exp-actor")].branches) == {"main", "averaged-last-3"}
