@@ -25,7 +25,7 @@ from merge_pipeline.options import (
 )
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
-from merge_pipeline.storage import is_store_url
+from merge_pipeline.storage import is_store_url, viewed
 
 log = logging.getLogger("merge_pipeline")
 
@@ -166,12 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
     _checkpoint_flags(test, "test")
-    test.add_argument("--test_hf_dir", required=True, type=Path, help="reference HF folder")
+    test.add_argument(
+        "--test_hf_dir",
+        required=True,
+        type=_location,
+        help="reference HF folder, or a merged folder in a store (s3://bucket/prefix)",
+    )
     test.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bit-exact)")
     test.set_defaults(run=_run_test)
 
     upload = commands.add_parser("upload", help="upload a merged folder to a Hub repo and verify it")
-    upload.add_argument("folder", type=Path, help="a folder written by `merge`")
+    upload.add_argument(
+        "folder", type=_location, help="a folder written by `merge`, or its store URL (s3://bucket/prefix)"
+    )
     upload.add_argument("repo_id", metavar="ORG/NAME")
     _hub_flags(upload)
     upload.set_defaults(run=_run_upload)
@@ -183,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_run_inspect)
 
     diff = commands.add_parser("diff", help="what changed between two merged folders, tensor by tensor (streamed)")
-    diff.add_argument("before", type=Path, help="a merged folder: the previous step, or the base model")
-    diff.add_argument("after", type=Path, help="a merged folder compared with BEFORE")
+    diff.add_argument(
+        "before", type=_location, help="a merged folder (or store URL): the previous step, or the base model"
+    )
+    diff.add_argument("after", type=_location, help="a merged folder (or store URL) compared with BEFORE")
     diff.set_defaults(run=_run_diff)
     return parser
 
@@ -291,17 +300,19 @@ def _run_upload(args: argparse.Namespace) -> int:
     return _upload(args.folder, args.repo_id, args)
 
 
-def _upload(folder: Path, repo_id: str, args: argparse.Namespace) -> int:
+def _upload(folder: str | Path, repo_id: str, args: argparse.Namespace) -> int:
+    """A folder in a store is uploaded through its view: weight files streamed by ranged GETs, never downloaded."""
     from merge_pipeline.hub import upload_folder_verified
 
-    upload = upload_folder_verified(
-        folder,
-        repo_id,
-        private=args.private,
-        revision=args.revision,
-        commit_message=args.commit_message,
-        timeout_s=args.hub_timeout,
-    )
+    with viewed(folder, merged=True) as local:
+        upload = upload_folder_verified(
+            local,
+            repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            timeout_s=args.hub_timeout,
+        )
     print(
         f"uploaded to {upload.url}: {len(upload.sent)} of {upload.files} files sent, all verified ({upload.commit_url})"
     )
@@ -350,7 +361,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _run_diff(args: argparse.Namespace) -> int:
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
 
-    diff = diff_folders(args.after, {"before": args.before})
+    with viewed(args.before, merged=True) as before, viewed(args.after, merged=True) as after:
+        diff = diff_folders(after, {"before": before})
     print("\n".join([*summary_lines(diff), "", markdown_table(diff)]))
     return 0
 

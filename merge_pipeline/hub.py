@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import math
@@ -61,6 +62,8 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.model_card import CARD, readme_to_publish, render_card
+from merge_pipeline.plan import FileRange, SourceFile
+from merge_pipeline.storage import store_object
 
 log = logging.getLogger("merge_pipeline")
 
@@ -73,6 +76,7 @@ _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _WEIGHTS = re.compile(r"[^/]+\.safetensors(\.index\.json)?")  # what loaders read from a repo's root
 _READ_MAX = 16 << 20  # a manifest or README on the Hub larger than this is not one of ours
+_STORE_READ = 8 << 20  # each ranged GET of a weight file uploaded from a store
 # Any one answer of the Hub (a page of a tree listing, a small file, a commit's result): a server that
 # streams without end must cost bounded memory. The files we read are at most _READ_MAX.
 MAX_RESPONSE_BYTES = 64 << 20
@@ -216,7 +220,7 @@ class _Upload:
                 sum(f.size for f in send),
                 len(stale),
             )
-            operations = [CommitOperationAdd(f.path, f.source) for f in send] + [
+            operations = [CommitOperationAdd(f.path, _client_source(f.source)) for f in send] + [
                 CommitOperationDelete(p) for p in stale
             ]
             self.api.create_commit(self.repo_id, operations, commit_message=self.message, revision=self.revision)
@@ -411,12 +415,22 @@ def _hash(path: str, source: Path | bytes) -> _Local:
 
 
 def _chunks(source: Path | bytes, block: int = 8 << 20):
+    source = _client_source(source)
     if isinstance(source, bytes):
         yield source
         return
-    with open(source, "rb") as f:
+    with source if isinstance(source, io.IOBase) else open(source, "rb") as f:
         while chunk := f.read(block):
             yield chunk
+
+
+def _client_source(source: Path | bytes) -> Path | bytes | io.BufferedReader:
+    """What a file is read from: its bytes or local path as they are; for a placeholder of a store's view
+    (``storage.viewed``), a seekable reader of ranged GETs pinned to the object's ETag (never downloaded)."""
+    if isinstance(source, bytes) or store_object(source) is None:
+        return source
+    file = SourceFile(source)
+    return io.BufferedReader(FileRange(file, 0, file.size), _STORE_READ)
 
 
 def _retrying(attempt, policy: RetryPolicy, token: str):

@@ -626,7 +626,10 @@ def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) 
     return outputs.fp8.summary()
 
 
-def compare(local_dir: str | Path, reference_dir: Path, options: MergeOptions, *, atol: float = 0.0) -> Comparison:
-    """``test``: what the checkpoint merges to, tensor by tensor against a reference HF folder."""
-    with prepare(local_dir, options) as prepared:
-        return compare_with_reference(prepared.outputs, Path(reference_dir).absolute(), atol=atol)
+def compare(
+    local_dir: str | Path, reference_dir: str | Path, options: MergeOptions, *, atol: float = 0.0
+) -> Comparison:
+    """``test``: what the checkpoint merges to, tensor by tensor against a reference HF folder (or a merged
+    folder in a store, refused while its ``merge_manifest.json`` is missing)."""
+    with viewed(reference_dir, merged=True) as reference, prepare(local_dir, options) as prepared:
+        return compare_with_reference(prepared.outputs, reference.absolute(), atol=atol)

@@ -313,11 +313,13 @@ def _listing(store: StoreLocation) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def viewed(location_or_url: str | Path) -> Iterator[Path]:
+def viewed(location_or_url: str | Path, *, merged: bool = False) -> Iterator[Path]:
     """A local folder standing for a store prefix while the block runs (a local path is yielded as it is).
 
     Other files are downloaded, weight files are sparse placeholders read through ``store_object``.
-    Errors naming a file in the view name its URL (``errors.show_folder_as``)."""
+    Errors naming a file in the view name its URL (``errors.show_folder_as``). ``merged``: a merged folder
+    (``test``'s reference, ``upload``, ``diff``), refused unless the listing holds its commit marker; the
+    weight files listed with it are pinned to their ETags, so a re-publish under way fails their reads."""
     if not is_store_url(location_or_url):
         yield Path(location_or_url)
         return
@@ -325,6 +327,8 @@ def viewed(location_or_url: str | Path) -> Iterator[Path]:
     objects = _listing(store)
     if not objects:
         raise MergeError(None, f"{store.url}: no object under this prefix")
+    if merged and MANIFEST not in objects:
+        raise MergeError(None, f"{store.url}: incomplete: no {MANIFEST}; a merge is still publishing or failed")
     root = Path(tempfile.mkdtemp(prefix="merge_pipeline-view-")) / Path(store.path).name
     registered: list[Path] = []
     try:

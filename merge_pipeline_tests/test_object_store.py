@@ -3,11 +3,14 @@
 
 Merges store -> store, store -> local and local -> store of real FSDP, Megatron-Core and DCP checkpoints,
 bit for bit what the same merge writes on local disk; the publishing order seen by a reader polling the
-target prefix; an object replaced mid-merge; the one-line refusals.
+target prefix; an object replaced mid-merge; the one-line refusals. The consumers of a merged folder in
+the store (``test``, ``diff``, ``upload`` to the Hub server of ``hub/conftest.py``) answer as on local
+disk, and refuse a prefix without its ``merge_manifest.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -28,6 +31,7 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import describe, merge
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest
+from merge_pipeline_tests.hub.conftest import hub  # noqa: F401 (the Hub-compatible server, for `upload`)
 
 pytestmark = pytest.mark.slow
 
@@ -319,3 +323,70 @@ def test_a_merge_killed_mid_upload_leaves_nothing_complete_and_resumes(bucket, f
     merged = download(fs, target, tmp_path / "downloaded")
     assert weights_and_index(merged) == weights_and_index(tmp_path / "local")
     assert not any((tmp_path / "scratch").iterdir())  # the twin is removed once published
+
+
+def _merged_in_store_and_here(fs, b: str, sample, tmp_path) -> tuple[str, Path]:
+    """The same merge published to ``s3://b/merged`` and written to a local folder."""
+    options = MergeOptions(max_shard_size=SHARDS)
+    merge(sample.role_dir, f"s3://{b}/merged", options, show_progress=False)
+    return f"s3://{b}/merged", merge(sample.role_dir, tmp_path / "merged", options, show_progress=False).target_dir
+
+
+def _changed_copy(fs, b: str, merged: Path, tmp_path) -> tuple[str, Path]:
+    """The merged folder with the last byte of one shard flipped, here and in the store: one tensor differs."""
+    changed = shutil.copytree(merged, tmp_path / "changed")
+    shard = sorted(changed.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return upload(fs, changed, f"{b}/changed"), changed
+
+
+def test_test_and_diff_read_a_merged_folder_in_the_store_as_on_local_disk(capsys, bucket, fsdp_checkpoint, tmp_path):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    url, local = _merged_in_store_and_here(fs, b, sample, tmp_path)
+
+    code, out, err = run_cli(capsys, "test", "--local_dir", sample.role_dir, "--test_hf_dir", url)
+    here = run_cli(capsys, "test", "--local_dir", sample.role_dir, "--test_hf_dir", local)
+    assert code == here[0] == 0, err
+    assert out == here[1].replace(str(local), url) and out.splitlines()[-1] == f"OK: 27 tensors match {url}"
+
+    changed_url, changed = _changed_copy(fs, b, local, tmp_path)
+    source = upload(fs, sample.role_dir, f"{b}/ckpt/actor")  # --local_dir in the store as well
+    code, out, err = run_cli(capsys, "test", "--local_dir", source, "--test_hf_dir", changed_url)
+    here = run_cli(capsys, "test", "--local_dir", sample.role_dir, "--test_hf_dir", changed)
+    assert code == here[0] == 3 and out == here[1] and "MISMATCH" in out and err == here[2]
+
+    code, out, err = run_cli(capsys, "diff", url, changed_url)
+    assert (code, out) == run_cli(capsys, "diff", local, changed)[:2], err
+    assert "largest relative change" in out and "bit-identical" not in out
+
+
+def test_upload_from_the_store_puts_the_merged_files_on_the_hub(capsys, bucket, hub, fsdp_checkpoint, tmp_path):  # noqa: F811
+    fs, b = bucket
+    url, local = _merged_in_store_and_here(fs, b, fsdp_checkpoint(FsdpSpec(world_size=3)), tmp_path)
+
+    code, out, err = run_cli(capsys, "upload", url, "org/from-store")
+
+    assert code == 0, err
+    assert out.startswith(f"uploaded to {hub.endpoint}/org/from-store: ") and "all verified" in out
+    on_hub = {p: hashlib.sha256(data).hexdigest() for p, data in hub.tree("org/from-store").items()}
+    assert {p: d for p, d in on_hub.items() if p not in ("README.md", ".gitattributes")} == tree_digest(local)
+
+
+def test_a_prefix_without_its_manifest_is_refused_by_test_diff_and_upload(capsys, bucket, hub, fsdp_checkpoint):  # noqa: F811
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    url = f"s3://{b}/publishing"
+    merge(sample.role_dir, url, MergeOptions(max_shard_size=SHARDS), show_progress=False)
+    fs.rm_file(f"{b}/publishing/merge_manifest.json")  # as a merge still uploading, or killed, leaves it
+    refused = f"error: {url}: incomplete: no merge_manifest.json; a merge is still publishing or failed"
+    for argv in (
+        ("test", "--local_dir", sample.role_dir, "--test_hf_dir", url),
+        ("diff", url, url),
+        ("upload", url, "org/never"),
+    ):
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 1 and error_lines(err) == [refused] and "Traceback" not in err, argv
+    assert ("model", "org/never") not in hub.repos

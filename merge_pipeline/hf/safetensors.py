@@ -7,6 +7,7 @@ header, the offsets and the dtypes); a reader that needs byte offsets parses the
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.input_files import open_regular
+from merge_pipeline.storage import StoreObject, store_object
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -55,11 +57,66 @@ def exact_common_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 def open_safetensors(path: Path) -> Iterator:
     """``safe_open`` a finished file; a missing, special or malformed one is one line naming it."""
     os.close(open_regular(path))  # checked first: safe_open would block on a FIFO
+    remote = store_object(path)
+    if remote is not None:  # a placeholder of a store's view (``storage.viewed``): its bytes are in the store
+        yield StoredSafetensors(path, remote)
+        return
     try:
         with safe_open(path, "pt") as f:
             yield f
     except SafetensorError as exc:
         raise MergeError(path, f"not a readable safetensors file ({exc})") from None
+
+
+class StoredSafetensors:
+    """``safe_open``'s reading calls on a safetensors file in a store: the header in two ranged GETs, each
+    tensor in one (pinned to the ETag listed, as every read of a store object)."""
+
+    def __init__(self, path: Path, remote: StoreObject):
+        self.path, self.remote = path, remote
+        length = int.from_bytes(remote.read(0, 8), "little")
+        self.data_start = 8 + length
+        if length > MAX_HEADER_BYTES or self.data_start > remote.identity.size:
+            raise MergeError(path, "not a readable safetensors file (header length past the end of the file)")
+        try:
+            header = json.loads(remote.read(8, length))
+            self.entries = {name: _Entry(e) for name, e in header.items() if name != METADATA_KEY}
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise MergeError(path, f"not a readable safetensors file (header: {exc})") from None
+        if any(self.data_start + e.end > remote.identity.size for e in self.entries.values()):
+            raise MergeError(path, "not a readable safetensors file (a tensor's offsets run past the end of the file)")
+
+    def keys(self) -> list[str]:
+        return sorted(self.entries)
+
+    def get_slice(self, name: str) -> _Entry:
+        return self.entries[name]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        data = bytearray(self.remote.read(self.data_start + entry.start, entry.end - entry.start))
+        if not data:
+            return torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])
+        return torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).view(entry.shape)
+
+
+class _Entry:
+    """One tensor of a stored file's header, answering as ``safe_open``'s slices do."""
+
+    def __init__(self, entry: dict):
+        self.dtype, self.shape = entry["dtype"], [int(d) for d in entry["shape"]]
+        self.start, self.end = (int(o) for o in entry["data_offsets"])
+        if (
+            self.dtype not in TORCH_DTYPES
+            or self.end - self.start != math.prod(self.shape) * TORCH_DTYPES[self.dtype].itemsize
+        ):
+            raise ValueError(f"dtype {self.dtype} or offsets {self.start}-{self.end} do not fit shape {self.shape}")
+
+    def get_dtype(self) -> str:
+        return self.dtype
+
+    def get_shape(self) -> list[int]:
+        return self.shape
 
 
 def read_header(path: Path) -> dict[str, dict]:
