@@ -55,7 +55,9 @@ def test_corrupt_metadata(fresh_megatron):
 def test_metadata_that_would_run_code_is_refused(fresh_megatron):
     role = fresh_megatron("qwen2_tp2").role_dir
     path = role / "dist_ckpt" / ".metadata"
-    path.write_bytes(pickle.dumps(print))  # any global outside the DCP classes
+    # any global outside the DCP classes, spelled out: pickling print itself names whatever the process's
+    # print is (Ray, once imported, replaces it with its own)
+    path.write_bytes(b"\x80\x02cbuiltins\nprint\n.")
     with pytest.raises(MergeError, match="refused to load builtins.print") as error:
         megatron_plan(role)
     assert error.value.path == path
