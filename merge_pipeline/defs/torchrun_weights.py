@@ -66,4 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's teardown: C++ objects of gloo's that outlive the process group can
+    # still own a running thread, and destroying them at exit aborts the rank ("terminate called without
+    # an active exception") after its files were written and reported.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
