@@ -62,7 +62,6 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.model_card import CARD, readme_to_publish, render_card
-from merge_pipeline.plan import FileRange, SourceFile
 from merge_pipeline.storage import store_object
 
 log = logging.getLogger("merge_pipeline")
@@ -429,6 +428,8 @@ def _client_source(source: Path | bytes) -> Path | bytes | io.BufferedReader:
     (``storage.viewed``), a seekable reader of ranged GETs pinned to the object's ETag (never downloaded)."""
     if isinstance(source, bytes) or store_object(source) is None:
         return source
+    from merge_pipeline.plan import FileRange, SourceFile  # torch: not for the Dagster location's load
+
     file = SourceFile(source)
     return io.BufferedReader(FileRange(file, 0, file.size), _STORE_READ)
 
