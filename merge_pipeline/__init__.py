@@ -7,7 +7,7 @@ def __getattr__(name: str):
     # `merge_pipeline.MergeCheckpoints`, the Dagster component's type name in a defs.yaml, imported
     # only when asked for: `import merge_pipeline` (the CLI) stays free of dagster.
     if name == "MergeCheckpoints":
-        from merge_pipeline.defs.component import MergeCheckpoints
+        from merge_pipeline.dagster.component import MergeCheckpoints
 
         return MergeCheckpoints
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.defs.hub import HuggingFaceHub
-from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.dagster.hub import HuggingFaceHub
+from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.model_card import render_card
 

@@ -2,7 +2,7 @@
 
 Layers, lowest first: shared leaves (errors, files, options, the plan types) < ``hf`` (the Hugging Face
 folder format) < ``formats`` (readers) and ``engine`` (the writer), which know nothing of each other
-< ``pipeline`` (the one module using both) < ``distributed``, ``ray_tasks`` and ``hub`` < ``cli`` and ``defs``.
+< ``pipeline`` (the one module using both) < ``distributed``, ``ray_tasks`` and ``hub`` < ``cli`` and ``dagster``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
 # The one import that goes up: ``merge_pipeline.MergeCheckpoints``, the Dagster component's type name
 # in a user's defs.yaml, is resolved by a PEP 562 ``__getattr__`` on first access only, so
 # ``import merge_pipeline`` (the CLI) loads nothing of defs or dagster (test_the_package_import_stays_light).
-LAZY_EXPORTS = {("merge_pipeline", "merge_pipeline.defs.component")}
+LAZY_EXPORTS = {("merge_pipeline", "merge_pipeline.dagster.component")}
 
 
 def graph() -> dict[str, set[str]]:
@@ -96,11 +96,11 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
             a, b = part(importer), part(target)
             if LAYERS[b] > LAYERS[a]:
                 found.append(f"upward: {importer} -> {target}")
-            if a in ("engine", "formats") and b in ("pipeline", "cli", "defs", "definitions", "distributed", "hub"):
+            if a in ("engine", "formats") and b in ("pipeline", "cli", "dagster", "definitions", "distributed", "hub"):
                 found.append(f"{a} imports {b}: {importer} -> {target}")
             if {a, b} == {"engine", "formats"}:
                 found.append(f"engine and formats are independent: {importer} -> {target}")
-            if a in ("cli", "defs", "definitions") and b in ("formats", "engine"):
+            if a in ("cli", "dagster", "definitions") and b in ("formats", "engine"):
                 found.append(f"{a} must go through pipeline: {importer} -> {target}")
     return found
 
@@ -168,7 +168,7 @@ def test_no_private_dagster_api(path: Path) -> None:
 
 
 def test_the_package_import_stays_light() -> None:
-    code = "import sys, merge_pipeline; print(sorted(m for m in ('dagster', 'torch', 'ray', 'merge_pipeline.defs') if m in sys.modules))"
+    code = "import sys, merge_pipeline; print(sorted(m for m in ('dagster', 'torch', 'ray', 'merge_pipeline.dagster') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert loaded.stdout.strip() == "[]"
     assert "MergeCheckpoints" in dir(importlib.import_module("merge_pipeline"))  # dg's registry lists it

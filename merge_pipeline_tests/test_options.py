@@ -8,7 +8,7 @@ import re
 import pytest
 
 from merge_pipeline.cli import _options, build_parser
-from merge_pipeline.defs.config import MergeConfig
+from merge_pipeline.dagster.config import MergeConfig
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_flags
 from merge_pipeline.pipeline import prepare

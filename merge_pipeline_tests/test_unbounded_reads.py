@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.defs.discovery import completeness
+from merge_pipeline.dagster.discovery import completeness
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER

@@ -1,1 +1,6 @@
-"""What this package adds to a Dagster instance (``dagster.yaml``), beside the definitions in ``defs``."""
+"""The Dagster side: the ``MergeCheckpoints`` component (``component.py``) and one small module per kind of
+definition it builds, plus what this package adds to a Dagster instance (``instance.yaml``, the run launcher).
+
+Everything here is a thin layer over ``merge_pipeline.pipeline`` (never the readers or the writer
+directly); nothing below it imports dagster.
+"""

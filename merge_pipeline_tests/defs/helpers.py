@@ -9,10 +9,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs import assets
-from merge_pipeline.defs.checks import PASSED
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.dagster import assets
+from merge_pipeline.dagster.checks import PASSED
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_samples.fsdp import FsdpSpec
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dagster as dg
 
+from merge_pipeline.dagster.report_sensor import step_report_sensor
+from merge_pipeline.dagster.resources import OUTPUT_VAR, ROOTS_VAR
+from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.definitions import defs
-from merge_pipeline.defs.report_sensor import step_report_sensor
-from merge_pipeline.defs.resources import OUTPUT_VAR, ROOTS_VAR
-from merge_pipeline.defs.sensors import new_checkpoint_sensor
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 
 KEY = "run/global_step_3/actor"

@@ -14,8 +14,8 @@ import dagster as dg
 import pytest
 import yaml
 
+from merge_pipeline.dagster.jobs import HEAVY_TAG
 from merge_pipeline.definitions import defs
-from merge_pipeline.defs.jobs import HEAVY_TAG
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 from merge_pipeline_tests.defs.services import LOCATIONS_QUERY, running_dagster_dev
 
@@ -99,8 +99,8 @@ def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_without_ass
 
 @pytest.mark.parametrize("prefix", ["", "cluster_a"])
 def test_job_descriptions_name_sensors_that_exist(prefix):
-    from merge_pipeline.defs.component import MergeCheckpoints
-    from merge_pipeline.defs.names import Names
+    from merge_pipeline.dagster.component import MergeCheckpoints
+    from merge_pipeline.dagster.names import Names
 
     built = MergeCheckpoints(prefix=prefix).definitions(Names(prefix))
     sensors = {s.name for s in built.sensors}
@@ -171,7 +171,7 @@ def test_dagster_yaml_queues_runs_limits_heavy_merges_and_retries_crashes(tmp_pa
 
 def test_env_example_lists_every_setting_the_code_reads():
     example = (PROJECT_ROOT / ".env.example").read_text()
-    source = "".join(p.read_text() for p in (PROJECT_ROOT / "merge_pipeline" / "defs").glob("*.py"))
+    source = "".join(p.read_text() for p in (PROJECT_ROOT / "merge_pipeline" / "dagster").glob("*.py"))
     read = set(re.findall(r"\b(MERGE_PIPELINE_[A-Z_]+)\b", source)) - {"MERGE_PIPELINE_DIST_TIMEOUT"}
     assert read and all(re.search(rf"^#? ?{name}=", example, re.M) for name in read), read
 

@@ -17,8 +17,8 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs import browser
 from merge_pipeline_tests.defs.helpers import ACTOR

@@ -9,8 +9,8 @@ import threading
 
 import dagster as dg
 
-from merge_pipeline.defs.alerts import AlertWebhook, merge_failure_webhook
-from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.dagster.alerts import AlertWebhook, merge_failure_webhook
+from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 
 KEY = "run/global_step_2/actor"

@@ -12,9 +12,9 @@ from pathlib import Path
 import dagster as dg
 from safetensors.torch import load_file
 
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import PIN_GRACE_SECONDS, pin_path
-from merge_pipeline.defs.sensors import new_checkpoint_sensor
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, pin_path
+from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 

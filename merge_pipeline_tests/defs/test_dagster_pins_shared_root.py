@@ -24,8 +24,8 @@ import dagster as dg
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import PIN_GRACE_SECONDS, PINS, pin_path
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, PINS, pin_path
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT, Roots, materialize
 from merge_pipeline_tests.defs.test_dagster_failures import assert_nothing_published, failure

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from merge_pipeline.defs.component import MergeCheckpoints
-from merge_pipeline.defs.names import Names
+from merge_pipeline.dagster.component import MergeCheckpoints
+from merge_pipeline.dagster.names import Names
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize

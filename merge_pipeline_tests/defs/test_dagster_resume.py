@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.formats.step_folders import TRACKER

@@ -10,11 +10,11 @@ import time
 import dagster as dg
 import pytest
 
-from merge_pipeline.defs.discovery import completeness
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensor_cursor import cursor_keys
-from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
+from merge_pipeline.dagster.discovery import completeness
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.sensor_cursor import cursor_keys
+from merge_pipeline.dagster.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.pipeline import merge
@@ -311,8 +311,8 @@ def test_the_components_sensors_keep_one_merge_or_report_in_flight(fsdp_checkpoi
     """A project made by create-dagster has no run queue limits: the component's sensor requests one merge
     (the oldest step) and holds back the other complete steps while a merge or a step report of the
     instance is queued or running; its report sensor waits while a merge is."""
-    from merge_pipeline.defs.component import MergeCheckpoints
-    from merge_pipeline.defs.names import Names
+    from merge_pipeline.dagster.component import MergeCheckpoints
+    from merge_pipeline.dagster.names import Names
 
     sample = fsdp_checkpoint(ACTOR)
     for step in (3, 1, 2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from merge_pipeline.defs.report import step_report
+from merge_pipeline.dagster.report import step_report
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.helpers import CHAIN, materialize
 

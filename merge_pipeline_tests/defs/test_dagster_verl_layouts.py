@@ -9,9 +9,9 @@ import shutil
 import dagster as dg
 from safetensors.torch import load_file
 
-from merge_pipeline.defs.discovery import completeness
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.sensors import SOURCE_TAG, new_checkpoint_sensor
+from merge_pipeline.dagster.discovery import completeness
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.sensors import SOURCE_TAG, new_checkpoint_sensor
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.defs import assets
-from merge_pipeline.defs.checks import PASSED
-from merge_pipeline.defs.config import MergeConfig
+from merge_pipeline.dagster import assets
+from merge_pipeline.dagster.checks import PASSED
+from merge_pipeline.dagster.config import MergeConfig
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES

@@ -12,8 +12,8 @@ import uuid
 import dagster as dg
 import pytest
 
-from merge_pipeline.defs.component import MergeCheckpoints
-from merge_pipeline.defs.names import PLAIN
+from merge_pipeline.dagster.component import MergeCheckpoints
+from merge_pipeline.dagster.names import PLAIN
 from merge_pipeline.errors import MergeError
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 

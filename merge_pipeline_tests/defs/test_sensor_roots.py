@@ -5,10 +5,10 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensor_cursor import cursor_keys
-from merge_pipeline.defs.sensors import new_checkpoint_sensor
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.sensor_cursor import cursor_keys
+from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline_tests.defs.helpers import ACTOR
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from merge_pipeline.defs.discovery import completeness
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.sensors import new_checkpoint_sensor
+from merge_pipeline.dagster.discovery import completeness
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs.helpers import materialize

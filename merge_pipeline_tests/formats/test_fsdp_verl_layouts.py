@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint

@@ -11,9 +11,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from merge_pipeline import __version__
-from merge_pipeline.defs.hub import HuggingFaceHub, hub_model, publish_latest_steps
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.report import step_report
+from merge_pipeline.dagster.hub import HuggingFaceHub, hub_model, publish_latest_steps
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.report import step_report
 from merge_pipeline.errors import MergeError
 from merge_pipeline.pipeline import merge
 from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, materialize

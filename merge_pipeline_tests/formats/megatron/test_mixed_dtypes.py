@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from merge_pipeline.dagster.resources import OUTPUT_VAR, ROOTS_VAR, MergeSettings
+from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.definitions import defs
-from merge_pipeline.defs.resources import OUTPUT_VAR, ROOTS_VAR, MergeSettings
-from merge_pipeline.defs.sensors import new_checkpoint_sensor
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_samples.megatron import arrange_v2

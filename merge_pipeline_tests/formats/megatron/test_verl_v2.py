@@ -19,9 +19,9 @@ import transformers
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from merge_pipeline.defs.discovery import completeness
-from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensors import new_checkpoint_sensor
+from merge_pipeline.dagster.discovery import completeness
+from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline_samples.megatron import (
     LORA_ALPHA,
     LORA_R,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
+from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.pipeline import IN_PROCESS, Prepared, WeightJob, Workers, WriteReport, Written
 
@@ -47,7 +47,7 @@ class TorchrunLaunch(Workers):
             "--nproc_per_node",
             str(self.config.nproc_per_node),
             "-m",
-            "merge_pipeline.defs.torchrun_weights",
+            "merge_pipeline.dagster.torchrun_weights",
             "--job",
             str(job.saved()),
         ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.defs.names import Names
+from merge_pipeline.dagster.names import Names
 
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from merge_pipeline.defs.partitions import STEP_ROLE, CheckpointKey
+from merge_pipeline.dagster.partitions import STEP_ROLE, CheckpointKey
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.pipeline import completeness as completeness

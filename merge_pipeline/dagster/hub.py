@@ -22,14 +22,14 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from merge_pipeline.defs.averaging import RunKey, averaged_dir, averaged_partitions
-from merge_pipeline.defs.checks import passed_every_check
-from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.names import PLAIN, Names
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.records import latest_materialization
-from merge_pipeline.defs.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
-from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
+from merge_pipeline.dagster.checks import passed_every_check
+from merge_pipeline.dagster.failures import one_line_failure
+from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.records import latest_materialization
+from merge_pipeline.dagster.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
+from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub import UploadResult, upload_folder_verified

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from merge_pipeline.defs.metadata import sha256_table, value
+from merge_pipeline.dagster.metadata import sha256_table, value
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.progress import human_bytes

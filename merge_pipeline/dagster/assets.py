@@ -17,15 +17,15 @@ from datetime import timedelta
 
 import dagster as dg
 
-from merge_pipeline.defs.checks import checks_metadata
-from merge_pipeline.defs.config import MergeConfig
-from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.names import PLAIN, Names
-from merge_pipeline.defs.numeric_settings import FRESHNESS
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import unpin
-from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
+from merge_pipeline.dagster.checks import checks_metadata
+from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.failures import one_line_failure
+from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.numeric_settings import FRESHNESS
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.pins import unpin
+from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.errors import MergeError
 
 GROUP = "merge"
@@ -141,8 +141,8 @@ def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
 def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings, names: Names) -> Iterator:
     # Imported here, by the run: they import torch and transformers, which the code location's load
     # (the UI's, and each run worker's before it reports the run started) does not need.
-    from merge_pipeline.defs.discovery import Completeness, completeness, newest_change
-    from merge_pipeline.defs.weights import workers_for
+    from merge_pipeline.dagster.discovery import Completeness, completeness, newest_change
+    from merge_pipeline.dagster.weights import workers_for
     from merge_pipeline.pipeline import merge
 
     key = CheckpointKey.parse(context.partition_key)

@@ -21,14 +21,14 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field, create_model, model_validator
 
-from merge_pipeline.defs.assets import GROUP, MERGE_POOL, OWNERS
-from merge_pipeline.defs.checks import CHECKED, checks_metadata
-from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.jobs import HEAVY_TAG
-from merge_pipeline.defs.names import Names
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensors import heavy_runs_in_flight
+from merge_pipeline.dagster.assets import GROUP, MERGE_POOL, OWNERS
+from merge_pipeline.dagster.checks import CHECKED, checks_metadata
+from merge_pipeline.dagster.failures import one_line_failure
+from merge_pipeline.dagster.jobs import HEAVY_TAG
+from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MergeOptions, average_weights

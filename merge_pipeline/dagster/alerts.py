@@ -14,7 +14,7 @@ import urllib.request
 import dagster as dg
 from pydantic import Field
 
-from merge_pipeline.defs.names import PLAIN, Names
+from merge_pipeline.dagster.names import PLAIN, Names
 
 WEBHOOK_VAR = "MERGE_PIPELINE_ALERT_WEBHOOK_URL"
 TIMEOUT_SECONDS = 10

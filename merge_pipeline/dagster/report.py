@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from merge_pipeline.defs.assets import GROUP, OWNERS
-from merge_pipeline.defs.failures import one_line_failure
-from merge_pipeline.defs.names import PLAIN, Names
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.resources import MergeSettings
+from merge_pipeline.dagster.assets import GROUP, OWNERS
+from merge_pipeline.dagster.failures import one_line_failure
+from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test

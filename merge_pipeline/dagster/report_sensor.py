@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.defs.checks import passed_every_check
-from merge_pipeline.defs.jobs import report_job
-from merge_pipeline.defs.names import PLAIN, Names
-from merge_pipeline.defs.numeric_settings import SENSOR_INTERVAL
-from merge_pipeline.defs.records import latest_materialization
-from merge_pipeline.defs.sensors import heavy_runs_in_flight
+from merge_pipeline.dagster.checks import passed_every_check
+from merge_pipeline.dagster.jobs import report_job
+from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.numeric_settings import SENSOR_INTERVAL
+from merge_pipeline.dagster.records import latest_materialization
+from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 
 BATCH = 200  # merges looked at per tick; the cursor moves on, so a longer backlog takes a few ticks
 

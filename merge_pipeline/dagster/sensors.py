@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from merge_pipeline.defs.jobs import merge_checkpoint_job
-from merge_pipeline.defs.names import PLAIN, Names
-from merge_pipeline.defs.numeric_settings import SENSOR_INTERVAL
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import ACTIVE_RUNS, pin, stale_pins, unpin
-from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensor_cursor import cursor_keys, sensor_cursor
+from merge_pipeline.dagster.jobs import merge_checkpoint_job
+from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.numeric_settings import SENSOR_INTERVAL
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
+from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.sensor_cursor import cursor_keys, sensor_cursor
 
 if TYPE_CHECKING:
-    from merge_pipeline.defs.discovery import Completeness, FoundCheckpoint
+    from merge_pipeline.dagster.discovery import Completeness, FoundCheckpoint
 
 SOURCE_TAG = "merge_pipeline/source"
 
@@ -62,7 +62,7 @@ def _tick(
     context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names, max_concurrent_merges: int
 ) -> dg.SensorResult:
     # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
-    from merge_pipeline.defs.discovery import completeness
+    from merge_pipeline.dagster.discovery import completeness
 
     checkpoint_partitions = names.partitions
     seen = cursor_keys(context.cursor)  # requested (with the step's newest change then) or already merged

@@ -4,7 +4,7 @@ Every rank gets its work on the command line; only rank 0 opens Dagster Pipes, t
 logs and the write report back to the run. Every rank's own output goes to the run's logs
 through the subprocess's stdout/stderr.
 
-    torchrun --nproc_per_node P -m merge_pipeline.defs.torchrun_weights \
+    torchrun --nproc_per_node P -m merge_pipeline.dagster.torchrun_weights \
         --job JOB.json   (a WeightJob: the checkpoint, the staging folder, the options, the files the lead kept)
 """
 
@@ -26,7 +26,7 @@ ERROR_MESSAGE = "merge_failed"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m merge_pipeline.defs.torchrun_weights")
+    parser = argparse.ArgumentParser(prog="python -m merge_pipeline.dagster.torchrun_weights")
     parser.add_argument("--job", type=Path, required=True, help="the WeightJob's file (WeightJob.saved)")
     return parser.parse_args(argv)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from merge_pipeline.defs.partitions import checkpoint_partitions
+from merge_pipeline.dagster.partitions import checkpoint_partitions
 
 PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # an asset key part, job name and resource key at once
 

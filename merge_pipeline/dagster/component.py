@@ -22,11 +22,11 @@ import click
 import dagster as dg
 from pydantic import Field, ValidationInfo, field_validator
 
-from merge_pipeline.defs.alerts import AlertWebhook, failure_webhook
-from merge_pipeline.defs.assets import checkpoint_spec, merge_step_definition
-from merge_pipeline.defs.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
-from merge_pipeline.defs.config import checked_merge_config
-from merge_pipeline.defs.hub import (
+from merge_pipeline.dagster.alerts import AlertWebhook, failure_webhook
+from merge_pipeline.dagster.assets import checkpoint_spec, merge_step_definition
+from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
+from merge_pipeline.dagster.config import checked_merge_config
+from merge_pipeline.dagster.hub import (
     CRON,
     DEFAULT_TEMPLATE,
     HuggingFaceHub,
@@ -34,12 +34,12 @@ from merge_pipeline.defs.hub import (
     hub_averaged_definition,
     hub_definitions,
 )
-from merge_pipeline.defs.names import Names
-from merge_pipeline.defs.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
-from merge_pipeline.defs.report import step_report_definition
-from merge_pipeline.defs.report_sensor import step_report_sensor_definition
-from merge_pipeline.defs.resources import MergeSettings
-from merge_pipeline.defs.sensors import checkpoint_sensor
+from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
+from merge_pipeline.dagster.report import step_report_definition
+from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
+from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.sensors import checkpoint_sensor
 
 INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
 

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 import dagster as dg
 from pydantic import Field, model_validator
 
-from merge_pipeline.defs.numeric_settings import SETTLE
-from merge_pipeline.defs.partitions import CheckpointKey
-from merge_pipeline.defs.pins import PINS, PinSpace, verified_pin
+from merge_pipeline.dagster.numeric_settings import SETTLE
+from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.pins import PINS, PinSpace, verified_pin
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.options import parse_size
 
 # discovery imports the pipeline, which imports torch: sensor ticks and runs import it, the location's load does not
 if TYPE_CHECKING:
-    from merge_pipeline.defs.discovery import Scan
+    from merge_pipeline.dagster.discovery import Scan
 
 ROOTS_VAR, OUTPUT_VAR, HF_MODEL_VAR = (
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
@@ -162,12 +162,12 @@ class MergeSettings(dg.ConfigurableResource):
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""
-        from merge_pipeline.defs.discovery import scan_roots
+        from merge_pipeline.dagster.discovery import scan_roots
 
         return scan_roots(self.roots, self.output_dir)
 
     def role_dir(self, key: CheckpointKey) -> Path:
-        from merge_pipeline.defs.discovery import locate
+        from merge_pipeline.dagster.discovery import locate
 
         return locate(key, self.roots)
 

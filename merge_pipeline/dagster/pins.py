@@ -36,7 +36,7 @@ from urllib.parse import quote, unquote
 
 import dagster as dg
 
-from merge_pipeline.defs.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.shared_folders import open_own_folder, refuse_planted, refuse_planted_fd
 
