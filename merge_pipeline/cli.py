@@ -195,7 +195,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("after", type=_location, help="a merged folder (or store URL) compared with BEFORE")
     diff.set_defaults(run=_run_diff)
+
+    queue = commands.add_parser(
+        "queue", help="queue a Dagster merge of one step on a running webserver (behind the sensor's merges)"
+    )
+    queue.add_argument("partition", help="the step's partition key, e.g. my_run/global_step_5/actor")
+    queue.add_argument("--url", default="http://127.0.0.1:3000", help="the Dagster webserver (default %(default)s)")
+    queue.add_argument("--job", default="merge_checkpoint", help="a component with a prefix P: P__merge_checkpoint")
+    queue.add_argument(
+        "--config-json", type=_json_object, default={}, help="run config, as the UI's launchpad takes it"
+    )
+    queue.set_defaults(run=_run_queue)
     return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _options(args: argparse.Namespace) -> MergeOptions:
@@ -364,6 +385,14 @@ def _run_diff(args: argparse.Namespace) -> int:
     with viewed(args.before, merged=True) as before, viewed(args.after, merged=True) as after:
         diff = diff_folders(after, {"before": before})
     print("\n".join([*summary_lines(diff), "", markdown_table(diff)]))
+    return 0
+
+
+def _run_queue(args: argparse.Namespace) -> int:
+    from merge_pipeline.dagster.queue import queue_merge
+
+    run_id = queue_merge(args.url, args.partition, job=args.job, run_config=args.config_json)
+    print(f"queued: {args.url.rstrip('/')}/runs/{run_id}")
     return 0
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -176,6 +178,40 @@ def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors
         ui,
         sensor,
     )  # one process: no per-step torch import (was 40-53 s vs ~5 s)
+
+
+def queue(dagster: Dagster, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "merge_pipeline", "queue", *args, "--url", dagster.url]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_merge_pipeline_queue_puts_a_merge_in_the_queue_of_the_running_instance(merged, dagster, settings):
+    """The shell command docs/DAGSTER.md gives for a merge by hand: through the webserver, into the queue of the
+    instance the sensor fills (no DAGSTER_HOME needed), the run config applied; each mistake is one line."""
+    wait_for_report(dagster)
+    before = len(dagster.partition_runs(KEY, "merge_checkpoint"))
+    config = '{"ops": {"hf_model": {"config": {"overwrite": true, "dtype": "bfloat16"}}}}'
+    queued = queue(dagster, KEY, "--config-json", config)
+    assert queued.returncode == 0, queued.stderr
+    run_id = queued.stdout.strip().rsplit("/", 1)[-1]
+    assert queued.stdout.strip() == f"queued: {dagster.url}/runs/{run_id}"
+
+    run = wait_for_run(dagster, KEY, "merge_checkpoint", after=before)
+    assert run["runId"] == run_id and run["status"] == "SUCCESS", dagster.log_tail()
+    events = {e["__typename"] for e in dagster.graphql(RUN_EVENTS, {"runId": run_id})["logsForRun"]["events"]}
+    assert {"RunEnqueuedEvent", "RunStartingEvent"} <= events  # the queue, not the caller's process
+    merged_again = load_safetensors_dir(settings.target_dir(CheckpointKey.parse(KEY)))
+    assert {str(t.dtype) for t in merged_again.values()} == {"torch.bfloat16"}
+
+    mistakes = {
+        "run/global_step_9/actor": "has no partition 'run/global_step_9/actor' in this instance",
+        "--job=nope": "no single job nope here (merge jobs: merge_checkpoint)",
+        '--config-json={"ops": {"hf_model": {"config": {"dtype": 7}}}}': "not queued: RunConfigValidationInvalid",
+    }
+    for argument, words in mistakes.items():
+        refused = queue(dagster, *([argument] if argument.startswith("run/") else [KEY, argument]))
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and words in refused.stderr, refused.stderr
+    assert len(dagster.partition_runs(KEY, "merge_checkpoint")) == before + 1  # the mistakes queued nothing
 
 
 def run_phases(dagster: Dagster, run_id: str, clicked: float) -> dict[str, float]:
