@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from merge_pipeline.dagster.checks import CHECKED
+from merge_pipeline.dagster.metadata import SHA256_SHOWN
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST, write_manifest
@@ -98,8 +99,9 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
     manifest = json.loads((target / MANIFEST).read_text())["files"]
     assert len(manifest) == 9 and {p.name for p in target.iterdir()} - {MANIFEST} == set(manifest)
     for name, f in manifest.items():  # every sha256 in full, readable in the Markdown table
-        assert f"| {name} | " in published["files"].value and f"`{f['sha256']}`" in published["files"].value
-        assert (f"`{f['sha256']}`" in weights["files"].value) == name.endswith(".safetensors")
+        shown = f"`{f['sha256'][:SHA256_SHOWN]}…`"
+        assert f"| {name} | " in published["files"].value and shown in published["files"].value
+        assert (shown in weights["files"].value) == name.endswith(".safetensors")
     # each blocking check on the stage it looked at, with what it verified and how much it counted
     tables = {stage: metadata[stage][CHECKED].value for stage in ("state_dict", "hf_model")}
     for check in BLOCKING_CHECKS:
