@@ -169,7 +169,7 @@ class Workers:
     """Who writes which weight files and how workers agree, injected into ``merge``.
 
     This base is one process doing everything: agreeing is running the step. Launchers subclass it
-    (``distributed.TorchrunRanks``: every rank runs ``merge``; ``defs.weights.TorchrunLaunch``: the
+    (``distributed.TorchrunRanks``: every rank runs ``merge``; ``dagster.weights.TorchrunLaunch``: the
     Dagster step leads and torchrun ranks write), overriding what differs and nothing else."""
 
     lead = True  # the one worker that holds the target's lock, writes the side files and publishes

@@ -4,7 +4,7 @@ Another user can create a name there first: a symlink to one of our files or fol
 theirs, or one of the wrong type. None is ever followed: entries are opened with ``O_NOFOLLOW``
 relative to their parent's descriptor and checked on what was opened; one that is a symlink, not
 ours or of the wrong type is refused in one line and left exactly as it is. Used by the target's
-lock, staging and previous entries (``engine.publish``) and by the Dagster pins (``defs.pins``).
+lock, staging and previous entries (``engine.publish``) and by the Dagster pins (``dagster.pins``).
 """
 
 from __future__ import annotations
