@@ -69,6 +69,7 @@ from merge_pipeline.storage import (
     publish_folder,
     viewed,
 )
+from merge_pipeline.store_lock import StoreTargetLock, locked_store_target
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
@@ -537,9 +538,12 @@ def merge(
 
     prepared = workers.everywhere(checked_and_prepared)
     job = WeightJob(source, staging_path(target), options, upload_to=store_target)
-    with prepared, contextlib.ExitStack() as publishing:
+    store_lock: list[StoreTargetLock | None] = []  # the lead's, once taken
+    with prepared, contextlib.ExitStack() as store_locked, contextlib.ExitStack() as publishing:
 
         def open_staging() -> dict[str, dict]:
+            if store_target:  # held until the upload ends: the local twin's lock keeps out this machine only
+                store_lock.append(store_locked.enter_context(locked_store_target(store_target)))
             publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
             kept = resume_killed(prepared, job.staging, options).finished
             if store_target:
@@ -556,7 +560,8 @@ def merge(
             checks = check_before_publishing(job.staging, target, written.report)
             publishing.close()  # leaves staged_output cleanly: the rename into place happens here
             if store_target:
-                publish_folder(target, store_target, manifest)
+                lock = store_lock[0]
+                publish_folder(target, store_target, manifest, before_the_manifest=lock.check if lock else None)
                 shutil.rmtree(target)  # the twin: uploaded, no longer needed
             return manifest, checks
 

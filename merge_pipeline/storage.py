@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +163,7 @@ class StoreObject:
     def _get(self, offset: int, end: int) -> bytes:
         with asking(self.url):
             try:
-                if _is_s3(self.store.fs):
+                if is_s3(self.store.fs):
                     return _s3_range(self.store.fs, self.key, offset, end, self.identity.etag)
                 data = self.store.fs.cat_file(self.key, start=offset, end=end)
             except OSError as exc:
@@ -246,7 +246,7 @@ PREFETCH_THREADS = 8
 _PREFETCHED = _Prefetched()
 
 
-def _is_s3(fs) -> bool:
+def is_s3(fs) -> bool:
     protocol = fs.protocol
     return "s3" in (protocol if isinstance(protocol, tuple) else (protocol,))
 
@@ -285,7 +285,7 @@ def _check_bucket(store: StoreLocation) -> None:
     """Ask for the bucket with the credentials: wrong ones and a missing bucket are refused here, in one
     line, before any work (``exists`` would answer False to both)."""
     bucket = store.path.split("/")[0]
-    if _is_s3(store.fs):
+    if is_s3(store.fs):
         from fsspec.asyn import sync
 
         try:
@@ -388,7 +388,9 @@ def complete_target(url: str) -> dict | None:
             return None
 
 
-def publish_folder(folder: Path, url: str, manifest: dict) -> None:
+def publish_folder(
+    folder: Path, url: str, manifest: dict, *, before_the_manifest: Callable[[], None] | None = None
+) -> None:
     """Upload the complete merged ``folder`` to the prefix ``url`` so that no reader ever sees a complete-
     looking target that is not (docs/SAFETY.md, "Publishing into a store"):
 
@@ -398,6 +400,8 @@ def publish_folder(folder: Path, url: str, manifest: dict) -> None:
     3. the index, configs and side files;
     4. ``merge_manifest.json``, the commit marker;
     5. old objects the new folder does not hold are deleted (not named by the new manifest: never read).
+
+    ``before_the_manifest`` (the target's lock check) may refuse the commit after everything else is up.
     """
     store = location(url)
     digests = {name: f["sha256"] for name, f in manifest["files"].items()}
@@ -412,6 +416,8 @@ def publish_folder(folder: Path, url: str, manifest: dict) -> None:
             list(pool.map(lambda r: _upload(store, folder, r, digests.get(r), streamed=True), weights))
         with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload") as pool:
             list(pool.map(lambda r: _upload(store, folder, r, None), others))
+        if before_the_manifest is not None:
+            before_the_manifest()
         _upload(store, folder, MANIFEST, None)
         stale = sorted(before - set(local))
         if stale:
@@ -498,7 +504,7 @@ def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | Non
         return
     if path.stat().st_blocks * 512 < size - 4096:  # its tensor bytes were freed after an upload that is gone
         raise MergeError(None, f"{store.url_of(relative)}: uploaded during the merge, no longer in the store: re-run")
-    metadata = {"Metadata": {"sha256": sha256}} if sha256 and _is_s3(store.fs) else {}
+    metadata = {"Metadata": {"sha256": sha256}} if sha256 and is_s3(store.fs) else {}
     store.fs.put_file(str(path), key, chunksize=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT, **metadata)
 
 
