@@ -247,8 +247,15 @@ _PREFETCHED = _Prefetched()
 
 
 def is_s3(fs) -> bool:
-    protocol = fs.protocol
-    return "s3" in (protocol if isinstance(protocol, tuple) else (protocol,))
+    return "s3" in _protocols(fs)
+
+
+def _is_gcs(fs) -> bool:
+    return "gs" in _protocols(fs)
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
 
 def _s3_range(fs, key: str, start: int, end: int, etag: str) -> bytes:
@@ -460,7 +467,8 @@ class UploadSink:
     def _upload_and_free(self, folder: Path, relative: str, sha256: str) -> None:
         with asking(self.store.url_of(relative)):
             _upload(self.store, folder, relative, sha256)
-        free_tensor_bytes(folder / relative)
+        if _digest_metadata(self.store.fs, sha256):  # publishing confirms it by its sha256: no need to keep it
+            free_tensor_bytes(folder / relative)
 
     def close(self) -> None:
         """Wait for every upload; the first failure is raised (after the others ended)."""
@@ -504,8 +512,19 @@ def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | Non
         return
     if path.stat().st_blocks * 512 < size - 4096:  # its tensor bytes were freed after an upload that is gone
         raise MergeError(None, f"{store.url_of(relative)}: uploaded during the merge, no longer in the store: re-run")
-    metadata = {"Metadata": {"sha256": sha256}} if sha256 and is_s3(store.fs) else {}
+    metadata = _digest_metadata(store.fs, sha256) if sha256 else {}
     store.fs.put_file(str(path), key, chunksize=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT, **metadata)
+
+
+def _digest_metadata(fs, sha256: str) -> dict:
+    """``put_file`` keywords that keep ``sha256`` as the object's own metadata, in the stores that have it
+    (S3's ``x-amz-meta-*``, GCS's custom metadata); elsewhere none, and weight files stay on local disk
+    until published, since nothing in the store could vouch for them."""
+    if is_s3(fs):
+        return {"Metadata": {"sha256": sha256}}
+    if _is_gcs(fs):
+        return {"metadata": {"sha256": sha256}}
+    return {}
 
 
 def _uploaded(store: StoreLocation, key: str, size: int) -> str | None:
@@ -513,6 +532,8 @@ def _uploaded(store: StoreLocation, key: str, size: int) -> str | None:
     try:
         if int(store.fs.info(key, refresh=True)["size"]) != size:
             return None
+        if _is_gcs(store.fs):
+            return (store.fs.info(key, refresh=True).get("metadata") or {}).get("sha256")
         return store.fs.metadata(key, refresh=True).get("sha256")
     except (FileNotFoundError, AttributeError, NotImplementedError):
         return None
