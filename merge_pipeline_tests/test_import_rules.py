@@ -32,6 +32,7 @@ LAYERS = {
     "model_card": 0,
     "checkpoint_name": 0,
     "storage": 0,
+    "store_listing": 0,
     "hf": 1,
     "families": 1,
     "formats": 2,
