@@ -207,7 +207,9 @@ def store_completeness(folder: StoreURL, step: int, settle_seconds: float) -> Co
     folders above it (a tracker or DeepSpeed's ``latest`` lies beside the step folders)."""
     with Mirror() as mirror:
         for above in (folder.parent.parent, folder.parent):
-            if above.partition("://")[2]:  # a bucket or a prefix in it (a step folder at the bucket's top has no grandparent)
+            if above.partition("://")[
+                2
+            ]:  # a bucket or a prefix in it (a step folder at the bucket's top has no grandparent)
                 mirror.list(above)
         mirror.list(folder, recursive=True)
         return pipeline_completeness(mirror.folder(folder), step, settle_seconds)
