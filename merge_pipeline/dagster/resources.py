@@ -3,8 +3,8 @@
 A field left unset is read from the environment when a run or a sensor tick uses it (``dg.EnvVar``;
 ``dagster dev`` and ``dg dev`` load ``.env`` from the project root first, see ``.env.example``):
 
-``MERGE_PIPELINE_CHECKPOINT_ROOTS``  watched folders, os.pathsep-separated (default ``./demo/checkpoints``)
-``MERGE_PIPELINE_OUTPUT_ROOT``       merged folders land in ``<root>/<partition key>/`` (e.g. ``<run_name>/global_step_<N>/<role>/``)
+``MERGE_PIPELINE_CHECKPOINT_ROOTS``  watched folders or store prefixes (``s3://bucket/prefix``), os.pathsep-separated (default ``./demo/checkpoints``)
+``MERGE_PIPELINE_OUTPUT_ROOT``       (a folder or a store prefix) merged folders land in ``<root>/<partition key>/`` (e.g. ``<run_name>/global_step_<N>/<role>/``)
                                      (default ``./demo/merged``)
 ``MERGE_PIPELINE_SETTLE_SECONDS``    a step without the trainer's tracker file counts as complete once
                                      no file under it changed for this long (default 60)
@@ -19,6 +19,7 @@ Relative paths resolve against the directory Dagster was started from.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -104,7 +105,7 @@ class MergeSettings(dg.ConfigurableResource):
         roots = (
             self.checkpoint_roots
             if self.checkpoint_roots is not None
-            else dg.EnvVar(ROOTS_VAR).get_value("demo/checkpoints").split(os.pathsep)
+            else _split_roots(dg.EnvVar(ROOTS_VAR).get_value("demo/checkpoints"))
         )
         return [_folder_or_url(r) for r in roots if r]
 
@@ -175,6 +176,17 @@ class MergeSettings(dg.ConfigurableResource):
 
     def target_dir(self, key: CheckpointKey) -> Path:
         return self.output_dir / key.path
+
+
+def _split_roots(setting: str) -> list[str]:
+    """os.pathsep-separated roots, where a URL's own ``:`` (``s3://bucket/prefix``) separates nothing."""
+    roots: list[str] = []
+    for part in setting.split(os.pathsep):
+        if roots and part.startswith("//") and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", roots[-1]):
+            roots[-1] += os.pathsep + part
+        else:
+            roots.append(part)
+    return roots
 
 
 def _folder_or_url(setting: str) -> Path | StoreURL:

@@ -21,9 +21,12 @@ from merge_pipeline_tests.defs.test_dagster_sensor import requested, tick
 from merge_pipeline_tests.helpers import assert_bit_exact
 from merge_pipeline_tests.object_store import SECRET_KEY
 
-pytestmark = pytest.mark.slow
-
 KEY = "run/global_step_1/actor"
+
+
+def test_the_roots_variable_keeps_a_urls_colon(monkeypatch, tmp_path):
+    monkeypatch.setenv("MERGE_PIPELINE_CHECKPOINT_ROOTS", f"s3://b/ckpts:{tmp_path}:gs://c/d")
+    assert MergeSettings().roots == ["s3://b/ckpts", tmp_path, "gs://c/d"]
 
 
 def put_step(fs, bucket: str, sample, key: str, *, tracker: int | None = None) -> str:
@@ -46,6 +49,7 @@ def skip_message(result: dg.SensorResult) -> str:
     return result.skip_reason.skip_message
 
 
+@pytest.mark.slow
 def test_the_sensor_lists_a_store_root_in_pages_and_asks_the_tracker(
     bucket, fsdp_checkpoint, instance, monkeypatch, record_property
 ):
@@ -78,6 +82,7 @@ def test_the_sensor_lists_a_store_root_in_pages_and_asks_the_tracker(
     assert requested(again) == [] and sorted(cursor_keys(again.cursor)) == requested(result)
 
 
+@pytest.mark.slow
 def test_without_a_marker_the_objects_modification_times_settle_a_step(bucket, fsdp_checkpoint, instance):
     fs, b = bucket
     put_step(fs, b, fsdp_checkpoint(ACTOR), KEY)
@@ -91,6 +96,7 @@ def test_without_a_marker_the_objects_modification_times_settle_a_step(bucket, f
     assert "no file changed for" in settled.asset_events[0].metadata["completeness"].value
 
 
+@pytest.mark.slow
 def test_a_step_merged_from_the_bucket_into_the_bucket_is_bit_exact_and_recorded_as_merged(
     bucket, fsdp_checkpoint, instance, tmp_path, record_property
 ):
@@ -117,6 +123,7 @@ def test_a_step_merged_from_the_bucket_into_the_bucket_is_bit_exact_and_recorded
     assert requested(fresh) == [] and KEY in cursor_keys(fresh.cursor)
 
 
+@pytest.mark.slow
 def test_a_step_deleted_before_its_run_fails_it_in_one_line(bucket, fsdp_checkpoint, instance):
     fs, b = bucket
     put_step(fs, b, fsdp_checkpoint(ACTOR), KEY, tracker=1)
@@ -133,6 +140,7 @@ def test_a_step_deleted_before_its_run_fails_it_in_one_line(bucket, fsdp_checkpo
     assert not fs.exists(f"{b}/merged/{KEY}")
 
 
+@pytest.mark.slow
 def test_wrong_credentials_and_a_missing_bucket_are_one_line_without_the_secret(
     bucket, fsdp_checkpoint, instance, monkeypatch
 ):
