@@ -12,6 +12,7 @@ import dagster as dg
 import pytest
 
 from merge_pipeline import store_listing
+from merge_pipeline.dagster.report import step_report
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.dagster.sensors import SOURCE_TAG
@@ -157,3 +158,24 @@ def test_wrong_credentials_and_a_missing_bucket_are_one_line_without_the_secret(
     reason = skip_message(tick(instance, store_settings(b)))
     assert reason.startswith(f"not watched: s3://{b}/ckpts: access denied"), reason
     assert SECRET_KEY not in reason and "\n" not in reason
+
+
+@pytest.mark.slow
+def test_the_step_report_reads_merged_steps_in_the_bucket(bucket, fsdp_checkpoint, instance):
+    fs, b = bucket
+    settings = store_settings(b)
+    for step in (1, 2):  # the same weights saved twice: the report must find them bit-identical
+        key = f"run/global_step_{step}/actor"
+        put_step(fs, b, fsdp_checkpoint(ACTOR), key, tracker=step)
+        assert materialize(instance, settings, key).success
+
+    result = materialize(instance, settings, "run/global_step_2/actor", selection=[step_report])
+
+    assert result.success, result.all_events
+    [event] = result.get_asset_materialization_events()
+    metadata = event.materialization.metadata
+    assert metadata["path"].value == f"s3://{b}/merged/run/global_step_2/actor"
+    assert metadata["previous step"].value == f"s3://{b}/merged/run/global_step_1/actor"
+    assert metadata["largest change vs previous step"].value == 0.0 and metadata["NaN"].value == 0
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks == {"finite": True, "weights_changed": False}

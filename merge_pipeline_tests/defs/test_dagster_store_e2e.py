@@ -1,7 +1,7 @@
 """End to end with object storage (issue 36), as a user runs it: plain ``dagster dev`` whose ``.env`` names an
 ``s3://`` checkpoint root and an ``s3://`` output root on the real S3 server of ``object_store.py``
 (credentials and endpoint from the standard AWS variables); a verl step uploaded to the bucket is merged
-by the sensor into the bucket, bit for bit the source model.
+by the sensor into the bucket, bit for bit the source model, and its step report reads it there.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def test_dagster_dev_merges_a_step_from_the_bucket_into_the_bucket(bucket, fsdp_
         latency = time.monotonic() - uploaded
         assert run["status"] == "SUCCESS", dagster.log_tail()
         published = dagster.materialized(run["runId"], "hf_model")
+        report = wait_for_run(dagster, KEY, "report_merged_step")  # the step report reads the bucket too
+        assert report["status"] == "SUCCESS", dagster.log_tail()
 
     fs.get(f"{b}/merged/{KEY}/", str(tmp_path / "merged") + "/", recursive=True)
     assert_bit_exact(tmp_path / "merged", sample.reference_dir)
