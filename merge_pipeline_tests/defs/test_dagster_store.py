@@ -179,3 +179,27 @@ def test_the_step_report_reads_merged_steps_in_the_bucket(bucket, fsdp_checkpoin
     assert metadata["largest change vs previous step"].value == 0.0 and metadata["NaN"].value == 0
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks == {"finite": True, "weights_changed": False}
+
+
+@pytest.mark.slow
+def test_a_step_deleted_mid_merge_fails_its_run_in_one_line(bucket, fsdp_checkpoint, instance, monkeypatch):
+    fs, b = bucket
+    put_step(fs, b, fsdp_checkpoint(ACTOR), KEY, tracker=1)
+    settings = store_settings(b)
+    from merge_pipeline import pipeline
+
+    original = pipeline.write_side_files
+
+    def rotated_meanwhile(*args, **kwargs):  # the trainer's rotation deletes the step after it was planned
+        fs.rm(f"{b}/ckpts/run/global_step_1", recursive=True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_side_files", rotated_meanwhile)
+    result = materialize(instance, settings, KEY)
+
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    message = failure.step_failure_data.error.message.strip()
+    assert "\n" not in message
+    assert f"s3://{b}/ckpts/{KEY}/" in message and ": deleted while it was being merged" in message, message
+    assert not fs.exists(f"{b}/merged/{KEY}/merge_manifest.json")
