@@ -128,7 +128,7 @@ class Mirror:
         for files, folders in pages(store, store.path + "/", recursive=recursive):
             for info in files:
                 relative = info["Key"][len(store.path) + 1 :]
-                if not relative or relative.endswith("/") or any(p in (".", "..") for p in relative.split("/")):
+                if any(p in ("", ".", "..") for p in relative.split("/")):
                     continue  # a folder marker, or a key no reader's path could name
                 local = base / relative
                 local.parent.mkdir(parents=True, exist_ok=True)

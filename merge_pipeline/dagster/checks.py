@@ -78,13 +78,8 @@ def _looked_at(folder: Path | StoreURL) -> str:
             found = weight_files(folder)
             shards, files = list(found), read_manifest(folder)["files"]
             tensors = sum(len(t) for t in found.values())
-    except (
-        OSError,
-        ValueError,
-        KeyError,
-        TypeError,
-        MergeError,
-    ):  # the checks passed: not expected, not worth a failure
+    # the checks passed: a folder that cannot be counted (no manifest: None) is not expected, and not worth a failure
+    except (OSError, ValueError, KeyError, TypeError, MergeError):
         return "(the folder could not be counted)"
     size = sum(f["size"] for f in files.values())
     return (

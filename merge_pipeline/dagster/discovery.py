@@ -56,28 +56,21 @@ def scan_roots(roots: Sequence[Path | StoreURL], output_root: Path | StoreURL) -
     for root in roots:
         if isinstance(root, StoreURL):
             scan_store_root(root, output_root, scan)
-    local_roots = [root for root in roots if not isinstance(root, StoreURL)]
-    if isinstance(output_root, StoreURL):  # never inside a local root
-        for root in local_roots:
-            _scan_local_root(root.absolute(), scan, skip=set())
-        return scan
-    output_root = output_root.absolute()
-    resolved_output = _resolved(output_root)
-    skip = {output} if (output := _identity(output_root)) else set()
-    for root in local_roots:
+    local = None if isinstance(output_root, StoreURL) else output_root.absolute()  # a store lies in no folder
+    resolved_output = _resolved(local) if local else None
+    skip = {output} if local and (output := _identity(local)) else set()
+    for root in roots:
+        if isinstance(root, StoreURL):
+            continue
         root = root.absolute()
-        if resolved_output.is_relative_to(_resolved(root)):
+        if resolved_output and resolved_output.is_relative_to(_resolved(root)):
             scan.not_watched.append(
-                f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
+                f"{printable(str(local))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
             )
-        _scan_local_root(root, scan, skip=skip)
+        if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
+            scan.all_roots_read = False
+        scan.found.extend(find_checkpoints(root, scan.not_watched, skip=skip))
     return scan
-
-
-def _scan_local_root(root: Path, scan: Scan, *, skip: Collection[tuple[int, int]]) -> None:
-    if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
-        scan.all_roots_read = False
-    scan.found.extend(find_checkpoints(root, scan.not_watched, skip=skip))
 
 
 def find_checkpoints(
@@ -206,10 +199,9 @@ def store_completeness(folder: StoreURL, step: int, settle_seconds: float) -> Co
     """The readers' answer for a checkpoint folder in a store: its objects listed whole, and the two
     folders above it (a tracker or DeepSpeed's ``latest`` lies beside the step folders)."""
     with Mirror() as mirror:
+        # a step folder at the bucket's top has no grandparent: "s3:" names no bucket
         for above in (folder.parent.parent, folder.parent):
-            if above.partition("://")[
-                2
-            ]:  # a bucket or a prefix in it (a step folder at the bucket's top has no grandparent)
+            if above.partition("://")[2]:
                 mirror.list(above)
         mirror.list(folder, recursive=True)
         return pipeline_completeness(mirror.folder(folder), step, settle_seconds)
