@@ -166,6 +166,8 @@ class StoreObject:
                 if is_s3(self.store.fs):
                     return _s3_range(self.store.fs, self.key, offset, end, self.identity.etag)
                 data = self.store.fs.cat_file(self.key, start=offset, end=end)
+            except FileNotFoundError:  # listed when the merge was planned: the trainer's rotation took it
+                raise MergeError(None, f"{self.url}: deleted while it was being merged") from None
             except OSError as exc:
                 if "pre-condition" in str(exc) or "Precondition" in str(exc):
                     raise self.changed() from None

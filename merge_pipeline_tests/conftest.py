@@ -24,6 +24,9 @@ from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_c
 # checkpoint or starts a process, read from their code (tiers.py); the fast tier fails a test that does so unseen.
 from merge_pipeline_tests.tiers import pytest_collection_modifyitems, pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 
+# The S3 server (SeaweedFS) and a bucket per test, for every test that asks for them (started only then).
+pytest_plugins = ["merge_pipeline_tests.object_store"]
+
 
 @dataclass(frozen=True)
 class SampleCheckpoint:

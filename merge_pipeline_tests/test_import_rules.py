@@ -33,6 +33,7 @@ LAYERS = {
     "checkpoint_name": 0,
     "storage": 0,
     "store_lock": 0,
+    "store_listing": 0,
     "hf": 1,
     "families": 1,
     "formats": 2,

@@ -13,8 +13,8 @@ from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, torchrun
+from merge_pipeline_tests.object_store import download, upload, weights_and_index
 from merge_pipeline_tests.ray_cluster import local_cluster
-from merge_pipeline_tests.test_object_store import bucket, download, s3_server, upload, weights_and_index  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def _one_process(source: str, tmp_path: Path) -> Path:
 
 
 @pytest.mark.torchrun
-def test_torchrun_ranks_merge_store_to_store_as_one_process(bucket, fsdp_checkpoint, tmp_path):  # noqa: F811
+def test_torchrun_ranks_merge_store_to_store_as_one_process(bucket, fsdp_checkpoint, tmp_path):
     fs, b = bucket
     source, reference = _stored_checkpoint(fs, b, fsdp_checkpoint)
     target = f"s3://{b}/merged"
@@ -45,7 +45,7 @@ def test_torchrun_ranks_merge_store_to_store_as_one_process(bucket, fsdp_checkpo
     assert_bit_exact(published, reference)
 
 
-def test_ray_tasks_merge_store_to_store_as_one_process(bucket, fsdp_checkpoint, tmp_path):  # noqa: F811
+def test_ray_tasks_merge_store_to_store_as_one_process(bucket, fsdp_checkpoint, tmp_path):
     fs, b = bucket
     source, reference = _stored_checkpoint(fs, b, fsdp_checkpoint)
     target = f"s3://{b}/merged"

@@ -18,14 +18,14 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.store_lock import LOCK_SUFFIX, locked_store_target
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, merge
-from merge_pipeline_tests.test_object_store import bucket, download, s3_server, upload  # noqa: F401
+from merge_pipeline_tests.object_store import download, upload
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_merge_into_a_target_another_machine_merges_into_is_one_line_and_uploads_nothing(
     capsys,
-    bucket,  # noqa: F811
+    bucket,
     fsdp_checkpoint,
     tmp_path,
 ):
@@ -50,7 +50,7 @@ def test_a_merge_into_a_target_another_machine_merges_into_is_one_line_and_uploa
 def test_the_lock_of_a_killed_merge_is_taken_over(
     capsys,
     caplog,
-    bucket,  # noqa: F811
+    bucket,
     fsdp_checkpoint,
     tmp_path,
     monkeypatch,
@@ -78,7 +78,7 @@ def test_the_lock_of_a_killed_merge_is_taken_over(
     assert_bit_exact(download(fs, target, tmp_path / "merged"), sample.reference_dir)
 
 
-def test_a_holder_whose_lock_was_taken_over_finds_out_before_it_commits(bucket, monkeypatch):  # noqa: F811
+def test_a_holder_whose_lock_was_taken_over_finds_out_before_it_commits(bucket, monkeypatch):
     fs, b = bucket
     monkeypatch.setattr(store_lock, "REFRESH_SECONDS", 0.2)
     with locked_store_target(f"s3://{b}/merged") as lock:

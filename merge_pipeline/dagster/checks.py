@@ -18,6 +18,8 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES, CheckOutcome
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.storage import complete_target
+from merge_pipeline.store_listing import StoreURL
 
 CHECKED = "checked before publishing"  # a table of the checks that looked at this stage
 PASSED = "blocking checks passed"  # on hf_model: every check, so its materialization says the whole folder passed
@@ -29,7 +31,7 @@ def checked_stage(check_name: str) -> str:
     return "state_dict" if check_name == "index_matches_shards" else "hf_model"
 
 
-def checks_metadata(outcomes: list[CheckOutcome], folder: Path) -> dict[str, dict]:
+def checks_metadata(outcomes: list[CheckOutcome], folder: Path | StoreURL) -> dict[str, dict]:
     """Per stage (``state_dict``, ``hf_model``), the metadata saying which checks passed on the published
     folder, what each verified and how much it looked at."""
     looked_at = _looked_at(folder)
@@ -62,17 +64,25 @@ def passed_every_check(metadata: Mapping[str, dg.MetadataValue]) -> bool:
     return PASSED in metadata and set(metadata[PASSED].value) >= set(CHECK_NAMES)
 
 
-def _looked_at(folder: Path) -> str:
+def _looked_at(folder: Path | StoreURL) -> str:
     """What the checks looked at, so a passed check says how much it verified."""
     from merge_pipeline.hf.folder_checks import weight_files  # torch: imported by a run, not by the location's load
 
     try:
-        shards = weight_files(folder)
-        files = read_manifest(folder)["files"]
-    except (OSError, ValueError, KeyError, MergeError):  # the checks passed: not expected, and not worth a failure
+        if isinstance(folder, StoreURL):  # counted from its manifest: no weight file downloaded to count it
+            manifest = complete_target(folder)
+            files = manifest["files"]
+            shards = [n for n in files if n.startswith("model") and n.endswith(".safetensors")]
+            tensors = manifest["tensors"]
+        else:
+            found = weight_files(folder)
+            shards, files = list(found), read_manifest(folder)["files"]
+            tensors = sum(len(t) for t in found.values())
+    # the checks passed: a folder that cannot be counted (no manifest: None) is not expected, and not worth a failure
+    except (OSError, ValueError, KeyError, TypeError, MergeError):
         return "(the folder could not be counted)"
     size = sum(f["size"] for f in files.values())
     return (
-        f"{len(shards)} weight file(s), {sum(len(t) for t in shards.values())} tensors; "
+        f"{len(shards)} weight file(s), {tensors} tensors; "
         f"{len(files)} files in the manifest, {human_bytes(size)} ({size} bytes)"
     )

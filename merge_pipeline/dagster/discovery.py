@@ -6,6 +6,14 @@ the readers' answers (``pipeline.step_folders``, ``saved_in_step_folder``, ``com
 Trainer's ``checkpoint-<N>/``, NeMo-RL's ``step_<N>/policy/``, Megatron-LM's ``iter_0000100/``. Folders
 may vanish at any moment (the trainer's rotation deletes old steps): every listing and stat here
 tolerates that.
+
+A root in a store (``s3://bucket/prefix``) is looked over the same way, through listings laid out
+locally (``store_listing.Mirror``): each folder above the step folders and each step folder's own
+entries, one page of keys at a time, never the rank files of steps already known; a new step's
+completeness lists its objects whole with the trackers beside it and asks the readers (markers, then
+the objects' ``LastModified`` for the settle time). Such steps are never pinned: objects are immutable,
+and one deleted or re-uploaded while it is merged fails that merge's next read in one line (its ranged
+GETs are pinned to the ETags listed).
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from pathlib import Path
 from merge_pipeline.dagster.partitions import STEP_ROLE, CheckpointKey
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's and the asset's answer type
-from merge_pipeline.pipeline import completeness as completeness
+from merge_pipeline.pipeline import completeness as pipeline_completeness
 from merge_pipeline.pipeline import newest_change as newest_change  # a pinned step's age
 from merge_pipeline.pipeline import saved_in_step_folder, step_folder, step_folders
+from merge_pipeline.store_listing import Mirror, StoreURL
 
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root
 
@@ -28,7 +37,7 @@ MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched roo
 @dataclass(frozen=True)
 class FoundCheckpoint:
     key: CheckpointKey
-    role_dir: Path
+    role_dir: Path | StoreURL
 
 
 @dataclass
@@ -40,18 +49,23 @@ class Scan:
     all_roots_read: bool = True  # False: a root was missing or unreadable, so an absent folder proves nothing
 
 
-def scan_roots(roots: Sequence[Path], output_root: Path) -> Scan:
+def scan_roots(roots: Sequence[Path | StoreURL], output_root: Path | StoreURL) -> Scan:
     """Every role folder under every root; the output root is never mistaken for a checkpoint, however
-    either is spelled (compared with symlinks and ``..`` resolved)."""
+    either is spelled (compared with symlinks and ``..`` resolved). Roots in a store: ``scan_store_root``."""
     scan = Scan()
-    output_root = output_root.absolute()
-    resolved_output = _resolved(output_root)
-    skip = {output} if (output := _identity(output_root)) else set()
     for root in roots:
+        if isinstance(root, StoreURL):
+            scan_store_root(root, output_root, scan)
+    local = None if isinstance(output_root, StoreURL) else output_root.absolute()  # a store lies in no folder
+    resolved_output = _resolved(local) if local else None
+    skip = {output} if local and (output := _identity(local)) else set()
+    for root in roots:
+        if isinstance(root, StoreURL):
+            continue
         root = root.absolute()
-        if resolved_output.is_relative_to(_resolved(root)):
+        if resolved_output and resolved_output.is_relative_to(_resolved(root)):
             scan.not_watched.append(
-                f"{printable(str(output_root))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
+                f"{printable(str(local))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
             )
         if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
             scan.all_roots_read = False
@@ -98,21 +112,99 @@ def find_checkpoints(
         level = deeper
 
 
-def locate(key: CheckpointKey, roots: Sequence[Path]) -> Path:
-    """The role folder a partition key names: the inverse of ``find_checkpoints``, over all roots."""
+def locate(key: CheckpointKey, roots: Sequence[Path | StoreURL]) -> Path | StoreURL:
+    """The role folder a partition key names: the inverse of ``find_checkpoints``, over all roots (a
+    store root's ``StoreURL`` is asked as a folder is)."""
     candidates = [root / key.path for root in roots]
     candidates += [root / key.path.relative_to(key.run_name) for root in roots if root.name == key.run_name]
-    found = sorted({c for c in candidates if c.is_dir()})
+    found = sorted({c for c in candidates if c.is_dir()}, key=str)
     if not found:
-        raise MergeError(
+        raise _error(
             candidates[0] if candidates else None,
             "no such checkpoint folder under the checkpoint roots (deleted by the trainer's rotation?)",
         )
     if len(found) > 1:
-        raise MergeError(
+        raise _error(
             found[1], f"has the same partition key as {found[0]}: give the checkpoint roots distinct run folders"
         )
     return found[0]
+
+
+def _error(where: Path | StoreURL | None, problem: str) -> MergeError:
+    """A URL is named as it is spelled (a ``Path`` would fold its ``//``)."""
+    return MergeError(None, f"{where}: {problem}") if isinstance(where, StoreURL) else MergeError(where, problem)
+
+
+def completeness(folder: Path | StoreURL, step: int, settle_seconds: float) -> Completeness:
+    """The readers' answer (``pipeline.completeness``); for a folder in a store, asked of its listing."""
+    if isinstance(folder, StoreURL):
+        return store_completeness(folder, step, settle_seconds)
+    return pipeline_completeness(folder, step, settle_seconds)
+
+
+def merged_before(target: Path | StoreURL) -> bool:
+    """A merged folder is there: on disk it appears whole (renamed into place), in a store once its
+    commit marker is (docs/SAFETY.md)."""
+    return target.published() if isinstance(target, StoreURL) else target.exists()
+
+
+# --- checkpoint roots in a store (``s3://bucket/prefix``) -------------------------------------------------
+
+
+def scan_store_root(root: StoreURL, output_root: Path | StoreURL, scan: Scan) -> None:
+    """Every checkpoint under ``root`` into ``scan.found`` (as URLs), or why the root cannot be watched."""
+    output = output_root if isinstance(output_root, StoreURL) else None
+    inside = output is not None and output.startswith(f"{root}/")
+    if inside:
+        scan.not_watched.append(
+            f"{printable(output)}: the output root lies inside the checkpoint root {printable(root)} (not scanned; better kept apart)"
+        )
+    try:
+        with Mirror() as mirror:
+            local_root = mirror.folder(root)
+            if not _listed(mirror, root, skip=output if inside else None):
+                scan.not_watched.append(f"{printable(root)}: no object under the checkpoint root")
+                scan.all_roots_read = False
+                return
+            skip = {ident} if inside and (ident := _identity(mirror.folder(output))) else set()
+            notes: list[str] = []
+            for found in find_checkpoints(local_root, notes, skip=skip):
+                scan.found.append(FoundCheckpoint(found.key, root / found.role_dir.relative_to(local_root)))
+            scan.not_watched += [note.replace(str(local_root), root) for note in notes]
+    except MergeError as exc:  # wrong credentials, no such bucket: the store's words, never a secret
+        scan.not_watched.append(str(exc))
+        scan.all_roots_read = False
+
+
+def _listed(mirror: Mirror, root: StoreURL, *, skip: StoreURL | None) -> bool:
+    """The folders down to the step folders (``MAX_DEPTH`` levels, as ``find_checkpoints`` walks them) and
+    each step folder's own entries, laid out in ``mirror``; whether ``root`` holds anything."""
+    level, anything = [root], False
+    for _ in range(MAX_DEPTH):
+        deeper = []
+        for url in level:
+            for name in mirror.list(url):
+                anything = True
+                if name.startswith(".") or url / name == skip:
+                    continue
+                if step_folder(name):
+                    mirror.list(url / name)
+                else:
+                    deeper.append(url / name)
+        level = deeper
+    return anything or any(mirror.folder(root).iterdir())
+
+
+def store_completeness(folder: StoreURL, step: int, settle_seconds: float) -> Completeness:
+    """The readers' answer for a checkpoint folder in a store: its objects listed whole, and the two
+    folders above it (a tracker or DeepSpeed's ``latest`` lies beside the step folders)."""
+    with Mirror() as mirror:
+        # a step folder at the bucket's top has no grandparent: "s3:" names no bucket
+        for above in (folder.parent.parent, folder.parent):
+            if above.partition("://")[2]:
+                mirror.list(above)
+        mirror.list(folder, recursive=True)
+        return pipeline_completeness(mirror.folder(folder), step, settle_seconds)
 
 
 def _inside(path: Path, root: Path) -> bool:

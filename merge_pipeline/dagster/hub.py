@@ -35,6 +35,7 @@ from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.storage import viewed
 
 GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
@@ -161,7 +162,10 @@ def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: Hu
         return
     with one_line_failure():
         key = CheckpointKey.parse(context.partition_key)
-        result = hub.publish(settings.target_dir(key), key, _smoke_of(context.instance, names, str(key)))
+        # A merged folder in a store is published through its view, as the CLI's `upload`: weight files
+        # streamed by ranged GETs, and refused while its merge_manifest.json (the commit marker) is missing.
+        with viewed(settings.target_dir(key), merged=True) as folder:
+            result = hub.publish(folder, key, _smoke_of(context.instance, names, str(key)))
     yield dg.MaterializeResult(metadata=_published(result))
 
 

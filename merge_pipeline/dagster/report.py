@@ -8,6 +8,7 @@ is already published and correct as a merge; they flag what training did to it.
 """
 
 import base64
+import contextlib
 import io
 import warnings
 from pathlib import Path
@@ -24,6 +25,8 @@ from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.storage import is_store_url, viewed
+from merge_pipeline.store_listing import StoreURL
 
 if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
     from merge_pipeline.hf.step_diff import StepDiff
@@ -76,9 +79,13 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
 
     key = CheckpointKey.parse(context.partition_key)
     folder = settings.target_dir(key)
-    with one_line_failure():
-        references = _references(context.instance, settings, key, folder, names)
-        diff = diff_folders(folder, references)
+    with one_line_failure(), contextlib.ExitStack() as views:
+        # a merged folder in a store, and the previous step's there, read through views (tensors by ranged GETs)
+        local = views.enter_context(viewed(folder, merged=True))
+        references = _references(context.instance, settings, key, local, names)
+        diff = diff_folders(
+            local, {label: views.enter_context(viewed(p, merged=True)) for label, p in references.items()}
+        )
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
     smoke = _smoke_metadata(context, settings, folder) if settings.smoke_on else {}
@@ -123,20 +130,30 @@ def _references(
         for k in map(CheckpointKey.parse, instance.get_dynamic_partitions(names.partitions.name))
         if (k.run_name, k.role) == (key.run_name, key.role)
         and k.step < key.step
-        and weight_files(settings.target_dir(k))
+        and _has_weights(settings.target_dir(k))
     ]
     if earlier:
         found[PREVIOUS] = settings.target_dir(max(earlier, key=lambda k: k.step))
     base = read_manifest(folder)["options"].get("hf_model_path") or settings.base_model_dir
-    if base and weight_files(Path(base)):  # a base folder with only config and tokenizer has nothing to compare
+    # a base folder with only config and tokenizer has nothing to compare; one in a store is not compared
+    if base and not is_store_url(base) and weight_files(Path(base)):
         found[BASE] = Path(base)
     return found
+
+
+def _has_weights(folder: Path | StoreURL) -> bool:
+    """A merged step to compare with: its weights on disk, or its commit marker in a store."""
+    from merge_pipeline.hf.folder_checks import weight_files  # torch: by the run only
+
+    return folder.published() if isinstance(folder, StoreURL) else bool(weight_files(folder))
 
 
 def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, folder: Path) -> dict:
     """The smoke test's prompt, greedy text and loss on the fixed text (what the model card shows), or why
     it did not run. A folder that fails it stays published: it passed the blocking checks; this says it
     does not run, in the report."""
+    if isinstance(folder, StoreURL):
+        return {SMOKE: "skipped: the merged folder is in a store (the smoke test loads a folder on local disk)"}
     manifest = read_manifest(folder)
     weight_bytes = sum(f["size"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))
     if weight_bytes > settings.smoke_limit_bytes:

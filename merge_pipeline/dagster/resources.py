@@ -3,8 +3,8 @@
 A field left unset is read from the environment when a run or a sensor tick uses it (``dg.EnvVar``;
 ``dagster dev`` and ``dg dev`` load ``.env`` from the project root first, see ``.env.example``):
 
-``MERGE_PIPELINE_CHECKPOINT_ROOTS``  watched folders, os.pathsep-separated (default ``./demo/checkpoints``)
-``MERGE_PIPELINE_OUTPUT_ROOT``       merged folders land in ``<root>/<partition key>/`` (e.g. ``<run_name>/global_step_<N>/<role>/``)
+``MERGE_PIPELINE_CHECKPOINT_ROOTS``  watched folders or store prefixes (``s3://bucket/prefix``), os.pathsep-separated (default ``./demo/checkpoints``)
+``MERGE_PIPELINE_OUTPUT_ROOT``       (a folder or a store prefix) merged folders land in ``<root>/<partition key>/`` (e.g. ``<run_name>/global_step_<N>/<role>/``)
                                      (default ``./demo/merged``)
 ``MERGE_PIPELINE_SETTLE_SECONDS``    a step without the trainer's tracker file counts as complete once
                                      no file under it changed for this long (default 60)
@@ -19,6 +19,7 @@ Relative paths resolve against the directory Dagster was started from.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.pins import PINS, PinSpace, verified_pin
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.options import parse_size
+from merge_pipeline.storage import is_store_url
+from merge_pipeline.store_listing import StoreURL
 
 # discovery imports the pipeline, which imports torch: sensor ticks and runs import it, the location's load does not
 if TYPE_CHECKING:
@@ -98,19 +101,19 @@ class MergeSettings(dg.ConfigurableResource):
         return self
 
     @property
-    def roots(self) -> list[Path]:
+    def roots(self) -> list[Path | StoreURL]:
         roots = (
             self.checkpoint_roots
             if self.checkpoint_roots is not None
-            else dg.EnvVar(ROOTS_VAR).get_value("demo/checkpoints").split(os.pathsep)
+            else _split_roots(dg.EnvVar(ROOTS_VAR).get_value("demo/checkpoints"))
         )
-        return [Path(r).absolute() for r in roots if r]
+        return [_folder_or_url(r) for r in roots if r]
 
     @property
-    def output_dir(self) -> Path:
-        return Path(
+    def output_dir(self) -> Path | StoreURL:
+        return _folder_or_url(
             self.output_root if self.output_root is not None else dg.EnvVar(OUTPUT_VAR).get_value("demo/merged")
-        ).absolute()
+        )
 
     @property
     def settle_time(self) -> float:
@@ -147,7 +150,7 @@ class MergeSettings(dg.ConfigurableResource):
         """This deployment's pins in each pin root (the setting, else one per checkpoint root): named by
         its output root, so two deployments watching one root keep their own."""
         chosen = self.pin_root if self.pin_root is not None else dg.EnvVar(PIN_ROOT_VAR).get_value()
-        roots = [Path(chosen).absolute()] if chosen else [root / PINS for root in self.roots]
+        roots = [Path(chosen).absolute()] if chosen else [root / PINS for root in self.roots if isinstance(root, Path)]
         return [PinSpace.of(root, self.output_dir) for root in roots]
 
     def pin_space_of(self, role_dir: Path) -> PinSpace:
@@ -173,6 +176,22 @@ class MergeSettings(dg.ConfigurableResource):
 
     def target_dir(self, key: CheckpointKey) -> Path:
         return self.output_dir / key.path
+
+
+def _split_roots(setting: str) -> list[str]:
+    """os.pathsep-separated roots, where a URL's own ``:`` (``s3://bucket/prefix``) separates nothing."""
+    roots: list[str] = []
+    for part in setting.split(os.pathsep):
+        if roots and part.startswith("//") and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", roots[-1]):
+            roots[-1] += os.pathsep + part
+        else:
+            roots.append(part)
+    return roots
+
+
+def _folder_or_url(setting: str) -> Path | StoreURL:
+    """``s3://bucket/prefix`` (any fsspec URL) as a store prefix, anything else as a local folder."""
+    return StoreURL(setting) if is_store_url(setting) else Path(setting).absolute()
 
 
 def _switched_on(variable: str) -> bool:

@@ -17,6 +17,7 @@ rotation cannot take it first (``pins``); pins of this deployment that no queued
 read are removed (another deployment's pins on the same root are its own).
 """
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
@@ -62,7 +63,7 @@ def _tick(
     context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names, max_concurrent_merges: int
 ) -> dg.SensorResult:
     # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
-    from merge_pipeline.dagster.discovery import completeness
+    from merge_pipeline.dagster.discovery import completeness, merged_before
 
     checkpoint_partitions = names.partitions
     seen = cursor_keys(context.cursor)  # requested (with the step's newest change then) or already merged
@@ -78,7 +79,7 @@ def _tick(
         requested_before = key in seen
         if requested_before and key not in failed:
             continue
-        if settings.target_dir(found.key).exists():
+        if merged_before(settings.target_dir(found.key)):
             seen.setdefault(key, None)  # merged before (by an earlier run, or by hand with the CLI)
             if key not in partitions:  # e.g. a fresh instance: show it as merged, marked as found
                 found_merged.append(key)
@@ -101,7 +102,12 @@ def _tick(
         key = str(found.key)
         seen[key] = state.newest_change
         # A re-requested step's pin is made again: pin() keeps a pin only if it holds the step's current files.
-        if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key)):
+        # a step in a store is not pinned: objects are immutable, a deleted one fails its merge's next read
+        if (
+            settings.pins_on
+            and isinstance(found.role_dir, Path)
+            and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key))
+        ):
             context.log.warning(not_pinned)
         requests.append(
             dg.RunRequest(
@@ -116,7 +122,7 @@ def _tick(
             k
             for k in partitions
             if k not in present
-            and not settings.target_dir(CheckpointKey.parse(k)).exists()
+            and not merged_before(settings.target_dir(CheckpointKey.parse(k)))
             and not settings.pinned(CheckpointKey.parse(k))  # its merge reads the pin
         ]
         if scan.all_roots_read

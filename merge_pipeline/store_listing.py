@@ -1,0 +1,173 @@
+"""Watching a store prefix as the sensor watches a folder: listings in bounded pages, laid out locally.
+
+The readers answer "which folders are step folders" and "is this save complete" by looking at a local
+folder (``formats.completeness``: markers, their contents, modification times). ``Mirror`` lays out what
+a listing of a store prefix found under a temporary folder, at the same relative paths: each object a
+sparse file of its size whose modification time is the object's ``LastModified``, small files that are
+no weight files (trackers, ``latest``, ``ckpt_contents.json``) downloaded, each folder dated by its
+newest object. The readers' own answers then hold for the store unchanged, and no weight byte is read.
+
+Listings go one folder at a time (``Delimiter='/'``), ``LIST_PAGE_KEYS`` keys per request, so a tick
+never holds a whole bucket's listing in one answer. ``StoreURL`` is a store prefix that joins and
+answers ``is_dir``/``is_file`` like a ``Path``, so settings and the partition-key mapping treat a store
+root as they treat a folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path, PurePosixPath
+
+from merge_pipeline.storage import MANIFEST, WEIGHT_SUFFIXES, StoreLocation, asking, is_s3, location
+
+LIST_PAGE_KEYS = int(os.environ.get("MERGE_PIPELINE_LIST_PAGE_KEYS", 1000))  # S3's own maximum per request
+MARKER_BYTES = 64 << 10  # a file the readers read to judge a save (a step number, a tag, a JSON) is smaller
+
+
+class StoreURL(str):
+    """``s3://bucket/prefix`` that joins (``url / "step"``) and is asked like a folder; every question is
+    one request, and a store's refusal is one ``MergeError`` line naming the URL."""
+
+    def __new__(cls, url: str) -> StoreURL:
+        return super().__new__(cls, url.rstrip("/"))
+
+    def __truediv__(self, other: str | PurePosixPath) -> StoreURL:
+        return StoreURL(f"{self}/{PurePosixPath(other).as_posix()}")
+
+    @property
+    def name(self) -> str:
+        return self.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> StoreURL:
+        return StoreURL(self.rsplit("/", 1)[0])
+
+    def is_dir(self) -> bool:
+        """Some object lies under this prefix (a store has no empty folders)."""
+        store = location(self)
+        for files, folders in pages(store, store.path + "/", recursive=True, max_pages=1):
+            return bool(files or folders)
+        return False
+
+    def is_file(self) -> bool:
+        store = location(self)
+        with asking(self):
+            return store.fs.isfile(store.path)
+
+    def published(self) -> bool:
+        """A merged folder in the store is there once its commit marker is (docs/SAFETY.md)."""
+        return (self / MANIFEST).is_file()
+
+
+def pages(
+    store: StoreLocation, prefix: str, *, recursive: bool, max_pages: int | None = None
+) -> Iterator[tuple[list[dict], list[str]]]:
+    """The objects (key, size, LastModified) and, unless ``recursive``, the subfolder prefixes under
+    ``prefix`` (``bucket/...``, ending in ``/``), page by page. S3: ``list_objects_v2``, ``LIST_PAGE_KEYS``
+    keys each; another filesystem: its own listing as one page."""
+    with asking(store.url):
+        if not is_s3(store.fs):
+            found = store.fs.find(prefix, detail=True) if recursive else store.fs.ls(prefix, detail=True)
+            files = [dict(i, Key=i["name"]) for i in (found.values() if recursive else found) if i["type"] == "file"]
+            folders = [] if recursive else [i["name"] + "/" for i in found if i["type"] == "directory"]
+            yield files, folders
+            return
+        from fsspec.asyn import sync
+
+        bucket, _, key_prefix = prefix.partition("/")
+        request = {"Bucket": bucket, "Prefix": key_prefix, "MaxKeys": LIST_PAGE_KEYS}
+        if not recursive:
+            request["Delimiter"] = "/"
+        listed = 0
+        while max_pages is None or listed < max_pages:
+            answer = sync(store.fs.loop, store.fs._call_s3, "list_objects_v2", **request)
+            listed += 1
+            files = [
+                {"Key": f"{bucket}/{o['Key']}", "size": o["Size"], "LastModified": o["LastModified"]}
+                for o in answer.get("Contents", [])
+            ]
+            yield files, [f"{bucket}/{p['Prefix']}" for p in answer.get("CommonPrefixes", [])]
+            if not answer.get("IsTruncated"):
+                return
+            request["ContinuationToken"] = answer["NextContinuationToken"]
+
+
+class Mirror:
+    """A temporary local folder laying out what listings of store prefixes found (``list``), at
+    ``folder(url)``; removed on ``close``."""
+
+    def __init__(self) -> None:
+        self.top = Path(tempfile.mkdtemp(prefix="merge_pipeline-listing-"))
+        self.newest: dict[Path, float] = {}  # each folder's newest object listed so far
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        shutil.rmtree(self.top, ignore_errors=True)
+
+    def folder(self, url: str) -> Path:
+        """Where the prefix ``url`` lies in the mirror (``<top>/<protocol>/<bucket>/<keys>``)."""
+        protocol, _, rest = url.rstrip("/").partition("://")
+        return self.top / protocol / rest
+
+    def list(self, url: str, *, recursive: bool = False) -> list[str]:
+        """Lay out the objects under ``url`` (all of them, or its own files and subfolders); the names
+        of its subfolders."""
+        store = location(url)
+        base = self.folder(url)
+        base.mkdir(parents=True, exist_ok=True)
+        names, small, listed = [], [], {}
+        for files, folders in pages(store, store.path + "/", recursive=recursive):
+            for info in files:
+                relative = info["Key"][len(store.path) + 1 :]
+                if any(p in ("", ".", "..") for p in relative.split("/")):
+                    continue  # a folder marker, or a key no reader's path could name
+                local = base / relative
+                local.parent.mkdir(parents=True, exist_ok=True)
+                with open(local, "wb") as f:
+                    f.truncate(int(info["size"]))  # sparse: the size, no bytes
+                if int(info["size"]) <= MARKER_BYTES and not relative.endswith(WEIGHT_SUFFIXES):
+                    small.append((info["Key"], local))
+                listed[local] = _timestamp(info["LastModified"])
+            for prefix in folders:
+                name = prefix.rstrip("/").rsplit("/", 1)[-1]
+                if name not in (".", ".."):
+                    (base / name).mkdir(exist_ok=True)
+                    names.append(name)
+        if small:
+            with asking(url):
+                store.fs.get([k for k, _ in small], [str(p) for _, p in small])
+        self._dated(base, listed)
+        return names
+
+    def _dated(self, base: Path, listed: dict[Path, float]) -> None:
+        """Each file dated by its object, each folder by the newest object under it (never "now": a
+        folder made here must not look like a trainer's change). Only what this listing touched:
+        ``base``, the folders below it, and those above it."""
+        for path, mtime in listed.items():
+            os.utime(path, (mtime, mtime))
+            for parent in path.parents:
+                if parent == self.top:
+                    break
+                self.newest[parent] = max(self.newest.get(parent, 0.0), mtime)
+        touched = [Path(parent) / name for parent, dirs, _ in os.walk(base) for name in dirs]
+        touched += [base, *(p for p in base.parents if p.is_relative_to(self.top) and p != self.top)]
+        for folder in touched:
+            stamp = self.newest.get(folder, 0.0)
+            os.utime(folder, (stamp, stamp))
+
+
+def _timestamp(modified: datetime | str | float) -> float:
+    if isinstance(modified, datetime):
+        return modified.timestamp()
+    if isinstance(modified, str):
+        return datetime.fromisoformat(modified.replace("Z", "+00:00")).timestamp()
+    return float(modified)

@@ -1,0 +1,63 @@
+"""``hub_model`` publishing a step merged into an ``s3://`` output root (issue 36): streamed from the bucket
+through the same view as the CLI's ``upload``, the Hub's tree the bucket's folder file for file; a prefix
+without its ``merge_manifest.json`` (a merge still publishing) is refused in one line."""
+
+from __future__ import annotations
+
+import hashlib
+
+import dagster as dg
+import pytest
+
+from merge_pipeline.dagster.hub import HuggingFaceHub, hub_model
+from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.test_dagster_store import KEY, put_step, store_settings
+from merge_pipeline_tests.helpers import tree_digest
+from merge_pipeline_tests.hub.conftest import WRITER
+
+
+def publish(instance, settings, key: str) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
+        [hub_model],
+        partition_key=key,
+        instance=instance,
+        resources={"settings": settings, "hub": HuggingFaceHub(organization="org", token=WRITER)},
+        raise_on_error=False,
+    )
+
+
+@pytest.mark.slow
+def test_hub_model_publishes_a_folder_merged_into_the_bucket(hub, bucket, fsdp_checkpoint, instance, tmp_path):
+    fs, b = bucket
+    put_step(fs, b, fsdp_checkpoint(ACTOR), KEY, tracker=1)
+    settings = store_settings(b)
+    assert materialize(instance, settings, KEY).success
+
+    result = publish(instance, settings, KEY)
+
+    assert result.success, result.all_events
+    fs.get(f"{b}/merged/{KEY}/", str(tmp_path / "merged") + "/", recursive=True)
+    on_hub = {p: hashlib.sha256(data).hexdigest() for p, data in hub.tree("org/run-actor", "global_step_1").items()}
+    assert {p: d for p, d in on_hub.items() if p not in ("README.md", ".gitattributes")} == tree_digest(
+        tmp_path / "merged"
+    )
+    [event] = result.get_asset_materialization_events()
+    assert event.materialization.metadata["revision"].value == "global_step_1"
+
+
+@pytest.mark.slow
+def test_hub_model_refuses_a_prefix_without_its_manifest_in_one_line(hub, bucket, fsdp_checkpoint, instance):
+    fs, b = bucket
+    put_step(fs, b, fsdp_checkpoint(ACTOR), KEY, tracker=1)
+    settings = store_settings(b)
+    assert materialize(instance, settings, KEY).success
+    fs.rm_file(f"{b}/merged/{KEY}/merge_manifest.json")  # as while a re-merge publishes
+
+    result = publish(instance, settings, KEY)
+
+    assert not result.success and not hub.repos
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.message.strip()
+    assert failure.endswith(
+        f"s3://{b}/merged/{KEY}: incomplete: no merge_manifest.json; a merge is still publishing or failed"
+    )
+    assert "\n" not in failure
