@@ -19,7 +19,7 @@ from pathlib import Path
 
 from merge_pipeline import families
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats import bridge_table
+from merge_pipeline.formats.megatron import bridge_table
 from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
 
 
