@@ -1,2 +1,2 @@
-"""Consolidated Hugging Face safetensors (``--backend hf``): ``reader`` plans them; its header and index
-parsing also serves the readers that find such files inside their own folders."""
+"""Consolidated Hugging Face safetensors (``--backend hf``): ``reader`` plans them; its folder planning also
+serves the Megatron reader (the bridge's HF export) and a LoRA-only checkpoint's base model (``base_model``)."""
