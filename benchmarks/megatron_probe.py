@@ -31,7 +31,7 @@ def _peak_rss_mib() -> float:
 
 
 def measure_plan(role_dir: Path) -> dict:
-    from merge_pipeline.formats.megatron import plan_megatron
+    from merge_pipeline.formats.megatron.reader import plan_megatron
     from merge_pipeline.hf.config import CheckpointConfig
     from merge_pipeline.plan import StoredBytes
 

@@ -4,12 +4,12 @@ A record says what differs between families and nothing else: its HF names (wher
 the vision tower, the MoE block and its experts are), its layout (fused QKV with biases, q/k norms,
 multi-latent attention, experts, multi-token prediction, a vision tower), and, for the families
 torchtitan ships, how torchtitan 0.3.0's ``state_dict_adapter.to_hf`` names each of its tensors.
-The readers (``formats/megatron_names.py``, ``formats/torchtitan_names.py``) apply the records; the
+The readers (``formats/megatron/names.py``, ``formats/dcp/torchtitan_names.py``) apply the records; the
 sample writers (``merge_pipeline_samples/``) build their models from the same records. Adding an
 architecture is one record here plus one test case (README, "Layout").
 
 Megatron-Core's own tensor names are the same for every GPT model (``self_attention.linear_qkv``, ...):
-their table is ``formats/megatron_names.py``'s, and a record fills in the HF side. This module imports
+their table is ``formats/megatron/names.py``'s, and a record fills in the HF side. This module imports
 nothing but the standard library, so that torchtitan's own venv can read it too.
 """
 

@@ -24,7 +24,7 @@ into the linears), vision-language models, and the HF-safetensors layout.
 
 Every stored tensor gets values that depend only on its checkpoint key (``global_values``). The
 reference is built from those whole tensors by ``reference_weights``, a separate, deliberately
-plain transcription of the mapping ``formats/megatron_names.py`` describes, so a reader bug cannot hide in shared code.
+plain transcription of the mapping ``formats/megatron/names.py`` describes, so a reader bug cannot hide in shared code.
 """
 
 from __future__ import annotations
@@ -775,7 +775,7 @@ def write_peft_adapter(reference_dir: Path, adapter_dir: Path, *, seed: int = 7)
     model.save_pretrained(adapter_dir)
 
 
-# ---- the reference: megatron_names.py's mapping, applied to whole tensors ------------------------
+# ---- the reference: formats/megatron/names.py's mapping, applied to whole tensors ------------------------
 
 
 def reference_weights(full: dict[str, torch.Tensor], v: Variant) -> dict[str, torch.Tensor]:

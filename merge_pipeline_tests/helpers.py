@@ -90,7 +90,8 @@ def assert_bit_exact(merged: dict[str, torch.Tensor] | Path, reference: dict[str
 
 def megatron_plan(role_dir: Path, **options) -> CheckpointPlan:
     """The Megatron reader's plan of ``role_dir`` with these merge options (as ``--backend megatron``)."""
-    from merge_pipeline.formats.megatron import READER  # megatron-core's types: only for the tests that need them
+    # megatron-core's types: only for the tests that need them
+    from merge_pipeline.formats.megatron.reader import READER
 
     options = MergeOptions(**options)
     return READER.plan(Path(role_dir), options, CheckpointConfig.of(role_dir, options))

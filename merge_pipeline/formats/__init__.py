@@ -1,8 +1,10 @@
 """Format readers: each turns a role folder into a ``CheckpointPlan`` without loading tensor data.
 
-A reader is a module of this package exposing ``READER`` (a ``Reader``): how to recognise its
-folders and plan them, and which trainers' step folders hold them and when a save there is complete.
-Adding a format means adding its module and its name to ``options.BACKENDS``; nothing else here changes.
+A format is a package of this one, ``formats/<name>/``, whose ``reader`` module exposes ``READER`` (a
+``Reader``): how to recognise its folders and plan them, and which trainers' step folders hold them and
+when a save there is complete; its own helpers sit beside it. The helpers several formats share stay
+here at the top. Adding a format means adding its package and its name to ``options.BACKENDS``; nothing
+else here changes.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from merge_pipeline.input_files import require_opened_inside
 from merge_pipeline.options import BACKENDS, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, closed_on_failure
 
-# Reader modules, in the order ``auto`` tries them: the first whose detect() says yes plans the folder.
+# Reader packages, in the order ``auto`` tries them: the first whose detect() says yes plans the folder.
 # Their names are the --backend choices (options.BACKENDS, which the CLI and Dagster offer).
 READERS = BACKENDS[1:]
-# A reader's module is named by its backend, except where the --backend value users type says less.
+# A reader's package is named by its backend, except where the --backend value users type says less.
 MODULE_OF = {"hf": "safetensors_folder"}
 
 
@@ -60,7 +62,7 @@ def reader(name: str) -> Reader:
     """The reader of ``--backend name``; imported only when asked for (Megatron's pulls in megatron-core types)."""
     if name not in READERS:
         raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-    return importlib.import_module(f"{__name__}.{MODULE_OF.get(name, name)}").READER
+    return importlib.import_module(f"{__name__}.{MODULE_OF.get(name, name)}.reader").READER
 
 
 def step_folders() -> list[StepFolder]:

@@ -1,7 +1,7 @@
 """A LoRA-only checkpoint (verl's ``checkpoint.save_lora_only``) completed with its base model's weights.
 
 The base model folder (``--hf_model_path``) is the original Hugging Face model LoRA training left
-unchanged; its safetensors are read like any consolidated folder (``safetensors_folder.py``).
+unchanged; its safetensors are read like any consolidated folder (``formats/safetensors_folder/reader.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.safetensors_folder import read_hf_weights
+from merge_pipeline.formats.safetensors_folder.reader import read_hf_weights
 from merge_pipeline.hf.lora import PEFT_PREFIX, lora_module, peft_base_names
 from merge_pipeline.plan import CheckpointPlan, closed_on_failure
 

@@ -4,7 +4,7 @@ A DCP folder holds ``.metadata`` (a pickle: every tensor's global shape and dtyp
 which ``.distcp`` file holds it at which byte range) and the ``.distcp`` files. Each chunk is a
 ``torch.save`` archive whose pickle we read onto the meta device to find where its raw bytes start.
 That describes every tensor as file ranges with no process group and no tensor data read: the
-Megatron-Core reader (``formats/megatron.py``) and the plain DCP reader (``formats/dcp.py``)
+Megatron-Core reader (``formats/megatron/reader.py``) and the plain DCP reader (``formats/dcp/reader.py``)
 both plan from here, and ``check_tiling`` is the one check that saved pieces cover a tensor exactly once.
 """
 

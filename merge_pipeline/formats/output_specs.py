@@ -1,6 +1,6 @@
 """An HF tensor as rows of stored tensors: what a name mapping produces and the DCP planner reads.
 
-Every family's mapping (``formats/megatron_names.py``, ``formats/torchtitan_names.py``) says, per HF
+Every family's mapping (``formats/megatron/names.py``, ``formats/dcp/torchtitan_names.py``) says, per HF
 tensor, which rows of which stored tensors make it up; ``formats/dcp_files.py`` turns that into byte ranges.
 """
 

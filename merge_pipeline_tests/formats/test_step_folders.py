@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.formats import READERS, completeness, reader, saved_in_step_folder, step_folder, step_folders
-from merge_pipeline.formats.megatron_lm_save import MEGATRON_LM_STEPS
+from merge_pipeline.formats.megatron.lm_save import MEGATRON_LM_STEPS
 from merge_pipeline.formats.step_folders import HF_TRAINER, TRACKER, VERL
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.options import MergeOptions

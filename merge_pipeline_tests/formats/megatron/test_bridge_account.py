@@ -12,8 +12,8 @@ import pytest
 
 from merge_pipeline import families
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats import bridge_table
-from merge_pipeline.formats.megatron_names import megatron_family
+from merge_pipeline.formats.megatron import bridge_table
+from merge_pipeline.formats.megatron.names import megatron_family
 
 LAYOUTS = Path(__file__).resolve().parents[3] / "docs" / "LAYOUTS.md"
 REGISTERED = bridge_table.architectures()

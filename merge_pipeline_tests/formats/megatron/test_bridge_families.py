@@ -1,4 +1,4 @@
-"""The hand-written Megatron families (``merge_pipeline/families.py`` with ``formats/megatron_names.py``) map
+"""The hand-written Megatron families (``merge_pipeline/families.py`` with ``formats/megatron/names.py``) map
 every Megatron name the bridge maps to the bridge's own HF names, by the same operation: for each mapping
 in ``merge_pipeline/bridge_mappings.json`` (generated from Megatron-Bridge's ``mapping_registry()``) of an
 architecture a family covers, the name with its wildcards filled in (layer 1, expert 1) goes through the
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline import families
-from merge_pipeline.formats import bridge_table
-from merge_pipeline.formats import megatron_names as names
+from merge_pipeline.formats.megatron import bridge_table, names
 
 _CONFIG = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32, num_hidden_layers=2)
 _ROWS = {"qkv": 2 * (2 * 8 + 2 * 8), "gate_up": 32}  # 2 KV groups of 2 q heads + k + v; gate + up

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
+from merge_pipeline.formats.megatron.vocab import drop_vocab_padding
 from merge_pipeline.formats.output_specs import OutputSpec, Piece
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits, tree_digest
 

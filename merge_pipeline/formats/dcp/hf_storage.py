@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.dcp_files import DcpChunk, DcpTensor, check_tiling, plan_tensor
 from merge_pipeline.formats.output_specs import whole
-from merge_pipeline.formats.safetensors_folder import header_entries, json_without_duplicates
+from merge_pipeline.formats.safetensors_files import header_entries, json_without_duplicates
 from merge_pipeline.plan import CheckpointPlan, SourceFile, closed_on_failure
 
 SHARD_FILE = re.compile(r"shard-\d{5,}-model-\d{5,}-of-\d{5,}\.safetensors")  # torch's SHARDED_FILE_NAME

@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
-from merge_pipeline.formats.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.coalesced_reads import RunBlock, coalesced
 from merge_pipeline.formats.dcp_files import check_tiling
-from merge_pipeline.formats.fsdp_template import RankTemplate
+from merge_pipeline.formats.fsdp.archive_layouts import ArchiveLayout
+from merge_pipeline.formats.fsdp.rank_template import RankTemplate
 from merge_pipeline.formats.step_folders import VERL, StepFolder
 from merge_pipeline.formats.torch_files import StoredTensor, stored_tensor, torch_archive
 from merge_pipeline.hf.config import has_value_head

@@ -3,7 +3,7 @@
 That file is generated from the installed bridge's own ``mapping_registry()`` of each architecture by
 ``merge_pipeline_samples/bridge_mappings.py`` (never imported here: Megatron-Bridge is not a dependency of
 the reader). Each mapping's kind is translated into an operation of the reader's conversion vocabulary
-(``formats/megatron_names.py``): ``copy`` (the tensor as stored, whatever its tensor-parallel split),
+(``formats/conversions.py``): ``copy`` (the tensor as stored, whatever its tensor-parallel split),
 ``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
 then up rows), ``grouped_experts`` (every expert of a layer in one HF tensor, gpt-oss's transposed
 layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to

@@ -6,13 +6,13 @@ the model's entries; the bytes are read the same way (``formats/dcp_files.py``),
     accelerate FSDP SHARDED_STATE_DICT  <checkpoint>/pytorch_model_fsdp_0/   "model." + HF names
     NeMo-RL                             <step>/policy/weights/               "model." + HF names
     NeMo-Automodel                      <checkpoint>/model/ (DCP format)     HF names
-    DCP in HF storage, not consolidated  model/ or sharded/ shard-*.safetensors  (formats/hf_storage.py)
+    DCP in HF storage, not consolidated  model/ or sharded/ shard-*.safetensors  (formats/dcp/hf_storage.py)
     torchtitan, verl's torchtitan engine <folder>/step-N/                    torchtitan names, beside
                                          "optimizer.", "lr_scheduler.", "dataloader.", "train_state"
 
 Entries that are not the model's (optimizer, scheduler, data loader and train state, RoPE tables)
 are skipped. torchtitan names are mapped to HF names as the family's own HF state-dict adapter (``to_hf``) does
-(``formats/torchtitan_names.py``, from the family's record in ``families.py``: llama3's q/k row permutation,
+(``formats/dcp/torchtitan_names.py``, from the family's record in ``families.py``: llama3's q/k row permutation,
 grouped MoE experts split per expert):
 the stored rows stream in their order and each block of whole heads is permuted as it passes (``formats/rotary_rows.py``). None of these folders has to hold a config: ``--hf_model_path`` supplies it.
 """
@@ -26,15 +26,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats import Reader
+from merge_pipeline.formats.dcp.hf_storage import find_hf_storage_dir, plan_hf_storage
+from merge_pipeline.formats.dcp.torchtitan_names import torchtitan_outputs
 from merge_pipeline.formats.dcp_files import (
     METADATA,
     plan_specs,
     read_dcp_metadata,
 )
-from merge_pipeline.formats.hf_storage import find_hf_storage_dir, plan_hf_storage
 from merge_pipeline.formats.output_specs import whole
 from merge_pipeline.formats.step_folders import HF_TRAINER, Completeness, Quiet, StepFolder
-from merge_pipeline.formats.torchtitan_names import torchtitan_outputs
 from merge_pipeline.hf.config import CONFIG, CheckpointConfig, has_value_head
 from merge_pipeline.plan import CheckpointPlan
 

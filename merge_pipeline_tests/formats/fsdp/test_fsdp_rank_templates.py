@@ -1,4 +1,4 @@
-"""Rank files checked by bytes against a verified one (formats/fsdp_template.py), and small pieces read
+"""Rank files checked by bytes against a verified one (formats/fsdp/rank_template.py), and small pieces read
 a group of tensors at a time (formats/coalesced_reads.py).
 
 World size 16 written by torch's fake process group: 40 embedding rows are 3 per rank on ranks 0-12,
@@ -23,13 +23,13 @@ import torch
 from merge_pipeline import plan as plan_module
 from merge_pipeline.engine import safetensors_writer
 from merge_pipeline.formats import coalesced_reads
-from merge_pipeline.formats.archive_layouts import ArchiveLayout
-from merge_pipeline.formats.fsdp import RankShard, plan_fsdp
-from merge_pipeline.formats.fsdp_template import RankTemplate
+from merge_pipeline.formats.fsdp.archive_layouts import ArchiveLayout
+from merge_pipeline.formats.fsdp.rank_template import RankTemplate
+from merge_pipeline.formats.fsdp.reader import RankShard, plan_fsdp
 from merge_pipeline.formats.torch_files import torch_archive
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
-from merge_pipeline_tests.formats.test_fsdp_hostile_files import edit_pickle, repack
-from merge_pipeline_tests.formats.test_fsdp_world_size import SPEC as WORLD_SIZE_SPEC
+from merge_pipeline_tests.formats.fsdp.test_fsdp_hostile_files import edit_pickle, repack
+from merge_pipeline_tests.formats.fsdp.test_fsdp_world_size import SPEC as WORLD_SIZE_SPEC
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest
 
 WORLD_SIZE = 16

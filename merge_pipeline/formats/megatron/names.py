@@ -19,7 +19,19 @@ from pathlib import Path
 
 from merge_pipeline import families
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats import bridge_table
+from merge_pipeline.formats.conversions import (
+    Chunk,
+    GroupedExperts,
+    Operation,
+    RegroupQKV,
+    Rename,
+    Reshape,
+    Sizes,
+    SplitQKV,
+    Stored,
+    named,
+)
+from merge_pipeline.formats.megatron import bridge_table
 from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
 
 
@@ -104,90 +116,36 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
 
 
-# Each conversion answers ``outputs(mapper, p, prefix, names)``: the HF tensors of one layer's stored
-# parameter ``p`` (None: not one it converts); ``names`` fills the family's names into its HF name.
-
-
-@dataclass(frozen=True)
-class _Copy:
-    name: str
-
-    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
-        return None if p.half else [whole(f"{prefix}{self.name.format(**names)}.{p.attr}", p.key, p.rows, p.index)]
-
-
-@dataclass(frozen=True)
-class _GateUp:
-    """A gated-MLP fc1: first half of the rows is the gate, second half the up projection."""
-
-    gate: str
-    up: str
-
-    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
-        gate, up = (f"{prefix}{n.format(**names)}.{p.attr}" for n in (self.gate, self.up))
-        return split_gate_up(mapper, p, gate, up)
-
-
-def split_gate_up(mapper: KeyMapper, p: _LayerParam, gate: str, up: str) -> list[OutputSpec]:
-    """A gated fc1 into HF's ``gate`` and ``up`` tensors: its row halves, or the one its ``_w``/``_v`` key holds."""
-    if p.half:
-        return [whole(gate if p.half == "_w" else up, p.key, p.rows, p.index)]
-    if p.rows % 2:
-        raise MergeError(mapper.metadata_path, f"{p.key}: gated fc1 has an odd number of rows ({p.rows})")
-    half = p.rows // 2
-    return [
-        OutputSpec(gate, (Piece(p.key, p.index, (0, half)),)),
-        OutputSpec(up, (Piece(p.key, p.index, (half, p.rows)),)),
-    ]
-
-
-@dataclass(frozen=True)
-class _GroupedQKV:
-    """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g."""
-
-    prefix: str  # "self_attn." -> self_attn.q_proj / k_proj / v_proj
-
-    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
-        if p.half:
-            return None
-        return mapper.split_grouped_qkv(p, {n: f"{prefix}{self.prefix}{n}_proj.{p.attr}" for n in ("q", "k", "v")})
-
-
-@dataclass(frozen=True)
-class _VisionQKV:
-    """A vision tower's fused QKV: Megatron groups rows per head, HF wants [all q; all k; all v]."""
-
-    name: str
-
-    def outputs(self, mapper: KeyMapper, p: _LayerParam, prefix: str, names: dict) -> list[OutputSpec] | None:
-        return None if p.half else [mapper.reorder_vision_qkv(p, f"{prefix}{self.name}.{p.attr}")]
-
-
-_Conversion = _Copy | _GateUp | _GroupedQKV | _VisionQKV
+# Each stored parameter of a layer maps through one operation of the conversion vocabulary
+# (formats/conversions.py), its HF names inside the layer with the family's names as fields
+# ({moe}, {expert}, ...); a gated fc1 stored as two keys (``_w`` gate, ``_v`` up) is its Chunk's halves.
 
 
 # Per-layer modules of the language model. A linear's fused layer norm (``layer_norm_weight``) is the
 # norm in front of it: the second entry names that norm.
-_TEXT_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
-    "self_attention.linear_qkv": (_GroupedQKV("self_attn."), "input_layernorm"),
-    "self_attention.linear_proj": (_Copy("self_attn.o_proj"), None),
-    "self_attention.linear_q_proj": (_Copy("self_attn.q_proj"), None),
-    "self_attention.linear_q_down_proj": (_Copy("self_attn.q_a_proj"), None),
-    "self_attention.linear_q_up_proj": (_Copy("self_attn.q_b_proj"), "self_attn.q_a_layernorm"),
-    "self_attention.linear_kv_down_proj": (_Copy("self_attn.kv_a_proj_with_mqa"), None),
-    "self_attention.linear_kv_up_proj": (_Copy("self_attn.kv_b_proj"), "self_attn.kv_a_layernorm"),
-    "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
-    "mlp.linear_fc2": (_Copy("mlp.down_proj"), None),
-    "mlp.router": (_Copy("{moe}.{router}"), None),
-    "mlp.shared_experts.linear_fc1": (_GateUp("mlp.{shared}.gate_proj", "mlp.{shared}.up_proj"), None),
-    "mlp.shared_experts.linear_fc2": (_Copy("mlp.{shared}.down_proj"), None),
-    "mlp.experts.linear_fc1": (_GateUp("{moe}.experts.{expert}.{gate}", "{moe}.experts.{expert}.{up}"), None),
-    "mlp.experts.linear_fc2": (_Copy("{moe}.experts.{expert}.{down}"), None),
-    "input_layernorm": (_Copy("input_layernorm"), None),
-    "pre_mlp_layernorm": (_Copy("post_attention_layernorm"), None),
-    "self_attention.q_layernorm": (_Copy("self_attn.q_norm"), None),
-    "self_attention.k_layernorm": (_Copy("self_attn.k_norm"), None),
-    "self_attention.kv_layernorm": (_Copy("self_attn.kv_a_layernorm"), None),
+_TEXT_LINEARS: dict[str, tuple[Operation, str | None]] = {
+    "self_attention.linear_qkv": (
+        SplitQKV("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "input_layernorm",
+    ),
+    "self_attention.linear_proj": (Rename("self_attn.o_proj"), None),
+    "self_attention.linear_q_proj": (Rename("self_attn.q_proj"), None),
+    "self_attention.linear_q_down_proj": (Rename("self_attn.q_a_proj"), None),
+    "self_attention.linear_q_up_proj": (Rename("self_attn.q_b_proj"), "self_attn.q_a_layernorm"),
+    "self_attention.linear_kv_down_proj": (Rename("self_attn.kv_a_proj_with_mqa"), None),
+    "self_attention.linear_kv_up_proj": (Rename("self_attn.kv_b_proj"), "self_attn.kv_a_layernorm"),
+    "mlp.linear_fc1": (Chunk("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+    "mlp.linear_fc2": (Rename("mlp.down_proj"), None),
+    "mlp.router": (Rename("{moe}.{router}"), None),
+    "mlp.shared_experts.linear_fc1": (Chunk("mlp.{shared}.gate_proj", "mlp.{shared}.up_proj"), None),
+    "mlp.shared_experts.linear_fc2": (Rename("mlp.{shared}.down_proj"), None),
+    "mlp.experts.linear_fc1": (Chunk("{moe}.experts.{expert}.{gate}", "{moe}.experts.{expert}.{up}"), None),
+    "mlp.experts.linear_fc2": (Rename("{moe}.experts.{expert}.{down}"), None),
+    "input_layernorm": (Rename("input_layernorm"), None),
+    "pre_mlp_layernorm": (Rename("post_attention_layernorm"), None),
+    "self_attention.q_layernorm": (Rename("self_attn.q_norm"), None),
+    "self_attention.k_layernorm": (Rename("self_attn.k_norm"), None),
+    "self_attention.kv_layernorm": (Rename("self_attn.kv_a_layernorm"), None),
 }
 
 # Attributes that are not weight/bias of the module itself.
@@ -209,13 +167,13 @@ _GROUPED_EXPERTS = {
 }
 
 # Multi-latent attention has no separate q/k norms: its q_layernorm normalises the compressed query.
-_MLA_RENAMES = {"self_attention.q_layernorm": _Copy("self_attn.q_a_layernorm")}
+_MLA_RENAMES = {"self_attention.q_layernorm": Rename("self_attn.q_a_layernorm")}
 
-_VISION_LINEARS: dict[str, tuple[_Conversion, str | None]] = {
-    "self_attention.linear_qkv": (_VisionQKV("attn.qkv"), "norm1"),
-    "self_attention.linear_proj": (_Copy("attn.proj"), None),
-    "mlp.linear_fc1": (_GateUp("mlp.gate_proj", "mlp.up_proj"), "norm2"),
-    "mlp.linear_fc2": (_Copy("mlp.down_proj"), None),
+_VISION_LINEARS: dict[str, tuple[Operation, str | None]] = {
+    "self_attention.linear_qkv": (RegroupQKV("attn.qkv"), "norm1"),
+    "self_attention.linear_proj": (Rename("attn.proj"), None),
+    "mlp.linear_fc1": (Chunk("mlp.gate_proj", "mlp.up_proj"), "norm2"),
+    "mlp.linear_fc2": (Rename("mlp.down_proj"), None),
 }
 
 _VISION_GLOBALS = {
@@ -251,7 +209,15 @@ class _LayerParam:
     half: str  # "", "_w" (gate) or "_v" (up)
     key: str
     index: tuple[int, ...]
-    rows: int
+    shape: tuple[int, ...]
+
+    @property
+    def stored(self) -> Stored:
+        return Stored(self.key, self.shape, self.index)
+
+    @property
+    def rows(self) -> int:
+        return self.stored.rows
 
 
 def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[_LayerParam] | None:
@@ -284,9 +250,17 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
             experts = range(shape[len(layer_index)]) if stacked_experts else [expert]
             for e in experts:
                 index = layer_index + ((e,) if stacked_experts else ())
-                yield _LayerParam(layer, e, module, attr, half, key, index, shape[len(index)])
+                yield _LayerParam(layer, e, module, attr, half, key, index, shape)
 
     return expand()
+
+
+# Megatron-Bridge's operations (bridge_table) by the vocabulary's, from a mapping's HF names by role.
+_BRIDGE_OPERATIONS = {
+    "copy": lambda hf: Rename(hf[""]),
+    "qkv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),
+    "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
+}
 
 
 class KeyMapper:
@@ -297,6 +271,9 @@ class KeyMapper:
         self.model = model
         self.config_path = config_path
         self.metadata_path = metadata_path
+        self.sizes = Sizes(
+            config_path, metadata_path, model.attention_heads, model.kv_heads, model.head_dim, model.vision_heads
+        )
         self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
         # Grouped experts' pieces, gathered from every key: HF name -> [((expert, half), piece, module)]
         self.grouped: dict[str, list[tuple[tuple[int, int], Piece, str]]] = {}
@@ -420,7 +397,7 @@ class KeyMapper:
         under the name the bridge's registry uses (``decoder.layers.<i>.``, ``local_experts.<e>.``)."""
         params = _layer_params(key, key, shape)
         if params is None:
-            return self._bridge_outputs(key, _LayerParam(0, None, "", "", "", key, (), shape[0]))
+            return self._bridge_outputs(key, _LayerParam(0, None, "", "", "", key, (), shape))
         out: list[OutputSpec] = []
         for p in params:
             module = p.module
@@ -437,13 +414,8 @@ class KeyMapper:
         if found is None:
             return None
         mapping, hf = found
-        if mapping.operation == "copy" and not p.half:
-            return [whole(hf[""], p.key, p.rows, p.index)]
-        if mapping.operation == "qkv" and not p.half:
-            return self.split_grouped_qkv(p, hf)
-        if mapping.operation == "gate_up":
-            return split_gate_up(self, p, hf["gate"], hf["up"])
-        return None
+        operation = _BRIDGE_OPERATIONS.get(mapping.operation)
+        return None if operation is None else self._apply(operation(hf), p)
 
     # ---- one layer's parameter ----
 
@@ -452,13 +424,13 @@ class KeyMapper:
         layer_prefix = f"{family.text_prefix}layers.{p.layer}."
         special = _SPECIAL_ATTRIBUTES.get((p.module, p.attr))
         if special is not None:
-            return [whole(layer_prefix + special, p.key, p.rows, p.index)]
+            return Rename(layer_prefix + special).outputs(p.stored, self.sizes)
         if family.attention_sinks and (p.module, p.attr) == _SINKS:
-            return [whole(layer_prefix + "self_attn.sinks", p.key, p.rows, p.index)]
+            return Rename(layer_prefix + "self_attn.sinks").outputs(p.stored, self.sizes)
         grouped = _GROUPED_EXPERTS.get((p.module, p.attr)) if family.grouped_experts else None
         if grouped is not None and p.expert is not None:  # gathered per layer, written by outputs()
             half = 1 if p.half == "_v" else 0  # fc1 as two keys: gate (_w) rows before up (_v)
-            piece = Piece(p.key, p.index, (0, p.rows))
+            piece = p.stored.piece()
             self.grouped.setdefault(f"{layer_prefix}{family.moe_block}.{grouped}", []).append(
                 ((p.expert, half), piece, p.module)
             )
@@ -469,22 +441,30 @@ class KeyMapper:
         return self._convert(p, table, layer_prefix)
 
     def _convert(
-        self, p: _LayerParam, table: dict[str, tuple[_Conversion, str | None]], prefix: str
+        self, p: _LayerParam, table: dict[str, tuple[Operation, str | None]], prefix: str
     ) -> list[OutputSpec] | None:
         entry = table.get(p.module)
         if entry is None:
             return None
-        conversion, fused_norm = entry
+        operation, fused_norm = entry
         if p.attr.startswith("layer_norm_"):
             if fused_norm is None or p.half:
                 return None
-            return [whole(f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}", p.key, p.rows, p.index)]
+            return Rename(f"{prefix}{fused_norm}.{p.attr.removeprefix('layer_norm_')}").outputs(p.stored, self.sizes)
         if p.attr not in ("weight", "bias"):
             return None
         family = self.model.family
         names = dict(zip(("gate", "up", "down"), family.expert_linears, strict=True))
         names.update(shared=family.shared_experts, expert=p.expert, moe=family.moe_block, router=family.router)
-        return conversion.outputs(self, p, prefix, names)
+        return self._apply(named(operation, lambda name: f"{prefix}{name.format(**names)}.{p.attr}"), p)
+
+    def _apply(self, operation: Operation, p: _LayerParam) -> list[OutputSpec] | None:
+        """The HF tensors of ``p`` by ``operation``; a half of a gated fc1 (``_w``, ``_v``) is its Chunk's half."""
+        if not p.half:
+            return operation.outputs(p.stored, self.sizes)
+        if isinstance(operation, Chunk):
+            return Rename(operation.gate if p.half == "_w" else operation.up).outputs(p.stored, self.sizes)
+        return None
 
     def _grouped_experts(self) -> list[OutputSpec]:
         """Each layer's experts of one kind as one HF tensor, expert 0 first."""
@@ -505,45 +485,8 @@ class KeyMapper:
                 raise MergeError(self.metadata_path, f"{pieces[0].key}: gated fc1 has an odd number of rows")
             if name.endswith("down_proj_bias"):  # [E, hidden]: the stored rows, one expert after another
                 width = pieces[0].rows[1]
-                specs.append(OutputSpec(name, pieces, shape=(len(experts), width)))
+                specs.append(Reshape(name, (len(experts), width)).of(pieces))
             else:
                 transpose = name.endswith(("gate_up_proj", "down_proj"))
-                specs.append(OutputSpec(name, pieces, experts=len(experts), transpose=transpose, interleave_halves=fc1))
+                specs.append(GroupedExperts(name, transpose, interleave_halves=fc1).of(pieces, len(experts)))
         return specs
-
-    def split_grouped_qkv(self, p: _LayerParam, names: dict[str, str]) -> list[OutputSpec]:
-        """``names``: the HF names of the q, k and v rows."""
-        m = self.model
-        if m.attention_heads % m.kv_heads:
-            raise MergeError(
-                self.config_path,
-                f"num_attention_heads {m.attention_heads} is not a multiple of num_key_value_heads {m.kv_heads}",
-            )
-        q_rows = m.attention_heads // m.kv_heads * m.head_dim
-        group_rows = q_rows + 2 * m.head_dim
-        if p.rows != m.kv_heads * group_rows:
-            raise MergeError(
-                self.config_path,
-                f"sizes disagree with the checkpoint: {p.key} has {p.rows} rows, but {m.attention_heads} heads, "
-                f"{m.kv_heads} KV heads and head_dim {m.head_dim} need {m.kv_heads * group_rows}",
-            )
-        starts = [g * group_rows for g in range(m.kv_heads)]
-        q = tuple(Piece(p.key, p.index, (s, s + q_rows)) for s in starts)
-        k = tuple(Piece(p.key, p.index, (s + q_rows, s + q_rows + m.head_dim)) for s in starts)
-        v = tuple(Piece(p.key, p.index, (s + q_rows + m.head_dim, s + group_rows)) for s in starts)
-        return [OutputSpec(names[n], pieces) for n, pieces in (("q", q), ("k", k), ("v", v))]
-
-    def reorder_vision_qkv(self, p: _LayerParam, name: str) -> OutputSpec:
-        heads = self.model.vision_heads
-        if not heads or p.rows % (3 * heads):
-            raise MergeError(
-                self.config_path,
-                f"sizes disagree with the checkpoint: {p.key} has {p.rows} rows, not 3 x vision_config.num_heads ({heads}) x head_dim",
-            )
-        head_dim = p.rows // (3 * heads)
-        pieces = tuple(
-            Piece(p.key, p.index, ((3 * h + part) * head_dim, (3 * h + part + 1) * head_dim))
-            for part in range(3)
-            for h in range(heads)
-        )
-        return OutputSpec(name, pieces)

@@ -7,13 +7,13 @@ depends on the layout schema (``find_layout``):
     v2 (verl 0.9): <role>/ckpt_contents.json says where; model/dist_ckpt/, model/huggingface/
     v1 (legacy):   <role>/dist_ckpt/, <role>/huggingface/
     Megatron-LM:   <save>/iter_0000100/ (itself the dist checkpoint), or <save>/ with its tracker
-                   latest_checkpointed_iteration.txt (``formats/megatron_lm_save.py``); no HF files
+                   latest_checkpointed_iteration.txt (``formats/megatron/lm_save.py``); no HF files
 
 The DCP ``.metadata`` gives every tensor's global shape and dtype and, per saved chunk, which
 ``.distcp`` file holds it at which offset; ``formats/dcp_files.py`` reads it and locates each chunk's
 raw bytes. That is enough to describe every HF tensor as file ranges: no Megatron model, no process
 group, no GPU, and no tensor data read at planning time.
-HF safetensors weights are planned by ``formats/safetensors_folder.py``.
+HF safetensors weights are planned by ``formats/safetensors_folder/reader.py``.
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ from merge_pipeline.formats.dcp_files import (
     plan_specs,
     read_dcp_metadata,
 )
-from merge_pipeline.formats.megatron_lm_save import (
+from merge_pipeline.formats.megatron.lm_save import (
     BRIDGE_HF_EXPORT,
     MEGATRON_LM_STEPS,
     holds_an_iteration,
     is_megatron_lm_save,
     iteration_folder,
 )
-from merge_pipeline.formats.megatron_names import KeyMapper, megatron_family, model_shape
-from merge_pipeline.formats.megatron_vocab import drop_vocab_padding
-from merge_pipeline.formats.safetensors_folder import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
+from merge_pipeline.formats.megatron.names import KeyMapper, megatron_family, model_shape
+from merge_pipeline.formats.megatron.vocab import drop_vocab_padding
+from merge_pipeline.formats.safetensors_folder.reader import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_vouches
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.hf.lora import ADAPTER_CONFIG

@@ -210,7 +210,7 @@ def test_fp16_dynamic_loss_scaler_loads_as_plain_data(tmp_path):
     the stand-in keeps its state and runs none of its code."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from merge_pipeline.formats.deepspeed import ALLOWED_GLOBALS
+    from merge_pipeline.formats.deepspeed.reader import ALLOWED_GLOBALS
     from merge_pipeline.formats.torch_files import load_meta_state_dict
 
     scaler = DynamicLossScaler(

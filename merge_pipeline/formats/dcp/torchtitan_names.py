@@ -35,7 +35,19 @@ from pathlib import Path
 
 from merge_pipeline import families
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
+from merge_pipeline.formats.conversions import (
+    Concatenate,
+    GroupedExperts,
+    Operation,
+    PerExpert,
+    PermuteForRope,
+    Rename,
+    Reshape,
+    Sizes,
+    Stored,
+    named,
+)
+from merge_pipeline.formats.output_specs import OutputSpec, whole
 
 TOP = {"tok_embeddings.weight": "embed_tokens.weight", "norm.weight": "norm.weight"}
 HEADS = ("lm_head.weight", "output.weight")  # torchtitan 0.3 and older
@@ -72,6 +84,8 @@ def torchtitan_outputs(
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings")))
     nested = names.nested_with_vision if any(k.startswith(VISION) for k in sizes) else ""
     fused = _Fused(names, metadata_path)
+    operations = _layer_operations(names)
+    model = Sizes(config_path, metadata_path, heads, kv_heads)
     specs = []
     for key, size in sizes.items():
         if key in TOP:
@@ -86,43 +100,30 @@ def torchtitan_outputs(
             continue
         match = _LAYER.fullmatch(key)
         inner = match[3] if match else None
-        if (
-            match is None
-            or inner not in names.layer
-            and inner not in names.grouped_experts
-            and inner not in names.transposed_experts
-            and inner not in fused.parts
-        ):
+        if match is None or inner not in operations and inner not in fused.parts:
             raise MergeError(
                 metadata_path,
                 f"{key}: not a torchtitan {names.model} weight this reader maps to HF names",
             )
         layer = int(match[2]) + (layers if match[1] == "mtp_layers" else 0)
         prefix = f"{nested}{names.text_prefix}layers.{layer}."
-        if inner in names.grouped_experts:  # experts on dimension 0, one HF tensor each
-            hf = prefix + names.grouped_experts[inner]
-            specs.extend(whole(hf.format(e), key, size[1], (e,)) for e in range(size[0]))
+        if fused.collect(Stored(key, size), inner, prefix) or operations[inner] is None:
             continue
-        if inner in names.transposed_experts:  # [E, out, in] -> HF's [E, in, out]
-            if len(size) != 3:
-                raise MergeError(metadata_path, f"{key}: shape {size} is not [experts, out, in]")
-            pieces = tuple(Piece(key, (e,), (0, size[1])) for e in range(size[0]))
-            specs.append(OutputSpec(prefix + names.transposed_experts[inner], pieces, experts=size[0], transpose=True))
-            continue
-        if fused.collect(key, inner, size[0], prefix) or names.layer[inner] is None:
-            continue
-        name = prefix + names.layer[inner]
-        if names.rotary_permuted and inner.endswith(("wq.weight", "wk.weight")):
-            groups = heads if inner.endswith("wq.weight") else kv_heads
-            if size[0] % (2 * groups):
-                raise MergeError(
-                    metadata_path,
-                    f"{key}: {size[0]} rows do not split into {groups} rotary heads",
-                )
-            specs.append(OutputSpec(name, (Piece(key, (), (0, size[0])),), rotary_heads=groups))
-        else:
-            specs.append(whole(name, key, size[0]))
+        specs.extend(named(operations[inner], prefix.__add__).outputs(Stored(key, size), model))
     return specs + fused.outputs()
+
+
+def _layer_operations(names: families.Torchtitan) -> dict[str, Operation | None]:
+    """The operation of each torchtitan name inside ``layers.<i>.``, from the family's record; None: to_hf drops it."""
+    operations: dict[str, Operation | None] = {
+        inner: None if hf is None else Rename(hf) for inner, hf in names.layer.items()
+    }
+    if names.rotary_permuted:
+        rotary = {inner: hf for inner, hf in names.layer.items() if hf and inner.endswith(("wq.weight", "wk.weight"))}
+        operations.update({inner: PermuteForRope(hf, kv=inner.endswith("wk.weight")) for inner, hf in rotary.items()})
+    operations.update({inner: GroupedExperts(hf) for inner, hf in names.transposed_experts.items()})  # [E, out, in]
+    operations.update({inner: PerExpert(hf) for inner, hf in names.grouped_experts.items()})  # [E, ...]
+    return operations
 
 
 class _Fused:
@@ -137,30 +138,26 @@ class _Fused:
             for hf, parts in table.items()
             for i, part in enumerate(parts)
         }
-        self.found: dict[str, tuple[int, dict[int, tuple[str, int]]]] = {}  # HF name -> (parts, parts found)
+        self.found: dict[str, tuple[int, dict[int, Stored]]] = {}  # HF name -> (parts, parts found)
 
-    def collect(self, key: str, name: str, rows: int, prefix: str = "", number: str = "") -> bool:
-        """Note ``key`` (torchtitan ``name``) as a part of the HF tensor ``prefix + hf.format(number)``."""
+    def collect(self, stored: Stored, name: str, prefix: str = "", number: str = "") -> bool:
+        """Note ``stored`` (torchtitan ``name``) as a part of the HF tensor ``prefix + hf.format(number)``."""
         if name not in self.parts:
             return False
         hf, i, count = self.parts[name]
-        self.found.setdefault(prefix + hf.format(number), (count, {}))[1][i] = (
-            key,
-            rows,
-        )
+        self.found.setdefault(prefix + hf.format(number), (count, {}))[1][i] = stored
         return True
 
     def outputs(self) -> list[OutputSpec]:
         specs = []
         for name, (count, found) in self.found.items():
             if len(found) != count:
-                present = ", ".join(key for key, _ in found.values())
+                present = ", ".join(part.key for part in found.values())
                 raise MergeError(
                     self.metadata_path,
                     f"{present}: the other parts of {name} are missing",
                 )
-            parts = (found[i] for i in range(count))
-            specs.append(OutputSpec(name, tuple(Piece(key, (), (0, rows)) for key, rows in parts)))
+            specs.append(Concatenate(name).of([found[i] for i in range(count)]))
         return specs
 
 
@@ -182,7 +179,7 @@ def _vision(
         return [whole(names.vision[abstract].format(number[0] if number else ""), key, size[0])]
     if key in names.vision:
         return [whole(names.vision[key], key, size[0])]
-    if fused.collect(key, abstract, size[0], number=number[0] if number else ""):
+    if fused.collect(Stored(key, size), abstract, number=number[0] if number else ""):
         return []
     raise MergeError(
         metadata_path,
@@ -213,8 +210,4 @@ def _patch_embedding(
             metadata_path,
             f"{key}: shape {size} is not [out, channels x {' x '.join(map(str, kernel))}]",
         )
-    return OutputSpec(
-        hf,
-        (Piece(key, (), (0, size[0])),),
-        shape=(size[0], size[1] // math.prod(kernel), *kernel),
-    )
+    return Reshape(hf, (size[0], size[1] // math.prod(kernel), *kernel)).of((Stored(key, size).piece(),))

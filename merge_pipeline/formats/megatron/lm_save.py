@@ -5,7 +5,7 @@ each save into ``<save>/iter_<iteration, 7 digits>/`` (``release/`` for a conver
 iteration, or ``release``, into ``<save>/latest_checkpointed_iteration.txt``. With ``--ckpt-format
 torch_dist`` (its default) that folder is a megatron-core dist checkpoint (``metadata.json``,
 ``common.pt``, ``.metadata``, ``__*_*.distcp``) whose tensor keys are the model's own sharded keys:
-the same names verl's Megatron saves hold, so ``formats/megatron.py`` plans it like theirs.
+the same names verl's Megatron saves hold, so ``formats/megatron/reader.py`` plans it like theirs.
 """
 
 from __future__ import annotations

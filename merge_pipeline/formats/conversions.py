@@ -1,0 +1,218 @@
+"""The operations a name mapping is made of: how stored tensors become Hugging Face tensors.
+
+Megatron-Core's mapping (``formats/megatron/names.py``, and Megatron-Bridge's recorded kinds through
+``formats/megatron/bridge_table.py``) and torchtitan's (``formats/dcp/torchtitan_names.py``) are tables from a
+stored name to one of these operations, in the spirit of transformers' ``conversion_mapping`` (rename, chunk,
+concatenate, permute for rope, transpose): the same kind of mapping is spelled once, here. An operation says
+which rows of which stored tensors make up each HF tensor (``output_specs``); none reads a byte.
+
+- ``Rename``: the stored tensor as it is.
+- ``Chunk``: a gated MLP's fc1, its rows halved into gate and up.
+- ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors.
+- ``RegroupQKV``: fused q/k/v rows grouped per head, as one tensor ``[all q; all k; all v]``.
+- ``Concatenate``: several stored tensors' rows, in order, as one tensor.
+- ``PerExpert``: experts stacked on the leading dimension, one HF tensor each.
+- ``GroupedExperts``: every expert of a layer as one tensor, each matrix transposed (gpt-oss's layout).
+- ``PermuteForRope``: q/k rows stored in torchtitan's rotary order, in HF's.
+- ``Reshape``: the same bytes under another shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One stored tensor as a mapping sees it: its key and shape, and the leading ``index`` (layer, expert)
+    of the copy an HF tensor takes; its rows are counted on the dimension after the index."""
+
+    key: str
+    shape: tuple[int, ...]
+    index: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return self.shape[len(self.index)]
+
+    def piece(self, start: int = 0, stop: int | None = None) -> Piece:
+        return Piece(self.key, self.index, (start, self.rows if stop is None else stop))
+
+    def at(self, index: int) -> Stored:
+        """The copy at ``index`` on the next leading dimension (an expert of stacked experts)."""
+        return Stored(self.key, self.shape, (*self.index, index))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The model's sizes the operations split by, and the files to name when a stored tensor disagrees."""
+
+    config_path: Path
+    metadata_path: Path
+    attention_heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    vision_heads: int | None = None
+
+
+def named(operation: Operation, fill: Callable[[str], str]) -> Operation:
+    """``operation`` with each HF name it holds passed through ``fill`` (a table's names are inside a layer)."""
+    return replace(
+        operation, **{f.name: fill(v) for f in fields(operation) if isinstance(v := getattr(operation, f.name), str)}
+    )
+
+
+@dataclass(frozen=True)
+class Rename:
+    name: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        return [whole(self.name, stored.key, stored.rows, stored.index)]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A gated MLP's fc1: the first half of its rows is the gate, the second half the up projection."""
+
+    gate: str
+    up: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        if stored.rows % 2:
+            raise MergeError(sizes.metadata_path, f"{stored.key}: gated fc1 has an odd number of rows ({stored.rows})")
+        half = stored.rows // 2
+        return [OutputSpec(self.gate, (stored.piece(0, half),)), OutputSpec(self.up, (stored.piece(half),))]
+
+
+def _row_groups(stored: Stored, groups: int, blocks: tuple[int, ...]) -> list[tuple[Piece, ...]]:
+    """Rows stored as ``groups`` repeats of consecutive blocks of these sizes: each block's rows over the groups."""
+    size = sum(blocks)
+    starts = [sum(blocks[:b]) for b in range(len(blocks))]
+    return [
+        tuple(stored.piece(g * size + start, g * size + start + rows) for g in range(groups))
+        for start, rows in zip(starts, blocks, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class SplitQKV:
+    """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g."""
+
+    q: str
+    k: str
+    v: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        heads, kv_heads, head_dim = sizes.attention_heads, sizes.kv_heads, sizes.head_dim
+        if heads % kv_heads:
+            raise MergeError(
+                sizes.config_path,
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
+            )
+        q_rows = heads // kv_heads * head_dim
+        group_rows = q_rows + 2 * head_dim
+        if stored.rows != kv_heads * group_rows:
+            raise MergeError(
+                sizes.config_path,
+                f"sizes disagree with the checkpoint: {stored.key} has {stored.rows} rows, but {heads} heads, "
+                f"{kv_heads} KV heads and head_dim {head_dim} need {kv_heads * group_rows}",
+            )
+        q, k, v = _row_groups(stored, kv_heads, (q_rows, head_dim, head_dim))
+        return [OutputSpec(self.q, q), OutputSpec(self.k, k), OutputSpec(self.v, v)]
+
+
+@dataclass(frozen=True)
+class RegroupQKV:
+    """A vision tower's fused QKV: rows grouped per head [q_h | k_h | v_h], HF wants [all q; all k; all v]."""
+
+    name: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        heads = sizes.vision_heads
+        if not heads or stored.rows % (3 * heads):
+            raise MergeError(
+                sizes.config_path,
+                f"sizes disagree with the checkpoint: {stored.key} has {stored.rows} rows, not 3 x vision_config.num_heads ({heads}) x head_dim",
+            )
+        head_dim = stored.rows // (3 * heads)
+        q, k, v = _row_groups(stored, heads, (head_dim, head_dim, head_dim))
+        return [OutputSpec(self.name, q + k + v)]
+
+
+@dataclass(frozen=True)
+class Concatenate:
+    """Several stored tensors' rows, in order, as one HF tensor; the mapping gathers the parts."""
+
+    name: str
+
+    def of(self, parts: list[Stored]) -> OutputSpec:
+        return OutputSpec(self.name, tuple(part.piece() for part in parts))
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """Experts stacked on the leading dimension [E, ...]: expert ``e`` is HF tensor ``name.format(e)``."""
+
+    name: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        experts = stored.shape[len(stored.index)]
+        return [out for e in range(experts) for out in Rename(self.name.format(e)).outputs(stored.at(e), sizes)]
+
+
+@dataclass(frozen=True)
+class GroupedExperts:
+    """Every expert of a layer as one HF tensor [E, ...] in HF's transposed layout (formats/expert_matrices.py):
+    each expert's matrix transposed (a bias as it is), its [gate; up] row halves interleaved first if asked."""
+
+    name: str
+    transpose: bool = True
+    interleave_halves: bool = False
+
+    def of(self, pieces: tuple[Piece, ...], experts: int) -> OutputSpec:
+        return OutputSpec(
+            self.name, pieces, experts=experts, transpose=self.transpose, interleave_halves=self.interleave_halves
+        )
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        """Experts stacked as one stored tensor [E, out, in]."""
+        if len(stored.shape) != 3:
+            raise MergeError(sizes.metadata_path, f"{stored.key}: shape {stored.shape} is not [experts, out, in]")
+        experts = stored.shape[0]
+        return [self.of(tuple(stored.at(e).piece() for e in range(experts)), experts)]
+
+
+@dataclass(frozen=True)
+class PermuteForRope:
+    """q (or k, ``kv``) rows stored per head in torchtitan's rotary order (formats/rotary_rows.py), in HF's."""
+
+    name: str
+    kv: bool = False
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        heads = sizes.kv_heads if self.kv else sizes.attention_heads
+        if stored.rows % (2 * heads):
+            raise MergeError(
+                sizes.metadata_path, f"{stored.key}: {stored.rows} rows do not split into {heads} rotary heads"
+            )
+        return [OutputSpec(self.name, (stored.piece(),), rotary_heads=heads)]
+
+
+@dataclass(frozen=True)
+class Reshape:
+    """The same bytes in the same order under another shape (a Linear patch embedding as HF's Conv weight)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    def of(self, pieces: tuple[Piece, ...]) -> OutputSpec:
+        return OutputSpec(self.name, pieces, shape=self.shape)
+
+
+# The operations that turn one stored tensor into HF tensors (a table's entries).
+Operation = Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope

@@ -1,0 +1,107 @@
+"""The conversion vocabulary (``formats/conversions.py``) against torch's own tensor operations: the rows each
+operation selects from a real stored tensor equal what the operation does to the whole tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.conversions import (
+    Chunk,
+    Concatenate,
+    GroupedExperts,
+    PerExpert,
+    PermuteForRope,
+    RegroupQKV,
+    Rename,
+    Sizes,
+    SplitQKV,
+    Stored,
+    named,
+)
+from merge_pipeline.formats.output_specs import OutputSpec
+
+SIZES = Sizes(Path("config.json"), Path("metadata.json"), attention_heads=4, kv_heads=2, head_dim=3, vision_heads=2)
+
+
+def tensors(**shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    return {
+        key: torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+        for key, shape in shapes.items()
+    }
+
+
+def built(spec: OutputSpec, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The HF tensor a spec describes, from whole stored tensors (what the DCP planner reads as byte ranges)."""
+    return torch.cat([stored[p.key][p.index][p.rows[0] : p.rows[1]] for p in spec.pieces])
+
+
+def by_name(specs: list[OutputSpec], stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {spec.name: built(spec, stored) for spec in specs}
+
+
+def test_rename_is_the_stored_tensor():
+    stored = tensors(w=(2, 6, 4))
+    got = by_name(Rename("o_proj.weight").outputs(Stored("w", (2, 6, 4), (1,)), SIZES), stored)
+    assert torch.equal(got["o_proj.weight"], stored["w"][1])
+
+
+def test_chunk_is_torch_chunk_in_two_and_an_odd_fc1_is_one_line():
+    stored = tensors(fc1=(8, 4))
+    got = by_name(Chunk("gate", "up").outputs(Stored("fc1", (8, 4)), SIZES), stored)
+    gate, up = torch.chunk(stored["fc1"], 2)
+    assert torch.equal(got["gate"], gate) and torch.equal(got["up"], up)
+    with pytest.raises(MergeError, match=r"^metadata.json: fc1: gated fc1 has an odd number of rows \(7\)$"):
+        Chunk("gate", "up").outputs(Stored("fc1", (7, 4)), SIZES)
+
+
+def test_split_qkv_takes_each_kv_groups_q_heads_k_and_v():
+    rows = SIZES.kv_heads * (SIZES.attention_heads // SIZES.kv_heads + 2) * SIZES.head_dim
+    stored = tensors(qkv=(rows, 5))
+    got = by_name(SplitQKV("q", "k", "v").outputs(Stored("qkv", (rows, 5)), SIZES), stored)
+    groups = stored["qkv"].view(SIZES.kv_heads, -1, SIZES.head_dim, 5)  # [group, q heads + k + v, head_dim, cols]
+    q, k, v = groups.split([SIZES.attention_heads // SIZES.kv_heads, 1, 1], dim=1)
+    assert torch.equal(got["q"], q.reshape(-1, 5)) and torch.equal(got["k"], k.reshape(-1, 5))
+    assert torch.equal(got["v"], v.reshape(-1, 5))
+    with pytest.raises(MergeError, match=r"^config.json: sizes disagree with the checkpoint: qkv has 21 rows"):
+        SplitQKV("q", "k", "v").outputs(Stored("qkv", (21, 5)), SIZES)
+
+
+def test_regroup_qkv_puts_every_heads_q_first_then_k_then_v():
+    stored = tensors(qkv=(3 * SIZES.vision_heads * 4, 5))
+    (spec,) = RegroupQKV("qkv").outputs(Stored("qkv", (24, 5)), SIZES)
+    per_head = stored["qkv"].view(SIZES.vision_heads, 3, 4, 5)  # Megatron: [q_h | k_h | v_h] per head
+    assert torch.equal(built(spec, stored), per_head.transpose(0, 1).reshape(-1, 5))
+
+
+def test_concatenate_is_torch_cat_in_order():
+    stored = tensors(a=(2, 3), b=(4, 3), c=(1, 3))
+    spec = Concatenate("fused").of([Stored(k, tuple(stored[k].shape)) for k in ("b", "a", "c")])
+    assert torch.equal(built(spec, stored), torch.cat([stored["b"], stored["a"], stored["c"]]))
+
+
+def test_per_expert_is_one_tensor_per_leading_index():
+    stored = tensors(w1=(3, 4, 2))
+    got = by_name(PerExpert("experts.{}.gate_proj.weight").outputs(Stored("w1", (3, 4, 2)), SIZES), stored)
+    assert list(got) == [f"experts.{e}.gate_proj.weight" for e in range(3)]
+    assert all(torch.equal(got[f"experts.{e}.gate_proj.weight"], stored["w1"][e]) for e in range(3))
+
+
+def test_grouped_experts_and_rope_hand_the_rearranging_to_the_streamed_readers():
+    (experts,) = GroupedExperts("down_proj").outputs(Stored("w2", (3, 4, 2)), SIZES)
+    assert (experts.experts, experts.transpose, experts.interleave_halves) == (3, True, False)
+    assert [p.index for p in experts.pieces] == [(0,), (1,), (2,)]
+    (k,) = PermuteForRope("k_proj.weight", kv=True).outputs(Stored("wk", (12, 4)), SIZES)
+    assert (k.rotary_heads, k.pieces[0].rows) == (SIZES.kv_heads, (0, 12))
+    with pytest.raises(MergeError, match=r"^metadata.json: wq: 10 rows do not split into 4 rotary heads$"):
+        PermuteForRope("q_proj.weight").outputs(Stored("wq", (10, 4)), SIZES)
+
+
+def test_named_fills_every_hf_name_and_nothing_else():
+    assert named(Chunk("{moe}.gate", "{moe}.up"), lambda n: "layers.0." + n.format(moe="mlp")) == Chunk(
+        "layers.0.mlp.gate", "layers.0.mlp.up"
+    )
+    assert named(PermuteForRope("k", kv=True), "x.".__add__) == PermuteForRope("x.k", kv=True)
