@@ -8,7 +8,7 @@ In any ``dg`` project::
 Each instance takes its own prefix (default: its folder's name) for asset keys, partitions, job /
 sensor / schedule names and resource keys (``names.Names``), so two instances (two training
 clusters) in one project never collide. This project's own code location (``definitions.py``) is the
-instance with no prefix whose settings come from the environment (``MergeCheckpoints.from_env``).
+instance with no prefix whose settings come from the environment (``defs/merge/defs.yaml``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from merge_pipeline.dagster.averaging import Averaging, averaged_model_definitio
 from merge_pipeline.dagster.config import checked_merge_config
 from merge_pipeline.dagster.hub import (
     CRON,
-    DEFAULT_TEMPLATE,
     HuggingFaceHub,
     env_token,
     hub_averaged_definition,
@@ -45,11 +44,20 @@ INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
 
 
 class HubPublishing(dg.Model):
-    organization: str = ""  # empty: publishing is off (the schedule stopped, hub_model records nothing)
-    private: bool = True
-    repo_template: str = DEFAULT_TEMPLATE
-    revisions: Literal["branch", "commit"] = "branch"
+    """Each field left out: the environment's, when the location loads (``HuggingFaceHub.from_env``)."""
+
+    organization: str | None = None  # empty: publishing is off (the schedule stopped, hub_model records nothing)
+    private: bool | None = None
+    repo_template: str | None = None
+    revisions: Literal["branch", "commit"] | None = None
     schedule: str = CRON  # cron of publish_latest_steps
+
+    def resource(self) -> HuggingFaceHub:
+        env = HuggingFaceHub.from_env()
+        fields = ("organization", "private", "repo_template", "revisions")
+        return HuggingFaceHub(
+            **{f: getattr(env, f) if getattr(self, f) is None else getattr(self, f) for f in fields}, token=env_token()
+        )
 
 
 class MergeCheckpointsScaffolder(dg.Scaffolder):
@@ -132,10 +140,10 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
     smoke_prompt: str | None = None  # none: $MERGE_PIPELINE_SMOKE_PROMPT, else a fixed one
     smoke_max_size: str | None = None  # none: $MERGE_PIPELINE_SMOKE_MAX_SIZE, else 2GB of weights
     # defs.yaml may say any number (10, 10.0, .nan): the check below answers it in one line, not dg's int model
-    sensor_interval_seconds: Annotated[int, dg.Resolver(_as_written, model_field_type=float | str)] = (
-        SENSOR_INTERVAL.default
+    sensor_interval_seconds: Annotated[int | None, dg.Resolver(_as_written, model_field_type=float | str | None)] = (
+        None  # none: $MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS when the location loads, else 10
     )
-    freshness_minutes: float = FRESHNESS.default
+    freshness_minutes: float | None = None  # none: $MERGE_PIPELINE_FRESHNESS_MINUTES when the location loads, else 30
     # Merge and report runs of this instance queued or running at once; the sensors hold back the rest
     # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
     max_concurrent_merges: int = Field(default=1, ge=0)
@@ -153,33 +161,17 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         setting = NUMERIC_SETTINGS[field.field_name]
         return None if value is None else setting.checked(value, f"defs.yaml {setting.field}")
 
-    @classmethod
-    def from_env(cls) -> MergeCheckpoints:
-        """This project's own location: no prefix; what is fixed when the location loads read now, the
-        rest (roots, settle time, webhook) read from the environment each time a run or tick uses it."""
-        hub = HuggingFaceHub.from_env()
-        return cls(
-            prefix="",
-            max_concurrent_merges=0,  # this project's dagster.yaml queues them, one at a time
-            sensor_interval_seconds=SENSOR_INTERVAL.from_env(),
-            freshness_minutes=FRESHNESS.from_env(),
-            hub=HubPublishing(
-                organization=hub.organization,
-                private=hub.private,
-                repo_template=hub.repo_template,
-                revisions=hub.revisions,
-            ),
-        )
-
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return self.definitions(Names(self.prefix if self.prefix is not None else context.path.name))
 
     def definitions(self, names: Names) -> dg.Definitions:
-        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, bool(self.hub.organization))
+        hub = self.hub.resource()
+        interval, freshness = SENSOR_INTERVAL.of(self.sensor_interval_seconds), FRESHNESS.of(self.freshness_minutes)
+        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
         merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
-                merge_step_definition(names, self.freshness_minutes),
+                merge_step_definition(names, freshness),
                 step_report_definition(names),
                 hub_model,
             ],
@@ -187,23 +179,17 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             sensors=[
                 checkpoint_sensor(
                     names,
-                    self.sensor_interval_seconds,
+                    interval,
                     checked_merge_config(self.merge_config or {}) or None,
                     self.max_concurrent_merges,
                 ),
-                step_report_sensor_definition(names, self.sensor_interval_seconds, self.max_concurrent_merges),
+                step_report_sensor_definition(names, interval, self.max_concurrent_merges),
                 failure_webhook(names),
             ],
             schedules=[publish_latest_steps],
             resources={
                 names("settings"): self.settings(),
-                names("hub"): HuggingFaceHub(
-                    organization=self.hub.organization,
-                    private=self.hub.private,
-                    repo_template=self.hub.repo_template,
-                    revisions=self.hub.revisions,
-                    token=env_token(),
-                ),
+                names("hub"): hub,
                 names("alert_webhook"): AlertWebhook(url=self.alert_webhook_url),
             },
         )
@@ -213,13 +199,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             assets=[
                 averaged_model_definition(names, self.averaging),
                 # its Hub upload, materialized from the UI (no schedule of its own)
-                *([hub_averaged_definition(names)] if self.hub.organization else []),
+                *([hub_averaged_definition(names)] if hub.enabled else []),
             ],
-            sensors=[
-                averaged_model_sensor_definition(
-                    names, self.sensor_interval_seconds, self.averaging, self.max_concurrent_merges
-                )
-            ],
+            sensors=[averaged_model_sensor_definition(names, interval, self.averaging, self.max_concurrent_merges)],
         )
         return dg.Definitions.merge(merge, averaging)
 

@@ -17,6 +17,14 @@ from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def location() -> dg.Definitions:
+    """This project's code location as ``definitions.py`` loads it (its ``defs/`` folder), read afresh:
+    its settings come from the environment as it is now."""
+    return dg.load_from_defs_folder(path_within_project=PROJECT_ROOT)
+
+
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
 CRITIC = FsdpSpec(arch="llama", critic=True)
 CHAIN = [assets.checkpoint, assets.merge_step]  # the external checkpoint, and the merge step's three stages
