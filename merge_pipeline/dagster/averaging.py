@@ -103,7 +103,7 @@ def averaged_partitions(names: Names) -> dg.DynamicPartitionsDefinition:
 
 
 def averaged_dir(settings: MergeSettings, run: RunKey) -> Path:
-    return settings.output_dir / run.run_name / AVERAGED / run.role
+    return settings.value("output_root") / run.run_name / AVERAGED / run.role
 
 
 def merged_steps(

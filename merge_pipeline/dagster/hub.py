@@ -25,7 +25,7 @@ from pydantic import Field
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
@@ -221,9 +221,11 @@ def _averaged_inputs(folder: Path) -> list[dict]:
 def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointKey:
     """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step)."""
     newest = Path(inputs[-1]["path"])
-    if not newest.is_relative_to(settings.output_dir):
-        raise MergeError(folder, f"its newest input {newest} is not a merged step under {settings.output_dir}")
-    return CheckpointKey.parse(newest.relative_to(settings.output_dir).as_posix())
+    if not newest.is_relative_to(settings.value("output_root")):
+        raise MergeError(
+            folder, f"its newest input {newest} is not a merged step under {settings.value('output_root')}"
+        )
+    return CheckpointKey.parse(newest.relative_to(settings.value("output_root")).as_posix())
 
 
 def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):
@@ -290,5 +292,3 @@ def _highest_verified(
 
 
 CRON = "*/10 * * * *"
-# This project's own instance: its asset, job and schedule, as definitions.py builds them.
-hub_model, publish_latest_steps = hub_definitions(PLAIN, CRON, HuggingFaceHub.from_env().enabled)

@@ -17,7 +17,7 @@ import dagster as dg
 
 from merge_pipeline.dagster.assets import GROUP, OWNERS
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
@@ -81,7 +81,7 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
         diff = diff_folders(folder, references)
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
-    smoke = _smoke_metadata(context, settings, folder) if settings.smoke_on else {}
+    smoke = _smoke_metadata(context, settings, folder) if settings.value("smoke_test") else {}
     return dg.MaterializeResult(
         metadata={
             **smoke,
@@ -127,7 +127,7 @@ def _references(
     ]
     if earlier:
         found[PREVIOUS] = settings.target_dir(max(earlier, key=lambda k: k.step))
-    base = read_manifest(folder)["options"].get("hf_model_path") or settings.base_model_dir
+    base = read_manifest(folder)["options"].get("hf_model_path") or settings.value("hf_model_path")
     if base and weight_files(Path(base)):  # a base folder with only config and tokenizer has nothing to compare
         found[BASE] = Path(base)
     return found
@@ -139,16 +139,16 @@ def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, 
     does not run, in the report."""
     manifest = read_manifest(folder)
     weight_bytes = sum(f["size"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))
-    if weight_bytes > settings.smoke_limit_bytes:
-        why = (
-            f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.smoke_limit_bytes)})"
-        )
+    if weight_bytes > settings.value("smoke_max_size"):
+        why = f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.value('smoke_max_size'))})"
     else:
         why = generates_text(folder)
     if why:
         return {SMOKE: f"skipped: {why}"}
     try:
-        smoke = smoke_test(folder, settings.smoke_question, trust_remote_code=manifest["options"]["trust_remote_code"])
+        smoke = smoke_test(
+            folder, settings.value("smoke_prompt"), trust_remote_code=manifest["options"]["trust_remote_code"]
+        )
     except Exception as exc:  # whatever transformers raises: the report says it, the merge stays good
         context.log.warning(f"{folder}: smoke test failed: {first_line(exc)}")
         return {SMOKE: f"failed: {first_line(exc)}"}
@@ -189,6 +189,3 @@ def _plot_png(diff: "StepDiff") -> str:
     finally:
         plt.close(figure)
     return base64.b64encode(buffer.getvalue()).decode()
-
-
-step_report = step_report_definition(PLAIN)  # this project's own instance

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 import dagster as dg
 
 from merge_pipeline.dagster.jobs import merge_checkpoint_job
-from merge_pipeline.dagster.names import PLAIN, Names
-from merge_pipeline.dagster.numeric_settings import SENSOR_INTERVAL
+from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
@@ -84,7 +83,7 @@ def _tick(
                 found_merged.append(key)
                 saved.append(_found_merged(found, settings.target_dir(found.key), names))
             continue
-        state = completeness(found.role_dir, found.key.step, settings.settle_time)
+        state = completeness(found.role_dir, found.key.step, settings.value("settle_seconds"))
         if requested_before and seen[key] in (None, state.newest_change):
             seen[key] = state.newest_change  # its merge failed on what is there now: asked again once it changes
             continue
@@ -101,7 +100,9 @@ def _tick(
         key = str(found.key)
         seen[key] = state.newest_change
         # A re-requested step's pin is made again: pin() keeps a pin only if it holds the step's current files.
-        if settings.pins_on and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key)):
+        if settings.value("pin_steps") and (
+            not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key)
+        ):
             context.log.warning(not_pinned)
         requests.append(
             dg.RunRequest(
@@ -219,6 +220,3 @@ def _failed_partitions(instance: dg.DagsterInstance, keys: list[str], names: Nam
         return []
     status = instance.get_status_by_partition(names.key("hf_model"), keys, names.partitions) or {}
     return sorted(k for k, s in status.items() if s == dg.AssetPartitionStatus.FAILED)
-
-
-new_checkpoint_sensor = checkpoint_sensor(PLAIN, SENSOR_INTERVAL.from_env())  # this project's own instance

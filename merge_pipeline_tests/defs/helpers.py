@@ -9,7 +9,6 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster import assets
 from merge_pipeline.dagster.checks import PASSED
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings
@@ -25,9 +24,20 @@ def location() -> dg.Definitions:
     return dg.load_from_defs_folder(path_within_project=PROJECT_ROOT)
 
 
+LOCATION = location()  # the definitions the tests take by name, as the code location serves them
+
+
+def asset(key: str) -> dg.AssetsDefinition | dg.AssetSpec:
+    """The location's definition of asset ``key`` as declared, no resources bound (``resolve_assets_def``
+    binds the location's): the tests run it with their own ``settings``."""
+    wanted = dg.AssetKey(key)
+    return next(a for a in LOCATION.assets if wanted in (a.keys if isinstance(a, dg.AssetsDefinition) else {a.key}))
+
+
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
 CRITIC = FsdpSpec(arch="llama", critic=True)
-CHAIN = [assets.checkpoint, assets.merge_step]  # the external checkpoint, and the merge step's three stages
+# the external checkpoint, and the merge step (its three stages: parallel_config, state_dict, hf_model)
+CHAIN = [asset("checkpoint"), asset("hf_model")]
 
 
 @dataclass

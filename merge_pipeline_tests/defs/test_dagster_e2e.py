@@ -102,8 +102,10 @@ def wait_for_run(dagster: Dagster, key: str, job: str, *, after: int = 0) -> dic
 def drop(settings: MergeSettings, sample, key: str) -> None:
     """A checkpoint saved the way verl saves one: the role folder, then the tracker."""
     parsed = CheckpointKey.parse(key)
-    shutil.copytree(sample.role_dir, settings.roots[0] / parsed.path, copy_function=shutil.copy)  # fresh mtimes
-    (settings.roots[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
+    shutil.copytree(
+        sample.role_dir, settings.value("checkpoint_roots")[0] / parsed.path, copy_function=shutil.copy
+    )  # fresh mtimes
+    (settings.value("checkpoint_roots")[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +212,10 @@ def failed(merged, dagster, settings, fsdp_checkpoint):
     """A checkpoint whose rank file was cut short: the sensor's run fails in one line."""
     sample = fsdp_checkpoint(ACTOR)
     parsed = CheckpointKey.parse(BROKEN)
-    shutil.copytree(sample.role_dir, settings.roots[0] / parsed.path, copy_function=shutil.copy)
-    rank_file = settings.roots[0] / parsed.path / "model_world_size_2_rank_1.pt"
+    shutil.copytree(sample.role_dir, settings.value("checkpoint_roots")[0] / parsed.path, copy_function=shutil.copy)
+    rank_file = settings.value("checkpoint_roots")[0] / parsed.path / "model_world_size_2_rank_1.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])
-    (settings.roots[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
+    (settings.value("checkpoint_roots")[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
     return wait_for_run(dagster, BROKEN, "merge_checkpoint"), rank_file
 
 

@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, pin_path
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
-from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, LOCATION, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 KEY = "run/global_step_1/actor"
 

@@ -73,8 +73,8 @@ def write_killable_checkpoint(base: Path, *, unsharded: Path | None = None) -> t
 def drop_and_wait_for_the_sensors_merge(dagster: Dagster, settings: MergeSettings, written: Path, key: CheckpointKey):
     """The checkpoint put in the watched root (hard links: the same files, no disk), its tracker last; the
     sensor's merge (one file) makes the partition."""
-    shutil.copytree(written, settings.roots[0] / key.path, copy_function=os.link)
-    (settings.roots[0] / key.run_name / TRACKER).write_text(str(key.step))
+    shutil.copytree(written, settings.value("checkpoint_roots")[0] / key.path, copy_function=os.link)
+    (settings.value("checkpoint_roots")[0] / key.run_name / TRACKER).write_text(str(key.step))
     sensor_run = dagster.wait_for("the sensor's merge", lambda: dagster.ended_run(str(key), "merge_checkpoint"))
     assert sensor_run["status"] == "SUCCESS", dagster.log_tail()
 

@@ -14,12 +14,14 @@ from merge_pipeline.dagster.discovery import completeness
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys
-from merge_pipeline.dagster.sensors import SOURCE_TAG, new_checkpoint_sensor
+from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.pipeline import merge
-from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, LOCATION, materialize
 from merge_pipeline_tests.helpers import tree_digest
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 
 def tick(instance, settings, cursor=None) -> dg.SensorResult:

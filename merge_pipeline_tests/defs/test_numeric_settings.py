@@ -114,6 +114,6 @@ def test_good_settings_are_taken_from_the_environment_and_defs_yaml(tmp_path, mo
     from_yaml = load_component(tmp_path, monkeypatch, "settle_seconds: 0\n  sensor_interval_seconds: 20.0")
 
     assert from_env.resolve_sensor_def("new_checkpoint_sensor").minimum_interval_seconds == 30
-    assert from_env.resources["settings"].settle_time == 2.5
+    assert from_env.resources["settings"].value("settle_seconds") == 2.5
     assert from_yaml.resolve_sensor_def("cluster_a__new_checkpoint_sensor").minimum_interval_seconds == 20
-    assert from_yaml.resources["cluster_a__settings"].settle_time == 0
+    assert from_yaml.resources["cluster_a__settings"].value("settle_seconds") == 0

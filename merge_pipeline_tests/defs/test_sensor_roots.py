@@ -8,9 +8,10 @@ import pytest
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline_tests.defs.helpers import ACTOR
+from merge_pipeline_tests.defs.helpers import ACTOR, LOCATION
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 
 def tick(capfd, instance, settings, cursor=None) -> tuple[dg.SensorResult, list[str]]:

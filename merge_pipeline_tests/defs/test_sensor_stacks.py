@@ -15,11 +15,12 @@ import pytest
 
 from merge_pipeline.dagster.discovery import completeness
 from merge_pipeline.dagster.partitions import CheckpointKey
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline_tests.defs.helpers import materialize
+from merge_pipeline_tests.defs.helpers import LOCATION, materialize
 from merge_pipeline_tests.helpers import assert_bit_exact, load_safetensors_dir, run_cli, same_bits
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 DEEPSPEED = "zero2-tied-frozen"  # config.json and tokenizer beside `latest`, as the HF Trainer saves them
 DCP_DONE = "DCP: .metadata present (dcp.save's coordinator writes it after every rank's data)"

@@ -11,14 +11,16 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from merge_pipeline import __version__
-from merge_pipeline.dagster.hub import HuggingFaceHub, hub_model, publish_latest_steps
+from merge_pipeline.dagster.hub import HuggingFaceHub
 from merge_pipeline.dagster.partitions import CheckpointKey
-from merge_pipeline.dagster.report import step_report
 from merge_pipeline.errors import MergeError
 from merge_pipeline.pipeline import merge
-from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, LOCATION, asset, materialize
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint
+
+hub_model, step_report = asset("hub_model"), asset("step_report")
+publish_latest_steps = LOCATION.resolve_schedule_def("publish_latest_steps")
 
 
 def tick(instance, hub_resource):
