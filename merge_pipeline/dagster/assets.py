@@ -20,16 +20,13 @@ import dagster as dg
 from merge_pipeline.dagster.checks import checks_metadata
 from merge_pipeline.dagster.config import MergeConfig
 from merge_pipeline.dagster.failures import one_line_failure
+from merge_pipeline.dagster.keys import GROUP, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.pins import unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.errors import MergeError
-
-GROUP = "merge"
-MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
-OWNERS = ["team:training-infra"]
 
 
 def checkpoint_spec(names: Names) -> dg.AssetSpec:

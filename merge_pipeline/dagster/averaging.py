@@ -21,10 +21,9 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field, create_model, model_validator
 
-from merge_pipeline.dagster.assets import GROUP, MERGE_POOL, OWNERS
-from merge_pipeline.dagster.checks import CHECKED, checks_metadata
+from merge_pipeline.dagster.checks import checks_metadata
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.jobs import HEAVY_TAG
+from merge_pipeline.dagster.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings

@@ -25,10 +25,10 @@ from pydantic import Field
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.failures import one_line_failure
+from merge_pipeline.dagster.keys import HUB_GROUP, INF, NAN, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.records import latest_materialization
-from merge_pipeline.dagster.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
@@ -36,7 +36,6 @@ from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
 
-GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
 # the step branches), and one branch per K, updated in place as steps land (its history: the averages).
@@ -117,7 +116,7 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
     @dg.asset(
         key=names.key("hub_model"),
         partitions_def=names.partitions,
-        group_name=names(GROUP),
+        group_name=names(HUB_GROUP),
         deps=[names.key("hf_model")],
         kinds={"huggingface"},
         output_required=False,
@@ -184,7 +183,7 @@ def hub_averaged_definition(names: Names) -> dg.AssetsDefinition:
     @dg.asset(
         key=names.key("hub_averaged_model"),
         partitions_def=averaged_partitions(names),
-        group_name=names(GROUP),
+        group_name=names(HUB_GROUP),
         deps=[names.key("averaged_model")],
         kinds={"huggingface"},
         required_resource_keys={names("settings"), names("hub")},
@@ -284,7 +283,7 @@ def _highest_verified(
             log.info(f"{key}: not published yet: no step report of its latest merge")
             return None, None
         metadata = report.asset_materialization.metadata
-        if metadata["NaN"].value or metadata["Inf"].value:
+        if metadata[NAN].value or metadata[INF].value:
             log.info(f"{key}: not published: its step report found NaN or Inf (the finite check failed)")
             continue
         return key, merge

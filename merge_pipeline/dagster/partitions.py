@@ -12,12 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-import dagster as dg
-
 from merge_pipeline.checkpoint_name import STEP_ROLE
 from merge_pipeline.errors import MergeError
-
-checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from merge_pipeline.dagster.assets import GROUP, OWNERS
 from merge_pipeline.dagster.failures import one_line_failure
+from merge_pipeline.dagster.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings
@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
 
 PREVIOUS, BASE = "previous step", "base model"
 # the smoke test's metadata entries; hub_model copies them into the model card
-SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smoke text", "smoke loss (fixed text)"
 
 
 def report_checks(names: Names) -> list[dg.AssetCheckSpec]:
@@ -90,8 +89,8 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
             **{label: dg.MetadataValue.path(str(path)) for label, path in references.items()},
             **{f"largest change vs {label}": diff.max_change(label) for label in diff.references},
             "tensors": len(diff.tensors),
-            "NaN": diff.nan,
-            "Inf": diff.inf,
+            NAN: diff.nan,
+            INF: diff.inf,
             "table": dg.MetadataValue.md(markdown_table(diff)),
             "plot": dg.MetadataValue.md(f"![relative change by layer](data:image/png;base64,{_plot_png(diff)})"),
         },
@@ -105,7 +104,7 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
                 },
             ),
             dg.AssetCheckResult(
-                check_name="finite", passed=diff.nan + diff.inf == 0, metadata={"NaN": diff.nan, "Inf": diff.inf}
+                check_name="finite", passed=diff.nan + diff.inf == 0, metadata={NAN: diff.nan, INF: diff.inf}
             ),
         ],
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster.checks import PASSED
+from merge_pipeline.dagster.keys import PASSED
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
