@@ -39,7 +39,7 @@ def checkpoint_spec(names: Names) -> dg.AssetSpec:
         owners=OWNERS,
         kinds={"pytorch"},
         tags={"stage": "source"},
-        description="A trainer's checkpoint folder (`global_step_<N>/<role>`, or another stack's step folder) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
+        description="A trainer's checkpoint folder under a watched root (a step folder some format reader declares; each event names its stack), written by the trainer; recorded by new_checkpoint_sensor once complete.",
     )
 
 

@@ -62,7 +62,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
     )
     revisions: Literal["branch", "commit"] = Field(
         default="branch",
-        description="branch: one branch per step, named as its step folder (global_step_<N>, step-<N>, iter_<N>); commit: one commit per step on main",
+        description="branch: one branch per step, named as the step folder its trainer wrote (the partition key's step part); commit: one commit per step on main",
     )
     timeout_s: float | None = Field(
         default=None,

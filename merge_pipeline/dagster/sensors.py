@@ -27,6 +27,7 @@ from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys, sensor_cursor
+from merge_pipeline.dagster.stacks import stack_of
 
 if TYPE_CHECKING:
     from merge_pipeline.dagster.discovery import Completeness, FoundCheckpoint
@@ -48,7 +49,7 @@ def checkpoint_sensor(
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},
-        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: the step folders each format reader declares) and merges each once.",
+        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders, in the step folders every format reader declares (each checkpoint event names its stack), and merges each once.",
     )
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
         # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)
@@ -191,6 +192,7 @@ def _checkpoint_saved(found: "FoundCheckpoint", state: "Completeness", names: Na
         "path": dg.MetadataValue.path(str(found.role_dir)),
         "role": found.key.role,
         "step": found.key.step,
+        "stack": stack_of(found.key),
         "completeness": state.reason,
     }
     return dg.AssetMaterialization(

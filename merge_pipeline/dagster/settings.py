@@ -142,7 +142,7 @@ SETTINGS = (
         "MERGE_PIPELINE_OUTPUT_ROOT",
         PATH,
         "./demo/merged",
-        "merged HF folders land in <output_root>/<partition key>/ (e.g. <run_name>/global_step_<N>/<role>/)",
+        "merged HF folders land in <output_root>/<partition key>/ (the checkpoint folder's path below its watched root)",
         example="/data/{prefix}/merged",
     ),
     Setting(
@@ -158,8 +158,8 @@ SETTINGS = (
         "MERGE_PIPELINE_HF_MODEL_PATH",
         OPTIONAL_TEXT,
         None,
-        "the original HF model folder for checkpoints that hold no config (torchtitan, accelerate, NeMo-RL, "
-        "Megatron-LM, OpenRLHF's DeepSpeed), so the sensor's runs merge them; a run config's hf_model_path wins",
+        "the original HF model folder for checkpoints that hold no config of their own (a merge that needs "
+        "it says so), so the sensor's runs merge them; a run config's hf_model_path wins",
     ),
     Setting(
         "pin_steps",

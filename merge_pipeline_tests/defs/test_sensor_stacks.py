@@ -69,6 +69,14 @@ def test_each_stack_gets_one_partition_merged_as_the_cli_merges_it(capsys, tmp_p
 
     assert sorted(requested(result)) == sorted(stacks)
     why = {e.partition: e.metadata["completeness"].value for e in result.asset_events}
+    # each event names its stack as the readers declare the step folder (the UI's descriptions name none)
+    assert {e.partition: e.metadata["stack"].value for e in result.asset_events} == {
+        "titan/checkpoint/step-10": "torchtitan",
+        "openrlhf/ckpt/global_step2": "DeepSpeed",
+        "hf/checkpoint-2": "the HF Trainer",
+        "acc/checkpoint-1": "the HF Trainer",
+        "nemo/step_1/policy": "NeMo-RL",
+    }
     for key, (folder, _) in stacks.items():
         assert why[key].startswith(DEEPSPEED_DONE if "global_step2" in key or "checkpoint-2" in key else DCP_DONE)
         parsed = CheckpointKey.parse(key)
@@ -239,6 +247,7 @@ def test_megatron_lm_iterations_are_partitions_merged_as_the_cli_merges_them(
     assert {e.partition: e.metadata["completeness"].value for e in second.asset_events} == {
         key: f"{TRACKER} says 100 >= 100"
     }
+    assert [e.metadata["stack"].value for e in second.asset_events] == ["Megatron-LM"]
     assert settings.role_dir(CheckpointKey.parse(key)) == iteration and CheckpointKey.parse(key).step == 100
 
     assert materialize(instance, settings, key).success
