@@ -12,19 +12,16 @@ import dagster as dg
 from merge_pipeline.dagster.keys import PASSED
 from merge_pipeline.dagster.partitions import CheckpointKey
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.definitions import location
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def location() -> dg.Definitions:
-    """This project's code location as ``definitions.py`` loads it (its ``defs/`` folder), read afresh:
-    its settings come from the environment as it is now."""
-    return dg.load_from_defs_folder(path_within_project=PROJECT_ROOT)
-
-
-LOCATION = location()  # the definitions the tests take by name, as the code location serves them
+LOCATION = (
+    location()
+)  # the definitions the tests take by name, as the code location serves them (built afresh: location())
 
 
 def asset(key: str) -> dg.AssetsDefinition | dg.AssetSpec:

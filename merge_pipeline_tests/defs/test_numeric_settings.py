@@ -12,8 +12,9 @@ import uuid
 import dagster as dg
 import pytest
 
+from merge_pipeline.definitions import location
 from merge_pipeline.errors import MergeError
-from merge_pipeline_tests.defs.helpers import PROJECT_ROOT, location
+from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
 JUNK = ["abc", "10s", "nan", "inf", "-5"]
 ENVIRONMENT = {
