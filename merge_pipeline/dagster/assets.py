@@ -22,7 +22,7 @@ from merge_pipeline.dagster.config import MergeConfig
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import GROUP, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
@@ -123,7 +123,7 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
 
 def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
     try:
-        key = CheckpointKey.parse(partition_key)
+        key = checkpoint_key(partition_key)
     except MergeError:  # no checkpoint's key: the step failed on it, and nothing was pinned for it
         return
     for space in settings.pin_spaces:  # unpin removes only a folder of ours, never through a link
@@ -137,7 +137,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     from merge_pipeline.dagster.weights import workers_for
     from merge_pipeline.pipeline import merge
 
-    key = CheckpointKey.parse(context.partition_key)
+    key = checkpoint_key(context.partition_key)
     target = settings.target_dir(key)
     with one_line_failure():
         options = config.options()  # tie and untie together are refused in one line, as by the CLI

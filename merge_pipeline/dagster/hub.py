@@ -22,12 +22,13 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import HUB_GROUP, INF, NAN, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError
@@ -84,17 +85,17 @@ class HuggingFaceHub(dg.ConfigurableResource):
     def enabled(self) -> bool:
         return bool(self.organization)
 
-    def repo_id(self, key: CheckpointKey) -> str:
+    def repo_id(self, key: CheckpointName) -> str:
         # A run name may be a path below the watched root ("team/exp1"); a repo name has no "/".
-        run_name = re.sub(r"[^\w.-]+", "-", key.run_name).strip("-.")
+        run_name = re.sub(r"[^\w.-]+", "-", key.run).strip("-.")
         return self.repo_template.format(org=self.organization, run_name=run_name, role=key.role, step=key.step)
 
-    def revision(self, key: CheckpointKey) -> str | None:
+    def revision(self, key: CheckpointName) -> str | None:
         """The step's branch, named as its trainer names the step folder (global_step_7, step-10, iter_0000100)."""
-        return key.step_dir if self.revisions == "branch" else None
+        return key.step_folder if self.revisions == "branch" else None
 
     def publish(
-        self, folder: Path, key: CheckpointKey, smoke: dict | None = None, branch: str | None = None
+        self, folder: Path, key: CheckpointName, smoke: dict | None = None, branch: str | None = None
     ) -> UploadResult:
         """``branch``: that branch of the key's repo instead of the step's revision (an averaged model's)."""
         return upload_folder_verified(
@@ -159,7 +160,7 @@ def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: Hu
         context.log.info("no Hub organization configured (MERGE_PIPELINE_HUB_ORG): nothing published")
         return
     with one_line_failure():
-        key = CheckpointKey.parse(context.partition_key)
+        key = checkpoint_key(context.partition_key)
         result = hub.publish(settings.target_dir(key), key, _smoke_of(context.instance, names, str(key)))
     yield dg.MaterializeResult(metadata=_published(result))
 
@@ -217,14 +218,14 @@ def _averaged_inputs(folder: Path) -> list[dict]:
     return inputs
 
 
-def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointKey:
+def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointName:
     """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step)."""
     newest = Path(inputs[-1]["path"])
     if not newest.is_relative_to(settings.value("output_root")):
         raise MergeError(
             folder, f"its newest input {newest} is not a merged step under {settings.value('output_root')}"
         )
-    return CheckpointKey.parse(newest.relative_to(settings.value("output_root")).as_posix())
+    return checkpoint_key(newest.relative_to(settings.value("output_root")).as_posix())
 
 
 def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):
@@ -254,21 +255,21 @@ def _smoke_of(instance: dg.DagsterInstance, names: Names, partition: str) -> dic
     }
 
 
-def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tuple[str, str], list[CheckpointKey]]:
+def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tuple[str, str], list[CheckpointName]]:
     keys = instance.get_dynamic_partitions(names.partitions.name)
     runs = defaultdict(list)
     for partition, state in (
         instance.get_status_by_partition(names.key("hf_model"), keys, names.partitions) or {}
     ).items():
         if state == dg.AssetPartitionStatus.MATERIALIZED:
-            key = CheckpointKey.parse(partition)
-            runs[(key.run_name, key.role)].append(key)
+            key = checkpoint_key(partition)
+            runs[(key.run, key.role)].append(key)
     return runs
 
 
 def _highest_verified(
-    instance: dg.DagsterInstance, steps: list[CheckpointKey], log, names: Names
-) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
+    instance: dg.DagsterInstance, steps: list[CheckpointName], log, names: Names
+) -> tuple[CheckpointName | None, dg.EventLogRecord | None]:
     """The highest step whose latest merge passed every blocking check (they run before publishing; its
     hf_model metadata lists them) and whose step report of that merge found every tensor finite, with
     that merge's record. While the highest merged step waits for its report, nothing of the run is

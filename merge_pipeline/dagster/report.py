@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
@@ -73,7 +74,7 @@ def step_report_definition(names: Names) -> dg.AssetsDefinition:
 def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: Names) -> dg.MaterializeResult:
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines  # torch: by the run only
 
-    key = CheckpointKey.parse(context.partition_key)
+    key = checkpoint_key(context.partition_key)
     folder = settings.target_dir(key)
     with one_line_failure():
         references = _references(context.instance, settings, key, folder, names)
@@ -111,7 +112,7 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
 
 
 def _references(
-    instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path, names: Names
+    instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointName, folder: Path, names: Names
 ) -> dict:
     """The previous merged step of the same run and role, and the base model when it has weights."""
     from merge_pipeline.hf.folder_checks import weight_files  # torch: by the run only
@@ -119,10 +120,8 @@ def _references(
     found = {}
     earlier = [
         k
-        for k in map(CheckpointKey.parse, instance.get_dynamic_partitions(names.partitions.name))
-        if (k.run_name, k.role) == (key.run_name, key.role)
-        and k.step < key.step
-        and weight_files(settings.target_dir(k))
+        for k in map(checkpoint_key, instance.get_dynamic_partitions(names.partitions.name))
+        if (k.run, k.role) == (key.run, key.role) and k.step < key.step and weight_files(settings.target_dir(k))
     ]
     if earlier:
         found[PREVIOUS] = settings.target_dir(max(earlier, key=lambda k: k.step))

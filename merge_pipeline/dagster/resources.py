@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import model_validator
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.pins import PINS, PinSpace, verified_pin
 from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 
@@ -54,7 +54,7 @@ class MergeSettings(with_fields(dg.ConfigurableResource, SETTINGS)):
         spaces = self.pin_spaces
         return spaces[0] if len(spaces) == 1 else next(s for s in spaces if role_dir.is_relative_to(s.root.parent))
 
-    def pinned(self, key: CheckpointKey) -> tuple[PinSpace, Path] | None:
+    def pinned(self, key: CheckpointName) -> tuple[PinSpace, Path] | None:
         """(this deployment's pins, the pinned folder) of ``key``, when pinned by it and still holding the
         files recorded then (``pins.verified_pin``); ``unpin(space, key)`` removes it."""
         return next(((s, folder) for s in self.pin_spaces if (folder := verified_pin(s, key)) is not None), None)
@@ -65,10 +65,10 @@ class MergeSettings(with_fields(dg.ConfigurableResource, SETTINGS)):
 
         return scan_roots(self.value("checkpoint_roots"), self.value("output_root"))
 
-    def role_dir(self, key: CheckpointKey) -> Path:
+    def role_dir(self, key: CheckpointName) -> Path:
         from merge_pipeline.dagster.discovery import locate
 
         return locate(key, self.value("checkpoint_roots"))
 
-    def target_dir(self, key: CheckpointKey) -> Path:
+    def target_dir(self, key: CheckpointName) -> Path:
         return self.value("output_root") / key.path

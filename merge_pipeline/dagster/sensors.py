@@ -23,11 +23,10 @@ import dagster as dg
 
 from merge_pipeline.dagster.jobs import merge_checkpoint_job
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys, sensor_cursor
-from merge_pipeline.dagster.stacks import stack_of
 
 if TYPE_CHECKING:
     from merge_pipeline.dagster.discovery import Completeness, FoundCheckpoint
@@ -95,7 +94,7 @@ def _tick(
     room = len(complete)
     if max_concurrent_merges:  # a project without a run queue's limits: the sensor keeps the limit itself
         room = max(0, max_concurrent_merges - heavy_runs_in_flight(context.instance, names))
-        complete.sort(key=lambda c: (c[0].key.run_name, c[0].key.step, c[0].key.role))  # the oldest steps first
+        complete.sort(key=lambda c: (c[0].key.run, c[0].key.step, c[0].key.role))  # the oldest steps first
     held = [str(found.key) for found, _ in complete[room:]]  # not in the cursor: looked at again next tick
     for found, state in complete[:room]:
         key = str(found.key)
@@ -118,8 +117,8 @@ def _tick(
             k
             for k in partitions
             if k not in present
-            and not settings.target_dir(CheckpointKey.parse(k)).exists()
-            and not settings.pinned(CheckpointKey.parse(k))  # its merge reads the pin
+            and not settings.target_dir(checkpoint_key(k)).exists()
+            and not settings.pinned(checkpoint_key(k))  # its merge reads the pin
         ]
         if scan.all_roots_read
         else []
@@ -192,7 +191,7 @@ def _checkpoint_saved(found: "FoundCheckpoint", state: "Completeness", names: Na
         "path": dg.MetadataValue.path(str(found.role_dir)),
         "role": found.key.role,
         "step": found.key.step,
-        "stack": stack_of(found.key),
+        "stack": found.key.writer,  # as the readers declare the step folder
         "completeness": state.reason,
     }
     return dg.AssetMaterialization(

@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from merge_pipeline.dagster.keys import PASSED
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.definitions import location
 from merge_pipeline.formats.step_folders import TRACKER
@@ -51,7 +51,7 @@ class Roots:
         )
 
     def target(self, key: str) -> Path:
-        return self.settings().target_dir(CheckpointKey.parse(key))
+        return self.settings().target_dir(checkpoint_key(key))
 
     def drop(self, sample, step_dir: str, *, tracker: int | None = None, link: bool = False) -> Path:
         """Put a real checkpoint's role folder at ``<checkpoints>/<step_dir>/<role>``, as a trainer would.

@@ -1,6 +1,7 @@
 """The UI's descriptions keep no hand-made list of training stacks: such a list went stale (the sensor's
 left out Megatron-LM's ``iter_<N>``). The stacks come from the readers' step-folder declarations, on the
-events the sensor records (``test_sensor_stacks``); loading the location cannot ask the readers (torch)."""
+events the sensor records (their key's writer, ``test_sensor_stacks``); loading the location cannot ask the
+readers (torch)."""
 
 from __future__ import annotations
 

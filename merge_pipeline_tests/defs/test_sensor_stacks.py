@@ -14,7 +14,7 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.discovery import completeness
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs.helpers import LOCATION, materialize
@@ -79,7 +79,7 @@ def test_each_stack_gets_one_partition_merged_as_the_cli_merges_it(capsys, tmp_p
     }
     for key, (folder, _) in stacks.items():
         assert why[key].startswith(DEEPSPEED_DONE if "global_step2" in key or "checkpoint-2" in key else DCP_DONE)
-        parsed = CheckpointKey.parse(key)
+        parsed = checkpoint_key(key)
         assert str(parsed) == key and settings.role_dir(parsed) == folder
     assert {str(f.key): f.role_dir for f in settings.find_checkpoints().found} == {k: f for k, (f, _) in stacks.items()}
 
@@ -202,7 +202,7 @@ def test_step_folders_of_other_stacks_that_do_not_map_back_are_skipped(roots, in
 )
 def test_partition_keys_of_other_stacks_name_only_their_folders(key):
     with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor"):
-        CheckpointKey.parse(key)
+        checkpoint_key(key)
 
 
 def test_the_settings_hf_model_path_lets_the_sensors_run_merge_a_checkpoint_without_config(
@@ -248,7 +248,7 @@ def test_megatron_lm_iterations_are_partitions_merged_as_the_cli_merges_them(
         key: f"{TRACKER} says 100 >= 100"
     }
     assert [e.metadata["stack"].value for e in second.asset_events] == ["Megatron-LM"]
-    assert settings.role_dir(CheckpointKey.parse(key)) == iteration and CheckpointKey.parse(key).step == 100
+    assert settings.role_dir(checkpoint_key(key)) == iteration and checkpoint_key(key).step == 100
 
     assert materialize(instance, settings, key).success
     flags = ("--hf_model_path", megatron_lm_sample.original_dir)
