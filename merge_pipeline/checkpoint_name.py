@@ -2,13 +2,13 @@
 
 ``formats.checkpoint_name`` finds it from the step folders the readers declare; the merge records it in
 ``merge_manifest.json`` (``source.checkpoint``), and the model card and the Hub upload read it from there.
-Dagster's partition keys (``dagster/partitions.CheckpointKey``) are parsed by the same declarations.
+Dagster's partition keys are these names (``dagster/partitions.checkpoint_key`` parses one, by the same declarations).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import PurePath, PurePosixPath
 
 STEP_ROLE = "model"  # the role of a checkpoint saved in the step folder itself (no role folder names it)
 
@@ -28,6 +28,11 @@ class CheckpointName:
         if "checkpoint" in source:
             return cls(**source["checkpoint"])
         return cls(source.get("role") or role_dir.name)
+
+    @property
+    def path(self) -> PurePosixPath:
+        """Where the folder sits below its watched root, and its merged folder below the output root."""
+        return PurePosixPath(str(self))
 
     def __str__(self) -> str:
         """``<run>/<step folder>[/<role>]``, as the partition key reads; the role alone in no step folder."""

@@ -9,7 +9,7 @@ import pytest
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.hub import HuggingFaceHub
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.model_card import render_card
 
@@ -26,16 +26,9 @@ FOLDERS = [
 
 
 @pytest.mark.parametrize(("folder", "key", "writer"), FOLDERS)
-def test_a_folder_and_its_partition_key_name_the_same_checkpoint(folder, key, writer):
+def test_a_folder_and_its_partition_key_are_one_name(folder, key, writer):
     name = checkpoint_name(Path(folder))
-    parsed = CheckpointKey.parse(key)
-    assert str(name) == key == str(parsed)
-    assert (name.run, name.step_folder, name.step, name.role) == (
-        parsed.run_name,
-        parsed.step_dir,
-        parsed.step,
-        parsed.role,
-    )
+    assert checkpoint_key(key) == name and str(name) == key and name.path.as_posix() == key
     assert name.writer == writer
 
 
@@ -48,8 +41,8 @@ def test_a_folder_in_no_step_folder_is_named_by_its_role_alone():
 )
 def test_the_hub_branch_is_the_step_folder_as_the_trainer_names_it(key, branch):
     hub = HuggingFaceHub(organization="org", revisions="branch")
-    assert hub.revision(CheckpointKey.parse(key)) == branch
-    assert HuggingFaceHub(organization="org", revisions="commit").revision(CheckpointKey.parse(key)) is None
+    assert hub.revision(checkpoint_key(key)) == branch
+    assert HuggingFaceHub(organization="org", revisions="commit").revision(checkpoint_key(key)) is None
 
 
 def test_the_model_card_names_the_checkpoint_and_its_writer():

@@ -176,6 +176,38 @@ def test_a_format_package_is_entered_only_from_itself() -> None:
     assert crossings == FORMAT_CROSSINGS
 
 
+# The Dagster side's rooms (issue 35): the location is this project's definitions folder, which names the
+# component by its type in defs.yaml; the component (dagster/component.py) is the one module that puts the
+# definition modules together; what several of them share sits below them (keys, settings, names).
+DEFINITION_MODULES = {f"merge_pipeline.dagster.{m}" for m in ("assets", "report", "hub")}
+SHARED_BELOW = {f"merge_pipeline.dagster.{m}" for m in ("keys", "settings", "names")}
+
+
+def test_the_dagster_side_keeps_its_rooms() -> None:
+    edges = graph()
+    assert edges["merge_pipeline.definitions"] == {"merge_pipeline.defs"}  # the defs folder, never the component
+    assert {m for m, imported in edges.items() if imported & DEFINITION_MODULES} == {"merge_pipeline.dagster.component"}
+    assert {m: edges[m] & DEFINITION_MODULES for m in SHARED_BELOW} == {m: set() for m in SHARED_BELOW}
+    assert edges["merge_pipeline.dagster.keys"] == set()  # plain names: importable by every module
+
+
+@pytest.mark.slow  # imports every Dagster module, torch with them
+def test_no_module_builds_a_definition_when_imported() -> None:
+    """Definitions are built by the component, for its prefix, when a location loads: a module-level copy
+    (once the unprefixed instance, for tests) would be one more thing built at import and kept in step."""
+    import dagster as dg
+
+    kinds = (dg.AssetsDefinition, dg.AssetSpec, dg.SensorDefinition, dg.ScheduleDefinition, dg.JobDefinition)
+    built = [
+        f"{name}.{attribute}"
+        for name in all_modules()
+        if name.startswith("merge_pipeline.dagster")
+        for attribute, value in vars(importlib.import_module(name)).items()
+        if isinstance(value, kinds)
+    ]
+    assert built == []
+
+
 # A run launcher implements Dagster's RunLauncher interface, whose health-check result types exist only
 # there (Dagster's own launchers, dagster-docker and dagster-k8s, import them from the same module).
 RUN_LAUNCHER_TYPES = {"dagster._core.launcher"}

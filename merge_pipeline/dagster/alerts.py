@@ -12,22 +12,18 @@ import urllib.error
 import urllib.request
 
 import dagster as dg
-from pydantic import Field
 
-from merge_pipeline.dagster.names import PLAIN, Names
+from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 
-WEBHOOK_VAR = "MERGE_PIPELINE_ALERT_WEBHOOK_URL"
 TIMEOUT_SECONDS = 10
+WEBHOOK = BY_NAME["alert_webhook_url"]
 
 
-class AlertWebhook(dg.ConfigurableResource):
-    url: str | None = Field(
-        default=None, description=f"where a failed run is posted; unset: ${WEBHOOK_VAR}, else no alerts"
-    )
-
+class AlertWebhook(with_fields(dg.ConfigurableResource, of_resource("alert_webhook"))):
     @property
     def target(self) -> str | None:
-        return self.url if self.url is not None else dg.EnvVar(WEBHOOK_VAR).get_value() or None
+        return WEBHOOK.of(self.alert_webhook_url)
 
     def post(self, body: dict) -> None:
         request = urllib.request.Request(
@@ -70,7 +66,7 @@ def failure_webhook(names: Names) -> dg.SensorDefinition:
         if not _of_this_instance(context.dagster_run, names):
             return dg.SkipReason(f"run {context.dagster_run.run_id[:8]} is another instance's")
         if not alert_webhook.target:
-            return dg.SkipReason(f"{WEBHOOK_VAR} is not set: no alert sent")
+            return dg.SkipReason(f"{WEBHOOK.variable} is not set: no alert sent")
         try:
             alert_webhook.post(failure_message(context))
         except (OSError, urllib.error.URLError) as exc:
@@ -84,7 +80,7 @@ def failure_webhook(names: Names) -> dg.SensorDefinition:
         run_status_sensor_fn=merge_failure_webhook,
         default_status=dg.DefaultSensorStatus.RUNNING,  # inert until MERGE_PIPELINE_ALERT_WEBHOOK_URL is set
         required_resource_keys={names("alert_webhook")},
-        description=f"Posts each failed run to ${WEBHOOK_VAR} (off when unset).",
+        description=f"Posts each failed run to ${WEBHOOK.variable} (off when unset).",
     )
 
 
@@ -94,6 +90,3 @@ def _of_this_instance(run: dg.DagsterRun, names: Names) -> bool:
     if not names.prefix:
         return True
     return run.job_name.startswith(names("")) or any(k.path[0] == names.prefix for k in run.asset_selection or ())
-
-
-merge_failure_webhook = failure_webhook(PLAIN)  # this project's own instance

@@ -20,17 +20,13 @@ import dagster as dg
 from merge_pipeline.dagster.checks import checks_metadata
 from merge_pipeline.dagster.config import MergeConfig
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import PLAIN, Names
-from merge_pipeline.dagster.numeric_settings import FRESHNESS
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.keys import GROUP, MERGE_POOL, OWNERS
+from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.errors import MergeError
-
-GROUP = "merge"
-MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
-OWNERS = ["team:training-infra"]
 
 
 def checkpoint_spec(names: Names) -> dg.AssetSpec:
@@ -43,7 +39,7 @@ def checkpoint_spec(names: Names) -> dg.AssetSpec:
         owners=OWNERS,
         kinds={"pytorch"},
         tags={"stage": "source"},
-        description="A trainer's checkpoint folder (`global_step_<N>/<role>`, or another stack's step folder) under a watched root, written by the trainer; recorded by new_checkpoint_sensor once complete.",
+        description="A trainer's checkpoint folder under a watched root (a step folder some format reader declares; each event names its stack), written by the trainer; recorded by new_checkpoint_sensor once complete.",
     )
 
 
@@ -51,10 +47,6 @@ def freshness_policy(minutes: float) -> dg.FreshnessPolicy:
     """Stale when no step was published for N minutes ($MERGE_PIPELINE_FRESHNESS_MINUTES, default 30):
     a trainer saving more often than that sees a stuck or failing merge flagged in the UI."""
     return dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=minutes))
-
-
-def freshness_minutes_from_env() -> float:
-    return FRESHNESS.from_env()  # checked at load: a junk value is one line, not a traceback
 
 
 def stage_specs(names: Names, freshness_minutes: float) -> list[dg.AssetSpec]:
@@ -131,7 +123,7 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
 
 def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
     try:
-        key = CheckpointKey.parse(partition_key)
+        key = checkpoint_key(partition_key)
     except MergeError:  # no checkpoint's key: the step failed on it, and nothing was pinned for it
         return
     for space in settings.pin_spaces:  # unpin removes only a folder of ours, never through a link
@@ -145,18 +137,20 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     from merge_pipeline.dagster.weights import workers_for
     from merge_pipeline.pipeline import merge
 
-    key = CheckpointKey.parse(context.partition_key)
+    key = checkpoint_key(context.partition_key)
     target = settings.target_dir(key)
     with one_line_failure():
         options = config.options()  # tie and untie together are refused in one line, as by the CLI
-        if options.hf_model_path is None and settings.base_model_dir:  # the sensor's runs carry no run config
-            options = dataclasses.replace(options, hf_model_path=settings.base_model_dir)
+        if options.hf_model_path is None and settings.value("hf_model_path"):  # the sensor's runs carry no run config
+            options = dataclasses.replace(options, hf_model_path=settings.value("hf_model_path"))
         pinned = settings.pinned(key)  # the sensor's hard links (pin_steps): the trainer may have deleted the step
         role_dir = pinned[1] if pinned else settings.role_dir(key)
         state = (
             Completeness(True, "pinned by the sensor when complete", newest_change(role_dir))
             if pinned
-            else completeness(role_dir, key.step, settings.settle_time)  # a run started by hand may come too early
+            else completeness(
+                role_dir, key.step, settings.value("settle_seconds")
+            )  # a run started by hand may come too early
         )
         if not state.complete:
             raise MergeError(role_dir, f"incomplete checkpoint: {state.reason}")
@@ -190,9 +184,3 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             **checked["hf_model"],
         },
     )
-
-
-# This project's own (unprefixed) instance, as definitions.py builds it; the tests materialize these.
-checkpoint = checkpoint_spec(PLAIN)
-parallel_config, state_dict, hf_model = stage_specs(PLAIN, freshness_minutes_from_env())
-merge_step = merge_step_definition(PLAIN, freshness_minutes_from_env())

@@ -21,12 +21,12 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field, create_model, model_validator
 
-from merge_pipeline.dagster.assets import GROUP, MERGE_POOL, OWNERS
-from merge_pipeline.dagster.checks import CHECKED, checks_metadata
+from merge_pipeline.checkpoint_name import CheckpointName
+from merge_pipeline.dagster.checks import checks_metadata
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.jobs import HEAVY_TAG
+from merge_pipeline.dagster.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
@@ -86,8 +86,8 @@ class RunKey:
         return f"{self.run_name}/{self.role}"
 
     @classmethod
-    def of(cls, key: CheckpointKey) -> "RunKey":
-        return cls(key.run_name, key.role)
+    def of(cls, key: CheckpointName) -> "RunKey":
+        return cls(key.run, key.role)
 
     @classmethod
     def parse(cls, key: str) -> "RunKey":
@@ -103,18 +103,18 @@ def averaged_partitions(names: Names) -> dg.DynamicPartitionsDefinition:
 
 
 def averaged_dir(settings: MergeSettings, run: RunKey) -> Path:
-    return settings.output_dir / run.run_name / AVERAGED / run.role
+    return settings.value("output_root") / run.run_name / AVERAGED / run.role
 
 
 def merged_steps(
     instance: dg.DagsterInstance, settings: MergeSettings, run: RunKey, names: Names
-) -> list[CheckpointKey]:
+) -> list[CheckpointName]:
     """The run's checkpoint partitions of this role whose merged folder is published (it has its
     manifest: written last, before the checks and the rename), oldest first."""
     keys = []
     for partition in instance.get_dynamic_partitions(names.partitions.name):
         try:
-            key = CheckpointKey.parse(partition)
+            key = checkpoint_key(partition)
         except MergeError:
             continue
         if RunKey.of(key) == run and (settings.target_dir(key) / MANIFEST).is_file():
@@ -255,7 +255,7 @@ def _tick(
     landed: dict[RunKey, int] = {}  # run -> its newest merge's storage id
     for record in merges:
         try:
-            landed[RunKey.of(CheckpointKey.parse(record.partition_key))] = record.storage_id
+            landed[RunKey.of(checkpoint_key(record.partition_key))] = record.storage_id
         except MergeError:
             continue
     requests, waiting = [], []

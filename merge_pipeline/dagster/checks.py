@@ -14,15 +14,13 @@ from pathlib import Path
 
 import dagster as dg
 
+from merge_pipeline.dagster.keys import CHECKED, PASSED
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES, CheckOutcome
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import complete_target
 from merge_pipeline.store_listing import StoreURL
-
-CHECKED = "checked before publishing"  # a table of the checks that looked at this stage
-PASSED = "blocking checks passed"  # on hf_model: every check, so its materialization says the whole folder passed
 
 
 def checked_stage(check_name: str) -> str:

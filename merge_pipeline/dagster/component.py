@@ -8,7 +8,7 @@ In any ``dg`` project::
 Each instance takes its own prefix (default: its folder's name) for asset keys, partitions, job /
 sensor / schedule names and resource keys (``names.Names``), so two instances (two training
 clusters) in one project never collide. This project's own code location (``definitions.py``) is the
-instance with no prefix whose settings come from the environment (``MergeCheckpoints.from_env``).
+instance with no prefix whose settings come from the environment (``defs/merge/defs.yaml``).
 """
 
 from __future__ import annotations
@@ -28,28 +28,36 @@ from merge_pipeline.dagster.averaging import Averaging, averaged_model_definitio
 from merge_pipeline.dagster.config import checked_merge_config
 from merge_pipeline.dagster.hub import (
     CRON,
-    DEFAULT_TEMPLATE,
     HuggingFaceHub,
     env_token,
     hub_averaged_definition,
     hub_definitions,
 )
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
 from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import checkpoint_sensor
+from merge_pipeline.dagster.settings import BY_NAME, SETTINGS, Setting, of_resource, scaffold_lines, with_fields
 
 INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
 
 
 class HubPublishing(dg.Model):
-    organization: str = ""  # empty: publishing is off (the schedule stopped, hub_model records nothing)
-    private: bool = True
-    repo_template: str = DEFAULT_TEMPLATE
-    revisions: Literal["branch", "commit"] = "branch"
+    """Each field left out: the environment's, when the location loads (``HuggingFaceHub.from_env``)."""
+
+    organization: str | None = None  # empty: publishing is off (the schedule stopped, hub_model records nothing)
+    private: bool | None = None
+    repo_template: str | None = None
+    revisions: Literal["branch", "commit"] | None = None
     schedule: str = CRON  # cron of publish_latest_steps
+
+    def resource(self) -> HuggingFaceHub:
+        env = HuggingFaceHub.from_env()
+        fields = ("organization", "private", "repo_template", "revisions")
+        return HuggingFaceHub(
+            **{f: getattr(env, f) if getattr(self, f) is None else getattr(self, f) for f in fields}, token=env_token()
+        )
 
 
 class MergeCheckpointsScaffolder(dg.Scaffolder):
@@ -61,42 +69,35 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
             click.echo(_write_instance_settings(request.project_root))
         request.target_path.mkdir(parents=True, exist_ok=True)
         prefix = request.target_path.name.replace("-", "_")
+        settings = textwrap.indent("\n".join(scaffold_lines(prefix)), "  ")
         (request.target_path / "defs.yaml").write_text(
-            textwrap.dedent(f"""\
-                type: {request.type_name}
-                attributes:
-                  # asset keys {prefix}/..., jobs, sensors and schedules {prefix}__...
-                  prefix: {prefix}
-                  checkpoint_roots: [/data/{prefix}/checkpoints]
-                  output_root: /data/{prefix}/merged
-                  settle_seconds: 60
-                  # merge and report runs of this instance at once (the sensors hold back the rest);
-                  # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
-                  max_concurrent_merges: 1
-                  # for checkpoints without a config of their own (torchtitan, NeMo-RL, ...)
-                  # hf_model_path: /models/base
-                  # hard-link a complete step until its merge is done (the trainer's rotation may delete it)
-                  pin_steps: false
-                  # after the merge: a few greedy tokens and a loss on CPU, in step_report and the model card
-                  smoke_test: false
-                  smoke_max_size: 2GB
-                  hub:
-                    # set to publish (token: $HF_TOKEN); empty: the schedule stays off
-                    organization: ""
-                    schedule: "*/10 * * * *"
-                  # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
-                  # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
-                  # merge_config:
-                  #   launcher: ray
-                  #   ray_address: ray://raycluster-head-svc:10001
-                  #   ray_resource: merge
-                  # average the newest K merged steps of each run when a step lands (averaged_model)
-                  # averaging:
-                  #   last_k: 3
-                  #   scheme: uniform    # or ema (ema_decay: 0.9), or weighted (weights: [1, 2, 3])
-                  #   dtype: auto
-                """)
+            f"type: {request.type_name}\nattributes:\n"
+            f"  # asset keys {prefix}/..., jobs, sensors and schedules {prefix}__...\n  prefix: {prefix}\n"
+            f"{settings}\n{STRUCTURE}"
         )
+
+
+# The scaffolded defs.yaml's attributes that are no setting of settings.py (no variable of their own).
+STRUCTURE = """\
+  # merge and report runs of this instance at once (the sensors hold back the rest);
+  # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
+  max_concurrent_merges: 1
+  hub:
+    # set to publish (token: $HF_TOKEN); empty: the schedule stays off
+    organization: ""
+    schedule: "*/10 * * * *"
+  # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
+  # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
+  # merge_config:
+  #   launcher: ray
+  #   ray_address: ray://raycluster-head-svc:10001
+  #   ray_resource: merge
+  # average the newest K merged steps of each run when a step lands (averaged_model)
+  # averaging:
+  #   last_k: 3
+  #   scheme: uniform    # or ema (ema_decay: 0.9), or weighted (weights: [1, 2, 3])
+  #   dtype: auto
+"""
 
 
 def _write_instance_settings(project_root: Path) -> str:
@@ -116,70 +117,50 @@ def _as_written(context: dg.ResolutionContext, value: object) -> object:
     return value
 
 
+def _attribute(setting: Setting) -> tuple[Any, Any]:
+    """A setting's attribute; a whole number as written in defs.yaml (10, 10.0, .nan), so that the
+    check answers it in one line, not dg's int model."""
+    kind, field = setting.field()
+    if setting.kind.type is int:
+        kind = Annotated[kind, dg.Resolver(_as_written, model_field_type=float | str | None)]
+    return kind, field
+
+
 @dg.scaffold_with(MergeCheckpointsScaffolder)
-class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
+class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, SETTINGS, _attribute)):
     """Merge every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face
-    folder under ``output_root``, and optionally publish it to a Hub."""
+    folder under ``output_root``, and optionally publish it to a Hub. Besides the fields below, one
+    attribute per setting of ``settings.py`` (left out: its environment variable, else its default)."""
 
     prefix: str | None = None  # none: the component folder's name; "": no prefix (this project's own location)
-    checkpoint_roots: list[str] | None = None  # none: $MERGE_PIPELINE_CHECKPOINT_ROOTS at run time
-    output_root: str | None = None  # none: $MERGE_PIPELINE_OUTPUT_ROOT
-    settle_seconds: float | None = None  # none: $MERGE_PIPELINE_SETTLE_SECONDS, else 60
-    hf_model_path: str | None = None  # none: $MERGE_PIPELINE_HF_MODEL_PATH
-    pin_steps: bool | None = None  # none: $MERGE_PIPELINE_PIN_STEPS, else off
-    pin_root: str | None = None  # none: $MERGE_PIPELINE_PIN_ROOT, else <checkpoint root>/.merge_pins
-    smoke_test: bool | None = None  # none: $MERGE_PIPELINE_SMOKE_TEST, else off
-    smoke_prompt: str | None = None  # none: $MERGE_PIPELINE_SMOKE_PROMPT, else a fixed one
-    smoke_max_size: str | None = None  # none: $MERGE_PIPELINE_SMOKE_MAX_SIZE, else 2GB of weights
-    # defs.yaml may say any number (10, 10.0, .nan): the check below answers it in one line, not dg's int model
-    sensor_interval_seconds: Annotated[int, dg.Resolver(_as_written, model_field_type=float | str)] = (
-        SENSOR_INTERVAL.default
-    )
-    freshness_minutes: float = FRESHNESS.default
     # Merge and report runs of this instance queued or running at once; the sensors hold back the rest
     # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
     max_concurrent_merges: int = Field(default=1, ge=0)
-    alert_webhook_url: str | None = None  # none: $MERGE_PIPELINE_ALERT_WEBHOOK_URL, else no alerts
     hub: HubPublishing = HubPublishing()
     averaging: Averaging | None = None  # none: no averaged_model (issue 40: the newest K merged steps of each run)
     # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
     # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
     merge_config: dict[str, Any] | None = None
 
-    @field_validator(*NUMERIC_SETTINGS, mode="before")
+    @field_validator(*BY_NAME, mode="before")
     @classmethod
-    def _numeric_setting(cls, value: object, field: ValidationInfo) -> object:
-        """defs.yaml's numbers pass the environment's check: one line naming the field, not pydantic's report."""
-        setting = NUMERIC_SETTINGS[field.field_name]
-        return None if value is None else setting.checked(value, f"defs.yaml {setting.field}")
-
-    @classmethod
-    def from_env(cls) -> MergeCheckpoints:
-        """This project's own location: no prefix; what is fixed when the location loads read now, the
-        rest (roots, settle time, webhook) read from the environment each time a run or tick uses it."""
-        hub = HuggingFaceHub.from_env()
-        return cls(
-            prefix="",
-            max_concurrent_merges=0,  # this project's dagster.yaml queues them, one at a time
-            sensor_interval_seconds=SENSOR_INTERVAL.from_env(),
-            freshness_minutes=FRESHNESS.from_env(),
-            hub=HubPublishing(
-                organization=hub.organization,
-                private=hub.private,
-                repo_template=hub.repo_template,
-                revisions=hub.revisions,
-            ),
-        )
+    def _setting_checked(cls, value: object, field: ValidationInfo) -> object:
+        """defs.yaml's values pass the environment's check: one line naming the attribute, not pydantic's report."""
+        return BY_NAME[field.field_name].check(value)
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return self.definitions(Names(self.prefix if self.prefix is not None else context.path.name))
 
     def definitions(self, names: Names) -> dg.Definitions:
-        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, bool(self.hub.organization))
+        hub = self.hub.resource()
+        interval, freshness = (
+            BY_NAME[s].of(getattr(self, s)) for s in ("sensor_interval_seconds", "freshness_minutes")
+        )
+        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
         merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
-                merge_step_definition(names, self.freshness_minutes),
+                merge_step_definition(names, freshness),
                 step_report_definition(names),
                 hub_model,
             ],
@@ -187,24 +168,18 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             sensors=[
                 checkpoint_sensor(
                     names,
-                    self.sensor_interval_seconds,
+                    interval,
                     checked_merge_config(self.merge_config or {}) or None,
                     self.max_concurrent_merges,
                 ),
-                step_report_sensor_definition(names, self.sensor_interval_seconds, self.max_concurrent_merges),
+                step_report_sensor_definition(names, interval, self.max_concurrent_merges),
                 failure_webhook(names),
             ],
             schedules=[publish_latest_steps],
             resources={
                 names("settings"): self.settings(),
-                names("hub"): HuggingFaceHub(
-                    organization=self.hub.organization,
-                    private=self.hub.private,
-                    repo_template=self.hub.repo_template,
-                    revisions=self.hub.revisions,
-                    token=env_token(),
-                ),
-                names("alert_webhook"): AlertWebhook(url=self.alert_webhook_url),
+                names("hub"): hub,
+                names("alert_webhook"): AlertWebhook(alert_webhook_url=self.alert_webhook_url),
             },
         )
         if self.averaging is None:
@@ -213,25 +188,11 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             assets=[
                 averaged_model_definition(names, self.averaging),
                 # its Hub upload, materialized from the UI (no schedule of its own)
-                *([hub_averaged_definition(names)] if self.hub.organization else []),
+                *([hub_averaged_definition(names)] if hub.enabled else []),
             ],
-            sensors=[
-                averaged_model_sensor_definition(
-                    names, self.sensor_interval_seconds, self.averaging, self.max_concurrent_merges
-                )
-            ],
+            sensors=[averaged_model_sensor_definition(names, interval, self.averaging, self.max_concurrent_merges)],
         )
         return dg.Definitions.merge(merge, averaging)
 
     def settings(self) -> MergeSettings:
-        return MergeSettings(
-            checkpoint_roots=self.checkpoint_roots,
-            output_root=self.output_root,
-            settle_seconds=self.settle_seconds,
-            hf_model_path=self.hf_model_path,
-            pin_steps=self.pin_steps,
-            pin_root=self.pin_root,
-            smoke_test=self.smoke_test,
-            smoke_prompt=self.smoke_prompt,
-            smoke_max_size=self.smoke_max_size,
-        )
+        return MergeSettings(**{s.name: getattr(self, s.name) for s in of_resource("settings")})

@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from merge_pipeline.dagster.partitions import STEP_ROLE, CheckpointKey
+from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.pipeline import completeness as pipeline_completeness
@@ -36,7 +36,7 @@ MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched roo
 
 @dataclass(frozen=True)
 class FoundCheckpoint:
-    key: CheckpointKey
+    key: CheckpointName
     role_dir: Path | StoreURL
 
 
@@ -106,17 +106,17 @@ def find_checkpoints(
                 run_name = root.name if folder == root else folder.relative_to(root).as_posix()
                 roles = [role for role in stack.roles if (entry / role).is_dir() and _inside(entry / role, root)]
                 if stack.in_step_folder and not roles and saved_in_step_folder(entry, stack):
-                    yield FoundCheckpoint(CheckpointKey(run_name, step, STEP_ROLE, entry.name), entry)
+                    yield FoundCheckpoint(CheckpointName(STEP_ROLE, run_name, entry.name, step, stack.stack), entry)
                 for role in roles:
-                    yield FoundCheckpoint(CheckpointKey(run_name, step, role, entry.name), entry / role)
+                    yield FoundCheckpoint(CheckpointName(role, run_name, entry.name, step, stack.stack), entry / role)
         level = deeper
 
 
-def locate(key: CheckpointKey, roots: Sequence[Path | StoreURL]) -> Path | StoreURL:
+def locate(key: CheckpointName, roots: Sequence[Path | StoreURL]) -> Path | StoreURL:
     """The role folder a partition key names: the inverse of ``find_checkpoints``, over all roots (a
     store root's ``StoreURL`` is asked as a folder is)."""
     candidates = [root / key.path for root in roots]
-    candidates += [root / key.path.relative_to(key.run_name) for root in roots if root.name == key.run_name]
+    candidates += [root / key.path.relative_to(key.run) for root in roots if root.name == key.run]
     found = sorted({c for c in candidates if c.is_dir()}, key=str)
     if not found:
         raise _error(

@@ -22,13 +22,14 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import PLAIN, Names
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.keys import HUB_GROUP, INF, NAN, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
+from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
-from merge_pipeline.dagster.report import SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
@@ -37,7 +38,6 @@ from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import viewed
 
-GROUP = "hub"
 DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
 # the step branches), and one branch per K, updated in place as steps land (its history: the averages).
@@ -64,7 +64,7 @@ class HuggingFaceHub(dg.ConfigurableResource):
     )
     revisions: Literal["branch", "commit"] = Field(
         default="branch",
-        description="branch: one branch per step, named as its step folder (global_step_<N>, step-<N>, iter_<N>); commit: one commit per step on main",
+        description="branch: one branch per step, named as the step folder its trainer wrote (the partition key's step part); commit: one commit per step on main",
     )
     timeout_s: float | None = Field(
         default=None,
@@ -86,17 +86,17 @@ class HuggingFaceHub(dg.ConfigurableResource):
     def enabled(self) -> bool:
         return bool(self.organization)
 
-    def repo_id(self, key: CheckpointKey) -> str:
+    def repo_id(self, key: CheckpointName) -> str:
         # A run name may be a path below the watched root ("team/exp1"); a repo name has no "/".
-        run_name = re.sub(r"[^\w.-]+", "-", key.run_name).strip("-.")
+        run_name = re.sub(r"[^\w.-]+", "-", key.run).strip("-.")
         return self.repo_template.format(org=self.organization, run_name=run_name, role=key.role, step=key.step)
 
-    def revision(self, key: CheckpointKey) -> str | None:
+    def revision(self, key: CheckpointName) -> str | None:
         """The step's branch, named as its trainer names the step folder (global_step_7, step-10, iter_0000100)."""
-        return key.step_dir if self.revisions == "branch" else None
+        return key.step_folder if self.revisions == "branch" else None
 
     def publish(
-        self, folder: Path, key: CheckpointKey, smoke: dict | None = None, branch: str | None = None
+        self, folder: Path, key: CheckpointName, smoke: dict | None = None, branch: str | None = None
     ) -> UploadResult:
         """``branch``: that branch of the key's repo instead of the step's revision (an averaged model's)."""
         return upload_folder_verified(
@@ -118,7 +118,7 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
     @dg.asset(
         key=names.key("hub_model"),
         partitions_def=names.partitions,
-        group_name=names(GROUP),
+        group_name=names(HUB_GROUP),
         deps=[names.key("hf_model")],
         kinds={"huggingface"},
         output_required=False,
@@ -161,7 +161,7 @@ def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: Hu
         context.log.info("no Hub organization configured (MERGE_PIPELINE_HUB_ORG): nothing published")
         return
     with one_line_failure():
-        key = CheckpointKey.parse(context.partition_key)
+        key = checkpoint_key(context.partition_key)
         # A merged folder in a store is published through its view, as the CLI's `upload`: weight files
         # streamed by ranged GETs, and refused while its merge_manifest.json (the commit marker) is missing.
         with viewed(settings.target_dir(key), merged=True) as folder:
@@ -188,7 +188,7 @@ def hub_averaged_definition(names: Names) -> dg.AssetsDefinition:
     @dg.asset(
         key=names.key("hub_averaged_model"),
         partitions_def=averaged_partitions(names),
-        group_name=names(GROUP),
+        group_name=names(HUB_GROUP),
         deps=[names.key("averaged_model")],
         kinds={"huggingface"},
         required_resource_keys={names("settings"), names("hub")},
@@ -222,12 +222,14 @@ def _averaged_inputs(folder: Path) -> list[dict]:
     return inputs
 
 
-def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointKey:
+def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointName:
     """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step)."""
     newest = Path(inputs[-1]["path"])
-    if not newest.is_relative_to(settings.output_dir):
-        raise MergeError(folder, f"its newest input {newest} is not a merged step under {settings.output_dir}")
-    return CheckpointKey.parse(newest.relative_to(settings.output_dir).as_posix())
+    if not newest.is_relative_to(settings.value("output_root")):
+        raise MergeError(
+            folder, f"its newest input {newest} is not a merged step under {settings.value('output_root')}"
+        )
+    return checkpoint_key(newest.relative_to(settings.value("output_root")).as_posix())
 
 
 def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):
@@ -257,21 +259,21 @@ def _smoke_of(instance: dg.DagsterInstance, names: Names, partition: str) -> dic
     }
 
 
-def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tuple[str, str], list[CheckpointKey]]:
+def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tuple[str, str], list[CheckpointName]]:
     keys = instance.get_dynamic_partitions(names.partitions.name)
     runs = defaultdict(list)
     for partition, state in (
         instance.get_status_by_partition(names.key("hf_model"), keys, names.partitions) or {}
     ).items():
         if state == dg.AssetPartitionStatus.MATERIALIZED:
-            key = CheckpointKey.parse(partition)
-            runs[(key.run_name, key.role)].append(key)
+            key = checkpoint_key(partition)
+            runs[(key.run, key.role)].append(key)
     return runs
 
 
 def _highest_verified(
-    instance: dg.DagsterInstance, steps: list[CheckpointKey], log, names: Names
-) -> tuple[CheckpointKey | None, dg.EventLogRecord | None]:
+    instance: dg.DagsterInstance, steps: list[CheckpointName], log, names: Names
+) -> tuple[CheckpointName | None, dg.EventLogRecord | None]:
     """The highest step whose latest merge passed every blocking check (they run before publishing; its
     hf_model metadata lists them) and whose step report of that merge found every tensor finite, with
     that merge's record. While the highest merged step waits for its report, nothing of the run is
@@ -286,7 +288,7 @@ def _highest_verified(
             log.info(f"{key}: not published yet: no step report of its latest merge")
             return None, None
         metadata = report.asset_materialization.metadata
-        if metadata["NaN"].value or metadata["Inf"].value:
+        if metadata[NAN].value or metadata[INF].value:
             log.info(f"{key}: not published: its step report found NaN or Inf (the finite check failed)")
             continue
         return key, merge
@@ -294,5 +296,3 @@ def _highest_verified(
 
 
 CRON = "*/10 * * * *"
-# This project's own instance: its asset, job and schedule, as definitions.py builds them.
-hub_model, publish_latest_steps = hub_definitions(PLAIN, CRON, HuggingFaceHub.from_env().enabled)

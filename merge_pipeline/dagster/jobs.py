@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dagster as dg
 
+from merge_pipeline.dagster.keys import HEAVY_TAG
 from merge_pipeline.dagster.names import Names
-
-HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
 
 
 def merge_checkpoint_job(names: Names, merge_config: dict | None = None) -> dg.UnresolvedAssetJobDefinition:

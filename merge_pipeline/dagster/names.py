@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from merge_pipeline.dagster.partitions import checkpoint_partitions
-
 PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # an asset key part, job name and resource key at once
 
 
@@ -37,7 +35,4 @@ class Names:
     @property
     def partitions(self) -> dg.DynamicPartitionsDefinition:
         # The instance stores dynamic partitions by name: equal names are one set.
-        return checkpoint_partitions if not self.prefix else dg.DynamicPartitionsDefinition(name=self("checkpoints"))
-
-
-PLAIN = Names()  # this project's own code location
+        return dg.DynamicPartitionsDefinition(name=self("checkpoints"))

@@ -36,7 +36,8 @@ from urllib.parse import quote, unquote
 
 import dagster as dg
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.checkpoint_name import CheckpointName
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.shared_folders import open_own_folder, refuse_planted, refuse_planted_fd
 
@@ -77,14 +78,14 @@ class PinSpace:
         return self.root / self.owner
 
 
-def pin_path(space: PinSpace, key: CheckpointKey) -> Path:
+def pin_path(space: PinSpace, key: CheckpointName) -> Path:
     """Where ``key``'s pin lies: ``<space>/<key, quoted>/<step folder>[/<role>]``: one folder per key
     (found again by listing the space), ending in the step folder's and role's own names as the readers
     and the model card see them."""
     return _key_folder(space, key) / _inside(key)
 
 
-def pin(role_dir: Path, space: PinSpace, key: CheckpointKey) -> str | None:
+def pin(role_dir: Path, space: PinSpace, key: CheckpointName) -> str | None:
     """Hard-link the files of ``role_dir`` into its pin and record them; None when pinned (or already
     pinned with these very files), else the one-line reason why not."""
     folder = _key_folder(space, key)
@@ -110,7 +111,7 @@ def pin(role_dir: Path, space: PinSpace, key: CheckpointKey) -> str | None:
     return None
 
 
-def verified_pin(space: PinSpace, key: CheckpointKey) -> Path | None:
+def verified_pin(space: PinSpace, key: CheckpointName) -> Path | None:
     """``key``'s pinned folder, if ours and still holding the very files recorded when it was made;
     else None, and a warning saying why when something was there (the step is then read where it is)."""
     folder = _key_folder(space, key)
@@ -127,7 +128,7 @@ def verified_pin(space: PinSpace, key: CheckpointKey) -> Path | None:
     return pin_path(space, key)
 
 
-def unpin(space: PinSpace, key: CheckpointKey) -> None:
+def unpin(space: PinSpace, key: CheckpointName) -> None:
     """Remove a pin of ours: its links only (the trainer's files, where still there, are other links to
     the same data). Nothing that is not ours is removed, nor anything through a link."""
     folder = _key_folder(space, key)
@@ -138,7 +139,7 @@ def unpin(space: PinSpace, key: CheckpointKey) -> None:
 
 def stale_pins(
     instance: dg.DagsterInstance, spaces: list[PinSpace], keep: set[str]
-) -> list[tuple[PinSpace, CheckpointKey]]:
+) -> list[tuple[PinSpace, CheckpointName]]:
     """This deployment's pins no run will read: no run of their partition is queued or running, and they
     are not new.
 
@@ -155,27 +156,27 @@ def stale_pins(
     return stale
 
 
-def _pins_in(space: PinSpace) -> list[tuple[CheckpointKey, float]]:
+def _pins_in(space: PinSpace) -> list[tuple[CheckpointName, float]]:
     """The key and last change (mtime) of each pin in ``space``; none where the space is not ours, or
     cannot be read (an unreadable checkpoint root is the scan's warning)."""
     found = []
     with contextlib.suppress(OSError, MergeError), _opened_space(space, create=False) as owner:
         for name in os.listdir(owner):
             try:
-                key = CheckpointKey.parse(unquote(name))
+                key = checkpoint_key(unquote(name))
                 found.append((key, os.stat(name, dir_fd=owner, follow_symlinks=False).st_mtime))
             except (MergeError, FileNotFoundError):  # not a key's name; removed by its merge since the listing
                 continue
     return found
 
 
-def _key_folder(space: PinSpace, key: CheckpointKey) -> Path:
+def _key_folder(space: PinSpace, key: CheckpointName) -> Path:
     return space.folder / quote(str(key), safe="")
 
 
-def _inside(key: CheckpointKey) -> Path:
+def _inside(key: CheckpointName) -> Path:
     """The step folder (and role) below the key folder."""
-    return key.path.relative_to(key.run_name)
+    return key.path.relative_to(key.run)
 
 
 class _OtherFilesystem(Exception):
@@ -246,14 +247,14 @@ def _link_tree(role_dir: Path, key_fd: int, folder: Path, inside: Path) -> dict[
     return made
 
 
-def _write_record(key_fd: int, folder: Path, key: CheckpointKey, files: dict[str, Identity]) -> None:
+def _write_record(key_fd: int, folder: Path, key: CheckpointName, files: dict[str, Identity]) -> None:
     """The record, written last (a pin without one is never read), as a new file of ours, 0600."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     with os.fdopen(os.open(RECORD, flags, 0o600, dir_fd=key_fd), "w") as record:
         json.dump({"key": str(key), "files": files}, record)
 
 
-def _verified_files(owner: int, folder: Path, key: CheckpointKey) -> dict[str, Identity]:
+def _verified_files(owner: int, folder: Path, key: CheckpointName) -> dict[str, Identity]:
     """The files of the pin at ``folder`` (opened in ``owner``), if it is ours throughout (0700 folders)
     and holds exactly the files its record lists; else MergeError naming what differs."""
     key_fd = open_own_folder(owner, folder, create=False, private=True)
@@ -278,7 +279,7 @@ def _verified_files(owner: int, folder: Path, key: CheckpointKey) -> dict[str, I
     return found
 
 
-def _read_record(key_fd: int, path: Path, key: CheckpointKey) -> dict[str, Identity]:
+def _read_record(key_fd: int, path: Path, key: CheckpointName) -> dict[str, Identity]:
     try:
         fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=key_fd)
     except FileNotFoundError:

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from merge_pipeline.dagster.assets import GROUP, OWNERS
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import PLAIN, Names
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
+from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
@@ -33,7 +34,6 @@ if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
 
 PREVIOUS, BASE = "previous step", "base model"
 # the smoke test's metadata entries; hub_model copies them into the model card
-SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smoke text", "smoke loss (fixed text)"
 
 
 def report_checks(names: Names) -> list[dg.AssetCheckSpec]:
@@ -77,7 +77,7 @@ def step_report_definition(names: Names) -> dg.AssetsDefinition:
 def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: Names) -> dg.MaterializeResult:
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines  # torch: by the run only
 
-    key = CheckpointKey.parse(context.partition_key)
+    key = checkpoint_key(context.partition_key)
     folder = settings.target_dir(key)
     with one_line_failure(), contextlib.ExitStack() as views:
         # a merged folder in a store, and the previous step's there, read through views (tensors by ranged GETs)
@@ -88,7 +88,7 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
         )
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
-    smoke = _smoke_metadata(context, settings, folder) if settings.smoke_on else {}
+    smoke = _smoke_metadata(context, settings, folder) if settings.value("smoke_test") else {}
     return dg.MaterializeResult(
         metadata={
             **smoke,
@@ -97,8 +97,8 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
             **{label: dg.MetadataValue.path(str(path)) for label, path in references.items()},
             **{f"largest change vs {label}": diff.max_change(label) for label in diff.references},
             "tensors": len(diff.tensors),
-            "NaN": diff.nan,
-            "Inf": diff.inf,
+            NAN: diff.nan,
+            INF: diff.inf,
             "table": dg.MetadataValue.md(markdown_table(diff)),
             "plot": dg.MetadataValue.md(f"![relative change by layer](data:image/png;base64,{_plot_png(diff)})"),
         },
@@ -112,14 +112,14 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
                 },
             ),
             dg.AssetCheckResult(
-                check_name="finite", passed=diff.nan + diff.inf == 0, metadata={"NaN": diff.nan, "Inf": diff.inf}
+                check_name="finite", passed=diff.nan + diff.inf == 0, metadata={NAN: diff.nan, INF: diff.inf}
             ),
         ],
     )
 
 
 def _references(
-    instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointKey, folder: Path, names: Names
+    instance: dg.DagsterInstance, settings: MergeSettings, key: CheckpointName, folder: Path, names: Names
 ) -> dict:
     """The previous merged step of the same run and role, and the base model when it has weights."""
     from merge_pipeline.hf.folder_checks import weight_files  # torch: by the run only
@@ -127,14 +127,12 @@ def _references(
     found = {}
     earlier = [
         k
-        for k in map(CheckpointKey.parse, instance.get_dynamic_partitions(names.partitions.name))
-        if (k.run_name, k.role) == (key.run_name, key.role)
-        and k.step < key.step
-        and _has_weights(settings.target_dir(k))
+        for k in map(checkpoint_key, instance.get_dynamic_partitions(names.partitions.name))
+        if (k.run, k.role) == (key.run, key.role) and k.step < key.step and _has_weights(settings.target_dir(k))
     ]
     if earlier:
         found[PREVIOUS] = settings.target_dir(max(earlier, key=lambda k: k.step))
-    base = read_manifest(folder)["options"].get("hf_model_path") or settings.base_model_dir
+    base = read_manifest(folder)["options"].get("hf_model_path") or settings.value("hf_model_path")
     # a base folder with only config and tokenizer has nothing to compare; one in a store is not compared
     if base and not is_store_url(base) and weight_files(Path(base)):
         found[BASE] = Path(base)
@@ -156,16 +154,16 @@ def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, 
         return {SMOKE: "skipped: the merged folder is in a store (the smoke test loads a folder on local disk)"}
     manifest = read_manifest(folder)
     weight_bytes = sum(f["size"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))
-    if weight_bytes > settings.smoke_limit_bytes:
-        why = (
-            f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.smoke_limit_bytes)})"
-        )
+    if weight_bytes > settings.value("smoke_max_size"):
+        why = f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.value('smoke_max_size'))})"
     else:
         why = generates_text(folder)
     if why:
         return {SMOKE: f"skipped: {why}"}
     try:
-        smoke = smoke_test(folder, settings.smoke_question, trust_remote_code=manifest["options"]["trust_remote_code"])
+        smoke = smoke_test(
+            folder, settings.value("smoke_prompt"), trust_remote_code=manifest["options"]["trust_remote_code"]
+        )
     except Exception as exc:  # whatever transformers raises: the report says it, the merge stays good
         context.log.warning(f"{folder}: smoke test failed: {first_line(exc)}")
         return {SMOKE: f"failed: {first_line(exc)}"}
@@ -206,6 +204,3 @@ def _plot_png(diff: "StepDiff") -> str:
     finally:
         plt.close(figure)
     return base64.b64encode(buffer.getvalue()).decode()
-
-
-step_report = step_report_definition(PLAIN)  # this project's own instance

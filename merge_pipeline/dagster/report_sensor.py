@@ -15,8 +15,7 @@ import dagster as dg
 
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.jobs import report_job
-from merge_pipeline.dagster.names import PLAIN, Names
-from merge_pipeline.dagster.numeric_settings import SENSOR_INTERVAL
+from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 
@@ -69,6 +68,3 @@ def _tick(
     return dg.SensorResult(
         skip_reason=f"no new merge to report on ({len(merges)} hf_model event(s) read)", cursor=moved
     )
-
-
-step_report_sensor = step_report_sensor_definition(PLAIN, SENSOR_INTERVAL.from_env())  # this project's own instance

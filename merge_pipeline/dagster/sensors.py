@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 import dagster as dg
 
 from merge_pipeline.dagster.jobs import merge_checkpoint_job
-from merge_pipeline.dagster.names import PLAIN, Names
-from merge_pipeline.dagster.numeric_settings import SENSOR_INTERVAL
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys, sensor_cursor
@@ -50,7 +49,7 @@ def checkpoint_sensor(
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},
-        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders (verl, DeepSpeed, torchtitan, HF Trainer/accelerate, NeMo-RL: the step folders each format reader declares) and merges each once.",
+        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders, in the step folders every format reader declares (each checkpoint event names its stack), and merges each once.",
     )
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
         # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)
@@ -85,7 +84,7 @@ def _tick(
                 found_merged.append(key)
                 saved.append(_found_merged(found, settings.target_dir(found.key), names))
             continue
-        state = completeness(found.role_dir, found.key.step, settings.settle_time)
+        state = completeness(found.role_dir, found.key.step, settings.value("settle_seconds"))
         if requested_before and seen[key] in (None, state.newest_change):
             seen[key] = state.newest_change  # its merge failed on what is there now: asked again once it changes
             continue
@@ -96,7 +95,7 @@ def _tick(
     room = len(complete)
     if max_concurrent_merges:  # a project without a run queue's limits: the sensor keeps the limit itself
         room = max(0, max_concurrent_merges - heavy_runs_in_flight(context.instance, names))
-        complete.sort(key=lambda c: (c[0].key.run_name, c[0].key.step, c[0].key.role))  # the oldest steps first
+        complete.sort(key=lambda c: (c[0].key.run, c[0].key.step, c[0].key.role))  # the oldest steps first
     held = [str(found.key) for found, _ in complete[room:]]  # not in the cursor: looked at again next tick
     for found, state in complete[:room]:
         key = str(found.key)
@@ -104,7 +103,7 @@ def _tick(
         # A re-requested step's pin is made again: pin() keeps a pin only if it holds the step's current files.
         # a step in a store is not pinned: objects are immutable, a deleted one fails its merge's next read
         if (
-            settings.pins_on
+            settings.value("pin_steps")
             and isinstance(found.role_dir, Path)
             and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key))
         ):
@@ -122,8 +121,8 @@ def _tick(
             k
             for k in partitions
             if k not in present
-            and not merged_before(settings.target_dir(CheckpointKey.parse(k)))
-            and not settings.pinned(CheckpointKey.parse(k))  # its merge reads the pin
+            and not merged_before(settings.target_dir(checkpoint_key(k)))
+            and not settings.pinned(checkpoint_key(k))  # its merge reads the pin
         ]
         if scan.all_roots_read
         else []
@@ -196,6 +195,7 @@ def _checkpoint_saved(found: "FoundCheckpoint", state: "Completeness", names: Na
         "path": dg.MetadataValue.path(str(found.role_dir)),
         "role": found.key.role,
         "step": found.key.step,
+        "stack": found.key.writer,  # as the readers declare the step folder
         "completeness": state.reason,
     }
     return dg.AssetMaterialization(
@@ -225,6 +225,3 @@ def _failed_partitions(instance: dg.DagsterInstance, keys: list[str], names: Nam
         return []
     status = instance.get_status_by_partition(names.key("hf_model"), keys, names.partitions) or {}
     return sorted(k for k, s in status.items() if s == dg.AssetPartitionStatus.FAILED)
-
-
-new_checkpoint_sensor = checkpoint_sensor(PLAIN, SENSOR_INTERVAL.from_env())  # this project's own instance

@@ -9,17 +9,32 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster import assets
-from merge_pipeline.dagster.checks import PASSED
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.keys import PASSED
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.definitions import location
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+LOCATION = (
+    location()
+)  # the definitions the tests take by name, as the code location serves them (built afresh: location())
+
+
+def asset(key: str) -> dg.AssetsDefinition | dg.AssetSpec:
+    """The location's definition of asset ``key`` as declared, no resources bound (``resolve_assets_def``
+    binds the location's): the tests run it with their own ``settings``."""
+    wanted = dg.AssetKey(key)
+    return next(a for a in LOCATION.assets if wanted in (a.keys if isinstance(a, dg.AssetsDefinition) else {a.key}))
+
+
 ACTOR = FsdpSpec()  # FSDP2, world size 2: the spec the engine tests use too, so a session writes it once
 CRITIC = FsdpSpec(arch="llama", critic=True)
-CHAIN = [assets.checkpoint, assets.merge_step]  # the external checkpoint, and the merge step's three stages
+# the external checkpoint, and the merge step (its three stages: parallel_config, state_dict, hf_model)
+CHAIN = [asset("checkpoint"), asset("hf_model")]
 
 
 @dataclass
@@ -36,7 +51,7 @@ class Roots:
         )
 
     def target(self, key: str) -> Path:
-        return self.settings().target_dir(CheckpointKey.parse(key))
+        return self.settings().target_dir(checkpoint_key(key))
 
     def drop(self, sample, step_dir: str, *, tracker: int | None = None, link: bool = False) -> Path:
         """Put a real checkpoint's role folder at ``<checkpoints>/<step_dir>/<role>``, as a trainer would.

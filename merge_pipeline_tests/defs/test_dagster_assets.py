@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.checks import CHECKED
+from merge_pipeline.dagster.keys import CHECKED
 from merge_pipeline.dagster.metadata import SHA256_SHOWN
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES

@@ -12,7 +12,7 @@ import dagster as dg
 import torch
 import yaml
 
-from merge_pipeline.dagster.checks import PASSED
+from merge_pipeline.dagster.keys import PASSED
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline_samples.fsdp import FsdpSpec

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.dagster.report_sensor import step_report_sensor
-from merge_pipeline.dagster.resources import OUTPUT_VAR, ROOTS_VAR
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.definitions import defs
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
 
 KEY = "run/global_step_3/actor"
+ROOTS_VAR, OUTPUT_VAR = "MERGE_PIPELINE_CHECKPOINT_ROOTS", "MERGE_PIPELINE_OUTPUT_ROOT"
+new_checkpoint_sensor, step_report_sensor = (
+    defs.resolve_sensor_def(s) for s in ("new_checkpoint_sensor", "step_report_sensor")
+)
 
 
 def test_a_failed_merge_leaves_no_check_record_of_any_asset(roots, instance, monkeypatch):

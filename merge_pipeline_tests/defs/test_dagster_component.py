@@ -79,6 +79,34 @@ def test_the_scaffolder_writes_the_instance_settings_a_new_project_lacks(project
         assert instance.run_retries_enabled and type(instance.run_launcher).__name__ == "MonitoredRunLauncher"
 
 
+def test_the_scaffolded_yaml_the_docs_table_and_the_resources_come_from_one_schema(project):
+    from merge_pipeline.dagster.alerts import AlertWebhook
+    from merge_pipeline.dagster.component import MergeCheckpoints
+    from merge_pipeline.dagster.resources import MergeSettings
+    from merge_pipeline.dagster.settings import SETTINGS, docs_table, of_resource
+
+    text = (project / "src/clusters/defs/cluster_a/defs.yaml").read_text()
+    attributes = yaml.safe_load(text)["attributes"]
+    for setting in SETTINGS:  # each setting named in the YAML with its description, set or left out
+        assert f"# {setting.description[:40]}" in text, setting.name
+        assert setting.name in attributes or f"  # {setting.name}:" in text, setting.name
+    assert {"checkpoint_roots", "output_root", "settle_seconds"} <= set(attributes)
+    # the resources' fields and the component's attributes, one per setting, described alike
+    resources = {"settings": MergeSettings, "alert_webhook": AlertWebhook}
+    for resource, model in resources.items():
+        fields = model.model_fields
+        assert list(fields) == [s.name for s in of_resource(resource)], resource
+        assert [f.description for f in fields.values()] == [s.description for s in of_resource(resource)]
+    assert {s.name for s in SETTINGS} <= set(MergeCheckpoints.model_fields)
+    assert {s.name for s in SETTINGS} == {f for m in resources.values() for f in m.model_fields} | {
+        s.name for s in SETTINGS if s.at_load
+    }
+    # the docs show the generated table and the scaffolded YAML (of the instance named cluster_a)
+    docs = (PROJECT_ROOT / "docs" / "DAGSTER.md").read_text()
+    assert docs_table() in docs, "docs/DAGSTER.md: paste `python -m merge_pipeline.dagster.settings`"
+    assert f"```yaml\n{text}```" in docs, "docs/DAGSTER.md: paste the scaffolded cluster_a/defs.yaml"
+
+
 def test_two_scaffolded_instances_load_with_dg_under_their_own_prefixes(project):
     written = yaml.safe_load((project / "src/clusters/defs/cluster_a/defs.yaml").read_text())
     assert written["type"] == "merge_pipeline.MergeCheckpoints"

@@ -14,7 +14,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from merge_pipeline.dagster.jobs import HEAVY_TAG
+from merge_pipeline.dagster.keys import HEAVY_TAG
 from merge_pipeline.definitions import defs
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 from merge_pipeline_tests.defs.services import LOCATIONS_QUERY, running_dagster_dev
@@ -122,7 +122,7 @@ def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy()
     assert "dagster/code_references" in specs["hf_model"].metadata
     assert specs["hf_model"].freshness_policy.fail_window.to_timedelta().total_seconds() == 30 * 60
     assert not defs.resolve_assets_def("checkpoint").is_executable  # the trainer writes it
-    assert "`global_step_<N>/<role>`" in specs["checkpoint"].description  # code: markdown keeps the <...>
+    assert "new_checkpoint_sensor" in specs["checkpoint"].description  # which stacks: test_descriptions.py
 
 
 @pytest.mark.slow

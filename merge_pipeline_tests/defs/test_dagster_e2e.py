@@ -19,7 +19,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs import browser
@@ -103,9 +103,11 @@ def wait_for_run(dagster: Dagster, key: str, job: str, *, after: int = 0) -> dic
 
 def drop(settings: MergeSettings, sample, key: str) -> None:
     """A checkpoint saved the way verl saves one: the role folder, then the tracker."""
-    parsed = CheckpointKey.parse(key)
-    shutil.copytree(sample.role_dir, settings.roots[0] / parsed.path, copy_function=shutil.copy)  # fresh mtimes
-    (settings.roots[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
+    parsed = checkpoint_key(key)
+    shutil.copytree(
+        sample.role_dir, settings.value("checkpoint_roots")[0] / parsed.path, copy_function=shutil.copy
+    )  # fresh mtimes
+    (settings.value("checkpoint_roots")[0] / parsed.run / TRACKER).write_text(str(parsed.step))
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,7 @@ def test_sensor_merges_a_dropped_checkpoint_bit_exact(merged, dagster, settings,
 
     assert run["status"] == "SUCCESS", dagster.log_tail()
     reference = load_file(sample.reference_dir / "model.safetensors")
-    output = load_safetensors_dir(settings.target_dir(CheckpointKey.parse(KEY)))
+    output = load_safetensors_dir(settings.target_dir(checkpoint_key(KEY)))
     assert set(output) == set(reference) and all(same_bits(output[n], t) for n, t in reference.items())
     record_property("checkpoint_to_published_seconds", round(latency, 1))
     record_property("sensor_run_seconds", round(run_seconds(run), 1))
@@ -169,7 +171,7 @@ def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors
     assert phases["RunStartEvent"] < START_BOUND_SECONDS, phases  # the worker imports no torch before it starts
 
     assert run["status"] == "SUCCESS" and run["runId"] == launched["run"]["runId"], dagster.log_tail()
-    merged_again = load_safetensors_dir(settings.target_dir(CheckpointKey.parse(KEY)))
+    merged_again = load_safetensors_dir(settings.target_dir(checkpoint_key(KEY)))
     assert {str(t.dtype) for t in merged_again.values()} == {"torch.bfloat16"}
     ui, sensor = run_seconds(run), run_seconds(sensor_run)
     record_property("ui_run_seconds", round(ui, 1))
@@ -200,7 +202,7 @@ def test_merge_pipeline_queue_puts_a_merge_in_the_queue_of_the_running_instance(
     assert run["runId"] == run_id and run["status"] == "SUCCESS", dagster.log_tail()
     events = {e["__typename"] for e in dagster.graphql(RUN_EVENTS, {"runId": run_id})["logsForRun"]["events"]}
     assert {"RunEnqueuedEvent", "RunStartingEvent"} <= events  # the queue, not the caller's process
-    merged_again = load_safetensors_dir(settings.target_dir(CheckpointKey.parse(KEY)))
+    merged_again = load_safetensors_dir(settings.target_dir(checkpoint_key(KEY)))
     assert {str(t.dtype) for t in merged_again.values()} == {"torch.bfloat16"}
 
     mistakes = {
@@ -245,18 +247,18 @@ def wait_for_report(dagster: Dagster) -> dict:
 def failed(merged, dagster, settings, fsdp_checkpoint):
     """A checkpoint whose rank file was cut short: the sensor's run fails in one line."""
     sample = fsdp_checkpoint(ACTOR)
-    parsed = CheckpointKey.parse(BROKEN)
-    shutil.copytree(sample.role_dir, settings.roots[0] / parsed.path, copy_function=shutil.copy)
-    rank_file = settings.roots[0] / parsed.path / "model_world_size_2_rank_1.pt"
+    parsed = checkpoint_key(BROKEN)
+    shutil.copytree(sample.role_dir, settings.value("checkpoint_roots")[0] / parsed.path, copy_function=shutil.copy)
+    rank_file = settings.value("checkpoint_roots")[0] / parsed.path / "model_world_size_2_rank_1.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])
-    (settings.roots[0] / parsed.run_name / TRACKER).write_text(str(parsed.step))
+    (settings.value("checkpoint_roots")[0] / parsed.run / TRACKER).write_text(str(parsed.step))
     return wait_for_run(dagster, BROKEN, "merge_checkpoint"), rank_file
 
 
 def test_a_broken_checkpoint_fails_in_one_line_and_the_sensor_says_so(failed, dagster, settings):
     run, rank_file = failed
     assert run["status"] == "FAILURE"
-    assert not settings.target_dir(CheckpointKey.parse(BROKEN)).exists()
+    assert not settings.target_dir(checkpoint_key(BROKEN)).exists()
     selector = {
         "repositoryLocationName": "merge_pipeline",
         "repositoryName": "__repository__",

@@ -9,11 +9,12 @@ import threading
 
 import dagster as dg
 
-from merge_pipeline.dagster.alerts import AlertWebhook, merge_failure_webhook
+from merge_pipeline.dagster.alerts import AlertWebhook
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, LOCATION, materialize
 
 KEY = "run/global_step_2/actor"
+merge_failure_webhook = LOCATION.resolve_sensor_def("merge_failure_webhook")
 
 
 @contextlib.contextmanager
@@ -86,7 +87,7 @@ def test_no_webhook_no_alert_and_a_webhook_that_is_down_fails_nothing(fsdp_check
     assert isinstance(skipped, dg.SkipReason) and "MERGE_PIPELINE_ALERT_WEBHOOK_URL is not set" in skipped.skip_message
     with webhook_receiver() as (url, _):
         down = url  # the receiver is stopped once the block ends
-    assert merge_failure_webhook(failure_context(instance, result, AlertWebhook(url=down))) is None
+    assert merge_failure_webhook(failure_context(instance, result, AlertWebhook(alert_webhook_url=down))) is None
 
 
 def test_settings_are_read_from_the_environment_when_used(tmp_path, monkeypatch):
@@ -95,8 +96,8 @@ def test_settings_are_read_from_the_environment_when_used(tmp_path, monkeypatch)
     monkeypatch.setenv("MERGE_PIPELINE_OUTPUT_ROOT", str(tmp_path / "merged"))
     monkeypatch.setenv("MERGE_PIPELINE_SETTLE_SECONDS", "5")
 
-    assert (settings.roots, settings.output_dir, settings.settle_time) == (
+    assert [settings.value(s) for s in ("checkpoint_roots", "output_root", "settle_seconds")] == [
         [tmp_path / "a", tmp_path / "b"],
         tmp_path / "merged",
         5.0,
-    )
+    ]

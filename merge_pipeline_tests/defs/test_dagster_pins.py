@@ -12,11 +12,12 @@ from pathlib import Path
 import dagster as dg
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, pin_path
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
-from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, LOCATION, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 KEY = "run/global_step_1/actor"
 
@@ -47,7 +48,7 @@ def test_a_step_deleted_by_the_rotation_mid_wait_is_merged_bit_exact_from_its_pi
 
     assert [r.partition_key for r in result.run_requests] == [KEY] and warnings == []
     [space] = settings.pin_spaces
-    pinned = pin_path(space, CheckpointKey.parse(KEY))
+    pinned = pin_path(space, checkpoint_key(KEY))
     assert files_under(pinned) == original  # the same inodes: hard links, not a byte copied
     instance.add_dynamic_partitions("checkpoints", [KEY])  # what the daemon does with the tick's request
 

@@ -24,7 +24,7 @@ import dagster as dg
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, PINS, pin_path
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT, Roots, materialize
@@ -94,7 +94,7 @@ def test_a_checkpoint_planted_at_our_next_steps_pin_is_not_published(capfd, fsdp
     pins = shared.checkpoints / PINS
     as_other_user("mkdir", "-m", "777", str(pins))  # they made .merge_pins first
     theirs = fsdp_checkpoint(OTHER_WEIGHTS).role_dir
-    for at in (pin_path(settings.pin_spaces[0], CheckpointKey.parse(KEY)), pins / EARLIER_LAYOUT / STEP / "actor"):
+    for at in (pin_path(settings.pin_spaces[0], checkpoint_key(KEY)), pins / EARLIER_LAYOUT / STEP / "actor"):
         plant_copy(theirs, at, outside)
     planted = tree_digest(pins)
     ours = fsdp_checkpoint(ACTOR)
@@ -186,7 +186,7 @@ def test_pin_folders_are_0700_and_another_user_reads_nothing_through_them(capfd,
     tick(capfd, instance, settings)
 
     pins = shared.checkpoints / PINS
-    pinned = pin_path(settings.pin_spaces[0], CheckpointKey.parse(KEY))
+    pinned = pin_path(settings.pin_spaces[0], checkpoint_key(KEY))
     assert files_under(pinned) == files_under(role_dir)
     folders = [pins, *(p for p in pins.rglob("*") if p.is_dir())]
     assert {(stat.S_IMODE(f.stat().st_mode), f.stat().st_uid) for f in folders} == {(0o700, 0)}
@@ -207,9 +207,7 @@ def test_a_pin_holding_another_file_than_it_was_made_with_is_not_read(capfd, fsd
     role_dir = roots.drop(ours, f"run/{STEP}", tracker=1)
     settings = roots.settings(pin_steps=True)
     tick(capfd, instance, settings)
-    pinned_rank_file = next(
-        pin_path(settings.pin_spaces[0], CheckpointKey.parse(KEY)).glob("model_world_size_*_rank_0.pt")
-    )
+    pinned_rank_file = next(pin_path(settings.pin_spaces[0], checkpoint_key(KEY)).glob("model_world_size_*_rank_0.pt"))
     pinned_rank_file.unlink()
     shutil.copy(next(fsdp_checkpoint(OTHER_WEIGHTS).role_dir.glob("model_world_size_*_rank_0.pt")), pinned_rank_file)
     if step == "rotated":
@@ -245,7 +243,7 @@ def test_two_deployments_keep_their_own_pins_until_their_own_merge(
     ours = fsdp_checkpoint(ACTOR)
     role_dir = roots.drop(ours, f"run/{STEP}", tracker=1)
     bf16, fp8 = two_deployments(roots)
-    key = CheckpointKey.parse(KEY)
+    key = checkpoint_key(KEY)
     tick(capfd, instance, bf16)
     tick(capfd, other_instance, fp8)
     assert bf16.pinned(key)[1] != fp8.pinned(key)[1]
@@ -263,7 +261,7 @@ def test_two_deployments_keep_their_own_pins_until_their_own_merge(
 def test_each_deployments_stale_sweep_leaves_the_others_pins(capfd, fsdp_checkpoint, roots, instance, other_instance):
     roots.drop(fsdp_checkpoint(ACTOR), f"run/{STEP}", tracker=1)
     bf16, fp8 = two_deployments(roots)
-    key = CheckpointKey.parse(KEY)
+    key = checkpoint_key(KEY)
     first, _ = tick(capfd, instance, bf16)  # requested and pinned by each; no run is ever launched here
     tick(capfd, other_instance, fp8)
     then = time.time() - PIN_GRACE_SECONDS - 1

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 from merge_pipeline_tests.defs.postgres import running_postgres
@@ -120,7 +120,7 @@ def production(tmp_path_factory):
 
 def test_the_sensor_merges_a_dropped_checkpoint_with_postgres_storage(production):
     dagster, settings, written, _, env, base = production
-    key = CheckpointKey.parse("prod/global_step_1/actor")
+    key = checkpoint_key("prod/global_step_1/actor")
 
     drop_and_wait_for_the_sensors_merge(dagster, settings, written, key)
 
@@ -135,7 +135,7 @@ def test_the_sensor_merges_a_dropped_checkpoint_with_postgres_storage(production
 
 def test_a_queued_merge_whose_worker_is_killed_is_retried_and_resumes(production):
     dagster, settings, written, reference, env, _ = production
-    key = CheckpointKey.parse("prod_resume/global_step_1/actor")
+    key = checkpoint_key("prod_resume/global_step_1/actor")
     drop_and_wait_for_the_sensors_merge(dagster, settings, written, key)
     run_id = str(uuid.uuid4())
     config = {"ops": {"hf_model": {"config": {"overwrite": True, **SHARDS}}}}

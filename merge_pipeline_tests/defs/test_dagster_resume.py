@@ -15,7 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.checkpoint_name import CheckpointName
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
@@ -70,11 +71,11 @@ def write_killable_checkpoint(base: Path, *, unsharded: Path | None = None) -> t
     return written, reference
 
 
-def drop_and_wait_for_the_sensors_merge(dagster: Dagster, settings: MergeSettings, written: Path, key: CheckpointKey):
+def drop_and_wait_for_the_sensors_merge(dagster: Dagster, settings: MergeSettings, written: Path, key: CheckpointName):
     """The checkpoint put in the watched root (hard links: the same files, no disk), its tracker last; the
     sensor's merge (one file) makes the partition."""
-    shutil.copytree(written, settings.roots[0] / key.path, copy_function=os.link)
-    (settings.roots[0] / key.run_name / TRACKER).write_text(str(key.step))
+    shutil.copytree(written, settings.value("checkpoint_roots")[0] / key.path, copy_function=os.link)
+    (settings.value("checkpoint_roots")[0] / key.run / TRACKER).write_text(str(key.step))
     sensor_run = dagster.wait_for("the sensor's merge", lambda: dagster.ended_run(str(key), "merge_checkpoint"))
     assert sensor_run["status"] == "SUCCESS", dagster.log_tail()
 
@@ -82,7 +83,7 @@ def drop_and_wait_for_the_sensors_merge(dagster: Dagster, settings: MergeSetting
 @pytest.mark.parametrize("launcher", [{"launcher": "inprocess"}, {"launcher": "torchrun", "nproc_per_node": 2}])
 def test_a_killed_run_is_retried_and_resumes_from_the_finished_files(served, launcher):
     dagster, settings, written, reference = served
-    key = CheckpointKey.parse(f"resume_{launcher['launcher']}/global_step_1/actor")
+    key = checkpoint_key(f"resume_{launcher['launcher']}/global_step_1/actor")
     drop_and_wait_for_the_sensors_merge(dagster, settings, written, key)
     # The merge killed below is a re-merge in 6 files.
     params = _materialize(str(key), {"overwrite": True, **SHARDS, **launcher})

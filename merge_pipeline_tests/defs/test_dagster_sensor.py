@@ -11,15 +11,17 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.discovery import completeness
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys
-from merge_pipeline.dagster.sensors import SOURCE_TAG, new_checkpoint_sensor
+from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.pipeline import merge
-from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, LOCATION, materialize
 from merge_pipeline_tests.helpers import tree_digest
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 
 def tick(instance, settings, cursor=None) -> dg.SensorResult:
@@ -195,7 +197,7 @@ def test_finds_steps_up_to_three_levels_deep_and_maps_keys_back(fsdp_checkpoint,
 
     assert keys == ["checkpoints/global_step_1/actor", "a/global_step_1/actor", "a/b/global_step_1/actor"]
     for key in keys:
-        assert settings.role_dir(CheckpointKey.parse(key)) == roots.checkpoints / key.removeprefix("checkpoints/")
+        assert settings.role_dir(checkpoint_key(key)) == roots.checkpoints / key.removeprefix("checkpoints/")
 
 
 @pytest.mark.parametrize(
@@ -211,7 +213,7 @@ def test_finds_steps_up_to_three_levels_deep_and_maps_keys_back(fsdp_checkpoint,
 )
 def test_malformed_partition_keys_are_refused(key):
     with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor|critic>"):
-        CheckpointKey.parse(key)
+        checkpoint_key(key)
 
 
 def test_rotation_removes_unmerged_partitions_and_never_merged_outputs(fsdp_checkpoint, roots, instance):

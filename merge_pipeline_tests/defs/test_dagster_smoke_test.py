@@ -7,13 +7,13 @@ import dagster as dg
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from merge_pipeline.dagster.hub import HuggingFaceHub, hub_model
-from merge_pipeline.dagster.report import step_report
+from merge_pipeline.dagster.hub import HuggingFaceHub
 from merge_pipeline.hf.smoke_test import FIXED_TEXT, NEW_TOKENS
-from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, asset, materialize
 from merge_pipeline_tests.hub.conftest import WRITER, hub  # noqa: F401 (the fake Hub fixture)
 
 KEY = "run/global_step_1/actor"
+hub_model, step_report = asset("hub_model"), asset("step_report")
 PROMPT = "the trainer saves a checkpoint every few"
 
 

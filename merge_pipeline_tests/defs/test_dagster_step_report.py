@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import base64
 
-from merge_pipeline.dagster.report import step_report
 from merge_pipeline_samples.fsdp import FsdpSpec
-from merge_pipeline_tests.defs.helpers import CHAIN, materialize
+from merge_pipeline_tests.defs.helpers import CHAIN, asset, materialize
 
 LORA = FsdpSpec(lora=(4, 8))
+step_report = asset("step_report")
 WITH_REPORT = [*CHAIN, step_report]
 
 

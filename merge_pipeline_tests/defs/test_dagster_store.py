@@ -12,12 +12,11 @@ import dagster as dg
 import pytest
 
 from merge_pipeline import store_listing
-from merge_pipeline.dagster.report import step_report
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, asset, materialize
 from merge_pipeline_tests.defs.test_dagster_sensor import requested, tick
 from merge_pipeline_tests.helpers import assert_bit_exact
 from merge_pipeline_tests.object_store import SECRET_KEY
@@ -27,7 +26,7 @@ KEY = "run/global_step_1/actor"
 
 def test_the_roots_variable_keeps_a_urls_colon(monkeypatch, tmp_path):
     monkeypatch.setenv("MERGE_PIPELINE_CHECKPOINT_ROOTS", f"s3://b/ckpts:{tmp_path}:gs://c/d")
-    assert MergeSettings().roots == ["s3://b/ckpts", tmp_path, "gs://c/d"]
+    assert MergeSettings().value("checkpoint_roots") == ["s3://b/ckpts", tmp_path, "gs://c/d"]
 
 
 def put_step(fs, bucket: str, sample, key: str, *, tracker: int | None = None) -> str:
@@ -169,7 +168,7 @@ def test_the_step_report_reads_merged_steps_in_the_bucket(bucket, fsdp_checkpoin
         put_step(fs, b, fsdp_checkpoint(ACTOR), key, tracker=step)
         assert materialize(instance, settings, key).success
 
-    result = materialize(instance, settings, "run/global_step_2/actor", selection=[step_report])
+    result = materialize(instance, settings, "run/global_step_2/actor", selection=[asset("step_report")])
 
     assert result.success, result.all_events
     [event] = result.get_asset_materialization_events()

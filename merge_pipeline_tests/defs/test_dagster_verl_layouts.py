@@ -10,15 +10,17 @@ import dagster as dg
 from safetensors.torch import load_file
 
 from merge_pipeline.dagster.discovery import completeness
-from merge_pipeline.dagster.partitions import CheckpointKey
-from merge_pipeline.dagster.sensors import SOURCE_TAG, new_checkpoint_sensor
+from merge_pipeline.dagster.partitions import checkpoint_key
+from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems
 from merge_pipeline.pipeline import merge
 from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
-from merge_pipeline_tests.defs.helpers import checks_passed, materialize
+from merge_pipeline_tests.defs.helpers import LOCATION, checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 SFT = FsdpSpec(layout="sft")
 LORA_ONLY = FsdpSpec(lora=(4, 8), lora_only=True)
@@ -45,7 +47,7 @@ def test_sensor_finds_an_sft_step_folder_and_the_chain_merges_it(fsdp_checkpoint
     [request] = tick(waiting.cursor).run_requests
     assert (request.partition_key, request.tags[SOURCE_TAG]) == (KEY, str(step_dir))
     assert request.run_key == f"{KEY}@{completeness(step_dir, 4, 3600).newest_change}"  # the step as saved
-    assert settings.role_dir(CheckpointKey.parse(KEY)) == step_dir
+    assert settings.role_dir(checkpoint_key(KEY)) == step_dir
 
     result = materialize(instance, settings, KEY)
     assert result.success

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.dagster import assets
-from merge_pipeline.dagster.checks import PASSED
 from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.keys import PASSED
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
+from merge_pipeline_tests.defs.helpers import asset
 from merge_pipeline_tests.helpers import assert_bit_exact
 
 KEY = "nemo/global_step_3/actor"
@@ -28,10 +28,10 @@ def test_hf_model_publishes_and_reports_each_stage(tmp_path, roots):
         instance.add_dynamic_partitions("checkpoints", [KEY])
         context = dg.build_asset_context(partition_key=KEY, instance=instance, resources={"settings": settings})
         # The three stages' results, as a run records them.
-        results = list(assets.merge_step(context, config=MergeConfig()))
+        results = list(asset("hf_model")(context, config=MergeConfig()))
 
     assert [r.asset_key for r in results] == [
-        stage.key for stage in (assets.parallel_config, assets.state_dict, assets.hf_model)
+        dg.AssetKey(stage) for stage in ("parallel_config", "state_dict", "hf_model")
     ]
     assert results[2].metadata[PASSED].value == CHECK_NAMES  # the blocking checks, passed before publishing
     target = roots.target(KEY)

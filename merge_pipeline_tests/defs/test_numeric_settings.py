@@ -12,8 +12,7 @@ import uuid
 import dagster as dg
 import pytest
 
-from merge_pipeline.dagster.component import MergeCheckpoints
-from merge_pipeline.dagster.names import PLAIN
+from merge_pipeline.definitions import location
 from merge_pipeline.errors import MergeError
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
@@ -34,20 +33,20 @@ DEFS_YAML = {
 def test_a_bad_environment_setting_fails_the_load_in_one_line(monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
 
-    with pytest.raises(MergeError) as refused:
-        MergeCheckpoints.from_env().definitions(PLAIN)  # what definitions.py loads
+    with pytest.raises(Exception) as refused:
+        location()  # what definitions.py loads
 
-    assert str(refused.value) == f"{variable} is {value!r}: {ENVIRONMENT[variable]}"
+    assert str(merge_error(refused.value)) == f"{variable} is {value!r}: {ENVIRONMENT[variable]}"
 
 
 @pytest.mark.parametrize("value", ["abc", "10s", "0GB", "-1GB"])
 def test_a_bad_smoke_test_size_fails_the_load_in_one_line(monkeypatch, value):
     monkeypatch.setenv("MERGE_PIPELINE_SMOKE_MAX_SIZE", value)
 
-    with pytest.raises(MergeError) as refused:
-        MergeCheckpoints.from_env().definitions(PLAIN)
+    with pytest.raises(Exception) as refused:
+        location()
 
-    assert str(refused.value).startswith(f"MERGE_PIPELINE_SMOKE_MAX_SIZE {value!r}: ")
+    assert str(merge_error(refused.value)).startswith(f"MERGE_PIPELINE_SMOKE_MAX_SIZE {value!r}: ")
 
 
 @pytest.mark.slow  # a fresh interpreter loads the code location as dagster's code server does
@@ -61,10 +60,20 @@ def test_the_code_location_load_says_the_one_line():
         timeout=300,
     )
 
+    # dg names the component that failed (merge/defs.yaml), caused by our line
     assert loaded.returncode != 0
-    assert loaded.stderr.splitlines()[-1] == (
+    assert "defs.yaml (MergeCheckpoints) (error)" in loaded.stderr, loaded.stderr
+    assert (
         "merge_pipeline.errors.MergeError: MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS is '10s': expected a whole number of seconds >= 0"
+        in loaded.stderr.splitlines()
     )
+
+
+def merge_error(raised: BaseException) -> MergeError | None:
+    """Our one line, the cause of the error dg raises naming the component that failed to load."""
+    while raised is not None and not isinstance(raised, MergeError):
+        raised = raised.__cause__
+    return raised
 
 
 def load_component(tmp_path, monkeypatch, attribute: str) -> dg.Definitions:
@@ -93,9 +102,7 @@ def test_a_bad_defs_yaml_setting_fails_the_load_in_the_same_line(tmp_path, monke
         load_component(tmp_path, monkeypatch, f"{field}: {value}")
 
     # dg reports the component that failed to load (cluster_a/defs.yaml) and, as its cause, our line
-    cause = refused.value
-    while cause is not None and not isinstance(cause, MergeError):
-        cause = cause.__cause__
+    cause = merge_error(refused.value)
     shown = {"abc": "'abc'", "10s": "'10s'", ".nan": "nan", ".inf": "inf", "-5": "-5.0"}[value]
     assert str(cause) == f"defs.yaml {field} is {shown}: {DEFS_YAML[field]}"
 
@@ -104,10 +111,10 @@ def test_good_settings_are_taken_from_the_environment_and_defs_yaml(tmp_path, mo
     monkeypatch.setenv("MERGE_PIPELINE_SETTLE_SECONDS", "2.5")
     monkeypatch.setenv("MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS", "30.0")  # a whole number, written as a float
 
-    from_env = MergeCheckpoints.from_env().definitions(PLAIN)
+    from_env = location()
     from_yaml = load_component(tmp_path, monkeypatch, "settle_seconds: 0\n  sensor_interval_seconds: 20.0")
 
     assert from_env.resolve_sensor_def("new_checkpoint_sensor").minimum_interval_seconds == 30
-    assert from_env.resources["settings"].settle_time == 2.5
+    assert from_env.resources["settings"].value("settle_seconds") == 2.5
     assert from_yaml.resolve_sensor_def("cluster_a__new_checkpoint_sensor").minimum_interval_seconds == 20
-    assert from_yaml.resources["cluster_a__settings"].settle_time == 0
+    assert from_yaml.resources["cluster_a__settings"].value("settle_seconds") == 0

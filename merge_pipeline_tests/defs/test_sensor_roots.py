@@ -5,12 +5,13 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline_tests.defs.helpers import ACTOR
+from merge_pipeline_tests.defs.helpers import ACTOR, LOCATION
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 
 def tick(capfd, instance, settings, cursor=None) -> tuple[dg.SensorResult, list[str]]:
@@ -54,7 +55,7 @@ def test_a_canonical_step_beside_an_odd_one_is_still_requested(capfd, fsdp_check
 @pytest.mark.parametrize("key", ["run/global_step_007/actor", "run/global_step_٣/actor", "run/global_step_1\n/actor"])
 def test_partition_keys_name_only_canonical_step_folders(key):
     with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor|critic>"):
-        CheckpointKey.parse(key)
+        checkpoint_key(key)
 
 
 def test_missing_root_is_reported(capfd, roots, instance, tmp_path):

@@ -14,12 +14,13 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.discovery import completeness
-from merge_pipeline.dagster.partitions import CheckpointKey
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline_tests.defs.helpers import materialize
+from merge_pipeline_tests.defs.helpers import LOCATION, materialize
 from merge_pipeline_tests.helpers import assert_bit_exact, load_safetensors_dir, run_cli, same_bits
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 DEEPSPEED = "zero2-tied-frozen"  # config.json and tokenizer beside `latest`, as the HF Trainer saves them
 DCP_DONE = "DCP: .metadata present (dcp.save's coordinator writes it after every rank's data)"
@@ -68,9 +69,17 @@ def test_each_stack_gets_one_partition_merged_as_the_cli_merges_it(capsys, tmp_p
 
     assert sorted(requested(result)) == sorted(stacks)
     why = {e.partition: e.metadata["completeness"].value for e in result.asset_events}
+    # each event names its stack as the readers declare the step folder (the UI's descriptions name none)
+    assert {e.partition: e.metadata["stack"].value for e in result.asset_events} == {
+        "titan/checkpoint/step-10": "torchtitan",
+        "openrlhf/ckpt/global_step2": "DeepSpeed",
+        "hf/checkpoint-2": "the HF Trainer",
+        "acc/checkpoint-1": "the HF Trainer",
+        "nemo/step_1/policy": "NeMo-RL",
+    }
     for key, (folder, _) in stacks.items():
         assert why[key].startswith(DEEPSPEED_DONE if "global_step2" in key or "checkpoint-2" in key else DCP_DONE)
-        parsed = CheckpointKey.parse(key)
+        parsed = checkpoint_key(key)
         assert str(parsed) == key and settings.role_dir(parsed) == folder
     assert {str(f.key): f.role_dir for f in settings.find_checkpoints().found} == {k: f for k, (f, _) in stacks.items()}
 
@@ -193,7 +202,7 @@ def test_step_folders_of_other_stacks_that_do_not_map_back_are_skipped(roots, in
 )
 def test_partition_keys_of_other_stacks_name_only_their_folders(key):
     with pytest.raises(MergeError, match="is not <run_name>/global_step_<N>/<actor"):
-        CheckpointKey.parse(key)
+        checkpoint_key(key)
 
 
 def test_the_settings_hf_model_path_lets_the_sensors_run_merge_a_checkpoint_without_config(
@@ -238,7 +247,8 @@ def test_megatron_lm_iterations_are_partitions_merged_as_the_cli_merges_them(
     assert {e.partition: e.metadata["completeness"].value for e in second.asset_events} == {
         key: f"{TRACKER} says 100 >= 100"
     }
-    assert settings.role_dir(CheckpointKey.parse(key)) == iteration and CheckpointKey.parse(key).step == 100
+    assert [e.metadata["stack"].value for e in second.asset_events] == ["Megatron-LM"]
+    assert settings.role_dir(checkpoint_key(key)) == iteration and checkpoint_key(key).step == 100
 
     assert materialize(instance, settings, key).success
     flags = ("--hf_model_path", megatron_lm_sample.original_dir)

@@ -11,14 +11,16 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from merge_pipeline import __version__
-from merge_pipeline.dagster.hub import HuggingFaceHub, hub_model, publish_latest_steps
-from merge_pipeline.dagster.partitions import CheckpointKey
-from merge_pipeline.dagster.report import step_report
+from merge_pipeline.dagster.hub import HuggingFaceHub
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError
 from merge_pipeline.pipeline import merge
-from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, materialize
+from merge_pipeline_tests.defs.helpers import ACTOR, CHAIN, LOCATION, asset, materialize
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint
+
+hub_model, step_report = asset("hub_model"), asset("step_report")
+publish_latest_steps = LOCATION.resolve_schedule_def("publish_latest_steps")
 
 
 def tick(instance, hub_resource):
@@ -100,7 +102,7 @@ def test_one_commit_per_step_on_main(hub, merged_folder, fsdp_checkpoint, tmp_pa
     )
 
     for folder, key in ((merged_folder, "ppo-qwen/global_step_7/actor"), (step_8, "ppo-qwen/global_step_8/actor")):
-        result = hub_resource.publish(folder, CheckpointKey.parse(key))
+        result = hub_resource.publish(folder, checkpoint_key(key))
         assert (result.repo_id, result.revision) == ("org/ppo-qwen", "main")
 
     repo = hub.repos[("model", "org/ppo-qwen")]
@@ -151,7 +153,7 @@ def test_the_resource_timeout_bounds_a_publish_to_a_hub_that_never_answers(hub, 
             MergeError,
             match=r"^org/ppo-qwen-actor: cannot reach http://127\.0\.0\.1:\d+ \(ReadTimeout: timed out on POST /api/repos/create\)",
         ):
-            hub_resource.publish(merged_folder, CheckpointKey.parse("ppo-qwen/global_step_7/actor"))
+            hub_resource.publish(merged_folder, checkpoint_key("ppo-qwen/global_step_7/actor"))
     assert time.monotonic() - started < 4 * 0.5 + 14 + 15  # 4 attempts, 2 + 4 + 8 s apart
 
 

@@ -9,8 +9,8 @@ import hashlib
 import dagster as dg
 import pytest
 
-from merge_pipeline.dagster.hub import HuggingFaceHub, hub_model
-from merge_pipeline_tests.defs.helpers import ACTOR, materialize
+from merge_pipeline.dagster.hub import HuggingFaceHub
+from merge_pipeline_tests.defs.helpers import ACTOR, asset, materialize
 from merge_pipeline_tests.defs.test_dagster_store import KEY, put_step, store_settings
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER
@@ -18,7 +18,7 @@ from merge_pipeline_tests.hub.conftest import WRITER
 
 def publish(instance, settings, key: str) -> dg.ExecuteInProcessResult:
     return dg.materialize(
-        [hub_model],
+        [asset("hub_model")],
         partition_key=key,
         instance=instance,
         resources={"settings": settings, "hub": HuggingFaceHub(organization="org", token=WRITER)},

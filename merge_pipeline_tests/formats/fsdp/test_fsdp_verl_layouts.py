@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from merge_pipeline.dagster.partitions import CheckpointKey
+from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
@@ -211,10 +211,10 @@ def test_sft_step_folder_merges_with_role_model(capsys, tmp_path, fsdp_checkpoin
 
 
 def test_sft_partition_key_has_no_role_part():
-    key = CheckpointKey.parse("team/exp/global_step_7")
-    assert (key.run_name, key.step, key.role) == ("team/exp", 7, "model")
+    key = checkpoint_key("team/exp/global_step_7")
+    assert (key.run, key.step, key.role) == ("team/exp", 7, "model")
     assert str(key) == "team/exp/global_step_7" and str(key.path) == "team/exp/global_step_7"
-    assert CheckpointKey.parse("team/exp/global_step_7/actor").role == "actor"
+    assert checkpoint_key("team/exp/global_step_7/actor").role == "actor"
 
 
 def test_sft_checkpoint_name_has_run_step_and_role():
@@ -226,7 +226,7 @@ def test_sft_checkpoint_name_has_run_step_and_role():
         "model",
         "verl",
     )
-    assert str(name) == str(CheckpointKey.parse("sft_run/global_step_7"))
+    assert str(name) == str(checkpoint_key("sft_run/global_step_7"))
 
 
 # --- NeMo-Automodel: consolidated HF safetensors in <role>/model/ ------------------------------------

@@ -11,14 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.resources import OUTPUT_VAR, ROOTS_VAR, MergeSettings
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
+from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.definitions import defs
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_samples.megatron import arrange_v2
 from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 - fixtures: a real instance, watched roots
-from merge_pipeline_tests.defs.helpers import checks_passed
+from merge_pipeline_tests.defs.helpers import LOCATION, checks_passed
 from merge_pipeline_tests.helpers import (
     assert_loads_every_stored_value,
     load_safetensors_dir,
@@ -27,6 +26,9 @@ from merge_pipeline_tests.helpers import (
     same_bits,
     tree_digest,
 )
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
+ROOTS_VAR, OUTPUT_VAR = "MERGE_PIPELINE_CHECKPOINT_ROOTS", "MERGE_PIPELINE_OUTPUT_ROOT"
 
 MIXED = "llama_tied_pp2"  # megatron-core 0.16, local spec, params_dtype bf16: RMSNorm weights stay fp32
 KEY = "run/global_step_1/actor"

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from merge_pipeline.dagster.discovery import completeness
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensors import new_checkpoint_sensor
 from merge_pipeline_samples.megatron import (
     LORA_ALPHA,
     LORA_R,
@@ -30,7 +29,7 @@ from merge_pipeline_samples.megatron import (
     sample_tokens,
     write_bridge_weights,
 )
-from merge_pipeline_tests.defs.helpers import materialize
+from merge_pipeline_tests.defs.helpers import LOCATION, materialize
 from merge_pipeline_tests.helpers import (
     assert_bit_exact,
     load_safetensors_dir,
@@ -40,6 +39,8 @@ from merge_pipeline_tests.helpers import (
     same_bits,
     tree_digest,
 )
+
+new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")
 
 
 def logits(folder, model_class=transformers.AutoModelForCausalLM) -> torch.Tensor:

@@ -1,0 +1,17 @@
+"""The names the merge step, the step report, the Hub and the averaged model share: asset groups,
+owners, the pool and run tag that keep heavy runs apart, and the metadata keys one writes and another
+reads. One home, below all of them, so none imports another just for a string."""
+
+GROUP = "merge"  # the merge's assets (an instance's: <prefix>__merge)
+HUB_GROUP = "hub"
+OWNERS = ["team:training-infra"]
+MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
+HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
+
+# hf_model and state_dict: the blocking checks that looked at the stage, and (hf_model) that all passed
+CHECKED = "checked before publishing"  # a table of the checks that looked at this stage
+PASSED = "blocking checks passed"  # on hf_model: every check, so its materialization says the whole folder passed
+
+# step_report, read by the Hub (the model card, and whether a step may be published)
+NAN, INF = "NaN", "Inf"
+SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smoke text", "smoke loss (fixed text)"

@@ -1,0 +1,286 @@
+"""Every setting of the ``MergeCheckpoints`` component, declared once: its name (the ``defs.yaml``
+attribute and the resource field), its environment variable, its default, its help and its check.
+
+From this one list come the component's attributes (``component.py``), the fields of the ``settings``
+and ``alert_webhook`` resources (``resources.py``, ``alerts.py``), the ``defs.yaml`` the scaffolder
+writes, and the table in docs/DAGSTER.md ("Configuration": ``python -m merge_pipeline.dagster.settings``
+prints it; a test holds the two equal).
+
+An attribute left out is read from its variable, when a run or a sensor tick uses it, or for the
+settings that shape the definitions (``at_load``) when the code location loads; with neither, the
+default. A value that does not pass its check (``abc``, ``10s``, ``nan``, ``inf``, ``-5`` seconds, a
+size of ``0GB``) fails the location's load in one line naming the variable or the ``defs.yaml``
+attribute, the value and what is expected: ``nan`` or ``inf`` would wait forever, a negative settle
+time would switch the wait off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import reprlib
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, create_model
+
+from merge_pipeline.dagster.pins import PINS
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
+from merge_pipeline.options import parse_size
+from merge_pipeline.storage import is_store_url
+from merge_pipeline.store_listing import StoreURL
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a setting holds: its type in ``defs.yaml`` and the resource, and how a value (the attribute's,
+    or the variable's text) becomes what the code uses, checked (``MergeError`` naming ``named``)."""
+
+    type: Any
+    parse: Callable[[Any, str], Any]
+    checked_at_load: bool = False  # a value that can be wrong (a number, a size): checked when the location loads
+
+
+def number(unit: str, minimum: float = 0, whole: bool = False) -> Kind:
+    """A finite number of ``unit`` at or above ``minimum`` (``whole``: Dagster takes the sensor interval as an int)."""
+
+    def parse(value: Any, named: str) -> float:
+        try:
+            parsed = math.nan if isinstance(value, bool) else float(value)  # YAML's true is no number of seconds
+        except (TypeError, ValueError, OverflowError):
+            parsed = math.nan
+        if not minimum <= parsed < math.inf or (whole and not parsed.is_integer()):
+            kind = "a whole number" if whole else "a finite number"
+            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected {kind} of {unit} >= {minimum:g}")
+        return int(parsed) if whole else parsed
+
+    return Kind(int if whole else float, parse, checked_at_load=True)
+
+
+def _switch(value: Any, named: str) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+def _folders_or_urls(value: Any, named: str) -> list[Path | StoreURL]:
+    roots = _split_roots(value) if isinstance(value, str) else value
+    return [_folder_or_url(r, named) for r in roots if r]
+
+
+def _split_roots(setting: str) -> list[str]:
+    """os.pathsep-separated roots, where a URL's own ``:`` (``s3://bucket/prefix``) separates nothing."""
+    roots: list[str] = []
+    for part in setting.split(os.pathsep):
+        if roots and part.startswith("//") and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", roots[-1]):
+            roots[-1] += os.pathsep + part
+        else:
+            roots.append(part)
+    return roots
+
+
+def _folder_or_url(value: Any, named: str) -> Path | StoreURL:
+    """``s3://bucket/prefix`` (any fsspec URL) as a store prefix, anything else as a local folder."""
+    return StoreURL(value) if is_store_url(value) else Path(value).absolute()
+
+
+def _optional_path(value: Any, named: str) -> Path | None:
+    return Path(value).absolute() if value else None
+
+
+SECONDS = number("seconds")
+SWITCH = Kind(bool, _switch)
+TEXT = Kind(str, lambda value, named: value)
+OPTIONAL_TEXT = Kind(str, lambda value, named: value or None)
+FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
+FOLDER_OR_URL = Kind(str, _folder_or_url)
+OPTIONAL_PATH = Kind(str, _optional_path)
+SIZE = Kind(str, parse_size, checked_at_load=True)
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the defs.yaml attribute and the resource field
+    variable: str  # read when the attribute is left out
+    kind: Kind
+    default: Any  # as the variable would say it (None: none)
+    help: str
+    resource: str | None = "settings"  # the resource holding it; None: it shapes the definitions, read at load
+    example: str | None = None  # what the scaffolded defs.yaml sets ({prefix}: the instance's); None: left out
+    unset: str | None = None  # what no value at all means, where the default does not say it
+
+    @property
+    def at_load(self) -> bool:
+        return self.resource is None
+
+    def of(self, value: Any) -> Any:
+        """What the code uses: the attribute's ``value``, else the variable's, else the default; checked."""
+        if value is not None:
+            return self.kind.parse(value, self.name)
+        text = os.environ.get(self.variable)
+        if text is not None:
+            return self.kind.parse(text, self.variable)
+        return None if self.default is None else self.kind.parse(self.default, self.name)
+
+    def check(self, value: Any) -> Any:
+        """A ``defs.yaml`` attribute's value, as given, once it passed the check (one line naming it)."""
+        if value is not None and self.kind.checked_at_load:
+            self.kind.parse(value, f"defs.yaml {self.name}")
+        return value
+
+    @property
+    def shown_default(self) -> str:
+        return self.unset or (
+            "none" if self.default is None else repr(self.default) if " " in self.default else self.default
+        )
+
+    @property
+    def description(self) -> str:
+        """The resource field's description (the UI shows it) and the scaffolded attribute's comment."""
+        return f"{self.help}; unset: ${self.variable}, else {self.shown_default}"
+
+    def field(self) -> tuple[Any, Any]:
+        """The attribute / resource field: its type or None (left out: the variable's, then the default)."""
+        return self.kind.type | None, Field(default=None, description=self.description)
+
+
+SETTINGS = (
+    Setting(
+        "checkpoint_roots",
+        "MERGE_PIPELINE_CHECKPOINT_ROOTS",
+        FOLDERS_OR_URLS,
+        "./demo/checkpoints",
+        "folders or store prefixes (s3://bucket/prefix) watched for checkpoints; the variable: os.pathsep-separated",
+        example="[/data/{prefix}/checkpoints]",
+    ),
+    Setting(
+        "output_root",
+        "MERGE_PIPELINE_OUTPUT_ROOT",
+        FOLDER_OR_URL,
+        "./demo/merged",
+        "merged HF folders land in <output_root>/<partition key>/ (the checkpoint folder's path below its watched root)",
+        example="/data/{prefix}/merged",
+    ),
+    Setting(
+        "settle_seconds",
+        "MERGE_PIPELINE_SETTLE_SECONDS",
+        SECONDS,
+        "60",
+        "without the trainer's tracker file, a step is complete once no file under it changed for this long",
+        example="60",
+    ),
+    Setting(
+        "hf_model_path",
+        "MERGE_PIPELINE_HF_MODEL_PATH",
+        OPTIONAL_TEXT,
+        None,
+        "the original HF model folder for checkpoints that hold no config of their own (a merge that needs "
+        "it says so), so the sensor's runs merge them; a run config's hf_model_path wins",
+    ),
+    Setting(
+        "pin_steps",
+        "MERGE_PIPELINE_PIN_STEPS",
+        SWITCH,
+        "0",
+        "hard-link a complete step into a pin folder when its merge is requested, so the trainer's rotation "
+        "cannot delete it before it is merged; the pin is removed once published or failed (the variable: 1/true)",
+        example="false",
+    ),
+    Setting(
+        "pin_root",
+        "MERGE_PIPELINE_PIN_ROOT",
+        OPTIONAL_PATH,
+        None,
+        "where pins lie: a folder of this user's (made 0700 if absent; each deployment's pins in a 0700 folder "
+        "of their own), on the checkpoints' filesystem (hard links do not cross filesystems)",
+        unset=f"<checkpoint root>/{PINS}",
+    ),
+    Setting(
+        "smoke_test",
+        "MERGE_PIPELINE_SMOKE_TEST",
+        SWITCH,
+        "0",
+        "after the merge, load the folder with transformers on CPU, greedy-generate a few tokens for "
+        "smoke_prompt and measure the loss on a short fixed text (step_report and the model card; the variable: 1/true)",
+        example="false",
+    ),
+    Setting(
+        "smoke_prompt",
+        "MERGE_PIPELINE_SMOKE_PROMPT",
+        TEXT,
+        DEFAULT_PROMPT,
+        "the smoke test's prompt",
+    ),
+    Setting(
+        "smoke_max_size",
+        "MERGE_PIPELINE_SMOKE_MAX_SIZE",
+        SIZE,
+        "2GB",  # the model is loaded whole, on CPU, in the run's process: a 1B bf16 model fits
+        "folders with more weight bytes than this skip the smoke test (loaded whole)",
+        example="2GB",
+    ),
+    Setting(
+        "alert_webhook_url",
+        "MERGE_PIPELINE_ALERT_WEBHOOK_URL",
+        OPTIONAL_TEXT,
+        None,
+        "where merge_failure_webhook posts a failed run",
+        resource="alert_webhook",
+        unset="no alerts",
+    ),
+    Setting(
+        "sensor_interval_seconds",
+        "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS",
+        number("seconds", whole=True),
+        "10",
+        "minimum time between sensor ticks (the daemon loops every 5 s at best)",
+        resource=None,
+    ),
+    Setting(
+        "freshness_minutes",
+        "MERGE_PIPELINE_FRESHNESS_MINUTES",
+        number("minutes", minimum=1),  # Dagster refuses a freshness window under a minute
+        "30",
+        "hf_model's freshness policy: stale when no step was published for this long",
+        resource=None,
+    ),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def of_resource(resource: str) -> tuple[Setting, ...]:
+    return tuple(s for s in SETTINGS if s.resource == resource)
+
+
+def with_fields(base: type[BaseModel], settings: tuple[Setting, ...], field=Setting.field) -> type[BaseModel]:
+    """``base`` with one field per setting (``field``: the setting's type and pydantic field), for a
+    resource or the component to subclass."""
+    return create_model(f"{base.__name__}Settings", __base__=base, **{s.name: field(s) for s in settings})
+
+
+def docs_table() -> str:
+    """The table docs/DAGSTER.md shows under "Configuration"."""
+    rows = ["| variable | `defs.yaml` attribute | default | read | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        read = "at load" if s.at_load else "per run / tick"
+        meaning = s.help.replace("<", "\\<")  # <output_root> is no HTML tag
+        default = s.shown_default.replace("<", "\\<")
+        rows.append(f"| `{s.variable}` | `{s.name}` | {default} | {read} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def scaffold_lines(prefix: str) -> list[str]:
+    """The scaffolded ``defs.yaml``'s lines of every setting: its description as a comment, then the
+    attribute set to its example, or left out (commented, reading the variable) where it has none."""
+    lines = []
+    for s in SETTINGS:
+        lines += textwrap.wrap(s.description, 96, initial_indent="# ", subsequent_indent="# ")
+        lines.append(f"{s.name}: {s.example.format(prefix=prefix)}" if s.example else f"# {s.name}:")
+    return lines
+
+
+if __name__ == "__main__":  # python -m merge_pipeline.dagster.settings: the table docs/DAGSTER.md shows
+    print(docs_table(), end="")

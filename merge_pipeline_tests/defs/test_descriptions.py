@@ -1,0 +1,35 @@
+"""The UI's descriptions keep no hand-made list of training stacks: such a list went stale (the sensor's
+left out Megatron-LM's ``iter_<N>``). The stacks come from the readers' step-folder declarations, on the
+events the sensor records (their key's writer, ``test_sensor_stacks``); loading the location cannot ask the
+readers (torch)."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from merge_pipeline.pipeline import step_folders
+from merge_pipeline_tests.defs.helpers import LOCATION
+
+
+def descriptions(defs: dg.Definitions) -> dict[str, str]:
+    """Every description the UI shows: assets, sensors, schedules, jobs and the resources' fields."""
+    shown = {s.name: s.description for s in [*defs.sensors, *defs.schedules]}
+    for definition in defs.assets:
+        for spec in definition.specs if isinstance(definition, dg.AssetsDefinition) else [definition]:
+            shown[spec.key.to_user_string()] = spec.description
+    for job in defs.resolve_all_job_defs():
+        shown[job.name] = job.description
+    for name, resource in defs.resources.items():
+        shown |= {f"{name}.{f}": field.description for f, field in type(resource).model_fields.items()}
+    return {name: text for name, text in shown.items() if text}
+
+
+def test_no_description_lists_a_stack_by_hand():
+    stacks = {folder.stack for folder in step_folders()} - {"the HF Trainer"}  # "HF" is in many a line
+    prefixes = {folder.prefix for folder in step_folders()}
+
+    shown = descriptions(LOCATION)
+
+    assert {"new_checkpoint_sensor", "checkpoint", "hub.revisions"} <= set(shown)
+    named = {name: [w for w in (*stacks, *(f"{p}<" for p in prefixes)) if w in text] for name, text in shown.items()}
+    assert {name: words for name, words in named.items() if words} == {}
