@@ -211,7 +211,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
             return merge
         averaging = dg.Definitions(
             assets=[
-                averaged_model_definition(names, self.averaging),
+                averaged_model_definition(names, self.averaging, checked_merge_config(self.merge_config or {})),
                 # its Hub upload, materialized from the UI (no schedule of its own)
                 *([hub_averaged_definition(names)] if self.hub.organization else []),
             ],
