@@ -34,6 +34,7 @@ from merge_pipeline.dagster.hub import (
     hub_averaged_definition,
     hub_definitions,
 )
+from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.numeric_settings import FRESHNESS, NUMERIC_SETTINGS, SENSOR_INTERVAL
 from merge_pipeline.dagster.report import step_report_definition
@@ -212,7 +213,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
         averaging = dg.Definitions(
             assets=[
                 averaged_model_definition(names, self.averaging, checked_merge_config(self.merge_config or {})),
-                # its Hub upload, materialized from the UI (no schedule of its own)
+                # its Hub upload (materialized from the UI, or by its schedule)
                 *([hub_averaged_definition(names)] if self.hub.organization else []),
             ],
             sensors=[
@@ -220,6 +221,8 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, dg.Model):
                     names, self.sensor_interval_seconds, self.averaging, self.max_concurrent_merges
                 )
             ],
+            # hub_averaged_model's schedule, with it: on by default where Hub publishing is configured
+            schedules=[publish_averaged_schedule(names, self.hub.schedule)] if self.hub.organization else [],
         )
         return dg.Definitions.merge(merge, averaging)
 

@@ -4,9 +4,6 @@ writes; a component's ``merge_config`` sends its averages where it sends its mer
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
-
 import dagster as dg
 import pytest
 
@@ -14,13 +11,10 @@ from merge_pipeline.dagster.averaging import Averaging, averaged_model_definitio
 from merge_pipeline.dagster.component import MergeCheckpoints
 from merge_pipeline.dagster.names import PLAIN, Names
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
-from merge_pipeline_samples.fsdp import FsdpSpec
+from merge_pipeline_tests.defs.averaged_steps import publish_merged_steps
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.ray_cluster import local_cluster
 
-STEP = FsdpSpec(with_optimizer=False)  # the averaging tests' steps: written once per session
 SHARDS = {"max_shard_size": "200KB"}  # several weight files: the workers share them
 # What names its inputs (their paths differ per run); every other file must be the same bytes.
 NAMING_INPUTS = {MANIFEST, "README.md"}
@@ -34,20 +28,8 @@ def cluster():
 
 @pytest.fixture
 def merged_steps(fsdp_checkpoint, roots, instance):
-    """``merged_steps(*runs)``: three merged steps in each run (actor), published as hf_model publishes
-    them, and their checkpoint partitions known to the instance. Merged once, copied to the other runs."""
-
-    def put(*runs: str) -> None:
-        first, *others = runs
-        for step in (1, 2, 3):
-            sample = fsdp_checkpoint(dataclasses.replace(STEP, seed=step))
-            keys = [f"{run}/global_step_{step}/actor" for run in runs]
-            merge(sample.role_dir, roots.target(keys[0]), MergeOptions(), show_progress=False)
-            for key in keys[1:]:
-                shutil.copytree(roots.target(keys[0]), roots.target(key))
-            instance.add_dynamic_partitions("checkpoints", keys)
-
-    return put
+    """``merged_steps(*runs)``: three merged steps in each run, as hf_model publishes them."""
+    return lambda *runs: publish_merged_steps(fsdp_checkpoint, roots, instance, runs)
 
 
 def average(instance, roots, run: str, config: dict) -> dg.ExecuteInProcessResult:
@@ -103,9 +85,9 @@ def test_ray_tasks_write_the_average_the_run_process_would(cluster, merged_steps
 
 
 @pytest.mark.slow
-def test_a_components_merge_config_sends_its_averages_to_the_cluster(cluster, merged_steps, roots, instance):
+def test_a_components_merge_config_sends_its_averages_to_the_cluster(cluster, fsdp_checkpoint, roots, instance):
     """defs.yaml's ``merge_config`` is averaged_model's default too: the sensor's runs carry no config."""
-    merged_steps("comp")
+    publish_merged_steps(fsdp_checkpoint, roots, instance, ("comp",), partitions="c__checkpoints")
     component = MergeCheckpoints(
         prefix="c",
         checkpoint_roots=[str(roots.checkpoints)],
@@ -114,7 +96,6 @@ def test_a_components_merge_config_sends_its_averages_to_the_cluster(cluster, me
         merge_config={"launcher": "ray", "ray_address": cluster.address, **SHARDS},
     )
     defs = component.definitions(Names("c"))
-    instance.add_dynamic_partitions("c__checkpoints", [f"comp/global_step_{step}/actor" for step in (1, 2, 3)])
     instance.add_dynamic_partitions("c__averaged_runs", ["comp/actor"])
 
     result = defs.resolve_job_def("c__average_run").execute_in_process(partition_key="comp/actor", instance=instance)
