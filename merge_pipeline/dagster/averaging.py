@@ -5,7 +5,9 @@ Partitioned by run (``<run_name>/<role>``, dynamic partitions ``averaged_runs``)
 ``hf_model`` partitions: its inputs are the newest K published merged folders of the run and role
 (each checked before it was published), newest last. The run is ``pipeline.merge`` on their average, as
 ``merge-pipeline average`` runs it: streamed, the blocking checks on the staging folder, then published
-atomically into ``<output_root>/<run_name>/averaged/<role>``, replacing the previous average of the run.
+atomically into ``<output_root>/<run_name>/averaged/<role>``, replacing the previous average of the run;
+its weights written by the merge step's launcher (``weights.workers_for``: in process, torchrun or Ray, the
+component's ``merge_config`` giving the defaults).
 Its metadata names each input and its weight, and compares the average with the newest step
 (``hf/step_diff``, the step report's table).
 

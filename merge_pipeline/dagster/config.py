@@ -2,6 +2,8 @@
 
 Every ``MergeOptions`` field is a config field here, with the CLI's help as its description and the
 same default; so is every ``RaySettings`` field, as ``ray_<name>``; the other launcher fields are Dagster's own.
+The launcher's fields (``LauncherConfig``) are averaged_model's too (``writer_fields``), so an average is
+written where a merge is.
 """
 
 from __future__ import annotations
