@@ -5,7 +5,9 @@ Partitioned by run (``<run_name>/<role>``, dynamic partitions ``averaged_runs``)
 ``hf_model`` partitions: its inputs are the newest K published merged folders of the run and role
 (each checked before it was published), newest last. The run is ``pipeline.merge`` on their average, as
 ``merge-pipeline average`` runs it: streamed, the blocking checks on the staging folder, then published
-atomically into ``<output_root>/<run_name>/averaged/<role>``, replacing the previous average of the run.
+atomically into ``<output_root>/<run_name>/averaged/<role>``, replacing the previous average of the run;
+its weights written by the merge step's launcher (``weights.workers_for``: in process, torchrun or Ray, the
+component's ``merge_config`` giving the defaults).
 Its metadata names each input and its weight, and compares the average with the newest step
 (``hf/step_diff``, the step report's table).
 
@@ -23,6 +25,7 @@ from pydantic import Field, create_model, model_validator
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.checks import checks_metadata
+from merge_pipeline.dagster.config import LauncherConfig, writer_fields
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
@@ -122,15 +125,20 @@ def merged_steps(
     return sorted(keys, key=lambda k: k.step)
 
 
-def averaged_model_definition(names: Names, averaging: Averaging) -> dg.AssetsDefinition:
-    # The run config: Averaging's fields, with this component's values as defaults (the Launchpad shows them).
+def averaged_model_definition(
+    names: Names, averaging: Averaging, merge_config: dict | None = None
+) -> dg.AssetsDefinition:
+    """``merge_config``: the component's (checked): the average is written by the merge step's launcher."""
+    # The run config: Averaging's fields, with this component's values as defaults (the Launchpad shows
+    # them), and the merge step's launcher and shard size, with the merge_config's values as defaults.
     config_class = create_model(
         "AveragedModelConfig",
-        __base__=dg.Config,
+        __base__=LauncherConfig,
         **{
             name: (field.annotation, Field(default=getattr(averaging, name), description=field.description))
             for name, field in Averaging.model_fields.items()
         },
+        **writer_fields(merge_config or {}),
     )
 
     @dg.asset(
@@ -148,15 +156,22 @@ def averaged_model_definition(names: Names, averaging: Averaging) -> dg.AssetsDe
         """The weighted average of the run's newest K merged steps, checked and published as a merge is."""
         settings: MergeSettings = getattr(context.resources, names("settings"))
         # unvalidated: _average checks it, in one line
-        return _average(context, Averaging.model_construct(**config.model_dump()), settings, names)
+        chosen = Averaging.model_construct(**{name: getattr(config, name) for name in Averaging.model_fields})
+        return _average(context, chosen, config, settings, names)
 
     return averaged_model
 
 
 def _average(
-    context: dg.AssetExecutionContext, averaging: Averaging, settings: MergeSettings, names: Names
+    context: dg.AssetExecutionContext,
+    averaging: Averaging,
+    writer: LauncherConfig,
+    settings: MergeSettings,
+    names: Names,
 ) -> dg.MaterializeResult:
+    """``writer``: the run config, its launcher (and ``max_shard_size``) deciding who writes the weights."""
     # torch and transformers: imported by the run, not by the code location's load
+    from merge_pipeline.dagster.weights import workers_for
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
     from merge_pipeline.pipeline import merge
 
@@ -176,9 +191,10 @@ def _average(
             average_inputs=inputs,
             average_weights=weights,
             average_accumulate=averaging.accumulate,
+            max_shard_size=writer.max_shard_size,
         )
         target = averaged_dir(settings, run)
-        merged = merge(inputs[-1], target, options, show_progress=False)
+        merged = merge(inputs[-1], target, options, workers=workers_for(context, writer), show_progress=False)
         checked = checks_metadata(merged.checks, target)
         diff = diff_folders(target, {"newest step": Path(inputs[-1])})
     rows = [f"| `{key}` | {weight:.6g} |" for key, weight in zip(chosen, options.average_weights, strict=True)]
@@ -190,6 +206,7 @@ def _average(
             "scheme": averaging.scheme,
             "accumulate": averaging.accumulate,
             "dtype": merged.manifest["decisions"]["config_dtype"],
+            "launcher": writer.launcher_label(),
             "parameters": merged.parameters,
             "bytes written": dg.MetadataValue.int(merged.written.report.bytes),
             merged.written.peak_rss_label: human_bytes(merged.written.peak_rss_bytes),

@@ -33,6 +33,7 @@ from merge_pipeline.dagster.hub import (
     hub_averaged_definition,
     hub_definitions,
 )
+from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
@@ -186,11 +187,13 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, SETTIN
             return merge
         averaging = dg.Definitions(
             assets=[
-                averaged_model_definition(names, self.averaging),
-                # its Hub upload, materialized from the UI (no schedule of its own)
+                averaged_model_definition(names, self.averaging, checked_merge_config(self.merge_config or {})),
+                # its Hub upload (materialized from the UI, or by its schedule)
                 *([hub_averaged_definition(names)] if hub.enabled else []),
             ],
             sensors=[averaged_model_sensor_definition(names, interval, self.averaging, self.max_concurrent_merges)],
+            # hub_averaged_model's schedule, with it: on by default where Hub publishing is configured
+            schedules=[publish_averaged_schedule(names, self.hub.schedule)] if hub.enabled else [],
         )
         return dg.Definitions.merge(merge, averaging)
 

@@ -2,6 +2,8 @@
 
 Every ``MergeOptions`` field is a config field here, with the CLI's help as its description and the
 same default; so is every ``RaySettings`` field, as ``ray_<name>``; the other launcher fields are Dagster's own.
+The launcher's fields (``LauncherConfig``) are averaged_model's too (``writer_fields``), so an average is
+written where a merge is.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Literal, get_type_hints
 
 import dagster as dg
 from pydantic import Field, create_model
+from pydantic.fields import FieldInfo
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import OPTION_FIELDS, MergeOptions
@@ -34,7 +37,7 @@ _MergeOptionsConfig = create_model(
 )
 
 
-class _LauncherConfig(_MergeOptionsConfig):
+class _Launcher(dg.Config):
     launcher: Literal["inprocess", "torchrun", "ray"] = Field(
         default="inprocess",
         description="write the shards in the run's process, across processes (and nodes) with torchrun, or as tasks on a Ray cluster (ray_address)",
@@ -49,9 +52,9 @@ class _LauncherConfig(_MergeOptionsConfig):
 
 
 # The Ray launcher's settings, each as ray_<name>: the CLI's --ray-<name> with the same help and default.
-_RayConfig = create_model(
-    "_RayConfig",
-    __base__=_LauncherConfig,
+_LauncherAndRay = create_model(
+    "_LauncherAndRay",
+    __base__=_Launcher,
     **{
         f"ray_{setting.name}": (
             get_type_hints(RaySettings)[setting.name],
@@ -62,18 +65,38 @@ _RayConfig = create_model(
 )
 
 
-class MergeConfig(_RayConfig):
-    def options(self) -> MergeOptions:
-        return MergeOptions(**{option.name: getattr(self, option.name) for option in OPTION_FIELDS})
+class LauncherConfig(_LauncherAndRay):
+    """Who writes the weights (``weights.workers_for``): every step that writes a folder takes these
+    fields, hf_model's merge and averaged_model's average alike."""
 
     def ray_settings(self) -> RaySettings:
         return RaySettings(**{setting.name: getattr(self, f"ray_{setting.name}") for setting in RAY_FIELDS})
 
     def launcher_label(self) -> str:
-        """What the ``state_dict`` stage's metadata says wrote the weights."""
+        """What the metadata says wrote the weights."""
         if self.launcher == "torchrun":
             return f"torchrun x{self.nproc_per_node * self.nnodes}"
         return f"ray at {self.ray_address}" if self.launcher == "ray" else self.launcher
+
+
+class MergeConfig(LauncherConfig, _MergeOptionsConfig):  # fields: the options, then the launcher's
+    def options(self) -> MergeOptions:
+        return MergeOptions(**{option.name: getattr(self, option.name) for option in OPTION_FIELDS})
+
+
+# What decides how a step's weights are written and by whom: the launcher, and the files they share.
+WRITER_FIELDS = ("max_shard_size", *LauncherConfig.model_fields)
+
+
+def writer_fields(merge_config: dict) -> dict:
+    """``MergeConfig``'s ``WRITER_FIELDS`` for another step's config (``create_model``, on ``LauncherConfig``),
+    with the merge step's values (a checked ``merge_config``) as their defaults: so averaged_model's weights
+    are written as the sensor's merges are, on the same launcher, and a run may still pick another."""
+    return {
+        name: (field.annotation, FieldInfo.merge_field_infos(field, default=merge_config.get(name, field.default)))
+        for name, field in MergeConfig.model_fields.items()
+        if name in WRITER_FIELDS
+    }
 
 
 def checked_merge_config(fields: dict) -> dict:

@@ -1,11 +1,13 @@
-"""Who writes the weights of ``hf_model``: the run's own process, torchrun ranks it launches, or Ray tasks.
+"""Who writes the weights of ``hf_model`` and ``averaged_model``: the run's own process, torchrun ranks it
+launches, or Ray tasks.
 
 Each is a ``Workers`` of the one merge sequence (``pipeline.merge``): the step leads either way (it
 holds the target's lock, keeps what a killed merge finished, writes the side files, checks and
 publishes). With ``launcher: torchrun`` the weights are written by ranks launched through Dagster
 Pipes, each planning its share itself and reusing the files the step kept; with ``launcher: ray`` by
 Ray tasks on the cluster at ``ray_address`` (``ray_tasks``), the step being their driver.
-``MergeConfig.launcher`` picks one.
+``LauncherConfig.launcher`` picks one; an average is the same merge sequence on averaged inputs (its
+options carry them, so every worker plans the same average).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.config import LauncherConfig
 from merge_pipeline.dagster.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.pipeline import IN_PROCESS, Prepared, WeightJob, Workers, WriteReport, Written
 
 
-def workers_for(context: dg.AssetExecutionContext, config: MergeConfig) -> Workers:
+def workers_for(context: dg.AssetExecutionContext, config: LauncherConfig) -> Workers:
     if config.launcher == "ray":
         from merge_pipeline.ray_tasks import RayTasks  # imports Ray only when a run asks for it
 
@@ -33,7 +35,7 @@ class TorchrunLaunch(Workers):
     """The step leads in its own process; the weights are the job of torchrun ranks, rank 0 sending the
     report back through Pipes."""
 
-    def __init__(self, context: dg.AssetExecutionContext, config: MergeConfig):
+    def __init__(self, context: dg.AssetExecutionContext, config: LauncherConfig):
         self.context, self.config = context, config
 
     def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
