@@ -5,8 +5,8 @@ That file is generated from the installed bridge's own ``mapping_registry()`` of
 the reader). Each mapping's kind is translated into an operation of the reader's conversion vocabulary
 (``formats/megatron_names.py``): ``copy`` (the tensor as stored, whatever its tensor-parallel split),
 ``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
-then up rows), ``grouped_experts`` (every expert of a layer in one HF tensor, gpt-oss's transposed
-layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
+then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``grouped_experts``
+(every expert of a layer in one HF tensor, gpt-oss's transposed layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
 None: an architecture that needs one is not merged.
 """
 
@@ -30,6 +30,7 @@ _OPERATIONS = {
     "GatedMLPMapping": "gate_up",
     "GPTOSSMLPGateUpProjMapping": "grouped_experts",
     "GPTOSSMLPDownProjMapping": "grouped_experts",
+    "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
 }
 # Family kinds that change values, not only names: not the operation their base class names.
 _NOT_COPIES = {
@@ -41,7 +42,6 @@ _NOT_COPIES = {
     "MiMoV2FlashQKVMapping",
     "_Gemma4QKVMapping",
     "_ConcatBiasMapping",
-    "_SqueezeBiasMapping",
     "_OffsetGatedMLPMapping",
     "_OffsetRowParallelMapping",
 }

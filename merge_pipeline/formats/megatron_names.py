@@ -423,10 +423,12 @@ class KeyMapper:
             return self._bridge_outputs(key, _LayerParam(0, None, "", "", "", key, (), shape[0]))
         out: list[OutputSpec] = []
         for p in params:
-            module = p.module
-            if p.expert is not None:
-                module = module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")
-            mapped = self._bridge_outputs(f"decoder.layers.{p.layer}.{module}.{p.attr}", p)
+            layer = f"decoder.layers.{p.layer}."
+            names = [f"{layer}{p.module}.{p.attr}"]
+            if p.expert is not None:  # SequentialMLP's name, or TransformerEngine's grouped one (weight<expert>)
+                local = p.module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")
+                names = [f"{layer}{local}.{p.attr}", f"{layer}{p.module}.{p.attr}{p.expert}"]
+            mapped = next((m for name in names if (m := self._bridge_outputs(name, p)) is not None), None)
             if mapped is None:
                 return None
             out.extend(mapped)
@@ -443,6 +445,8 @@ class KeyMapper:
             return self.split_grouped_qkv(p, hf)
         if mapping.operation == "gate_up":
             return split_gate_up(self, p, hf["gate"], hf["up"])
+        if mapping.operation == "unsqueeze" and not p.half:  # the same values under a leading 1 (HF [1, n])
+            return [OutputSpec(hf[""], (Piece(p.key, p.index, (0, p.rows)),), shape=(1, p.rows))]
         return None
 
     # ---- one layer's parameter ----
