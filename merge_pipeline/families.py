@@ -475,28 +475,18 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "not built here: the bridge's provider reads rope_scaling['factor'], which the writer's tiny "
         "DeepseekV4Config does not set (KeyError: 'factor'); not retried with one"
     ),
-    "GlmMoeDsaForCausalLM": (
-        "the bridge's provider reads indexer_rope_interleave, which transformers 5.12.1's GlmMoeDsaConfig does not have"
-    ),
     "MiniMaxM2ForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
-    "Exaone4ForCausalLM": f"{_TE_SPEC}: qk_layernorm requires Transformer Engine (for TENorm)",
     "FalconH1ForCausalLM": f"{_TE_SPEC}: its hybrid layers build TENorm",
     **dict.fromkeys(
         ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
         f"{_TE_SPEC} (experimental attention variants, Gated DeltaNet: TESpecProvider is not defined)",
     ),
-    "Gemma3ForCausalLM": f"{_TE_SPEC}: its Gemma3SelfAttention builds TransformerEngine's layers",
-    "NemotronHForCausalLM": f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed)",
-    "Gemma2ForCausalLM": (
-        "not built here: the bridge's Gemma 2 layer spec fails on CPU while building TransformerLayer "
-        "(StopIteration; not traced further)"
-    ),
-    "GemmaForCausalLM": _ZERO_CENTRED,
-    "ExaoneMoEForCausalLM": _TE_EXPERTS_ONLY,
     "Gemma4ForCausalLM": (
         "the bridge builds it on CPU (TP=2), but its QKV and experts mappings change values "
         "(_Gemma4QKVMapping, FusedGatedExpertMapping, FusedExpertMapping): operations the reader does not have"
     ),
+    "NemotronHForCausalLM": f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed)",
+    "ExaoneMoEForCausalLM": _TE_EXPERTS_ONLY,
     **dict.fromkeys(
         (
             "Ernie4_5_VLMoeForConditionalGeneration",
@@ -553,6 +543,11 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Ernie4_5_MoeForCausalLM": _EP,
         "ExaoneMoeForCausalLM": _EP,
         "NemotronForCausalLM": "TP=2",
+        "GemmaForCausalLM": "TP=2",
+        "Gemma2ForCausalLM": "TP=2",
+        "Gemma3ForCausalLM": "TP=2",
+        "Exaone4ForCausalLM": "TP=2",
+        "GlmMoeDsaForCausalLM": _EP,
         "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
     }
 )

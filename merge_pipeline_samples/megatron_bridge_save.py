@@ -98,31 +98,76 @@ _MOE_SIZES = dict(
 )
 # Sizes one architecture's bridge needs: OLMoE's bridge maps its q/k norms (HF: over all heads of q, of k) onto
 # megatron-core's over the hidden size, as in OLMoE's released configs, where every head has its own keys.
-# Exaone 4's bridge maps no output layer: its tiny model ties it to the embedding, as Exaone 4.0's small release.
+# The Gemma and Exaone 4 bridges map no output layer (Gemma's share it whatever the config says): their tiny
+# models tie it to the embedding, as every Gemma release and Exaone 4.0's small one do.
 _ARCHITECTURE_SIZES = {
+    **dict.fromkeys(("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"), dict(tie_word_embeddings=True)),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
+    # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it
+    # orders the indexer's rotary channels in the forward only, and no forward runs here.
+    "GlmMoeDsaForCausalLM": dict(indexer_rope_interleave=False),
+    # MiniMax-M2's experts are intermediate_size wide in transformers; its bridge reads moe_intermediate_size first.
+    "MiniMaxM2ForCausalLM": dict(moe_intermediate_size=_SIZES["intermediate_size"]),
 }
 # MiniMax-M2's bridge loads its q/k norms at TP > 1 through a CUDA device (``torch.device("cuda", ...)`` in
 # minimax_m2_bridge.py); at TP=1 it stays on the tensor's device: saved with its experts split over both ranks.
 _TENSOR_PARALLEL = {"MiniMaxM2ForCausalLM": 1}
 
 
-def _hf_model(architecture: str):
-    """A tiny transformers model of ``architecture``: its config class with the small sizes above."""
-    import transformers
+# A vision (or audio) tower's small sizes under the names their config classes use; Qwen3-VL's deepstack layers
+# index its depth.
+_TOWER_SIZES = dict(
+    hidden_size=32,
+    depth=2,
+    num_hidden_layers=2,
+    num_heads=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    out_hidden_size=_SIZES["hidden_size"],
+    head_dim=16,
+    deepstack_visual_indexes=[1],
+)
 
-    model_class = getattr(transformers, architecture)
-    # Expert sizes only for a config class with experts: the bridge reads num_local_experts & co. from any
-    # config, and some bridges read names their config class lacks (HYV3's first_k_dense_replace).
-    defaults = model_class.config_class()
+
+def _small(config_class, architecture: str, **extra):
+    """``config_class`` at the small sizes, with the expert sizes where the class has experts (the bridge reads
+    num_local_experts & co. from any config) and the architecture's own (``_ARCHITECTURE_SIZES``). Every name is
+    passed, also those the class lacks: some bridges read them (HYV3's first_k_dense_replace)."""
+    defaults = config_class()
     moe = any(hasattr(defaults, name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
     sizes = {**_SIZES, **(_MOE_SIZES if moe else {}), **_ARCHITECTURE_SIZES.get(architecture, {})}
     if hasattr(defaults, "kv_lora_rank"):  # multi-latent attention: its head_dim is the rotary part (GLM-4.7-Flash)
         sizes["head_dim"] = _MOE_SIZES["qk_rope_head_dim"]
-    config = model_class.config_class(**sizes, architectures=[architecture])
+    return config_class(**sizes, **extra)
+
+
+def _hf_config(architecture: str):
+    """The architecture's config class at small sizes; a multimodal one with a small text model and towers."""
+    import transformers
+
+    config_class = getattr(transformers, architecture).config_class
+    if "text_config" not in getattr(config_class, "sub_configs", {}):
+        return _small(config_class, architecture, architectures=[architecture])
+    # The sub-configs' classes as the default config builds them (some are declared as AutoConfig).
+    defaults = config_class()
+    sub_configs = {name: type(getattr(defaults, name)) for name in config_class.sub_configs}
+    text = _small(sub_configs.pop("text_config"), architecture)
+    towers = {
+        name: tower(**{key: value for key, value in _TOWER_SIZES.items() if hasattr(tower(), key)})
+        for name, tower in sub_configs.items()
+    }
+    return config_class(
+        text_config=text, **towers, tie_word_embeddings=text.tie_word_embeddings, architectures=[architecture]
+    )
+
+
+def _hf_model(architecture: str):
+    """A tiny transformers model of ``architecture``: its config class with the small sizes above."""
+    import transformers
+
     torch.manual_seed(0)
-    model = model_class(config).float()
+    model = getattr(transformers, architecture)(_hf_config(architecture)).float()
     with torch.no_grad():  # norms away from their all-ones init, so a swapped norm cannot pass
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):

@@ -31,6 +31,7 @@ _OPERATIONS = {
     "GPTOSSMLPGateUpProjMapping": "grouped_experts",
     "GPTOSSMLPDownProjMapping": "grouped_experts",
     "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
+    "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
 }
 # Family kinds that change values, not only names: not the operation their base class names.
 _NOT_COPIES = {

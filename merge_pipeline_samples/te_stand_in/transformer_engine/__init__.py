@@ -25,6 +25,6 @@ TE code. The names megatron-core then saves were checked by saving through it an
 (``merge_pipeline_tests/formats/megatron/test_bridge_architectures.py``).
 """
 
-__version__ = "2.6.0"  # a TE release megatron-core 0.18.2 supports; its version gates then import nothing newer
+__version__ = "2.8.0"  # the first TE release whose attention takes a learnable softmax (gpt-oss sinks)
 
 from transformer_engine import common, pytorch  # noqa: E402,F401
