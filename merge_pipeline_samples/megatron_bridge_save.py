@@ -60,6 +60,11 @@ def _patch_for_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    # Modules that initialise under the model-parallel RNG tracker (the vision towers) fork CUDA generators:
+    # megatron-core's inference tracker forks none. Every weight is then loaded from the HF model anyway.
+    from megatron.core.tensor_parallel import random
+
+    random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 # Small sizes under every name the architectures' config classes use for them.
@@ -109,6 +114,20 @@ _ARCHITECTURE_SIZES = {
     "GlmMoeDsaForCausalLM": dict(indexer_rope_interleave=False),
     # MiniMax-M2's experts are intermediate_size wide in transformers; its bridge reads moe_intermediate_size first.
     "MiniMaxM2ForCausalLM": dict(moe_intermediate_size=_SIZES["intermediate_size"]),
+    # GLM-4.5V's bridge reads the text model's use_qk_norm and head_dim (GLM-4.5's names), which
+    # Glm4vMoeTextConfig lacks: GLM-4.5V has no q/k norm, and its heads are hidden_size / heads wide.
+    "Glm4vMoeForConditionalGeneration": dict(use_qk_norm=False, head_dim=16),
+    # Mistral 3's bridge builds Ministral 3's attention, whose Llama 4 query scaling reads these rotary values
+    # (they scale the forward only).
+    "Mistral3ForConditionalGeneration": dict(
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1000000.0,
+            factor=1.0,
+            original_max_position_embeddings=256,
+            llama_4_scaling_beta=0.1,
+        )
+    ),
 }
 # MiniMax-M2's bridge loads its q/k norms at TP > 1 through a CUDA device (``torch.device("cuda", ...)`` in
 # minimax_m2_bridge.py); at TP=1 it stays on the tensor's device: saved with its experts split over both ranks.
@@ -130,16 +149,19 @@ _TOWER_SIZES = dict(
 )
 
 
-def _small(config_class, architecture: str, **extra):
+def _small(config_class, architecture: str, known_only: bool = False, **extra):
     """``config_class`` at the small sizes, with the expert sizes where the class has experts (the bridge reads
     num_local_experts & co. from any config) and the architecture's own (``_ARCHITECTURE_SIZES``). Every name is
-    passed, also those the class lacks: some bridges read them (HYV3's first_k_dense_replace)."""
+    passed, also those the class lacks: some bridges read them (HYV3's first_k_dense_replace); ``known_only`` for
+    a multimodal model's text config, whose every attribute some bridges pass on to their provider (Qwen3-VL)."""
     defaults = config_class()
     moe = any(hasattr(defaults, name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
-    sizes = {**_SIZES, **(_MOE_SIZES if moe else {}), **_ARCHITECTURE_SIZES.get(architecture, {})}
+    sizes = {**_SIZES, **(_MOE_SIZES if moe else {})}
     if hasattr(defaults, "kv_lora_rank"):  # multi-latent attention: its head_dim is the rotary part (GLM-4.7-Flash)
         sizes["head_dim"] = _MOE_SIZES["qk_rope_head_dim"]
-    return config_class(**sizes, **extra)
+    if known_only:
+        sizes = {name: value for name, value in sizes.items() if hasattr(defaults, name)}
+    return config_class(**{**sizes, **_ARCHITECTURE_SIZES.get(architecture, {})}, **extra)
 
 
 def _hf_config(architecture: str):
@@ -152,7 +174,7 @@ def _hf_config(architecture: str):
     # The sub-configs' classes as the default config builds them (some are declared as AutoConfig).
     defaults = config_class()
     sub_configs = {name: type(getattr(defaults, name)) for name in config_class.sub_configs}
-    text = _small(sub_configs.pop("text_config"), architecture)
+    text = _small(sub_configs.pop("text_config"), architecture, known_only=True)
     towers = {
         name: tower(**{key: value for key, value in _TOWER_SIZES.items() if hasattr(tower(), key)})
         for name, tower in sub_configs.items()

@@ -5,7 +5,8 @@ That file is generated from the installed bridge's own ``mapping_registry()`` of
 the reader). Each mapping's kind is translated into an operation of the reader's conversion vocabulary
 (``formats/megatron_names.py``): ``copy`` (the tensor as stored, whatever its tensor-parallel split),
 ``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
-then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``grouped_experts``
+then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
+tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
 (every expert of a layer in one HF tensor, gpt-oss's transposed layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
 None: an architecture that needs one is not merged.
 """
@@ -31,6 +32,7 @@ _OPERATIONS = {
     "GPTOSSMLPGateUpProjMapping": "grouped_experts",
     "GPTOSSMLPDownProjMapping": "grouped_experts",
     "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
+    "ConcatenatedQKVMapping": "vision_qkv",  # a vision tower's per-head [q k v] rows as HF's [q; k; v]
     "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
 }
 # Family kinds that change values, not only names: not the operation their base class names.
