@@ -441,19 +441,19 @@ _LLAMA4 = (
     "Llama 4: megatron-core 0.16 has no chunked attention (attention_chunk_size) and no attention-temperature "
     "tuning for its NoPE layers, so it cannot build the model and no mapping could be proven against its forward"
 )
-_NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU without TransformerEngine"
-_TE_SPEC = f"{_NOT_BUILT}: the bridge sets TransformerEngine's layer spec"
+_NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU (TransformerEngine stood in)"
 _NO_TRANSFORMERS = "transformers 5.12.1 does not ship it: no tiny model to build it from or to load it"
-_TE_EXPERTS_ONLY = (
-    f"{_NOT_BUILT}: its bridge maps only TransformerEngine's grouped experts (experts.linear_fc1.weight<N>), "
-    "not megatron-core's local experts, so loading the tiny model stops"
+_GATED_DELTANET = (
+    f"{_NOT_BUILT}: its Gated DeltaNet layers need flash-linear-attention (FLA is not installed), and the bridge's "
+    "Gated DeltaNet mappings change values (operations the reader does not have)"
 )
-_ZERO_CENTRED = (
-    f"{_NOT_BUILT}: its zero-centred layer norm is TransformerEngine's (torch's LayerNorm has no zero_centered_gamma)"
+_MAMBA = (
+    f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed), and the bridge's "
+    "Mamba mappings change values (operations the reader does not have)"
 )
 _MULTIMODAL = (
-    "not built yet: merge_pipeline_samples/megatron_bridge_archs.py builds text-only tiny models; a tiny "
-    "vision/audio tower for it is not written"
+    "not built here: merge_pipeline_samples/megatron_bridge_save.py's generic tiny towers do not fit its "
+    "multimodal config; a tiny model of it is not written"
 )
 # Megatron-Bridge architectures (merge_pipeline/bridge_mappings.json) no family maps; the reasons are what
 # merge_pipeline_samples/megatron_bridge_archs.py --each found (its failed.txt lines, quoted or summed up).
@@ -475,31 +475,37 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "not built here: the bridge's provider reads rope_scaling['factor'], which the writer's tiny "
         "DeepseekV4Config does not set (KeyError: 'factor'); not retried with one"
     ),
-    "MiniMaxM2ForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
-    "FalconH1ForCausalLM": f"{_TE_SPEC}: its hybrid layers build TENorm",
+    "FalconH1ForCausalLM": _MAMBA,
     **dict.fromkeys(
         ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-        f"{_TE_SPEC} (experimental attention variants, Gated DeltaNet: TESpecProvider is not defined)",
+        _GATED_DELTANET,
     ),
     "Qwen2AudioForConditionalGeneration": (
         "the bridge's registry names the language model language_model.model.layers.*, transformers 5.12.1 saves "
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
         "so there is no reference to prove a merge against"
     ),
+    "Gemma3ForConditionalGeneration": (
+        f"{_NOT_BUILT}: with its text model's embeddings tied, the bridge's provider still builds an output layer "
+        "its registry does not map (language_model.output_layer.weight), so loading the tiny model stops"
+    ),
+    "Exaone4_5_ForConditionalGeneration": (
+        f"{_NOT_BUILT}: loading its vision tower's fused QKV bias stops on a shape mismatch (HF 256 rows, Megatron "
+        "144 per TP rank) with the writer's generic tiny tower; a tower sized for it is not written"
+    ),
     "Gemma4ForCausalLM": (
         "the bridge builds it on CPU (TP=2), but its QKV and experts mappings change values "
         "(_Gemma4QKVMapping, FusedGatedExpertMapping, FusedExpertMapping): operations the reader does not have"
     ),
-    "NemotronHForCausalLM": f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed)",
-    "ExaoneMoEForCausalLM": _TE_EXPERTS_ONLY,
+    "NemotronHForCausalLM": _MAMBA,
+    "ExaoneMoEForCausalLM": (
+        "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
+        "class under this spelling to build or load"
+    ),
     **dict.fromkeys(
         (
             "Ernie4_5_VLMoeForConditionalGeneration",
-            "Exaone4_5_ForConditionalGeneration",
-            "Gemma3ForConditionalGeneration",
             "Gemma4ForConditionalGeneration",
-            "Glm4vMoeForConditionalGeneration",
-            "MiniMaxM3SparseForConditionalGeneration",
             "Qwen2_5OmniForConditionalGeneration",
             "Qwen3OmniMoeForConditionalGeneration",
         ),
@@ -509,12 +515,9 @@ BRIDGE_REFUSED: Mapping[str, str] = {
 MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
     {
         **BRIDGE_REFUSED,
-        "Qwen3NextForCausalLM": (
-            "Qwen3-Next: its Gated DeltaNet layers need flash-linear-attention's GPU kernels; "
-            f"{_TE_SPEC} (experimental attention variants: TESpecProvider is not defined)"
-        ),
-        "Qwen3_5ForConditionalGeneration": "Qwen3.5: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
-        "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
+        "Qwen3NextForCausalLM": f"Qwen3-Next: {_GATED_DELTANET}",
+        "Qwen3_5ForConditionalGeneration": f"Qwen3.5: {_GATED_DELTANET}",
+        "Qwen3_5MoeForConditionalGeneration": f"Qwen3.5-MoE: {_GATED_DELTANET}",
         "MiMoForCausalLM": "MiMo: remote code that transformers 5 does not ship, with MTP layers of its own",
         "Llama4ForConditionalGeneration": _LLAMA4,
         "Llama4ForCausalLM": _LLAMA4,
@@ -552,6 +555,9 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Qwen3VLForConditionalGeneration": "TP=2",
         "Qwen3VLMoeForConditionalGeneration": _EP,
         "Mistral3ForConditionalGeneration": "TP=2",
+        "MiniMaxM2ForCausalLM": "TP=1, EP=2",  # its bridge loads q/k norms through CUDA at TP > 1
+        "Glm4vMoeForConditionalGeneration": _EP,
+        "MiniMaxM3SparseForConditionalGeneration": _EP,
         "Qwen2_5_VLForConditionalGeneration": "TP=2",  # also a family record (megatron-core's own vision model)
         "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
     }
