@@ -472,8 +472,8 @@ BRIDGE_REFUSED: Mapping[str, str] = {
     "Qwen3ASRForConditionalGeneration": _NO_TRANSFORMERS,
     "Step3p7ForConditionalGeneration": _NO_TRANSFORMERS,
     "DeepseekV4ForCausalLM": (
-        "not built here: the bridge's provider reads rope_scaling['factor'], which the writer's tiny "
-        "DeepseekV4Config does not set (KeyError: 'factor'); not retried with one"
+        "not built here: megatron-core 0.18.2 has no attention variant 'dsv4_hybrid', which DeepSeek-V4's bridge "
+        "asks for (ValueError: Invalid experimental attention variant: dsv4_hybrid)"
     ),
     "FalconH1ForCausalLM": _MAMBA,
     **dict.fromkeys(
@@ -485,17 +485,18 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
         "so there is no reference to prove a merge against"
     ),
-    "Gemma3ForConditionalGeneration": (
-        f"{_NOT_BUILT}: with its text model's embeddings tied, the bridge's provider still builds an output layer "
-        "its registry does not map (language_model.output_layer.weight), so loading the tiny model stops"
-    ),
     "Exaone4_5_ForConditionalGeneration": (
         f"{_NOT_BUILT}: loading its vision tower's fused QKV bias stops on a shape mismatch (HF 256 rows, Megatron "
         "144 per TP rank) with the writer's generic tiny tower; a tower sized for it is not written"
     ),
+    "Gemma3ForConditionalGeneration": (
+        "the bridge builds it on CPU (TP=2), but its projector's mapping transposes the tensor "
+        "(multi_modal_projector.proj.weight, permute_dims (1, 0)): an operation the reader does not have"
+    ),
     "Gemma4ForCausalLM": (
-        "the bridge builds it on CPU (TP=2), but its QKV and experts mappings change values "
-        "(_Gemma4QKVMapping, FusedGatedExpertMapping, FusedExpertMapping): operations the reader does not have"
+        "the bridge builds it on CPU (TP=2), but its mapping registry follows the model's own layers: "
+        "merge_pipeline/bridge_mappings.json, generated from Gemma4TextConfig's defaults (MoE layers), does not name "
+        "a dense model's self_attention_sliding.* or mlp.linear_fc1 tensors"
     ),
     "NemotronHForCausalLM": _MAMBA,
     "ExaoneMoEForCausalLM": (

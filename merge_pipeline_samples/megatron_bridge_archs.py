@@ -25,6 +25,7 @@ recorded in ``OUT/<arch>/failed.txt`` (its error, one line) while the writer goe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ from merge_pipeline_samples.megatron_bridge_save import _patch_for_cpu, _release
 def _save_all(rank: int, world_size: int, out: str, architectures: list[str]) -> None:
     _patch_for_cpu()
     for architecture in architectures:
+        # megatron-core records each model's attention backend in TransformerEngine's environment variables and
+        # refuses a model of another backend in the same process: each architecture starts without them.
+        for variable in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            os.environ.pop(variable, None)
         _bridge, model = _save(rank, Path(out) / architecture, architecture, world_size, local_spec=False)
         _release(model)
 

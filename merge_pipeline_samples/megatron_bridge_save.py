@@ -106,7 +106,15 @@ _MOE_SIZES = dict(
 # The Gemma and Exaone 4 bridges map no output layer (Gemma's share it whatever the config says): their tiny
 # models tie it to the embedding, as every Gemma release and Exaone 4.0's small one do.
 _ARCHITECTURE_SIZES = {
-    **dict.fromkeys(("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"), dict(tie_word_embeddings=True)),
+    **dict.fromkeys(
+        (
+            "GemmaForCausalLM",
+            "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM",
+            "Gemma3ForConditionalGeneration",
+        ),
+        dict(tie_word_embeddings=True),
+    ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
     # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it
@@ -114,6 +122,14 @@ _ARCHITECTURE_SIZES = {
     "GlmMoeDsaForCausalLM": dict(indexer_rope_interleave=False),
     # MiniMax-M2's experts are intermediate_size wide in transformers; its bridge reads moe_intermediate_size first.
     "MiniMaxM2ForCausalLM": dict(moe_intermediate_size=_SIZES["intermediate_size"]),
+    # DeepSeek-V4's bridge reads its compressed attention's YaRN values (factor, original context), which the
+    # default config's rotary parameters lack.
+    "DeepseekV4ForCausalLM": dict(
+        rope_parameters=dict(
+            main=dict(rope_type="default", rope_theta=10000.0),
+            compress=dict(rope_type="yarn", rope_theta=160000.0, factor=16.0, original_max_position_embeddings=256),
+        )
+    ),
     # GLM-4.5V's bridge reads the text model's use_qk_norm and head_dim (GLM-4.5's names), which
     # Glm4vMoeTextConfig lacks: GLM-4.5V has no q/k norm, and its heads are hidden_size / heads wide.
     "Glm4vMoeForConditionalGeneration": dict(use_qk_norm=False, head_dim=16),
@@ -134,8 +150,8 @@ _ARCHITECTURE_SIZES = {
 _TENSOR_PARALLEL = {"MiniMaxM2ForCausalLM": 1}
 
 
-# A vision (or audio) tower's small sizes under the names their config classes use; Qwen3-VL's deepstack layers
-# index its depth.
+# A vision (or audio) tower's small sizes under the names their config classes use (each where the class has
+# it); Qwen3-VL's deepstack layers index its depth.
 _TOWER_SIZES = dict(
     hidden_size=32,
     depth=2,
@@ -147,6 +163,9 @@ _TOWER_SIZES = dict(
     head_dim=16,
     deepstack_visual_indexes=[1],
 )
+# A tower's settings an architecture's bridge assumes: Gemma 3's SigLIP tower has no pooling head (its released
+# configs say so; its bridge builds none), where SiglipVisionConfig's default builds one.
+_TOWER_OVERRIDES = {"Gemma3ForConditionalGeneration": dict(vision_use_head=False)}
 
 
 def _small(config_class, architecture: str, known_only: bool = False, **extra):
@@ -176,7 +195,10 @@ def _hf_config(architecture: str):
     sub_configs = {name: type(getattr(defaults, name)) for name in config_class.sub_configs}
     text = _small(sub_configs.pop("text_config"), architecture, known_only=True)
     towers = {
-        name: tower(**{key: value for key, value in _TOWER_SIZES.items() if hasattr(tower(), key)})
+        name: tower(
+            **{key: value for key, value in _TOWER_SIZES.items() if hasattr(tower(), key)},
+            **_TOWER_OVERRIDES.get(architecture, {}),
+        )
         for name, tower in sub_configs.items()
     }
     return config_class(

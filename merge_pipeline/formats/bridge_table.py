@@ -57,10 +57,11 @@ class BridgeMapping:
     kinds: tuple[str, ...]
     megatron: str  # '*': a number (layer, expert); '**': any path
     hf: dict[str, str]  # role ("" for one tensor; q/k/v; gate/up) -> HF name pattern
+    permuted: bool = False  # the mapping permutes the tensor's dimensions (permute_dims): not a copy
 
     @property
     def operation(self) -> str | None:
-        if self.kinds[0] in _NOT_COPIES:
+        if self.kinds[0] in _NOT_COPIES or self.permuted:
             return None
         return next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
 
@@ -101,7 +102,12 @@ def mappings(architecture: str) -> tuple[BridgeMapping, ...]:
     """The bridge's mappings of an architecture (empty when it does not register it)."""
     entry = _table()["architectures"].get(architecture, {})
     return tuple(
-        BridgeMapping(tuple(m["kind"]), m["megatron"], m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]})
+        BridgeMapping(
+            tuple(m["kind"]),
+            m["megatron"],
+            m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]},
+            bool(m.get("params", {}).get("permute_dims")),
+        )
         for m in entry.get("mappings", ())
     )
 
