@@ -6,10 +6,10 @@
 wheels say Python 3.12, installed on 3.11 without their dependencies), so this file imports only
 torch, transformers, safetensors, megatron-core and Megatron-Bridge. Rank 0 saves a small transformers
 model (``OUT/<family>/hf/``); two gloo ranks load it with ``AutoBridge.from_hf_pretrained`` and the
-bridge's own model provider (tensor parallel 2, megatron-core's local layer spec) and save what verl's ``MegatronCheckpointManager`` saves with the bridge and
-``use_dist_checkpointing=True`` into ``OUT/<family>/actor/``: ``model/dist_ckpt/`` (megatron-core
-``dist_checkpointing.save`` of the model's ``sharded_state_dict``, as verl's
-``save_dist_checkpointing``), ``model/huggingface/`` (the HF config, then the bridge's
+bridge's own model provider (tensor parallel 2, megatron-core's local layer spec) and save what verl's
+``MegatronCheckpointManager`` saves with the bridge and ``use_dist_checkpointing=True`` into
+``OUT/<family>/actor/``: ``model/dist_ckpt/`` (megatron-core ``dist_checkpointing.save`` of the model's
+``sharded_state_dict``, as verl's ``save_dist_checkpointing``), ``model/huggingface/`` (the HF config, then the bridge's
 ``save_hf_weights``) and ``transformer_config.json``. Rank 0 writes what the bridge's
 ``export_hf_weights`` gives as ``OUT/<family>/expected/model.safetensors``.
 
@@ -202,7 +202,10 @@ def _hf_config(architecture: str):
         for name, tower in sub_configs.items()
     }
     return config_class(
-        text_config=text, **towers, tie_word_embeddings=text.tie_word_embeddings, architectures=[architecture]
+        text_config=text,
+        **towers,
+        tie_word_embeddings=getattr(text, "tie_word_embeddings", _SIZES["tie_word_embeddings"]),
+        architectures=[architecture],
     )
 
 

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,8 +198,12 @@ def cached_release_fixture(venv: str, writer: str, *args: str, sources: tuple[st
     cached = repo / venv / "fixtures" / digest.hexdigest()[:16]
     if not cached.is_dir():
         fresh = cached.with_name(cached.name + f".{os.getpid()}")
-        write_with_release(venv, writer, fresh, *args, timeout=timeout)
-        fresh.rename(cached)  # whole or not at all: an interrupted write leaves only its .<pid> folder
+        try:
+            write_with_release(venv, writer, fresh, *args, timeout=timeout)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+        fresh.rename(cached)  # whole or not at all
     return cached
 
 
