@@ -485,10 +485,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
         "so there is no reference to prove a merge against"
     ),
-    "Exaone4_5_ForConditionalGeneration": (
-        f"{_NOT_BUILT}: loading its vision tower's fused QKV bias stops on a shape mismatch (HF 256 rows, Megatron "
-        "144 per TP rank) with the writer's generic tiny tower; a tower sized for it is not written"
-    ),
     "Gemma3ForConditionalGeneration": (
         "the bridge builds it on CPU (TP=2), but its projector's mapping transposes the tensor "
         "(multi_modal_projector.proj.weight, permute_dims (1, 0)): an operation the reader does not have"
@@ -559,6 +555,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "MiniMaxM2ForCausalLM": "TP=1, EP=2",  # its bridge loads q/k norms through CUDA at TP > 1
         "Glm4vMoeForConditionalGeneration": _EP,
         "MiniMaxM3SparseForConditionalGeneration": _EP,
+        "Exaone4_5_ForConditionalGeneration": "TP=2",
         "Qwen2_5_VLForConditionalGeneration": "TP=2",  # also a family record (megatron-core's own vision model)
         "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
     }

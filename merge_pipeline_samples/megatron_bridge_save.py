@@ -158,6 +158,7 @@ _TOWER_SIZES = dict(
     num_hidden_layers=2,
     num_heads=2,
     num_attention_heads=2,
+    num_key_value_heads=2,  # a tower with grouped keys (Exaone 4.5's): one key head per query head
     intermediate_size=64,
     out_hidden_size=_SIZES["hidden_size"],
     head_dim=16,
