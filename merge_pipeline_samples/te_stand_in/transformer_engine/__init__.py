@@ -6,11 +6,15 @@ saves: ``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``, group
 ``experts.linear_fc1.weight<N>``, each TE module's ``_extra_state``.
 
 What is stood in (``transformer_engine.pytorch``): ``Linear``, ``LayerNormLinear``, ``GroupedLinear``, ``RMSNorm``,
-``LayerNorm``, ``DotProductAttention`` and the FP8 names megatron-core imports (``fp8.FP8GlobalStateManager``,
-``fp8_autocast``, ``fp8_model_init``: FP8 never on). Each module registers the parameters TE's registers, under
-TE's names and at TE's per-rank shapes, and nothing else; a forward runs where it is plain torch on one rank
-(linear, norm then linear, per-group linear, norms); no TP communication, no FP8, no fused kernels, no attention
-forward. ``TransformerLayer`` (a base class the bridge imports) cannot be built.
+``LayerNorm``, ``DotProductAttention``; and, by name only, what megatron-core and the bridge import or subclass
+at import time: the FP8 state (``fp8.FP8GlobalStateManager``, ``fp8_autocast``, ``fp8_model_init``: FP8 never
+on), ``common.recipe`` (FP8 recipes: cannot be built), ``distributed`` (the RNG tracker, a no-op
+``activation_recompute_forward``), ``tensor.QuantizedTensor`` (nothing is one), ``router`` (fused router kernels:
+raise; the writer turns router fusion off), ``ops`` (fusible operations: cannot be built). ``LayerNormMLP``, TE's
+permutation kernels and ``TransformerLayer`` are not stood in (the last cannot be built). Each module registers
+the parameters TE's registers, under TE's names and at TE's per-rank shapes, and nothing else; a forward runs
+where it is plain torch on one rank (linear, norm then linear, per-group linear, norms); no TP communication, no
+FP8, no fused kernels, no attention forward.
 
 How it was checked against TE's source (NVIDIA/TransformerEngine at d0067d0, version 2.20.0.dev0;
 ``transformer_engine/pytorch/``): the constructors' keyword names from ``module/linear.py``,
