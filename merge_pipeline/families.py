@@ -441,19 +441,19 @@ _LLAMA4 = (
     "Llama 4: megatron-core 0.16 has no chunked attention (attention_chunk_size) and no attention-temperature "
     "tuning for its NoPE layers, so it cannot build the model and no mapping could be proven against its forward"
 )
-_NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU without TransformerEngine"
-_TE_SPEC = f"{_NOT_BUILT}: the bridge sets TransformerEngine's layer spec"
+_NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU (TransformerEngine stood in)"
 _NO_TRANSFORMERS = "transformers 5.12.1 does not ship it: no tiny model to build it from or to load it"
-_TE_EXPERTS_ONLY = (
-    f"{_NOT_BUILT}: its bridge maps only TransformerEngine's grouped experts (experts.linear_fc1.weight<N>), "
-    "not megatron-core's local experts, so loading the tiny model stops"
+_GATED_DELTANET = (
+    f"{_NOT_BUILT}: its Gated DeltaNet layers need flash-linear-attention (FLA is not installed), and the bridge's "
+    "Gated DeltaNet mappings change values (operations the reader does not have)"
 )
-_ZERO_CENTRED = (
-    f"{_NOT_BUILT}: its zero-centred layer norm is TransformerEngine's (torch's LayerNorm has no zero_centered_gamma)"
+_MAMBA = (
+    f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed), and the bridge's "
+    "Mamba mappings change values (operations the reader does not have)"
 )
 _MULTIMODAL = (
-    "not built yet: merge_pipeline_samples/megatron_bridge_archs.py builds text-only tiny models; a tiny "
-    "vision/audio tower for it is not written"
+    "not built here: merge_pipeline_samples/megatron_bridge_save.py's generic tiny towers do not fit its "
+    "multimodal config; a tiny model of it is not written"
 )
 # Megatron-Bridge architectures (merge_pipeline/bridge_mappings.json) no family maps; the reasons are what
 # merge_pipeline_samples/megatron_bridge_archs.py --each found (its failed.txt lines, quoted or summed up).
@@ -472,45 +472,37 @@ BRIDGE_REFUSED: Mapping[str, str] = {
     "Qwen3ASRForConditionalGeneration": _NO_TRANSFORMERS,
     "Step3p7ForConditionalGeneration": _NO_TRANSFORMERS,
     "DeepseekV4ForCausalLM": (
-        "not built here: the bridge's provider reads rope_scaling['factor'], which the writer's tiny "
-        "DeepseekV4Config does not set (KeyError: 'factor'); not retried with one"
+        "not built here: megatron-core 0.18.2 has no attention variant 'dsv4_hybrid', which DeepSeek-V4's bridge "
+        "asks for (ValueError: Invalid experimental attention variant: dsv4_hybrid)"
     ),
-    "GlmMoeDsaForCausalLM": (
-        "the bridge's provider reads indexer_rope_interleave, which transformers 5.12.1's GlmMoeDsaConfig does not have"
-    ),
-    "Ernie4_5_MoeForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
-    "MiniMaxM2ForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
-    "OlmoeForCausalLM": f"{_TE_SPEC} (its TE classes are None: 'NoneType' object is not callable)",
-    "Exaone4ForCausalLM": f"{_TE_SPEC}: qk_layernorm requires Transformer Engine (for TENorm)",
-    "FalconH1ForCausalLM": f"{_TE_SPEC}: its hybrid layers build TENorm",
+    "FalconH1ForCausalLM": _MAMBA,
     **dict.fromkeys(
         ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-        f"{_TE_SPEC} (experimental attention variants, Gated DeltaNet: TESpecProvider is not defined)",
+        _GATED_DELTANET,
     ),
-    "Gemma3ForCausalLM": f"{_TE_SPEC}: its Gemma3SelfAttention builds TransformerEngine's layers",
-    "NemotronHForCausalLM": f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed)",
-    "Gemma2ForCausalLM": (
-        "not built here: the bridge's Gemma 2 layer spec fails on CPU while building TransformerLayer "
-        "(StopIteration; not traced further)"
+    "Qwen2AudioForConditionalGeneration": (
+        "the bridge's registry names the language model language_model.model.layers.*, transformers 5.12.1 saves "
+        "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
+        "so there is no reference to prove a merge against"
     ),
-    "GemmaForCausalLM": _ZERO_CENTRED,
-    "NemotronForCausalLM": _ZERO_CENTRED,
-    "ExaoneMoeForCausalLM": _TE_EXPERTS_ONLY,
-    "ExaoneMoEForCausalLM": _TE_EXPERTS_ONLY,
+    "Gemma3ForConditionalGeneration": (
+        "the bridge builds it on CPU (TP=2), but its projector's mapping transposes the tensor "
+        "(multi_modal_projector.proj.weight, permute_dims (1, 0)): an operation the reader does not have"
+    ),
     "Gemma4ForCausalLM": (
-        "the bridge builds it on CPU (TP=2), but its QKV and experts mappings change values "
-        "(_Gemma4QKVMapping, FusedGatedExpertMapping, FusedExpertMapping): operations the reader does not have"
+        "the bridge builds it on CPU (TP=2), but its mapping registry follows the model's own layers: "
+        "merge_pipeline/bridge_mappings.json, generated from Gemma4TextConfig's defaults (MoE layers), does not name "
+        "a dense model's self_attention_sliding.* or mlp.linear_fc1 tensors"
+    ),
+    "NemotronHForCausalLM": _MAMBA,
+    "ExaoneMoEForCausalLM": (
+        "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
+        "class under this spelling to build or load"
     ),
     **dict.fromkeys(
         (
             "Ernie4_5_VLMoeForConditionalGeneration",
-            "Exaone4_5_ForConditionalGeneration",
-            "Gemma3ForConditionalGeneration",
             "Gemma4ForConditionalGeneration",
-            "Glm4vMoeForConditionalGeneration",
-            "MiniMaxM3SparseForConditionalGeneration",
-            "Mistral3ForConditionalGeneration",
-            "Qwen2AudioForConditionalGeneration",
             "Qwen2_5OmniForConditionalGeneration",
             "Qwen3OmniMoeForConditionalGeneration",
         ),
@@ -520,15 +512,10 @@ BRIDGE_REFUSED: Mapping[str, str] = {
 MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
     {
         **BRIDGE_REFUSED,
-        "Qwen3NextForCausalLM": (
-            "Qwen3-Next: its Gated DeltaNet layers need flash-linear-attention's GPU kernels; "
-            f"{_TE_SPEC} (experimental attention variants: TESpecProvider is not defined)"
-        ),
-        "Qwen3_5ForConditionalGeneration": "Qwen3.5: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
-        "Qwen3_5MoeForConditionalGeneration": "Qwen3.5-MoE: its Gated DeltaNet layers need flash-linear-attention's GPU kernels",
+        "Qwen3NextForCausalLM": f"Qwen3-Next: {_GATED_DELTANET}",
+        "Qwen3_5ForConditionalGeneration": f"Qwen3.5: {_GATED_DELTANET}",
+        "Qwen3_5MoeForConditionalGeneration": f"Qwen3.5-MoE: {_GATED_DELTANET}",
         "MiMoForCausalLM": "MiMo: remote code that transformers 5 does not ship, with MTP layers of its own",
-        "Qwen3VLForConditionalGeneration": f"Qwen3-VL: megatron-core 0.16 has no Qwen3-VL model; {_MULTIMODAL}",
-        "Qwen3VLMoeForConditionalGeneration": f"Qwen3-VL-MoE: megatron-core 0.16 has no Qwen3-VL model; {_MULTIMODAL}",
         "Llama4ForConditionalGeneration": _LLAMA4,
         "Llama4ForCausalLM": _LLAMA4,
     }
@@ -552,13 +539,31 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "DeepseekV2ForCausalLM": _EP,  # likewise
         "Glm4MoeLiteForCausalLM": _EP,  # likewise
         "DeepseekV3ForCausalLM": _EP,
+        # Built through the TransformerEngine stand-in (merge_pipeline_samples/te_stand_in/): the bridge's own spec.
+        "OlmoeForCausalLM": _EP,
+        "Ernie4_5_MoeForCausalLM": _EP,
+        "ExaoneMoeForCausalLM": _EP,
+        "NemotronForCausalLM": "TP=2",
+        "GemmaForCausalLM": "TP=2",
+        "Gemma2ForCausalLM": "TP=2",
+        "Gemma3ForCausalLM": "TP=2",
+        "Exaone4ForCausalLM": "TP=2",
+        "GlmMoeDsaForCausalLM": _EP,
+        "Qwen3VLForConditionalGeneration": "TP=2",
+        "Qwen3VLMoeForConditionalGeneration": _EP,
+        "Mistral3ForConditionalGeneration": "TP=2",
+        "MiniMaxM2ForCausalLM": "TP=1, EP=2",  # its bridge loads q/k norms through CUDA at TP > 1
+        "Glm4vMoeForConditionalGeneration": _EP,
+        "MiniMaxM3SparseForConditionalGeneration": _EP,
+        "Exaone4_5_ForConditionalGeneration": "TP=2",
+        "Qwen2_5_VLForConditionalGeneration": "TP=2",  # also a family record (megatron-core's own vision model)
+        "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
     }
 )
+# Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj
+# [experts, 2 x moe_intermediate, hidden] and experts.down_proj [experts, hidden, moe_intermediate]: the bridge's
+# table names one tensor per expert, its export stacks them (Megatron's fc1 / fc2 of each expert as stored).
+BRIDGE_STACKED_EXPERTS = frozenset({"Qwen3VLMoeForConditionalGeneration"})
 # Architectures a family above maps (proven on megatron-core's own fixtures, docs/LAYOUTS.md, and equal to the
 # bridge's mapping registry: test_bridge_families.py) whose build through the bridge does not run here, and why.
-BRIDGE_NOT_BUILT: Mapping[str, str] = MappingProxyType(
-    {
-        "Glm4MoeForCausalLM": _TE_EXPERTS_ONLY,
-        "Qwen2_5_VLForConditionalGeneration": _MULTIMODAL,
-    }
-)
+BRIDGE_NOT_BUILT: Mapping[str, str] = MappingProxyType({})

@@ -17,8 +17,8 @@ asked with the default config of the family's transformers config class (``AutoC
 architecture's entry says ``"from_default_config": true``. A bridge whose registry cannot be built that way is
 written with its error (``"error"``), so that it is accounted for, not dropped.
 
-Megatron-Bridge imports TransformerEngine unconditionally in two modules; ``megatron_bridge_save.py``'s
-import (an empty module only while those two load) is used here too.
+Megatron-Bridge imports TransformerEngine unconditionally in two modules: the venv's CPU stand-in for it
+(``merge_pipeline_samples/te_stand_in/``, installed by ``scripts/setup_bridge.sh``) answers.
 """
 
 from __future__ import annotations

@@ -6,32 +6,24 @@
 wheels say Python 3.12, installed on 3.11 without their dependencies), so this file imports only
 torch, transformers, safetensors, megatron-core and Megatron-Bridge. Rank 0 saves a small transformers
 model (``OUT/<family>/hf/``); two gloo ranks load it with ``AutoBridge.from_hf_pretrained`` and the
-bridge's own model provider (tensor parallel 2, megatron-core's local layer spec: TransformerEngine
-is not installed) and save what verl's ``MegatronCheckpointManager`` saves with the bridge and
-``use_dist_checkpointing=True`` into ``OUT/<family>/actor/``: ``model/dist_ckpt/`` (megatron-core
-``dist_checkpointing.save`` of the model's ``sharded_state_dict``, as verl's
-``save_dist_checkpointing``), ``model/huggingface/`` (the HF config, then the bridge's
+bridge's own model provider (tensor parallel 2, megatron-core's local layer spec) and save what verl's
+``MegatronCheckpointManager`` saves with the bridge and ``use_dist_checkpointing=True`` into
+``OUT/<family>/actor/``: ``model/dist_ckpt/`` (megatron-core ``dist_checkpointing.save`` of the model's
+``sharded_state_dict``, as verl's ``save_dist_checkpointing``), ``model/huggingface/`` (the HF config, then the bridge's
 ``save_hf_weights``) and ``transformer_config.json``. Rank 0 writes what the bridge's
 ``export_hf_weights`` gives as ``OUT/<family>/expected/model.safetensors``.
 
-Megatron-Bridge imports TransformerEngine unconditionally in two modules only
-(``peft/lora_layers.py``: ``import transformer_engine.pytorch as te``, used when a layer is a TE
-layer; ``models/gpt_full_te_layer_autocast_spec.py``: ``from transformer_engine.pytorch import
-TransformerLayer``, a base class of a TE-only spec). Only while those two modules execute, an empty
-``transformer_engine.pytorch`` stands in (``TransformerLayer`` an empty ``torch.nn.Module``, any other
-name an empty class that nothing is an instance of, and so are its attributes); it is removed again at once, so megatron-core
-still finds no TransformerEngine and builds its local layers. The bridge's LoRA is told the same
-(``peft.utils.HAVE_TE = False``): its own check takes megatron-core's ``None`` placeholders for TE classes.
+``_save`` is the one writer: ``megatron_bridge_archs.py`` calls it for every architecture with the bridge's own
+layer spec (TransformerEngine's, built by the CPU stand-in ``scripts/setup_bridge.sh`` installs in that venv from
+``merge_pipeline_samples/te_stand_in/``), this file's families with megatron-core's local spec: the two sets of
+names verl saves with and without TransformerEngine.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
 import json
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -43,7 +35,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from merge_pipeline_samples.gloo_ranks import spawn_gloo_ranks  # noqa: E402  (after its path)
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LORA_FAMILY = "llama"  # also saved with the bridge's LoRA, into OUT/llama/lora/
 _CUDA_FUSIONS = (
     "apply_rope_fusion",
@@ -54,74 +46,11 @@ _CUDA_FUSIONS = (
     "gradient_accumulation_fusion",
     "cross_entropy_loss_fusion",
 )
-_TE_IMPORTERS = ("megatron.bridge.peft.lora_layers", "megatron.bridge.models.gpt_full_te_layer_autocast_spec")
-_TE_PRELOADS = (  # what those two import from megatron-core: imported first, with no TransformerEngine
-    "megatron.core.tensor_parallel",
-    "megatron.core.fusions.fused_layer_norm",
-    "megatron.core.transformer.cuda_graphs",
-    "megatron.core.transformer.module",
-    "megatron.core.transformer.transformer_block",
-    "megatron.core.transformer.transformer_layer",
-    "megatron.core.transformer.utils",
-    "megatron.core.transformer.moe.moe_utils",
-)
-
-
-class _Absent(type):
-    """An empty class whose every attribute is another (``te.ops.Sequential``): nothing is an instance."""
-
-    def __getattr__(cls, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Absent(name, (), {})
-
-
-def _te_stub() -> dict[str, types.ModuleType]:
-    top, pytorch = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
-    pytorch.TransformerLayer = type("TransformerLayer", (torch.nn.Module,), {})
-    pytorch.__getattr__ = lambda name: _Absent(name, (), {})  # te.Linear, te.ops.Sequential, ...
-    top.pytorch = pytorch
-    return {"transformer_engine": top, "transformer_engine.pytorch": pytorch}
-
-
-class _StubTransformerEngineWhileLoading(importlib.abc.MetaPathFinder):
-    """The empty TransformerEngine, visible only while the two Bridge modules above execute."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in _TE_IMPORTERS:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        spec.loader = _WithStub(spec.loader)
-        return spec
-
-
-class _WithStub(importlib.abc.Loader):
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        stub = _te_stub()
-        sys.modules.update(stub)
-        try:
-            self.loader.exec_module(module)
-        finally:
-            for name in stub:
-                sys.modules.pop(name, None)
 
 
 def _import_bridge():
-    for name in _TE_PRELOADS:
-        importlib.import_module(name)
-    sys.meta_path.insert(0, _StubTransformerEngineWhileLoading())
     from megatron.bridge import AutoBridge
-    from megatron.bridge.peft import utils as peft_utils
 
-    # Its LoRA finds TransformerEngine when megatron-core's TE names import, and without TE megatron-core
-    # 0.18 binds some of them to None (TEColumnParallelGroupedLinear): say what is true here.
-    peft_utils.HAVE_TE = False
     return AutoBridge
 
 
@@ -131,32 +60,165 @@ def _patch_for_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    # Modules that initialise under the model-parallel RNG tracker (the vision towers) fork CUDA generators:
+    # megatron-core's inference tracker forks none. Every weight is then loaded from the HF model anyway.
+    from megatron.core.tensor_parallel import random
+
+    random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def _hf_model(family: str):
+# Small sizes under every name the architectures' config classes use for them.
+_SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+_MOE_SIZES = dict(
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    moe_num_experts=4,
+    num_experts_per_tok=2,
+    moe_k=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+    n_group=1,  # DeepSeek's grouped routing: one group
+    topk_group=1,
+    num_nextn_predict_layers=0,  # transformers builds no MTP layers, which the bridge would look for
+    # multi-latent attention
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+)
+# Sizes one architecture's bridge needs: OLMoE's bridge maps its q/k norms (HF: over all heads of q, of k) onto
+# megatron-core's over the hidden size, as in OLMoE's released configs, where every head has its own keys.
+# The Gemma and Exaone 4 bridges map no output layer (Gemma's share it whatever the config says): their tiny
+# models tie it to the embedding, as every Gemma release and Exaone 4.0's small one do.
+_ARCHITECTURE_SIZES = {
+    **dict.fromkeys(
+        (
+            "GemmaForCausalLM",
+            "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM",
+            "Gemma3ForConditionalGeneration",
+        ),
+        dict(tie_word_embeddings=True),
+    ),
+    "OlmoeForCausalLM": dict(num_key_value_heads=4),
+    "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
+    # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it
+    # orders the indexer's rotary channels in the forward only, and no forward runs here.
+    "GlmMoeDsaForCausalLM": dict(indexer_rope_interleave=False),
+    # MiniMax-M2's experts are intermediate_size wide in transformers; its bridge reads moe_intermediate_size first.
+    "MiniMaxM2ForCausalLM": dict(moe_intermediate_size=_SIZES["intermediate_size"]),
+    # DeepSeek-V4's bridge reads its compressed attention's YaRN values (factor, original context), which the
+    # default config's rotary parameters lack.
+    "DeepseekV4ForCausalLM": dict(
+        rope_parameters=dict(
+            main=dict(rope_type="default", rope_theta=10000.0),
+            compress=dict(rope_type="yarn", rope_theta=160000.0, factor=16.0, original_max_position_embeddings=256),
+        )
+    ),
+    # GLM-4.5V's bridge reads the text model's use_qk_norm and head_dim (GLM-4.5's names), which
+    # Glm4vMoeTextConfig lacks: GLM-4.5V has no q/k norm, and its heads are hidden_size / heads wide.
+    "Glm4vMoeForConditionalGeneration": dict(use_qk_norm=False, head_dim=16),
+    # Mistral 3's bridge builds Ministral 3's attention, whose Llama 4 query scaling reads these rotary values
+    # (they scale the forward only).
+    "Mistral3ForConditionalGeneration": dict(
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1000000.0,
+            factor=1.0,
+            original_max_position_embeddings=256,
+            llama_4_scaling_beta=0.1,
+        )
+    ),
+}
+# MiniMax-M2's bridge loads its q/k norms at TP > 1 through a CUDA device (``torch.device("cuda", ...)`` in
+# minimax_m2_bridge.py); at TP=1 it stays on the tensor's device: saved with its experts split over both ranks.
+_TENSOR_PARALLEL = {"MiniMaxM2ForCausalLM": 1}
+
+
+# A vision (or audio) tower's small sizes under the names their config classes use (each where the class has
+# it); Qwen3-VL's deepstack layers index its depth.
+_TOWER_SIZES = dict(
+    hidden_size=32,
+    depth=2,
+    num_hidden_layers=2,
+    num_heads=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,  # a tower with grouped keys (Exaone 4.5's): one key head per query head
+    intermediate_size=64,
+    out_hidden_size=_SIZES["hidden_size"],
+    head_dim=16,
+    deepstack_visual_indexes=[1],
+)
+# A tower's settings an architecture's bridge assumes: Gemma 3's SigLIP tower has no pooling head (its released
+# configs say so; its bridge builds none), where SiglipVisionConfig's default builds one.
+_TOWER_OVERRIDES = {"Gemma3ForConditionalGeneration": dict(vision_use_head=False)}
+
+
+def _small(config_class, architecture: str, known_only: bool = False, **extra):
+    """``config_class`` at the small sizes, with the expert sizes where the class has experts (the bridge reads
+    num_local_experts & co. from any config) and the architecture's own (``_ARCHITECTURE_SIZES``). Every name is
+    passed, also those the class lacks: some bridges read them (HYV3's first_k_dense_replace); ``known_only`` for
+    a multimodal model's text config, whose every attribute some bridges pass on to their provider (Qwen3-VL)."""
+    defaults = config_class()
+    moe = any(hasattr(defaults, name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    sizes = {**_SIZES, **(_MOE_SIZES if moe else {})}
+    if hasattr(defaults, "kv_lora_rank"):  # multi-latent attention: its head_dim is the rotary part (GLM-4.7-Flash)
+        sizes["head_dim"] = _MOE_SIZES["qk_rope_head_dim"]
+    if known_only:
+        sizes = {name: value for name, value in sizes.items() if hasattr(defaults, name)}
+    return config_class(**{**sizes, **_ARCHITECTURE_SIZES.get(architecture, {})}, **extra)
+
+
+def _hf_config(architecture: str):
+    """The architecture's config class at small sizes; a multimodal one with a small text model and towers."""
     import transformers
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
+    config_class = getattr(transformers, architecture).config_class
+    if "text_config" not in getattr(config_class, "sub_configs", {}):
+        return _small(config_class, architecture, architectures=[architecture])
+    # The sub-configs' classes as the default config builds them (some are declared as AutoConfig).
+    defaults = config_class()
+    sub_configs = {name: type(getattr(defaults, name)) for name in config_class.sub_configs}
+    text = _small(sub_configs.pop("text_config"), architecture, known_only=True)
+    towers = {
+        name: tower(
+            **{key: value for key, value in _TOWER_SIZES.items() if hasattr(tower(), key)},
+            **_TOWER_OVERRIDES.get(architecture, {}),
+        )
+        for name, tower in sub_configs.items()
+    }
+    return config_class(
+        text_config=text,
+        **towers,
+        tie_word_embeddings=getattr(text, "tie_word_embeddings", _SIZES["tie_word_embeddings"]),
+        architectures=[architecture],
     )
-    if family == "llama":
-        config = transformers.LlamaConfig(**common, architectures=["LlamaForCausalLM"])
-        model_class = transformers.LlamaForCausalLM
-    else:
-        config = transformers.Qwen3Config(**common, head_dim=16, architectures=["Qwen3ForCausalLM"])
-        model_class = transformers.Qwen3ForCausalLM
+
+
+def _hf_model(architecture: str):
+    """A tiny transformers model of ``architecture``: its config class with the small sizes above."""
+    import transformers
+
     torch.manual_seed(0)
-    model = model_class(config).float()
+    model = getattr(transformers, architecture)(_hf_config(architecture)).float()
     with torch.no_grad():  # norms away from their all-ones init, so a swapped norm cannot pass
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name and name.endswith("weight"):
                 param.uniform_(0.5, 1.5)
     return model
 
@@ -164,45 +226,70 @@ def _hf_model(family: str):
 def _save_families(rank: int, world_size: int, out: str, families: list[str]) -> None:
     _patch_for_cpu()
     for family in families:
-        _save(rank, Path(out) / family, family, world_size)
+        bridge, model = _save(rank, Path(out) / family, FAMILIES[family], world_size, local_spec=True)
+        try:
+            if family == LORA_FAMILY:
+                _save_lora(bridge, model, Path(out) / family / "lora", rank)
+        finally:
+            _release(model)
 
 
-def _save(rank: int, out: Path, family: str, world_size: int) -> None:
+def _save(rank: int, out: Path, architecture: str, world_size: int, *, local_spec: bool):
+    """Build ``architecture`` through the bridge on ``world_size`` gloo ranks and save it as verl does (see the
+    module's docstring); the bridge's spec unless ``local_spec`` (megatron-core's local layers, with the bridge's
+    ``save_hf_weights`` beside the shards). Returns the bridge and the model, parallel state still up."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     auto_bridge = _import_bridge()
     if rank == 0:
-        _hf_model(family).save_pretrained(out / "hf")
+        _hf_model(architecture).save_pretrained(out / "hf")
     dist.barrier()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-    try:
-        bridge = auto_bridge.from_hf_pretrained(str(out / "hf"), torch_dtype=torch.float32)
-        provider = bridge.to_megatron_provider(load_weights=True)
-        provider.tensor_model_parallel_size = world_size
-        provider.params_dtype = torch.float32
-        provider.bf16 = provider.fp16 = False
+    bridge = auto_bridge.from_hf_pretrained(str(out / "hf"), torch_dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    moe = bool(getattr(provider, "num_moe_experts", None))
+    ep = world_size if moe else 1
+    tp = _TENSOR_PARALLEL.get(architecture, world_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+    )
+    provider.tensor_model_parallel_size = tp
+    provider.expert_model_parallel_size = ep
+    provider.expert_tensor_parallel_size = 1
+    provider.params_dtype = torch.float32
+    provider.bf16 = provider.fp16 = False
+    if moe:  # TransformerEngine's fused permutation and router kernels: not stood in
+        provider.moe_permute_fusion = provider.moe_router_fusion = False
+        provider.moe_token_dispatcher_type = "allgather"  # alltoall opens a CUDA stream; saving routes nothing
+        provider.moe_shared_expert_overlap = False  # only with alltoall
+    if local_spec:
         provider.transformer_layer_spec = get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=family == "qwen3"
+            normalization=provider.normalization, qk_layernorm=provider.qk_layernorm
         )
-        for fusion in _CUDA_FUSIONS:  # kernels of TransformerEngine / apex: none on CPU
-            setattr(provider, fusion, False)
-        provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-        role = out / "actor"
-        dist_checkpointing.save(model[0].sharded_state_dict(), str(_fresh(role / "model" / "dist_ckpt")))
-        if rank == 0:
-            bridge.hf_pretrained.config.save_pretrained(role / "model" / "huggingface")
-        dist.barrier()
+    for fusion in _CUDA_FUSIONS:  # kernels of TransformerEngine / apex: none on CPU
+        setattr(provider, fusion, False)
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    role = out / "actor"
+    dist_checkpointing.save(model[0].sharded_state_dict(), str(_fresh(role / "model" / "dist_ckpt")))
+    if rank == 0:
+        bridge.hf_pretrained.config.save_pretrained(role / "model" / "huggingface")
+    dist.barrier()
+    if local_spec:
         bridge.save_hf_weights(model, str(role / "model" / "huggingface"))
-        exported = {name: tensor.clone() for name, tensor in bridge.export_hf_weights(model, cpu=True)}
-        if rank == 0:
-            _write_expected(out, exported, model[0].config, role)
-        dist.barrier()
-        if family == LORA_FAMILY:
-            _save_lora(bridge, model, out / "lora", rank)
-    finally:
-        parallel_state.destroy_model_parallel()
+    exported = {name: tensor.clone() for name, tensor in bridge.export_hf_weights(model, cpu=True)}
+    if rank == 0:
+        _write_expected(out, exported, model[0].config, role)
+        (out / "layout.txt").write_text(f"TP={tp}" + (f", EP={ep}" if moe else "") + "\n")
+    dist.barrier()
+    return bridge, model
+
+
+def _release(model) -> None:
+    from megatron.core import parallel_state
+
+    del model[:]
+    parallel_state.destroy_model_parallel()
 
 
 def _save_lora(bridge, model, out: Path, rank: int) -> None:
@@ -258,7 +345,7 @@ def _write_expected(out: Path, exported: dict, config, role: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--family", choices=FAMILIES, nargs="+", default=list(FAMILIES))
+    parser.add_argument("--family", choices=list(FAMILIES), nargs="+", default=list(FAMILIES))
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -134,7 +134,7 @@ def _save(rank: int, world_size: int, out: str) -> None:
     auto_bridge = _import_bridge()
     out = Path(out)
     if rank == 0:
-        _hf_model(FAMILY).save_pretrained(out / "hf")
+        _hf_model("Qwen3ForCausalLM").save_pretrained(out / "hf")
     dist.barrier()
     parallel_state.initialize_model_parallel()
     try:

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,30 @@ def write_with_release(venv: str, writer: str, root: Path, *args: str, timeout: 
     )
     assert done.returncode == 0, f"{writer} under {venv} failed:\n{done.stderr[-4000:]}"
     return root
+
+
+def cached_release_fixture(venv: str, writer: str, *args: str, sources: tuple[str, ...], timeout: int = 900) -> Path:
+    """``write_with_release`` once per venv: the folder is kept in ``<venv>/fixtures/<key>/``, the key a hash of the
+    venv's stamp (what ``scripts/setup_<library>.sh`` installed), the writer's arguments and the files under
+    ``sources`` (paths from the repository root: the writer and what it imports from the repository). Rebuilding
+    the venv, or changing any of those, writes it afresh. Never modify the folder returned."""
+    repo = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256((repo / venv / "stamp").read_bytes() + "\0".join((writer, *args)).encode())
+    for source in sources:
+        for path in sorted(p for p in (repo / source).rglob("*") if p.is_file() and "__pycache__" not in p.parts) or [
+            repo / source
+        ]:
+            digest.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes())
+    cached = repo / venv / "fixtures" / digest.hexdigest()[:16]
+    if not cached.is_dir():
+        fresh = cached.with_name(cached.name + f".{os.getpid()}")
+        try:
+            write_with_release(venv, writer, fresh, *args, timeout=timeout)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+        fresh.rename(cached)  # whole or not at all
+    return cached
 
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

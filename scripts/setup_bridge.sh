@@ -7,9 +7,10 @@
 # Python 3.12's typing.override, which the bridge imports, comes from typing_extensions (a .pth shim).
 # Only what its model provider, save_hf_weights and export_hf_weights import is installed, without
 # their declared dependencies: triton (megatron-core's MoE stash), nvidia-modelopt (save_hf_weights'
-# quantization check) with its own imports. TransformerEngine is not installed: the writer stands an
-# empty module in while the two bridge modules that import it unconditionally load.
-# A second run is a no-op: the stamp file records what was installed.
+# quantization check) with its own imports. TransformerEngine is not installed: a CPU stand-in for the modules
+# megatron-core wraps (merge_pipeline_samples/te_stand_in/transformer_engine, its docstring says what and how it
+# was checked) is copied into the venv's site-packages on every run, so the bridges' own TE layer specs build.
+# A second run only copies the stand-in again: the stamp file records what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/isolated_venv.sh
@@ -18,7 +19,15 @@ BASE="torch==2.13.0 transformers==5.12.1 safetensors numpy einops packaging typi
 NODEPS="megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 triton==3.9.0"
 CORE=megatron-core==0.18.2
 PACKAGES="$BASE $CORE $NODEPS"
+install_te_stand_in() {
+    local site
+    site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    rm -rf "$site/transformer_engine"
+    cp -r merge_pipeline_samples/te_stand_in/transformer_engine "$site/"
+    find "$site/transformer_engine" -name __pycache__ -prune -exec rm -rf {} +
+}
 if venv_is_current "$VENV" "$PACKAGES"; then
+    install_te_stand_in
     exit 0
 fi
 new_venv "$VENV"
@@ -44,5 +53,6 @@ if not hasattr(typing, "override"):
     typing.override = typing_extensions.override
 PY
 echo "import _py312_shims" > "$SITE/_py312_shims.pth"
+install_te_stand_in
 "$VENV/bin/python" -c "import typing; typing.override; import megatron.core, modelopt.torch.quantization.utils"
 echo "$PACKAGES" > "$VENV/stamp"

@@ -214,5 +214,15 @@ class Reshape:
         return OutputSpec(self.name, pieces, shape=self.shape)
 
 
+@dataclass(frozen=True)
+class Unsqueeze:
+    """The tensor as stored under a leading dimension of 1 (ERNIE 4.5's expert bias: Megatron [n], HF [1, n])."""
+
+    name: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        return [OutputSpec(self.name, (stored.piece(),), shape=(1, *stored.shape[len(stored.index) :]))]
+
+
 # The operations that turn one stored tensor into HF tensors (a table's entries).
-Operation = Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope
+Operation = Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope | Unsqueeze

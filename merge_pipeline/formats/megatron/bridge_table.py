@@ -5,8 +5,9 @@ That file is generated from the installed bridge's own ``mapping_registry()`` of
 the reader). Each mapping's kind is translated into an operation of the reader's conversion vocabulary
 (``formats/conversions.py``): ``copy`` (the tensor as stored, whatever its tensor-parallel split),
 ``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
-then up rows), ``grouped_experts`` (every expert of a layer in one HF tensor, gpt-oss's transposed
-layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
+then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
+tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
+(every expert of a layer in one HF tensor, gpt-oss's transposed layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
 None: an architecture that needs one is not merged.
 """
 
@@ -30,6 +31,9 @@ _OPERATIONS = {
     "GatedMLPMapping": "gate_up",
     "GPTOSSMLPGateUpProjMapping": "grouped_experts",
     "GPTOSSMLPDownProjMapping": "grouped_experts",
+    "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
+    "ConcatenatedQKVMapping": "vision_qkv",  # a vision tower's per-head [q k v] rows as HF's [q; k; v]
+    "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
 }
 # Family kinds that change values, not only names: not the operation their base class names.
 _NOT_COPIES = {
@@ -41,7 +45,6 @@ _NOT_COPIES = {
     "MiMoV2FlashQKVMapping",
     "_Gemma4QKVMapping",
     "_ConcatBiasMapping",
-    "_SqueezeBiasMapping",
     "_OffsetGatedMLPMapping",
     "_OffsetRowParallelMapping",
 }
@@ -54,10 +57,11 @@ class BridgeMapping:
     kinds: tuple[str, ...]
     megatron: str  # '*': a number (layer, expert); '**': any path
     hf: dict[str, str]  # role ("" for one tensor; q/k/v; gate/up) -> HF name pattern
+    permuted: bool = False  # the mapping permutes the tensor's dimensions (permute_dims): not a copy
 
     @property
     def operation(self) -> str | None:
-        if self.kinds[0] in _NOT_COPIES:
+        if self.kinds[0] in _NOT_COPIES or self.permuted:
             return None
         return next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
 
@@ -98,7 +102,12 @@ def mappings(architecture: str) -> tuple[BridgeMapping, ...]:
     """The bridge's mappings of an architecture (empty when it does not register it)."""
     entry = _table()["architectures"].get(architecture, {})
     return tuple(
-        BridgeMapping(tuple(m["kind"]), m["megatron"], m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]})
+        BridgeMapping(
+            tuple(m["kind"]),
+            m["megatron"],
+            m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]},
+            bool(m.get("params", {}).get("permute_dims")),
+        )
         for m in entry.get("mappings", ())
     )
 

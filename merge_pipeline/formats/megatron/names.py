@@ -29,6 +29,7 @@ from merge_pipeline.formats.conversions import (
     Sizes,
     SplitQKV,
     Stored,
+    Unsqueeze,
     named,
 )
 from merge_pipeline.formats.megatron import bridge_table
@@ -193,6 +194,8 @@ _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
 _EXPERT_PARAM = re.compile(
     r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
 )
+# One expert's HF name in Megatron-Bridge's table: ``<...>.experts.<e>.gate_proj.weight`` (or up / down).
+_PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight")
 _ATTRIBUTE = re.compile(
     r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset)(?P<half>_[wv])?"
 )
@@ -260,6 +263,8 @@ _BRIDGE_OPERATIONS = {
     "copy": lambda hf: Rename(hf[""]),
     "qkv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),
     "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
+    "vision_qkv": lambda hf: RegroupQKV(hf[""]),
+    "unsqueeze": lambda hf: Unsqueeze(hf[""]),
 }
 
 
@@ -277,6 +282,8 @@ class KeyMapper:
         self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
         # Grouped experts' pieces, gathered from every key: HF name -> [((expert, half), piece, module)]
         self.grouped: dict[str, list[tuple[tuple[int, int], Piece, str]]] = {}
+        # Experts stacked as they are stored (families.BRIDGE_STACKED_EXPERTS): HF name -> [(expert, piece)]
+        self.stacked: dict[str, list[tuple[int, Piece]]] = {}
 
     def outputs(self) -> list[OutputSpec]:
         if self.mtp_modules and len(self.mtp_modules) != self.model.mtp_layers:
@@ -294,6 +301,7 @@ class KeyMapper:
             else:
                 specs.extend(mapped)
         specs.extend(self._grouped_experts())
+        specs.extend(self._stacked_experts())
         if unmapped:
             shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
             raise MergeError(
@@ -319,7 +327,7 @@ class KeyMapper:
             return self._map_text(key, key.removeprefix("language_model."), shape)
         if key.startswith("vision_model."):
             return self._map_vision(key, key.removeprefix("vision_model."), shape)
-        return None
+        return self._map_bridge(key, shape)  # a tower the bridge keeps as transformers' own module (visual.*)
 
     def _map_text(self, key: str, local: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
         prefix = self.model.family.text_prefix
@@ -395,25 +403,55 @@ class KeyMapper:
     def _map_bridge(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
         """A key by Megatron-Bridge's own mapping of its name (``bridge_table``), one layer and expert at a time
         under the name the bridge's registry uses (``decoder.layers.<i>.``, ``local_experts.<e>.``)."""
-        params = _layer_params(key, key, shape)
+        model, layers, rest = key.rpartition("decoder.layers.")  # model: a multimodal model's language_model.
+        params = _layer_params(key, layers + rest, shape) if layers else None
         if params is None:
-            return self._bridge_outputs(key, _LayerParam(0, None, "", "", "", key, (), shape))
+            whole_key = self._bridge_outputs(key, _LayerParam(0, None, "", "", "", key, (), shape))
+            return whole_key if whole_key is not None else self._bridge_stacked(key, shape)
         out: list[OutputSpec] = []
         for p in params:
-            module = p.module
-            if p.expert is not None:
-                module = module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")
-            mapped = self._bridge_outputs(f"decoder.layers.{p.layer}.{module}.{p.attr}", p)
+            layer = f"{model}decoder.layers.{p.layer}."
+            names = [f"{layer}{p.module}.{p.attr}"]
+            if p.expert is not None:  # SequentialMLP's name, or TransformerEngine's grouped one (weight<expert>)
+                local = p.module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")
+                names = [f"{layer}{local}.{p.attr}", f"{layer}{p.module}.{p.attr}{p.expert}"]
+            mapped = next((m for name in names if (m := self._bridge_outputs(name, p)) is not None), None)
             if mapped is None:
                 return None
             out.extend(mapped)
         return out
+
+    def _bridge_stacked(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
+        """A module list megatron-core saves stacked, its index the leading dimension (Qwen3-VL's
+        ``deepstack_merger_list``): the index goes where the bridge's name of the first entry has it."""
+        if len(shape) < 2:
+            return None
+        parts = key.split(".")
+        for cut in range(1, len(parts)):
+            named_entries = [".".join([*parts[:cut], str(i), *parts[cut:]]) for i in range(shape[0])]
+            if bridge_table.lookup(self.model.architecture, named_entries[0]) is None:
+                continue
+            out: list[OutputSpec] = []
+            for i, name in enumerate(named_entries):
+                mapped = self._bridge_outputs(name, _LayerParam(0, None, "", "", "", key, (i,), shape))
+                if mapped is None:
+                    return None
+                out.extend(mapped)
+            return out
+        return None
 
     def _bridge_outputs(self, name: str, p: _LayerParam) -> list[OutputSpec] | None:
         found = bridge_table.lookup(self.model.architecture, name)
         if found is None:
             return None
         mapping, hf = found
+        stacked = _PER_EXPERT.fullmatch(hf.get("gate") or hf.get("") or "")
+        if self.model.architecture in families.BRIDGE_STACKED_EXPERTS and stacked and not p.half:
+            gathered = stacked["experts"] + ("gate_up_proj" if mapping.operation == "gate_up" else "down_proj")
+            self.stacked.setdefault(gathered, []).append((int(stacked["expert"]), p.stored.piece()))
+            return []
+        if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
+            return None  # the regrouping is a vision tower's layout
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
         return None if operation is None else self._apply(operation(hf), p)
 
@@ -489,4 +527,16 @@ class KeyMapper:
             else:
                 transpose = name.endswith(("gate_up_proj", "down_proj"))
                 specs.append(GroupedExperts(name, transpose, interleave_halves=fc1).of(pieces, len(experts)))
+        return specs
+
+    def _stacked_experts(self) -> list[OutputSpec]:
+        """Each layer's experts as one [experts, rows, ...] tensor of their stored matrices, expert 0 first."""
+        specs = []
+        for name, found in self.stacked.items():
+            found.sort(key=lambda entry: entry[0])
+            if [expert for expert, _ in found] != list(range(len(found))):
+                raise MergeError(self.metadata_path, f"{name}: the checkpoint holds experts {[e for e, _ in found]}")
+            first = found[0][1]
+            stored = self.shapes[first.key][len(first.index) :]
+            specs.append(Reshape(name, (len(found), *stored)).of(tuple(piece for _, piece in found)))
         return specs

@@ -6,7 +6,8 @@ equals the bridge's own ``export_hf_weights`` of the same model bit for bit, and
 merged folder with nothing missing or unexpected.
 
 One ``.venv-bridge`` process writes every architecture (``merge_pipeline_samples/megatron_bridge_archs.py``,
-which says what stands in for what on CPU)."""
+which says what stands in for what on CPU: TransformerEngine's modules by ``merge_pipeline_samples/te_stand_in/``),
+once per venv: the folder is cached in ``.venv-bridge/fixtures/`` under its stamp and the writer's sources."""
 
 from __future__ import annotations
 
@@ -18,18 +19,23 @@ import pytest
 import transformers
 
 from merge_pipeline import families
-from merge_pipeline_tests.helpers import assert_bit_exact, run_cli, write_with_release
+from merge_pipeline_tests.helpers import assert_bit_exact, cached_release_fixture, run_cli
 
 pytestmark = pytest.mark.slow
 
 PROVEN = sorted(families.MEGATRON_PROVEN)
+WRITER = (
+    "merge_pipeline_samples/megatron_bridge_archs.py",
+    "merge_pipeline_samples/megatron_bridge_save.py",
+    "merge_pipeline_samples/gloo_ranks.py",
+    "merge_pipeline_samples/te_stand_in",
+)
 
 
 @pytest.fixture(scope="module")
-def bridge_saves(tmp_path_factory) -> Path:
+def bridge_saves() -> Path:
     """``<root>/<architecture>/{hf/, actor/model/dist_ckpt/, expected/model.safetensors}``."""
-    root = tmp_path_factory.mktemp("bridge_architectures")
-    return write_with_release(".venv-bridge", "megatron_bridge_archs.py", root, *PROVEN, timeout=1800)
+    return cached_release_fixture(".venv-bridge", "megatron_bridge_archs.py", *PROVEN, sources=WRITER, timeout=3600)
 
 
 @pytest.mark.parametrize("architecture", PROVEN)

@@ -1,6 +1,7 @@
 """Checkpoints written through Megatron-Bridge 0.6.2 on megatron-core 0.18.2 themselves: rank 0 saves a
 small transformers Llama / Qwen3, two gloo ranks load it with ``AutoBridge.from_hf_pretrained`` and the
-bridge's own model provider (TP=2), and save what verl's ``MegatronCheckpointManager`` saves with the
+bridge's own model provider (TP=2, megatron-core's local layer spec: the TransformerEngine spec's names are
+``test_bridge_architectures.py``'s), and save what verl's ``MegatronCheckpointManager`` saves with the
 bridge: megatron-core's ``dist_checkpointing.save`` into ``model/dist_ckpt/`` and the bridge's
 ``save_hf_weights`` into ``model/huggingface/``, and with the bridge's LoRA its ``save_hf_adapter`` into
 ``model/huggingface/adapter/``. Each layout merges from the CLI with ``--backend auto``
@@ -8,8 +9,7 @@ bit for bit into what the bridge's own ``export_hf_weights`` gives: so our Megat
 equals the bridge's.
 
 The bridge runs in its own venv (``scripts/setup_bridge.sh``, called by ``scripts/setup.sh``); the
-writer is ``merge_pipeline_samples/megatron_bridge_save.py``, which says what stands in for
-TransformerEngine's import."""
+writer is ``merge_pipeline_samples/megatron_bridge_save.py``, which says what stands in on CPU."""
 
 from __future__ import annotations
 

@@ -26,8 +26,6 @@ MODEL_TYPES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "MiMoForCausalLM": "mimo",
-    "Qwen3VLForConditionalGeneration": "qwen3_vl",
-    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
     "Llama4ForConditionalGeneration": "llama4",
     "Llama4ForCausalLM": "llama4_text",
 }
