@@ -32,6 +32,11 @@ from benchmarks.checkpoints import REPO_ROOT
 DEFAULT_VENV = REPO_ROOT / "benchmarks" / ".verl-venv"
 DEFAULT_VERL = "0.9.1"
 MERGER_IMPORTS = ("ray", "tensordict", "omegaconf", "transformers", "codetiming")
+# Found through our site-packages otherwise, in a release verl's transformers does not know: transformers
+# 5.10 imports `kernels` whenever it is installed, and kernels 0.19 (ours, for transformers 5.25) refuses
+# the layer repositories 5.10 declares ("Either a revision or a version must be specified"). The venv gets
+# the release that transformers declares for itself (its extra of the same name).
+TRANSFORMERS_COMPANIONS = ("kernels",)
 _MARKER = ".merge-pipeline-bench.json"
 
 
@@ -43,7 +48,12 @@ def ensure_verl_venv(venv: Path = DEFAULT_VENV, verl_version: str = DEFAULT_VERL
     """The venv's python, after creating the venv if it is missing or was made for another verl."""
     venv = Path(venv).absolute()
     marker = venv / _MARKER
-    wanted = {"verl": verl_version, "imports": list(MERGER_IMPORTS), "host_site": _our_site_packages()}
+    wanted = {
+        "verl": verl_version,
+        "imports": list(MERGER_IMPORTS),
+        "companions": list(TRANSFORMERS_COMPANIONS),
+        "host_site": _our_site_packages(),
+    }
     if marker.is_file() and json.loads(marker.read_text()) == wanted and verl_python(venv).exists():
         return verl_python(venv)
     log(f"creating {venv} with verl=={verl_version} (no dependencies) + {', '.join(MERGER_IMPORTS)} ...")
@@ -56,22 +66,25 @@ def ensure_verl_venv(venv: Path = DEFAULT_VENV, verl_version: str = DEFAULT_VERL
         _run(python, "-c", "import importlib.metadata as m, json; print(json.dumps(m.requires('verl')))")
     )
     _pip(python, "install", *_pinned(MERGER_IMPORTS, requires))
-    _run(
-        python, "-m", "verl.model_merger", "merge", "--help"
-    )  # imports verl and its merger: fails loudly if short of a package
+    declared_by_transformers = json.loads(
+        _run(python, "-c", "import importlib.metadata as m, json; print(json.dumps(m.requires('transformers')))")
+    )
+    _pip(python, "install", *_pinned(TRANSFORMERS_COMPANIONS, declared_by_transformers, extras=True))
+    # verl, its FSDP merger and the model code it loads: fails loudly if short of a package or at odds with one
+    _run(python, "-c", "import verl.model_merger.fsdp_model_merger, transformers.models.llama.modeling_llama")
     marker.write_text(json.dumps(wanted, indent=2))
     return python
 
 
-def _pinned(names: tuple[str, ...], requires: list[str]) -> list[str]:
-    """Each name with verl's own version specifier when verl declares one (extras dropped)."""
+def _pinned(names: tuple[str, ...], requires: list[str], *, extras: bool = False) -> list[str]:
+    """Each name with the version specifier the package declares for it (``extras``: also in an extra)."""
     from packaging.requirements import Requirement
 
     declared = {}
     for line in requires or []:
         req = Requirement(line)
-        if req.marker is None or "extra" not in str(req.marker):
-            declared[req.name.lower()] = str(req.specifier)
+        if extras or req.marker is None or "extra" not in str(req.marker):
+            declared.setdefault(req.name.lower(), str(req.specifier))
     return [f"{name}{declared.get(name, '')}" for name in names]
 
 
