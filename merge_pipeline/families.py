@@ -485,10 +485,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
         "so there is no reference to prove a merge against"
     ),
-    "Gemma3ForConditionalGeneration": (
-        "the bridge builds it on CPU (TP=2), but its projector's mapping transposes the tensor "
-        "(multi_modal_projector.proj.weight, permute_dims (1, 0)): an operation the reader does not have"
-    ),
     "Gemma4ForCausalLM": (
         "the bridge builds it on CPU (TP=2), but its mapping registry follows the model's own layers: "
         "merge_pipeline/bridge_mappings.json, generated from Gemma4TextConfig's defaults (MoE layers), does not name "
@@ -547,6 +543,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "GemmaForCausalLM": "TP=2",
         "Gemma2ForCausalLM": "TP=2",
         "Gemma3ForCausalLM": "TP=2",
+        "Gemma3ForConditionalGeneration": "TP=2",
         "Exaone4ForCausalLM": "TP=2",
         "GlmMoeDsaForCausalLM": _EP,
         "Qwen3VLForConditionalGeneration": "TP=2",

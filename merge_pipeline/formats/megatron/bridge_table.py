@@ -7,7 +7,8 @@ the reader). Each mapping's kind is translated into an operation of the reader's
 ``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
 then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
-(every expert of a layer in one HF tensor, gpt-oss's transposed layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
+(every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``transpose`` (a copy whose 2-D
+tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
 None: an architecture that needs one is not merged.
 """
 
@@ -57,13 +58,17 @@ class BridgeMapping:
     kinds: tuple[str, ...]
     megatron: str  # '*': a number (layer, expert); '**': any path
     hf: dict[str, str]  # role ("" for one tensor; q/k/v; gate/up) -> HF name pattern
-    permuted: bool = False  # the mapping permutes the tensor's dimensions (permute_dims): not a copy
+    permute_dims: tuple[int, ...] | None = None  # the bridge permutes the tensor's dimensions on import and back
 
     @property
     def operation(self) -> str | None:
-        if self.kinds[0] in _NOT_COPIES or self.permuted:
+        if self.kinds[0] in _NOT_COPIES:
             return None
-        return next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
+        operation = next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
+        if self.permute_dims is None:
+            return operation
+        # A 2-D transpose is its own inverse: export transposes back what import transposed; others have no operation.
+        return "transpose" if operation == "copy" and self.permute_dims == (1, 0) else None
 
     @functools.cached_property
     def pattern(self) -> re.Pattern:
@@ -106,7 +111,7 @@ def mappings(architecture: str) -> tuple[BridgeMapping, ...]:
             tuple(m["kind"]),
             m["megatron"],
             m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]},
-            bool(m.get("params", {}).get("permute_dims")),
+            tuple(dims) if (dims := m.get("params", {}).get("permute_dims")) else None,
         )
         for m in entry.get("mappings", ())
     )

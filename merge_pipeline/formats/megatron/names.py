@@ -29,6 +29,7 @@ from merge_pipeline.formats.conversions import (
     Sizes,
     SplitQKV,
     Stored,
+    Transpose,
     Unsqueeze,
     named,
 )
@@ -265,6 +266,7 @@ _BRIDGE_OPERATIONS = {
     "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
+    "transpose": lambda hf: Transpose(hf[""]),
 }
 
 
