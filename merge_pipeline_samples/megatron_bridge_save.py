@@ -115,6 +115,11 @@ _ARCHITECTURE_SIZES = {
         ),
         dict(tie_word_embeddings=True),
     ),
+    # Gemma 4 (dense, as transformers' default config): its per-layer embedding at the small vocabulary, and its
+    # full-attention layers' heads small too; tied like every Gemma release (its bridge maps no output layer).
+    "Gemma4ForCausalLM": dict(
+        tie_word_embeddings=True, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, global_head_dim=32
+    ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
     # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it

@@ -103,8 +103,9 @@ def architectures() -> tuple[str, ...]:
     return tuple(_table()["architectures"])
 
 
-def mappings(architecture: str) -> tuple[BridgeMapping, ...]:
-    """The bridge's mappings of an architecture (empty when it does not register it)."""
+def mappings(architecture: str, dense: bool = False) -> tuple[BridgeMapping, ...]:
+    """The bridge's mappings of an architecture (empty when it does not register it); ``dense``: a dense model's,
+    where the bridge keeps one of its own (Gemma 4: ``dense_mappings``)."""
     entry = _table()["architectures"].get(architecture, {})
     return tuple(
         BridgeMapping(
@@ -113,14 +114,14 @@ def mappings(architecture: str) -> tuple[BridgeMapping, ...]:
             m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]},
             tuple(dims) if (dims := m.get("params", {}).get("permute_dims")) else None,
         )
-        for m in entry.get("mappings", ())
+        for m in entry.get("dense_mappings" if dense and "dense_mappings" in entry else "mappings", ())
     )
 
 
-def lookup(architecture: str, megatron_name: str) -> tuple[BridgeMapping, dict[str, str]] | None:
+def lookup(architecture: str, megatron_name: str, dense: bool = False) -> tuple[BridgeMapping, dict[str, str]] | None:
     """The bridge's mapping of one Megatron name, with its HF names; the first that matches, as the bridge
     takes it (``MegatronMappingRegistry.megatron_to_hf_lookup``)."""
-    for mapping in mappings(architecture):
+    for mapping in mappings(architecture, dense):
         names = mapping.hf_names(megatron_name)
         if names is not None:
             return mapping, names
