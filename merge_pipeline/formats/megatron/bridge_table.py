@@ -9,7 +9,8 @@ then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
 (every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``transpose`` (a copy whose 2-D
 tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
-None: an architecture that needs one is not merged.
+None: an architecture that needs one is not merged. A bridge that keeps a dense model's registry beside its default
+(Gemma 4's, chosen by ``enable_moe_block``) has it recorded as ``dense_mappings``: ``mappings(..., dense=True)``.
 """
 
 from __future__ import annotations
