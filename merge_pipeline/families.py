@@ -485,15 +485,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
         "so there is no reference to prove a merge against"
     ),
-    "Gemma3ForConditionalGeneration": (
-        "the bridge builds it on CPU (TP=2), but its projector's mapping transposes the tensor "
-        "(multi_modal_projector.proj.weight, permute_dims (1, 0)): an operation the reader does not have"
-    ),
-    "Gemma4ForCausalLM": (
-        "the bridge builds it on CPU (TP=2), but its mapping registry follows the model's own layers: "
-        "merge_pipeline/bridge_mappings.json, generated from Gemma4TextConfig's defaults (MoE layers), does not name "
-        "a dense model's self_attention_sliding.* or mlp.linear_fc1 tensors"
-    ),
     "NemotronHForCausalLM": _MAMBA,
     "ExaoneMoEForCausalLM": (
         "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
@@ -547,6 +538,8 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "GemmaForCausalLM": "TP=2",
         "Gemma2ForCausalLM": "TP=2",
         "Gemma3ForCausalLM": "TP=2",
+        "Gemma3ForConditionalGeneration": "TP=2",
+        "Gemma4ForCausalLM": "TP=2",  # dense (transformers' default config), the bridge's dense registry
         "Exaone4ForCausalLM": "TP=2",
         "GlmMoeDsaForCausalLM": _EP,
         "Qwen3VLForConditionalGeneration": "TP=2",

@@ -14,7 +14,8 @@ checks the committed file is what this produces.
 
 A few bridges build their registry from the HF config (how many layers are dense, which have MTP): those are
 asked with the default config of the family's transformers config class (``AutoConfig.for_model``), and the
-architecture's entry says ``"from_default_config": true``. A bridge whose registry cannot be built that way is
+architecture's entry says ``"from_default_config": true``. Gemma 4's bridges pick a dense model's registry or the
+MoE one by the config: both are written, the dense one as ``"dense_mappings"``. A bridge whose registry cannot be built that way is
 written with its error (``"error"``), so that it is accounted for, not dropped.
 
 Megatron-Bridge imports TransformerEngine unconditionally in two modules: the venv's CPU stand-in for it
@@ -67,17 +68,26 @@ def _mapping(mapping) -> dict:
     return {"kind": kinds, "megatron": mapping.megatron_param, "hf": _plain(mapping.hf_param), "params": params}
 
 
-def _registry(source, factory) -> tuple[list, bool]:
+def _registry(source, factory) -> tuple[object, list, bool]:
     bridge = factory(source)
     try:
-        return bridge.mapping_registry().mappings, False
+        return bridge, bridge.mapping_registry().mappings, False
     except AttributeError:  # its registry reads the HF config
         import transformers
 
         model_type = getattr(bridge, "MODEL_TYPE", None) or source.config_class.model_type
         config = transformers.AutoConfig.for_model(model_type)
         bridge = factory(source, hf_config=types.SimpleNamespace(config=config))
-        return bridge.mapping_registry().mappings, True
+        return bridge, bridge.mapping_registry().mappings, True
+
+
+def _dense_registry(bridge) -> list | None:
+    """Gemma 4's bridges keep a dense model's registry beside the MoE one and pick by the HF config
+    (``enable_moe_block``; ``provider_bridge`` sets ``_is_dense``): the dense one, asked the same way."""
+    if not hasattr(bridge, "_dense_mapping_registry"):
+        return None
+    bridge._is_dense = True
+    return bridge.mapping_registry().mappings
 
 
 def bridge_mappings() -> dict:
@@ -91,12 +101,15 @@ def bridge_mappings() -> dict:
         bridge_class = type(factory(source))
         entry = {"bridge": bridge_class.__name__, "model_type": getattr(bridge_class, "MODEL_TYPE", None)}
         try:
-            mappings, from_config = _registry(source, factory)
+            bridge, mappings, from_config = _registry(source, factory)
+            dense = _dense_registry(bridge)
         except Exception as exc:  # noqa: BLE001  (recorded: the architecture stays accounted for)
             entry["error"] = f"{type(exc).__name__}: {exc}"
         else:
             entry["from_default_config"] = from_config
             entry["mappings"] = [_mapping(m) for m in mappings]
+            if dense is not None:
+                entry["dense_mappings"] = [_mapping(m) for m in dense]
         out[architecture] = entry
     return dict(sorted(out.items()))
 
@@ -122,10 +135,11 @@ def _dump(data: dict) -> str:
     lines += [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in data.items() if k != "architectures"]
     lines.append(' "architectures": {')
     for i, (architecture, entry) in enumerate(data["architectures"].items()):
-        fields = [f"   {json.dumps(k)}: {json.dumps(v)}" for k, v in entry.items() if k != "mappings"]
-        if "mappings" in entry:
-            rows = ",\n".join(f"    {json.dumps(m)}" for m in entry["mappings"])
-            fields.append(f'   "mappings": [\n{rows}\n   ]')
+        lists = ("mappings", "dense_mappings")
+        fields = [f"   {json.dumps(k)}: {json.dumps(v)}" for k, v in entry.items() if k not in lists]
+        for name in (name for name in lists if name in entry):
+            rows = ",\n".join(f"    {json.dumps(m)}" for m in entry[name])
+            fields.append(f"   {json.dumps(name)}: [\n{rows}\n   ]")
         comma = "," if i < len(data["architectures"]) - 1 else ""
         lines.append(f"  {json.dumps(architecture)}: {{\n" + ",\n".join(fields) + f"\n  }}{comma}")
     lines += [" }", "}"]

@@ -115,6 +115,11 @@ _ARCHITECTURE_SIZES = {
         ),
         dict(tie_word_embeddings=True),
     ),
+    # Gemma 4 (dense, as transformers' default config): its per-layer embedding at the small vocabulary, and its
+    # full-attention layers' heads small too; tied like every Gemma release (its bridge maps no output layer).
+    "Gemma4ForCausalLM": dict(
+        tie_word_embeddings=True, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, global_head_dim=32
+    ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
     # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it
@@ -132,7 +137,18 @@ _ARCHITECTURE_SIZES = {
     ),
     # GLM-4.5V's bridge reads the text model's use_qk_norm and head_dim (GLM-4.5's names), which
     # Glm4vMoeTextConfig lacks: GLM-4.5V has no q/k norm, and its heads are hidden_size / heads wide.
-    "Glm4vMoeForConditionalGeneration": dict(use_qk_norm=False, head_dim=16),
+    # Its multimodal rotary sections (mrope_section) cover the tiny heads' rotary frequencies, as the released ones
+    # cover theirs: transformers' default sections are for 128-wide heads, and its forward splits by them.
+    "Glm4vMoeForConditionalGeneration": dict(
+        use_qk_norm=False,
+        head_dim=16,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 2]
+        ),
+    ),
+    "Qwen2_5_VLForConditionalGeneration": dict(
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])
+    ),
     # Mistral 3's bridge builds Ministral 3's attention, whose Llama 4 query scaling reads these rotary values
     # (they scale the forward only).
     "Mistral3ForConditionalGeneration": dict(

@@ -15,6 +15,7 @@ which rows of which stored tensors make up each HF tensor (``output_specs``); no
 - ``GroupedExperts``: every expert of a layer as one tensor, each matrix transposed (gpt-oss's layout).
 - ``PermuteForRope``: q/k rows stored in torchtitan's rotary order, in HF's.
 - ``Reshape``: the same bytes under another shape.
+- ``Transpose``: a 2-D tensor transposed.
 """
 
 from __future__ import annotations
@@ -224,5 +225,20 @@ class Unsqueeze:
         return [OutputSpec(self.name, (stored.piece(),), shape=(1, *stored.shape[len(stored.index) :]))]
 
 
+@dataclass(frozen=True)
+class Transpose:
+    """A 2-D tensor transposed (Gemma 3's projector: Megatron's Linear weight [out, in], HF's [in, out] that
+    ``x @ W`` multiplies): streamed as grouped experts' layout of one expert, under the matrix's own shape."""
+
+    name: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        matrix = stored.shape[len(stored.index) :]
+        if len(matrix) != 2:
+            raise MergeError(sizes.metadata_path, f"{stored.key}: shape {matrix} is not a matrix to transpose")
+        rows, columns = matrix
+        return [OutputSpec(self.name, (stored.piece(),), shape=(columns, rows), experts=1, transpose=True)]
+
+
 # The operations that turn one stored tensor into HF tensors (a table's entries).
-Operation = Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope | Unsqueeze
+Operation = Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope | Unsqueeze | Transpose

@@ -485,7 +485,7 @@ def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTenso
         source = RotaryRows(source, shape, first.dtype, spec.rotary_heads)
     if spec.experts:
         source = ExpertMatrices(source, shape, first.dtype, spec.experts, spec.interleave_halves, spec.transpose)
-        declared = hf_shape(shape, spec.experts, spec.transpose)
+        declared = spec.shape or hf_shape(shape, spec.experts, spec.transpose)  # one matrix: its own shape
     return PlannedTensor(spec.name, declared, first.dtype, source)
 
 

@@ -27,7 +27,8 @@ class OutputSpec:
 
     name: str
     pieces: tuple[Piece, ...]
-    # The same bytes in the same order under another shape: a Linear patch embedding saved as HF's Conv weight.
+    # The same bytes in the same order under another shape (a Linear patch embedding saved as HF's Conv weight),
+    # or a transposed matrix's shape (one expert of ``experts`` below).
     shape: tuple[int, ...] | None = None
     # torchtitan's q/k: the rows of each of this many heads stored in its rotary order (formats/rotary_rows.py).
     rotary_heads: int | None = None

@@ -96,17 +96,24 @@ def expected_tensors(config_dir: Path, *, value_model: bool, trust_remote_code: 
             f"cannot build {getattr(chosen, '__name__', chosen)} from it ({type(exc).__name__}: {first_line(exc)})",
         ) from None
     state = model.state_dict(keep_vars=True)  # parameters themselves, so tied names share one object
-    groups: dict[int, set[str]] = {}
-    for name, tensor in state.items():
-        groups.setdefault(id(tensor), set()).add(name)
-    shapes = {name: tuple(tensor.shape) for name, tensor in revert_weight_conversion(model, state).items()}
+    saved = revert_weight_conversion(model, state)
+    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
     mtp_layers = _multi_token_prediction_layers(config, shapes)
     for layer in mtp_layers:
         shapes.update(layer)
     load_names = LoadNames(model, {name: tuple(tensor.shape) for name, tensor in state.items()}, shapes)
-    return ExpectedTensors(
-        shapes, [g for g in groups.values() if len(g) > 1], [set(layer) for layer in mtp_layers], load_names
-    )
+    # Tied names in memory and as saved: a renamed tensor is the same object (Gemma 3 VL's lm_head.weight is saved
+    # as language_model.lm_head.weight, tied to language_model.model.embed_tokens.weight).
+    tied = _tied_groups(state) + _tied_groups(saved)
+    return ExpectedTensors(shapes, tied, [set(layer) for layer in mtp_layers], load_names)
+
+
+def _tied_groups(tensors: dict[str, torch.Tensor]) -> list[set[str]]:
+    """The sets of names that hold one tensor object."""
+    groups: dict[int, set[str]] = {}
+    for name, tensor in tensors.items():
+        groups.setdefault(id(tensor), set()).add(name)
+    return [group for group in groups.values() if len(group) > 1]
 
 
 def _multi_token_prediction_layers(config, shapes: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:

@@ -20,6 +20,7 @@ from merge_pipeline.formats.conversions import (
     Sizes,
     SplitQKV,
     Stored,
+    Transpose,
     named,
 )
 from merge_pipeline.formats.output_specs import OutputSpec
@@ -98,6 +99,13 @@ def test_grouped_experts_and_rope_hand_the_rearranging_to_the_streamed_readers()
     assert (k.rotary_heads, k.pieces[0].rows) == (SIZES.kv_heads, (0, 12))
     with pytest.raises(MergeError, match=r"^metadata.json: wq: 10 rows do not split into 4 rotary heads$"):
         PermuteForRope("q_proj.weight").outputs(Stored("wq", (10, 4)), SIZES)
+
+
+def test_transpose_streams_one_matrix_as_a_single_expert_under_its_transposed_shape():
+    (spec,) = Transpose("proj").outputs(Stored("w", (2, 6, 4), (1,)), SIZES)
+    assert (spec.experts, spec.transpose, spec.shape, spec.pieces[0].index) == (1, True, (4, 6), (1,))
+    with pytest.raises(MergeError, match=r"^metadata.json: b: shape \(6,\) is not a matrix to transpose$"):
+        Transpose("bias").outputs(Stored("b", (6,)), SIZES)
 
 
 def test_named_fills_every_hf_name_and_nothing_else():

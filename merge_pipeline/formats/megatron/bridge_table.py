@@ -7,8 +7,10 @@ the reader). Each mapping's kind is translated into an operation of the reader's
 ``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
 then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
-(every expert of a layer in one HF tensor, gpt-oss's transposed layout). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
-None: an architecture that needs one is not merged.
+(every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``transpose`` (a copy whose 2-D
+tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
+None: an architecture that needs one is not merged. A bridge that keeps a dense model's registry beside its default
+(Gemma 4's, chosen by ``enable_moe_block``) has it recorded as ``dense_mappings``: ``mappings(..., dense=True)``.
 """
 
 from __future__ import annotations
@@ -57,13 +59,17 @@ class BridgeMapping:
     kinds: tuple[str, ...]
     megatron: str  # '*': a number (layer, expert); '**': any path
     hf: dict[str, str]  # role ("" for one tensor; q/k/v; gate/up) -> HF name pattern
-    permuted: bool = False  # the mapping permutes the tensor's dimensions (permute_dims): not a copy
+    permute_dims: tuple[int, ...] | None = None  # the bridge permutes the tensor's dimensions on import and back
 
     @property
     def operation(self) -> str | None:
-        if self.kinds[0] in _NOT_COPIES or self.permuted:
+        if self.kinds[0] in _NOT_COPIES:
             return None
-        return next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
+        operation = next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
+        if self.permute_dims is None:
+            return operation
+        # A 2-D transpose is its own inverse: export transposes back what import transposed; others have no operation.
+        return "transpose" if operation == "copy" and self.permute_dims == (1, 0) else None
 
     @functools.cached_property
     def pattern(self) -> re.Pattern:
@@ -98,24 +104,25 @@ def architectures() -> tuple[str, ...]:
     return tuple(_table()["architectures"])
 
 
-def mappings(architecture: str) -> tuple[BridgeMapping, ...]:
-    """The bridge's mappings of an architecture (empty when it does not register it)."""
+def mappings(architecture: str, dense: bool = False) -> tuple[BridgeMapping, ...]:
+    """The bridge's mappings of an architecture (empty when it does not register it); ``dense``: a dense model's,
+    where the bridge keeps one of its own (Gemma 4: ``dense_mappings``)."""
     entry = _table()["architectures"].get(architecture, {})
     return tuple(
         BridgeMapping(
             tuple(m["kind"]),
             m["megatron"],
             m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]},
-            bool(m.get("params", {}).get("permute_dims")),
+            tuple(dims) if (dims := m.get("params", {}).get("permute_dims")) else None,
         )
-        for m in entry.get("mappings", ())
+        for m in entry.get("dense_mappings" if dense and "dense_mappings" in entry else "mappings", ())
     )
 
 
-def lookup(architecture: str, megatron_name: str) -> tuple[BridgeMapping, dict[str, str]] | None:
+def lookup(architecture: str, megatron_name: str, dense: bool = False) -> tuple[BridgeMapping, dict[str, str]] | None:
     """The bridge's mapping of one Megatron name, with its HF names; the first that matches, as the bridge
     takes it (``MegatronMappingRegistry.megatron_to_hf_lookup``)."""
-    for mapping in mappings(architecture):
+    for mapping in mappings(architecture, dense):
         names = mapping.hf_names(megatron_name)
         if names is not None:
             return mapping, names

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from merge_pipeline import families
@@ -29,6 +29,7 @@ from merge_pipeline.formats.conversions import (
     Sizes,
     SplitQKV,
     Stored,
+    Transpose,
     Unsqueeze,
     named,
 )
@@ -49,6 +50,11 @@ class ModelShape:
     value_model: bool
     num_layers: int | None  # decoder layers: multi-token-prediction layer k is HF layer num_layers + k
     mtp_layers: int  # num_nextn_predict_layers
+    # Gemma 4: a dense model (enable_moe_block false) has a registry of its own in the bridge's table; its
+    # layers' attention types (layer_types), and its full-attention layers' KV heads and head_dim.
+    dense: bool = False
+    layer_types: tuple[str, ...] = ()
+    global_attention: tuple[int, int] | None = None
 
 
 # What a user whose architecture is refused can do instead.
@@ -101,6 +107,7 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     vision_heads = vision.get("num_heads")
     num_layers = text.get("num_hidden_layers")
     mtp_layers = text.get("num_nextn_predict_layers") or 0
+    global_head_dim = text.get("global_head_dim")
     return ModelShape(
         architecture,
         family,
@@ -111,6 +118,11 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         value_model,
         num_layers,
         mtp_layers,
+        dense=text.get("enable_moe_block") is False,
+        layer_types=tuple(text.get("layer_types") or ()),
+        global_attention=(
+            (int(text.get("num_global_key_value_heads") or kv_heads), int(global_head_dim)) if global_head_dim else None
+        ),
     )
 
 
@@ -196,6 +208,11 @@ _EXPERT_PARAM = re.compile(
 )
 # One expert's HF name in Megatron-Bridge's table: ``<...>.experts.<e>.gate_proj.weight`` (or up / down).
 _PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight")
+# Gemma 4's attention saved per layer type (the bridge's ``Gemma4DenseSelfAttention.sharded_state_dict``):
+# ``self_attention_sliding.*`` stacks the sliding layers' copies, ``self_attention_global.*`` the full-attention
+# layers'; config.json's ``layer_types`` says which layers those are.
+_TYPED_ATTENTION = re.compile(r"self_attention_(?P<type>sliding|global)\.(?P<param>.+)")
+_LAYER_TYPES = {"sliding": "sliding_attention", "global": "full_attention"}
 _ATTRIBUTE = re.compile(
     r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset)(?P<half>_[wv])?"
 )
@@ -265,6 +282,7 @@ _BRIDGE_OPERATIONS = {
     "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
+    "transpose": lambda hf: Transpose(hf[""]),
 }
 
 
@@ -279,6 +297,8 @@ class KeyMapper:
         self.sizes = Sizes(
             config_path, metadata_path, model.attention_heads, model.kv_heads, model.head_dim, model.vision_heads
         )
+        kv_heads, head_dim = model.global_attention or (model.kv_heads, model.head_dim)
+        self.global_sizes = replace(self.sizes, kv_heads=kv_heads, head_dim=head_dim)  # Gemma 4's full attention
         self.mtp_modules = sorted({int(m["module"]) for k in shapes if (m := _MTP_KEY.fullmatch(k))})
         # Grouped experts' pieces, gathered from every key: HF name -> [((expert, half), piece, module)]
         self.grouped: dict[str, list[tuple[tuple[int, int], Piece, str]]] = {}
@@ -404,6 +424,9 @@ class KeyMapper:
         """A key by Megatron-Bridge's own mapping of its name (``bridge_table``), one layer and expert at a time
         under the name the bridge's registry uses (``decoder.layers.<i>.``, ``local_experts.<e>.``)."""
         model, layers, rest = key.rpartition("decoder.layers.")  # model: a multimodal model's language_model.
+        typed = _TYPED_ATTENTION.fullmatch(rest) if layers else None
+        if typed is not None:
+            return self._bridge_typed_attention(key, model, typed, shape)
         params = _layer_params(key, layers + rest, shape) if layers else None
         if params is None:
             whole_key = self._bridge_outputs(key, _LayerParam(0, None, "", "", "", key, (), shape))
@@ -421,6 +444,31 @@ class KeyMapper:
             out.extend(mapped)
         return out
 
+    def _bridge_typed_attention(
+        self, key: str, model: str, typed: re.Match, shape: tuple[int, ...]
+    ) -> list[OutputSpec] | None:
+        """Gemma 4's attention of one layer type (``_TYPED_ATTENTION``): copy ``i`` is the ``i``-th layer of that
+        type, under the bridge's ``self_attention`` name, split by that type's sizes."""
+        layer_type = _LAYER_TYPES[typed["type"]]
+        layers = [i for i, t in enumerate(self.model.layer_types) if t == layer_type]
+        params = _layer_params(key, f"decoder.layers.self_attention.{typed['param']}", shape)
+        if params is None:
+            return None
+        if len(layers) != shape[0]:
+            raise MergeError(
+                self.config_path,
+                f"layer_types has {len(layers)} {layer_type} layer(s), the checkpoint's {key} stacks {shape[0]}",
+            )
+        sizes = self.global_sizes if layer_type == "full_attention" else self.sizes
+        out: list[OutputSpec] = []
+        for p in params:
+            p = replace(p, layer=layers[p.layer])
+            mapped = self._bridge_outputs(f"{model}decoder.layers.{p.layer}.{p.module}.{p.attr}", p, sizes)
+            if mapped is None:
+                return None
+            out.extend(mapped)
+        return out
+
     def _bridge_stacked(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
         """A module list megatron-core saves stacked, its index the leading dimension (Qwen3-VL's
         ``deepstack_merger_list``): the index goes where the bridge's name of the first entry has it."""
@@ -429,7 +477,7 @@ class KeyMapper:
         parts = key.split(".")
         for cut in range(1, len(parts)):
             named_entries = [".".join([*parts[:cut], str(i), *parts[cut:]]) for i in range(shape[0])]
-            if bridge_table.lookup(self.model.architecture, named_entries[0]) is None:
+            if bridge_table.lookup(self.model.architecture, named_entries[0], self.model.dense) is None:
                 continue
             out: list[OutputSpec] = []
             for i, name in enumerate(named_entries):
@@ -440,8 +488,8 @@ class KeyMapper:
             return out
         return None
 
-    def _bridge_outputs(self, name: str, p: _LayerParam) -> list[OutputSpec] | None:
-        found = bridge_table.lookup(self.model.architecture, name)
+    def _bridge_outputs(self, name: str, p: _LayerParam, sizes: Sizes | None = None) -> list[OutputSpec] | None:
+        found = bridge_table.lookup(self.model.architecture, name, self.model.dense)
         if found is None:
             return None
         mapping, hf = found
@@ -453,7 +501,7 @@ class KeyMapper:
         if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
             return None  # the regrouping is a vision tower's layout
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
-        return None if operation is None else self._apply(operation(hf), p)
+        return None if operation is None else self._apply(operation(hf), p, sizes)
 
     # ---- one layer's parameter ----
 
@@ -496,12 +544,14 @@ class KeyMapper:
         names.update(shared=family.shared_experts, expert=p.expert, moe=family.moe_block, router=family.router)
         return self._apply(named(operation, lambda name: f"{prefix}{name.format(**names)}.{p.attr}"), p)
 
-    def _apply(self, operation: Operation, p: _LayerParam) -> list[OutputSpec] | None:
-        """The HF tensors of ``p`` by ``operation``; a half of a gated fc1 (``_w``, ``_v``) is its Chunk's half."""
+    def _apply(self, operation: Operation, p: _LayerParam, sizes: Sizes | None = None) -> list[OutputSpec] | None:
+        """The HF tensors of ``p`` by ``operation`` (split by ``sizes``, the model's unless given); a half of a gated
+        fc1 (``_w``, ``_v``) is its Chunk's half."""
+        sizes = sizes or self.sizes
         if not p.half:
-            return operation.outputs(p.stored, self.sizes)
+            return operation.outputs(p.stored, sizes)
         if isinstance(operation, Chunk):
-            return Rename(operation.gate if p.half == "_w" else operation.up).outputs(p.stored, self.sizes)
+            return Rename(operation.gate if p.half == "_w" else operation.up).outputs(p.stored, sizes)
         return None
 
     def _grouped_experts(self) -> list[OutputSpec]:

@@ -72,3 +72,24 @@ def test_mtp_layer_is_expected_whole_or_not_at_all(megatron_samples):
     partial = {k: v for k, v in expected.items() if k != "model.layers.2.eh_proj.weight"}
     with pytest.raises(MergeError, match="1 missing: model.layers.2.eh_proj.weight"):
         check_plan_against_architecture(planned(partial), expected, hf_dir / "config.json")
+
+
+def test_a_tied_head_saved_under_another_name_may_be_absent(tmp_path):
+    """Gemma 3 VL keeps ``lm_head.weight`` in memory and saves it as ``language_model.lm_head.weight``: that
+    name is tied to the saved embedding too, so a checkpoint without it (the bridge's export) passes."""
+    import transformers
+
+    text = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    transformers.Gemma3Config(text_config=text, vision_config=vision, tie_word_embeddings=True).save_pretrained(
+        tmp_path
+    )
+    expected = expected_tensors(tmp_path, value_model=False, trust_remote_code=False)
+    tied = {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight"}
+    assert tied in expected.tied_groups
+    without_head = {k: v for k, v in expected.items() if k != "language_model.lm_head.weight"}
+    check_plan_against_architecture(planned(without_head), expected, tmp_path / "config.json")

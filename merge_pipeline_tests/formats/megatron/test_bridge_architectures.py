@@ -2,8 +2,10 @@
 saves it: a tiny transformers model of the architecture, loaded by the bridge's own model provider on two
 gloo ranks (tensor parallel 2; expert parallel 2 where the family has experts), megatron-core's
 ``dist_checkpointing.save`` of its sharded state dict. The CLI merge (``--backend auto``) of those shards
-equals the bridge's own ``export_hf_weights`` of the same model bit for bit, and transformers loads the
-merged folder with nothing missing or unexpected.
+equals the bridge's own ``export_hf_weights`` of the same model bit for bit, transformers loads the
+merged folder with nothing missing or unexpected, and its logits on the merged folder equal its logits on the bridge's
+export (the bridge's round trip) bit for bit, for every architecture but those whose transformers forward fails on
+CPU (``NO_CPU_FORWARD``, each with the error it raises, which the test checks it still raises).
 
 One ``.venv-bridge`` process writes every architecture (``merge_pipeline_samples/megatron_bridge_archs.py``,
 which says what stands in for what on CPU: TransformerEngine's modules by ``merge_pipeline_samples/te_stand_in/``),
@@ -12,10 +14,12 @@ once per venv: the folder is cached in ``.venv-bridge/fixtures/`` under its stam
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from merge_pipeline import families
@@ -32,6 +36,14 @@ WRITER = (
 )
 
 
+# transformers 5.12.1's forward of these tiny models fails on CPU: the error each raises (checked, so the list cannot
+# go stale).
+NO_CPU_FORWARD = {
+    "GlmMoeDsaForCausalLM": "The size of tensor a (4) must match the size of tensor b (8) at non-singleton dimension 1",
+}
+INPUT_IDS = torch.arange(8)[None]
+
+
 @pytest.fixture(scope="module")
 def bridge_saves() -> Path:
     """``<root>/<architecture>/{hf/, actor/model/dist_ckpt/, expected/model.safetensors}``."""
@@ -39,7 +51,7 @@ def bridge_saves() -> Path:
 
 
 @pytest.mark.parametrize("architecture", PROVEN)
-def test_merge_equals_the_bridges_export(capsys, tmp_path, bridge_saves, architecture):
+def test_merge_equals_the_bridges_export_and_gives_its_logits(capsys, tmp_path, bridge_saves, architecture):
     saved = bridge_saves / architecture
     assert not (saved / "failed.txt").exists(), (saved / "failed.txt").read_text()
     assert (saved / "layout.txt").read_text().strip() == families.MEGATRON_PROVEN[architecture]
@@ -62,5 +74,20 @@ def test_merge_equals_the_bridges_export(capsys, tmp_path, bridge_saves, archite
     source = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]
     assert source["backend"] == "megatron" and len(source["inputs"]) == 2  # one .distcp per rank
     assert_bit_exact(tmp_path / "out", saved / "expected")
-    _, info = getattr(transformers, architecture).from_pretrained(tmp_path / "out", output_loading_info=True)
+    model_class = getattr(transformers, architecture)
+    merged, info = model_class.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    export = tmp_path / "export"  # the bridge's export under the tiny model's config: the round trip
+    shutil.copytree(saved / "expected", export)
+    shutil.copy(saved / "hf" / "config.json", export)
+    round_trip = model_class.from_pretrained(export)
+    if architecture in NO_CPU_FORWARD:
+        with pytest.raises(RuntimeError, match=re.escape(NO_CPU_FORWARD[architecture])):
+            _logits(merged)
+        return
+    assert torch.equal(_logits(merged), _logits(round_trip))
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=INPUT_IDS).logits
