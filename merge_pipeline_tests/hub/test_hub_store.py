@@ -4,6 +4,7 @@ without its ``merge_manifest.json`` (a merge still publishing) is refused in one
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 
 import dagster as dg
@@ -17,7 +18,12 @@ from merge_pipeline_tests.hub.conftest import WRITER
 
 
 def publish(instance, settings, key: str) -> dg.ExecuteInProcessResult:
-    return dg.materialize(
+    """``hub_model`` of ``key``, materialized in a fresh ``contextvars.Context``: Dagster keeps the entered
+    instance's state storage in a context variable, and one the suite's earlier runs left behind, whose instance
+    was collected since, failed the build of these definitions once in CI ("Attempted to resolve undefined
+    DagsterInstance weakref"); a fresh context reads none, as a new process does."""
+    return contextvars.Context().run(
+        dg.materialize,
         [asset("hub_model")],
         partition_key=key,
         instance=instance,
