@@ -169,6 +169,12 @@ def _run_rank(rank: int, families: list[str], out: str, world_size: int, port: i
             _save_family(rank, family, Path(out) / family, world_size)
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: gloo's C++ objects that outlive the process group can still own
+    # a running thread, and destroying them at exit aborts the rank ("terminate called without an active
+    # exception", pytorch/gloo#155) after its files were written. Only a rank that finished gets here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
