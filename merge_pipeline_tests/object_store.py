@@ -54,19 +54,27 @@ def s3_server(tmp_path_factory):
     (root / "data").mkdir()
     command = [
         weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
-        f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-volume.max=0",
+        f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-volume.max=500",
         "-master.volumeSizeLimitMB=64", "-s3", f"-s3.port={s3}", f"-s3.config={config}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", "-metricsPort=0",
     ]  # fmt: skip
+    # Every bucket is a collection; by default each grows 7 volumes at once, and with the volume count derived from
+    # the free disk a CI machine with a fuller disk ran out of volumes mid-suite (S3 "internal error"): one volume
+    # per collection, a fixed count, and each test's bucket removed after it.
+    env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
     with open(root / "weed.log", "wb") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     endpoint = f"http://127.0.0.1:{s3}"
     try:
         _wait_until_serving(endpoint, server, root / "weed.log")
         yield endpoint
     finally:
         server.terminate()
-        server.wait(30)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def _wait_until_serving(endpoint: str, server: subprocess.Popen, log: Path) -> None:
@@ -97,7 +105,8 @@ def bucket(s3_server, monkeypatch):
     fs = s3fs.S3FileSystem()
     name = f"b-{uuid.uuid4().hex[:12]}"
     fs.mkdir(name)
-    return fs, name
+    yield fs, name
+    fs.rm(name, recursive=True)
 
 
 def upload(fs, folder: Path, url_path: str) -> str:
