@@ -443,10 +443,6 @@ _LLAMA4 = (
 )
 _NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU (TransformerEngine stood in)"
 _NO_TRANSFORMERS = "transformers 5.12.1 does not ship it: no tiny model to build it from or to load it"
-_GATED_DELTANET = (
-    f"{_NOT_BUILT}: its Gated DeltaNet layers need flash-linear-attention (FLA is not installed), and the bridge's "
-    "Gated DeltaNet mappings change values (operations the reader does not have)"
-)
 _MAMBA = (
     f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed), and the bridge's "
     "Mamba mappings change values (operations the reader does not have)"
@@ -476,10 +472,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "asks for (ValueError: Invalid experimental attention variant: dsv4_hybrid)"
     ),
     "FalconH1ForCausalLM": _MAMBA,
-    **dict.fromkeys(
-        ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-        _GATED_DELTANET,
-    ),
     "Qwen2AudioForConditionalGeneration": (
         "the bridge's registry names the language model language_model.model.layers.*, transformers 5.12.1 saves "
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
@@ -503,9 +495,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
 MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
     {
         **BRIDGE_REFUSED,
-        "Qwen3NextForCausalLM": f"Qwen3-Next: {_GATED_DELTANET}",
-        "Qwen3_5ForConditionalGeneration": f"Qwen3.5: {_GATED_DELTANET}",
-        "Qwen3_5MoeForConditionalGeneration": f"Qwen3.5-MoE: {_GATED_DELTANET}",
         "MiMoForCausalLM": "MiMo: remote code that transformers 5 does not ship, with MTP layers of its own",
         "Llama4ForConditionalGeneration": _LLAMA4,
         "Llama4ForCausalLM": _LLAMA4,
@@ -551,6 +540,12 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Exaone4_5_ForConditionalGeneration": "TP=2",
         "Qwen2_5_VLForConditionalGeneration": "TP=2",  # also a family record (megatron-core's own vision model)
         "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
+        # Gated DeltaNet (flash-linear-attention in .venv-bridge): a linear-attention layer, then a full-attention one.
+        "Qwen3NextForCausalLM": _EP,
+        "Qwen3_5ForCausalLM": "TP=2",
+        "Qwen3_5MoeForCausalLM": _EP,
+        "Qwen3_5ForConditionalGeneration": "TP=2",  # also a family record (torchtitan's names only)
+        "Qwen3_5MoeForConditionalGeneration": _EP,  # likewise
     }
 )
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj

@@ -101,6 +101,16 @@ _MOE_SIZES = dict(
     qk_nope_head_dim=8,
     v_head_dim=16,
 )
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): small linear-attention heads, more value heads than key heads (two per key
+# head, as released), and one full-attention layer after the linear one, so both kinds of layer are saved.
+_GATED_DELTANET_SIZES = dict(
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    shared_expert_intermediate_size=32,
+)
 # Sizes one architecture's bridge needs: OLMoE's bridge maps its q/k norms (HF: over all heads of q, of k) onto
 # megatron-core's over the hidden size, as in OLMoE's released configs, where every head has its own keys.
 # The Gemma and Exaone 4 bridges map no output layer (Gemma's share it whatever the config says): their tiny
@@ -193,6 +203,8 @@ def _small(config_class, architecture: str, known_only: bool = False, **extra):
     defaults = config_class()
     moe = any(hasattr(defaults, name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
     sizes = {**_SIZES, **(_MOE_SIZES if moe else {})}
+    if hasattr(defaults, "linear_num_key_heads"):
+        sizes.update(_GATED_DELTANET_SIZES)
     if hasattr(defaults, "kv_lora_rank"):  # multi-latent attention: its head_dim is the rotary part (GLM-4.7-Flash)
         sizes["head_dim"] = _MOE_SIZES["qk_rope_head_dim"]
     if known_only:

@@ -8,9 +8,12 @@ which rows of which stored tensors make up each HF tensor (``output_specs``); no
 
 - ``Rename``: the stored tensor as it is.
 - ``Chunk``: a gated MLP's fc1, its rows halved into gate and up.
-- ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors.
+- ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors; with
+  megatron-core's attention output gate ``[q heads | gate heads | k | v]``, each head's gate rows after its q rows.
 - ``RegroupQKV``: fused q/k/v rows grouped per head, as one tensor ``[all q; all k; all v]``.
-- ``Concatenate``: several stored tensors' rows, in order, as one tensor.
+- ``Concatenate``: several stored tensors' rows, in order, as one tensor; or group by group, each tensor's
+  rows cut into as many equal blocks (Qwen3-Next's in_proj_qkvz: ``[q | k | v | z]`` per key head).
+- ``AddOne``: the stored tensor plus one (a zero-centred norm weight as a standard norm's).
 - ``PerExpert``: experts stacked on the leading dimension, one HF tensor each.
 - ``GroupedExperts``: every expert of a layer as one tensor, each matrix transposed (gpt-oss's layout).
 - ``PermuteForRope``: q/k rows stored in torchtitan's rotary order, in HF's.
@@ -117,6 +120,8 @@ class SplitQKV:
             )
         q_rows = heads // kv_heads * head_dim
         group_rows = q_rows + 2 * head_dim
+        if stored.rows == kv_heads * (group_rows + q_rows):
+            return self._gated(stored, heads // kv_heads, q_rows, head_dim)
         if stored.rows != kv_heads * group_rows:
             raise MergeError(
                 sizes.config_path,
@@ -124,6 +129,20 @@ class SplitQKV:
                 f"{kv_heads} KV heads and head_dim {head_dim} need {kv_heads * group_rows}",
             )
         q, k, v = _row_groups(stored, kv_heads, (q_rows, head_dim, head_dim))
+        return [OutputSpec(self.q, q), OutputSpec(self.k, k), OutputSpec(self.v, v)]
+
+    def _gated(self, stored: Stored, heads_per_group: int, q_rows: int, head_dim: int) -> list[OutputSpec]:
+        """megatron-core's ``attention_output_gate`` (Qwen3-Next, Qwen3.5): per KV group [q heads | gate heads | k | v],
+        the gate a second q of each head; HF's q_proj holds each head's q rows then its gate rows."""
+        group_rows = 2 * q_rows + 2 * head_dim
+        groups = stored.rows // group_rows
+        q = tuple(
+            stored.piece(start, start + head_dim)
+            for g in range(groups)
+            for h in range(heads_per_group)
+            for start in (g * group_rows + h * head_dim, g * group_rows + q_rows + h * head_dim)
+        )
+        k, v = _row_groups(stored, groups, (2 * q_rows, head_dim, head_dim))[1:]
         return [OutputSpec(self.q, q), OutputSpec(self.k, k), OutputSpec(self.v, v)]
 
 
@@ -147,12 +166,36 @@ class RegroupQKV:
 
 @dataclass(frozen=True)
 class Concatenate:
-    """Several stored tensors' rows, in order, as one HF tensor; the mapping gathers the parts."""
+    """Several stored tensors' rows, in order, as one HF tensor; the mapping gathers the parts. With ``groups``, each
+    part's rows are that many equal blocks, and the HF tensor holds them group by group: block g of every part, in
+    order, then block g + 1 (megatron-core saves Gated DeltaNet's in_proj as its query, key, value, z, beta and alpha
+    rows; Qwen3-Next's in_proj_qkvz holds them per key head, [q_h | k_h | v_h | z_h])."""
 
     name: str
 
-    def of(self, parts: list[Stored]) -> OutputSpec:
-        return OutputSpec(self.name, tuple(part.piece() for part in parts))
+    def of(self, parts: list[Stored], groups: int = 1, metadata_path: Path | None = None) -> OutputSpec:
+        for part in parts:
+            if part.rows % groups:
+                raise MergeError(metadata_path, f"{part.key}: {part.rows} rows do not split into {groups} groups")
+        return OutputSpec(
+            self.name,
+            tuple(
+                part.piece(g * part.rows // groups, (g + 1) * part.rows // groups)
+                for g in range(groups)
+                for part in parts
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class AddOne:
+    """The stored tensor plus one, in its own dtype: a zero-centred norm weight (megatron-core's
+    ``layernorm_zero_centered_gamma``) as the standard norm's HF keeps (Qwen3-Next's gated out norm)."""
+
+    name: str
+
+    def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
+        return [replace(whole(self.name, stored.key, stored.rows, stored.index), add_one=True)]
 
 
 @dataclass(frozen=True)
@@ -241,4 +284,6 @@ class Transpose:
 
 
 # The operations that turn one stored tensor into HF tensors (a table's entries).
-Operation = Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope | Unsqueeze | Transpose
+Operation = (
+    Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope | Unsqueeze | Transpose | AddOne
+)

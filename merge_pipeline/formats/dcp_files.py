@@ -23,6 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError, shown
+from merge_pipeline.formats.added_one import AddedOne
 from merge_pipeline.formats.expert_matrices import ExpertMatrices, hf_shape
 from merge_pipeline.formats.output_specs import OutputSpec, Piece
 from merge_pipeline.formats.rotary_rows import RotaryRows
@@ -483,6 +484,8 @@ def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTenso
         source = _RowBlocks(shape, first.dtype, pieces)
     if spec.rotary_heads:
         source = RotaryRows(source, shape, first.dtype, spec.rotary_heads)
+    if spec.add_one:
+        source = AddedOne(source)
     if spec.experts:
         source = ExpertMatrices(source, shape, first.dtype, spec.experts, spec.interleave_halves, spec.transpose)
         declared = spec.shape or hf_shape(shape, spec.experts, spec.transpose)  # one matrix: its own shape

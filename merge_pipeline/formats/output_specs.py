@@ -38,6 +38,8 @@ class OutputSpec:
     experts: int | None = None
     transpose: bool = False
     interleave_halves: bool = False
+    # Each value plus one, in the stored dtype (formats/conversions.py's AddOne: a zero-centred norm weight).
+    add_one: bool = False
 
 
 def whole(name: str, key: str, rows: int, index: tuple[int, ...] = ()) -> OutputSpec:

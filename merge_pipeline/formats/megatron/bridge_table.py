@@ -8,8 +8,11 @@ the reader). Each mapping's kind is translated into an operation of the reader's
 then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
 (every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``transpose`` (a copy whose 2-D
-tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
-None: an architecture that needs one is not merged. A bridge that keeps a dense model's registry beside its default
+tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector), ``add_one`` (a zero-centred norm
+weight plus one), ``saved_parts`` (Gated DeltaNet's in_proj and conv1d, which megatron-core saves as parts
+``<name>.query``, ``.key``, ...: each HF tensor the parts ``PARTS`` names for its role, concatenated, per key head
+where it says so). Kinds with no operation here (Mamba, ...) translate to None: an architecture that needs one is
+not merged. A bridge that keeps a dense model's registry beside its default
 (Gemma 4's, chosen by ``enable_moe_block``) has it recorded as ``dense_mappings``: ``mappings(..., dense=True)``.
 """
 
@@ -36,10 +39,27 @@ _OPERATIONS = {
     "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
     "ConcatenatedQKVMapping": "vision_qkv",  # a vision tower's per-head [q k v] rows as HF's [q; k; v]
     "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
+    "RMSNorm2ZeroCenteredRMSNormMapping": "add_one",  # the bridge adds 1 to the stored norm weight
+    "GDNLinearMapping": "saved_parts",
+    "GDNLinearMappingSeparate": "saved_parts",
+    "GDNConv1dMapping": "saved_parts",
+}
+# Gated DeltaNet's parts (megatron-core 0.18's GatedDeltaNet.sharded_state_dict splits in_proj into query, key,
+# value, z, beta and alpha rows, conv1d into query, key and value, each part whole over TP ranks), by the role the
+# bridge's mapping gives each HF tensor: the parts it concatenates, and whether per key head (the bridge's
+# split_gdn_linear_weights: Qwen3-Next's fused in_proj_qkvz holds [q_h | k_h | v_h | z_h] for each key head h,
+# in_proj_ba [b_h | a_h]) or each part whole in turn (its _split_gdn_grouped_to_separate and GDNConv1dMapping).
+PARTS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "qkvz": (("query", "key", "value", "z"), True),  # GDNLinearMapping
+    "ba": (("beta", "alpha"), True),
+    "qkv": (("query", "key", "value"), False),  # GDNLinearMappingSeparate (Qwen3.5)
+    "z": (("z",), False),
+    "b": (("beta",), False),
+    "a": (("alpha",), False),
+    "": (("query", "key", "value"), False),  # GDNConv1dMapping: one HF tensor
 }
 # Family kinds that change values, not only names: not the operation their base class names.
 _NOT_COPIES = {
-    "RMSNorm2ZeroCenteredRMSNormMapping",  # adds 1 to the stored norm weight
     "FusedExpertMapping",  # experts fused into one HF tensor, optionally transposed
     "FusedGatedExpertMapping",
     "StackedExpertAutoMapping",

@@ -20,7 +20,9 @@ from pathlib import Path
 from merge_pipeline import families
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.conversions import (
+    AddOne,
     Chunk,
+    Concatenate,
     GroupedExperts,
     Operation,
     RegroupQKV,
@@ -55,6 +57,7 @@ class ModelShape:
     dense: bool = False
     layer_types: tuple[str, ...] = ()
     global_attention: tuple[int, int] | None = None
+    linear_key_heads: int = 0  # Gated DeltaNet's key heads (linear_num_key_heads): its fused in_proj is per key head
 
 
 # What a user whose architecture is refused can do instead.
@@ -77,7 +80,7 @@ def megatron_family(config: dict, config_path: Path) -> tuple[str, families.Fami
             f"{architecture} ({families.MEGATRON_REFUSED[architecture]}): its Megatron shards are not mapped to "
             f"Hugging Face names; {SAVE_THROUGH_THE_BRIDGE}",
         )
-    if family is None and architecture in families.MEGATRON_PROVEN:
+    if (family is None or not family.megatron) and architecture in families.MEGATRON_PROVEN:
         return architecture, _bridge_family(architecture)
     if family is None or not family.megatron:
         supported = ", ".join(sorted(a for f in families.FAMILIES.values() if f.megatron for a in f.architectures))
@@ -123,6 +126,7 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         global_attention=(
             (int(text.get("num_global_key_value_heads") or kv_heads), int(global_head_dim)) if global_head_dim else None
         ),
+        linear_key_heads=int(text.get("linear_num_key_heads") or 0),
     )
 
 
@@ -207,6 +211,9 @@ _EXPERT_PARAM = re.compile(
     r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
 )
 # One expert's HF name in Megatron-Bridge's table: ``<...>.experts.<e>.gate_proj.weight`` (or up / down).
+# A parameter megatron-core saves in parts, each whole over TP ranks (Gated DeltaNet's in_proj and conv1d):
+# ``<name>.<part>``, the bridge's mapping (``saved_parts``) under ``<name>``.
+_SAVED_PART = re.compile(r"(?P<name>.+)\.(?P<part>query|key|value|z|beta|alpha)")
 _PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight")
 # Gemma 4's attention saved per layer type (the bridge's ``Gemma4DenseSelfAttention.sharded_state_dict``):
 # ``self_attention_sliding.*`` stacks the sliding layers' copies, ``self_attention_global.*`` the full-attention
@@ -283,6 +290,7 @@ _BRIDGE_OPERATIONS = {
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
     "transpose": lambda hf: Transpose(hf[""]),
+    "add_one": lambda hf: AddOne(hf[""]),
 }
 
 
@@ -304,6 +312,8 @@ class KeyMapper:
         self.grouped: dict[str, list[tuple[tuple[int, int], Piece, str]]] = {}
         # Experts stacked as they are stored (families.BRIDGE_STACKED_EXPERTS): HF name -> [(expert, piece)]
         self.stacked: dict[str, list[tuple[int, Piece]]] = {}
+        # Parameters saved in parts (_SAVED_PART): the bridge's name -> {part: stored tensor}
+        self.parts: dict[str, dict[str, Stored]] = {}
 
     def outputs(self) -> list[OutputSpec]:
         if self.mtp_modules and len(self.mtp_modules) != self.model.mtp_layers:
@@ -322,6 +332,7 @@ class KeyMapper:
                 specs.extend(mapped)
         specs.extend(self._grouped_experts())
         specs.extend(self._stacked_experts())
+        specs.extend(self._saved_parts())
         if unmapped:
             shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
             raise MergeError(
@@ -423,6 +434,9 @@ class KeyMapper:
     def _map_bridge(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
         """A key by Megatron-Bridge's own mapping of its name (``bridge_table``), one layer and expert at a time
         under the name the bridge's registry uses (``decoder.layers.<i>.``, ``local_experts.<e>.``)."""
+        part = _SAVED_PART.fullmatch(key)
+        if part is not None and self._saved_part(part["name"], part["part"], Stored(key, shape)):
+            return []
         model, layers, rest = key.rpartition("decoder.layers.")  # model: a multimodal model's language_model.
         typed = _TYPED_ATTENTION.fullmatch(rest) if layers else None
         if typed is not None:
@@ -577,6 +591,36 @@ class KeyMapper:
             else:
                 transpose = name.endswith(("gate_up_proj", "down_proj"))
                 specs.append(GroupedExperts(name, transpose, interleave_halves=fc1).of(pieces, len(experts)))
+        return specs
+
+    def _saved_part(self, name: str, part: str, stored: Stored) -> bool:
+        """Keep one part of a parameter the bridge maps from its parts; False if the bridge maps ``name`` otherwise."""
+        found = bridge_table.lookup(self.model.architecture, name, self.model.dense)
+        if found is None or found[0].operation != "saved_parts":
+            return False
+        self.parts.setdefault(name, {})[part] = stored
+        return True
+
+    def _saved_parts(self) -> list[OutputSpec]:
+        """Each HF tensor of a parameter saved in parts: the parts its role names (``bridge_table.PARTS``), per key
+        head where the role says so."""
+        specs = []
+        for name, parts in self.parts.items():
+            _mapping, hf = bridge_table.lookup(self.model.architecture, name, self.model.dense)
+            roles = {role: bridge_table.PARTS[role] for role in hf}
+            wanted = {part for part_names, _ in roles.values() for part in part_names}
+            if set(parts) != wanted:
+                missing = sorted(wanted - set(parts)) or sorted(set(parts) - wanted)
+                raise MergeError(
+                    self.metadata_path,
+                    f"{name} is saved as parts {sorted(parts)}, the bridge's mapping of it needs {sorted(wanted)} "
+                    f"({', '.join(missing)} differ)",
+                )
+            for role, (part_names, per_key_head) in roles.items():
+                groups = self.model.linear_key_heads if per_key_head else 1
+                if groups < 1:
+                    raise MergeError(self.config_path, f"{name}: linear_num_key_heads is missing")
+                specs.append(Concatenate(hf[role]).of([parts[p] for p in part_names], groups, self.metadata_path))
         return specs
 
     def _stacked_experts(self) -> list[OutputSpec]:
