@@ -16,7 +16,10 @@ The bridge's own layer spec is built: TransformerEngine's, through the CPU stand
 installs in ``.venv-bridge`` (``merge_pipeline_samples/te_stand_in/``, whose docstring says what it stands in and
 how it was checked against TE's source), so the shards carry the names verl's GPU runs save
 (``linear_qkv.layer_norm_weight``, grouped ``experts.linear_fc1.weight<N>``). TransformerEngine's fused MoE
-permutation and router kernels are turned off (the stand-in has none); saving runs no forward. The writer itself is
+permutation and router kernels are turned off (the stand-in has none); saving runs no forward. Gated DeltaNet layers
+(Qwen3-Next, Qwen3.5), which megatron-core refuses to build without flash-linear-attention, are built with the real
+one: its core (``fla-core``, Triton kernels in pure Python, which import on CPU) is installed in ``.venv-bridge``,
+nothing stood in; none of its kernels runs. The writer itself is
 ``megatron_bridge_save._save``. With ``--each`` every architecture gets ranks of its own and one that fails is
 recorded in ``OUT/<arch>/failed.txt`` (its error, one line) while the writer goes on: how the refusals in
 ``merge_pipeline/families.py`` were found.

@@ -7,7 +7,9 @@
 # Python 3.12's typing.override, which the bridge imports, comes from typing_extensions (a .pth shim).
 # Only what its model provider, save_hf_weights and export_hf_weights import is installed, without
 # their declared dependencies: triton (megatron-core's MoE stash), nvidia-modelopt (save_hf_weights'
-# quantization check) with its own imports. TransformerEngine is not installed: a CPU stand-in for the modules
+# quantization check) with its own imports, and flash-linear-attention's core (fla-core, Triton kernels in pure
+# Python: it imports on CPU), without which megatron-core's Gated DeltaNet layer (Qwen3-Next, Qwen3.5) refuses to be
+# built; saving runs none of its kernels. TransformerEngine is not installed: a CPU stand-in for the modules
 # megatron-core wraps (merge_pipeline_samples/te_stand_in/transformer_engine, its docstring says what and how it
 # was checked) is copied into the venv's site-packages on every run, so the bridges' own TE layer specs build.
 # A second run only copies the stand-in again: the stamp file records what was installed.
@@ -16,7 +18,7 @@ cd "$(dirname "$0")/.."
 source scripts/isolated_venv.sh
 VENV=.venv-bridge
 BASE="torch==2.13.0 transformers==5.12.1 safetensors numpy einops packaging typing_extensions omegaconf==2.4.0 psutil requests pulp scipy"
-NODEPS="megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 triton==3.9.0"
+NODEPS="megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 triton==3.9.0 fla-core==0.6.0"
 CORE=megatron-core==0.18.2
 PACKAGES="$BASE $CORE $NODEPS"
 install_te_stand_in() {
@@ -54,5 +56,6 @@ if not hasattr(typing, "override"):
 PY
 echo "import _py312_shims" > "$SITE/_py312_shims.pth"
 install_te_stand_in
-"$VENV/bin/python" -c "import typing; typing.override; import megatron.core, modelopt.torch.quantization.utils"
+"$VENV/bin/python" -c "import typing; typing.override; import megatron.core, modelopt.torch.quantization.utils
+from megatron.core.ssm.gated_delta_net import HAVE_FLA; assert HAVE_FLA"
 echo "$PACKAGES" > "$VENV/stamp"

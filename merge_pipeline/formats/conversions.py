@@ -285,5 +285,14 @@ class Transpose:
 
 # The operations that turn one stored tensor into HF tensors (a table's entries).
 Operation = (
-    Rename | Chunk | SplitQKV | RegroupQKV | PerExpert | GroupedExperts | PermuteForRope | Unsqueeze | Transpose | AddOne
+    Rename
+    | Chunk
+    | SplitQKV
+    | RegroupQKV
+    | PerExpert
+    | GroupedExperts
+    | PermuteForRope
+    | Unsqueeze
+    | Transpose
+    | AddOne
 )

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats.added_one import AddedOne
 from merge_pipeline.formats.conversions import (
+    AddOne,
     Chunk,
     Concatenate,
     GroupedExperts,
@@ -24,6 +26,7 @@ from merge_pipeline.formats.conversions import (
     named,
 )
 from merge_pipeline.formats.output_specs import OutputSpec
+from merge_pipeline.plan import Computed
 
 SIZES = Sizes(Path("config.json"), Path("metadata.json"), attention_heads=4, kv_heads=2, head_dim=3, vision_heads=2)
 
@@ -71,6 +74,19 @@ def test_split_qkv_takes_each_kv_groups_q_heads_k_and_v():
         SplitQKV("q", "k", "v").outputs(Stored("qkv", (21, 5)), SIZES)
 
 
+def test_split_qkv_with_an_output_gate_puts_each_heads_gate_rows_after_its_q_rows():
+    # megatron-core's attention_output_gate: [q heads | gate heads | k | v] per KV group; HF's q_proj (Qwen3-Next,
+    # Qwen3.5) is viewed as [heads, 2 x head_dim] and chunked into q and gate: each head's q rows, then its gate's.
+    per_group = SIZES.attention_heads // SIZES.kv_heads
+    rows = SIZES.kv_heads * (2 * per_group + 2) * SIZES.head_dim
+    stored = tensors(qkv=(rows, 5))
+    got = by_name(SplitQKV("q", "k", "v").outputs(Stored("qkv", (rows, 5)), SIZES), stored)
+    groups = stored["qkv"].view(SIZES.kv_heads, -1, SIZES.head_dim, 5)
+    q, gate, k, v = groups.split([per_group, per_group, 1, 1], dim=1)
+    assert torch.equal(got["q"], torch.cat([q, gate], dim=2).reshape(-1, 5))
+    assert torch.equal(got["k"], k.reshape(-1, 5)) and torch.equal(got["v"], v.reshape(-1, 5))
+
+
 def test_regroup_qkv_puts_every_heads_q_first_then_k_then_v():
     stored = tensors(qkv=(3 * SIZES.vision_heads * 4, 5))
     (spec,) = RegroupQKV("qkv").outputs(Stored("qkv", (24, 5)), SIZES)
@@ -82,6 +98,30 @@ def test_concatenate_is_torch_cat_in_order():
     stored = tensors(a=(2, 3), b=(4, 3), c=(1, 3))
     spec = Concatenate("fused").of([Stored(k, tuple(stored[k].shape)) for k in ("b", "a", "c")])
     assert torch.equal(built(spec, stored), torch.cat([stored["b"], stored["a"], stored["c"]]))
+
+
+def test_concatenate_by_groups_takes_every_parts_block_of_one_group_then_the_next():
+    # Gated DeltaNet's in_proj saved as parts (megatron-core): Qwen3-Next's in_proj_qkvz is [q_h | k_h | v_h | z_h]
+    # for each key head h, as the bridge's split_gdn_linear_weights cuts each part by key head and concatenates.
+    stored = tensors(query=(4, 3), key=(4, 3), value=(8, 3), z=(8, 3))
+    parts = [Stored(k, tuple(stored[k].shape)) for k in ("query", "key", "value", "z")]
+    spec = Concatenate("in_proj_qkvz").of(parts, groups=2)
+    by_head = [stored[k].view(2, -1, 3) for k in ("query", "key", "value", "z")]
+    assert torch.equal(built(spec, stored), torch.cat(by_head, dim=1).reshape(-1, 3))
+    with pytest.raises(MergeError, match=r"^metadata.json: value: 8 rows do not split into 3 groups$"):
+        Concatenate("in_proj_qkvz").of(parts[2:3], groups=3, metadata_path=Path("metadata.json"))
+
+
+def test_add_one_is_the_stored_tensor_plus_one_in_its_own_dtype():
+    # Megatron-Bridge's RMSNorm2ZeroCenteredRMSNormMapping: ``value.data += 1`` on the exported tensor.
+    (spec,) = AddOne("norm.weight").outputs(Stored("w", (2, 6), (1,)), SIZES)
+    assert (spec.add_one, spec.pieces[0].index, spec.pieces[0].rows) == (True, (1,), (0, 6))
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(6, generator=torch.Generator().manual_seed(0)).to(dtype) * 0.3
+        expected = weight.clone()
+        expected.data += 1
+        (got,) = AddedOne(Computed(lambda weight=weight: weight)).pieces()
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # bit for bit
 
 
 def test_per_expert_is_one_tensor_per_leading_index():
