@@ -14,7 +14,10 @@ checks the committed file is what this produces.
 
 A few bridges build their registry from the HF config (how many layers are dense, which have MTP): those are
 asked with the default config of the family's transformers config class (``AutoConfig.for_model``), and the
-architecture's entry says ``"from_default_config": true``. Gemma 4's bridges pick a dense model's registry or the
+architecture's entry says ``"from_default_config": true``. A mapping of a parameter megatron-core saves in parts
+(Gated DeltaNet's in_proj and conv1d: ``<name>.query``, ``.key``, ...) also says, under ``"parts"``, which parts
+make up each of its HF tensors (by role) and whether they alternate per key head: found by running the mapping's own
+``megatron_to_hf`` (one process, TP=1) on a tensor whose rows are labelled by the part they come from. Gemma 4's bridges pick a dense model's registry or the
 MoE one by the config: both are written, the dense one as ``"dense_mappings"``. A bridge whose registry cannot be built that way is
 written with its error (``"error"``), so that it is accounted for, not dropped.
 
@@ -37,6 +40,19 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 from merge_pipeline_samples.megatron_bridge_save import _import_bridge  # noqa: E402  (after its path)
 
 _BRIDGE_MODULE = "megatron.bridge."
+# megatron-core 0.18's GatedDeltaNet.sharded_state_dict saves in_proj and conv1d in parts, which at TP=1 make up the
+# module's tensor in this order: their names and row counts at the probe's sizes (key heads of 2 rows, two value
+# heads of 3 rows per key head).
+_PROBE = dict(
+    hidden_size=1, linear_num_key_heads=2, linear_key_head_dim=2, linear_num_value_heads=4, linear_value_head_dim=3
+)
+_KEYS, _VALUES = 2 * 2, 4 * 3
+_IN_PROJ = (("query", _KEYS), ("key", _KEYS), ("value", _VALUES), ("z", _VALUES), ("beta", 4), ("alpha", 4))
+_SAVED_IN_PARTS = {
+    "GDNLinearMapping": _IN_PROJ,
+    "GDNLinearMappingSeparate": _IN_PROJ,
+    "GDNConv1dMapping": _IN_PROJ[:3],
+}
 
 
 def _plain(value):
@@ -65,7 +81,45 @@ def _mapping(mapping) -> dict:
         plain = _plain(value)
         if plain is not None or value is None:
             params[name] = plain
-    return {"kind": kinds, "megatron": mapping.megatron_param, "hf": _plain(mapping.hf_param), "params": params}
+    entry = {"kind": kinds, "megatron": mapping.megatron_param, "hf": _plain(mapping.hf_param), "params": params}
+    if type(mapping).__name__ in _SAVED_IN_PARTS:
+        entry["parts"] = _parts(mapping, _SAVED_IN_PARTS[type(mapping).__name__])
+    return entry
+
+
+def _parts(mapping, saved: tuple[tuple[str, int], ...]) -> dict:
+    """Each HF tensor (by role) of a parameter saved in parts, as the bridge's ``megatron_to_hf`` builds it from the
+    parts' rows: ``{"parts": [names in order], "per_key_head": bool}`` (every part's rows of key head 0, then of key
+    head 1, ...; else each part whole in turn). A layout neither describes fails the generator."""
+    import torch
+
+    labels = [(name, row) for name, rows in saved for row in range(rows)]
+    weight = torch.arange(len(labels), dtype=torch.float64)[:, None]
+    if "conv1d" in mapping.megatron_param:
+        weight = weight[:, :, None]  # [channels, 1, kernel]
+    module = type("ColumnParallelLinear", (torch.nn.Module,), {})()  # the TP split the bridge looks up: none at TP=1
+    module.config = types.SimpleNamespace(**_PROBE)
+    resolved = mapping.resolve(("0",) * mapping.megatron_param.count("*"))
+    roles = resolved.hf_param if isinstance(resolved.hf_param, dict) else {"": resolved.hf_param}
+    built = resolved.megatron_to_hf(weight, module)
+    sizes = dict(saved)
+    out = {}
+    for role, name in roles.items():
+        got = [labels[int(i)] for i in built[name].flatten()]  # one column: each row its label
+        parts = list(dict.fromkeys(part for part, _ in got))
+        for per_key_head, groups in ((False, 1), (True, _PROBE["linear_num_key_heads"])):
+            blocks = [
+                (part, row)
+                for g in range(groups)
+                for part in parts
+                for row in range(g * sizes[part] // groups, (g + 1) * sizes[part] // groups)
+            ]
+            if got == blocks:
+                out[role] = {"parts": parts, "per_key_head": per_key_head}
+                break
+        else:
+            raise ValueError(f"{mapping.megatron_param} -> {name}: rows {got} are not parts in turn or per key head")
+    return out
 
 
 def _registry(source, factory) -> tuple[object, list, bool]:

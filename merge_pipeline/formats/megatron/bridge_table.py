@@ -10,8 +10,8 @@ tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_expe
 (every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``transpose`` (a copy whose 2-D
 tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector), ``add_one`` (a zero-centred norm
 weight plus one), ``saved_parts`` (Gated DeltaNet's in_proj and conv1d, which megatron-core saves as parts
-``<name>.query``, ``.key``, ...: each HF tensor the parts ``PARTS`` names for its role, concatenated, per key head
-where it says so). Kinds with no operation here (Mamba, ...) translate to None: an architecture that needs one is
+``<name>.query``, ``.key``, ...: each HF tensor the parts the generator found for its role, ``"parts"`` in the file,
+concatenated, per key head where it says so). Kinds with no operation here (Mamba, ...) translate to None: an architecture that needs one is
 not merged. A bridge that keeps a dense model's registry beside its default
 (Gemma 4's, chosen by ``enable_moe_block``) has it recorded as ``dense_mappings``: ``mappings(..., dense=True)``.
 """
@@ -40,23 +40,6 @@ _OPERATIONS = {
     "ConcatenatedQKVMapping": "vision_qkv",  # a vision tower's per-head [q k v] rows as HF's [q; k; v]
     "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
     "RMSNorm2ZeroCenteredRMSNormMapping": "add_one",  # the bridge adds 1 to the stored norm weight
-    "GDNLinearMapping": "saved_parts",
-    "GDNLinearMappingSeparate": "saved_parts",
-    "GDNConv1dMapping": "saved_parts",
-}
-# Gated DeltaNet's parts (megatron-core 0.18's GatedDeltaNet.sharded_state_dict splits in_proj into query, key,
-# value, z, beta and alpha rows, conv1d into query, key and value, each part whole over TP ranks), by the role the
-# bridge's mapping gives each HF tensor: the parts it concatenates, and whether per key head (the bridge's
-# split_gdn_linear_weights: Qwen3-Next's fused in_proj_qkvz holds [q_h | k_h | v_h | z_h] for each key head h,
-# in_proj_ba [b_h | a_h]) or each part whole in turn (its _split_gdn_grouped_to_separate and GDNConv1dMapping).
-PARTS: dict[str, tuple[tuple[str, ...], bool]] = {
-    "qkvz": (("query", "key", "value", "z"), True),  # GDNLinearMapping
-    "ba": (("beta", "alpha"), True),
-    "qkv": (("query", "key", "value"), False),  # GDNLinearMappingSeparate (Qwen3.5)
-    "z": (("z",), False),
-    "b": (("beta",), False),
-    "a": (("alpha",), False),
-    "": (("query", "key", "value"), False),  # GDNConv1dMapping: one HF tensor
 }
 # Family kinds that change values, not only names: not the operation their base class names.
 _NOT_COPIES = {
@@ -80,9 +63,13 @@ class BridgeMapping:
     megatron: str  # '*': a number (layer, expert); '**': any path
     hf: dict[str, str]  # role ("" for one tensor; q/k/v; gate/up) -> HF name pattern
     permute_dims: tuple[int, ...] | None = None  # the bridge permutes the tensor's dimensions on import and back
+    # A parameter saved in parts: role -> (the parts its HF tensor concatenates, whether per key head)
+    parts: dict[str, tuple[tuple[str, ...], bool]] | None = None
 
     @property
     def operation(self) -> str | None:
+        if self.parts is not None:
+            return "saved_parts"
         if self.kinds[0] in _NOT_COPIES:
             return None
         operation = next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
@@ -134,6 +121,7 @@ def mappings(architecture: str, dense: bool = False) -> tuple[BridgeMapping, ...
             m["megatron"],
             m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]},
             tuple(dims) if (dims := m.get("params", {}).get("permute_dims")) else None,
+            {role: (tuple(p["parts"]), p["per_key_head"]) for role, p in m["parts"].items()} if "parts" in m else None,
         )
         for m in entry.get("dense_mappings" if dense and "dense_mappings" in entry else "mappings", ())
     )

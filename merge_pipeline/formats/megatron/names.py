@@ -602,12 +602,12 @@ class KeyMapper:
         return True
 
     def _saved_parts(self) -> list[OutputSpec]:
-        """Each HF tensor of a parameter saved in parts: the parts its role names (``bridge_table.PARTS``), per key
-        head where the role says so."""
+        """Each HF tensor of a parameter saved in parts: the parts the bridge's mapping names for its role, per key
+        head where it says so."""
         specs = []
         for name, parts in self.parts.items():
-            _mapping, hf = bridge_table.lookup(self.model.architecture, name, self.model.dense)
-            roles = {role: bridge_table.PARTS[role] for role in hf}
+            mapping, hf = bridge_table.lookup(self.model.architecture, name, self.model.dense)
+            roles = {role: mapping.parts[role] for role in hf}
             wanted = {part for part_names, _ in roles.values() for part in part_names}
             if set(parts) != wanted:
                 missing = sorted(wanted - set(parts)) or sorted(set(parts) - wanted)

@@ -22,9 +22,6 @@ from merge_pipeline_tests.helpers import assert_bit_exact, merge_error, merge_ok
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 MODEL_TYPES = {
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "MiMoForCausalLM": "mimo",
     "Llama4ForConditionalGeneration": "llama4",
     "Llama4ForCausalLM": "llama4_text",
