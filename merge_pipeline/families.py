@@ -299,8 +299,8 @@ TORCHTITAN_KIMI_K2_7 = dataclasses.replace(
 
 _VISION = "visual."  # the Hub's names; transformers 5 renames them to model.language_model.* / model.visual.* on load
 
-# Hybrid linear attention (Gated DeltaNet) with a vision tower; torchtitan's to_hf only. The MoE model is
-# the same family plus its experts.
+# Hybrid linear attention (Gated DeltaNet) with a vision tower; torchtitan's to_hf (its Megatron shards are read
+# through Megatron-Bridge's table: MEGATRON_PROVEN). The MoE model is the same family plus its experts.
 _QWEN3_5 = Family(
     "qwen3_5",
     "qwen3_5",
