@@ -105,11 +105,14 @@ def _row_groups(stored: Stored, groups: int, blocks: tuple[int, ...]) -> list[tu
 
 @dataclass(frozen=True)
 class SplitQKV:
-    """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g."""
+    """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g. With ``output_gate``, rows that
+    also hold megatron-core's attention output gate (told by their count) are split as ``_gated`` says: the bridge's
+    QKVMapping reads them by its provider's ``attention_output_gate``, which its table does not record."""
 
     q: str
     k: str
     v: str
+    output_gate: bool = False
 
     def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
         heads, kv_heads, head_dim = sizes.attention_heads, sizes.kv_heads, sizes.head_dim
@@ -120,7 +123,7 @@ class SplitQKV:
             )
         q_rows = heads // kv_heads * head_dim
         group_rows = q_rows + 2 * head_dim
-        if stored.rows == kv_heads * (group_rows + q_rows):
+        if self.output_gate and stored.rows == kv_heads * (group_rows + q_rows):
             return self._gated(stored, heads // kv_heads, q_rows, head_dim)
         if stored.rows != kv_heads * group_rows:
             raise MergeError(

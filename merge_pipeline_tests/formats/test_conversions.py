@@ -80,11 +80,13 @@ def test_split_qkv_with_an_output_gate_puts_each_heads_gate_rows_after_its_q_row
     per_group = SIZES.attention_heads // SIZES.kv_heads
     rows = SIZES.kv_heads * (2 * per_group + 2) * SIZES.head_dim
     stored = tensors(qkv=(rows, 5))
-    got = by_name(SplitQKV("q", "k", "v").outputs(Stored("qkv", (rows, 5)), SIZES), stored)
+    got = by_name(SplitQKV("q", "k", "v", output_gate=True).outputs(Stored("qkv", (rows, 5)), SIZES), stored)
     groups = stored["qkv"].view(SIZES.kv_heads, -1, SIZES.head_dim, 5)
     q, gate, k, v = groups.split([per_group, per_group, 1, 1], dim=1)
     assert torch.equal(got["q"], torch.cat([q, gate], dim=2).reshape(-1, 5))
     assert torch.equal(got["k"], k.reshape(-1, 5)) and torch.equal(got["v"], v.reshape(-1, 5))
+    with pytest.raises(MergeError, match=r"^config.json: sizes disagree with the checkpoint: qkv has 36 rows"):
+        SplitQKV("q", "k", "v").outputs(Stored("qkv", (rows, 5)), SIZES)  # a family whose model has no gate
 
 
 def test_regroup_qkv_puts_every_heads_q_first_then_k_then_v():

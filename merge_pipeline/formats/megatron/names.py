@@ -285,7 +285,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
 # Megatron-Bridge's operations (bridge_table) by the vocabulary's, from a mapping's HF names by role.
 _BRIDGE_OPERATIONS = {
     "copy": lambda hf: Rename(hf[""]),
-    "qkv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),
+    "qkv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"], output_gate=True),
     "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
