@@ -447,10 +447,6 @@ _GATED_DELTANET = (
     f"{_NOT_BUILT}: its Gated DeltaNet layers need flash-linear-attention (FLA is not installed), and the bridge's "
     "Gated DeltaNet mappings change values (operations the reader does not have)"
 )
-_MAMBA = (
-    f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed), and the bridge's "
-    "Mamba mappings change values (operations the reader does not have)"
-)
 _MULTIMODAL = (
     "not built here: merge_pipeline_samples/megatron_bridge_save.py's generic tiny towers do not fit its "
     "multimodal config; a tiny model of it is not written"
@@ -475,7 +471,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "not built here: megatron-core 0.18.2 has no attention variant 'dsv4_hybrid', which DeepSeek-V4's bridge "
         "asks for (ValueError: Invalid experimental attention variant: dsv4_hybrid)"
     ),
-    "FalconH1ForCausalLM": _MAMBA,
     **dict.fromkeys(
         ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
         _GATED_DELTANET,
@@ -485,7 +480,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
         "so there is no reference to prove a merge against"
     ),
-    "NemotronHForCausalLM": _MAMBA,
     "ExaoneMoEForCausalLM": (
         "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
         "class under this spelling to build or load"
@@ -551,6 +545,9 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Exaone4_5_ForConditionalGeneration": "TP=2",
         "Qwen2_5_VLForConditionalGeneration": "TP=2",  # also a family record (megatron-core's own vision model)
         "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
+        # Mamba hybrids, built through the mamba-ssm stand-in (merge_pipeline_samples/mamba_stand_in/).
+        "NemotronHForCausalLM": _EP,  # mamba, MoE, attention and MLP layers (transformers' default pattern)
+        "FalconH1ForCausalLM": "TP=1",  # its bridge's block cannot save at TP > 1: two data-parallel ranks
     }
 )
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj

@@ -26,8 +26,18 @@ install_te_stand_in() {
     cp -r merge_pipeline_samples/te_stand_in/transformer_engine "$site/"
     find "$site/transformer_engine" -name __pycache__ -prune -exec rm -rf {} +
 }
+# mamba-ssm likewise: a CPU stand-in (merge_pipeline_samples/mamba_stand_in/mamba_ssm, its docstring says what and how
+# it was checked) for what megatron-core's Mamba mixer imports, so Nemotron-H and Falcon-H1 build.
+install_mamba_stand_in() {
+    local site
+    site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    rm -rf "$site/mamba_ssm"
+    cp -r merge_pipeline_samples/mamba_stand_in/mamba_ssm "$site/"
+    find "$site/mamba_ssm" -name __pycache__ -prune -exec rm -rf {} +
+}
 if venv_is_current "$VENV" "$PACKAGES"; then
     install_te_stand_in
+    install_mamba_stand_in
     exit 0
 fi
 new_venv "$VENV"
@@ -54,5 +64,6 @@ if not hasattr(typing, "override"):
 PY
 echo "import _py312_shims" > "$SITE/_py312_shims.pth"
 install_te_stand_in
+install_mamba_stand_in
 "$VENV/bin/python" -c "import typing; typing.override; import megatron.core, modelopt.torch.quantization.utils"
 echo "$PACKAGES" > "$VENV/stamp"

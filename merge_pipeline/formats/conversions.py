@@ -11,6 +11,7 @@ which rows of which stored tensors make up each HF tensor (``output_specs``); no
 - ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors.
 - ``RegroupQKV``: fused q/k/v rows grouped per head, as one tensor ``[all q; all k; all v]``.
 - ``Concatenate``: several stored tensors' rows, in order, as one tensor.
+- ``ConcatenateParts``: a fused tensor saved as named parts (Mamba's ``in_proj.weight.z``, ``.x``, ...), in its order.
 - ``PerExpert``: experts stacked on the leading dimension, one HF tensor each.
 - ``GroupedExperts``: every expert of a layer as one tensor, each matrix transposed (gpt-oss's layout).
 - ``PermuteForRope``: q/k rows stored in torchtitan's rotary order, in HF's.
@@ -153,6 +154,30 @@ class Concatenate:
 
     def of(self, parts: list[Stored]) -> OutputSpec:
         return OutputSpec(self.name, tuple(part.piece() for part in parts))
+
+
+@dataclass(frozen=True)
+class ConcatenateParts:
+    """A fused tensor saved as named parts, each whole (megatron-core's Mamba mixer: ``in_proj.weight.z``, ``.x``,
+    ``.B``, ``.C``, ``.dt``, each gathered over tensor parallelism): HF's tensor is the parts' rows in ``parts`` order.
+    The mapping gathers the parts by name; every part must be there, and no other."""
+
+    name: str
+    parts: tuple[str, ...]
+
+    def of(self, found: dict[str, Stored], sizes: Sizes) -> OutputSpec:
+        if sorted(found) != sorted(self.parts):
+            raise MergeError(
+                sizes.metadata_path,
+                f"{self.name}: the checkpoint holds the parts {', '.join(sorted(found))}, not {', '.join(self.parts)}",
+            )
+        stored = [found[part] for part in self.parts]
+        widths = {part.shape[len(part.index) + 1 :] for part in stored}
+        if len(widths) != 1:
+            raise MergeError(
+                sizes.metadata_path, f"{self.name}: its parts' shapes differ past the rows ({stored[0].key})"
+            )
+        return OutputSpec(self.name, tuple(part.piece() for part in stored))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from merge_pipeline import families
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.conversions import (
     Chunk,
+    ConcatenateParts,
     GroupedExperts,
     Operation,
     RegroupQKV,
@@ -214,8 +215,13 @@ _PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up
 _TYPED_ATTENTION = re.compile(r"self_attention_(?P<type>sliding|global)\.(?P<param>.+)")
 _LAYER_TYPES = {"sliding": "sliding_attention", "global": "full_attention"}
 _ATTRIBUTE = re.compile(
-    r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset)(?P<half>_[wv])?"
+    r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset|A_log|D|dt_bias)"
+    r"(?P<half>_[wv])?(?:\.(?P<part>[A-Za-z]+))?"
 )
+# megatron-core's Mamba mixer saves its fused tensors as named parts, each whole over TP (its sharded_state_dict's
+# _split_tensor_factory): in_proj.weight as .z .x .B .C .dt, conv1d's weight and bias as .x .B .C. HF keeps each
+# fused, the parts' rows in that order, which is the order the bridge concatenates the gathered parts in.
+_MAMBA_PARTS = {"mamba_in_proj": ("z", "x", "B", "C", "dt"), "mamba_conv1d": ("x", "B", "C")}
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,7 @@ class _LayerParam:
     key: str
     index: tuple[int, ...]
     shape: tuple[int, ...]
+    part: str = ""  # a named part of a fused tensor (Mamba's in_proj.weight.z): ConcatenateParts gathers it
 
     @property
     def stored(self) -> Stored:
@@ -258,7 +265,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
     attribute = _ATTRIBUTE.fullmatch(param)
     if attribute is None:
         return None
-    module, attr, half = attribute["module"], attribute["attr"], attribute["half"] or ""
+    module, attr, half, part = attribute["module"], attribute["attr"], attribute["half"] or "", attribute["part"] or ""
     layers = [int(match["layer"])] if match["layer"] is not None else None
     leading = (0 if layers else 1) + (1 if stacked_experts else 0)
     if len(shape) <= leading:
@@ -270,7 +277,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
             experts = range(shape[len(layer_index)]) if stacked_experts else [expert]
             for e in experts:
                 index = layer_index + ((e,) if stacked_experts else ())
-                yield _LayerParam(layer, e, module, attr, half, key, index, shape)
+                yield _LayerParam(layer, e, module, attr, half, key, index, shape, part)
 
     return expand()
 
@@ -283,6 +290,7 @@ _BRIDGE_OPERATIONS = {
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
     "transpose": lambda hf: Transpose(hf[""]),
+    **{kind: lambda hf, parts=parts: ConcatenateParts(hf[""], parts) for kind, parts in _MAMBA_PARTS.items()},
 }
 
 
@@ -304,6 +312,8 @@ class KeyMapper:
         self.grouped: dict[str, list[tuple[tuple[int, int], Piece, str]]] = {}
         # Experts stacked as they are stored (families.BRIDGE_STACKED_EXPERTS): HF name -> [(expert, piece)]
         self.stacked: dict[str, list[tuple[int, Piece]]] = {}
+        # Fused tensors saved as named parts (Mamba's in_proj, conv1d): operation -> {part: stored}
+        self.parts: dict[ConcatenateParts, dict[str, Stored]] = {}
 
     def outputs(self) -> list[OutputSpec]:
         if self.mtp_modules and len(self.mtp_modules) != self.model.mtp_layers:
@@ -322,6 +332,7 @@ class KeyMapper:
                 specs.extend(mapped)
         specs.extend(self._grouped_experts())
         specs.extend(self._stacked_experts())
+        specs.extend(operation.of(found, self.sizes) for operation, found in self.parts.items())
         if unmapped:
             shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
             raise MergeError(
@@ -501,11 +512,21 @@ class KeyMapper:
         if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
             return None  # the regrouping is a vision tower's layout
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
-        return None if operation is None else self._apply(operation(hf), p, sizes)
+        if operation is None:
+            return None
+        operation = operation(hf)
+        if isinstance(operation, ConcatenateParts):  # gathered from every part's key, written by outputs()
+            if not p.part:  # saved whole: its TP ranks' blocks would interleave the parts
+                return None
+            self.parts.setdefault(operation, {})[p.part] = p.stored
+            return []
+        return self._apply(operation, p, sizes)
 
     # ---- one layer's parameter ----
 
     def _map_text_layer(self, p: _LayerParam) -> list[OutputSpec] | None:
+        if p.part:  # a fused tensor's named part: the bridge's table maps those
+            return None
         family = self.model.family
         layer_prefix = f"{family.text_prefix}layers.{p.layer}."
         special = _SPECIAL_ATTRIBUTES.get((p.module, p.attr))
@@ -548,6 +569,8 @@ class KeyMapper:
         """The HF tensors of ``p`` by ``operation`` (split by ``sizes``, the model's unless given); a half of a gated
         fc1 (``_w``, ``_v``) is its Chunk's half."""
         sizes = sizes or self.sizes
+        if p.part:  # only a ConcatenateParts takes a part
+            return None
         if not p.half:
             return operation.outputs(p.stored, sizes)
         if isinstance(operation, Chunk):
