@@ -12,6 +12,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.conversions import (
     Chunk,
     Concatenate,
+    ConcatenateParts,
     GroupedExperts,
     PerExpert,
     PermuteForRope,
@@ -82,6 +83,20 @@ def test_concatenate_is_torch_cat_in_order():
     stored = tensors(a=(2, 3), b=(4, 3), c=(1, 3))
     spec = Concatenate("fused").of([Stored(k, tuple(stored[k].shape)) for k in ("b", "a", "c")])
     assert torch.equal(built(spec, stored), torch.cat([stored["b"], stored["a"], stored["c"]]))
+
+
+def test_concatenate_parts_is_torch_cat_in_the_fused_order_whatever_order_the_parts_come_in():
+    stored = tensors(**{"w.x": (4, 1, 3), "w.C": (2, 1, 3), "w.B": (2, 1, 3), "wide.B": (2, 1, 5)})
+    parts = ConcatenateParts("conv1d.weight", ("x", "B", "C"))
+    found = {part: Stored(f"w.{part}", tuple(stored[f"w.{part}"].shape)) for part in ("C", "x", "B")}
+    spec = parts.of(found, SIZES)
+    assert torch.equal(built(spec, stored), torch.cat([stored["w.x"], stored["w.B"], stored["w.C"]]))
+    with pytest.raises(
+        MergeError, match=r"^metadata.json: conv1d.weight: the checkpoint holds the parts B, x, not x, B, C$"
+    ):
+        parts.of({part: found[part] for part in ("x", "B")}, SIZES)
+    with pytest.raises(MergeError, match=r"^metadata.json: conv1d.weight: its parts' shapes differ past the rows"):
+        parts.of({**found, "B": Stored("wide.B", (2, 1, 5))}, SIZES)
 
 
 def test_per_expert_is_one_tensor_per_leading_index():

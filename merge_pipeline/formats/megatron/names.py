@@ -56,6 +56,8 @@ class ModelShape:
     dense: bool = False
     layer_types: tuple[str, ...] = ()
     global_attention: tuple[int, int] | None = None
+    # A Mamba hybrid's layer pattern (Nemotron-H): each layer's type, mamba / attention / mlp / moe.
+    hybrid_pattern: tuple[str, ...] = ()
 
 
 # What a user whose architecture is refused can do instead.
@@ -124,7 +126,26 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         global_attention=(
             (int(text.get("num_global_key_value_heads") or kv_heads), int(global_head_dim)) if global_head_dim else None
         ),
+        hybrid_pattern=_hybrid_pattern(text, config_path),
     )
+
+
+# A Mamba hybrid's config says each layer's type: transformers' layers_block_type, or the Hub's older
+# hybrid_override_pattern, one symbol a layer (M mamba, * attention, - mlp, E moe; Megatron's pipeline marks | stripped).
+_HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def _hybrid_pattern(text: dict, config_path: Path) -> tuple[str, ...]:
+    if isinstance(text.get("layers_block_type"), list):
+        return tuple(text["layers_block_type"])
+    pattern = text.get("hybrid_override_pattern")
+    if not isinstance(pattern, str):
+        return ()
+    symbols = pattern.split("/")[0].replace("|", "")
+    unknown = set(symbols) - set(_HYBRID_SYMBOLS)
+    if unknown:
+        raise MergeError(config_path, f"hybrid_override_pattern has unknown layer symbols {sorted(unknown)}")
+    return tuple(_HYBRID_SYMBOLS[symbol] for symbol in symbols)
 
 
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
@@ -203,6 +224,15 @@ _MTP_KEY = re.compile(r"mtp\.layers\.(?P<module>\d+)\.(?P<param>.+)")
 _MTP_MODULES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "shared_head.norm"}
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
+# megatron-core's hybrid model saves each layer under its own index, its type in its modules' names.
+_HYBRID_MODULES = (
+    ("mixer.", "mamba"),
+    ("self_attention.", "attention"),
+    ("mlp.router.", "moe"),
+    ("mlp.experts.", "moe"),
+    ("mlp.shared_experts.", "moe"),
+    ("mlp.", "mlp"),
+)
 # Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1).
 _EXPERT_PARAM = re.compile(
     r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
@@ -322,6 +352,7 @@ class KeyMapper:
                 f"the checkpoint has {len(self.mtp_modules)} multi-token-prediction module(s) (mtp.layers.*) "
                 f"but num_nextn_predict_layers is {self.model.mtp_layers}",
             )
+        self._check_hybrid_pattern()
         specs: list[OutputSpec] = []
         unmapped: list[str] = []
         for key, shape in self.shapes.items():
@@ -346,6 +377,29 @@ class KeyMapper:
                 raise MergeError(self.metadata_path, f"both {seen[spec.name]} and {first} map to {spec.name}")
             seen[spec.name] = first
         return specs
+
+    def _check_hybrid_pattern(self) -> None:
+        """Each stored layer of a Mamba hybrid is of the type config.json's layer pattern gives its index: the HF
+        names follow the stored modules, transformers builds each layer by the pattern."""
+        pattern = self.model.hybrid_pattern
+        if not pattern:
+            return
+        stored: dict[int, dict[str, str]] = {}  # layer -> its types -> a key of each
+        for key in self.shapes:
+            match = _LAYER_KEY.fullmatch(key)
+            if match is None or match["layer"] is None:
+                continue
+            kind = next((kind for prefix, kind in _HYBRID_MODULES if match["param"].startswith(prefix)), None)
+            if kind is not None:
+                stored.setdefault(int(match["layer"]), {}).setdefault(kind, key)
+        for layer, kinds in sorted(stored.items()):
+            expected = pattern[layer] if layer < len(pattern) else "not a layer"
+            if set(kinds) != {expected}:
+                found = ", ".join(f"{kind} ({key})" for kind, key in kinds.items())
+                raise MergeError(
+                    self.config_path,
+                    f"layer {layer} is {expected} in the layer pattern ({len(pattern)} layers), the checkpoint holds {found}",
+                )
 
     # ---- dispatch by scope ----
 
