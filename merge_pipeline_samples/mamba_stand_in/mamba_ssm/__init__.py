@@ -18,7 +18,7 @@ How it was checked against mamba-ssm's source (state-spaces/mamba at 60dadf2, ``
 constructor's arguments (``hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None,
 dtype=None``), the parameters (``weight`` of ``hidden_size`` through ``torch.empty`` then ``ones_``;
 ``register_parameter("bias", None)``) and the attributes from ``layernorm_gated.py``'s ``RMSNorm``; the kernels'
-names from ``ssd_combined.py``. The stand-in copies no mamba-ssm code. The names megatron-core then saves were
+names from ``ssd_combined.py`` (at 01b717a: ``def mamba_chunk_scan_combined``, ``def mamba_split_conv1d_scan_combined``). The stand-in copies no mamba-ssm code. The names megatron-core then saves were
 checked by saving through it and reading the shards back
 (``merge_pipeline_tests/formats/megatron/test_bridge_architectures.py``, bit-exact to the bridge's export).
 """
