@@ -443,10 +443,6 @@ _LLAMA4 = (
 )
 _NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU (TransformerEngine stood in)"
 _NO_TRANSFORMERS = "transformers 5.12.1 does not ship it: no tiny model to build it from or to load it"
-_MAMBA = (
-    f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed), and the bridge's "
-    "Mamba mappings change values (operations the reader does not have)"
-)
 _MULTIMODAL = (
     "not built here: merge_pipeline_samples/megatron_bridge_save.py's generic tiny towers do not fit its "
     "multimodal config; a tiny model of it is not written"
@@ -471,13 +467,11 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "not built here: megatron-core 0.18.2 has no attention variant 'dsv4_hybrid', which DeepSeek-V4's bridge "
         "asks for (ValueError: Invalid experimental attention variant: dsv4_hybrid)"
     ),
-    "FalconH1ForCausalLM": _MAMBA,
     "Qwen2AudioForConditionalGeneration": (
         "the bridge's registry names the language model language_model.model.layers.*, transformers 5.12.1 saves "
         "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
         "so there is no reference to prove a merge against"
     ),
-    "NemotronHForCausalLM": _MAMBA,
     "ExaoneMoEForCausalLM": (
         "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
         "class under this spelling to build or load"
@@ -546,6 +540,9 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Qwen3_5MoeForCausalLM": _EP,
         "Qwen3_5ForConditionalGeneration": "TP=2",  # also a family record (torchtitan's names only)
         "Qwen3_5MoeForConditionalGeneration": _EP,  # likewise
+        # Mamba hybrids, built through the mamba-ssm stand-in (merge_pipeline_samples/mamba_stand_in/).
+        "NemotronHForCausalLM": _EP,  # mamba, MoE, attention and MLP layers (transformers' default pattern)
+        "FalconH1ForCausalLM": "TP=1",  # its bridge's block cannot save at TP > 1: two data-parallel ranks
     }
 )
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj

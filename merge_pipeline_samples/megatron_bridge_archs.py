@@ -15,7 +15,9 @@ model's ``sharded_state_dict`` into ``OUT/<arch>/actor/model/dist_ckpt/``. Rank 
 The bridge's own layer spec is built: TransformerEngine's, through the CPU stand-in ``scripts/setup_bridge.sh``
 installs in ``.venv-bridge`` (``merge_pipeline_samples/te_stand_in/``, whose docstring says what it stands in and
 how it was checked against TE's source), so the shards carry the names verl's GPU runs save
-(``linear_qkv.layer_norm_weight``, grouped ``experts.linear_fc1.weight<N>``). TransformerEngine's fused MoE
+(``linear_qkv.layer_norm_weight``, grouped ``experts.linear_fc1.weight<N>``). megatron-core's Mamba mixer (Nemotron-H,
+Falcon-H1) builds through the mamba-ssm stand-in installed likewise (``merge_pipeline_samples/mamba_stand_in/``: its
+gated norm's parameters, its kernels named only). TransformerEngine's fused MoE
 permutation and router kernels are turned off (the stand-in has none); saving runs no forward. Gated DeltaNet layers
 (Qwen3-Next, Qwen3.5), which megatron-core refuses to build without flash-linear-attention, are built with the real
 one: its core (``fla-core``, Triton kernels in pure Python, which import on CPU) is installed in ``.venv-bridge``,

@@ -170,10 +170,35 @@ _ARCHITECTURE_SIZES = {
             llama_4_scaling_beta=0.1,
         )
     ),
+    # Mamba layers (megatron-core's MambaMixer through the mamba-ssm stand-in): small heads and state, two groups so
+    # that each TP rank holds one. Nemotron-H: transformers' default layer pattern (mamba, moe, attention, mlp), its
+    # shared expert small too. Falcon-H1: the gated RMSNorm after the gate, as the released models (megatron-core
+    # builds no other: ``assert not self.norm_before_gate``).
+    "NemotronHForCausalLM": dict(
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        chunk_size=8,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    "FalconH1ForCausalLM": dict(
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=8,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=False,
+    ),
 }
 # MiniMax-M2's bridge loads its q/k norms at TP > 1 through a CUDA device (``torch.device("cuda", ...)`` in
 # minimax_m2_bridge.py); at TP=1 it stays on the tensor's device: saved with its experts split over both ranks.
-_TENSOR_PARALLEL = {"MiniMaxM2ForCausalLM": 1}
+# Falcon-H1's block (the bridge's FalconH1Stack.sharded_state_dict) saves its final norm without the TP group, so
+# both TP ranks claim the one main replica and dist_checkpointing.save refuses at TP > 1 ("Invalid access pattern"):
+# saved at TP=1 on two data-parallel ranks.
+_TENSOR_PARALLEL = {"MiniMaxM2ForCausalLM": 1, "FalconH1ForCausalLM": 1}
 
 
 # A vision (or audio) tower's small sizes under the names their config classes use (each where the class has
@@ -251,6 +276,21 @@ def _hf_model(architecture: str):
     return model
 
 
+# Names transformers 5.12.1's save_pretrained gives that neither the Hub's checkpoints nor the bridge's registry use:
+# Nemotron-H's embedding (its loader renames embedding.weight to embeddings.weight, its save the reverse), which the
+# bridge would not load. The tiny model is saved under the Hub's name.
+_HUB_NAMES = {"NemotronHForCausalLM": {"backbone.embedding.weight": "backbone.embeddings.weight"}}
+
+
+def _hub_names(folder: Path, architecture: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    renames = _HUB_NAMES.get(architecture)
+    if renames:
+        path = folder / "model.safetensors"
+        save_file({renames.get(k, k): v for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
+
+
 def _save_families(rank: int, world_size: int, out: str, families: list[str]) -> None:
     _patch_for_cpu()
     for family in families:
@@ -272,6 +312,7 @@ def _save(rank: int, out: Path, architecture: str, world_size: int, *, local_spe
     auto_bridge = _import_bridge()
     if rank == 0:
         _hf_model(architecture).save_pretrained(out / "hf")
+        _hub_names(out / "hf", architecture)
     dist.barrier()
     bridge = auto_bridge.from_hf_pretrained(str(out / "hf"), torch_dtype=torch.float32)
     provider = bridge.to_megatron_provider(load_weights=True)

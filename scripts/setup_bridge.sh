@@ -21,15 +21,22 @@ BASE="torch==2.13.0 transformers==5.12.1 safetensors numpy einops packaging typi
 NODEPS="megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 triton==3.9.0 fla-core==0.6.0"
 CORE=megatron-core==0.18.2
 PACKAGES="$BASE $CORE $NODEPS"
-install_te_stand_in() {
+# A CPU stand-in (its docstring says what it stands in and how it was checked) copied into the venv's site-packages:
+# TransformerEngine's modules megatron-core wraps (merge_pipeline_samples/te_stand_in) and what megatron-core's Mamba
+# mixer imports from mamba-ssm (merge_pipeline_samples/mamba_stand_in), so the bridges' own specs build on CPU.
+install_stand_in() {
     local site
     site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    rm -rf "$site/transformer_engine"
-    cp -r merge_pipeline_samples/te_stand_in/transformer_engine "$site/"
-    find "$site/transformer_engine" -name __pycache__ -prune -exec rm -rf {} +
+    rm -rf "${site:?}/$2"
+    cp -r "merge_pipeline_samples/$1/$2" "$site/"
+    find "$site/$2" -name __pycache__ -prune -exec rm -rf {} +
+}
+install_stand_ins() {
+    install_stand_in te_stand_in transformer_engine
+    install_stand_in mamba_stand_in mamba_ssm
 }
 if venv_is_current "$VENV" "$PACKAGES"; then
-    install_te_stand_in
+    install_stand_ins
     exit 0
 fi
 new_venv "$VENV"
@@ -55,7 +62,7 @@ if not hasattr(typing, "override"):
     typing.override = typing_extensions.override
 PY
 echo "import _py312_shims" > "$SITE/_py312_shims.pth"
-install_te_stand_in
+install_stand_ins
 "$VENV/bin/python" -c "import typing; typing.override; import megatron.core, modelopt.torch.quantization.utils
 from megatron.core.ssm.gated_delta_net import HAVE_FLA; assert HAVE_FLA"
 echo "$PACKAGES" > "$VENV/stamp"

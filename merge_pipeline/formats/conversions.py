@@ -11,8 +11,9 @@ which rows of which stored tensors make up each HF tensor (``output_specs``); no
 - ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors; with
   megatron-core's attention output gate ``[q heads | gate heads | k | v]``, each head's gate rows after its q rows.
 - ``RegroupQKV``: fused q/k/v rows grouped per head, as one tensor ``[all q; all k; all v]``.
-- ``Concatenate``: several stored tensors' rows, in order, as one tensor; or group by group, each tensor's
-  rows cut into as many equal blocks (Qwen3-Next's in_proj_qkvz: ``[q | k | v | z]`` per key head).
+- ``Concatenate``: several stored tensors' rows, in order, as one tensor.
+- ``ConcatenateParts``: a fused tensor saved as named parts (Mamba's ``in_proj.weight.z``, ``.x``, ...), in its order,
+  or group by group (Qwen3-Next's in_proj_qkvz: ``[q | k | v | z]`` per key head).
 - ``AddOne``: the stored tensor plus one (a zero-centred norm weight as a standard norm's).
 - ``PerExpert``: experts stacked on the leading dimension, one HF tensor each.
 - ``GroupedExperts``: every expert of a layer as one tensor, each matrix transposed (gpt-oss's layout).
@@ -62,6 +63,7 @@ class Sizes:
     kv_heads: int = 0
     head_dim: int = 0
     vision_heads: int | None = None
+    linear_key_heads: int = 0  # Gated DeltaNet's key heads (linear_num_key_heads)
 
 
 def named(operation: Operation, fill: Callable[[str], str]) -> Operation:
@@ -169,23 +171,53 @@ class RegroupQKV:
 
 @dataclass(frozen=True)
 class Concatenate:
-    """Several stored tensors' rows, in order, as one HF tensor; the mapping gathers the parts. With ``groups``, each
-    part's rows are that many equal blocks, and the HF tensor holds them group by group: block g of every part, in
-    order, then block g + 1 (megatron-core saves Gated DeltaNet's in_proj as its query, key, value, z, beta and alpha
-    rows; Qwen3-Next's in_proj_qkvz holds them per key head, [q_h | k_h | v_h | z_h])."""
+    """Several stored tensors' rows, in order, as one HF tensor; the mapping gathers the parts."""
 
     name: str
 
-    def of(self, parts: list[Stored], groups: int = 1, metadata_path: Path | None = None) -> OutputSpec:
-        for part in parts:
+    def of(self, parts: list[Stored]) -> OutputSpec:
+        return OutputSpec(self.name, tuple(part.piece() for part in parts))
+
+
+@dataclass(frozen=True)
+class ConcatenateParts:
+    """A fused tensor saved as named parts, each whole (megatron-core's Mamba mixer: ``in_proj.weight.z``, ``.x``,
+    ``.B``, ``.C``, ``.dt``, each gathered over tensor parallelism): HF's tensor is the parts' rows in ``parts`` order.
+    The mapping gathers the parts by name; every part must be there, and no other. ``per_key_head``: each part's rows
+    are one block per key head (``Sizes.linear_key_heads``), and HF's tensor holds them head by head, every part's
+    block of head 0 in order, then of head 1 (Gated DeltaNet's in_proj, saved by megatron-core as query, key, value,
+    z, beta and alpha: Qwen3-Next's in_proj_qkvz is [q_h | k_h | v_h | z_h] for each key head h)."""
+
+    name: str
+    parts: tuple[str, ...]
+    per_key_head: bool = False
+
+    def of(self, found: dict[str, Stored], sizes: Sizes) -> OutputSpec:
+        if sorted(found) != sorted(self.parts):
+            raise MergeError(
+                sizes.metadata_path,
+                f"{self.name}: the checkpoint holds the parts {', '.join(sorted(found))}, not {', '.join(self.parts)}",
+            )
+        stored = [found[part] for part in self.parts]
+        widths = {part.shape[len(part.index) + 1 :] for part in stored}
+        if len(widths) != 1:
+            raise MergeError(
+                sizes.metadata_path, f"{self.name}: its parts' shapes differ past the rows ({stored[0].key})"
+            )
+        groups = sizes.linear_key_heads if self.per_key_head else 1
+        if groups < 1:
+            raise MergeError(sizes.config_path, f"{self.name}: linear_num_key_heads is missing")
+        for part in stored:
             if part.rows % groups:
-                raise MergeError(metadata_path, f"{part.key}: {part.rows} rows do not split into {groups} groups")
+                raise MergeError(
+                    sizes.metadata_path, f"{part.key}: {part.rows} rows do not split into {groups} key heads"
+                )
         return OutputSpec(
             self.name,
             tuple(
                 part.piece(g * part.rows // groups, (g + 1) * part.rows // groups)
                 for g in range(groups)
-                for part in parts
+                for part in stored
             ),
         )
 

@@ -3,6 +3,7 @@ operation selects from a real stored tensor equal what the operation does to the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from merge_pipeline.formats.conversions import (
     AddOne,
     Chunk,
     Concatenate,
+    ConcatenateParts,
     GroupedExperts,
     PerExpert,
     PermuteForRope,
@@ -102,16 +104,34 @@ def test_concatenate_is_torch_cat_in_order():
     assert torch.equal(built(spec, stored), torch.cat([stored["b"], stored["a"], stored["c"]]))
 
 
-def test_concatenate_by_groups_takes_every_parts_block_of_one_group_then_the_next():
+def test_concatenate_parts_is_torch_cat_in_the_fused_order_whatever_order_the_parts_come_in():
+    stored = tensors(**{"w.x": (4, 1, 3), "w.C": (2, 1, 3), "w.B": (2, 1, 3), "wide.B": (2, 1, 5)})
+    parts = ConcatenateParts("conv1d.weight", ("x", "B", "C"))
+    found = {part: Stored(f"w.{part}", tuple(stored[f"w.{part}"].shape)) for part in ("C", "x", "B")}
+    spec = parts.of(found, SIZES)
+    assert torch.equal(built(spec, stored), torch.cat([stored["w.x"], stored["w.B"], stored["w.C"]]))
+    with pytest.raises(
+        MergeError, match=r"^metadata.json: conv1d.weight: the checkpoint holds the parts B, x, not x, B, C$"
+    ):
+        parts.of({part: found[part] for part in ("x", "B")}, SIZES)
+    with pytest.raises(MergeError, match=r"^metadata.json: conv1d.weight: its parts' shapes differ past the rows"):
+        parts.of({**found, "B": Stored("wide.B", (2, 1, 5))}, SIZES)
+
+
+def test_concatenate_parts_per_key_head_takes_every_parts_block_of_one_key_head_then_the_next():
     # Gated DeltaNet's in_proj saved as parts (megatron-core): Qwen3-Next's in_proj_qkvz is [q_h | k_h | v_h | z_h]
     # for each key head h, as the bridge's split_gdn_linear_weights cuts each part by key head and concatenates.
+    names = ("query", "key", "value", "z")
     stored = tensors(query=(4, 3), key=(4, 3), value=(8, 3), z=(8, 3))
-    parts = [Stored(k, tuple(stored[k].shape)) for k in ("query", "key", "value", "z")]
-    spec = Concatenate("in_proj_qkvz").of(parts, groups=2)
-    by_head = [stored[k].view(2, -1, 3) for k in ("query", "key", "value", "z")]
-    assert torch.equal(built(spec, stored), torch.cat(by_head, dim=1).reshape(-1, 3))
-    with pytest.raises(MergeError, match=r"^metadata.json: value: 8 rows do not split into 3 groups$"):
-        Concatenate("in_proj_qkvz").of(parts[2:3], groups=3, metadata_path=Path("metadata.json"))
+    found = {name: Stored(name, tuple(stored[name].shape)) for name in names}
+    qkvz = ConcatenateParts("in_proj_qkvz", names, per_key_head=True)
+    by_head = [stored[name].view(2, -1, 3) for name in names]
+    got = built(qkvz.of(found, replace(SIZES, linear_key_heads=2)), stored)
+    assert torch.equal(got, torch.cat(by_head, dim=1).reshape(-1, 3))
+    with pytest.raises(MergeError, match=r"^metadata.json: query: 4 rows do not split into 3 key heads$"):
+        qkvz.of(found, replace(SIZES, linear_key_heads=3))
+    with pytest.raises(MergeError, match=r"^config.json: in_proj_qkvz: linear_num_key_heads is missing$"):
+        qkvz.of(found, SIZES)
 
 
 def test_add_one_is_the_stored_tensor_plus_one_in_its_own_dtype():

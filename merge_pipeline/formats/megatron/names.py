@@ -22,7 +22,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.conversions import (
     AddOne,
     Chunk,
-    Concatenate,
+    ConcatenateParts,
     GroupedExperts,
     Operation,
     RegroupQKV,
@@ -57,6 +57,8 @@ class ModelShape:
     dense: bool = False
     layer_types: tuple[str, ...] = ()
     global_attention: tuple[int, int] | None = None
+    # A Mamba hybrid's layer pattern (Nemotron-H): each layer's type, mamba / attention / mlp / moe.
+    hybrid_pattern: tuple[str, ...] = ()
     linear_key_heads: int = 0  # Gated DeltaNet's key heads (linear_num_key_heads): its fused in_proj is per key head
 
 
@@ -126,8 +128,27 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         global_attention=(
             (int(text.get("num_global_key_value_heads") or kv_heads), int(global_head_dim)) if global_head_dim else None
         ),
+        hybrid_pattern=_hybrid_pattern(text, config_path),
         linear_key_heads=int(text.get("linear_num_key_heads") or 0),
     )
+
+
+# A Mamba hybrid's config says each layer's type: transformers' layers_block_type, or the Hub's older
+# hybrid_override_pattern, one symbol a layer (M mamba, * attention, - mlp, E moe; Megatron's pipeline marks | stripped).
+_HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def _hybrid_pattern(text: dict, config_path: Path) -> tuple[str, ...]:
+    if isinstance(text.get("layers_block_type"), list):
+        return tuple(text["layers_block_type"])
+    pattern = text.get("hybrid_override_pattern")
+    if not isinstance(pattern, str):
+        return ()
+    symbols = pattern.split("/")[0].replace("|", "")
+    unknown = set(symbols) - set(_HYBRID_SYMBOLS)
+    if unknown:
+        raise MergeError(config_path, f"hybrid_override_pattern has unknown layer symbols {sorted(unknown)}")
+    return tuple(_HYBRID_SYMBOLS[symbol] for symbol in symbols)
 
 
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
@@ -206,14 +227,20 @@ _MTP_KEY = re.compile(r"mtp\.layers\.(?P<module>\d+)\.(?P<param>.+)")
 _MTP_MODULES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "shared_head.norm"}
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
+# megatron-core's hybrid model saves each layer under its own index, its type in its modules' names.
+_HYBRID_MODULES = (
+    ("mixer.", "mamba"),
+    ("self_attention.", "attention"),
+    ("mlp.router.", "moe"),
+    ("mlp.experts.", "moe"),
+    ("mlp.shared_experts.", "moe"),
+    ("mlp.", "mlp"),
+)
 # Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1).
 _EXPERT_PARAM = re.compile(
     r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
 )
 # One expert's HF name in Megatron-Bridge's table: ``<...>.experts.<e>.gate_proj.weight`` (or up / down).
-# A parameter megatron-core saves in parts, each whole over TP ranks (Gated DeltaNet's in_proj and conv1d):
-# ``<name>.<part>``, the bridge's mapping (``saved_parts``) under ``<name>``.
-_SAVED_PART = re.compile(r"(?P<name>.+)\.(?P<part>query|key|value|z|beta|alpha)")
 _PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight")
 # Gemma 4's attention saved per layer type (the bridge's ``Gemma4DenseSelfAttention.sharded_state_dict``):
 # ``self_attention_sliding.*`` stacks the sliding layers' copies, ``self_attention_global.*`` the full-attention
@@ -221,8 +248,13 @@ _PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up
 _TYPED_ATTENTION = re.compile(r"self_attention_(?P<type>sliding|global)\.(?P<param>.+)")
 _LAYER_TYPES = {"sliding": "sliding_attention", "global": "full_attention"}
 _ATTRIBUTE = re.compile(
-    r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset)(?P<half>_[wv])?"
+    r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset|A_log|D|dt_bias)"
+    r"(?P<half>_[wv])?(?:\.(?P<part>[A-Za-z]+))?"
 )
+# megatron-core's Mamba mixer saves its fused tensors as named parts, each whole over TP (its sharded_state_dict's
+# _split_tensor_factory): in_proj.weight as .z .x .B .C .dt, conv1d's weight and bias as .x .B .C. HF keeps each
+# fused, the parts' rows in that order, which is the order the bridge concatenates the gathered parts in.
+_MAMBA_PARTS = {"mamba_in_proj": ("z", "x", "B", "C", "dt"), "mamba_conv1d": ("x", "B", "C")}
 
 
 @dataclass(frozen=True)
@@ -237,6 +269,7 @@ class _LayerParam:
     key: str
     index: tuple[int, ...]
     shape: tuple[int, ...]
+    part: str = ""  # a named part of a fused tensor (Mamba's in_proj.weight.z): ConcatenateParts gathers it
 
     @property
     def stored(self) -> Stored:
@@ -265,7 +298,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
     attribute = _ATTRIBUTE.fullmatch(param)
     if attribute is None:
         return None
-    module, attr, half = attribute["module"], attribute["attr"], attribute["half"] or ""
+    module, attr, half, part = attribute["module"], attribute["attr"], attribute["half"] or "", attribute["part"] or ""
     layers = [int(match["layer"])] if match["layer"] is not None else None
     leading = (0 if layers else 1) + (1 if stacked_experts else 0)
     if len(shape) <= leading:
@@ -277,7 +310,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
             experts = range(shape[len(layer_index)]) if stacked_experts else [expert]
             for e in experts:
                 index = layer_index + ((e,) if stacked_experts else ())
-                yield _LayerParam(layer, e, module, attr, half, key, index, shape)
+                yield _LayerParam(layer, e, module, attr, half, key, index, shape, part)
 
     return expand()
 
@@ -291,6 +324,7 @@ _BRIDGE_OPERATIONS = {
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
     "transpose": lambda hf: Transpose(hf[""]),
     "add_one": lambda hf: AddOne(hf[""]),
+    **{kind: lambda hf, parts=parts: ConcatenateParts(hf[""], parts) for kind, parts in _MAMBA_PARTS.items()},
 }
 
 
@@ -303,7 +337,13 @@ class KeyMapper:
         self.config_path = config_path
         self.metadata_path = metadata_path
         self.sizes = Sizes(
-            config_path, metadata_path, model.attention_heads, model.kv_heads, model.head_dim, model.vision_heads
+            config_path,
+            metadata_path,
+            model.attention_heads,
+            model.kv_heads,
+            model.head_dim,
+            model.vision_heads,
+            model.linear_key_heads,
         )
         kv_heads, head_dim = model.global_attention or (model.kv_heads, model.head_dim)
         self.global_sizes = replace(self.sizes, kv_heads=kv_heads, head_dim=head_dim)  # Gemma 4's full attention
@@ -312,8 +352,8 @@ class KeyMapper:
         self.grouped: dict[str, list[tuple[tuple[int, int], Piece, str]]] = {}
         # Experts stacked as they are stored (families.BRIDGE_STACKED_EXPERTS): HF name -> [(expert, piece)]
         self.stacked: dict[str, list[tuple[int, Piece]]] = {}
-        # Parameters saved in parts (_SAVED_PART): the bridge's name -> {part: stored tensor}
-        self.parts: dict[str, dict[str, Stored]] = {}
+        # Fused tensors saved as named parts (Mamba's in_proj, conv1d): operation -> {part: stored}
+        self.parts: dict[ConcatenateParts, dict[str, Stored]] = {}
 
     def outputs(self) -> list[OutputSpec]:
         if self.mtp_modules and len(self.mtp_modules) != self.model.mtp_layers:
@@ -322,6 +362,7 @@ class KeyMapper:
                 f"the checkpoint has {len(self.mtp_modules)} multi-token-prediction module(s) (mtp.layers.*) "
                 f"but num_nextn_predict_layers is {self.model.mtp_layers}",
             )
+        self._check_hybrid_pattern()
         specs: list[OutputSpec] = []
         unmapped: list[str] = []
         for key, shape in self.shapes.items():
@@ -332,7 +373,7 @@ class KeyMapper:
                 specs.extend(mapped)
         specs.extend(self._grouped_experts())
         specs.extend(self._stacked_experts())
-        specs.extend(self._saved_parts())
+        specs.extend(operation.of(found, self.sizes) for operation, found in self.parts.items())
         if unmapped:
             shown = ", ".join(unmapped[:8]) + (f" (+{len(unmapped) - 8} more)" if len(unmapped) > 8 else "")
             raise MergeError(
@@ -346,6 +387,29 @@ class KeyMapper:
                 raise MergeError(self.metadata_path, f"both {seen[spec.name]} and {first} map to {spec.name}")
             seen[spec.name] = first
         return specs
+
+    def _check_hybrid_pattern(self) -> None:
+        """Each stored layer of a Mamba hybrid is of the type config.json's layer pattern gives its index: the HF
+        names follow the stored modules, transformers builds each layer by the pattern."""
+        pattern = self.model.hybrid_pattern
+        if not pattern:
+            return
+        stored: dict[int, dict[str, str]] = {}  # layer -> its types -> a key of each
+        for key in self.shapes:
+            match = _LAYER_KEY.fullmatch(key)
+            if match is None or match["layer"] is None:
+                continue
+            kind = next((kind for prefix, kind in _HYBRID_MODULES if match["param"].startswith(prefix)), None)
+            if kind is not None:
+                stored.setdefault(int(match["layer"]), {}).setdefault(kind, key)
+        for layer, kinds in sorted(stored.items()):
+            expected = pattern[layer] if layer < len(pattern) else "not a layer"
+            if set(kinds) != {expected}:
+                found = ", ".join(f"{kind} ({key})" for kind, key in kinds.items())
+                raise MergeError(
+                    self.config_path,
+                    f"layer {layer} is {expected} in the layer pattern ({len(pattern)} layers), the checkpoint holds {found}",
+                )
 
     # ---- dispatch by scope ----
 
@@ -434,9 +498,6 @@ class KeyMapper:
     def _map_bridge(self, key: str, shape: tuple[int, ...]) -> list[OutputSpec] | None:
         """A key by Megatron-Bridge's own mapping of its name (``bridge_table``), one layer and expert at a time
         under the name the bridge's registry uses (``decoder.layers.<i>.``, ``local_experts.<e>.``)."""
-        part = _SAVED_PART.fullmatch(key)
-        if part is not None and self._saved_part(part["name"], part["part"], Stored(key, shape)):
-            return []
         model, layers, rest = key.rpartition("decoder.layers.")  # model: a multimodal model's language_model.
         typed = _TYPED_ATTENTION.fullmatch(rest) if layers else None
         if typed is not None:
@@ -514,12 +575,40 @@ class KeyMapper:
             return []
         if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
             return None  # the regrouping is a vision tower's layout
+        if mapping.operation == "saved_parts":
+            return self._saved_part(mapping.parts, hf, p)
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
-        return None if operation is None else self._apply(operation(hf), p, sizes)
+        if operation is None:
+            return None
+        operation = operation(hf)
+        if isinstance(operation, ConcatenateParts):  # gathered from every part's key, written by outputs()
+            if not p.part:  # saved whole: its TP ranks' blocks would interleave the parts
+                return None
+            self.parts.setdefault(operation, {})[p.part] = p.stored
+            return []
+        return self._apply(operation, p, sizes)
+
+    def _saved_part(
+        self, parts: dict[str, tuple[tuple[str, ...], bool]], hf: dict[str, str], p: _LayerParam
+    ) -> list[OutputSpec] | None:
+        """One part of a parameter whose HF tensors the bridge's table builds from named parts (Gated DeltaNet's),
+        kept for each HF tensor whose parts name it (``BridgeMapping.parts``), written by outputs()."""
+        takers = [
+            ConcatenateParts(hf[role], names, per_key_head)
+            for role, (names, per_key_head) in parts.items()
+            if p.part in names
+        ]
+        if not takers:  # saved whole, or a part the bridge's mapping does not take
+            return None
+        for operation in takers:
+            self.parts.setdefault(operation, {})[p.part] = p.stored
+        return []
 
     # ---- one layer's parameter ----
 
     def _map_text_layer(self, p: _LayerParam) -> list[OutputSpec] | None:
+        if p.part:  # a fused tensor's named part: the bridge's table maps those
+            return None
         family = self.model.family
         layer_prefix = f"{family.text_prefix}layers.{p.layer}."
         special = _SPECIAL_ATTRIBUTES.get((p.module, p.attr))
@@ -562,6 +651,8 @@ class KeyMapper:
         """The HF tensors of ``p`` by ``operation`` (split by ``sizes``, the model's unless given); a half of a gated
         fc1 (``_w``, ``_v``) is its Chunk's half."""
         sizes = sizes or self.sizes
+        if p.part:  # only a ConcatenateParts takes a part
+            return None
         if not p.half:
             return operation.outputs(p.stored, sizes)
         if isinstance(operation, Chunk):
@@ -591,36 +682,6 @@ class KeyMapper:
             else:
                 transpose = name.endswith(("gate_up_proj", "down_proj"))
                 specs.append(GroupedExperts(name, transpose, interleave_halves=fc1).of(pieces, len(experts)))
-        return specs
-
-    def _saved_part(self, name: str, part: str, stored: Stored) -> bool:
-        """Keep one part of a parameter the bridge maps from its parts; False if the bridge maps ``name`` otherwise."""
-        found = bridge_table.lookup(self.model.architecture, name, self.model.dense)
-        if found is None or found[0].operation != "saved_parts":
-            return False
-        self.parts.setdefault(name, {})[part] = stored
-        return True
-
-    def _saved_parts(self) -> list[OutputSpec]:
-        """Each HF tensor of a parameter saved in parts: the parts the bridge's mapping names for its role, per key
-        head where it says so."""
-        specs = []
-        for name, parts in self.parts.items():
-            mapping, hf = bridge_table.lookup(self.model.architecture, name, self.model.dense)
-            roles = {role: mapping.parts[role] for role in hf}
-            wanted = {part for part_names, _ in roles.values() for part in part_names}
-            if set(parts) != wanted:
-                missing = sorted(wanted - set(parts)) or sorted(set(parts) - wanted)
-                raise MergeError(
-                    self.metadata_path,
-                    f"{name} is saved as parts {sorted(parts)}, the bridge's mapping of it needs {sorted(wanted)} "
-                    f"({', '.join(missing)} differ)",
-                )
-            for role, (part_names, per_key_head) in roles.items():
-                groups = self.model.linear_key_heads if per_key_head else 1
-                if groups < 1:
-                    raise MergeError(self.config_path, f"{name}: linear_num_key_heads is missing")
-                specs.append(Concatenate(hf[role]).of([parts[p] for p in part_names], groups, self.metadata_path))
         return specs
 
     def _stacked_experts(self) -> list[OutputSpec]:

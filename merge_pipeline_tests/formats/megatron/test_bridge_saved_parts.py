@@ -48,12 +48,15 @@ def test_a_missing_part_is_one_line_naming_it():
     shapes = {k: v for k, v in IN_PROJ.items() if not k.endswith(".alpha")}
     with pytest.raises(
         MergeError,
-        match=r"^metadata.json: decoder.layers.0.self_attention.in_proj.weight is saved as "
-        r"parts \['beta', 'key', 'query', 'value', 'z'\], the bridge's mapping of it needs .* \(alpha differ\)$",
+        match=r"^metadata.json: model.layers.0.linear_attn.in_proj_ba.weight: the checkpoint holds the parts beta, "
+        r"not beta, alpha$",
     ):
         outputs(shapes)
 
 
 def test_per_key_head_parts_need_linear_num_key_heads():
-    with pytest.raises(MergeError, match=r"^config.json: .*in_proj.weight: linear_num_key_heads is missing$"):
+    with pytest.raises(
+        MergeError,
+        match=r"^config.json: model.layers.0.linear_attn.in_proj_\w+.weight: linear_num_key_heads is missing$",
+    ):
         outputs(IN_PROJ, linear_num_key_heads=None)

@@ -1,0 +1,1 @@
+"""mamba-ssm's operations: see the package's docstring."""

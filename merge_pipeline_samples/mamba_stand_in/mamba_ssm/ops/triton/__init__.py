@@ -1,0 +1,1 @@
+"""mamba-ssm's Triton operations: see the package's docstring."""
