@@ -15,7 +15,7 @@ checks the committed file is what this produces.
 A few bridges build their registry from the HF config (how many layers are dense, which have MTP): those are
 asked with the default config of the family's transformers config class (``AutoConfig.for_model``), and the
 architecture's entry says ``"from_default_config": true``. A mapping of a parameter megatron-core saves in parts
-(Gated DeltaNet's in_proj and conv1d: ``<name>.query``, ``.key``, ...) also says, under ``"parts"``, which parts
+(Gated DeltaNet's in_proj and conv1d: ``<name>.query``, ``.key``, ...; Mamba's: ``.z``, ``.x``, ...) also says, under ``"parts"``, which parts
 make up each of its HF tensors (by role) and whether they alternate per key head: found by running the mapping's own
 ``megatron_to_hf`` (one process, TP=1) on a tensor whose rows are labelled by the part they come from. Gemma 4's bridges pick a dense model's registry or the
 MoE one by the config: both are written, the dense one as ``"dense_mappings"``. A bridge whose registry cannot be built that way is
@@ -40,18 +40,29 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 from merge_pipeline_samples.megatron_bridge_save import _import_bridge  # noqa: E402  (after its path)
 
 _BRIDGE_MODULE = "megatron.bridge."
-# megatron-core 0.18's GatedDeltaNet.sharded_state_dict saves in_proj and conv1d in parts, which at TP=1 make up the
-# module's tensor in this order: their names and row counts at the probe's sizes (key heads of 2 rows, two value
-# heads of 3 rows per key head).
+# megatron-core 0.18's GatedDeltaNet and MambaMixer sharded_state_dict save in_proj and conv1d in parts, which at TP=1
+# make up the module's tensor in this order: their names and row counts at the probe's sizes (Gated DeltaNet: key
+# heads of 2 rows, two value heads of 3 rows per key head; Mamba: 2 heads of 3 channels, one group of state 2).
 _PROBE = dict(
-    hidden_size=1, linear_num_key_heads=2, linear_key_head_dim=2, linear_num_value_heads=4, linear_value_head_dim=3
+    hidden_size=1,
+    linear_num_key_heads=2,
+    linear_key_head_dim=2,
+    linear_num_value_heads=4,
+    linear_value_head_dim=3,
+    mamba_num_heads=2,
+    mamba_head_dim=3,
+    mamba_num_groups=1,
+    mamba_state_dim=2,
 )
 _KEYS, _VALUES = 2 * 2, 4 * 3
-_IN_PROJ = (("query", _KEYS), ("key", _KEYS), ("value", _VALUES), ("z", _VALUES), ("beta", 4), ("alpha", 4))
+_GDN_IN_PROJ = (("query", _KEYS), ("key", _KEYS), ("value", _VALUES), ("z", _VALUES), ("beta", 4), ("alpha", 4))
+_MAMBA_IN_PROJ = (("z", 6), ("x", 6), ("B", 2), ("C", 2), ("dt", 2))
 _SAVED_IN_PARTS = {
-    "GDNLinearMapping": _IN_PROJ,
-    "GDNLinearMappingSeparate": _IN_PROJ,
-    "GDNConv1dMapping": _IN_PROJ[:3],
+    "GDNLinearMapping": _GDN_IN_PROJ,
+    "GDNLinearMappingSeparate": _GDN_IN_PROJ,
+    "GDNConv1dMapping": _GDN_IN_PROJ[:3],
+    "MambaInProjMapping": _MAMBA_IN_PROJ,
+    "MambaConv1dMapping": _MAMBA_IN_PROJ[1:4],
 }
 
 
@@ -94,9 +105,9 @@ def _parts(mapping, saved: tuple[tuple[str, int], ...]) -> dict:
     import torch
 
     labels = [(name, row) for name, rows in saved for row in range(rows)]
-    weight = torch.arange(len(labels), dtype=torch.float64)[:, None]
-    if "conv1d" in mapping.megatron_param:
-        weight = weight[:, :, None]  # [channels, 1, kernel]
+    weight = torch.arange(len(labels), dtype=torch.float64)
+    if mapping.megatron_param.endswith("weight"):  # a linear's [rows, hidden], a convolution's [channels, 1, kernel]
+        weight = weight[:, None, None] if "conv1d" in mapping.megatron_param else weight[:, None]
     module = type("ColumnParallelLinear", (torch.nn.Module,), {})()  # the TP split the bridge looks up: none at TP=1
     module.config = types.SimpleNamespace(**_PROBE)
     resolved = mapping.resolve(("0",) * mapping.megatron_param.count("*"))

@@ -8,11 +8,9 @@ the reader). Each mapping's kind is translated into an operation of the reader's
 then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
 (every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``transpose`` (a copy whose 2-D
-tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector), ``mamba_in_proj`` / ``mamba_conv1d``
-(Mamba's fused in_proj / conv1d, saved by megatron-core as named parts: the parts in order), ``add_one`` (a
-zero-centred norm weight plus one), ``saved_parts`` (Gated DeltaNet's in_proj and conv1d, saved by megatron-core as
-named parts: each HF tensor the parts the generator found for its role, ``"parts"`` in the file, per key head where
-it says so). Kinds with no operation here (other chunked convolutions, ...) translate to
+tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector), ``add_one`` (a zero-centred norm
+weight plus one), ``saved_parts`` (Mamba's and Gated DeltaNet's in_proj and conv1d, saved by megatron-core as named
+parts: each HF tensor the parts the generator found for its role, ``"parts"`` in the file, in order or per key head). Kinds with no operation here (other chunked convolutions, ...) translate to
 None: an architecture that needs one is not merged. A bridge that keeps a dense model's registry beside its default
 (Gemma 4's, chosen by ``enable_moe_block``) has it recorded as ``dense_mappings``: ``mappings(..., dense=True)``.
 """
@@ -40,10 +38,6 @@ _OPERATIONS = {
     "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
     "ConcatenatedQKVMapping": "vision_qkv",  # a vision tower's per-head [q k v] rows as HF's [q; k; v]
     "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
-    # Mamba's fused in_proj [z x B C dt] and conv1d [x B C]: the bridge gathers each part over TP and concatenates
-    # the parts; megatron-core saves each part whole under its own name, so HF's tensor is the parts in order.
-    "MambaInProjMapping": "mamba_in_proj",
-    "MambaConv1dMapping": "mamba_conv1d",
     "RMSNorm2ZeroCenteredRMSNormMapping": "add_one",  # the bridge adds 1 to the stored norm weight
 }
 # Family kinds that change values, not only names: not the operation their base class names.

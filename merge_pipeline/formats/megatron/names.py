@@ -251,10 +251,6 @@ _ATTRIBUTE = re.compile(
     r"(?P<module>.+)\.(?P<attr>layer_norm_(?:weight|bias)|weight|bias|expert_bias|gate_weight|softmax_offset|A_log|D|dt_bias)"
     r"(?P<half>_[wv])?(?:\.(?P<part>[A-Za-z]+))?"
 )
-# megatron-core's Mamba mixer saves its fused tensors as named parts, each whole over TP (its sharded_state_dict's
-# _split_tensor_factory): in_proj.weight as .z .x .B .C .dt, conv1d's weight and bias as .x .B .C. HF keeps each
-# fused, the parts' rows in that order, which is the order the bridge concatenates the gathered parts in.
-_MAMBA_PARTS = {"mamba_in_proj": ("z", "x", "B", "C", "dt"), "mamba_conv1d": ("x", "B", "C")}
 
 
 @dataclass(frozen=True)
@@ -324,7 +320,6 @@ _BRIDGE_OPERATIONS = {
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
     "transpose": lambda hf: Transpose(hf[""]),
     "add_one": lambda hf: AddOne(hf[""]),
-    **{kind: lambda hf, parts=parts: ConcatenateParts(hf[""], parts) for kind, parts in _MAMBA_PARTS.items()},
 }
 
 
@@ -580,25 +575,20 @@ class KeyMapper:
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
         if operation is None:
             return None
-        operation = operation(hf)
-        if isinstance(operation, ConcatenateParts):  # gathered from every part's key, written by outputs()
-            if not p.part:  # saved whole: its TP ranks' blocks would interleave the parts
-                return None
-            self.parts.setdefault(operation, {})[p.part] = p.stored
-            return []
-        return self._apply(operation, p, sizes)
+        return self._apply(operation(hf), p, sizes)
 
     def _saved_part(
         self, parts: dict[str, tuple[tuple[str, ...], bool]], hf: dict[str, str], p: _LayerParam
     ) -> list[OutputSpec] | None:
-        """One part of a parameter whose HF tensors the bridge's table builds from named parts (Gated DeltaNet's),
-        kept for each HF tensor whose parts name it (``BridgeMapping.parts``), written by outputs()."""
+        """One part of a parameter megatron-core saves as named parts, each whole over TP (its sharded_state_dict's
+        _split_tensor_factory: Mamba's in_proj ``.z .x .B .C .dt``, Gated DeltaNet's ``.query .key ...``), kept for
+        each HF tensor whose parts name it (``BridgeMapping.parts``, found by the generator), written by outputs()."""
         takers = [
             ConcatenateParts(hf[role], names, per_key_head)
             for role, (names, per_key_head) in parts.items()
             if p.part in names
         ]
-        if not takers:  # saved whole, or a part the bridge's mapping does not take
+        if not takers:  # saved whole (its TP ranks' blocks would interleave the parts), or a part no HF tensor takes
             return None
         for operation in takers:
             self.parts.setdefault(operation, {})[p.part] = p.stored
