@@ -102,7 +102,9 @@ _MOE_SIZES = dict(
     v_head_dim=16,
 )
 # Gated DeltaNet (Qwen3-Next, Qwen3.5): small linear-attention heads, more value heads than key heads (two per key
-# head, as released), and one full-attention layer after the linear one, so both kinds of layer are saved.
+# head, as released), and one full-attention layer after the linear one, so both kinds of layer are saved. Their
+# releases have one multi-token-prediction layer (mtp_num_hidden_layers, which the bridge builds and verl saves):
+# set on the config after it is built (_small), its weights written beside the model's (_add_mtp_weights).
 _GATED_DELTANET_SIZES = dict(
     linear_num_key_heads=4,
     linear_num_value_heads=8,
@@ -228,13 +230,17 @@ def _small(config_class, architecture: str, known_only: bool = False, **extra):
     defaults = config_class()
     moe = any(hasattr(defaults, name) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
     sizes = {**_SIZES, **(_MOE_SIZES if moe else {})}
-    if hasattr(defaults, "linear_num_key_heads"):
-        sizes.update(_GATED_DELTANET_SIZES)
+    if hasattr(defaults, "linear_num_key_heads"):  # its MTP layer is written (_add_mtp_weights), under its own name
+        sizes = {**sizes, **_GATED_DELTANET_SIZES}
+        sizes.pop("num_nextn_predict_layers", None)
     if hasattr(defaults, "kv_lora_rank"):  # multi-latent attention: its head_dim is the rotary part (GLM-4.7-Flash)
         sizes["head_dim"] = _MOE_SIZES["qk_rope_head_dim"]
     if known_only:
         sizes = {name: value for name, value in sizes.items() if hasattr(defaults, name)}
-    return config_class(**{**sizes, **_ARCHITECTURE_SIZES.get(architecture, {})}, **extra)
+    config = config_class(**{**sizes, **_ARCHITECTURE_SIZES.get(architecture, {})}, **extra)
+    if hasattr(defaults, "linear_num_key_heads"):
+        config.mtp_num_hidden_layers = 1  # not a field of transformers' class: kept as the released config.json has it
+    return config
 
 
 def _hf_config(architecture: str):
@@ -291,6 +297,32 @@ def _hub_names(folder: Path, architecture: str) -> None:
         save_file({renames.get(k, k): v for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
 
 
+def _add_mtp_weights(folder: Path) -> None:
+    """The multi-token-prediction layer a config asks for (``mtp_num_hidden_layers``: Qwen3-Next, Qwen3.5) that
+    transformers builds no module for (it ignores ``mtp.*`` on load): written into the saved model as the released
+    checkpoints hold it, the projection of [embedding; hidden] (``mtp.fc``), its norms and one decoder layer: a copy of
+    the last (full-attention) layer's tensors, values moved, under ``mtp.layers.0.``."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    if not config.get("text_config", config).get("mtp_num_hidden_layers"):
+        return
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    last = max(int(k.split(".layers.")[1].split(".")[0]) for k in tensors if k.startswith("model.") and ".layers." in k)
+    prefix = next(k for k in tensors if f"layers.{last}." in k).split(f"layers.{last}.")[0] + f"layers.{last}."
+    hidden = next(t for k, t in tensors.items() if k.endswith("embed_tokens.weight")).shape[1]
+    values = torch.Generator().manual_seed(2)
+    for key in [k for k in tensors if k.startswith(prefix)]:
+        tensors["mtp.layers.0." + key.removeprefix(prefix)] = tensors[key] + 0.01 * torch.randn(
+            tensors[key].shape, generator=values
+        )
+    tensors["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=values)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.rand(hidden, generator=values) * 0.5 + 0.5
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def _save_families(rank: int, world_size: int, out: str, families: list[str]) -> None:
     _patch_for_cpu()
     for family in families:
@@ -312,6 +344,7 @@ def _save(rank: int, out: Path, architecture: str, world_size: int, *, local_spe
     auto_bridge = _import_bridge()
     if rank == 0:
         _hf_model(architecture).save_pretrained(out / "hf")
+        _add_mtp_weights(out / "hf")
         _hub_names(out / "hf", architecture)
     dist.barrier()
     bridge = auto_bridge.from_hf_pretrained(str(out / "hf"), torch_dtype=torch.float32)

@@ -123,7 +123,7 @@ def _multi_token_prediction_layers(config, shapes: dict[str, tuple[int, ...]]) -
     their projection, the head's norm, and copies of the embedding and the output head."""
     prefixes = multi_token_prediction_prefixes(config)
     if not prefixes:
-        return []
+        return _top_level_mtp_layers(config, shapes)
     last = f"model.layers.{config.num_hidden_layers - 1}."
     hidden, vocab = config.hidden_size, config.vocab_size
     layers = []
@@ -140,6 +140,32 @@ def _multi_token_prediction_layers(config, shapes: dict[str, tuple[int, ...]]) -
             layer[f"{prefix}{name}.weight"] = shape
         layers.append(layer)
     return layers
+
+
+def _top_level_mtp_layers(config, shapes: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int, ...]]]:
+    """Qwen3-Next's and Qwen3.5's MTP layers (``mtp_num_hidden_layers``), which transformers builds none of and skips
+    on load (``mtp.*``): the projection of [embedding; hidden] (``mtp.fc``), the norms of its two inputs and of its
+    output, and ``mtp.layers.<k>.``, each a decoder layer like the last full-attention one. One group: all or none."""
+    text = config.get_text_config()
+    count = getattr(text, "mtp_num_hidden_layers", None) or 0
+    full = [i for i, kind in enumerate(getattr(text, "layer_types", None) or ()) if kind == "full_attention"]
+    if not count or not full:
+        return []
+    last = next((n.split(f"layers.{full[-1]}.")[0] for n in shapes if f"layers.{full[-1]}.self_attn." in n), None)
+    if last is None:
+        return []
+    last += f"layers.{full[-1]}."
+    hidden = text.hidden_size
+    layer = {
+        f"mtp.layers.{k}.{name.removeprefix(last)}": shape
+        for k in range(count)
+        for name, shape in shapes.items()
+        if name.startswith(last)
+    }
+    layer["mtp.fc.weight"] = (hidden, 2 * hidden)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        layer[f"mtp.{norm}.weight"] = (hidden,)
+    return [layer]
 
 
 def multi_token_prediction_prefixes(config) -> tuple[str, ...]:

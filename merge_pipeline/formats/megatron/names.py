@@ -111,7 +111,7 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     vision = config.get("vision_config") or {}
     vision_heads = vision.get("num_heads")
     num_layers = text.get("num_hidden_layers")
-    mtp_layers = text.get("num_nextn_predict_layers") or 0
+    mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0  # Qwen3.5's name
     global_head_dim = text.get("global_head_dim")
     return ModelShape(
         architecture,
@@ -227,6 +227,9 @@ _MTP_KEY = re.compile(r"mtp\.layers\.(?P<module>\d+)\.(?P<param>.+)")
 _MTP_MODULES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "shared_head.norm"}
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
+# megatron-core saves a multi-token-prediction module's decoder layer as ``mtp.layers.<k>.transformer_layer.``;
+# Megatron-Bridge's registry names it ``mtp.layers.<k>.mtp_model_layer.`` (its attribute in memory).
+_BRIDGE_MTP_LAYER = re.compile(r"(?P<model>.*?)mtp\.layers\.(?P<module>\d+)\.transformer_layer\.(?P<param>.+)")
 # megatron-core's hybrid model saves each layer under its own index, its type in its modules' names.
 _HYBRID_MODULES = (
     ("mixer.", "mamba"),
@@ -494,6 +497,11 @@ class KeyMapper:
         """A key by Megatron-Bridge's own mapping of its name (``bridge_table``), one layer and expert at a time
         under the name the bridge's registry uses (``decoder.layers.<i>.``, ``local_experts.<e>.``)."""
         model, layers, rest = key.rpartition("decoder.layers.")  # model: a multimodal model's language_model.
+        in_layer = "{model}decoder.layers.{layer}."
+        mtp = _BRIDGE_MTP_LAYER.fullmatch(key)
+        if mtp is not None:  # a multi-token-prediction module's decoder layer, as one decoder layer
+            model, layers, rest = mtp["model"], "decoder.layers.", f"{mtp['module']}.{mtp['param']}"
+            in_layer = "{model}mtp.layers.{layer}.mtp_model_layer."
         typed = _TYPED_ATTENTION.fullmatch(rest) if layers else None
         if typed is not None:
             return self._bridge_typed_attention(key, model, typed, shape)
@@ -503,7 +511,7 @@ class KeyMapper:
             return whole_key if whole_key is not None else self._bridge_stacked(key, shape)
         out: list[OutputSpec] = []
         for p in params:
-            layer = f"{model}decoder.layers.{p.layer}."
+            layer = in_layer.format(model=model, layer=p.layer)
             names = [f"{layer}{p.module}.{p.attr}"]
             if p.expert is not None:  # SequentialMLP's name, or TransformerEngine's grouped one (weight<expert>)
                 local = p.module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 from merge_pipeline import families
 from merge_pipeline_tests.helpers import assert_bit_exact, cached_release_fixture, run_cli
@@ -44,6 +45,8 @@ NO_CPU_FORWARD = {
     "GlmMoeDsaForCausalLM": "The size of tensor a (4) must match the size of tensor b (8) at non-singleton dimension 1",
 }
 INPUT_IDS = torch.arange(8)[None]
+# Built with one multi-token-prediction layer (mtp.*), as their releases are: the merge must hold it.
+WITH_MTP = {f for f in families.MEGATRON_PROVEN if f.startswith(("Qwen3Next", "Qwen3_5"))}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,9 @@ def test_merge_equals_the_bridges_export_and_gives_its_logits(capsys, tmp_path, 
     files = 1 if families.MEGATRON_PROVEN[architecture] == "TP=1" else 2
     assert source["backend"] == "megatron" and len(source["inputs"]) == files
     assert_bit_exact(tmp_path / "out", saved / "expected")
+    if architecture in WITH_MTP:  # the merge equals the export, which holds it
+        with safe_open(saved / "expected" / "model.safetensors", "pt") as expected:
+            assert "mtp.fc.weight" in expected.keys()
     model_class = getattr(transformers, architecture)
     merged, info = model_class.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
