@@ -172,11 +172,12 @@ def hub_averaged_definition(names: Names) -> dg.AssetsDefinition:
         settings: MergeSettings = getattr(context.resources, names("settings"))
         hub: HuggingFaceHub = getattr(context.resources, names("hub"))
         with one_line_failure():
-            folder = averaged_dir(settings, RunKey.parse(context.partition_key))
-            inputs = _averaged_inputs(folder)
-            result = hub.publish(
-                folder, _newest_step(inputs, settings, folder), branch=AVERAGED_BRANCH.format(k=len(inputs))
-            )
+            # an average in a store, through its view as hub_model's folders (refused without its manifest)
+            with viewed(averaged_dir(settings, RunKey.parse(context.partition_key)), merged=True) as folder:
+                inputs = _averaged_inputs(folder)
+                result = hub.publish(
+                    folder, _newest_step(inputs, settings, folder), branch=AVERAGED_BRANCH.format(k=len(inputs))
+                )
         return dg.MaterializeResult(metadata=_published(result))
 
     return hub_averaged_model
@@ -196,13 +197,12 @@ def _averaged_inputs(folder: Path) -> list[dict]:
 
 
 def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointName:
-    """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step)."""
-    newest = Path(inputs[-1]["path"])
-    if not newest.is_relative_to(settings.value("output_root")):
-        raise MergeError(
-            folder, f"its newest input {newest} is not a merged step under {settings.value('output_root')}"
-        )
-    return checkpoint_key(newest.relative_to(settings.value("output_root")).as_posix())
+    """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step).
+    Compared as text: the inputs and the root are URLs in a store (a Path would fold ``s3://`` to ``s3:/``)."""
+    newest, root = str(inputs[-1]["path"]), str(settings.value("output_root")).rstrip("/")
+    if not newest.startswith(root + "/"):
+        raise MergeError(folder, f"its newest input {newest} is not a merged step under {root}")
+    return checkpoint_key(newest.removeprefix(root + "/"))
 
 
 def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):
