@@ -84,8 +84,9 @@ def stored_steps(bucket, fsdp_checkpoint):
 
 
 def launcher(result: dg.ExecuteInProcessResult) -> str:
-    [merged] = [e for e in result.get_asset_materialization_events() if e.asset_key.path == ["hf_model"]]
-    return merged.materialization.metadata["launcher"].value
+    """Who wrote the weights, as the state_dict stage records it."""
+    [written] = [e for e in result.get_asset_materialization_events() if e.asset_key.path == ["state_dict"]]
+    return written.materialization.metadata["launcher"].value
 
 
 def merged_in_bucket(fs, b: str, run: str, into: Path) -> Path:
@@ -121,11 +122,12 @@ def test_ray_tasks_merge_a_step_from_the_bucket_into_it_as_the_run_process(bucke
     settings, sample = stored_steps("ray", "ip")
 
     with local_cluster(workers=2) as cluster:  # started with the store's variables set, as a cluster's nodes have them
+        address = cluster.address
         on_ray = materialize(
             instance,
             settings,
             "ray/global_step_1/actor",
-            merge_config={**SHARDS, "launcher": "ray", "ray_address": cluster.address},
+            merge_config={**SHARDS, "launcher": "ray", "ray_address": address},
         )
     in_process = materialize(instance, settings, "ip/global_step_1/actor", merge_config=SHARDS)
 
@@ -136,4 +138,4 @@ def test_ray_tasks_merge_a_step_from_the_bucket_into_it_as_the_run_process(bucke
     assert_bit_exact(ours, sample.reference_dir)
     logs = [e.message for e in instance.all_logs(on_ray.run_id) if e.message]
     assert any(m.startswith("Ray: 2 write tasks on 2 fitting node(s)") for m in logs), logs
-    assert launcher(on_ray) == f"ray at {cluster.address}"
+    assert launcher(on_ray) == f"ray at {address}"
