@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--inputs",
         required=True,
         nargs="+",
-        type=Path,
+        type=_location,
         metavar="DIR",
-        help="checkpoint role folders or merged HF folders (mixed allowed), oldest first; the last gives config.json and the tokenizer",
+        help="checkpoint role folders or merged HF folders (mixed allowed; or their store URLs), oldest first; the last gives config.json and the tokenizer",
     )
     scheme = average.add_mutually_exclusive_group()
     scheme.add_argument(
@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=ACCUMULATE_CHOICES[0],
         help="dtype the weighted sum is accumulated in (default float32); --dtype is the output's",
     )
-    average.add_argument("--target_dir", required=True, type=Path, help="output HF folder (created atomically)")
+    average.add_argument(
+        "--target_dir", required=True, type=_location, help="output HF folder, or store URL (created atomically)"
+    )
     _option_flags(average, "merge")
     _writer_flags(average)
     average.set_defaults(run=_run_average)
@@ -293,7 +295,7 @@ def _run_average(args: argparse.Namespace) -> int:
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
     from merge_pipeline.pipeline import merge
 
-    inputs = tuple(str(path.absolute()) for path in args.inputs)
+    inputs = tuple(str(path if is_store_url(path) else path.absolute()) for path in args.inputs)
     options = dataclasses.replace(
         _options(args),
         average_inputs=inputs,

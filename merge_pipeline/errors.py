@@ -75,10 +75,10 @@ def os_error(exc: OSError, path: str | Path | None = None, *, doing: str | None 
     return MergeError(named or path, f"{doing}: {problem}" if doing else problem)
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message ("" if it has none): a library's long message, cut to name the cause."""
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
+def first_line(message: object) -> str:
+    """The first line of an exception's (or a server's) message, "" if it has none: a library's long message,
+    cut to name the cause."""
+    return (str(message).strip().splitlines() or [""])[0]
 
 
 @contextlib.contextmanager

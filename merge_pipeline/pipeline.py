@@ -282,7 +282,10 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
             one = _prepare_one(path, alone, merged=True)
             inputs.append(AveragedInput(one.plan, one.outputs, weight))
             configs[one.plan.role_dir] = one.config
-        reference = Path(local_dir).absolute()
+        # local_dir names one of the inputs: its folder as planned (a store input's is its local view)
+        named = [_named_folder(path) for path in options.average_inputs]
+        at = named.index(_named_folder(local_dir)) if _named_folder(local_dir) in named else None
+        reference = inputs[at].plan.role_dir if at is not None else Path(local_dir).absolute()
         plan, outputs = average_plan(
             inputs,
             reference,
@@ -296,7 +299,14 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
         for one in inputs:
             one.plan.close()
         raise
+    for one in inputs:  # a store input's view lives as long as the average's plan reads through it
+        plan.views.enter_context(one.plan.views.pop_all())
     return Prepared(plan, configs[reference], outputs)
+
+
+def _named_folder(location: str | Path) -> str:
+    """A folder as its name is compared: a store URL as written, a local path made absolute."""
+    return str(location).rstrip("/") if is_store_url(location) else str(Path(location).absolute())
 
 
 # Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.

@@ -169,7 +169,7 @@ class StoreObject:
             except FileNotFoundError:  # listed when the merge was planned: the trainer's rotation took it
                 raise MergeError(None, f"{self.url}: deleted while it was being merged") from None
             except OSError as exc:
-                if "pre-condition" in str(exc) or "Precondition" in str(exc):
+                if precondition_failed(exc):
                     raise self.changed() from None
                 raise
         if len(data) != end - offset:
@@ -258,6 +258,19 @@ def _is_gcs(fs) -> bool:
 
 def _protocols(fs) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def precondition_failed(exc: BaseException) -> bool:
+    """The store's 412: a conditional GET or PUT refused (``If-Match`` on an ETag that changed,
+    ``If-None-Match: *`` on a key that exists). s3fs raises it as an OSError (a FileExistsError for
+    ``If-None-Match``) whose cause is botocore's error, which carries the code."""
+    if isinstance(exc, FileExistsError):
+        return True
+    response = getattr(exc.__cause__, "response", None) or {}
+    return (
+        response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
+        or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+    )
 
 
 def _s3_range(fs, key: str, start: int, end: int, etag: str) -> bytes:

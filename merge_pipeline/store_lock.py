@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.storage import StoreLocation, asking, is_s3, location
+from merge_pipeline.storage import StoreLocation, asking, is_s3, location, precondition_failed
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _take(store: StoreLocation, key: str, url: str, body: bytes) -> str:
             store.fs.pipe_file(key, body, IfNoneMatch="*")
             return _info(store, key)["ETag"]
         except OSError as exc:
-            if not _precondition_failed(exc):
+            if not precondition_failed(exc):
                 raise
         try:
             held = _info(store, key)
@@ -111,7 +111,7 @@ def _take(store: StoreLocation, key: str, url: str, body: bytes) -> str:
         try:
             store.fs.pipe_file(key, body, IfMatch=held["ETag"])
         except OSError as exc:
-            if _precondition_failed(exc):
+            if precondition_failed(exc):
                 raise MergeError(
                     None, f"{url}: another merge took over the stale lock {url}{LOCK_SUFFIX} first"
                 ) from None
@@ -149,9 +149,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-def _precondition_failed(exc: OSError) -> bool:
-    """The store's 412: s3fs raises it as an OSError whose cause is botocore's error."""
-    response = getattr(exc.__cause__, "response", None) or {}
-    return isinstance(exc, FileExistsError) or response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")

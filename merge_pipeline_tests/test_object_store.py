@@ -294,3 +294,26 @@ def test_a_prefix_without_its_manifest_is_refused_by_test_diff_and_upload(capsys
         code, out, err = run_cli(capsys, *argv)
         assert code == 1 and error_lines(err) == [refused] and "Traceback" not in err, argv
     assert ("model", "org/never") not in hub.repos
+
+
+def test_average_of_merged_folders_in_the_store_into_the_store_is_the_local_average(
+    capsys, bucket, fsdp_checkpoint, tmp_path
+):
+    fs, b = bucket
+    local, urls = [], []
+    for seed in (0, 1, 2):
+        sample = fsdp_checkpoint(FsdpSpec(with_optimizer=False, seed=seed))
+        merged = tmp_path / f"step_{seed}"
+        merge(sample.role_dir, merged, MergeOptions(), show_progress=False)
+        local.append(merged)
+        urls.append(upload(fs, merged, f"{b}/merged/step_{seed}"))
+    averaged = ("--weights", "1", "2", "3", "--max-shard-size", "200KB", "--no-progress")
+
+    code, out, err = run_cli(capsys, "average", "--inputs", *urls, "--target_dir", f"s3://{b}/averaged", *averaged)
+    here = run_cli(capsys, "average", "--inputs", *local, "--target_dir", tmp_path / "averaged", *averaged)
+
+    assert code == 0 and here[0] == 0, err
+    in_store = download(fs, f"s3://{b}/averaged", tmp_path / "downloaded")
+    assert weights_and_index(in_store) == weights_and_index(tmp_path / "averaged")
+    manifest = json.loads((in_store / "merge_manifest.json").read_text())
+    assert [i["path"] for i in manifest["source"]["layout"]["averaged_inputs"]] == urls  # not the local views

@@ -16,6 +16,7 @@ each run that gained a merged step and now has at least K, it requests the avera
 run and that merge, so once per landed step), in a run of its own with the heavy tag.
 """
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -36,6 +37,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.storage import viewed
 
 AVERAGED = "averaged"  # <output_root>/<run_name>/averaged/<role>
 BATCH = 200  # hf_model events read per tick
@@ -196,7 +198,11 @@ def _average(
         target = averaged_dir(settings, run)
         merged = merge(inputs[-1], target, options, workers=workers_for(context, writer), show_progress=False)
         checked = checks_metadata(merged.checks, target)
-        diff = diff_folders(target, {"newest step": Path(inputs[-1])})
+        with contextlib.ExitStack() as views:  # folders in a store compared through views (ranged GETs)
+            diff = diff_folders(
+                views.enter_context(viewed(target, merged=True)),
+                {"newest step": views.enter_context(viewed(inputs[-1], merged=True))},
+            )
     rows = [f"| `{key}` | {weight:.6g} |" for key, weight in zip(chosen, options.average_weights, strict=True)]
     return dg.MaterializeResult(
         metadata={

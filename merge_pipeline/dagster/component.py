@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 import textwrap
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import click
 import dagster as dg
@@ -39,26 +39,27 @@ from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import checkpoint_sensor
-from merge_pipeline.dagster.settings import BY_NAME, SETTINGS, Setting, of_resource, scaffold_lines, with_fields
+from merge_pipeline.dagster.settings import BY_NAME, Setting, attributes, of_resource, scaffold_lines, with_fields
 
 INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
 
 
-class HubPublishing(dg.Model):
-    """Each field left out: the environment's, when the location loads (``HuggingFaceHub.from_env``)."""
+def _checked(cls, value: object, field: ValidationInfo) -> object:
+    """defs.yaml's values pass the environment's check: one line naming the attribute, not pydantic's report."""
+    return BY_NAME[field.field_name].check(value)
 
-    organization: str | None = None  # empty: publishing is off (the schedule stopped, hub_model records nothing)
-    private: bool | None = None
-    repo_template: str | None = None
-    revisions: Literal["branch", "commit"] | None = None
+
+class HubPublishing(with_fields(dg.Model, attributes("hub"))):
+    """The ``hub:`` section: one attribute per Hub setting of ``settings.py`` (the token only from its variable)."""
+
     schedule: str = CRON  # cron of publish_latest_steps
 
+    _setting_checked = field_validator(*(s.name for s in attributes("hub")), mode="before")(_checked)
+
     def resource(self) -> HuggingFaceHub:
-        env = HuggingFaceHub.from_env()
-        fields = ("organization", "private", "repo_template", "revisions")
-        return HuggingFaceHub(
-            **{f: getattr(env, f) if getattr(self, f) is None else getattr(self, f) for f in fields}, token=env_token()
-        )
+        """Every field resolved when the location loads (the attribute, else its variable, else the default),
+        so the definitions that hang on the organization and the runs agree; the token stays its variable."""
+        return HuggingFaceHub(**{s.name: s.of(getattr(self, s.name)) for s in attributes("hub")}, token=env_token())
 
 
 class MergeCheckpointsScaffolder(dg.Scaffolder):
@@ -71,22 +72,21 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
         request.target_path.mkdir(parents=True, exist_ok=True)
         prefix = request.target_path.name.replace("-", "_")
         settings = textwrap.indent("\n".join(scaffold_lines(prefix)), "  ")
+        hub = textwrap.indent("\n".join([*scaffold_lines(prefix, "hub"), f'schedule: "{CRON}"']), "    ")
         (request.target_path / "defs.yaml").write_text(
             f"type: {request.type_name}\nattributes:\n"
             f"  # asset keys {prefix}/..., jobs, sensors and schedules {prefix}__...\n  prefix: {prefix}\n"
-            f"{settings}\n{STRUCTURE}"
+            f"{settings}\n{CONCURRENCY}  hub:\n{hub}\n{STRUCTURE}"
         )
 
 
 # The scaffolded defs.yaml's attributes that are no setting of settings.py (no variable of their own).
-STRUCTURE = """\
+CONCURRENCY = """\
   # merge and report runs of this instance at once (the sensors hold back the rest);
   # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
   max_concurrent_merges: 1
-  hub:
-    # set to publish (token: $HF_TOKEN); empty: the schedule stays off
-    organization: ""
-    schedule: "*/10 * * * *"
+"""
+STRUCTURE = """\
   # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
   # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
   # merge_config:
@@ -128,7 +128,7 @@ def _attribute(setting: Setting) -> tuple[Any, Any]:
 
 
 @dg.scaffold_with(MergeCheckpointsScaffolder)
-class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, SETTINGS, _attribute)):
+class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attributes(), _attribute)):
     """Merge every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face
     folder under ``output_root``, and optionally publish it to a Hub. Besides the fields below, one
     attribute per setting of ``settings.py`` (left out: its environment variable, else its default)."""
@@ -143,11 +143,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, SETTIN
     # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
     merge_config: dict[str, Any] | None = None
 
-    @field_validator(*BY_NAME, mode="before")
-    @classmethod
-    def _setting_checked(cls, value: object, field: ValidationInfo) -> object:
-        """defs.yaml's values pass the environment's check: one line naming the attribute, not pydantic's report."""
-        return BY_NAME[field.field_name].check(value)
+    _setting_checked = field_validator(*(s.name for s in attributes()), mode="before")(_checked)
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return self.definitions(Names(self.prefix if self.prefix is not None else context.path.name))

@@ -2,25 +2,18 @@
 ``hub_averaged_model`` (with the component's ``averaging:``): a run's averaged model, on a branch of its
 role's repo named ``averaged-last-<K>``.
 
-Configured from the environment, like the merge settings:
-
-``MERGE_PIPELINE_HUB_ORG``            namespace to publish under; unset: publishing is off
-``MERGE_PIPELINE_HUB_REPO_TEMPLATE``  repo id of a checkpoint (default ``{org}/{run_name}-{role}``)
-``MERGE_PIPELINE_HUB_PRIVATE``        create new repos private (default 1)
-``MERGE_PIPELINE_HUB_REVISIONS``      ``branch``: one branch per step, named as its step folder (``global_step_<N>``, ``step-<N>``);
-                                      ``commit``: one commit per step on main (default branch)
-``MERGE_PIPELINE_HUB_TIMEOUT``        seconds a Hub request may wait to connect or for an answer (default 60)
-``HF_ENDPOINT``, ``HF_TOKEN``         as for the CLI; without HF_TOKEN, the stored ``hf auth login``
+Its settings (organization, private, repo template, revisions, endpoint, timeout, token) are declared
+with the merge's in ``settings.py``: the resource's fields, the component's ``hub:`` attributes and their
+variables (``MERGE_PIPELINE_HUB_ORG``, ..., ``HF_ENDPOINT``, ``HF_TOKEN``) come from there.
 """
 
 import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import dagster as dg
-from pydantic import Field
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
@@ -31,6 +24,7 @@ from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub import UploadResult, upload_folder_verified
@@ -38,62 +32,41 @@ from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import viewed
 
-DEFAULT_TEMPLATE = "{org}/{run_name}-{role}"
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
 # the step branches), and one branch per K, updated in place as steps land (its history: the averages).
 AVERAGED_BRANCH = "averaged-last-{k}"
 
 
+TOKEN = BY_NAME["token"]
+
+
 def env_token() -> dg.EnvVar | None:
-    """$HF_TOKEN as an EnvVar (the UI shows the variable's name, not its value); none: the stored `hf auth login`."""
-    return dg.EnvVar("HF_TOKEN") if "HF_TOKEN" in os.environ else None
+    """The token's variable as an EnvVar (the UI shows its name, not its value); none: the stored `hf auth login`."""
+    return dg.EnvVar(TOKEN.variable) if TOKEN.variable in os.environ else None
 
 
-class HuggingFaceHub(dg.ConfigurableResource):
-    organization: str = Field(
-        default="", description="Hub namespace (user or organization) to publish under; empty: publishing is off"
-    )
-    endpoint: str | None = Field(default=None, description="Hub URL; default HF_ENDPOINT, else https://huggingface.co")
-    token: str | None = Field(
-        default=None,
-        description="access token, given as EnvVar('HF_TOKEN'), never as plain config; none: the stored `hf auth login`",
-    )
-    private: bool = Field(default=True, description="create new repos private")
-    repo_template: str = Field(
-        default=DEFAULT_TEMPLATE, description="repo id of a checkpoint, from {org}, {run_name}, {role} and {step}"
-    )
-    revisions: Literal["branch", "commit"] = Field(
-        default="branch",
-        description="branch: one branch per step, named as the step folder its trainer wrote (the partition key's step part); commit: one commit per step on main",
-    )
-    timeout_s: float | None = Field(
-        default=None,
-        description="seconds a Hub request may wait to connect or for an answer; default MERGE_PIPELINE_HUB_TIMEOUT, else 60",
-    )
+class HuggingFaceHub(with_fields(dg.ConfigurableResource, of_resource("hub"))):
+    """Where and how merged folders are published. A field left unset is read from its variable when
+    used (the component sets every one but the token when the location loads)."""
 
-    @classmethod
-    def from_env(cls) -> "HuggingFaceHub":
-        env = os.environ
-        return cls(
-            organization=env.get("MERGE_PIPELINE_HUB_ORG", ""),
-            token=env_token(),
-            private=env.get("MERGE_PIPELINE_HUB_PRIVATE", "1").lower() not in ("0", "false", "no"),
-            repo_template=env.get("MERGE_PIPELINE_HUB_REPO_TEMPLATE", DEFAULT_TEMPLATE),
-            revisions=env.get("MERGE_PIPELINE_HUB_REVISIONS", "branch"),
-        )
+    def value(self, name: str) -> Any:
+        """The setting ``name``: the field's, else its variable's now, else the default; checked."""
+        return BY_NAME[name].of(getattr(self, name))
 
     @property
     def enabled(self) -> bool:
-        return bool(self.organization)
+        return bool(self.value("organization"))
 
     def repo_id(self, key: CheckpointName) -> str:
         # A run name may be a path below the watched root ("team/exp1"); a repo name has no "/".
         run_name = re.sub(r"[^\w.-]+", "-", key.run).strip("-.")
-        return self.repo_template.format(org=self.organization, run_name=run_name, role=key.role, step=key.step)
+        return self.value("repo_template").format(
+            org=self.value("organization"), run_name=run_name, role=key.role, step=key.step
+        )
 
     def revision(self, key: CheckpointName) -> str | None:
         """The step's branch, named as its trainer names the step folder (global_step_7, step-10, iter_0000100)."""
-        return key.step_folder if self.revisions == "branch" else None
+        return key.step_folder if self.value("revisions") == "branch" else None
 
     def publish(
         self, folder: Path, key: CheckpointName, smoke: dict | None = None, branch: str | None = None
@@ -102,11 +75,11 @@ class HuggingFaceHub(dg.ConfigurableResource):
         return upload_folder_verified(
             folder,
             self.repo_id(key),
-            private=self.private,
+            private=self.value("private"),
             revision=branch or self.revision(key),
-            endpoint=self.endpoint,
-            token=self.token,
-            timeout_s=self.timeout_s,
+            endpoint=self.value("endpoint"),
+            token=self.value("token"),
+            timeout_s=self.value("timeout_s"),
             smoke=smoke,
         )
 
@@ -199,11 +172,12 @@ def hub_averaged_definition(names: Names) -> dg.AssetsDefinition:
         settings: MergeSettings = getattr(context.resources, names("settings"))
         hub: HuggingFaceHub = getattr(context.resources, names("hub"))
         with one_line_failure():
-            folder = averaged_dir(settings, RunKey.parse(context.partition_key))
-            inputs = _averaged_inputs(folder)
-            result = hub.publish(
-                folder, _newest_step(inputs, settings, folder), branch=AVERAGED_BRANCH.format(k=len(inputs))
-            )
+            # an average in a store, through its view as hub_model's folders (refused without its manifest)
+            with viewed(averaged_dir(settings, RunKey.parse(context.partition_key)), merged=True) as folder:
+                inputs = _averaged_inputs(folder)
+                result = hub.publish(
+                    folder, _newest_step(inputs, settings, folder), branch=AVERAGED_BRANCH.format(k=len(inputs))
+                )
         return dg.MaterializeResult(metadata=_published(result))
 
     return hub_averaged_model
@@ -223,13 +197,12 @@ def _averaged_inputs(folder: Path) -> list[dict]:
 
 
 def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointName:
-    """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step)."""
-    newest = Path(inputs[-1]["path"])
-    if not newest.is_relative_to(settings.value("output_root")):
-        raise MergeError(
-            folder, f"its newest input {newest} is not a merged step under {settings.value('output_root')}"
-        )
-    return checkpoint_key(newest.relative_to(settings.value("output_root")).as_posix())
+    """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step).
+    Compared as text: the inputs and the root are URLs in a store (a Path would fold ``s3://`` to ``s3:/``)."""
+    newest, root = str(inputs[-1]["path"]), str(settings.value("output_root")).rstrip("/")
+    if not newest.startswith(root + "/"):
+        raise MergeError(folder, f"its newest input {newest} is not a merged step under {root}")
+    return checkpoint_key(newest.removeprefix(root + "/"))
 
 
 def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import requests
 from dagster_graphql import DagsterGraphQLClient, DagsterGraphQLClientError
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, first_line
 
 PARTITION_TAG = "dagster/partition"
 
@@ -60,7 +60,7 @@ def queue_merge(url: str, partition: str, *, job: str, run_config: dict[str, Any
 def _repository_of(url: str, job: str) -> tuple[str, str]:
     answer = _query(url, _JOBS)["repositoriesOrError"]
     if "nodes" not in answer:
-        raise MergeError(None, f"{url}: the code location does not load: {_first_line(answer.get('message'))}")
+        raise MergeError(None, f"{url}: the code location does not load: {first_line(answer.get('message'))}")
     holders = [
         (r["location"]["name"], r["name"]) for r in answer["nodes"] if job in {p["name"] for p in r["pipelines"]}
     ]
@@ -89,7 +89,7 @@ def _query(url: str, query: str, **variables: Any) -> dict[str, Any]:
     except ValueError:
         raise MergeError(None, f"{url}/graphql: the answer is not JSON: is this a Dagster webserver?") from None
     if body.get("errors"):
-        raise MergeError(None, f"{url}: {_first_line(body['errors'][0].get('message'))}")
+        raise MergeError(None, f"{url}: {first_line(body['errors'][0].get('message'))}")
     return body["data"]
 
 
@@ -113,8 +113,4 @@ def _client_error(exc: DagsterGraphQLClientError) -> str:
     problem = detail[0] if detail else ""
     if isinstance(problem, list):
         problem = problem[0].get("message", "") if problem else ""
-    return f"{kind}: {_first_line(problem)}" if problem else str(kind)
-
-
-def _first_line(text: object) -> str:
-    return (str(text).strip().splitlines() or [""])[0]
+    return f"{kind}: {first_line(problem)}" if problem else str(kind)

@@ -1,10 +1,10 @@
 """Every setting of the ``MergeCheckpoints`` component, declared once: its name (the ``defs.yaml``
 attribute and the resource field), its environment variable, its default, its help and its check.
 
-From this one list come the component's attributes (``component.py``), the fields of the ``settings``
-and ``alert_webhook`` resources (``resources.py``, ``alerts.py``), the ``defs.yaml`` the scaffolder
-writes, and the table in docs/DAGSTER.md ("Configuration": ``python -m merge_pipeline.dagster.settings``
-prints it; a test holds the two equal).
+From this one list come the component's attributes (``component.py``; the Hub's under its ``hub:``),
+the fields of the ``settings``, ``alert_webhook`` and ``hub`` resources (``resources.py``, ``alerts.py``,
+``hub.py``), the ``defs.yaml`` the scaffolder writes, and the table in docs/DAGSTER.md ("Configuration":
+``python -m merge_pipeline.dagster.settings`` prints it; a test holds the two equal).
 
 An attribute left out is read from its variable, when a run or a sensor tick uses it, or for the
 settings that shape the definitions (``at_load``) when the code location loads; with neither, the
@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, create_model
 from merge_pipeline.dagster.pins import PINS
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
+from merge_pipeline.hub import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 from merge_pipeline.options import parse_size
 from merge_pipeline.storage import is_store_url
 from merge_pipeline.store_listing import StoreURL
@@ -46,24 +47,45 @@ class Kind:
     checked_at_load: bool = False  # a value that can be wrong (a number, a size): checked when the location loads
 
 
-def number(unit: str, minimum: float = 0, whole: bool = False) -> Kind:
-    """A finite number of ``unit`` at or above ``minimum`` (``whole``: Dagster takes the sensor interval as an int)."""
+def number(unit: str, minimum: float = 0, whole: bool = False, above: bool = False) -> Kind:
+    """A finite number of ``unit`` at or above ``minimum`` (``above``: and not ``minimum`` itself, as a
+    timeout of 0 s; ``whole``: Dagster takes the sensor interval as an int)."""
 
     def parse(value: Any, named: str) -> float:
         try:
             parsed = math.nan if isinstance(value, bool) else float(value)  # YAML's true is no number of seconds
         except (TypeError, ValueError, OverflowError):
             parsed = math.nan
-        if not minimum <= parsed < math.inf or (whole and not parsed.is_integer()):
+        if not minimum <= parsed < math.inf or (above and parsed == minimum) or (whole and not parsed.is_integer()):
             kind = "a whole number" if whole else "a finite number"
-            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected {kind} of {unit} >= {minimum:g}")
+            bound = f"> {minimum:g}" if above else f">= {minimum:g}"
+            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected {kind} of {unit} {bound}")
         return int(parsed) if whole else parsed
 
     return Kind(int if whole else float, parse, checked_at_load=True)
 
 
+def choice(*options: str) -> Kind:
+    """One of ``options``, as written."""
+
+    def parse(value: Any, named: str) -> str:
+        if value not in options:
+            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected one of {', '.join(options)}")
+        return value
+
+    return Kind(str, parse, checked_at_load=True)  # Dagster config has no optional Literal
+
+
+_SWITCHED = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _switch(value: Any, named: str) -> bool:
-    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+    """A YAML boolean or a variable's word; any other word is refused (a private repo is no guess)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() not in _SWITCHED:
+        raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected true or false (1 or 0)")
+    return _SWITCHED[str(value).strip().lower()]
 
 
 def _folders_or_urls(value: Any, named: str) -> list[Path | StoreURL]:
@@ -92,7 +114,7 @@ def _optional_path(value: Any, named: str) -> Path | None:
 
 
 SECONDS = number("seconds")
-SWITCH = Kind(bool, _switch)
+SWITCH = Kind(bool, _switch, checked_at_load=True)
 TEXT = Kind(str, lambda value, named: value)
 OPTIONAL_TEXT = Kind(str, lambda value, named: value or None)
 FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
@@ -111,10 +133,21 @@ class Setting:
     resource: str | None = "settings"  # the resource holding it; None: it shapes the definitions, read at load
     example: str | None = None  # what the scaffolded defs.yaml sets ({prefix}: the instance's); None: left out
     unset: str | None = None  # what no value at all means, where the default does not say it
+    # The defs.yaml mapping its attribute sits in (hub:); None: the top level. A section is resolved when the
+    # location loads: the Hub's organization decides whether its schedules run and its averaged asset exists.
+    under: str | None = None
+    # Read from its variable only, never a defs.yaml attribute: the resource takes it as an EnvVar, so
+    # neither the file nor the UI's resource config ever holds the value (a token).
+    secret: bool = False
 
     @property
     def at_load(self) -> bool:
-        return self.resource is None
+        return (self.resource is None or self.under is not None) and not self.secret
+
+    @property
+    def attribute(self) -> str:
+        """Its name in ``defs.yaml``, with its section's (``hub.private``)."""
+        return f"{self.under}.{self.name}" if self.under else self.name
 
     def of(self, value: Any) -> Any:
         """What the code uses: the attribute's ``value``, else the variable's, else the default; checked."""
@@ -128,13 +161,17 @@ class Setting:
     def check(self, value: Any) -> Any:
         """A ``defs.yaml`` attribute's value, as given, once it passed the check (one line naming it)."""
         if value is not None and self.kind.checked_at_load:
-            self.kind.parse(value, f"defs.yaml {self.name}")
+            self.kind.parse(value, f"defs.yaml {self.attribute}")
         return value
 
     @property
     def shown_default(self) -> str:
         return self.unset or (
-            "none" if self.default is None else repr(self.default) if " " in self.default else self.default
+            "none"
+            if self.default is None
+            else repr(self.default)
+            if " " in self.default or not self.default
+            else self.default
         )
 
     @property
@@ -247,12 +284,88 @@ SETTINGS = (
         "hf_model's freshness policy: stale when no step was published for this long",
         resource=None,
     ),
+    # Publishing to a Hugging Face Hub (dagster/hub.py): the `hub` resource, the component's `hub:` section.
+    Setting(
+        "organization",
+        "MERGE_PIPELINE_HUB_ORG",
+        TEXT,
+        "",
+        "Hub namespace (user or organization) to publish under; empty: publishing is off (its schedules stay "
+        "stopped, hub_model records nothing)",
+        resource="hub",
+        under="hub",
+        example='""',
+    ),
+    Setting(
+        "private",
+        "MERGE_PIPELINE_HUB_PRIVATE",
+        SWITCH,
+        "1",
+        "create new repos private (an existing repo keeps its visibility; the variable: 1/true or 0/false)",
+        resource="hub",
+        under="hub",
+    ),
+    Setting(
+        "repo_template",
+        "MERGE_PIPELINE_HUB_REPO_TEMPLATE",
+        TEXT,
+        "{org}/{run_name}-{role}",
+        "repo id of a checkpoint, from {org}, {run_name}, {role} and {step}",
+        resource="hub",
+        under="hub",
+    ),
+    Setting(
+        "revisions",
+        "MERGE_PIPELINE_HUB_REVISIONS",
+        choice("branch", "commit"),
+        "branch",
+        "branch: one branch per step, named as the step folder its trainer wrote (the partition key's step "
+        "part); commit: one commit per step on main",
+        resource="hub",
+        under="hub",
+    ),
+    Setting(
+        "endpoint",
+        "HF_ENDPOINT",
+        OPTIONAL_TEXT,
+        None,
+        "the Hub's URL",
+        resource="hub",
+        under="hub",
+        unset=DEFAULT_ENDPOINT,
+    ),
+    Setting(
+        "timeout_s",
+        TIMEOUT_ENV,
+        number("seconds", above=True),
+        f"{DEFAULT_TIMEOUT_S:g}",
+        "seconds a Hub request may wait to connect or for an answer",
+        resource="hub",
+        under="hub",
+    ),
+    Setting(
+        "token",
+        "HF_TOKEN",
+        OPTIONAL_TEXT,
+        None,
+        "access token, from its variable only (never in defs.yaml or plain config: the resource takes "
+        "EnvVar('HF_TOKEN'), whose name the UI shows)",
+        resource="hub",
+        under="hub",
+        unset="the stored `hf auth login`",
+        secret=True,
+    ),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
 
 def of_resource(resource: str) -> tuple[Setting, ...]:
     return tuple(s for s in SETTINGS if s.resource == resource)
+
+
+def attributes(under: str | None = None) -> tuple[Setting, ...]:
+    """The settings that are attributes of the component (``under``: of that section of it)."""
+    return tuple(s for s in SETTINGS if s.under == under and not s.secret)
 
 
 def with_fields(base: type[BaseModel], settings: tuple[Setting, ...], field=Setting.field) -> type[BaseModel]:
@@ -268,17 +381,22 @@ def docs_table() -> str:
         read = "at load" if s.at_load else "per run / tick"
         meaning = s.help.replace("<", "\\<")  # <output_root> is no HTML tag
         default = s.shown_default.replace("<", "\\<")
-        rows.append(f"| `{s.variable}` | `{s.name}` | {default} | {read} | {meaning} |")
+        attribute = "none: the variable only" if s.secret else f"`{s.attribute}`"
+        rows.append(f"| `{s.variable}` | {attribute} | {default} | {read} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 
-def scaffold_lines(prefix: str) -> list[str]:
-    """The scaffolded ``defs.yaml``'s lines of every setting: its description as a comment, then the
-    attribute set to its example, or left out (commented, reading the variable) where it has none."""
+def scaffold_lines(prefix: str, under: str | None = None) -> list[str]:
+    """The scaffolded ``defs.yaml``'s lines of every setting at the top level (``under``: in that section):
+    its description as a comment, then the attribute set to its example, or left out (commented, reading
+    the variable) where it has none; a secret only as a comment (its variable is the one way in)."""
     lines = []
     for s in SETTINGS:
+        if s.under != under:
+            continue
         lines += textwrap.wrap(s.description, 96, initial_indent="# ", subsequent_indent="# ")
-        lines.append(f"{s.name}: {s.example.format(prefix=prefix)}" if s.example else f"# {s.name}:")
+        if not s.secret:
+            lines.append(f"{s.name}: {s.example.format(prefix=prefix)}" if s.example else f"# {s.name}:")
     return lines
 
 

@@ -30,7 +30,7 @@ from merge_pipeline.engine.outputs import (
     auto_config_dtype,
 )
 from merge_pipeline.engine.safetensors_writer import OutputTensor
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, shown_path
 from merge_pipeline.hf.fp8 import SCALE_SUFFIX
 from merge_pipeline.hf.safetensors import exact_common_dtype
 from merge_pipeline.plan import READ_PIECE_BYTES, CheckpointPlan, PlannedTensor, dtype_name, regrouped
@@ -136,7 +136,9 @@ def average_plan(
         check_against_architecture=False,  # each input was checked as its own merge would be
         layout={
             "averaged_inputs": [
-                {"path": str(one.plan.role_dir), "backend": one.plan.backend, "weight": one.weight} for one in inputs
+                # a store input by its URL, not its local view's path (gone once the merge ends)
+                {"path": shown_path(one.plan.role_dir), "backend": one.plan.backend, "weight": one.weight}
+                for one in inputs
             ],
             "accumulate": dtype_name(accumulate),
         },

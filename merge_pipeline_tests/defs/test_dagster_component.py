@@ -81,23 +81,30 @@ def test_the_scaffolder_writes_the_instance_settings_a_new_project_lacks(project
 
 def test_the_scaffolded_yaml_the_docs_table_and_the_resources_come_from_one_schema(project):
     from merge_pipeline.dagster.alerts import AlertWebhook
-    from merge_pipeline.dagster.component import MergeCheckpoints
+    from merge_pipeline.dagster.component import HubPublishing, MergeCheckpoints
+    from merge_pipeline.dagster.hub import HuggingFaceHub
     from merge_pipeline.dagster.resources import MergeSettings
-    from merge_pipeline.dagster.settings import SETTINGS, docs_table, of_resource
+    from merge_pipeline.dagster.settings import SETTINGS, attributes, docs_table, of_resource
 
     text = (project / "src/clusters/defs/cluster_a/defs.yaml").read_text()
-    attributes = yaml.safe_load(text)["attributes"]
+    written = yaml.safe_load(text)["attributes"]
     for setting in SETTINGS:  # each setting named in the YAML with its description, set or left out
         assert f"# {setting.description[:40]}" in text, setting.name
-        assert setting.name in attributes or f"  # {setting.name}:" in text, setting.name
-    assert {"checkpoint_roots", "output_root", "settle_seconds"} <= set(attributes)
+        section = written[setting.under] if setting.under else written
+        if setting.secret:  # a token: its variable only, never an attribute
+            assert setting.name not in section and f"# {setting.name}:" not in text, setting.name
+        else:
+            assert setting.name in section or f"  # {setting.name}:" in text, setting.name
+    assert {"checkpoint_roots", "output_root", "settle_seconds"} <= set(written)
     # the resources' fields and the component's attributes, one per setting, described alike
-    resources = {"settings": MergeSettings, "alert_webhook": AlertWebhook}
+    resources = {"settings": MergeSettings, "alert_webhook": AlertWebhook, "hub": HuggingFaceHub}
     for resource, model in resources.items():
         fields = model.model_fields
         assert list(fields) == [s.name for s in of_resource(resource)], resource
         assert [f.description for f in fields.values()] == [s.description for s in of_resource(resource)]
-    assert {s.name for s in SETTINGS} <= set(MergeCheckpoints.model_fields)
+    assert {s.name for s in attributes()} <= set(MergeCheckpoints.model_fields)
+    assert {s.name for s in attributes("hub")} | {"schedule"} == set(HubPublishing.model_fields)
+    assert attributes() + attributes("hub") == tuple(s for s in SETTINGS if not s.secret)
     assert {s.name for s in SETTINGS} == {f for m in resources.values() for f in m.model_fields} | {
         s.name for s in SETTINGS if s.at_load
     }
