@@ -494,8 +494,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         (
             "Ernie4_5_VLMoeForConditionalGeneration",
             "Gemma4ForConditionalGeneration",
-            "Qwen2_5OmniForConditionalGeneration",
-            "Qwen3OmniMoeForConditionalGeneration",
         ),
         _MULTIMODAL,
     ),
@@ -551,6 +549,8 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Exaone4_5_ForConditionalGeneration": "TP=2",
         "Qwen2_5_VLForConditionalGeneration": "TP=2",  # also a family record (megatron-core's own vision model)
         "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
+        "Qwen2_5OmniForConditionalGeneration": "TP=2",  # the thinker (no talker: enable_audio_output false)
+        "Qwen3OmniMoeForConditionalGeneration": _EP,  # likewise
     }
 )
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj

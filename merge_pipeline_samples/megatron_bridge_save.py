@@ -146,8 +146,13 @@ _ARCHITECTURE_SIZES = {
             rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 2]
         ),
     ),
-    "Qwen2_5_VLForConditionalGeneration": dict(
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])
+    **dict.fromkeys(
+        (
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen2_5OmniForConditionalGeneration",
+            "Qwen3OmniMoeForConditionalGeneration",
+        ),
+        dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])),
     ),
     # Mistral 3's bridge builds Ministral 3's attention, whose Llama 4 query scaling reads these rotary values
     # (they scale the forward only).
@@ -161,6 +166,8 @@ _ARCHITECTURE_SIZES = {
         )
     ),
 }
+# Qwen2.5-Omni's speaker table (spk_dict.pt), none here: the tiny model speaks no audio (enable_audio_output false).
+_SPEAKERS = {"Qwen2_5OmniForConditionalGeneration": "spk_dict.pt"}
 # MiniMax-M2's bridge loads its q/k norms at TP > 1 through a CUDA device (``torch.device("cuda", ...)`` in
 # minimax_m2_bridge.py); at TP=1 it stays on the tensor's device: saved with its experts split over both ranks.
 _TENSOR_PARALLEL = {"MiniMaxM2ForCausalLM": 1}
@@ -179,6 +186,13 @@ _TOWER_SIZES = dict(
     out_hidden_size=_SIZES["hidden_size"],
     head_dim=16,
     deepstack_visual_indexes=[1],
+    # an audio tower's (Whisper's names: Qwen-Omni's, Qwen2-Audio's)
+    d_model=32,
+    encoder_layers=2,
+    encoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    output_dim=_SIZES["hidden_size"],
+    downsample_hidden_size=16,
 )
 # A tower's settings an architecture's bridge assumes: Gemma 3's SigLIP tower has no pooling head (its released
 # configs say so; its bridge builds none), where SiglipVisionConfig's default builds one.
@@ -205,8 +219,17 @@ def _hf_config(architecture: str):
     import transformers
 
     config_class = getattr(transformers, architecture).config_class
-    if "text_config" not in getattr(config_class, "sub_configs", {}):
+    sub_configs = getattr(config_class, "sub_configs", {})
+    if "thinker_config" in sub_configs:  # Omni: the bridge builds the thinker only; no speech output (talker)
+        thinker = _multimodal_config(sub_configs["thinker_config"], architecture)
+        return config_class(thinker_config=thinker, enable_audio_output=False, architectures=[architecture])
+    if "text_config" not in sub_configs:
         return _small(config_class, architecture, architectures=[architecture])
+    return _multimodal_config(config_class, architecture, architectures=[architecture])
+
+
+def _multimodal_config(config_class, architecture: str, **extra):
+    """A config of a small text model and small towers."""
     # The sub-configs' classes as the default config builds them (some are declared as AutoConfig).
     defaults = config_class()
     sub_configs = {name: type(getattr(defaults, name)) for name in config_class.sub_configs}
@@ -222,7 +245,7 @@ def _hf_config(architecture: str):
         text_config=text,
         **towers,
         tie_word_embeddings=getattr(text, "tie_word_embeddings", _SIZES["tie_word_embeddings"]),
-        architectures=[architecture],
+        **extra,
     )
 
 
@@ -260,6 +283,8 @@ def _save(rank: int, out: Path, architecture: str, world_size: int, *, local_spe
     auto_bridge = _import_bridge()
     if rank == 0:
         _hf_model(architecture).save_pretrained(out / "hf")
+        if architecture in _SPEAKERS:  # as its releases ship them: its from_pretrained refuses a folder without
+            torch.save({}, out / "hf" / _SPEAKERS[architecture])
     dist.barrier()
     bridge = auto_bridge.from_hf_pretrained(str(out / "hf"), torch_dtype=torch.float32)
     provider = bridge.to_megatron_provider(load_weights=True)

@@ -35,6 +35,7 @@ from merge_pipeline.formats.conversions import (
 )
 from merge_pipeline.formats.megatron import bridge_table
 from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
+from merge_pipeline.hf.config import model_section, text_section
 
 
 @dataclass(frozen=True)
@@ -96,14 +97,14 @@ def _bridge_family(architecture: str) -> families.Family:
 
 def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
     architecture, family = megatron_family(config, config_path)
-    text = config.get("text_config") or config
+    text = text_section(config)
     try:
         heads = int(text["num_attention_heads"])
         kv_heads = int(text.get("num_key_value_heads") or heads)
         head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError) as exc:
         raise MergeError(config_path, f"missing or invalid attention size {exc}") from None
-    vision = config.get("vision_config") or {}
+    vision = model_section(config).get("vision_config") or {}
     vision_heads = vision.get("num_heads")
     num_layers = text.get("num_hidden_layers")
     mtp_layers = text.get("num_nextn_predict_layers") or 0

@@ -45,7 +45,7 @@ from merge_pipeline.formats.megatron.names import KeyMapper, megatron_family, mo
 from merge_pipeline.formats.megatron.vocab import drop_vocab_padding
 from merge_pipeline.formats.safetensors_folder.reader import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_vouches
-from merge_pipeline.hf.config import CheckpointConfig
+from merge_pipeline.hf.config import CheckpointConfig, model_section
 from merge_pipeline.hf.lora import ADAPTER_CONFIG
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, dtype_name
@@ -259,7 +259,10 @@ def _plan_dist_checkpoint(
     dist_dir = layout.dist_dir
     metadata_path = dist_dir / METADATA
     shapes = {k: tuple(v.size) for k, v in stored.items()}
-    lm = "language_model." if "text_config" in config else ""
+    # The language model's keys: under language_model. in a multimodal model, under thinker. in an Omni one's.
+    lm = ("thinker." if "thinker_config" in config else "") + (
+        "language_model." if "text_config" in model_section(config) else ""
+    )
     value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
     if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
         raise MergeError(
