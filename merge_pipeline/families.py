@@ -491,10 +491,7 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "class under this spelling to build or load"
     ),
     **dict.fromkeys(
-        (
-            "Ernie4_5_VLMoeForConditionalGeneration",
-            "Gemma4ForConditionalGeneration",
-        ),
+        ("Ernie4_5_VLMoeForConditionalGeneration",),
         _MULTIMODAL,
     ),
 }
@@ -538,6 +535,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Gemma3ForCausalLM": "TP=2",
         "Gemma3ForConditionalGeneration": "TP=2",
         "Gemma4ForCausalLM": "TP=2",  # dense (transformers' default config), the bridge's dense registry
+        "Gemma4ForConditionalGeneration": "TP=2",  # likewise, with vision and audio towers
         "Exaone4ForCausalLM": "TP=2",
         "GlmMoeDsaForCausalLM": _EP,
         "Qwen3VLForConditionalGeneration": "TP=2",

@@ -117,8 +117,14 @@ _ARCHITECTURE_SIZES = {
     ),
     # Gemma 4 (dense, as transformers' default config): its per-layer embedding at the small vocabulary, and its
     # full-attention layers' heads small too; tied like every Gemma release (its bridge maps no output layer).
-    "Gemma4ForCausalLM": dict(
-        tie_word_embeddings=True, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, global_head_dim=32
+    **dict.fromkeys(
+        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        dict(
+            tie_word_embeddings=True,
+            vocab_size_per_layer_input=256,
+            hidden_size_per_layer_input=16,
+            global_head_dim=32,
+        ),
     ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
@@ -230,9 +236,13 @@ def _hf_config(architecture: str):
 
 def _multimodal_config(config_class, architecture: str, **extra):
     """A config of a small text model and small towers."""
-    # The sub-configs' classes as the default config builds them (some are declared as AutoConfig).
+    # The sub-configs' classes as the default config builds them (some are declared as AutoConfig); one the default
+    # leaves out (Gemma 4's towers) as declared.
     defaults = config_class()
-    sub_configs = {name: type(getattr(defaults, name)) for name in config_class.sub_configs}
+    sub_configs = {
+        name: declared if getattr(defaults, name) is None else type(getattr(defaults, name))
+        for name, declared in config_class.sub_configs.items()
+    }
     text = _small(sub_configs.pop("text_config"), architecture, known_only=True)
     towers = {
         name: tower(
