@@ -551,6 +551,11 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Qwen3OmniMoeForConditionalGeneration": _EP,  # likewise
     }
 )
+# Other forms of a proven architecture, each with a fixture of its own (megatron_bridge_archs.py's
+# <architecture>+<variant>) and the layout it was saved in: the bridge keeps a registry per form.
+BRIDGE_VARIANTS: Mapping[str, str] = MappingProxyType(
+    {"Gemma4ForCausalLM+moe": _EP}  # enable_moe_block, K = V full attention: the bridge's MoE registry
+)
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj
 # [experts, 2 x moe_intermediate, hidden] and experts.down_proj [experts, hidden, moe_intermediate]: the bridge's
 # table names one tensor per expert, its export stacks them (Megatron's fc1 / fc2 of each expert as stored).

@@ -126,6 +126,19 @@ _ARCHITECTURE_SIZES = {
             global_head_dim=32,
         ),
     ),
+    # A MoE Gemma 4 (the bridge's default registry; as Gemma 4 26B-A4B: K = V on its full-attention layers, no
+    # per-layer embeddings): a fixture of its own, ``Gemma4ForCausalLM+moe``.
+    "Gemma4ForCausalLM+moe": dict(
+        tie_word_embeddings=True,
+        hidden_size_per_layer_input=0,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        attention_k_eq_v=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
     # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it
@@ -220,17 +233,20 @@ def _small(config_class, architecture: str, known_only: bool = False, **extra):
     return config_class(**{**sizes, **_ARCHITECTURE_SIZES.get(architecture, {})}, **extra)
 
 
-def _hf_config(architecture: str):
-    """The architecture's config class at small sizes; a multimodal one with a small text model and towers."""
+def _hf_config(fixture: str):
+    """The architecture's config class at small sizes; a multimodal one with a small text model and towers.
+    ``fixture``: the architecture, or ``<architecture>+<variant>`` for another form of it (its own sizes, only the
+    names its config class knows: the Gemma 4 bridge passes every one on to its provider)."""
     import transformers
 
+    architecture = fixture.partition("+")[0]
     config_class = getattr(transformers, architecture).config_class
     sub_configs = getattr(config_class, "sub_configs", {})
     if "thinker_config" in sub_configs:  # Omni: the bridge builds the thinker only; no speech output (talker)
         thinker = _multimodal_config(sub_configs["thinker_config"], architecture)
         return config_class(thinker_config=thinker, enable_audio_output=False, architectures=[architecture])
     if "text_config" not in sub_configs:
-        return _small(config_class, architecture, architectures=[architecture])
+        return _small(config_class, fixture, known_only=fixture != architecture, architectures=[architecture])
     return _multimodal_config(config_class, architecture, architectures=[architecture])
 
 
@@ -259,12 +275,12 @@ def _multimodal_config(config_class, architecture: str, **extra):
     )
 
 
-def _hf_model(architecture: str):
-    """A tiny transformers model of ``architecture``: its config class with the small sizes above."""
+def _hf_model(fixture: str):
+    """A tiny transformers model of ``fixture`` (see ``_hf_config``): its config class with the small sizes above."""
     import transformers
 
     torch.manual_seed(0)
-    model = getattr(transformers, architecture)(_hf_config(architecture)).float()
+    model = getattr(transformers, fixture.partition("+")[0])(_hf_config(fixture)).float()
     with torch.no_grad():  # norms away from their all-ones init, so a swapped norm cannot pass
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -283,16 +299,18 @@ def _save_families(rank: int, world_size: int, out: str, families: list[str]) ->
             _release(model)
 
 
-def _save(rank: int, out: Path, architecture: str, world_size: int, *, local_spec: bool):
-    """Build ``architecture`` through the bridge on ``world_size`` gloo ranks and save it as verl does (see the
-    module's docstring); the bridge's spec unless ``local_spec`` (megatron-core's local layers, with the bridge's
-    ``save_hf_weights`` beside the shards). Returns the bridge and the model, parallel state still up."""
+def _save(rank: int, out: Path, fixture: str, world_size: int, *, local_spec: bool):
+    """Build ``fixture`` (an architecture, or ``<architecture>+<variant>``: ``_hf_config``) through the bridge on
+    ``world_size`` gloo ranks and save it as verl does (see the module's docstring); the bridge's spec unless
+    ``local_spec`` (megatron-core's local layers, with the bridge's ``save_hf_weights`` beside the shards). Returns
+    the bridge and the model, parallel state still up."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     auto_bridge = _import_bridge()
+    architecture = fixture.partition("+")[0]
     if rank == 0:
-        _hf_model(architecture).save_pretrained(out / "hf")
+        _hf_model(fixture).save_pretrained(out / "hf")
         if architecture in _SPEAKERS:  # as its releases ship them: its from_pretrained refuses a folder without
             torch.save({}, out / "hf" / _SPEAKERS[architecture])
     dist.barrier()

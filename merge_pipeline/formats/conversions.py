@@ -8,7 +8,8 @@ which rows of which stored tensors make up each HF tensor (``output_specs``); no
 
 - ``Rename``: the stored tensor as it is.
 - ``Chunk``: a gated MLP's fc1, its rows halved into gate and up.
-- ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors.
+- ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors (or two,
+  where the HF model has no V of its own).
 - ``RegroupQKV``: fused q/k/v rows grouped per head, as one tensor ``[all q; all k; all v]``.
 - ``Concatenate``: several stored tensors' rows, in order, as one tensor.
 - ``PerExpert``: experts stacked on the leading dimension, one HF tensor each.
@@ -102,11 +103,13 @@ def _row_groups(stored: Stored, groups: int, blocks: tuple[int, ...]) -> list[tu
 
 @dataclass(frozen=True)
 class SplitQKV:
-    """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g."""
+    """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g; ``absent``: the roles
+    (``"v"``) the HF model does not hold (Gemma 4's K = V layers: their V exists only in Megatron)."""
 
     q: str
     k: str
     v: str
+    absent: tuple[str, ...] = ()
 
     def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
         heads, kv_heads, head_dim = sizes.attention_heads, sizes.kv_heads, sizes.head_dim
@@ -124,7 +127,8 @@ class SplitQKV:
                 f"{kv_heads} KV heads and head_dim {head_dim} need {kv_heads * group_rows}",
             )
         q, k, v = _row_groups(stored, kv_heads, (q_rows, head_dim, head_dim))
-        return [OutputSpec(self.q, q), OutputSpec(self.k, k), OutputSpec(self.v, v)]
+        roles = {"q": OutputSpec(self.q, q), "k": OutputSpec(self.k, k), "v": OutputSpec(self.v, v)}
+        return [spec for role, spec in roles.items() if role not in self.absent]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ the reader). Each mapping's kind is translated into an operation of the reader's
 ``qkv`` (fused rows [q heads | k | v] per KV group, split in three), ``gate_up`` (a gated fc1, gate rows
 then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
-(every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``transpose`` (a copy whose 2-D
+(every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``stacked_experts`` (every expert of a
+layer in one HF tensor, each matrix as stored: Gemma 4's fused experts), ``qkv_k_eq_v`` (``qkv`` less V where the
+model's keys are its values: Gemma 4's), ``transpose`` (a copy whose 2-D
 tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
 None: an architecture that needs one is not merged. A bridge that keeps a dense model's registry beside its default
 (Gemma 4's, chosen by ``enable_moe_block``) has it recorded as ``dense_mappings``: ``mappings(..., dense=True)``.
@@ -36,16 +38,20 @@ _OPERATIONS = {
     "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
     "ConcatenatedQKVMapping": "vision_qkv",  # a vision tower's per-head [q k v] rows as HF's [q; k; v]
     "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
+    # Gemma 4's fused QKV, whose V its export drops where the model's keys are its values (attention_k_eq_v on a
+    # full-attention layer: V exists only in Megatron, a copy of K at import)
+    "_Gemma4QKVMapping": "qkv_k_eq_v",
+    # Experts of a layer as one HF tensor [experts, ...], each expert's matrix as stored (fc1: gate rows, up rows);
+    # transposed on export (transpose_on_export), they have no operation here.
+    "FusedExpertMapping": "stacked_experts",
+    "FusedGatedExpertMapping": "stacked_experts",
 }
 # Family kinds that change values, not only names: not the operation their base class names.
 _NOT_COPIES = {
     "RMSNorm2ZeroCenteredRMSNormMapping",  # adds 1 to the stored norm weight
-    "FusedExpertMapping",  # experts fused into one HF tensor, optionally transposed
-    "FusedGatedExpertMapping",
     "StackedExpertAutoMapping",
     "StackedExpertGatedMLPMapping",
     "MiMoV2FlashQKVMapping",
-    "_Gemma4QKVMapping",
     "_ConcatBiasMapping",
     "_OffsetGatedMLPMapping",
     "_OffsetRowParallelMapping",
@@ -60,10 +66,11 @@ class BridgeMapping:
     megatron: str  # '*': a number (layer, expert); '**': any path
     hf: dict[str, str]  # role ("" for one tensor; q/k/v; gate/up) -> HF name pattern
     permute_dims: tuple[int, ...] | None = None  # the bridge permutes the tensor's dimensions on import and back
+    transpose_on_export: bool = False  # fused experts: each expert's matrix written transposed
 
     @property
     def operation(self) -> str | None:
-        if self.kinds[0] in _NOT_COPIES:
+        if self.kinds[0] in _NOT_COPIES or self.transpose_on_export:
             return None
         operation = next((_OPERATIONS[k] for k in self.kinds if k in _OPERATIONS), None)
         if self.permute_dims is None:
@@ -114,6 +121,7 @@ def mappings(architecture: str, dense: bool = False) -> tuple[BridgeMapping, ...
             m["megatron"],
             m["hf"] if isinstance(m["hf"], dict) else {"": m["hf"]},
             tuple(dims) if (dims := m.get("params", {}).get("permute_dims")) else None,
+            bool(m.get("params", {}).get("transpose_on_export")),
         )
         for m in entry.get("dense_mappings" if dense and "dense_mappings" in entry else "mappings", ())
     )

@@ -56,6 +56,7 @@ class ModelShape:
     dense: bool = False
     layer_types: tuple[str, ...] = ()
     global_attention: tuple[int, int] | None = None
+    keys_are_values: bool = False  # Gemma 4's attention_k_eq_v: its full-attention layers have no V of their own
 
 
 # What a user whose architecture is refused can do instead.
@@ -124,6 +125,7 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         global_attention=(
             (int(text.get("num_global_key_value_heads") or kv_heads), int(global_head_dim)) if global_head_dim else None
         ),
+        keys_are_values=text.get("attention_k_eq_v") is True,
     )
 
 
@@ -280,6 +282,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
 _BRIDGE_OPERATIONS = {
     "copy": lambda hf: Rename(hf[""]),
     "qkv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),
+    "qkv_k_eq_v": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),  # less V on a K = V layer: _bridge_outputs
     "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
@@ -499,10 +502,26 @@ class KeyMapper:
             gathered = stacked["experts"] + ("gate_up_proj" if mapping.operation == "gate_up" else "down_proj")
             self.stacked.setdefault(gathered, []).append((int(stacked["expert"]), p.stored.piece()))
             return []
+        if mapping.operation == "stacked_experts":  # gathered per layer, written by outputs()
+            if p.expert is None or p.half:
+                return None
+            self.stacked.setdefault(hf[""], []).append((p.expert, p.stored.piece()))
+            return []
         if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
             return None  # the regrouping is a vision tower's layout
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
-        return None if operation is None else self._apply(operation(hf), p, sizes)
+        if operation is None:
+            return None
+        operation = operation(hf)
+        if mapping.operation == "qkv_k_eq_v" and self._keys_are_values(p.layer):
+            operation = replace(operation, absent=("v",))  # as the bridge's export drops it
+        return self._apply(operation, p, sizes)
+
+    def _keys_are_values(self, layer: int) -> bool:
+        """Gemma 4's K = V: a full-attention layer of a model with attention_k_eq_v (the bridge's
+        ``_is_synthesized_kv_projection``)."""
+        types = self.model.layer_types
+        return self.model.keys_are_values and layer < len(types) and types[layer] == "full_attention"
 
     # ---- one layer's parameter ----
 

@@ -59,3 +59,5 @@ def test_layouts_md_has_a_row_per_registered_architecture():
 def test_accounts_name_only_registered_or_known_architectures():
     for architecture in (*families.MEGATRON_PROVEN, *families.BRIDGE_NOT_BUILT):
         assert architecture in REGISTERED, architecture
+    for variant in families.BRIDGE_VARIANTS:  # another form of a proven architecture
+        assert variant.partition("+")[0] in families.MEGATRON_PROVEN, variant

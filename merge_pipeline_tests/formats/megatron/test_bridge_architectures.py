@@ -1,4 +1,4 @@
-"""Each architecture in ``families.MEGATRON_PROVEN`` built through Megatron-Bridge 0.6.2 itself and saved as verl
+"""Each architecture in ``families.MEGATRON_PROVEN`` (and each other form in ``families.BRIDGE_VARIANTS``) built through Megatron-Bridge 0.6.2 itself and saved as verl
 saves it: a tiny transformers model of the architecture, loaded by the bridge's own model provider on two
 gloo ranks (tensor parallel 2; expert parallel 2 where the family has experts), megatron-core's
 ``dist_checkpointing.save`` of its sharded state dict. The CLI merge (``--backend auto``) of those shards
@@ -28,7 +28,8 @@ from merge_pipeline_tests.helpers import assert_bit_exact, cached_release_fixtur
 
 pytestmark = pytest.mark.slow
 
-PROVEN = sorted(families.MEGATRON_PROVEN)
+LAYOUTS = {**families.MEGATRON_PROVEN, **families.BRIDGE_VARIANTS}  # fixture -> its layout
+PROVEN = sorted(LAYOUTS)
 WRITER = (
     "merge_pipeline_samples/megatron_bridge_archs.py",
     "merge_pipeline_samples/megatron_bridge_save.py",
@@ -55,7 +56,7 @@ def bridge_saves() -> Path:
 def test_merge_equals_the_bridges_export_and_gives_its_logits(capsys, tmp_path, bridge_saves, architecture):
     saved = bridge_saves / architecture
     assert not (saved / "failed.txt").exists(), (saved / "failed.txt").read_text()
-    assert (saved / "layout.txt").read_text().strip() == families.MEGATRON_PROVEN[architecture]
+    assert (saved / "layout.txt").read_text().strip() == LAYOUTS[architecture]
     role = tmp_path / "actor"
     shutil.copytree(saved / "actor" / "model" / "dist_ckpt", role / "model" / "dist_ckpt")
     code, _, err = run_cli(
@@ -75,7 +76,7 @@ def test_merge_equals_the_bridges_export_and_gives_its_logits(capsys, tmp_path, 
     source = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["source"]
     assert source["backend"] == "megatron" and len(source["inputs"]) == 2  # one .distcp per rank
     assert_bit_exact(tmp_path / "out", saved / "expected")
-    model_class = getattr(transformers, architecture)
+    model_class = getattr(transformers, architecture.partition("+")[0])  # a variant: <architecture>+<variant>
     _, info = load_with_info(model_class, tmp_path / "out")  # the merge's own check, as it loads the weights
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     merged = model_class.from_pretrained(tmp_path / "out")
