@@ -480,11 +480,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
         _GATED_DELTANET,
     ),
-    "Qwen2AudioForConditionalGeneration": (
-        "the bridge's registry names the language model language_model.model.layers.*, transformers 5.12.1 saves "
-        "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
-        "so there is no reference to prove a merge against"
-    ),
     "NemotronHForCausalLM": _MAMBA,
     "ExaoneMoEForCausalLM": (
         "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
@@ -549,6 +544,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Glm4MoeForCausalLM": _EP,  # also a family record: its names equal the bridge's (test_bridge_families.py)
         "Qwen2_5OmniForConditionalGeneration": "TP=2",  # the thinker (no talker: enable_audio_output false)
         "Qwen3OmniMoeForConditionalGeneration": _EP,  # likewise
+        "Qwen2AudioForConditionalGeneration": "TP=2",
     }
 )
 # Other forms of a proven architecture, each with a fixture of its own (megatron_bridge_archs.py's

@@ -187,6 +187,10 @@ _ARCHITECTURE_SIZES = {
 }
 # Qwen2.5-Omni's speaker table (spk_dict.pt), none here: the tiny model speaks no audio (enable_audio_output false).
 _SPEAKERS = {"Qwen2_5OmniForConditionalGeneration": "spk_dict.pt"}
+# transformers 5.12.1 saves Qwen2-Audio's language model under language_model.model.model.* (its checkpoint
+# conversion's reversal doubles the model.; 5.25 saves language_model.model.*, the released checkpoints' names, which
+# the bridge's registry reads): the tiny model is saved under the released names.
+_RELEASED_NAMES = {"Qwen2AudioForConditionalGeneration": ("language_model.model.model.", "language_model.model.")}
 # MiniMax-M2's bridge loads its q/k norms at TP > 1 through a CUDA device (``torch.device("cuda", ...)`` in
 # minimax_m2_bridge.py); at TP=1 it stays on the tensor's device: saved with its experts split over both ranks.
 _TENSOR_PARALLEL = {"MiniMaxM2ForCausalLM": 1}
@@ -313,6 +317,8 @@ def _save(rank: int, out: Path, fixture: str, world_size: int, *, local_spec: bo
         _hf_model(fixture).save_pretrained(out / "hf")
         if architecture in _SPEAKERS:  # as its releases ship them: its from_pretrained refuses a folder without
             torch.save({}, out / "hf" / _SPEAKERS[architecture])
+        if architecture in _RELEASED_NAMES:
+            _rename_saved(out / "hf" / "model.safetensors", *_RELEASED_NAMES[architecture])
     dist.barrier()
     bridge = auto_bridge.from_hf_pretrained(str(out / "hf"), torch_dtype=torch.float32)
     provider = bridge.to_megatron_provider(load_weights=True)
@@ -352,6 +358,15 @@ def _save(rank: int, out: Path, fixture: str, world_size: int, *, local_spec: bo
         (out / "layout.txt").write_text(f"TP={tp}" + (f", EP={ep}" if moe else "") + "\n")
     dist.barrier()
     return bridge, model
+
+
+def _rename_saved(path: Path, prefix: str, released: str) -> None:
+    """The safetensors file at ``path`` with ``prefix`` of its names replaced by ``released``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    renamed = {released + n.removeprefix(prefix) if n.startswith(prefix) else n: t for n, t in tensors.items()}
+    save_file(renamed, path, metadata={"format": "pt"})
 
 
 def _release(model) -> None:
