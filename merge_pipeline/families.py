@@ -451,10 +451,6 @@ _MAMBA = (
     f"{_NOT_BUILT}: its Mamba layers need mamba-ssm's GPU kernels (MambaSSM is not installed), and the bridge's "
     "Mamba mappings change values (operations the reader does not have)"
 )
-_MULTIMODAL = (
-    "not built here: merge_pipeline_samples/megatron_bridge_save.py's generic tiny towers do not fit its "
-    "multimodal config; a tiny model of it is not written"
-)
 # Megatron-Bridge architectures (merge_pipeline/bridge_mappings.json) no family maps; the reasons are what
 # merge_pipeline_samples/megatron_bridge_archs.py --each found (its failed.txt lines, quoted or summed up).
 BRIDGE_REFUSED: Mapping[str, str] = {
@@ -484,10 +480,6 @@ BRIDGE_REFUSED: Mapping[str, str] = {
     "ExaoneMoEForCausalLM": (
         "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
         "class under this spelling to build or load"
-    ),
-    **dict.fromkeys(
-        ("Ernie4_5_VLMoeForConditionalGeneration",),
-        _MULTIMODAL,
     ),
 }
 MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
@@ -545,6 +537,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Qwen2_5OmniForConditionalGeneration": "TP=2",  # the thinker (no talker: enable_audio_output false)
         "Qwen3OmniMoeForConditionalGeneration": _EP,  # likewise
         "Qwen2AudioForConditionalGeneration": "TP=2",
+        "Ernie4_5_VLMoeForConditionalGeneration": _EP,  # text and vision expert pools, both EP=2
     }
 )
 # Other forms of a proven architecture, each with a fixture of its own (megatron_bridge_archs.py's

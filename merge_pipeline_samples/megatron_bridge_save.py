@@ -139,6 +139,15 @@ _ARCHITECTURE_SIZES = {
         top_k_experts=2,
         moe_intermediate_size=32,
     ),
+    # ERNIE 4.5-VL's two expert pools (text, vision): an intermediate size each; its first layer dense, as released;
+    # its multimodal rotary sections cover the tiny heads' rotary frequencies.
+    "Ernie4_5_VLMoeForConditionalGeneration": dict(
+        moe_intermediate_size=[_MOE_SIZES["moe_intermediate_size"], 16],
+        moe_num_shared_experts=1,
+        mlp_layer_types=["dense", "sparse"],
+        tie_word_embeddings=True,  # as released (its bridge maps no output layer)
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2]),
+    ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
     # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it

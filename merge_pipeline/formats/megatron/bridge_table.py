@@ -9,7 +9,9 @@ then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
 (every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``stacked_experts`` (every expert of a
 layer in one HF tensor, each matrix as stored: Gemma 4's fused experts), ``qkv_k_eq_v`` (``qkv`` less V where the
-model's keys are its values: Gemma 4's), ``transpose`` (a copy whose 2-D
+model's keys are its values: Gemma 4's), ``pooled_rows`` (a tensor per expert pool as a row of one HF tensor:
+ERNIE 4.5-VL's expert-score bias; its vision pool's experts are numbered after the text pool's in HF,
+``expert_pool_offset``), ``transpose`` (a copy whose 2-D
 tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
 None: an architecture that needs one is not merged. A bridge that keeps a dense model's registry beside its default
 (Gemma 4's, chosen by ``enable_moe_block``) has it recorded as ``dense_mappings``: ``mappings(..., dense=True)``.
@@ -45,16 +47,18 @@ _OPERATIONS = {
     # transposed on export (transpose_on_export), they have no operation here.
     "FusedExpertMapping": "stacked_experts",
     "FusedGatedExpertMapping": "stacked_experts",
+    # ERNIE 4.5-VL's expert-score bias: one HF tensor [pools, experts], a row per expert pool (text, vision)
+    "_ConcatBiasMapping": "pooled_rows",
 }
+# ERNIE 4.5-VL's vision-pool experts: their base class's operation, the HF expert index after the text pool's
+# experts (``expert_pool_offset``).
+_POOL_OFFSET_KINDS = {"_OffsetGatedMLPMapping", "_OffsetRowParallelMapping"}
 # Family kinds that change values, not only names: not the operation their base class names.
 _NOT_COPIES = {
     "RMSNorm2ZeroCenteredRMSNormMapping",  # adds 1 to the stored norm weight
     "StackedExpertAutoMapping",
     "StackedExpertGatedMLPMapping",
     "MiMoV2FlashQKVMapping",
-    "_ConcatBiasMapping",
-    "_OffsetGatedMLPMapping",
-    "_OffsetRowParallelMapping",
 }
 
 
@@ -77,6 +81,11 @@ class BridgeMapping:
             return operation
         # A 2-D transpose is its own inverse: export transposes back what import transposed; others have no operation.
         return "transpose" if operation == "copy" and self.permute_dims == (1, 0) else None
+
+    @property
+    def expert_pool_offset(self) -> bool:
+        """The HF expert index is the Megatron one after an earlier pool's experts (ERNIE 4.5-VL's vision pool)."""
+        return self.kinds[0] in _POOL_OFFSET_KINDS
 
     @functools.cached_property
     def pattern(self) -> re.Pattern:

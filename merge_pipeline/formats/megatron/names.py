@@ -57,6 +57,7 @@ class ModelShape:
     layer_types: tuple[str, ...] = ()
     global_attention: tuple[int, int] | None = None
     keys_are_values: bool = False  # Gemma 4's attention_k_eq_v: its full-attention layers have no V of their own
+    experts_per_pool: int = 0  # ERNIE 4.5-VL's moe_num_experts: each expert pool's (_EXPERT_POOLS)
 
 
 # What a user whose architecture is refused can do instead.
@@ -126,7 +127,14 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
             (int(text.get("num_global_key_value_heads") or kv_heads), int(global_head_dim)) if global_head_dim else None
         ),
         keys_are_values=text.get("attention_k_eq_v") is True,
+        experts_per_pool=_first(text.get("moe_num_experts")),
     )
+
+
+def _first(value: object) -> int:
+    """An int, or the first of a list of them (a size per expert pool); 0 when neither."""
+    value = value[0] if isinstance(value, list) and value else value
+    return value if isinstance(value, int) else 0
 
 
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
@@ -205,11 +213,17 @@ _MTP_KEY = re.compile(r"mtp\.layers\.(?P<module>\d+)\.(?P<param>.+)")
 _MTP_MODULES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "shared_head.norm"}
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<param>.+)")
-# Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1).
+# Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1); in one
+# of several pools (ERNIE 4.5-VL's mlp.text_moe_layer., mlp.vision_moe_layer.: _EXPERT_POOLS).
 _EXPERT_PARAM = re.compile(
-    r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
+    r"mlp\.(?P<pool>\w+_moe_layer\.)?experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?"
+    r"(?P<rest>linear_fc[12]\..+)"
 )
+# ERNIE 4.5-VL's expert pools in Hugging Face's order: the vision pool's experts follow the text pool's
+# (HF expert e + moe_num_experts), and its expert-score bias holds a row per pool.
+_EXPERT_POOLS = ("mlp.text_moe_layer.", "mlp.vision_moe_layer.")
 # One expert's HF name in Megatron-Bridge's table: ``<...>.experts.<e>.gate_proj.weight`` (or up / down).
+_EXPERT_NUMBER = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 _PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight")
 # Gemma 4's attention saved per layer type (the bridge's ``Gemma4DenseSelfAttention.sharded_state_dict``):
 # ``self_attention_sliding.*`` stacks the sliding layers' copies, ``self_attention_global.*`` the full-attention
@@ -253,7 +267,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
     expert: int | None = None
     stacked_experts = False
     if expert_match is not None:
-        param = "mlp.experts." + expert_match["rest"]
+        param = f"mlp.{expert_match['pool'] or ''}experts.{expert_match['rest']}"
         if expert_match["expert"] is not None:
             expert = int(expert_match["expert"])
         else:
@@ -440,7 +454,7 @@ class KeyMapper:
             layer = f"{model}decoder.layers.{p.layer}."
             names = [f"{layer}{p.module}.{p.attr}"]
             if p.expert is not None:  # SequentialMLP's name, or TransformerEngine's grouped one (weight<expert>)
-                local = p.module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")
+                local = p.module.replace(".experts.", f".experts.local_experts.{p.expert}.", 1)
                 names = [f"{layer}{local}.{p.attr}", f"{layer}{p.module}.{p.attr}{p.expert}"]
             mapped = next((m for name in names if (m := self._bridge_outputs(name, p)) is not None), None)
             if mapped is None:
@@ -507,6 +521,17 @@ class KeyMapper:
                 return None
             self.stacked.setdefault(hf[""], []).append((p.expert, p.stored.piece()))
             return []
+        pool = next((i for i, pool in enumerate(_EXPERT_POOLS) if pool in name), None)
+        if mapping.operation == "pooled_rows":  # a row per expert pool, gathered like stacked experts
+            if pool is None:
+                return None
+            self.stacked.setdefault(hf[""], []).append((pool, p.stored.piece()))
+            return []
+        if mapping.expert_pool_offset:  # the HF expert after the earlier pools' experts
+            if pool is None or not self.model.experts_per_pool:
+                return None
+            offset = pool * self.model.experts_per_pool
+            hf = {role: _EXPERT_NUMBER.sub(lambda m: str(int(m[0]) + offset), n, count=1) for role, n in hf.items()}
         if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
             return None  # the regrouping is a vision tower's layout
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
