@@ -543,7 +543,10 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
 # Other forms of a proven architecture, each with a fixture of its own (megatron_bridge_archs.py's
 # <architecture>+<variant>) and the layout it was saved in: the bridge keeps a registry per form.
 BRIDGE_VARIANTS: Mapping[str, str] = MappingProxyType(
-    {"Gemma4ForCausalLM+moe": _EP}  # enable_moe_block, K = V full attention: the bridge's MoE registry
+    {
+        "Gemma4ForCausalLM+moe": _EP,  # enable_moe_block, K = V full attention: the bridge's MoE registry
+        "Gemma4ForCausalLM+kv_shared": "TP=2",  # dense, its last layers reusing earlier ones' K, V (E2B, E4B)
+    }
 )
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj
 # [experts, 2 x moe_intermediate, hidden] and experts.down_proj [experts, hidden, moe_intermediate]: the bridge's

@@ -148,6 +148,18 @@ _ARCHITECTURE_SIZES = {
         tie_word_embeddings=True,  # as released (its bridge maps no output layer)
         rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2]),
     ),
+    # A dense Gemma 4 whose last layers reuse earlier layers' keys and values (num_kv_shared_layers, as Gemma 4 E2B
+    # and E4B): they have no K, V or K norm of their own.
+    "Gemma4ForCausalLM+kv_shared": dict(
+        tie_word_embeddings=True,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=16,
+        global_head_dim=32,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        num_global_key_value_heads=2,  # the bridge sizes a shared layer's zero K, V by it (None: TypeError)
+    ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
     # GLM-5's bridge reads the indexer's rotary layout, a name transformers 5.12.1's GlmMoeDsaConfig lacks; it

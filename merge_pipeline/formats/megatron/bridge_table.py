@@ -8,8 +8,8 @@ the reader). Each mapping's kind is translated into an operation of the reader's
 then up rows), ``unsqueeze`` (the tensor as stored, under a leading dimension of 1), ``vision_qkv`` (a vision
 tower's per-head q, k, v rows regrouped as HF's fused [q; k; v]), ``grouped_experts``
 (every expert of a layer in one HF tensor, gpt-oss's transposed layout), ``stacked_experts`` (every expert of a
-layer in one HF tensor, each matrix as stored: Gemma 4's fused experts), ``qkv_k_eq_v`` (``qkv`` less V where the
-model's keys are its values: Gemma 4's), ``pooled_rows`` (a tensor per expert pool as a row of one HF tensor:
+layer in one HF tensor, each matrix as stored: Gemma 4's fused experts), ``qkv_own_kv`` (``qkv`` less the K and V a
+Gemma 4 layer does not hold: a KV-shared layer's, V where keys are values), ``pooled_rows`` (a tensor per expert pool as a row of one HF tensor:
 ERNIE 4.5-VL's expert-score bias; its vision pool's experts are numbered after the text pool's in HF,
 ``expert_pool_offset``), ``transpose`` (a copy whose 2-D
 tensor the bridge permutes with ``permute_dims`` (1, 0): Gemma 3's projector). Kinds with no operation here (Gated DeltaNet, Mamba, chunked convolutions, ...) translate to
@@ -40,9 +40,11 @@ _OPERATIONS = {
     "_SqueezeBiasMapping": "unsqueeze",  # ERNIE 4.5's expert bias: Megatron [n], HF [1, n]
     "ConcatenatedQKVMapping": "vision_qkv",  # a vision tower's per-head [q k v] rows as HF's [q; k; v]
     "_FullDimQKNormMapping": "copy",  # MiniMax-M2's q/k norms over all heads: split over TP like a column
-    # Gemma 4's fused QKV, whose V its export drops where the model's keys are its values (attention_k_eq_v on a
-    # full-attention layer: V exists only in Megatron, a copy of K at import)
-    "_Gemma4QKVMapping": "qkv_k_eq_v",
+    # Gemma 4's fused QKV, whose K and V its export drops where the HF layer has none of its own (a KV-shared
+    # layer's, num_kv_shared_layers) and its V where the layer's keys are its values (attention_k_eq_v on a
+    # full-attention layer): those exist only in Megatron (zeros, or a copy of K, at import)
+    "_Gemma4QKVMapping": "qkv_own_kv",
+    "_Gemma4DenseQKVMapping": "qkv_own_kv",
     # Experts of a layer as one HF tensor [experts, ...], each expert's matrix as stored (fc1: gate rows, up rows);
     # transposed on export (transpose_on_export), they have no operation here.
     "FusedExpertMapping": "stacked_experts",

@@ -57,6 +57,7 @@ class ModelShape:
     layer_types: tuple[str, ...] = ()
     global_attention: tuple[int, int] | None = None
     keys_are_values: bool = False  # Gemma 4's attention_k_eq_v: its full-attention layers have no V of their own
+    kv_shared_from: int | None = None  # Gemma 4's first layer reusing an earlier one's K, V (num_kv_shared_layers)
     experts_per_pool: int = 0  # ERNIE 4.5-VL's moe_num_experts: each expert pool's (_EXPERT_POOLS)
 
 
@@ -127,8 +128,15 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
             (int(text.get("num_global_key_value_heads") or kv_heads), int(global_head_dim)) if global_head_dim else None
         ),
         keys_are_values=text.get("attention_k_eq_v") is True,
+        kv_shared_from=_kv_shared_from(text),
         experts_per_pool=_first(text.get("moe_num_experts")),
     )
+
+
+def _kv_shared_from(text: dict) -> int | None:
+    """Gemma 4's first layer that reuses an earlier layer's K and V: its last num_kv_shared_layers are."""
+    shared, layers = text.get("num_kv_shared_layers"), text.get("num_hidden_layers")
+    return layers - shared if isinstance(shared, int) and shared > 0 and isinstance(layers, int) else None
 
 
 def _first(value: object) -> int:
@@ -296,7 +304,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
 _BRIDGE_OPERATIONS = {
     "copy": lambda hf: Rename(hf[""]),
     "qkv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),
-    "qkv_k_eq_v": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),  # less V on a K = V layer: _bridge_outputs
+    "qkv_own_kv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),  # less the K, V a layer lacks: _bridge_outputs
     "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
@@ -534,19 +542,25 @@ class KeyMapper:
             hf = {role: _EXPERT_NUMBER.sub(lambda m: str(int(m[0]) + offset), n, count=1) for role, n in hf.items()}
         if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
             return None  # the regrouping is a vision tower's layout
+        if hf.get("", "").endswith(".self_attn.k_norm.weight") and "k" in self._absent_kv(p.layer):
+            return []  # a KV-shared layer's K norm: Megatron's own, which the bridge's export drops
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
         if operation is None:
             return None
         operation = operation(hf)
-        if mapping.operation == "qkv_k_eq_v" and self._keys_are_values(p.layer):
-            operation = replace(operation, absent=("v",))  # as the bridge's export drops it
+        if mapping.operation == "qkv_own_kv":  # as the bridge's export drops them
+            operation = replace(operation, absent=self._absent_kv(p.layer))
         return self._apply(operation, p, sizes)
 
-    def _keys_are_values(self, layer: int) -> bool:
-        """Gemma 4's K = V: a full-attention layer of a model with attention_k_eq_v (the bridge's
-        ``_is_synthesized_kv_projection``)."""
+    def _absent_kv(self, layer: int) -> tuple[str, ...]:
+        """The K / V projections Gemma 4's HF model lacks at ``layer``, which exist only in Megatron (the bridge's
+        ``_is_synthesized_kv_projection``): K and V of a layer reusing an earlier layer's (num_kv_shared_layers), V of
+        a full-attention layer whose keys are its values (attention_k_eq_v)."""
+        if self.model.kv_shared_from is not None and layer >= self.model.kv_shared_from:
+            return ("k", "v")
         types = self.model.layer_types
-        return self.model.keys_are_values and layer < len(types) and types[layer] == "full_attention"
+        full = layer < len(types) and types[layer] == "full_attention"
+        return ("v",) if self.model.keys_are_values and full else ()
 
     # ---- one layer's parameter ----
 
