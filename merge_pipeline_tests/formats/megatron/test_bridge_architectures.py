@@ -77,14 +77,15 @@ def test_merge_equals_the_bridges_export_and_gives_its_logits(capsys, tmp_path, 
     assert source["backend"] == "megatron" and len(source["inputs"]) == 2  # one .distcp per rank
     assert_bit_exact(tmp_path / "out", saved / "expected")
     model_class = getattr(transformers, architecture.partition("+")[0])  # a variant: <architecture>+<variant>
-    _, info = load_with_info(model_class, tmp_path / "out")  # the merge's own check, as it loads the weights
+    merged, info = load_with_info(model_class, tmp_path / "out")  # as the merge's own check loads the weights
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    merged = model_class.from_pretrained(tmp_path / "out")
     export = tmp_path / "export"  # the bridge's export under the tiny model's config: the round trip
     shutil.copytree(saved / "expected", export)
-    for side in ("config.json", "spk_dict.pt"):  # Qwen2.5-Omni's speakers: its from_pretrained requires them
-        if (saved / "hf" / side).exists():
-            shutil.copy(saved / "hf" / side, export)
+    shutil.copy(saved / "hf" / "config.json", export)
+    speakers = saved / "hf" / "spk_dict.pt"  # Qwen2.5-Omni's: its from_pretrained requires them, the merge copies them
+    if speakers.exists():
+        assert (tmp_path / "out" / speakers.name).read_bytes() == speakers.read_bytes()
+        shutil.copy(speakers, export)
     round_trip = model_class.from_pretrained(export)
     if architecture in NO_CPU_FORWARD:
         with pytest.raises(RuntimeError, match=re.escape(NO_CPU_FORWARD[architecture])):
