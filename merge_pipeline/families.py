@@ -546,6 +546,7 @@ BRIDGE_VARIANTS: Mapping[str, str] = MappingProxyType(
     {
         "Gemma4ForCausalLM+moe": _EP,  # enable_moe_block, K = V full attention: the bridge's MoE registry
         "Gemma4ForCausalLM+kv_shared": "TP=2",  # dense, its last layers reusing earlier ones' K, V (E2B, E4B)
+        "Gemma4ForConditionalGeneration+moe": _EP,  # the MoE one with its vision and audio towers
     }
 )
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj

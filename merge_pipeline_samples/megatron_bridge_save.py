@@ -148,6 +148,18 @@ _ARCHITECTURE_SIZES = {
         tie_word_embeddings=True,  # as released (its bridge maps no output layer)
         rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2]),
     ),
+    # A MoE Gemma 4 with its towers (as Gemma 4 26B-A4B's vision, and an audio tower the bridge maps too).
+    "Gemma4ForConditionalGeneration+moe": dict(
+        tie_word_embeddings=True,
+        hidden_size_per_layer_input=0,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        attention_k_eq_v=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
     # A dense Gemma 4 whose last layers reuse earlier layers' keys and values (num_kv_shared_layers, as Gemma 4 E2B
     # and E4B): they have no K, V or K norm of their own.
     "Gemma4ForCausalLM+kv_shared": dict(
@@ -272,7 +284,7 @@ def _hf_config(fixture: str):
         return config_class(thinker_config=thinker, enable_audio_output=False, architectures=[architecture])
     if "text_config" not in sub_configs:
         return _small(config_class, fixture, known_only=fixture != architecture, architectures=[architecture])
-    return _multimodal_config(config_class, architecture, architectures=[architecture])
+    return _multimodal_config(config_class, fixture, architectures=[architecture])
 
 
 def _multimodal_config(config_class, architecture: str, **extra):
