@@ -441,12 +441,7 @@ _LLAMA4 = (
     "Llama 4: megatron-core 0.16 has no chunked attention (attention_chunk_size) and no attention-temperature "
     "tuning for its NoPE layers, so it cannot build the model and no mapping could be proven against its forward"
 )
-_NOT_BUILT = "Megatron-Bridge 0.6.2 does not build it on CPU (TransformerEngine stood in)"
 _NO_TRANSFORMERS = "transformers 5.12.1 does not ship it: no tiny model to build it from or to load it"
-_MULTIMODAL = (
-    "not built here: merge_pipeline_samples/megatron_bridge_save.py's generic tiny towers do not fit its "
-    "multimodal config; a tiny model of it is not written"
-)
 # Megatron-Bridge architectures (merge_pipeline/bridge_mappings.json) no family maps; the reasons are what
 # merge_pipeline_samples/megatron_bridge_archs.py --each found (its failed.txt lines, quoted or summed up).
 BRIDGE_REFUSED: Mapping[str, str] = {
@@ -467,23 +462,9 @@ BRIDGE_REFUSED: Mapping[str, str] = {
         "not built here: megatron-core 0.18.2 has no attention variant 'dsv4_hybrid', which DeepSeek-V4's bridge "
         "asks for (ValueError: Invalid experimental attention variant: dsv4_hybrid)"
     ),
-    "Qwen2AudioForConditionalGeneration": (
-        "the bridge's registry names the language model language_model.model.layers.*, transformers 5.12.1 saves "
-        "language_model.model.model.*: the bridge built on CPU (TP=2) loads and exports none of its decoder weights, "
-        "so there is no reference to prove a merge against"
-    ),
     "ExaoneMoEForCausalLM": (
         "transformers 5.12.1 ships this bridge's architecture only as ExaoneMoeForCausalLM (proven): no model "
         "class under this spelling to build or load"
-    ),
-    **dict.fromkeys(
-        (
-            "Ernie4_5_VLMoeForConditionalGeneration",
-            "Gemma4ForConditionalGeneration",
-            "Qwen2_5OmniForConditionalGeneration",
-            "Qwen3OmniMoeForConditionalGeneration",
-        ),
-        _MULTIMODAL,
     ),
 }
 MEGATRON_REFUSED: Mapping[str, str] = MappingProxyType(
@@ -523,6 +504,7 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         "Gemma3ForCausalLM": "TP=2",
         "Gemma3ForConditionalGeneration": "TP=2",
         "Gemma4ForCausalLM": "TP=2",  # dense (transformers' default config), the bridge's dense registry
+        "Gemma4ForConditionalGeneration": "TP=2",  # likewise, with vision and audio towers
         "Exaone4ForCausalLM": "TP=2",
         "GlmMoeDsaForCausalLM": _EP,
         "Qwen3VLForConditionalGeneration": "TP=2",
@@ -543,12 +525,22 @@ MEGATRON_PROVEN: Mapping[str, str] = MappingProxyType(
         # Mamba hybrids, built through the mamba-ssm stand-in (merge_pipeline_samples/mamba_stand_in/).
         "NemotronHForCausalLM": _EP,  # mamba, MoE, attention and MLP layers (transformers' default pattern)
         "FalconH1ForCausalLM": "TP=1",  # its bridge's block cannot save at TP > 1: two data-parallel ranks
+        "Qwen2_5OmniForConditionalGeneration": "TP=2",  # the thinker (no talker: enable_audio_output false)
+        "Qwen3OmniMoeForConditionalGeneration": _EP,  # likewise
+        "Qwen2AudioForConditionalGeneration": "TP=2",
+        "Ernie4_5_VLMoeForConditionalGeneration": _EP,  # text and vision expert pools, both EP=2
+    }
+)
+# Other forms of a proven architecture, each with a fixture of its own (megatron_bridge_archs.py's
+# <architecture>+<variant>) and the layout it was saved in: the bridge keeps a registry per form.
+BRIDGE_VARIANTS: Mapping[str, str] = MappingProxyType(
+    {
+        "Gemma4ForCausalLM+moe": _EP,  # enable_moe_block, K = V full attention: the bridge's MoE registry
+        "Gemma4ForCausalLM+kv_shared": "TP=2",  # dense, its last layers reusing earlier ones' K, V (E2B, E4B)
+        "Gemma4ForConditionalGeneration+moe": _EP,  # the MoE one with its vision and audio towers
     }
 )
 # Architectures whose transformers 5 model holds each layer's experts as two stacked tensors, experts.gate_up_proj
 # [experts, 2 x moe_intermediate, hidden] and experts.down_proj [experts, hidden, moe_intermediate]: the bridge's
 # table names one tensor per expert, its export stacks them (Megatron's fc1 / fc2 of each expert as stored).
 BRIDGE_STACKED_EXPERTS = frozenset({"Qwen3VLMoeForConditionalGeneration"})
-# Architectures a family above maps (proven on megatron-core's own fixtures, docs/LAYOUTS.md, and equal to the
-# bridge's mapping registry: test_bridge_families.py) whose build through the bridge does not run here, and why.
-BRIDGE_NOT_BUILT: Mapping[str, str] = MappingProxyType({})

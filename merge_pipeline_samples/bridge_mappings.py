@@ -133,9 +133,17 @@ def _parts(mapping, saved: tuple[tuple[str, int], ...]) -> dict:
     return out
 
 
+# Bridges whose registry reads the HF config when it has one and otherwise names another form of checkpoint: ERNIE
+# 4.5-VL's names its remote-code (flat config) checkpoints' vision tower vision_model.**, transformers' own config
+# model.vision_model.** (the tiny models are built from transformers' config).
+_READS_CONFIG = {"Ernie4_5_VLMoeForConditionalGeneration"}
+
+
 def _registry(source, factory) -> tuple[object, list, bool]:
     bridge = factory(source)
     try:
+        if (source if isinstance(source, str) else source.__name__) in _READS_CONFIG:
+            raise AttributeError("asked with the HF config")
         return bridge, bridge.mapping_registry().mappings, False
     except AttributeError:  # its registry reads the HF config
         import transformers

@@ -3,7 +3,8 @@ the bridge venv's python.
 
     .venv-bridge/bin/python merge_pipeline_samples/megatron_bridge_archs.py OUT ARCHITECTURE...
 
-For each HF architecture (a name Megatron-Bridge registers): rank 0 saves a tiny transformers model of
+For each HF architecture (a name Megatron-Bridge registers; ``<architecture>+<variant>`` for another form of one,
+``Gemma4ForCausalLM+moe``: ``megatron_bridge_save._hf_config``): rank 0 saves a tiny transformers model of
 it (its config class, ``AutoConfig.for_model``, with the small sizes below) into ``OUT/<arch>/hf/``; two
 gloo ranks load it with ``AutoBridge.from_hf_pretrained`` and the bridge's own model provider, tensor
 parallel 2 and, where the bridge's provider has experts, expert parallel 2 (expert tensor parallel 1), and save what
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for architecture in args.architectures:
         folder = args.out_dir / architecture
-        if not hasattr(transformers, architecture):  # no model to build it from: no ranks needed to say so
+        if not hasattr(transformers, architecture.partition("+")[0]):  # no model to build it from: no ranks needed
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "failed.txt").write_text(
                 f"transformers {transformers.__version__} does not ship {architecture}\n"

@@ -129,8 +129,60 @@ _ARCHITECTURE_SIZES = {
     ),
     # Gemma 4 (dense, as transformers' default config): its per-layer embedding at the small vocabulary, and its
     # full-attention layers' heads small too; tied like every Gemma release (its bridge maps no output layer).
-    "Gemma4ForCausalLM": dict(
-        tie_word_embeddings=True, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, global_head_dim=32
+    **dict.fromkeys(
+        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        dict(
+            tie_word_embeddings=True,
+            vocab_size_per_layer_input=256,
+            hidden_size_per_layer_input=16,
+            global_head_dim=32,
+        ),
+    ),
+    # A MoE Gemma 4 (the bridge's default registry; as Gemma 4 26B-A4B: K = V on its full-attention layers, no
+    # per-layer embeddings): a fixture of its own, ``Gemma4ForCausalLM+moe``.
+    "Gemma4ForCausalLM+moe": dict(
+        tie_word_embeddings=True,
+        hidden_size_per_layer_input=0,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        attention_k_eq_v=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+    # ERNIE 4.5-VL's two expert pools (text, vision): an intermediate size each; its first layer dense, as released;
+    # its multimodal rotary sections cover the tiny heads' rotary frequencies.
+    "Ernie4_5_VLMoeForConditionalGeneration": dict(
+        moe_intermediate_size=[_MOE_SIZES["moe_intermediate_size"], 16],
+        moe_num_shared_experts=1,
+        mlp_layer_types=["dense", "sparse"],
+        tie_word_embeddings=True,  # as released (its bridge maps no output layer)
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2]),
+    ),
+    # A MoE Gemma 4 with its towers (as Gemma 4 26B-A4B's vision, and an audio tower the bridge maps too).
+    "Gemma4ForConditionalGeneration+moe": dict(
+        tie_word_embeddings=True,
+        hidden_size_per_layer_input=0,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        attention_k_eq_v=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+    # A dense Gemma 4 whose last layers reuse earlier layers' keys and values (num_kv_shared_layers, as Gemma 4 E2B
+    # and E4B): they have no K, V or K norm of their own.
+    "Gemma4ForCausalLM+kv_shared": dict(
+        tie_word_embeddings=True,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=16,
+        global_head_dim=32,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        num_global_key_value_heads=2,  # the bridge sizes a shared layer's zero K, V by it (None: TypeError)
     ),
     "OlmoeForCausalLM": dict(num_key_value_heads=4),
     "Exaone4ForCausalLM": dict(tie_word_embeddings=True),
@@ -158,8 +210,13 @@ _ARCHITECTURE_SIZES = {
             rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 2]
         ),
     ),
-    "Qwen2_5_VLForConditionalGeneration": dict(
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])
+    **dict.fromkeys(
+        (
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen2_5OmniForConditionalGeneration",
+            "Qwen3OmniMoeForConditionalGeneration",
+        ),
+        dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])),
     ),
     # Mistral 3's bridge builds Ministral 3's attention, whose Llama 4 query scaling reads these rotary values
     # (they scale the forward only).
@@ -195,6 +252,8 @@ _ARCHITECTURE_SIZES = {
         mamba_norm_before_gate=False,
     ),
 }
+# Qwen2.5-Omni's speaker table (spk_dict.pt), none here: the tiny model speaks no audio (enable_audio_output false).
+_SPEAKERS = {"Qwen2_5OmniForConditionalGeneration": "spk_dict.pt"}
 # MiniMax-M2's bridge loads its q/k norms at TP > 1 through a CUDA device (``torch.device("cuda", ...)`` in
 # minimax_m2_bridge.py); at TP=1 it stays on the tensor's device: saved with its experts split over both ranks.
 # Falcon-H1's block (the bridge's FalconH1Stack.sharded_state_dict) saves its final norm without the TP group, so
@@ -216,6 +275,13 @@ _TOWER_SIZES = dict(
     out_hidden_size=_SIZES["hidden_size"],
     head_dim=16,
     deepstack_visual_indexes=[1],
+    # an audio tower's (Whisper's names: Qwen-Omni's, Qwen2-Audio's)
+    d_model=32,
+    encoder_layers=2,
+    encoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    output_dim=_SIZES["hidden_size"],
+    downsample_hidden_size=16,
 )
 # A tower's settings an architecture's bridge assumes: Gemma 3's SigLIP tower has no pooling head (its released
 # configs say so; its bridge builds none), where SiglipVisionConfig's default builds one.
@@ -243,16 +309,32 @@ def _small(config_class, architecture: str, known_only: bool = False, **extra):
     return config
 
 
-def _hf_config(architecture: str):
-    """The architecture's config class at small sizes; a multimodal one with a small text model and towers."""
+def _hf_config(fixture: str):
+    """The architecture's config class at small sizes; a multimodal one with a small text model and towers.
+    ``fixture``: the architecture, or ``<architecture>+<variant>`` for another form of it (its own sizes, only the
+    names its config class knows: the Gemma 4 bridge passes every one on to its provider)."""
     import transformers
 
+    architecture = fixture.partition("+")[0]
     config_class = getattr(transformers, architecture).config_class
-    if "text_config" not in getattr(config_class, "sub_configs", {}):
-        return _small(config_class, architecture, architectures=[architecture])
-    # The sub-configs' classes as the default config builds them (some are declared as AutoConfig).
+    sub_configs = getattr(config_class, "sub_configs", {})
+    if "thinker_config" in sub_configs:  # Omni: the bridge builds the thinker only; no speech output (talker)
+        thinker = _multimodal_config(sub_configs["thinker_config"], architecture)
+        return config_class(thinker_config=thinker, enable_audio_output=False, architectures=[architecture])
+    if "text_config" not in sub_configs:
+        return _small(config_class, fixture, known_only=fixture != architecture, architectures=[architecture])
+    return _multimodal_config(config_class, fixture, architectures=[architecture])
+
+
+def _multimodal_config(config_class, architecture: str, **extra):
+    """A config of a small text model and small towers."""
+    # The sub-configs' classes as the default config builds them (some are declared as AutoConfig); one the default
+    # leaves out (Gemma 4's towers) as declared.
     defaults = config_class()
-    sub_configs = {name: type(getattr(defaults, name)) for name in config_class.sub_configs}
+    sub_configs = {
+        name: declared if getattr(defaults, name) is None else type(getattr(defaults, name))
+        for name, declared in config_class.sub_configs.items()
+    }
     text = _small(sub_configs.pop("text_config"), architecture, known_only=True)
     towers = {
         name: tower(
@@ -265,16 +347,16 @@ def _hf_config(architecture: str):
         text_config=text,
         **towers,
         tie_word_embeddings=getattr(text, "tie_word_embeddings", _SIZES["tie_word_embeddings"]),
-        architectures=[architecture],
+        **extra,
     )
 
 
-def _hf_model(architecture: str):
-    """A tiny transformers model of ``architecture``: its config class with the small sizes above."""
+def _hf_model(fixture: str):
+    """A tiny transformers model of ``fixture`` (see ``_hf_config``): its config class with the small sizes above."""
     import transformers
 
     torch.manual_seed(0)
-    model = getattr(transformers, architecture)(_hf_config(architecture)).float()
+    model = getattr(transformers, fixture.partition("+")[0])(_hf_config(fixture)).float()
     with torch.no_grad():  # norms away from their all-ones init, so a swapped norm cannot pass
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -282,19 +364,27 @@ def _hf_model(architecture: str):
     return model
 
 
-# Names transformers 5.12.1's save_pretrained gives that neither the Hub's checkpoints nor the bridge's registry use:
-# Nemotron-H's embedding (its loader renames embedding.weight to embeddings.weight, its save the reverse), which the
-# bridge would not load. The tiny model is saved under the Hub's name.
-_HUB_NAMES = {"NemotronHForCausalLM": {"backbone.embedding.weight": "backbone.embeddings.weight"}}
+# Names transformers 5.12.1's save_pretrained gives that neither the released checkpoints nor the bridge's registry
+# use, as (saved prefix, released prefix): the tiny model is saved under the released names, which the bridge loads.
+# Nemotron-H's embedding (its loader renames embedding.weight to embeddings.weight, its save the reverse); Qwen2-Audio's
+# language model (5.12.1's checkpoint conversion's reversal doubles the model.; 5.25 saves language_model.model.*).
+_RELEASED_NAMES = {
+    "NemotronHForCausalLM": ("backbone.embedding.", "backbone.embeddings."),
+    "Qwen2AudioForConditionalGeneration": ("language_model.model.model.", "language_model.model."),
+}
 
 
-def _hub_names(folder: Path, architecture: str) -> None:
+def _released_names(folder: Path, architecture: str) -> None:
+    """The saved model's names with ``_RELEASED_NAMES``' prefix replaced, where the architecture has one."""
     from safetensors.torch import load_file, save_file
 
-    renames = _HUB_NAMES.get(architecture)
-    if renames:
-        path = folder / "model.safetensors"
-        save_file({renames.get(k, k): v for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
+    if architecture not in _RELEASED_NAMES:
+        return
+    prefix, released = _RELEASED_NAMES[architecture]
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    renamed = {released + n.removeprefix(prefix) if n.startswith(prefix) else n: t for n, t in tensors.items()}
+    save_file(renamed, str(path), metadata={"format": "pt"})
 
 
 def _add_mtp_weights(folder: Path) -> None:
@@ -334,18 +424,22 @@ def _save_families(rank: int, world_size: int, out: str, families: list[str]) ->
             _release(model)
 
 
-def _save(rank: int, out: Path, architecture: str, world_size: int, *, local_spec: bool):
-    """Build ``architecture`` through the bridge on ``world_size`` gloo ranks and save it as verl does (see the
-    module's docstring); the bridge's spec unless ``local_spec`` (megatron-core's local layers, with the bridge's
-    ``save_hf_weights`` beside the shards). Returns the bridge and the model, parallel state still up."""
+def _save(rank: int, out: Path, fixture: str, world_size: int, *, local_spec: bool):
+    """Build ``fixture`` (an architecture, or ``<architecture>+<variant>``: ``_hf_config``) through the bridge on
+    ``world_size`` gloo ranks and save it as verl does (see the module's docstring); the bridge's spec unless
+    ``local_spec`` (megatron-core's local layers, with the bridge's ``save_hf_weights`` beside the shards). Returns
+    the bridge and the model, parallel state still up."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     auto_bridge = _import_bridge()
+    architecture = fixture.partition("+")[0]
     if rank == 0:
-        _hf_model(architecture).save_pretrained(out / "hf")
+        _hf_model(fixture).save_pretrained(out / "hf")
         _add_mtp_weights(out / "hf")
-        _hub_names(out / "hf", architecture)
+        _released_names(out / "hf", architecture)
+        if architecture in _SPEAKERS:  # as its releases ship them: its from_pretrained refuses a folder without
+            torch.save({}, out / "hf" / _SPEAKERS[architecture])
     dist.barrier()
     bridge = auto_bridge.from_hf_pretrained(str(out / "hf"), torch_dtype=torch.float32)
     provider = bridge.to_megatron_provider(load_weights=True)

@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 # Weights in huggingface/ are never copied: the merged weights replace them.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
+# Data a model class reads beside its weights, not weights: Qwen2.5-Omni's speakers (its from_pretrained refuses a
+# folder without them; transformers loads them with weights_only=True).
+_MODEL_DATA_FILES = ("spk_dict.pt",)
 # Training state a trainer saves beside config.json (DeepSpeed's tag file and converter scripts, the
 # HF Trainer's state, NeMo-Automodel's shard plan): not part of a model folder, and zero_to_fp32.py is no
 # model's remote code.
@@ -57,7 +60,7 @@ def copy_side_files(
     for src in sorted(hf_dir.iterdir()):
         if (
             src.name in (CONFIG, *_TRAINING_STATE_FILES)
-            or src.name.endswith(_WEIGHT_SUFFIXES + _WEIGHT_INDEXES)
+            or (src.name.endswith(_WEIGHT_SUFFIXES + _WEIGHT_INDEXES) and src.name not in _MODEL_DATA_FILES)
             or src.is_dir()
         ):
             continue

@@ -8,8 +8,9 @@ which rows of which stored tensors make up each HF tensor (``output_specs``); no
 
 - ``Rename``: the stored tensor as it is.
 - ``Chunk``: a gated MLP's fc1, its rows halved into gate and up.
-- ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors; with
-  megatron-core's attention output gate ``[q heads | gate heads | k | v]``, each head's gate rows after its q rows.
+- ``SplitQKV``: fused q/k/v rows grouped per KV group ``[q heads | k | v]``, split into three tensors (or two,
+  where the HF model has no V of its own); with megatron-core's attention output gate ``[q heads | gate heads | k |
+  v]``, each head's gate rows after its q rows.
 - ``RegroupQKV``: fused q/k/v rows grouped per head, as one tensor ``[all q; all k; all v]``.
 - ``Concatenate``: several stored tensors' rows, in order, as one tensor.
 - ``ConcatenateParts``: a fused tensor saved as named parts (Mamba's ``in_proj.weight.z``, ``.x``, ...), in its order,
@@ -109,12 +110,14 @@ def _row_groups(stored: Stored, groups: int, blocks: tuple[int, ...]) -> list[tu
 class SplitQKV:
     """Fused QKV rows grouped per KV group: [q heads of g | k_g | v_g] for each group g. With ``output_gate``, rows that
     also hold megatron-core's attention output gate (told by their count) are split as ``_gated`` says: the bridge's
-    QKVMapping reads them by its provider's ``attention_output_gate``, which its table does not record."""
+    QKVMapping reads them by its provider's ``attention_output_gate``, which its table does not record. ``absent``:
+    the roles (``"v"``) the HF model does not hold (Gemma 4's K = V layers: their V exists only in Megatron)."""
 
     q: str
     k: str
     v: str
     output_gate: bool = False
+    absent: tuple[str, ...] = ()
 
     def outputs(self, stored: Stored, sizes: Sizes) -> list[OutputSpec]:
         heads, kv_heads, head_dim = sizes.attention_heads, sizes.kv_heads, sizes.head_dim
@@ -126,17 +129,19 @@ class SplitQKV:
         q_rows = heads // kv_heads * head_dim
         group_rows = q_rows + 2 * head_dim
         if self.output_gate and stored.rows == kv_heads * (group_rows + q_rows):
-            return self._gated(stored, heads // kv_heads, q_rows, head_dim)
-        if stored.rows != kv_heads * group_rows:
+            q, k, v = self._gated(stored, heads // kv_heads, q_rows, head_dim)
+        elif stored.rows == kv_heads * group_rows:
+            q, k, v = _row_groups(stored, kv_heads, (q_rows, head_dim, head_dim))
+        else:
             raise MergeError(
                 sizes.config_path,
                 f"sizes disagree with the checkpoint: {stored.key} has {stored.rows} rows, but {heads} heads, "
                 f"{kv_heads} KV heads and head_dim {head_dim} need {kv_heads * group_rows}",
             )
-        q, k, v = _row_groups(stored, kv_heads, (q_rows, head_dim, head_dim))
-        return [OutputSpec(self.q, q), OutputSpec(self.k, k), OutputSpec(self.v, v)]
+        roles = {"q": OutputSpec(self.q, q), "k": OutputSpec(self.k, k), "v": OutputSpec(self.v, v)}
+        return [spec for role, spec in roles.items() if role not in self.absent]
 
-    def _gated(self, stored: Stored, heads_per_group: int, q_rows: int, head_dim: int) -> list[OutputSpec]:
+    def _gated(self, stored: Stored, heads_per_group: int, q_rows: int, head_dim: int) -> tuple[tuple, tuple, tuple]:
         """megatron-core's ``attention_output_gate`` (Qwen3-Next, Qwen3.5): per KV group [q heads | gate heads | k | v],
         the gate a second q of each head; HF's q_proj holds each head's q rows then its gate rows."""
         group_rows = 2 * q_rows + 2 * head_dim
@@ -148,7 +153,7 @@ class SplitQKV:
             for start in (g * group_rows + h * head_dim, g * group_rows + q_rows + h * head_dim)
         )
         k, v = _row_groups(stored, groups, (2 * q_rows, head_dim, head_dim))[1:]
-        return [OutputSpec(self.q, q), OutputSpec(self.k, k), OutputSpec(self.v, v)]
+        return q, k, v
 
 
 @dataclass(frozen=True)

@@ -201,12 +201,13 @@ def locate_tensors(
         dtype = stored[key].properties.dtype
         runs[key][i] = archives.data(place.file, place.offset, place.length, key, place.sizes, dtype)
     del order  # ~100k entries at 1024 ranks: freed before the tensors are built
+    # A scalar (Gemma 4's audio tower's clipping bounds) is read as one row of one element: its spec declares ().
     return {
         key: DcpTensor(
             key,
-            tuple(stored[key].size),
+            tuple(stored[key].size) or (1,),
             stored[key].properties.dtype,
-            tuple(DcpChunk(p.offsets, p.sizes, run) for p, run in zip(places.pop(key), runs.pop(key))),
+            tuple(DcpChunk(p.offsets or (0,), p.sizes or (1,), run) for p, run in zip(places.pop(key), runs.pop(key))),
         )
         for key in list(places)
     }
@@ -477,7 +478,7 @@ def plan_tensor(spec: OutputSpec, tensors: dict[str, DcpTensor]) -> PlannedTenso
     whole_rows = all(
         s.start == 0 and s.stop == n for _, parts in pieces for part in parts for s, n in zip(part.columns, trailing)
     )
-    declared = spec.shape or shape  # both stream the row-major bytes of ``shape``
+    declared = shape if spec.shape is None else spec.shape  # both stream the row-major bytes of ``shape``
     if whole_rows:
         source = StoredBytes(tuple(part.run for _, parts in pieces for part in parts), first.dtype)
     else:

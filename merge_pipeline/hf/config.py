@@ -19,6 +19,19 @@ LM_HEAD = "lm_head.weight"
 VALUE_HEAD = "score.weight"  # a value model's (critic, reward) head: *ForTokenClassification with one label
 
 
+def model_section(raw: dict) -> dict:
+    """The config of the model a trainer trains: an Omni model's thinker (``thinker_config``; its talker, which
+    speaks, is not built by Megatron-Bridge), else the config itself."""
+    return raw.get("thinker_config") or raw
+
+
+def text_section(raw: dict) -> dict:
+    """The language model's config: ``text_config`` of a multimodal model (an Omni model's thinker's), else the
+    model's own."""
+    section = model_section(raw)
+    return section.get("text_config") or section
+
+
 def has_value_head(names: Iterable[str]) -> bool:
     """Weights of a value model: a score head and no LM head (names may carry a prefix, PEFT's for one)."""
     names = list(names)
@@ -36,7 +49,7 @@ class ModelConfig:
 
     @cached_property
     def tie_word_embeddings(self) -> bool:
-        for section in (self.raw, self.raw.get("text_config") or {}):
+        for section in (self.raw, self.raw.get("text_config") or {}, model_section(self.raw), text_section(self.raw)):
             if "tie_word_embeddings" in section:
                 return bool(section["tie_word_embeddings"])
         # Not stated: the model type's own default. Only then pay for importing transformers (~1 s).

@@ -45,10 +45,10 @@ def meta_load_problems(folder: Path) -> list[str]:
         return [exc.problem]
     architecture = model_type.__name__
     with _quiet_transformers():  # what it would report (a load report table, a progress bar), problems says
-        # use_kernels=False: transformers 5.25 would otherwise fetch Hub kernels and refuse the meta device
-        model, info = model_type.from_pretrained(
-            folder, device_map="meta", dtype="auto", output_loading_info=True, use_kernels=False
-        )
+        # use_kernels=False: transformers 5.25 would otherwise fetch Hub kernels and refuse the meta device.
+        # PreTrainedModel's loader: what a class's own from_pretrained adds after it is no weight (Qwen2.5-Omni's
+        # speakers), and Qwen2.5-Omni's breaks on output_loading_info ('tuple' object has no attribute 'load_speakers').
+        model, info = load_with_info(model_type, folder, device_map="meta", dtype="auto", use_kernels=False)
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none
@@ -64,6 +64,11 @@ def meta_load_problems(folder: Path) -> list[str]:
         ):
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
+
+
+def load_with_info(model_type: type, folder: Path, **kwargs) -> tuple[torch.nn.Module, dict]:
+    """``model_type`` loaded from ``folder`` by PreTrainedModel's own ``from_pretrained``, with its loading info."""
+    return transformers.PreTrainedModel.from_pretrained.__func__(model_type, folder, output_loading_info=True, **kwargs)
 
 
 def _loads_unaltered(stored: torch.dtype, loaded: torch.dtype) -> bool:

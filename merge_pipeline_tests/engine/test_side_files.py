@@ -220,3 +220,19 @@ def test_a_symlink_swapped_while_copying_never_leaks(tmp_path, fsdp_checkpoint, 
         flipper.kill()
         flipper.wait()
     assert copies > 50 and refused > 0, (copies, refused)  # the race was run, many times, both ways
+
+
+def test_model_data_beside_the_weights_is_copied_but_no_weight_file(tmp_path):
+    """Qwen2.5-Omni's speakers (spk_dict.pt: its from_pretrained refuses a folder without them) are copied like the
+    tokenizer; any other .pt file there is a weight file the merged weights replace."""
+    hf_dir, out = tmp_path / "huggingface", tmp_path / "out"
+    hf_dir.mkdir()
+    out.mkdir()
+    for name, data in (("spk_dict.pt", b"speakers"), ("pytorch_model.pt", b"weights"), ("tokenizer.json", b"{}")):
+        (hf_dir / name).write_bytes(data)
+
+    copied = copy_side_files(hf_dir, out, confine_to=tmp_path)
+
+    assert sorted(copied) == ["spk_dict.pt", "tokenizer.json"]
+    assert (out / "spk_dict.pt").read_bytes() == b"speakers"
+    assert not (out / "pytorch_model.pt").exists()

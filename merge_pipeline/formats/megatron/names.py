@@ -37,6 +37,7 @@ from merge_pipeline.formats.conversions import (
 )
 from merge_pipeline.formats.megatron import bridge_table
 from merge_pipeline.formats.output_specs import OutputSpec, Piece, whole
+from merge_pipeline.hf.config import model_section, text_section
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class ModelShape:
     # A Mamba hybrid's layer pattern (Nemotron-H): each layer's type, mamba / attention / mlp / moe.
     hybrid_pattern: tuple[str, ...] = ()
     linear_key_heads: int = 0  # Gated DeltaNet's key heads (linear_num_key_heads): its fused in_proj is per key head
+    keys_are_values: bool = False  # Gemma 4's attention_k_eq_v: its full-attention layers have no V of their own
+    kv_shared_from: int | None = None  # Gemma 4's first layer reusing an earlier one's K, V (num_kv_shared_layers)
+    experts_per_pool: int = 0  # ERNIE 4.5-VL's moe_num_experts: each expert pool's (_EXPERT_POOLS)
 
 
 # What a user whose architecture is refused can do instead.
@@ -101,14 +105,14 @@ def _bridge_family(architecture: str) -> families.Family:
 
 def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
     architecture, family = megatron_family(config, config_path)
-    text = config.get("text_config") or config
+    text = text_section(config)
     try:
         heads = int(text["num_attention_heads"])
         kv_heads = int(text.get("num_key_value_heads") or heads)
         head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError) as exc:
         raise MergeError(config_path, f"missing or invalid attention size {exc}") from None
-    vision = config.get("vision_config") or {}
+    vision = model_section(config).get("vision_config") or {}
     vision_heads = vision.get("num_heads")
     num_layers = text.get("num_hidden_layers")
     mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0  # Qwen3.5's name
@@ -130,6 +134,9 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         ),
         hybrid_pattern=_hybrid_pattern(text, config_path),
         linear_key_heads=int(text.get("linear_num_key_heads") or 0),
+        keys_are_values=text.get("attention_k_eq_v") is True,
+        kv_shared_from=_kv_shared_from(text),
+        experts_per_pool=_first(text.get("moe_num_experts")),
     )
 
 
@@ -149,6 +156,18 @@ def _hybrid_pattern(text: dict, config_path: Path) -> tuple[str, ...]:
     if unknown:
         raise MergeError(config_path, f"hybrid_override_pattern has unknown layer symbols {sorted(unknown)}")
     return tuple(_HYBRID_SYMBOLS[symbol] for symbol in symbols)
+
+
+def _kv_shared_from(text: dict) -> int | None:
+    """Gemma 4's first layer that reuses an earlier layer's K and V: its last num_kv_shared_layers are."""
+    shared, layers = text.get("num_kv_shared_layers"), text.get("num_hidden_layers")
+    return layers - shared if isinstance(shared, int) and shared > 0 and isinstance(layers, int) else None
+
+
+def _first(value: object) -> int:
+    """An int, or the first of a list of them (a size per expert pool); 0 when neither."""
+    value = value[0] if isinstance(value, list) and value else value
+    return value if isinstance(value, int) else 0
 
 
 # ---- how one stored parameter becomes HF tensors --------------------------------------------------
@@ -239,11 +258,17 @@ _HYBRID_MODULES = (
     ("mlp.shared_experts.", "moe"),
     ("mlp.", "mlp"),
 )
-# Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1).
+# Experts: stacked (experts.experts.linear_fc1 [E, ...]) or one key each (experts[.experts].<e>.linear_fc1); in one
+# of several pools (ERNIE 4.5-VL's mlp.text_moe_layer., mlp.vision_moe_layer.: _EXPERT_POOLS).
 _EXPERT_PARAM = re.compile(
-    r"mlp\.experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?(?P<rest>linear_fc[12]\..+)"
+    r"mlp\.(?P<pool>\w+_moe_layer\.)?experts\.(?:experts\.|local_experts\.)?(?:(?P<expert>\d+)\.)?"
+    r"(?P<rest>linear_fc[12]\..+)"
 )
+# ERNIE 4.5-VL's expert pools in Hugging Face's order: the vision pool's experts follow the text pool's
+# (HF expert e + moe_num_experts), and its expert-score bias holds a row per pool.
+_EXPERT_POOLS = ("mlp.text_moe_layer.", "mlp.vision_moe_layer.")
 # One expert's HF name in Megatron-Bridge's table: ``<...>.experts.<e>.gate_proj.weight`` (or up / down).
+_EXPERT_NUMBER = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 _PER_EXPERT = re.compile(r"(?P<experts>.+\.experts\.)(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight")
 # Gemma 4's attention saved per layer type (the bridge's ``Gemma4DenseSelfAttention.sharded_state_dict``):
 # ``self_attention_sliding.*`` stacks the sliding layers' copies, ``self_attention_global.*`` the full-attention
@@ -289,7 +314,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
     expert: int | None = None
     stacked_experts = False
     if expert_match is not None:
-        param = "mlp.experts." + expert_match["rest"]
+        param = f"mlp.{expert_match['pool'] or ''}experts.{expert_match['rest']}"
         if expert_match["expert"] is not None:
             expert = int(expert_match["expert"])
         else:
@@ -318,6 +343,7 @@ def _layer_params(key: str, layer_key: str, shape: tuple[int, ...]) -> Iterator[
 _BRIDGE_OPERATIONS = {
     "copy": lambda hf: Rename(hf[""]),
     "qkv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"], output_gate=True),
+    "qkv_own_kv": lambda hf: SplitQKV(hf["q"], hf["k"], hf["v"]),  # less the K, V a layer lacks: _bridge_outputs
     "gate_up": lambda hf: Chunk(hf["gate"], hf["up"]),
     "vision_qkv": lambda hf: RegroupQKV(hf[""]),
     "unsqueeze": lambda hf: Unsqueeze(hf[""]),
@@ -514,7 +540,7 @@ class KeyMapper:
             layer = in_layer.format(model=model, layer=p.layer)
             names = [f"{layer}{p.module}.{p.attr}"]
             if p.expert is not None:  # SequentialMLP's name, or TransformerEngine's grouped one (weight<expert>)
-                local = p.module.replace("mlp.experts.", f"mlp.experts.local_experts.{p.expert}.")
+                local = p.module.replace(".experts.", f".experts.local_experts.{p.expert}.", 1)
                 names = [f"{layer}{local}.{p.attr}", f"{layer}{p.module}.{p.attr}{p.expert}"]
             mapped = next((m for name in names if (m := self._bridge_outputs(name, p)) is not None), None)
             if mapped is None:
@@ -576,14 +602,35 @@ class KeyMapper:
             gathered = stacked["experts"] + ("gate_up_proj" if mapping.operation == "gate_up" else "down_proj")
             self.stacked.setdefault(gathered, []).append((int(stacked["expert"]), p.stored.piece()))
             return []
+        if mapping.operation == "stacked_experts":  # gathered per layer, written by outputs()
+            if p.expert is None or p.half:
+                return None
+            self.stacked.setdefault(hf[""], []).append((p.expert, p.stored.piece()))
+            return []
+        pool = next((i for i, pool in enumerate(_EXPERT_POOLS) if pool in name), None)
+        if mapping.operation == "pooled_rows":  # a row per expert pool, gathered like stacked experts
+            if pool is None:
+                return None
+            self.stacked.setdefault(hf[""], []).append((pool, p.stored.piece()))
+            return []
+        if mapping.expert_pool_offset:  # the HF expert after the earlier pools' experts
+            if pool is None or not self.model.experts_per_pool:
+                return None
+            offset = pool * self.model.experts_per_pool
+            hf = {role: _EXPERT_NUMBER.sub(lambda m: str(int(m[0]) + offset), n, count=1) for role, n in hf.items()}
         if mapping.operation == "vision_qkv" and not name.startswith("vision_model."):
             return None  # the regrouping is a vision tower's layout
         if mapping.operation == "saved_parts":
             return self._saved_part(mapping.parts, hf, p)
+        if hf.get("", "").endswith(".self_attn.k_norm.weight") and "k" in self._absent_kv(p.layer):
+            return []  # a KV-shared layer's K norm: Megatron's own, which the bridge's export drops
         operation = _BRIDGE_OPERATIONS.get(mapping.operation)
         if operation is None:
             return None
-        return self._apply(operation(hf), p, sizes)
+        operation = operation(hf)
+        if mapping.operation == "qkv_own_kv":  # as the bridge's export drops them
+            operation = replace(operation, absent=self._absent_kv(p.layer))
+        return self._apply(operation, p, sizes)
 
     def _saved_part(
         self, parts: dict[str, tuple[tuple[str, ...], bool]], hf: dict[str, str], p: _LayerParam
@@ -601,6 +648,16 @@ class KeyMapper:
         for operation in takers:
             self.parts.setdefault(operation, {})[p.part] = p.stored
         return []
+
+    def _absent_kv(self, layer: int) -> tuple[str, ...]:
+        """The K / V projections Gemma 4's HF model lacks at ``layer``, which exist only in Megatron (the bridge's
+        ``_is_synthesized_kv_projection``): K and V of a layer reusing an earlier layer's (num_kv_shared_layers), V of
+        a full-attention layer whose keys are its values (attention_k_eq_v)."""
+        if self.model.kv_shared_from is not None and layer >= self.model.kv_shared_from:
+            return ("k", "v")
+        types = self.model.layer_types
+        full = layer < len(types) and types[layer] == "full_attention"
+        return ("v",) if self.model.keys_are_values and full else ()
 
     # ---- one layer's parameter ----
 

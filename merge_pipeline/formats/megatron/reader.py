@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ from merge_pipeline.formats.megatron.names import KeyMapper, megatron_family, mo
 from merge_pipeline.formats.megatron.vocab import drop_vocab_padding
 from merge_pipeline.formats.safetensors_folder.reader import BRIDGE_ADAPTER_DIR, plan_hf_safetensors
 from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_vouches
-from merge_pipeline.hf.config import CheckpointConfig
+from merge_pipeline.hf.config import CheckpointConfig, model_section
 from merge_pipeline.hf.lora import ADAPTER_CONFIG
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, dtype_name
@@ -167,7 +167,7 @@ def plan_megatron(
     dist_dir = layout.dist_dir
     # An empty folder is normal: verl creates model/dist_ckpt/ even when the bridge saved HF files.
     checkpoint = _read_dist_checkpoint(dist_dir) if layout.weights != HF_FORMAT and _holds_files(dist_dir) else None
-    stored = _model_tensors(checkpoint, dist_dir / ".metadata") if checkpoint else {}
+    stored = _model_tensors(checkpoint) if checkpoint else {}
     _refuse_unexported_adapter(role_dir, layout, stored)
     if not stored:
         if layout.schema == MEGATRON_LM:
@@ -258,8 +258,13 @@ def _plan_dist_checkpoint(
 ) -> CheckpointPlan:
     dist_dir = layout.dist_dir
     metadata_path = dist_dir / METADATA
-    shapes = {k: tuple(v.size) for k, v in stored.items()}
-    lm = "language_model." if "text_config" in config else ""
+    # A scalar (Gemma 4's audio tower's clipping bounds) is mapped as one row and written as the scalar it is.
+    scalars = {k for k, v in stored.items() if not tuple(v.size)}
+    shapes = {k: tuple(v.size) or (1,) for k, v in stored.items()}
+    # The language model's keys: under language_model. in a multimodal model, under thinker. in an Omni one's.
+    lm = ("thinker." if "thinker_config" in config else "") + (
+        "language_model." if "text_config" in model_section(config) else ""
+    )
     value_model = _decide_value_model(shapes.get(f"{lm}output_layer.weight"), is_value_model, metadata_path)
     if not value_model and not tied and f"{lm}output_layer.weight" not in shapes:
         raise MergeError(
@@ -271,6 +276,7 @@ def _plan_dist_checkpoint(
             shapes, model_shape(config, config_path, value_model=value_model), config_path, metadata_path
         ).outputs()
         specs = drop_vocab_padding(specs, config, config_path, metadata_path)
+        specs = [replace(spec, shape=()) if spec.pieces[0].key in scalars else spec for spec in specs]
     except MergeError as exc:
         if checkpoint.key_prefix and exc.path == metadata_path:  # name the layout the keys came from
             raise MergeError(exc.path, f"Megatron-FSDP checkpoint (one DCP of DTensors): {exc.problem}") from None
@@ -315,18 +321,14 @@ def _read_dist_checkpoint(dist_dir: Path) -> _DistCheckpoint:
     return _DistCheckpoint(read_dcp_metadata(dist_dir / ".metadata"), "torch_dist", "")
 
 
-def _model_tensors(checkpoint: _DistCheckpoint, metadata_path: Path) -> dict[str, TensorStorageMetadata]:
+def _model_tensors(checkpoint: _DistCheckpoint) -> dict[str, TensorStorageMetadata]:
     """Model weights only, by their Megatron names: not optimizer state, not ``_extra_state`` / RNG entries."""
     prefix = checkpoint.key_prefix
-    stored = {
+    return {
         k.removeprefix(prefix): v
         for k, v in checkpoint.metadata.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(v, TensorStorageMetadata) and not _NOT_MODEL.search(k)
     }
-    for key, meta in stored.items():
-        if not tuple(meta.size):
-            raise MergeError(metadata_path, f"{prefix}{key}: a scalar tensor is not a model weight")
-    return stored
 
 
 def _check_backend(path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.output_specs import OutputSpec, Piece
+from merge_pipeline.hf.config import text_section
 
 _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -21,7 +22,7 @@ def drop_vocab_padding(
     specs: list[OutputSpec], config: dict, config_path: Path, metadata_path: Path
 ) -> list[OutputSpec]:
     """``specs`` with the embedding and output layer cut to the config's ``vocab_size`` rows."""
-    vocab = (config.get("text_config") or config).get("vocab_size")
+    vocab = text_section(config).get("vocab_size")
     if not isinstance(vocab, int) or vocab < 1:
         return specs
     out = []

@@ -1,8 +1,6 @@
 """Every architecture Megatron-Bridge registers (``merge_pipeline/bridge_mappings.json``, generated from the
 installed bridge) is accounted for: merged and proven against the bridge's own export
-(``families.MEGATRON_PROVEN``, with its fixture's layout), merged by a hand family proven on megatron-core's
-own fixtures with the reason its bridge build does not run here (``families.BRIDGE_NOT_BUILT``), or refused
-with the exact reason (``families.MEGATRON_REFUSED``), which the refusal message and docs/LAYOUTS.md say."""
+(``families.MEGATRON_PROVEN``, with its fixture's layout), or refused with the exact reason (``families.MEGATRON_REFUSED``), which the refusal message and docs/LAYOUTS.md say."""
 
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ def _mapped(architecture: str) -> bool:
 def test_registered_architecture_is_accounted_for(architecture):
     accounts = [
         architecture in families.MEGATRON_PROVEN,
-        architecture in families.BRIDGE_NOT_BUILT,
         architecture in families.MEGATRON_REFUSED,
     ]
     assert accounts.count(True) == 1, (architecture, accounts)
@@ -47,15 +44,13 @@ def test_registered_architecture_is_accounted_for(architecture):
 def test_layouts_md_has_a_row_per_registered_architecture():
     text = LAYOUTS.read_text()
     for architecture in REGISTERED:
-        said = (
-            families.MEGATRON_PROVEN.get(architecture)
-            or families.BRIDGE_NOT_BUILT.get(architecture)
-            or families.MEGATRON_REFUSED[architecture]
-        )
+        said = families.MEGATRON_PROVEN.get(architecture) or families.MEGATRON_REFUSED[architecture]
         rows = [line for line in text.splitlines() if line.startswith(f"| `{architecture}` |")]
         assert any(said in row for row in rows), f"docs/LAYOUTS.md: no row for {architecture} saying {said!r}"
 
 
 def test_accounts_name_only_registered_or_known_architectures():
-    for architecture in (*families.MEGATRON_PROVEN, *families.BRIDGE_NOT_BUILT):
+    for architecture in families.MEGATRON_PROVEN:
         assert architecture in REGISTERED, architecture
+    for variant in families.BRIDGE_VARIANTS:  # another form of a proven architecture
+        assert variant.partition("+")[0] in families.MEGATRON_PROVEN, variant
