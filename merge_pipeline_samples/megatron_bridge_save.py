@@ -113,6 +113,19 @@ _GATED_DELTANET_SIZES = dict(
     layer_types=["linear_attention", "full_attention"],
     shared_expert_intermediate_size=32,
 )
+# A MoE Gemma 4 (the bridge's default registry; as Gemma 4 26B-A4B: K = V on its full-attention layers, no per-layer
+# embeddings), with or without its towers.
+_GEMMA4_MOE = dict(
+    tie_word_embeddings=True,
+    hidden_size_per_layer_input=0,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    attention_k_eq_v=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+)
 # Sizes one architecture's bridge needs: OLMoE's bridge maps its q/k norms (HF: over all heads of q, of k) onto
 # megatron-core's over the hidden size, as in OLMoE's released configs, where every head has its own keys.
 # The Gemma and Exaone 4 bridges map no output layer (Gemma's share it whatever the config says): their tiny
@@ -138,19 +151,8 @@ _ARCHITECTURE_SIZES = {
             global_head_dim=32,
         ),
     ),
-    # A MoE Gemma 4 (the bridge's default registry; as Gemma 4 26B-A4B: K = V on its full-attention layers, no
-    # per-layer embeddings): a fixture of its own, ``Gemma4ForCausalLM+moe``.
-    "Gemma4ForCausalLM+moe": dict(
-        tie_word_embeddings=True,
-        hidden_size_per_layer_input=0,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        enable_moe_block=True,
-        attention_k_eq_v=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-    ),
+    # The MoE Gemma 4: a fixture of its own, ``Gemma4ForCausalLM+moe``.
+    "Gemma4ForCausalLM+moe": _GEMMA4_MOE,
     # ERNIE 4.5-VL's two expert pools (text, vision): an intermediate size each; its first layer dense, as released;
     # its multimodal rotary sections cover the tiny heads' rotary frequencies.
     "Ernie4_5_VLMoeForConditionalGeneration": dict(
@@ -161,17 +163,7 @@ _ARCHITECTURE_SIZES = {
         rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[3, 3, 2]),
     ),
     # A MoE Gemma 4 with its towers (as Gemma 4 26B-A4B's vision, and an audio tower the bridge maps too).
-    "Gemma4ForConditionalGeneration+moe": dict(
-        tie_word_embeddings=True,
-        hidden_size_per_layer_input=0,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        enable_moe_block=True,
-        attention_k_eq_v=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-    ),
+    "Gemma4ForConditionalGeneration+moe": _GEMMA4_MOE,
     # A dense Gemma 4 whose last layers reuse earlier layers' keys and values (num_kv_shared_layers, as Gemma 4 E2B
     # and E4B): they have no K, V or K norm of their own.
     "Gemma4ForCausalLM+kv_shared": dict(
