@@ -49,7 +49,7 @@ class ModelConfig:
 
     @cached_property
     def tie_word_embeddings(self) -> bool:
-        for section in (self.raw, self.raw.get("text_config") or {}, model_section(self.raw), text_section(self.raw)):
+        for section in (self.raw, model_section(self.raw), text_section(self.raw)):
             if "tie_word_embeddings" in section:
                 return bool(section["tie_word_embeddings"])
         # Not stated: the model type's own default. Only then pay for importing transformers (~1 s).
