@@ -6,8 +6,10 @@ Imports only the standard library and torch: the writers that use it run in thei
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
+import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -29,3 +31,19 @@ def _rank(rank: int, save: Callable[..., None], args: tuple, world_size: int, po
         save(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    _leave_without_teardown()
+
+
+def _leave_without_teardown() -> None:
+    """End a rank that finished without the interpreter's teardown: gloo's C++ objects that outlive the process
+    group can still own a running thread, and destroying them at exit aborts the rank ("terminate called without
+    an active exception", pytorch/gloo#155) after its files were written (seen in CI rehearsals with the
+    torchtitan and NeMo-Automodel writers). The rank's own child processes (a multiprocessing manager's server,
+    which megatron-core's saving starts) are stopped first: skipped teardown would leave them holding the writer's
+    output pipes open, and whoever reads them waiting."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

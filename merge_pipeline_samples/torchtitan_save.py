@@ -25,17 +25,14 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script in torchtitan's venv
 from merge_pipeline.families import by_model_type  # noqa: E402  (after the path it is found on)
+from merge_pipeline_samples.gloo_ranks import spawn_gloo_ranks  # noqa: E402
 
 # family -> (torchtitan flavor, HF model_type); the HF config is derived from the torchtitan config below.
 FAMILIES = {
@@ -161,20 +158,9 @@ def _stub_flash_linear_attention() -> None:
             setattr(sys.modules[name], attribute, None)
 
 
-def _run_rank(rank: int, families: list[str], out: str, world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        for family in families:
-            _save_family(rank, family, Path(out) / family, world_size)
-    finally:
-        dist.destroy_process_group()
-    # Leave without the interpreter's teardown: gloo's C++ objects that outlive the process group can still own
-    # a running thread, and destroying them at exit aborts the rank ("terminate called without an active
-    # exception", pytorch/gloo#155) after its files were written. Only a rank that finished gets here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _save_families(rank: int, world_size: int, out: str, families: list[str]) -> None:
+    for family in families:
+        _save_family(rank, family, Path(out) / family, world_size)
 
 
 def _save_family(rank: int, family: str, out: Path, world_size: int) -> None:
@@ -482,14 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as probe:  # a free port for the ranks' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(
-        _run_rank,
-        args=(args.family, str(args.out_dir), args.world_size, port),
-        nprocs=args.world_size,
-    )
+    spawn_gloo_ranks(_save_families, (str(args.out_dir), args.family), args.world_size)
     # torchtitan's forward, after the ranks have left: rank 0 computing it alone while its peer went on
     # widened gloo's teardown race (pytorch/gloo#155: "terminate called without an active exception").
     for family in set(args.family) & set(LOGITS):

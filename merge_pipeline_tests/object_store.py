@@ -55,12 +55,13 @@ def s3_server(tmp_path_factory):
     command = [
         weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", "-volume.max=500",
-        "-master.volumeSizeLimitMB=64", "-s3", f"-s3.port={s3}", f"-s3.config={config}",
+        "-master.volumeSizeLimitMB=64", "-volume.minFreeSpace=256MiB", "-s3", f"-s3.port={s3}", f"-s3.config={config}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", "-metricsPort=0",
     ]  # fmt: skip
-    # Every bucket is a collection; by default each grows 7 volumes at once, and with the volume count derived from
-    # the free disk a CI machine with a fuller disk ran out of volumes mid-suite (S3 "internal error"): one volume
-    # per collection, a fixed count, and each test's bucket removed after it.
+    # Every bucket is a collection, which grows 7 volumes at once by default, and volumes turn read-only once the disk
+    # has less than 1 % free (2.5 GB of this machine's disk, which the suite's checkpoints reached in a CI run: every
+    # later write an S3 "internal error"): one volume per collection, a fixed count, a floor of 256 MiB, and each
+    # test's bucket removed after it.
     env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
     with open(root / "weed.log", "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
