@@ -39,10 +39,11 @@ def _leave_without_teardown() -> None:
     group can still own a running thread, and destroying them at exit aborts the rank ("terminate called without
     an active exception", pytorch/gloo#155) after its files were written (seen in CI rehearsals with the
     torchtitan and NeMo-Automodel writers). The rank's own child processes (a multiprocessing manager's server,
-    which megatron-core's saving starts) are stopped first: skipped teardown would leave them holding the writer's
-    output pipes open, and whoever reads them waiting."""
+    which megatron-core's saving starts) are killed first: skipped teardown would leave them holding the writer's
+    output pipes open, and whoever reads them waiting. SIGKILL, as SIGTERM may be ignored: processes inherit
+    ignored signals, and CI's tree ignores SIGTERM (a CI rehearsal hung on a manager that outlived terminate())."""
     for child in multiprocessing.active_children():
-        child.terminate()
+        child.kill()
         child.join()
     sys.stdout.flush()
     sys.stderr.flush()
