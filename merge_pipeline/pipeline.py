@@ -283,9 +283,8 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
             inputs.append(AveragedInput(one.plan, one.outputs, weight))
             configs[one.plan.role_dir] = one.config
         # local_dir names one of the inputs: its folder as planned (a store input's is its local view)
-        named = [_named_folder(path) for path in options.average_inputs]
-        at = named.index(_named_folder(local_dir)) if _named_folder(local_dir) in named else None
-        reference = inputs[at].plan.role_dir if at is not None else Path(local_dir).absolute()
+        named, wanted = [_named_folder(path) for path in options.average_inputs], _named_folder(local_dir)
+        reference = inputs[named.index(wanted)].plan.role_dir if wanted in named else Path(local_dir).absolute()
         plan, outputs = average_plan(
             inputs,
             reference,
