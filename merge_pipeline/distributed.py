@@ -94,6 +94,10 @@ def assign_shards(files: list[ShardFile], world_size: int) -> list[list[ShardFil
     return assigned
 
 
+class RanksFailedTogether(MergeError):
+    """Raised on every rank at the same collective, so every rank can still meet the others once more."""
+
+
 def _agree(error: str | None) -> None:
     """Collective: every rank learns whether any rank failed; all raise the first failure."""
     errors: list[str | None] = [None] * dist.get_world_size()
@@ -102,7 +106,7 @@ def _agree(error: str | None) -> None:
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
-        raise MergeError(None, message if rank == dist.get_rank() else f"rank {rank} failed: {message}")
+        raise RanksFailedTogether(None, message if rank == dist.get_rank() else f"rank {rank} failed: {message}")
 
 
 def _attempt(step) -> str | None:
@@ -121,13 +125,23 @@ def _process_group(timeout_seconds: float | None):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=dist_timeout(timeout_seconds)))
     try:
         yield dist.get_rank(), dist.get_world_size()
-        with _peers_answer():
-            # Every rank's last messages are delivered before any rank tears down its connections:
-            # without it a rank that finished first could abort a peer still reading ("terminate called").
-            dist.barrier()
-            _all_left_the_barrier(dist_timeout(timeout_seconds))
+        _leave_together(timeout_seconds)
+    except RanksFailedTogether:
+        # torchrun SIGTERMs every rank once one exits non-zero: a rank leaving at once would kill the lead
+        # while it removes its staging folder. The failure stays the one to report, whatever this wait meets.
+        with contextlib.suppress(MergeError):
+            _leave_together(timeout_seconds)
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _leave_together(timeout_seconds: float | None) -> None:
+    with _peers_answer():
+        # Every rank's last messages are delivered before any rank tears down its connections:
+        # without it a rank that finished first could abort a peer still reading ("terminate called").
+        dist.barrier()
+        _all_left_the_barrier(dist_timeout(timeout_seconds))
 
 
 def _all_left_the_barrier(timeout_seconds: float) -> None:

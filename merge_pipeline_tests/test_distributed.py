@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import time
 
 import psutil
@@ -15,7 +17,7 @@ from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import run_cli, torchrun, tree_digest
+from merge_pipeline_tests.helpers import TORCHRUN, run_cli, torchrun, tree_digest
 
 SPEC = FsdpSpec(
     world_size=4, hidden_size=256, num_layers=4, vocab_size=8000, intermediate_size=512, with_optimizer=False
@@ -75,6 +77,40 @@ def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_check
         _, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the rerun cleans the dead merge's staging"
+
+
+# A failure every rank agrees on while the lead still has cleaning up to do (its staging folder to remove).
+_FAILING_RANKS = """
+import sys, time
+from merge_pipeline.distributed import TorchrunRanks, _process_group
+from merge_pipeline.errors import MergeError
+
+def refuse():
+    raise MergeError(None, "the input changed")
+
+with _process_group(60) as (rank, world):
+    ranks = TorchrunRanks(rank, world)
+    try:
+        ranks.everywhere(refuse if rank == 1 else lambda: None)
+    finally:
+        if ranks.lead:
+            time.sleep(2)
+            open(sys.argv[1], "w").write("cleaned up")
+"""
+
+
+@pytest.mark.torchrun
+def test_ranks_failing_together_wait_for_the_lead_to_clean_up(tmp_path):
+    """torchrun SIGTERMs the other ranks as soon as one exits non-zero: the lead must have finished by then."""
+    script, marker = tmp_path / "ranks.py", tmp_path / "cleaned"
+    script.write_text(_FAILING_RANKS)
+    command = [TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script), str(marker)]
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert run.returncode != 0
+    assert "the input changed" in run.stderr
+    assert marker.read_text() == "cleaned up", run.stderr[-2000:]
 
 
 @pytest.mark.torchrun
