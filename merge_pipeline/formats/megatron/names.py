@@ -52,7 +52,8 @@ class ModelShape:
     vision_heads: int | None
     value_model: bool
     num_layers: int | None  # decoder layers: multi-token-prediction layer k is HF layer num_layers + k
-    mtp_layers: int  # num_nextn_predict_layers
+    mtp_layers: int
+    mtp_setting: str  # the config key that counts them: num_nextn_predict_layers, or Qwen3.5's mtp_num_hidden_layers
     # Gemma 4: a dense model (enable_moe_block false) has a registry of its own in the bridge's table; its
     # layers' attention types (layer_types), and its full-attention layers' KV heads and head_dim.
     dense: bool = False
@@ -103,6 +104,9 @@ def _bridge_family(architecture: str) -> families.Family:
     return families.Family(architecture, architecture, (architecture,), from_bridge=True)
 
 
+_MTP_SETTINGS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # the second: Qwen3-Next's and Qwen3.5's
+
+
 def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelShape:
     architecture, family = megatron_family(config, config_path)
     text = text_section(config)
@@ -115,7 +119,7 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
     vision = model_section(config).get("vision_config") or {}
     vision_heads = vision.get("num_heads")
     num_layers = text.get("num_hidden_layers")
-    mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0  # Qwen3.5's name
+    mtp_setting = next((k for k in _MTP_SETTINGS if k in text), _MTP_SETTINGS[0])
     global_head_dim = text.get("global_head_dim")
     return ModelShape(
         architecture,
@@ -126,7 +130,8 @@ def model_shape(config: dict, config_path: Path, *, value_model: bool) -> ModelS
         vision_heads,
         value_model,
         num_layers,
-        mtp_layers,
+        text.get(mtp_setting) or 0,
+        mtp_setting,
         dense=text.get("enable_moe_block") is False,
         layer_types=tuple(text.get("layer_types") or ()),
         global_attention=(
@@ -384,7 +389,7 @@ class KeyMapper:
             raise MergeError(
                 self.config_path,
                 f"the checkpoint has {len(self.mtp_modules)} multi-token-prediction module(s) (mtp.layers.*) "
-                f"but num_nextn_predict_layers is {self.model.mtp_layers}",
+                f"but {self.model.mtp_setting} is {self.model.mtp_layers}",
             )
         self._check_hybrid_pattern()
         specs: list[OutputSpec] = []

@@ -194,11 +194,13 @@ def test_glm_mtp_module_has_deepseek_names_and_qkv_biases(merged):
     assert same_bits(files["model.layers.4.shared_head.head.weight"], files["lm_head.weight"])
 
 
-def test_mtp_modules_the_config_does_not_declare_are_one_line(fresh_megatron, tmp_path, capsys):
-    """MTP trained on a model whose config.json says no MTP layers: refused, naming the setting."""
+@pytest.mark.parametrize("setting", ["num_nextn_predict_layers", "mtp_num_hidden_layers"])  # DeepSeek's, Qwen3.5's
+def test_mtp_modules_the_config_does_not_declare_are_one_line(fresh_megatron, tmp_path, capsys, setting):
+    """MTP trained on a model whose config.json says no MTP layers: refused, naming the setting it has."""
     sample = fresh_megatron("deepseek_v3_mtp")
     config_path = sample.role_dir / "huggingface" / "config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "num_nextn_predict_layers": 0}))
+    config = {k: v for k, v in json.loads(config_path.read_text()).items() if k != "num_nextn_predict_layers"}
+    config_path.write_text(json.dumps({**config, setting: 0}))
     before = tree_digest(sample.role_dir)
     code, _, err = run_cli(
         capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--no-progress"
@@ -206,6 +208,6 @@ def test_mtp_modules_the_config_does_not_declare_are_one_line(fresh_megatron, tm
     assert code != 0
     lines = error_lines(err)
     assert len(lines) == 1 and "config.json" in lines[0]
-    assert "1 multi-token-prediction module(s) (mtp.layers.*) but num_nextn_predict_layers is 0" in lines[0]
+    assert f"1 multi-token-prediction module(s) (mtp.layers.*) but {setting} is 0" in lines[0]
     assert not (tmp_path / "out").exists()
     assert tree_digest(sample.role_dir) == before
