@@ -62,7 +62,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.model_card import CARD, readme_to_publish, render_card
-from merge_pipeline.storage import store_object
+from merge_pipeline.storage import sha256_uploaded_with, store_object
 
 log = logging.getLogger("merge_pipeline")
 
@@ -219,9 +219,7 @@ class _Upload:
                 sum(f.size for f in send),
                 len(stale),
             )
-            operations = [CommitOperationAdd(f.path, _client_source(f.source)) for f in send] + [
-                CommitOperationDelete(p) for p in stale
-            ]
+            operations = [_addition(f) for f in send] + [CommitOperationDelete(p) for p in stale]
             self.api.create_commit(self.repo_id, operations, commit_message=self.message, revision=self.revision)
         else:
             log.info("hub: %s@%s already holds all %d files", self.repo_id, self.revision, len(files))
@@ -390,8 +388,8 @@ def _local_files(folder: Path, manifest: dict) -> dict[str, _Local]:
         raise MergeError(folder, f"does not match its {MANIFEST} ({'; '.join(what)}): merge again")
     files = {}
     for path, local in on_disk.items():
-        files[path] = _hash(path, local)
         expected = listed.get(path)
+        files[path] = _recorded(path, local, expected) or _hash(path, local)
         if expected is not None and (files[path].size, files[path].sha256) != (expected["size"], expected["sha256"]):
             raise MergeError(
                 local,
@@ -399,6 +397,30 @@ def _local_files(folder: Path, manifest: dict) -> dict[str, _Local]:
             )
     files.pop(CARD, None)
     return files
+
+
+def _recorded(path: str, source: Path, expected: dict | None) -> _Local | None:
+    """A weight file of a store that its merge uploaded with the manifest's sha256 (the object's metadata):
+    not read to be hashed. The client's own hash, compared before the commit (``_addition``), reads it once;
+    no git blob id, as the Hub keeps weights in LFS."""
+    stored = store_object(source)
+    if stored is None or expected is None or stored.identity.size != expected["size"]:
+        return None
+    if sha256_uploaded_with(stored) != expected["sha256"]:
+        return None
+    return _Local(path, expected["size"], expected["sha256"], None, source)
+
+
+def _addition(local: _Local) -> CommitOperationAdd:
+    """The client hashes what it will send: anything but the bytes checked is refused before the commit."""
+    addition = CommitOperationAdd(local.path, _client_source(local.source))
+    sent = (addition.upload_info.size, addition.upload_info.sha256.hex())
+    if sent != (local.size, local.sha256):
+        raise MergeError(
+            local.source if isinstance(local.source, Path) else local.path,
+            f"changed while it was being uploaded (sha256 {sent[1]}, expected {local.sha256}): nothing was committed",
+        )
+    return addition
 
 
 def _hash(path: str, source: Path | bytes) -> _Local:

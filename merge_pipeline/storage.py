@@ -547,11 +547,27 @@ def _uploaded(store: StoreLocation, key: str, size: int) -> str | None:
     try:
         if int(store.fs.info(key, refresh=True)["size"]) != size:
             return None
-        if _is_gcs(store.fs):
-            return (store.fs.info(key, refresh=True).get("metadata") or {}).get("sha256")
-        return store.fs.metadata(key, refresh=True).get("sha256")
+        return _recorded_sha256(store, key)
     except (FileNotFoundError, AttributeError, NotImplementedError):
         return None
+
+
+def sha256_uploaded_with(obj: StoreObject) -> str | None:
+    """The sha256 a merge uploaded ``obj`` with (``_digest_metadata``), if it is still the object listed;
+    None where the store keeps no such metadata or the object is another one now."""
+    with asking(obj.url):
+        try:
+            if ObjectIdentity.of(obj.store.fs.info(obj.key, refresh=True)).etag != obj.identity.etag:
+                return None
+            return _recorded_sha256(obj.store, obj.key)
+        except (FileNotFoundError, AttributeError, NotImplementedError):
+            return None
+
+
+def _recorded_sha256(store: StoreLocation, key: str) -> str | None:
+    if _is_gcs(store.fs):
+        return (store.fs.info(key, refresh=True).get("metadata") or {}).get("sha256")
+    return store.fs.metadata(key, refresh=True).get("sha256")
 
 
 def local_twin(url: str) -> Path:

@@ -26,6 +26,7 @@ import pytest
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import describe, merge
+from merge_pipeline.storage import sha256_uploaded_with, store_object, viewed
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest
 from merge_pipeline_tests.hub.conftest import hub  # noqa: F401 (the Hub-compatible server, for `upload`)
@@ -277,6 +278,36 @@ def test_upload_from_the_store_puts_the_merged_files_on_the_hub(capsys, bucket, 
     assert out.startswith(f"uploaded to {hub.endpoint}/org/from-store: ") and "all verified" in out
     on_hub = {p: hashlib.sha256(data).hexdigest() for p, data in hub.tree("org/from-store").items()}
     assert {p: d for p, d in on_hub.items() if p not in ("README.md", ".gitattributes")} == tree_digest(local)
+
+
+def test_upload_from_the_store_reads_a_weight_file_unhashed_only_where_its_merge_recorded_the_sha256(
+    capsys,
+    bucket,
+    hub,  # noqa: F811
+    fsdp_checkpoint,
+    tmp_path,
+):
+    """The merge's own objects carry its sha256 (metadata set with the bytes): ``upload`` need not read them to
+    hash them. An object put there by another tool carries none: read and hashed, refused if not the manifest's."""
+    fs, b = bucket
+    url, local = _merged_in_store_and_here(fs, b, fsdp_checkpoint(FsdpSpec(world_size=3)), tmp_path)
+    manifest = json.loads((local / "merge_manifest.json").read_text())["files"]
+    first, second = sorted(p.name for p in local.glob("model-*.safetensors"))[:2]
+    fs.put_file(str(local / first), f"{b}/merged/{first}")  # the same bytes, copied by hand: no metadata
+    with viewed(url, merged=True) as folder:
+        recorded = {name: sha256_uploaded_with(store_object(folder / name)) for name in (first, second)}
+    assert recorded == {first: None, second: manifest[second]["sha256"]}
+
+    code, out, err = run_cli(capsys, "upload", url, "org/from-store")
+    assert code == 0, err
+    assert hashlib.sha256(hub.tree("org/from-store")[first]).hexdigest() == manifest[first]["sha256"]
+
+    other = bytearray((local / first).read_bytes())
+    other[-1] ^= 0xFF
+    fs.pipe_file(f"{b}/merged/{first}", bytes(other))
+    code, out, err = run_cli(capsys, "upload", url, "org/changed")
+    assert code == 1 and error_lines(err)[0].startswith(f"error: {url}/{first}: changed since the merge (sha256 ")
+    assert ("model", "org/changed") not in hub.repos
 
 
 def test_a_prefix_without_its_manifest_is_refused_by_test_diff_and_upload(capsys, bucket, hub, fsdp_checkpoint):  # noqa: F811

@@ -26,6 +26,7 @@ import secrets
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -107,6 +108,7 @@ class _Rule:
     times: int
     status: int | None  # None: drop the connection
     echo_headers: bool = False
+    action: Callable[[], None] | None = None  # run, then the request served as usual
 
 
 class HubError(Exception):
@@ -155,6 +157,11 @@ class FakeHub:
     def drop(self, method: str, path_regex: str, *, times: int = 1) -> None:
         """Close the connection half-way through the next ``times`` matching requests' bodies."""
         self._rules.append(_Rule(method, re.compile(path_regex), times, None))
+
+    def before(self, method: str, path_regex: str, action: Callable[[], None]) -> None:
+        """Run ``action`` when the next matching request arrives, then serve it: something the client's
+        user does while the client waits on the Hub."""
+        self._rules.append(_Rule(method, re.compile(path_regex), 1, None, action=action))
 
     def corrupt(self, path_in_repo: str) -> None:
         """From now on, store a file committed at ``path_in_repo`` with one bit flipped: a faulty mirror."""
@@ -280,6 +287,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.segments = [unquote(s) for s in url.path.split("/")[1:]]
         self.base = f"http://{self.headers['Host']}"
         rule = self._matching_rule(hub, method, url.path)
+        if rule is not None and rule.action is not None:
+            rule.action()
+            rule = None
         if rule is not None and rule.status is None:
             self._drop()
             hub.requests.append(Request(method, url.path, None))

@@ -211,6 +211,20 @@ def test_local_problems_are_refused_before_any_upload(hub, merged_folder, tmp_pa
     assert not [r for r in hub.requests if r.method in ("POST", "PUT")]  # refused before writing anything
 
 
+def test_a_file_changed_after_its_check_is_refused_before_the_commit(hub, merged_folder, tmp_path):
+    """The client hashes what it sends; bytes other than those checked against the manifest never reach a commit."""
+    folder = shutil.copytree(merged_folder, tmp_path / "changing")
+    weights = folder / "model-00002-of-00003.safetensors"
+    hub.before("GET", r"/tree/", lambda: weights.write_bytes(bytes(weights.stat().st_size)))  # checked by then
+    with pytest.raises(MergeError) as refused:
+        upload(folder)
+    assert re.fullmatch(
+        rf"{weights}: changed while it was being uploaded \(sha256 \w+, expected \w+\): nothing was committed",
+        str(refused.value),
+    )
+    assert not hub.sent("POST", "/commit/") and not lfs_puts(hub)
+
+
 def test_an_unreachable_hub_is_retried_then_reported(hub, merged_folder, monkeypatch, caplog):
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
