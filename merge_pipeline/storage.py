@@ -359,13 +359,7 @@ def viewed(location_or_url: str | Path, *, merged: bool = False) -> Iterator[Pat
             local = root / relative
             local.parent.mkdir(parents=True, exist_ok=True)
             if relative.endswith(WEIGHT_SUFFIXES):
-                with open(local, "wb") as f:
-                    f.truncate(int(info["size"]))  # sparse: stat tells its size, reads go to the store
-                with _OBJECTS_LOCK:
-                    _OBJECTS[local.absolute()] = StoreObject(
-                        store, store.key(relative), store.url_of(relative), ObjectIdentity.of(info)
-                    )
-                registered.append(local.absolute())
+                registered.append(placeholder(local, store, relative, info))
             else:
                 small.append((store.key(relative), str(local)))
         if sum(int(objects[k[len(store.path) + 1 :]]["size"]) for k, _ in small) > DOWNLOADED_BYTES:
@@ -380,10 +374,25 @@ def viewed(location_or_url: str | Path, *, merged: bool = False) -> Iterator[Pat
         with show_folder_as(root, store.url):
             yield root
     finally:
-        with _OBJECTS_LOCK:
-            for path in registered:
-                _OBJECTS.pop(path, None)
+        forget_placeholders(registered)
         shutil.rmtree(root.parent, ignore_errors=True)
+
+
+def placeholder(local: Path, store: StoreLocation, relative: str, info: dict) -> Path:
+    """A sparse file at ``local`` standing for the object ``relative`` listed with ``info``: stat tells its
+    size, reads go to the store (``store_object``), pinned to the ETag listed. Its absolute path."""
+    with open(local, "wb") as f:
+        f.truncate(int(info["size"]))
+    local = local.absolute()
+    with _OBJECTS_LOCK:
+        _OBJECTS[local] = StoreObject(store, store.key(relative), store.url_of(relative), ObjectIdentity.of(info))
+    return local
+
+
+def forget_placeholders(paths: list[Path]) -> None:
+    with _OBJECTS_LOCK:
+        for path in paths:
+            _OBJECTS.pop(path, None)
 
 
 # --- publishing a merged folder into a store --------------------------------------------------------------

@@ -5,7 +5,9 @@ folder (``formats.completeness``: markers, their contents, modification times). 
 a listing of a store prefix found under a temporary folder, at the same relative paths: each object a
 sparse file of its size whose modification time is the object's ``LastModified``, small files that are
 no weight files (trackers, ``latest``, ``ckpt_contents.json``) downloaded, each folder dated by its
-newest object. The readers' own answers then hold for the store unchanged, and no weight byte is read.
+newest object. The readers' own answers then hold for the store unchanged. A weight file is read only
+where a reader's rule asks for a few of its bytes, through ranged GETs (``storage.placeholder``):
+DeepSpeed's model states say the data-parallel world size in their pickle.
 
 Listings go one folder at a time (``Delimiter='/'``), ``LIST_PAGE_KEYS`` keys per request, so a tick
 never holds a whole bucket's listing in one answer. ``StoreURL`` is a store prefix that joins and
@@ -22,7 +24,16 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 
-from merge_pipeline.storage import MANIFEST, WEIGHT_SUFFIXES, StoreLocation, asking, is_s3, location
+from merge_pipeline.storage import (
+    MANIFEST,
+    WEIGHT_SUFFIXES,
+    StoreLocation,
+    asking,
+    forget_placeholders,
+    is_s3,
+    location,
+    placeholder,
+)
 
 LIST_PAGE_KEYS = int(os.environ.get("MERGE_PIPELINE_LIST_PAGE_KEYS", 1000))  # S3's own maximum per request
 MARKER_BYTES = 64 << 10  # a file the readers read to judge a save (a step number, a tag, a JSON) is smaller
@@ -103,6 +114,7 @@ class Mirror:
     def __init__(self) -> None:
         self.top = Path(tempfile.mkdtemp(prefix="merge_pipeline-listing-"))
         self.newest: dict[Path, float] = {}  # each folder's newest object listed so far
+        self.placeholders: list[Path] = []  # weight files, read through the store if a reader asks
 
     def __enter__(self) -> Mirror:
         return self
@@ -111,6 +123,7 @@ class Mirror:
         self.close()
 
     def close(self) -> None:
+        forget_placeholders(self.placeholders)
         shutil.rmtree(self.top, ignore_errors=True)
 
     def folder(self, url: str) -> Path:
@@ -132,10 +145,13 @@ class Mirror:
                     continue  # a folder marker, or a key no reader's path could name
                 local = base / relative
                 local.parent.mkdir(parents=True, exist_ok=True)
-                with open(local, "wb") as f:
-                    f.truncate(int(info["size"]))  # sparse: the size, no bytes
-                if int(info["size"]) <= MARKER_BYTES and not relative.endswith(WEIGHT_SUFFIXES):
-                    small.append((info["Key"], local))
+                if relative.endswith(WEIGHT_SUFFIXES):
+                    self.placeholders.append(placeholder(local, store, relative, info))
+                else:
+                    with open(local, "wb") as f:
+                        f.truncate(int(info["size"]))  # sparse: the size, no bytes
+                    if int(info["size"]) <= MARKER_BYTES:
+                        small.append((info["Key"], local))
                 listed[local] = _timestamp(info["LastModified"])
             for prefix in folders:
                 name = prefix.rstrip("/").rsplit("/", 1)[-1]

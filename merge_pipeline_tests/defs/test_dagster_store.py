@@ -18,6 +18,7 @@ from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.defs.helpers import ACTOR, asset, materialize
 from merge_pipeline_tests.defs.test_dagster_sensor import requested, tick
+from merge_pipeline_tests.defs.test_sensor_stacks import DEEPSPEED, DEEPSPEED_DONE
 from merge_pipeline_tests.helpers import assert_bit_exact
 from merge_pipeline_tests.object_store import SECRET_KEY
 
@@ -94,6 +95,36 @@ def test_without_a_marker_the_objects_modification_times_settle_a_step(bucket, f
     settled = tick(instance, settings, first.cursor)
     assert requested(settled) == [KEY]
     assert "no file changed for" in settled.asset_events[0].metadata["completeness"].value
+
+
+@pytest.mark.slow
+def test_a_deepspeed_save_in_the_bucket_is_complete_by_its_model_states_not_the_settle_time(
+    bucket, deepspeed_checkpoints, instance
+):
+    """DeepSpeed's rule reads the data-parallel world size from the model states' pickle: in a store, a few
+    ranged GETs of that object, and no settle time to wait once ``latest`` names the tag."""
+    fs, b = bucket
+    save_dir, prefix = deepspeed_checkpoints[DEEPSPEED][0], f"{b}/ckpts/ds/ckpt"
+    late = "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    for path in sorted(p for p in save_dir.rglob("*") if p.is_file() and p.name != "latest"):
+        if path.relative_to(save_dir).as_posix() != late:
+            fs.put_file(str(path), f"{prefix}/{path.relative_to(save_dir).as_posix()}")
+
+    def save_latest() -> None:
+        time.sleep(1.1)  # after the tag's objects: LastModified counts whole seconds
+        fs.pipe_file(f"{prefix}/latest", (save_dir / "latest").read_bytes())
+
+    save_latest()
+    settings, key = store_settings(b), "ds/ckpt/global_step2"
+    waiting = tick(instance, settings)
+    assert requested(waiting) == []
+    assert f"{key} (DeepSpeed: latest names this tag, but 1 rank file(s) missing: " in skip_message(waiting)
+
+    fs.put_file(str(save_dir / late), f"{prefix}/{late}")
+    save_latest()
+    result = tick(instance, settings, waiting.cursor)
+    assert requested(result) == [key]
+    assert result.asset_events[0].metadata["completeness"].value == DEEPSPEED_DONE
 
 
 @pytest.mark.slow
