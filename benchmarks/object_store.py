@@ -8,7 +8,9 @@ timed in a fresh process (wall time, peak RSS of the process tree's largest memb
 - floor: GET every input byte and PUT every output byte with the same client (s3fs, its own
   concurrency: ``cat`` of all rank files, ``put`` of the merged folder), nothing else;
 - the store -> store merge (``merge --local_dir s3://... --target_dir s3://...``);
-- the same merge on local disk.
+- the same merge on local disk;
+- ``upload`` of the merged folder from the store to a Hub-compatible server started here on 127.0.0.1 (the
+  tests' ``FakeHub``), against reading its weight files once from the store (s3fs ``cat``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.checkpoints import DEFAULT_CACHE, ensure_checkpoint
+from merge_pipeline_tests.hub.fake_hub import FakeHub, User
 
 FLOOR = r"""
 import sys, s3fs, time
@@ -35,6 +38,16 @@ got = sum(len(v) for v in fs.cat(keys).values())  # every input byte, concurrent
 fs.put(str(folder) + "/", target + "/", recursive=True)  # every output byte
 print(got, time.monotonic() - started)
 """
+
+
+READ_ONCE = r"""
+import sys, s3fs, time
+fs = s3fs.S3FileSystem()
+started = time.monotonic()
+got = sum(len(v) for v in fs.cat([k for k in fs.find(sys.argv[1]) if k.endswith(".safetensors")]).values())
+print(got, time.monotonic() - started)
+"""
+HUB_TOKEN = "hf_benchWRITERtoken"
 
 
 # Runs the command as its only child and prints that child's peak RSS (getrusage of children, in KiB).
@@ -90,8 +103,19 @@ def main() -> None:
         target = f"s3://{args.bucket}/merged-{args.size}"
         seconds, rss, _ = timed([*merge, "--local_dir", source, "--target_dir", target, "--overwrite"], env)
         results["store_to_store"] = {"seconds": seconds, "peak_rss_mb": rss >> 20}
+        seconds, rss, out = timed([sys.executable, "-c", READ_ONCE, target.removeprefix("s3://")], env)
+        results["read_weights_once"] = {"seconds": seconds, "inner_seconds": float(out.split()[1])}
+        with FakeHub({HUB_TOKEN: User("bench", ("org",))}) as hub:
+            hub_env = {**env, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": HUB_TOKEN, "HF_HUB_DISABLE_XET": "1"}
+            hub_env["HF_HOME"] = f"{scratch}/hf_home"
+            upload = [sys.executable, "-m", "merge_pipeline", "upload", target, f"org/bench-{args.size}"]
+            seconds, rss, _ = timed(upload, hub_env)
+        results["upload_from_the_store"] = {"seconds": seconds, "peak_rss_mb": rss >> 20}
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     results["ratio_to_floor"] = results["store_to_store"]["seconds"] / results["floor"]["seconds"]
+    results["upload_to_reading_once"] = (
+        results["upload_from_the_store"]["seconds"] / results["read_weights_once"]["seconds"]
+    )
     print(json.dumps(results, indent=2))
 
 
