@@ -48,6 +48,7 @@ from merge_pipeline.formats.conversions import (
     named,
 )
 from merge_pipeline.formats.output_specs import OutputSpec, whole
+from merge_pipeline.hf.config import text_section
 
 TOP = {"tok_embeddings.weight": "embed_tokens.weight", "norm.weight": "norm.weight"}
 HEADS = ("lm_head.weight", "output.weight")  # torchtitan 0.3 and older
@@ -72,7 +73,7 @@ def torchtitan_outputs(
             f"({', '.join(known)}); pass --hf_model_path with the model's own HF config",
         )
     names = family.torchtitan
-    text = config.get("text_config") or config  # vision-language configs keep the language model's sizes there
+    text = text_section(config)  # vision-language configs keep the language model's sizes there
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads") or heads
     layers = text.get("num_hidden_layers")
