@@ -1,4 +1,4 @@
-"""What averaging K steps costs (issue 40): ``merge-pipeline average`` of K checkpoints against K single merges
+"""What averaging K steps costs: ``merge-pipeline average`` of K checkpoints against K single merges
 of the same checkpoints, and against the raw I/O floor (read the K inputs once, write one output).
 
     .venv/bin/python -m benchmarks.average --size medium --steps 3 --dtype bfloat16 --repeat 2 [--cache cold]
@@ -10,7 +10,7 @@ fresh ``average`` child), then each step's reading alone, then the raw floor (th
 one output written by plain system calls). Wall from spawn to exit, CPU seconds and peak RSS from
 ``wait4``. The table uses the fastest run of each.
 
-The issue's target is the average's wall against "K single merges' reading plus one write". A step's
+The target is the average's wall against "K single merges' reading plus one write". A step's
 reading R_k is timed in a child that plans the step as its merge does and drains every tensor source
 (each piece copied out: the reads, the rank files' reassembly), writing nothing. A single merge's wall S less its reading is
 its write and fixed costs, paid once by the average too: the target is ``S + sum(R_k) - R_last``,
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"target: {k} merges' reading plus one write = {target:.1f} s;"
-        f" average / target = {fastest['average_wall_s'] / target:.2f}x (issue 40: <= 1.2x)"
+        f" average / target = {fastest['average_wall_s'] / target:.2f}x (target: <= 1.2x)"
     )
     load_after = Path("/proc/loadavg").read_text().split()[:3]
     print(f"load average before {' '.join(load_before)}, after {' '.join(load_after)}")

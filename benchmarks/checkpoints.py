@@ -49,7 +49,7 @@ SIZES: dict[str, dict] = {
         "num_attention_heads": 12,
         "num_key_value_heads": 4,
     },
-    # ~248M: the configuration of issue 2's figures (hidden 1024, 12 layers, vocab 32000)
+    # ~248M: the configuration of the 248M figures (hidden 1024, 12 layers, vocab 32000)
     "large": {
         "hidden_size": 1024,
         "num_layers": 12,
@@ -58,7 +58,7 @@ SIZES: dict[str, dict] = {
         "num_attention_heads": 16,
         "num_key_value_heads": 4,
     },
-    # ~1.1B: TinyLlama's shapes at world size 2, the configuration of issue 14's figures (4.4 GB of rank files)
+    # ~1.1B: TinyLlama's shapes at world size 2, the configuration of the lossless figures (4.4 GB of rank files)
     "1.1b": {
         "hidden_size": 2048,
         "num_layers": 22,

@@ -1,4 +1,4 @@
-"""Store -> store merge against the store's own floor (issue 36), on an S3 server you point it at.
+"""Store -> store merge against the store's own floor, on an S3 server you point it at.
 
     AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... \\
         python -m benchmarks.object_store --size large --bucket bench

@@ -20,9 +20,9 @@ BEGIN, END = "<!-- BEGIN RESULTS (written by python -m benchmarks.run --update-d
 OURS_INTERPRETER = "merge_pipeline"  # the start-up of a merge (older results.json: torch+transformers)
 MB, GB = 1e6, 1e9
 
-# Issue 7, issue 2 and issue 14 targets
+# Targets: flat in model size, against verl, lossless against a raw copy, fp8 against bf16
 MARGINAL_MAX = 1.5
-FP8_OVER_BF16_MAX = 1.3  # issue 23: quantizing on the way to disk costs at most 30% over the bf16 cast
+FP8_OVER_BF16_MAX = 1.3  # quantizing on the way to disk costs at most 30% over the bf16 cast
 RSS_GROWTH_MAX = 400 * MB
 VERL_WALL_FRACTION, VERL_RSS_FRACTION = 1 / 3, 1 / 5
 RSS_OVER_TORCH_MAX = 0.5 * GB
@@ -259,20 +259,20 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         ok = s["ratio"] is not None and s["ratio"] <= MARGINAL_MAX
         out.append(
             (
-                f"issue 7: marginal cost {s['from']}->{s['to']} within {MARGINAL_MAX}x of the raw baseline's ({_dt(s['dtype'])})",
+                f"flat in size: marginal cost {s['from']}->{s['to']} within {MARGINAL_MAX}x of the raw baseline's ({_dt(s['dtype'])})",
                 ok,
                 f"{s['marginal_s']:.2f} s vs raw {s['raw_marginal_s']:.2f} s = {_fmt(s['ratio'], '.2f')}x",
             )
         )
         out.append(
             (
-                f"issue 7: peak RSS growth {s['from']}->{s['to']} under 400 MB ({_dt(s['dtype'])})",
+                f"flat in size: peak RSS growth {s['from']}->{s['to']} under 400 MB ({_dt(s['dtype'])})",
                 s["rss_growth"] < RSS_GROWTH_MAX,
                 f"{s['rss_growth'] / MB:+.0f} MB",
             )
         )
     if not scale:
-        out.append(("issue 7: marginal cost and RSS growth", None, "needs at least two sizes"))
+        out.append(("flat in size: marginal cost and RSS growth", None, "needs at least two sizes"))
     for backend in _backends(results):
         largest = _checkpoints(results, backend)[-1]["size"]
         mine = next((r for r in ours if r["size"] == largest and r["dtype"] == "bfloat16"), None)
@@ -280,14 +280,14 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         if mine and theirs:
             out.append(
                 (
-                    f"issue 7: {largest} fp32->bf16 wall time at most 1/3 of verl's",
+                    f"flat in size: {largest} fp32->bf16 wall time at most 1/3 of verl's",
                     mine["wall_s"] <= theirs["wall_s"] * VERL_WALL_FRACTION,
                     f"{mine['wall_s']:.2f} s vs verl {theirs['wall_s']:.2f} s = {mine['wall_s'] / theirs['wall_s']:.2f}x",
                 )
             )
             out.append(
                 (
-                    f"issue 7: {largest} fp32->bf16 peak RSS at most 1/5 of verl's",
+                    f"flat in size: {largest} fp32->bf16 peak RSS at most 1/5 of verl's",
                     mine["peak_rss"] <= theirs["peak_rss"] * VERL_RSS_FRACTION,
                     f"{mine['peak_rss'] / MB:.0f} MB vs verl {theirs['peak_rss'] / MB:.0f} MB = {mine['peak_rss'] / theirs['peak_rss']:.2f}x",
                 )
@@ -295,7 +295,7 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         else:
             failed = next((f for f in results.get("failures", []) if f["size"] == largest), None)
             why = f"verl's merger failed: {failed['reason']}" if failed else "run with --with-verl"
-            out.append((f"issue 7: {largest} fp32->bf16 against verl (1/3 wall, 1/5 RSS)", None, why))
+            out.append((f"flat in size: {largest} fp32->bf16 against verl (1/3 wall, 1/5 RSS)", None, why))
     torch_start = _interp(results, "torch")[0]
     for backend in _backends(results):
         largest = _checkpoints(results, backend)[-1]["size"]
@@ -304,7 +304,7 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
             limit = LOSSLESS_OVER_COPY_MAX * (lossless["raw_s"] + torch_start)
             out.append(
                 (
-                    f"issue 14: {largest} lossless fp32 wall within {LOSSLESS_OVER_COPY_MAX}x (raw copy + torch start-up)",
+                    f"lossless: {largest} lossless fp32 wall within {LOSSLESS_OVER_COPY_MAX}x (raw copy + torch start-up)",
                     lossless["wall_s"] <= limit,
                     f"{lossless['wall_s']:.2f} s vs {LOSSLESS_OVER_COPY_MAX}x({lossless['raw_s']:.2f} + {torch_start:.2f}) = {limit:.2f} s",
                 )
@@ -314,7 +314,7 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         if bf16:
             out.append(
                 (
-                    f"issue 23: fp8 wall within {FP8_OVER_BF16_MAX}x of the bf16 merge's ({r['size']})",
+                    f"fp8: fp8 wall within {FP8_OVER_BF16_MAX}x of the bf16 merge's ({r['size']})",
                     r["wall_s"] <= FP8_OVER_BF16_MAX * bf16["wall_s"],
                     f"{r['wall_s']:.2f} s vs {bf16['wall_s']:.2f} s = {r['wall_s'] / bf16['wall_s']:.2f}x",
                 )
@@ -322,7 +322,7 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
     for r in ours:
         out.append(
             (
-                f"issue 14: peak RSS at most 0.5 GB ({r['size']}, {_dt(r['dtype'])})",
+                f"lossless: peak RSS at most 0.5 GB ({r['size']}, {_dt(r['dtype'])})",
                 r["peak_rss"] <= PEAK_RSS_MAX,
                 f"{r['peak_rss'] / MB:.0f} MB",
             )
@@ -331,7 +331,7 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         if r["rss_over_torch"] is not None:
             out.append(
                 (
-                    f"issue 2: peak RSS within 0.5 GB of the torch interpreter ({r['size']}, {_dt(r['dtype'])})",
+                    f"248M: peak RSS within 0.5 GB of the torch interpreter ({r['size']}, {_dt(r['dtype'])})",
                     r["rss_over_torch"] <= RSS_OVER_TORCH_MAX,
                     f"{r['rss_over_torch'] / MB:+.0f} MB",
                 )
@@ -340,7 +340,7 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
             limit = WALL_OVER_IO_MAX * r["raw_s"] + r["startup_s"]
             out.append(
                 (
-                    f"issue 2: wall within 2x read+write plus start-up ({r['size']}, {_dt(r['dtype'])})",
+                    f"248M: wall within 2x read+write plus start-up ({r['size']}, {_dt(r['dtype'])})",
                     r["wall_s"] <= limit,
                     f"{r['wall_s']:.2f} s vs 2x{r['raw_s']:.2f} + {r['startup_s']:.2f} = {limit:.2f} s",
                 )
