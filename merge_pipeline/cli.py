@@ -291,7 +291,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_average(args: argparse.Namespace) -> int:
-    """The merge sequence on the average of ``--inputs`` (issue 40): under torchrun too, as ``merge``."""
+    """The merge sequence on the average of ``--inputs``: under torchrun too, as ``merge``."""
     from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
     from merge_pipeline.pipeline import merge
 

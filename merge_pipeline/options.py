@@ -70,7 +70,7 @@ class MergeOptions:
         commands=FOLDER,
     )
 
-    # Averaging (issue 40): a merge of several inputs whose every floating tensor is their weighted
+    # Averaging: a merge of several inputs whose every floating tensor is their weighted
     # average. Carried by the options so every launcher's workers plan the same average.
     average_inputs: tuple[str, ...] = _option(
         (), "the checkpoints (role folders or merged HF folders) to average, oldest first", commands=AVERAGE

@@ -271,7 +271,7 @@ def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool =
 
 
 def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
-    """Averaging (issue 40): each input (a role folder or a merged HF folder) planned as a merge of it
+    """Averaging: each input (a role folder or a merged HF folder) planned as a merge of it
     alone, then one plan whose tensors are their weighted average, computed while written; ``local_dir``,
     one of the inputs, gives the config and the side files. The merge sequence runs on it unchanged."""
     alone = replace(options, average_inputs=(), average_weights=(), dtype="auto")  # the cast comes after the sum

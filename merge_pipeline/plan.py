@@ -455,7 +455,7 @@ class LayoutFacts(TypedDict, total=False):
     stored_tensors: int
     chunks: int
     files: int
-    averaged_inputs: list[dict]  # an average (issue 40): each input's path, backend and weight
+    averaged_inputs: list[dict]  # an average: each input's path, backend and weight
     accumulate: str  # and the dtype its weighted sum was accumulated in
 
 

@@ -80,7 +80,7 @@ SIZE_PRESETS = {
         "ffn": 3584,
         "vocab": 32000,
     },
-    # ~1.1B parameters, TinyLlama's shapes: the benchmark's 1B Megatron model (issue 14).
+    # ~1.1B parameters, TinyLlama's shapes: the benchmark's 1B Megatron model.
     "1b": {
         **_TINY,
         "layers": 22,

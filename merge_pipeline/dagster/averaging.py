@@ -1,4 +1,4 @@
-"""``averaged_model``: per run and role, the weighted average of its last K merged steps (issue 40), an
+"""``averaged_model``: per run and role, the weighted average of its last K merged steps, an
 option of the component (``averaging:`` in defs.yaml; off when absent).
 
 Partitioned by run (``<run_name>/<role>``, dynamic partitions ``averaged_runs``), it depends on the run's

@@ -138,7 +138,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
     # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
     max_concurrent_merges: int = Field(default=1, ge=0)
     hub: HubPublishing = HubPublishing()
-    averaging: Averaging | None = None  # none: no averaged_model (issue 40: the newest K merged steps of each run)
+    averaging: Averaging | None = None  # none: no averaged_model (the newest K merged steps of each run)
     # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
     # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
     merge_config: dict[str, Any] | None = None

@@ -1,4 +1,4 @@
-"""``publish_averaged_models``: the schedule that puts each run's newest average on the Hub (issue 40), as
+"""``publish_averaged_models``: the schedule that puts each run's newest average on the Hub, as
 ``publish_latest_steps`` does a run's newest step.
 
 At each tick, for every ``averaged_runs`` partition (``<run_name>/<role>``) whose latest ``averaged_model``

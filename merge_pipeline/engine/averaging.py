@@ -1,4 +1,4 @@
-"""Averaging checkpoints (issue 40): one output plan whose every tensor is the weighted average of the
+"""Averaging checkpoints: one output plan whose every tensor is the weighted average of the
 inputs' tensor of the same name, computed while it is written.
 
 Each input is planned as a merge of it alone would plan it (``pipeline.prepare``): names after LoRA

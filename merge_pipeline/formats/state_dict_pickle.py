@@ -4,7 +4,7 @@ torch's weights-only unpickler refuses every global outside its allow-list, but 
 that list a pickle asks for, with any arguments: ``bytearray(3 * 10**9)`` and ``torch.Tensor(...)``
 allocate gigabytes from a few bytes, ``DeviceMesh(...)`` starts ``torch.distributed`` (a listening
 socket when ``MASTER_*`` is set), the rebuild functions take any sizes. Once 3 of 1024 rank files
-are unpickled its speed no longer matters (docs/BENCHMARKS.md, issue 34), its breadth does; so the
+are unpickled its speed no longer matters (docs/BENCHMARKS.md), its breadth does; so the
 pickle is read here, by the opcodes torch's unpickler reads (any other one is refused, as there),
 where each opcode can do only this:
 

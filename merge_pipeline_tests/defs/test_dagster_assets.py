@@ -125,7 +125,7 @@ def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkey
 
 
 def test_the_manifest_takes_the_weights_digests_from_the_write(fsdp_checkpoint, roots, instance, monkeypatch):
-    """The weights are hashed while they are written; the manifest never reads them back (issue 14)."""
+    """The weights are hashed while they are written; the manifest never reads them back."""
     from merge_pipeline import pipeline
 
     roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_4", tracker=4)

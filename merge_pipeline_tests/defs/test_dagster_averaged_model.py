@@ -1,4 +1,4 @@
-"""``averaged_model`` (issue 40), switched on in a component's defs.yaml, in a real instance: nothing to
+"""``averaged_model``, switched on in a component's defs.yaml, in a real instance: nothing to
 average after two merged steps; when the third lands (and no merge of the instance is in flight), its
 sensor requests the run's average, which is published beside the steps, bit for bit the float32 average of the three merged folders;
 then ``hub_averaged_model`` uploads that folder, byte for byte, to its run's repo on a test Hub (the real huggingface_hub client)."""

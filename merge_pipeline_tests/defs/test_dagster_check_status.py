@@ -1,4 +1,4 @@
-"""A failed merge paints no check (issue 25), in a real instance.
+"""A failed merge paints no check, in a real instance.
 
 Dagster 1.13 records a PLANNED evaluation for every asset check a run selects when it creates the run,
 and resolves it as "Execution failed" once that run fails (``AssetCheckExecutionRecord.resolve_status``).

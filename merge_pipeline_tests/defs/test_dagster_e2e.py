@@ -49,7 +49,7 @@ CHECK_PARTITIONS = """
 query Checks($asset: AssetKeyInput!) { assetNodeOrError(assetKey: $asset) { ... on AssetNode {
   assetChecksOrError { ... on AssetChecks { checks { name partitionStatuses { ... on AssetCheckDefaultPartitionStatuses {
     succeededPartitions failedPartitions executionFailedPartitions skippedPartitions inProgressPartitions } } } } } } } }"""
-# Click -> STARTED: the run worker loads the code location (no torch since issue 25), then Dagster marks
+# Click -> STARTED: the run worker loads the code location (it imports no torch), then Dagster marks
 # the run started. ~2 s on an idle machine; the bound holds on 2 cores shared with other test suites.
 START_BOUND_SECONDS = 40
 SENSOR = """

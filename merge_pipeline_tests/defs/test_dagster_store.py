@@ -1,5 +1,5 @@
 """``new_checkpoint_sensor`` and the merge step over checkpoint roots and an output root in object storage
-(issue 36), on the real S3 server of ``object_store.py``: the listing in bounded pages, completeness from
+on the real S3 server of ``object_store.py``: the listing in bounded pages, completeness from
 the readers' markers and the objects' modification times, a step merged from the bucket into the bucket
 bit for bit, a step deleted before its run, and the one-line refusals (wrong credentials, no bucket).
 """

@@ -1,4 +1,4 @@
-"""End to end with object storage (issue 36), as a user runs it: plain ``dagster dev`` whose ``.env`` names an
+"""End to end with object storage, as a user runs it: plain ``dagster dev`` whose ``.env`` names an
 ``s3://`` checkpoint root and an ``s3://`` output root on the real S3 server of ``object_store.py``
 (credentials and endpoint from the standard AWS variables); a verl step uploaded to the bucket is merged
 by the sensor into the bucket, bit for bit the source model, and its step report reads it there.

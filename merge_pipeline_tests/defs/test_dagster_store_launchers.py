@@ -1,4 +1,4 @@
-"""Dagster's paths into object storage that a merge on local disk does not take (issues 36 and 40), on the
+"""Dagster's paths into object storage that a merge on local disk does not take, on the
 real S3 server of ``object_store.py``: ``averaged_model`` writing into an ``s3://`` output root, and the
 merge step's torchrun and Ray launchers with ``s3://`` checkpoint and output roots. Each is held byte for
 byte to the same work done in the run's own process (and, for the average, on local disk)."""

@@ -1,4 +1,4 @@
-"""``merge-pipeline average`` (issue 40): the weighted average of several checkpoints of one model,
+"""``merge-pipeline average``: the weighted average of several checkpoints of one model,
 written as a merge writes one (streamed, checked, published atomically).
 
 The inputs are real checkpoints written by the sample writers, several seeds of one spec standing for

@@ -1,5 +1,5 @@
 """The blocking checks that need transformers run in a worker process started as the weights start
-being written (issue 35; a thread of the merging process did it before, holding the GIL its writer
+being written (a thread of the merging process did it before, holding the GIL its writer
 needs): the merging process itself never imports transformers or ``hf.folder_checks`` for a FSDP
 merge, and the checks still ran and passed. A fresh interpreter is needed: this one has imported them.
 """

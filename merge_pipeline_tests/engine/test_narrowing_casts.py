@@ -1,5 +1,5 @@
 """A cast to a narrower dtype that would turn a finite value into inf is refused in one line naming the
-tensor and its largest absolute value (issue 34, I; before: exit 0, checks passed, inf in the model).
+tensor and its largest absolute value (before: exit 0, checks passed, inf in the model).
 
 The checkpoints are real FSDP saves with one value of one rank's shard set, loaded and saved again
 with torch, as a trainer that diverged would have saved it."""

@@ -105,7 +105,7 @@ def _weights(folder: Path) -> dict[str, str]:
 
 def test_an_input_resaved_in_place_with_its_mtime_put_back_starts_over(uninterrupted, tmp_path):
     """Between the kill and the rerun the trainer saves the step again over the same files, as
-    ``rsync --inplace --times`` does: same paths, inodes, sizes and mtimes, other bytes (issue 34, D).
+    ``rsync --inplace --times`` does: same paths, inodes, sizes and mtimes, other bytes.
     Only the ctime tells; reusing the kept files would publish the old save's tensors beside the new one's."""
     old, _ = uninterrupted
     role_dir = tmp_path / "run" / "global_step_1" / "actor"
@@ -136,7 +136,7 @@ def test_an_input_resaved_in_place_with_its_mtime_put_back_starts_over(uninterru
 def test_a_record_edited_to_name_another_sha256_gets_its_file_written_again(uninterrupted, tmp_path):
     """A resume record edited between the kill and the rerun (its file untouched) names a sha256 no
     byte of the file has: the file is written again, and the manifest names the published bytes' digests
-    (issue 34, K; before: the edited digest went into the manifest and manifest_sha256 passed)."""
+    (before: the edited digest went into the manifest and manifest_sha256 passed)."""
     role_dir, reference = uninterrupted
     target = tmp_path / "out"
     command = _merge_command(role_dir, target)

@@ -38,7 +38,7 @@ def _rewrite_record(staging: Path, **changes) -> None:
 def test_a_record_naming_a_sha256_its_untouched_file_does_not_have_drops_the_file(tmp_path):
     """A record edited by someone who can write to the staging folder: the file is the one recorded
     (same stat identity) but the digest is not its bytes'. Taken from the record, that digest would go
-    into the manifest, and ``manifest_sha256`` would compare the file by it (issue 34, K)."""
+    into the manifest, and ``manifest_sha256`` would compare the file by it."""
     path = _finished_file(tmp_path)
     _rewrite_record(tmp_path, sha256="0" * 64)
 
@@ -76,7 +76,7 @@ def test_a_file_with_another_identity_but_the_recorded_bytes_is_kept_after_hashi
 
 
 def test_an_untouched_sealed_file_is_kept_without_hashing_it(tmp_path, monkeypatch):
-    """The resume's fast path (issue 19): a file untouched since its fsync, sealed with its record's digest,
+    """The resume's fast path: a file untouched since its fsync, sealed with its record's digest,
     is not read again (at 8B, hashing the kept files would cost more than the rest of the resume)."""
     _finished_file(tmp_path)
     hashed = []

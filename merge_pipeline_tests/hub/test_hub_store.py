@@ -1,7 +1,7 @@
-"""``hub_model`` publishing a step merged into an ``s3://`` output root (issue 36): streamed from the bucket
+"""``hub_model`` publishing a step merged into an ``s3://`` output root: streamed from the bucket
 through the same view as the CLI's ``upload``, the Hub's tree the bucket's folder file for file; a prefix
 without its ``merge_manifest.json`` (a merge still publishing) is refused in one line. ``hub_averaged_model``
-publishing a run's average in the bucket the same way (issue 40)."""
+publishing a run's average in the bucket the same way."""
 
 from __future__ import annotations
 

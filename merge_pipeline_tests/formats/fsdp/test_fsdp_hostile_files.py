@@ -194,7 +194,7 @@ def test_deeply_nested_json_is_one_line(capsys, tmp_path, fsdp_checkpoint, fresh
     assert f"{sample.role_dir / name}: JSON nested too deeply" in line, line
 
 
-# ---- Hostile round 3 (issue 34): read as torch.load reads the file, or refused; the pickle builds a state dict only
+# ---- Hostile round 3: read as torch.load reads the file, or refused; the pickle builds a state dict only
 
 
 def test_a_legacy_stream_with_a_zip_appended_is_refused(capsys, tmp_path, fsdp_checkpoint, fresh_copy):
