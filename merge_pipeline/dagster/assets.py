@@ -18,7 +18,7 @@ from datetime import timedelta
 import dagster as dg
 
 from merge_pipeline.dagster.checks import checks_metadata
-from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.config import MergeConfig, merge_config_class, overridden
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import GROUP, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
@@ -92,7 +92,12 @@ def stage_specs(names: Names, freshness_minutes: float) -> list[dg.AssetSpec]:
     ]
 
 
-def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDefinition:
+def merge_step_definition(
+    names: Names, freshness_minutes: float, merge_config: dict | None = None
+) -> dg.AssetsDefinition:
+    """``merge_config``: the component's (checked), the defaults of the step's config."""
+    config_class = merge_config_class(merge_config or {})
+
     @dg.multi_asset(
         name=names("hf_model"),  # the op's name: run configs say ops: hf_model: config: ...
         specs=stage_specs(names, freshness_minutes),
@@ -101,7 +106,7 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
         pool=MERGE_POOL,
         required_resource_keys={names("settings")},
     )
-    def merge_step(context: dg.AssetExecutionContext, config: MergeConfig) -> Iterator:
+    def merge_step(context: dg.AssetExecutionContext, config: config_class) -> Iterator:
         """Plan, write, check and publish one checkpoint; then materialize its three stages.
 
         Plans the merge once, writes the folder into a staging folder beside the target under the
@@ -109,6 +114,8 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
         place only if all passed.
         """
         settings: MergeSettings = getattr(context.resources, names("settings"))
+        if merge_config and (differing := overridden(config)):
+            context.log.info("this run's config overrides the component's merge_config: %s", ", ".join(differing))
         try:
             yield from _merge(context, config, settings, names)
         finally:  # published or failed: the pin (pin_steps) has done its job

@@ -139,8 +139,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
     max_concurrent_merges: int = Field(default=1, ge=0)
     hub: HubPublishing = HubPublishing()
     averaging: Averaging | None = None  # none: no averaged_model (issue 40: the newest K merged steps of each run)
-    # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
-    # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
+    # The merge step's config (hf_model's run config fields) for every run that gives none of its own (the
+    # sensor's, the UI's, dg launch's, merge-pipeline queue's), e.g. the Ray launcher:
+    # {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
     merge_config: dict[str, Any] | None = None
 
     _setting_checked = field_validator(*(s.name for s in attributes()), mode="before")(_checked)
@@ -154,21 +155,17 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
             BY_NAME[s].of(getattr(self, s)) for s in ("sensor_interval_seconds", "freshness_minutes")
         )
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
+        merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
-                merge_step_definition(names, freshness),
+                merge_step_definition(names, freshness, merge_config),
                 step_report_definition(names),
                 hub_model,
             ],
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
-                checkpoint_sensor(
-                    names,
-                    interval,
-                    checked_merge_config(self.merge_config or {}) or None,
-                    self.max_concurrent_merges,
-                ),
+                checkpoint_sensor(names, interval, self.max_concurrent_merges),
                 step_report_sensor_definition(names, interval, self.max_concurrent_merges),
                 failure_webhook(names),
             ],
@@ -183,7 +180,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
             return merge
         averaging = dg.Definitions(
             assets=[
-                averaged_model_definition(names, self.averaging, checked_merge_config(self.merge_config or {})),
+                averaged_model_definition(names, self.averaging, merge_config),
                 # its Hub upload (materialized from the UI, or by its schedule)
                 *([hub_averaged_definition(names)] if hub.enabled else []),
             ],
