@@ -39,7 +39,7 @@ def checkpoint_spec(names: Names) -> dg.AssetSpec:
         owners=OWNERS,
         kinds={"pytorch"},
         tags={"stage": "source"},
-        description="A trainer's checkpoint folder under a watched root (a step folder some format reader declares; each event names its stack), written by the trainer; recorded by new_checkpoint_sensor once complete.",
+        description="A trainer's checkpoint folder, written by the trainer.\n\nUnder a watched root (a step folder some format reader declares; each event names its stack); recorded by new_checkpoint_sensor once complete.",
     )
 
 
@@ -72,21 +72,21 @@ def stage_specs(names: Names, freshness_minutes: float) -> list[dg.AssetSpec]:
             "checkpoint",
             {"pytorch"},
             "plan",
-            "What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
+            "What the checkpoint is and what the merge plan decided.\n\nThe checkpoint: backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes (the same facts as `merge-pipeline inspect`). The plan: output dtype, shards, tying, LoRA handling.",
         ),
         stage(
             "state_dict",
             "parallel_config",
             {"safetensors"},
             "weights",
-            "The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
+            "The published folder's weights: safetensors files, index.\n\nThe reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
         ),
         stage(
             "hf_model",
             "state_dict",
             {"safetensors", "huggingface"},
             "published",
-            "The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
+            "The complete Hugging Face folder, checked, then published.\n\nWeights, index, config, tokenizer and manifest, checked in a staging folder, then renamed into place at once.",
             freshness_policy=freshness_policy(freshness_minutes),
         ),
     ]

@@ -129,8 +129,10 @@ def _attribute(setting: Setting) -> tuple[Any, Any]:
 
 @dg.scaffold_with(MergeCheckpointsScaffolder)
 class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attributes(), _attribute)):
-    """Merge every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face
-    folder under ``output_root``, and optionally publish it to a Hub. Besides the fields below, one
+    """Merge a trainer's checkpoints into verified HF folders.
+
+    Every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face folder
+    under ``output_root``, optionally published to a Hub. Besides the fields below, one
     attribute per setting of ``settings.py`` (left out: its environment variable, else its default)."""
 
     prefix: str | None = None  # none: the component folder's name; "": no prefix (this project's own location)

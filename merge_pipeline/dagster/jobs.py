@@ -19,7 +19,7 @@ def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
         # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of
         # imports (torch, transformers); the merge streams, so memory stays bounded anyway.
         executor_def=dg.in_process_executor,
-        description="Merge one checkpoint role folder into a verified, published Hugging Face folder.",
+        description="Merge one checkpoint into a published HF folder.\n\nOne role folder into a verified, published Hugging Face folder.",
     )
 
 
@@ -29,5 +29,5 @@ def report_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
         selection=dg.AssetSelection.assets(names.key("step_report")),
         tags={HEAVY_TAG: "report"},  # it reads every weight: not beside a merge
         executor_def=dg.in_process_executor,
-        description=f"The step report of a published folder (requested by {names('step_report_sensor')} after each merge).",
+        description=f"The step report of a published folder.\n\nRequested by {names('step_report_sensor')} after each merge.",
     )

@@ -47,7 +47,7 @@ def checkpoint_sensor(names: Names, interval_seconds: int, max_concurrent_merges
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},
-        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders, in the step folders every format reader declares (each checkpoint event names its stack), and merges each once.",
+        description="Merges each complete checkpoint once.\n\nWatches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders, in the step folders every format reader declares (each checkpoint event names its stack), and merges each once.",
     )
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
         # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)
