@@ -13,6 +13,10 @@ files it recorded as finished and writes the others from their first byte (the w
 the folder is byte-identical to a one-process merge. The driver watches the staging folder for progress,
 and fails in one line when no byte was written for ``timeout`` seconds.
 
+A node has its own environment, not the driver's: each task gets the variables the store and the Hub
+read from the driver's (``RaySettings.forwarded_env``: Ray's ``runtime_env`` ``env_vars``), named in
+the log, their values never.
+
 Ray is imported here only, when a merge runs: ``pip install 'merge_pipeline[ray]'``.
 """
 
