@@ -87,7 +87,7 @@ CONCURRENCY = """\
   max_concurrent_merges: 1
 """
 STRUCTURE = """\
-  # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
+  # the merge step's config for every run without its own, e.g. weights written by Ray tasks
   # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
   # merge_config:
   #   launcher: ray
