@@ -93,6 +93,7 @@ def _ray_flags(parser: argparse.ArgumentParser) -> None:
             dest=f"ray_{setting.name}",
             type=_FLAG_TYPES.get(setting.type.removesuffix(" | None"), str),
             metavar=setting.metadata.get("metavar"),
+            nargs=setting.metadata.get("nargs"),
             help=setting.metadata["help"]
             + ("" if setting.name == "address" or setting.default is None else f" (default {setting.default})"),
         )

@@ -73,6 +73,17 @@ def _origin_lines(source: dict, name: CheckpointName, tool: str) -> list[str]:
     ]
 
 
+def _run_rows(source: dict, name: CheckpointName) -> list[tuple[str, str]]:
+    """The run and step; an average's from its inputs (recorded with each since it was made: else not)."""
+    averaged = source["layout"].get("averaged_inputs")
+    if not averaged:
+        return [("run", _code(name.run)), ("step", "not recorded" if name.step is None else str(name.step))]
+    names = [CheckpointName(**one["checkpoint"]) for one in averaged if "checkpoint" in one]
+    runs = ", ".join(f"`{run}`" for run in dict.fromkeys(n.run for n in names if n.run))
+    steps = ", ".join(str(n.step) for n in names if n.step is not None)
+    return [("run", runs or "not recorded"), ("steps", steps or "not recorded")]
+
+
 def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, smoke: dict | None = None) -> str:
     source, decisions, options = manifest["source"], manifest["decisions"], manifest["options"]
     name = CheckpointName.from_manifest(source)
@@ -81,8 +92,7 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, 
         "" if options.get("dtype") in (None, "auto") else f" (requested: {options['dtype']})"
     )
     rows = [
-        ("run", _code(name.run)),
-        ("step", "not recorded" if name.step is None else str(name.step)),
+        *_run_rows(source, name),
         ("role", _code(name.role)),
         ("source checkpoint", _code(source["role_dir"])),
         ("backend", source["backend"]),

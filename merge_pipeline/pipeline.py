@@ -40,7 +40,7 @@ from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, merg
 from merge_pipeline.engine.resume import forget as forget_finished
 from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
-from merge_pipeline.errors import MergeError, naming, shown_path
+from merge_pipeline.errors import MergeError, naming, printable, shown_path
 from merge_pipeline.formats import BACKENDS as BACKENDS
 
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
@@ -456,7 +456,7 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
     # Imported here, as the checks: they import transformers (~1 s), which inspect and test of FSDP never need.
     from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 
-    name = checkpoint_name(plan.role_dir)
+    name = checkpoint_name(Path(shown_path(plan.role_dir)))  # a store's checkpoint by its URL, not its view
     return {
         "tool": {"name": "merge_pipeline", "version": __version__},
         "source": {
@@ -464,7 +464,7 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
             "role_dir": shown_path(plan.role_dir),
             "role": name.role,
             "checkpoint": asdict(name),
-            "layout": plan.layout,
+            "layout": _with_input_names(plan.layout),
             "inputs": [{"path": shown_path(f.path), "size": f.size} for f in plan.files],
         },
         "options": asdict(options),
@@ -546,6 +546,7 @@ def merge(
         return prepare(source, options)
 
     prepared = workers.everywhere(checked_and_prepared)
+    merged_from = _merged_from(prepared, options)  # while a store's view is open: its URL
     job = WeightJob(source, staging_path(target), options, upload_to=store_target)
     store_lock: list[StoreTargetLock | None] = []  # the lead's, once taken
     with prepared, contextlib.ExitStack() as store_locked, contextlib.ExitStack() as publishing:
@@ -580,14 +581,29 @@ def merge(
     manifest, checks = finished
     result = MergeResult(store_target or target, prepared, written, manifest, checks, time.monotonic() - started)
     log.info(
-        "merged %s -> %s: %d tensors, %s of safetensors files in %.1f s",
-        shown_path(prepared.plan.role_dir),
+        "%s -> %s: %d tensors, %s of safetensors files in %.1f s",
+        merged_from,
         result.target_dir,
         result.tensors,
         human_bytes(written.report.bytes),
         result.seconds,
     )
     return result
+
+
+def _with_input_names(layout: dict) -> dict:
+    """An average's inputs each with the checkpoint it was merged from (run, step), for its model card."""
+    if "averaged_inputs" not in layout:
+        return layout
+    named = [{**one, "checkpoint": asdict(checkpoint_name(Path(one["path"])))} for one in layout["averaged_inputs"]]
+    return {**layout, "averaged_inputs": named}
+
+
+def _merged_from(prepared: Prepared, options: MergeOptions) -> str:
+    """What the log says was merged, as the user named it: a store's URL, every input of an average."""
+    if options.average_inputs:
+        return f"averaged {', '.join(map(printable, options.average_inputs))}"
+    return f"merged {printable(shown_path(prepared.plan.role_dir))}"
 
 
 def describe(local_dir: str | Path, options: MergeOptions) -> dict:

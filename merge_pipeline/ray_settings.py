@@ -6,6 +6,9 @@ No Ray here: the CLI and the code location build their flags and config from the
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from merge_pipeline.errors import MergeError
@@ -50,6 +53,16 @@ class RaySettings:
         metavar="SECONDS",
     )
 
+    env_vars: list[str] | None = _setting(
+        None,
+        "environment variables given to the write tasks, by name (their values: this process's, at launch; never"
+        " printed); default, for a merge that reads or writes a store: those of the store's and the Hub's that are"
+        " set here (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST, HF_TOKEN, HF_ENDPOINT,"
+        " MERGE_PIPELINE_*); none: forward nothing",
+        metavar="NAME",
+        nargs="*",
+    )
+
     def __post_init__(self) -> None:
         if not self.address.strip():
             raise MergeError(None, "--ray-address: empty; give the head's HOST:PORT, ray://HOST:10001 or auto")
@@ -65,6 +78,9 @@ class RaySettings:
             raise MergeError(None, f"--ray-max-retries {self.max_retries}: must be 0 or more")
         if not self.timeout > 0:
             raise MergeError(None, f"--ray-timeout {self.timeout:g}: must be a positive number of seconds")
+        for name in self.env_vars or ():
+            if not _ENV_NAME.fullmatch(name):
+                raise MergeError(None, f"--ray-env-vars {name!r}: not an environment variable's name")
 
     @property
     def memory_bytes(self) -> int | None:
@@ -73,6 +89,38 @@ class RaySettings:
     @property
     def label_selector(self) -> dict[str, str]:
         return dict([_label_pair(self.node_label)]) if self.node_label else {}
+
+    def forwarded_env(self, uses_store: bool, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """The variables the write tasks get (Ray's ``runtime_env`` ``env_vars``): those named, or by default
+        the store's and the Hub's where the merge uses a store; only those set in ``environ``."""
+        if self.env_vars is not None:
+            names = self.env_vars
+        else:
+            names = [n for n in environ if n in STORE_VARIABLES or n.startswith(_OWN_PREFIX)] if uses_store else []
+        return {name: environ[name] for name in names if name in environ}
+
+
+# What s3fs, gcsfs and huggingface_hub read from the environment: a Ray node started without them cannot
+# reach the store (every task fails with "Unable to locate credentials").
+STORE_VARIABLES = frozenset(
+    {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_PROFILE",
+        "AWS_CA_BUNDLE",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "STORAGE_EMULATOR_HOST",
+        "HF_TOKEN",
+        "HF_ENDPOINT",
+    }
+)
+_OWN_PREFIX = "MERGE_PIPELINE_"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _label_pair(text: str) -> tuple[str, str] | None:

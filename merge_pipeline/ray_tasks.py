@@ -13,6 +13,10 @@ files it recorded as finished and writes the others from their first byte (the w
 the folder is byte-identical to a one-process merge. The driver watches the staging folder for progress,
 and fails in one line when no byte was written for ``timeout`` seconds.
 
+A node has its own environment, not the driver's: each task gets the variables the store and the Hub
+read from the driver's (``RaySettings.forwarded_env``: Ray's ``runtime_env`` ``env_vars``), named in
+the log, their values never.
+
 Ray is imported here only, when a merge runs: ``pip install 'merge_pipeline[ray]'``.
 """
 
@@ -50,6 +54,7 @@ from merge_pipeline.pipeline import (
 from merge_pipeline.plan import READ_PIECE_BYTES
 from merge_pipeline.progress import ByteProgress, human_bytes
 from merge_pipeline.ray_settings import RaySettings
+from merge_pipeline.storage import is_store_url
 
 log = logging.getLogger("merge_pipeline")
 
@@ -158,9 +163,14 @@ class RayTasks(Workers):
             self.settings.address,
             _described(request, self.settings),
         )
+        env = self.settings.forwarded_env(_uses_store(job))
+        if env:  # names only: the values are credentials
+            self.log.info("Ray: the write tasks get %s from this process's environment", ", ".join(sorted(env)))
         # max_calls: a fresh worker per task, so its peak RSS is the task's and its memory is returned after
         task = ray.remote(max_calls=1)(_write_task)
         options = {
+            # merged with the job's runtime_env (its py_modules kept); values travel with the task, never logged
+            "runtime_env": {"env_vars": env} if env else None,
             "num_cpus": self.settings.cpus_per_task,
             "memory": request["memory"],
             "resources": {self.settings.resource: 1} if self.settings.resource else None,
@@ -188,6 +198,10 @@ class RayTasks(Workers):
             "memory": memory,
             **({self.settings.resource: 1} if self.settings.resource else {}),
         }
+
+
+def _uses_store(job: WeightJob) -> bool:
+    return any(is_store_url(place) for place in (job.local_dir, job.upload_to or "", *job.options.average_inputs))
 
 
 def _write_task(job: WeightJob, filenames: list[str]) -> TaskResult:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -56,7 +57,8 @@ def samples(request, name: str) -> tuple[Path, Path, MergeOptions]:
 
 
 @pytest.mark.parametrize("name", ["fsdp", "megatron", "dcp", "dcp-safetensors"])
-def test_store_to_store_and_store_to_local_write_what_local_disk_writes(request, bucket, tmp_path, name):
+def test_store_to_store_and_store_to_local_write_what_local_disk_writes(request, caplog, bucket, tmp_path, name):
+    caplog.set_level(logging.INFO, logger="merge_pipeline")
     fs, b = bucket
     root, role_dir, options = samples(request, name)
     merge(role_dir, tmp_path / "local", options, show_progress=False)
@@ -75,9 +77,11 @@ def test_store_to_store_and_store_to_local_write_what_local_disk_writes(request,
     assert weights_and_index(tmp_path / "from_store") == weights_and_index(tmp_path / "local")
     manifest = json.loads((from_store / "merge_manifest.json").read_text())
     assert manifest["source"]["role_dir"] == source  # inputs named by their URLs, never a local view
+    assert f"merged {source} -> s3://{b}/merged: " in caplog.text and "merge_pipeline-view-" not in caplog.text
     assert all(i["path"].startswith(source + "/") for i in manifest["source"]["inputs"])
     if name == "fsdp":
         assert_bit_exact(from_store, request.getfixturevalue("fsdp_checkpoint")(FsdpSpec(world_size=3)).reference_dir)
+        assert manifest["source"]["checkpoint"]["run"] == "ckpt"  # the step folder's parent in the store
         facts = describe(source, options)  # `inspect s3://...`: the files by their URLs
         assert facts["path"] == source and all(f["path"].startswith(source + "/") for f in facts["files"])
 

@@ -155,6 +155,22 @@ def test_ray_settings_without_an_address_are_refused(capsys, tmp_path):
     assert code == 1 and error_lines(err) == ["error: --ray-tasks needs --ray-address"]
 
 
+def test_the_tasks_get_the_store_variables_set_here_or_those_named():
+    here = {"AWS_ACCESS_KEY_ID": "k", "HF_TOKEN": "t", "MERGE_PIPELINE_PART_BYTES": "1", "HOME": "/root", "OTHER": "o"}
+
+    assert RaySettings().forwarded_env(True, here) == {k: here[k] for k in here if k not in ("HOME", "OTHER")}
+    assert RaySettings().forwarded_env(False, here) == {}  # a merge between local folders needs none of them
+    named = RaySettings(env_vars=["OTHER", "UNSET"])
+    assert named.forwarded_env(True, here) == named.forwarded_env(False, here) == {"OTHER": "o"}
+    assert RaySettings(env_vars=[]).forwarded_env(True, here) == {}
+
+
+def test_a_bad_variable_name_is_one_line(capsys, tmp_path):
+    code, _, err = cli_merge(capsys, tmp_path, tmp_path / "out", "--ray-address", "h:1", "--ray-env-vars", "A", "B-C")
+
+    assert code == 1 and error_lines(err) == ["error: --ray-env-vars 'B-C': not an environment variable's name"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, missing",

@@ -80,7 +80,7 @@ def failure_webhook(names: Names) -> dg.SensorDefinition:
         run_status_sensor_fn=merge_failure_webhook,
         default_status=dg.DefaultSensorStatus.RUNNING,  # inert until MERGE_PIPELINE_ALERT_WEBHOOK_URL is set
         required_resource_keys={names("alert_webhook")},
-        description=f"Posts each failed run to ${WEBHOOK.variable} (off when unset).",
+        description=f"Posts each failed run to a webhook.\n\nTo ${WEBHOOK.variable}; off when unset.",
     )
 
 

@@ -18,7 +18,7 @@ from datetime import timedelta
 import dagster as dg
 
 from merge_pipeline.dagster.checks import checks_metadata
-from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.config import MergeConfig, merge_config_class, overridden
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import GROUP, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
@@ -39,7 +39,7 @@ def checkpoint_spec(names: Names) -> dg.AssetSpec:
         owners=OWNERS,
         kinds={"pytorch"},
         tags={"stage": "source"},
-        description="A trainer's checkpoint folder under a watched root (a step folder some format reader declares; each event names its stack), written by the trainer; recorded by new_checkpoint_sensor once complete.",
+        description="A trainer's checkpoint folder, written by the trainer.\n\nUnder a watched root (a step folder some format reader declares; each event names its stack); recorded by new_checkpoint_sensor once complete.",
     )
 
 
@@ -72,27 +72,32 @@ def stage_specs(names: Names, freshness_minutes: float) -> list[dg.AssetSpec]:
             "checkpoint",
             {"pytorch"},
             "plan",
-            "What the checkpoint is (backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes; the same facts as `merge-pipeline inspect`) and what the merge plan decided (output dtype, shards, tying, LoRA handling).",
+            "What the checkpoint is and what the merge plan decided.\n\nThe checkpoint: backend, world size, mesh / TP / PP / EP, stored dtypes, tensors, parameters, bytes (the same facts as `merge-pipeline inspect`). The plan: output dtype, shards, tying, LoRA handling.",
         ),
         stage(
             "state_dict",
             "parallel_config",
             {"safetensors"},
             "weights",
-            "The reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
+            "The published folder's weights: safetensors files, index.\n\nThe reconstructed weights in the published folder: the safetensors files and index, their sha256 and sizes, the write's throughput.",
         ),
         stage(
             "hf_model",
             "state_dict",
             {"safetensors", "huggingface"},
             "published",
-            "The complete Hugging Face folder (weights, index, config, tokenizer, manifest), checked, then published atomically.",
+            "The complete Hugging Face folder, checked, then published.\n\nWeights, index, config, tokenizer and manifest, checked in a staging folder, then renamed into place at once.",
             freshness_policy=freshness_policy(freshness_minutes),
         ),
     ]
 
 
-def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDefinition:
+def merge_step_definition(
+    names: Names, freshness_minutes: float, merge_config: dict | None = None
+) -> dg.AssetsDefinition:
+    """``merge_config``: the component's (checked), the defaults of the step's config."""
+    config_class = merge_config_class(merge_config or {})
+
     @dg.multi_asset(
         name=names("hf_model"),  # the op's name: run configs say ops: hf_model: config: ...
         specs=stage_specs(names, freshness_minutes),
@@ -101,7 +106,7 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
         pool=MERGE_POOL,
         required_resource_keys={names("settings")},
     )
-    def merge_step(context: dg.AssetExecutionContext, config: MergeConfig) -> Iterator:
+    def merge_step(context: dg.AssetExecutionContext, config: config_class) -> Iterator:
         """Plan, write, check and publish one checkpoint; then materialize its three stages.
 
         Plans the merge once, writes the folder into a staging folder beside the target under the
@@ -109,6 +114,8 @@ def merge_step_definition(names: Names, freshness_minutes: float) -> dg.AssetsDe
         place only if all passed.
         """
         settings: MergeSettings = getattr(context.resources, names("settings"))
+        if merge_config and (differing := overridden(config)):
+            context.log.info("this run's config overrides the component's merge_config: %s", ", ".join(differing))
         try:
             yield from _merge(context, config, settings, names)
         finally:  # published or failed: the pin (pin_steps) has done its job

@@ -155,7 +155,9 @@ def averaged_model_definition(
         required_resource_keys={names("settings")},
     )
     def averaged_model(context: dg.AssetExecutionContext, config: config_class) -> dg.MaterializeResult:
-        """The weighted average of the run's newest K merged steps, checked and published as a merge is."""
+        """The weighted average of the run's newest K merged steps.
+
+        Checked and published as a merge is."""
         settings: MergeSettings = getattr(context.resources, names("settings"))
         # unvalidated: _average checks it, in one line
         chosen = Averaging.model_construct(**{name: getattr(config, name) for name in Averaging.model_fields})
@@ -232,7 +234,7 @@ def averaging_job(names: Names) -> "dg.UnresolvedAssetJobDefinition":
         selection=dg.AssetSelection.assets(names.key("averaged_model")),
         tags={HEAVY_TAG: "average"},  # it reads K folders and writes one: not beside a merge
         executor_def=dg.in_process_executor,
-        description="Average the newest merged steps of a run (requested by averaged_model_sensor when a step lands).",
+        description="Average the newest merged steps of a run.\n\nRequested by averaged_model_sensor when a step lands.",
     )
 
 
@@ -248,7 +250,7 @@ def averaged_model_sensor_definition(
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},
-        description=f"When a merged step lands (a new hf_model materialization), averages the newest {averaging.last_k} merged steps of its run and role.",
+        description=f"Averages a run's newest {averaging.last_k} merged steps when one lands.\n\nA new hf_model materialization: the newest merged steps of its run and role.",
     )
     def averaged_model_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
         return _tick(context, getattr(context.resources, names("settings")), names, averaging, max_concurrent_merges)

@@ -87,7 +87,7 @@ CONCURRENCY = """\
   max_concurrent_merges: 1
 """
 STRUCTURE = """\
-  # the merge step's config for the sensor's runs, e.g. weights written by Ray tasks
+  # the merge step's config for every run without its own, e.g. weights written by Ray tasks
   # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
   # merge_config:
   #   launcher: ray
@@ -129,8 +129,10 @@ def _attribute(setting: Setting) -> tuple[Any, Any]:
 
 @dg.scaffold_with(MergeCheckpointsScaffolder)
 class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attributes(), _attribute)):
-    """Merge every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face
-    folder under ``output_root``, and optionally publish it to a Hub. Besides the fields below, one
+    """Merge a trainer's checkpoints into verified HF folders.
+
+    Every checkpoint a trainer saves under ``checkpoint_roots`` into a verified Hugging Face folder
+    under ``output_root``, optionally published to a Hub. Besides the fields below, one
     attribute per setting of ``settings.py`` (left out: its environment variable, else its default)."""
 
     prefix: str | None = None  # none: the component folder's name; "": no prefix (this project's own location)
@@ -139,8 +141,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
     max_concurrent_merges: int = Field(default=1, ge=0)
     hub: HubPublishing = HubPublishing()
     averaging: Averaging | None = None  # none: no averaged_model (the newest K merged steps of each run)
-    # The merge step's config (hf_model's run config fields) for the runs the sensor starts, e.g. the
-    # Ray launcher: {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
+    # The merge step's config (hf_model's run config fields) for every run that gives none of its own (the
+    # sensor's, the UI's, dg launch's, merge-pipeline queue's), e.g. the Ray launcher:
+    # {launcher: ray, ray_address: "ray://head:10001"}; checked when the definitions load.
     merge_config: dict[str, Any] | None = None
 
     _setting_checked = field_validator(*(s.name for s in attributes()), mode="before")(_checked)
@@ -154,21 +157,17 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
             BY_NAME[s].of(getattr(self, s)) for s in ("sensor_interval_seconds", "freshness_minutes")
         )
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
+        merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
-                merge_step_definition(names, freshness),
+                merge_step_definition(names, freshness, merge_config),
                 step_report_definition(names),
                 hub_model,
             ],
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
-                checkpoint_sensor(
-                    names,
-                    interval,
-                    checked_merge_config(self.merge_config or {}) or None,
-                    self.max_concurrent_merges,
-                ),
+                checkpoint_sensor(names, interval, self.max_concurrent_merges),
                 step_report_sensor_definition(names, interval, self.max_concurrent_merges),
                 failure_webhook(names),
             ],
@@ -183,7 +182,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
             return merge
         averaging = dg.Definitions(
             assets=[
-                averaged_model_definition(names, self.averaging, checked_merge_config(self.merge_config or {})),
+                averaged_model_definition(names, self.averaging, merge_config),
                 # its Hub upload (materialized from the UI, or by its schedule)
                 *([hub_averaged_definition(names)] if hub.enabled else []),
             ],

@@ -92,10 +92,30 @@ def writer_fields(merge_config: dict) -> dict:
     """``MergeConfig``'s ``WRITER_FIELDS`` for another step's config (``create_model``, on ``LauncherConfig``),
     with the merge step's values (a checked ``merge_config``) as their defaults: so averaged_model's weights
     are written as the sensor's merges are, on the same launcher, and a run may still pick another."""
+    return _defaulted(merge_config, WRITER_FIELDS)
+
+
+def merge_config_class(merge_config: dict) -> type[MergeConfig]:
+    """``hf_model``'s config with a component's (checked) ``merge_config`` as its defaults: a run started
+    without config (the UI's Materialize, ``dg launch``, ``merge-pipeline queue``) merges as the sensor's do."""
+    return create_model("MergeConfig", __base__=MergeConfig, **_defaulted(merge_config, MergeConfig.model_fields))
+
+
+def overridden(config: MergeConfig) -> list[str]:
+    """The fields a run's config sets otherwise than its step's defaults, as ``name=value (default: value)``."""
+    defaults = type(config)()
+    return [
+        f"{name}={getattr(config, name)!r} (default: {getattr(defaults, name)!r})"
+        for name in type(config).model_fields
+        if getattr(config, name) != getattr(defaults, name)
+    ]
+
+
+def _defaulted(merge_config: dict, names) -> dict:
     return {
         name: (field.annotation, FieldInfo.merge_field_infos(field, default=merge_config.get(name, field.default)))
         for name, field in MergeConfig.model_fields.items()
-        if name in WRITER_FIELDS
+        if name in names
     }
 
 

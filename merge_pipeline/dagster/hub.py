@@ -98,7 +98,9 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
         required_resource_keys={names("settings"), names("hub")},
     )
     def hub_model(context: dg.AssetExecutionContext):
-        """The merged folder on the Hub with its model card, checked file by file against the manifest after upload.
+        """The merged folder on the Hub, with its model card.
+
+        Checked file by file against the manifest after upload.
 
         Materializes only when a Hub organization is configured; otherwise the step succeeds and records nothing.
         """
@@ -118,7 +120,8 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
         job=publish_job,
         default_status=dg.DefaultScheduleStatus.RUNNING if running else dg.DefaultScheduleStatus.STOPPED,
         required_resource_keys={names("hub")},
-        description="Publishes the highest merged step of each run (its blocking checks passed before publishing) "
+        description="Publishes each run's highest merged step to the Hub.\n\n"
+        "The highest merged step of each run (its blocking checks passed before publishing), "
         "once its step report found every tensor finite, once per merge of that step. "
         "Off until MERGE_PIPELINE_HUB_ORG is set (in .env) when the code location loads; then it runs by default.",
     )
@@ -167,8 +170,10 @@ def hub_averaged_definition(names: Names) -> dg.AssetsDefinition:
         required_resource_keys={names("settings"), names("hub")},
     )
     def hub_averaged_model(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        """The run's averaged folder on branch ``averaged-last-<K>`` of its role's repo (the repo its steps
-        go to), with a model card naming every averaged step and its weight, checked file by file after upload."""
+        """The run's averaged model on the Hub, with its model card.
+
+        On branch ``averaged-last-<K>`` of its role's repo (the repo its steps go to), the card naming every
+        averaged step and its weight, checked file by file after upload."""
         settings: MergeSettings = getattr(context.resources, names("settings"))
         hub: HuggingFaceHub = getattr(context.resources, names("hub"))
         with one_line_failure():

@@ -24,7 +24,7 @@ def publish_averaged_schedule(names: Names, cron: str) -> dg.ScheduleDefinition:
     job = dg.define_asset_job(
         names("publish_averaged_to_hub"),
         selection=dg.AssetSelection.assets(names.key("hub_averaged_model")),
-        description="Upload a run's averaged model to its branch averaged-last-<K> on the Hub and verify it.",
+        description="Upload a run's averaged model to the Hub and verify it.\n\nTo its branch averaged-last-<K>.",
     )
 
     @dg.schedule(
@@ -32,7 +32,7 @@ def publish_averaged_schedule(names: Names, cron: str) -> dg.ScheduleDefinition:
         cron_schedule=cron,
         job=job,
         default_status=dg.DefaultScheduleStatus.RUNNING,  # defined only where Hub publishing is configured
-        description="Publishes each run's latest averaged model whose blocking checks passed, once per average.",
+        description="Publishes each run's latest averaged model to the Hub.\n\nOnce its blocking checks passed, once per average.",
     )
     def publish_averaged_models(context: dg.ScheduleEvaluationContext, **_called_with: object):
         return _averages_to_publish(context, names)

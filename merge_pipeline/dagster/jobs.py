@@ -8,9 +8,8 @@ from merge_pipeline.dagster.keys import HEAVY_TAG
 from merge_pipeline.dagster.names import Names
 
 
-def merge_checkpoint_job(names: Names, merge_config: dict | None = None) -> dg.UnresolvedAssetJobDefinition:
-    """``merge_config``: the merge step's default config (``MergeConfig`` fields) for the runs it starts:
-    the sensor's carry none of their own, the Launchpad shows it filled in."""
+def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
+    """Its runs carry no config of their own: hf_model's defaults are the component's ``merge_config``."""
     return dg.define_asset_job(
         names("merge_checkpoint"),
         # the merge step alone: a run that fails plans no asset check (step_report's run in its own job)
@@ -20,8 +19,7 @@ def merge_checkpoint_job(names: Names, merge_config: dict | None = None) -> dg.U
         # the UI, the CLI or a backfill get it too): a step in its own process would pay seconds of
         # imports (torch, transformers); the merge streams, so memory stays bounded anyway.
         executor_def=dg.in_process_executor,
-        config={"ops": {names("hf_model"): {"config": merge_config}}} if merge_config else None,
-        description="Merge one checkpoint role folder into a verified, published Hugging Face folder.",
+        description="Merge one checkpoint into a published HF folder.\n\nOne role folder into a verified, published Hugging Face folder.",
     )
 
 
@@ -31,5 +29,5 @@ def report_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
         selection=dg.AssetSelection.assets(names.key("step_report")),
         tags={HEAVY_TAG: "report"},  # it reads every weight: not beside a merge
         executor_def=dg.in_process_executor,
-        description=f"The step report of a published folder (requested by {names('step_report_sensor')} after each merge).",
+        description=f"The step report of a published folder.\n\nRequested by {names('step_report_sensor')} after each merge.",
     )

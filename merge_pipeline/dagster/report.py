@@ -44,7 +44,7 @@ def report_checks(names: Names) -> list[dg.AssetCheckSpec]:
                 "weights_changed",
                 asset=names.key("step_report"),
                 partitions_def=names.partitions,
-                description="the merged weights differ from the base model's and the previous step's: bit-identical means LoRA was never folded, or training changed nothing",
+                description="the weights differ from the base's and previous step's\n\nBit-identical means LoRA was never folded, or training changed nothing.",
             ),
             dg.AssetCheckSpec(
                 "finite",
@@ -68,7 +68,10 @@ def step_report_definition(names: Names) -> dg.AssetsDefinition:
         required_resource_keys={names("settings")},
     )
     def step_report(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        """Per tensor: relative change against the previous merged step of the run and the base model, norms, NaN / Inf."""
+        """Per tensor: change against the previous step and the base.
+
+        Relative change against the previous merged step of the run and the base model, norms, NaN / Inf.
+        """
         return _report(context, getattr(context.resources, names("settings")), names)
 
     return step_report

@@ -33,7 +33,7 @@ def step_report_sensor_definition(
         job=report_job(names),
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
-        description="After each successful merge (a new hf_model materialization), materializes that partition's step_report in a run of its own.",
+        description="Requests the step report of each merged step.\n\nAfter each successful merge (a new hf_model materialization), materializes that partition's step_report in a run of its own.",
     )
     def step_report_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         return _tick(context.instance, context.cursor, names, max_concurrent_merges)

@@ -35,21 +35,19 @@ if TYPE_CHECKING:
 SOURCE_TAG = "merge_pipeline/source"
 
 
-def checkpoint_sensor(
-    names: Names, interval_seconds: int, merge_config: dict | None = None, max_concurrent_merges: int = 0
-) -> dg.SensorDefinition:
-    """``merge_config``: the merge step's config for the runs it requests (``jobs.merge_checkpoint_job``).
+def checkpoint_sensor(names: Names, interval_seconds: int, max_concurrent_merges: int = 0) -> dg.SensorDefinition:
+    """Its runs carry no config: hf_model's defaults are the component's ``merge_config``.
     ``max_concurrent_merges``: at most this many runs of this instance's merge and report jobs queued or
     running at once, the rest of the complete steps held back for later ticks (0: request every complete
     step at once, for an instance whose run queue limits them, as this project's ``dagster.yaml`` does)."""
 
     @dg.sensor(
         name=names("new_checkpoint_sensor"),
-        job=merge_checkpoint_job(names, merge_config),
+        job=merge_checkpoint_job(names),
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         required_resource_keys={names("settings")},
-        description="Watches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders, in the step folders every format reader declares (each checkpoint event names its stack), and merges each once.",
+        description="Merges each complete checkpoint once.\n\nWatches the settings' checkpoint roots (MERGE_PIPELINE_CHECKPOINT_ROOTS) for complete checkpoint folders, in the step folders every format reader declares (each checkpoint event names its stack), and merges each once.",
     )
     def new_checkpoint_sensor(context: dg.SensorEvaluationContext, **_called_with: object) -> dg.SensorResult:
         # (called directly, as in tests, Dagster passes the resources as arguments too; the daemon does not)

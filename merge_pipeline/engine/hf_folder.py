@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from merge_pipeline.engine.outputs import OUTPUT_ADAPTER_DIR, OutputPlan
-from merge_pipeline.errors import printable
+from merge_pipeline.errors import printable, shown_path
 from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
 from merge_pipeline.hf.safetensors import INDEX
 from merge_pipeline.input_files import read_capped
@@ -68,7 +68,7 @@ def copy_side_files(
         copied.append(src.name)
     if not any(name in copied for name in _TOKENIZER_FILES):
         log.warning(
-            "%s: no tokenizer files; the merged folder will have none (none is invented)", printable(str(hf_dir))
+            "%s: no tokenizer files; the merged folder will have none (none is invented)", printable(shown_path(hf_dir))
         )
     return copied
 

@@ -151,4 +151,5 @@ def test_the_third_merged_step_gets_the_run_averaged_and_published(
     assert "The weighted average of 3 checkpoints, accumulated in float32" in card
     for key in keys:
         assert f"| `{roots.target(key)}` | hf | 0.333333 |" in card
+    assert "| run | `exp` |" in card and "| steps | 1, 2, 3 |" in card  # its inputs' run (folder) and steps
     assert set(hub.repos[("model", "org/proj-exp-actor")].branches) == {"main", "averaged-last-3"}

@@ -3,6 +3,7 @@ tasks' reports in the run's event log, the launcher in the metadata."""
 
 from __future__ import annotations
 
+import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.component import MergeCheckpoints
@@ -110,3 +111,14 @@ def test_a_components_merge_config_is_checked_when_the_definitions_load():
         MergeCheckpoints(merge_config={"launcher": "ray", "ray_adress": "head:6379"}).definitions(Names("c"))
     with pytest.raises(MergeError, match="ray-tasks 0: must be at least 1"):
         MergeCheckpoints(merge_config={"launcher": "ray", "ray_tasks": 0}).definitions(Names("c"))
+
+
+def test_a_run_without_config_gets_the_components_merge_config():
+    """What the UI's Materialize (the assets' own job), dg launch and ``merge-pipeline queue`` (the job, through the
+    webserver) start with no run config: Dagster fills hf_model's config from its defaults, the merge_config."""
+    merge_config = {"launcher": "ray", "ray_address": "head:6379", "ray_env_vars": ["MY_TOKEN"]}
+    defs = MergeCheckpoints(merge_config=merge_config).definitions(Names("c"))
+
+    for job in ("c__merge_checkpoint", "__ASSET_JOB"):
+        config = dg.validate_run_config(defs.resolve_job_def(job), {})["ops"]["c__hf_model"]["config"]
+        assert {name: config[name] for name in merge_config} == merge_config, job

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -264,6 +265,20 @@ def test_a_merged_folder_averages_as_the_checkpoint_it_was_merged_from(capsys, t
     assert ours == theirs
     inputs = read_manifest(mixed)["source"]["layout"]["averaged_inputs"]
     assert [(i["path"], i["backend"]) for i in inputs] == [(str(merged), "hf"), (str(steps[1].role_dir), "fsdp")]
+
+
+def test_an_average_names_every_input_and_their_run_and_steps(capsys, caplog, tmp_path, steps):
+    """Its log line names each input; its card the run and the steps the inputs were merged from."""
+    caplog.set_level(logging.INFO, logger="merge_pipeline")
+    merged = [tmp_path / "out" / "run_a" / f"global_step_{step}" / "actor" for step in (10, 20)]
+    for sample, folder in zip(steps, merged, strict=False):
+        merge_ok(capsys, sample.role_dir, folder)
+
+    average_ok(capsys, merged, tmp_path / "averaged")
+
+    assert f"averaged {merged[0]}, {merged[1]} -> {tmp_path / 'averaged'}: " in caplog.text
+    card = render_card(read_manifest(tmp_path / "averaged"), "org/averaged")
+    assert "| run | `run_a` |" in card and "| steps | 10, 20 |" in card
 
 
 def test_other_shapes_are_one_line_naming_the_first_difference(capsys, tmp_path, steps, fsdp_checkpoint):
