@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -398,9 +399,18 @@ def _run_queue(args: argparse.Namespace) -> int:
     return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM (a job scheduler, ``kill``): unwinds the merge as Ctrl-C does, so its staging and lock go."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.run(args)
     except (MergeError, OSError) as exc:
@@ -412,6 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was published", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated (SIGTERM): nothing was published", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":
