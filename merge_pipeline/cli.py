@@ -393,18 +393,21 @@ def _run_diff(args: argparse.Namespace) -> int:
 
 def _run_queue(args: argparse.Namespace) -> int:
     from merge_pipeline.dagster.queue import queue_merge
+    from merge_pipeline.dagster.webserver_api import shown_url
 
     run_id = queue_merge(args.url, args.partition, job=args.job, run_config=args.config_json)
-    print(f"queued: {args.url.rstrip('/')}/runs/{run_id}")
+    print(f"queued: {shown_url(args.url.rstrip('/'))}/runs/{printable(run_id)}")
     return 0
 
 
-class Terminated(BaseException):
-    """SIGTERM (a job scheduler, ``kill``): unwinds the merge as Ctrl-C does, so its staging and lock go."""
+_TERMINATED: list[int] = []  # the SIGTERM received, if one was
 
 
 def _terminated(signum, frame) -> None:
-    raise Terminated
+    """SIGTERM (a job scheduler, ``kill``) unwinds the merge as Ctrl-C does, so its staging and lock go.
+    As KeyboardInterrupt: Ray's waits turn any other exception raised in them into a SystemError."""
+    _TERMINATED.append(signum)
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -420,11 +423,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc if isinstance(exc, MergeError) else os_error(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        if _TERMINATED:
+            print("terminated (SIGTERM): nothing was published", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print("interrupted: nothing was published", file=sys.stderr)
         return 130
-    except Terminated:
-        print("terminated (SIGTERM): nothing was published", file=sys.stderr)
-        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":
