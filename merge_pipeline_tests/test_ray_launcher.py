@@ -269,11 +269,12 @@ def test_an_address_that_is_no_ray_head_is_refused_in_seconds_before_any_work(fs
             cli_merge_command(fsdp_checkpoint(FsdpSpec()).role_dir, tmp_path / "out", "--ray-address", address),
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=180,
         )
         took = time.monotonic() - started
 
-    assert done.returncode == 1 and took < 20, (took, done.stderr)
+    # the probe waits 5 s at most; the rest is importing Ray and torch, slow on a loaded machine (before: ~14 min)
+    assert done.returncode == 1 and took < 90, (took, done.stderr)
     [line] = done.stderr.splitlines()
     assert line.startswith(f"error: Ray cluster at {address}: ")
     if kind == "closed":
