@@ -28,7 +28,7 @@ query ($selector: PipelineSelector!) { pipelineOrError(params: $selector) { __ty
   ... on PipelineNotFoundError { message } ... on PythonError { message } } }
 """
 
-# dagster_graphql's client's own mutation (its transport waits per read only, and reads any size)
+# the mutation dagster_graphql's client sends (its transport waits per read, not in all, and reads any size)
 _LAUNCH = """
 mutation ($executionParams: ExecutionParams!) { launchPipelineExecution(executionParams: $executionParams) {
   __typename
