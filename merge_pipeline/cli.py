@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -393,15 +394,27 @@ def _run_diff(args: argparse.Namespace) -> int:
 
 def _run_queue(args: argparse.Namespace) -> int:
     from merge_pipeline.dagster.queue import queue_merge
+    from merge_pipeline.dagster.webserver_api import shown_url
 
     run_id = queue_merge(args.url, args.partition, job=args.job, run_config=args.config_json)
-    print(f"queued: {args.url.rstrip('/')}/runs/{run_id}")
+    print(f"queued: {shown_url(args.url.rstrip('/'))}/runs/{printable(run_id)}")
     return 0
+
+
+_TERMINATED: list[int] = []  # the SIGTERM received, if one was
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM (a job scheduler, ``kill``) unwinds the merge as Ctrl-C does, so its staging and lock go.
+    As KeyboardInterrupt: Ray's waits turn any other exception raised in them into a SystemError."""
+    _TERMINATED.append(signum)
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.run(args)
     except (MergeError, OSError) as exc:
@@ -411,6 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc if isinstance(exc, MergeError) else os_error(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        if _TERMINATED:
+            print("terminated (SIGTERM): nothing was published", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print("interrupted: nothing was published", file=sys.stderr)
         return 130
 

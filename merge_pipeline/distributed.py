@@ -36,14 +36,13 @@ from merge_pipeline.pipeline import (
     prepare,
     write_share,
 )
+from merge_pipeline.settings import DIST_TIMEOUT
 
 log = logging.getLogger("merge_pipeline")
 
 # How long a rank waits at a collective for the others before failing. It must cover the longest
 # phase one rank runs alone: rank 0 hashing the whole output for the manifest (minutes for a
 # 400B model on slow storage). A stopped, hung or dead rank fails the others within this time.
-DIST_TIMEOUT_ENV = "MERGE_PIPELINE_DIST_TIMEOUT"
-DEFAULT_DIST_TIMEOUT_SECONDS = 30 * 60
 _LEFT_KEY = "merge_pipeline/left_the_last_barrier"
 _DONE_KEY = "merge_pipeline/done_with_the_store"
 T = TypeVar("T")
@@ -60,15 +59,7 @@ def launched_by_torchrun() -> bool:
 
 def dist_timeout(seconds: float | None = None) -> float:
     """``seconds`` if given, else $MERGE_PIPELINE_DIST_TIMEOUT, else the default; always positive."""
-    if seconds is None:
-        text = os.environ.get(DIST_TIMEOUT_ENV, str(DEFAULT_DIST_TIMEOUT_SECONDS))
-        try:
-            seconds = float(text)
-        except ValueError:
-            raise MergeError(None, f"{DIST_TIMEOUT_ENV}={text!r}: expected a number of seconds") from None
-    if not seconds > 0:
-        raise MergeError(None, f"--dist-timeout {seconds:g}: must be a positive number of seconds")
-    return seconds
+    return DIST_TIMEOUT.value(seconds, "--dist-timeout")
 
 
 @contextlib.contextmanager
@@ -79,7 +70,7 @@ def _peers_answer() -> Iterator[None]:
     except RuntimeError:  # DistStoreError, gloo timeouts and closed connections are all RuntimeErrors
         raise MergeError(
             None,
-            f"rank {os.environ.get('RANK', '?')}: another rank stopped answering (stopped, hung or dead) within the --dist-timeout ({DIST_TIMEOUT_ENV}); nothing was published",
+            f"rank {os.environ.get('RANK', '?')}: another rank stopped answering (stopped, hung or dead) within the --dist-timeout ({DIST_TIMEOUT.variable}); nothing was published",
         ) from None
 
 

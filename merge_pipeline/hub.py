@@ -33,7 +33,6 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -62,13 +61,12 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.model_card import CARD, readme_to_publish, render_card
+from merge_pipeline.settings import HUB_TIMEOUT
 from merge_pipeline.storage import sha256_uploaded_with, store_object
 
 log = logging.getLogger("merge_pipeline")
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
-DEFAULT_TIMEOUT_S = 60.0
-TIMEOUT_ENV = "MERGE_PIPELINE_HUB_TIMEOUT"
 _REGULAR_MAX = 10 << 20  # the Hub keeps larger files in LFS, so only smaller ones need a git blob id
 _HUB_FILES = {".gitattributes"}  # written by the Hub itself when it creates a repo
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
@@ -529,16 +527,7 @@ def _redact(message: str, token: str) -> str:
 
 
 def _timeout_s(given: float | None) -> float:
-    raw = given if given is not None else os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise MergeError(
-            None, f"Hub timeout {str(raw)!r} (--hub-timeout or {TIMEOUT_ENV}): expected a number of seconds > 0"
-        )
-    return seconds
+    return HUB_TIMEOUT.value(given, "--hub-timeout")
 
 
 def _use_timeout(seconds: float) -> None:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields
 
-from merge_pipeline.errors import MergeError
+from merge_pipeline.errors import MergeError, shown
 
 BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed", "dcp")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8")
@@ -23,6 +23,7 @@ FOLDER = ("merge",)  # how the folder is written
 AVERAGE = ("average",)  # averaging: set by the `average` command and Dagster's averaged_model, no merge flag
 ACCUMULATE_CHOICES = ("float32", "float64")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
 def _option(default, help: str, *, commands=TENSORS, choices: tuple[str, ...] | None = None, **cli):
@@ -112,19 +113,32 @@ def _check_average(inputs: tuple[str, ...], weights: tuple[float, ...], accumula
         raise MergeError(None, f"--accumulate must be one of {', '.join(ACCUMULATE_CHOICES)}, not {accumulate!r}")
 
 
+MAX_AVERAGED = 10_000  # checkpoints averaged at once: far more steps than a run keeps, weights a small tuple
+
+
 def average_weights(
     count: int, *, weights: Sequence[float] | None = None, ema: float | None = None
 ) -> tuple[float, ...]:
     """The weights of ``count`` inputs (oldest first): uniform; ``weights`` scaled to sum to 1; or the
     exponential moving average with decay ``ema`` started at the oldest input (the newest weighs ``1 - ema``)."""
+    if count > MAX_AVERAGED:
+        raise MergeError(None, f"averaging {count} checkpoints: at most {MAX_AVERAGED:,} are averaged at once")
     if weights is not None and ema is not None:
         raise MergeError(None, "--weights and --ema contradict each other: give one")
     if weights is not None:
         if len(weights) != count:
             raise MergeError(None, f"--weights: {len(weights)} weights for {count} inputs")
         if not all(math.isfinite(w) and w > 0 for w in weights):
-            raise MergeError(None, f"--weights {list(weights)}: every weight must be a positive number")
-        total = math.fsum(weights)
+            raise MergeError(None, f"--weights {shown(list(weights))}: every weight must be a positive number")
+        try:
+            total = math.fsum(weights)
+        except OverflowError:  # 1e308 + 1e308
+            total = math.inf
+        if not math.isfinite(total):
+            raise MergeError(
+                None,
+                f"--weights {shown(list(weights))}: their sum overflows: scale them down (only their ratios count)",
+            )
         return tuple(w / total for w in weights)
     if ema is not None:
         if not 0 < ema < 1:
@@ -135,11 +149,11 @@ def average_weights(
 
 
 def parse_size(size: str | int, flag: str) -> int:
-    """Bytes, at least 1, from an int or an HF-style size ("64MB", "1.5GB"; decimal units)."""
+    """Bytes, at least 1, from an int or an HF-style size ("64MB", "1.5GB"; decimal units; "32MiB" binary)."""
     if isinstance(size, int) and not isinstance(size, bool):
         value = size
     else:
-        match = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]?B)?\s*", str(size), re.IGNORECASE)
+        match = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]i?B)?\s*", str(size), re.IGNORECASE)
         if not match:
             raise MergeError(None, f"{flag} {size!r}: expected a size such as 64MB or 1GB")
         value = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])

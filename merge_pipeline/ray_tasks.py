@@ -26,7 +26,8 @@ import contextlib
 import logging
 import os
 import resource
-import socket
+import signal
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ from merge_pipeline.pipeline import (
 )
 from merge_pipeline.plan import READ_PIECE_BYTES
 from merge_pipeline.progress import ByteProgress, human_bytes
+from merge_pipeline.ray_probe import check_ray_head
 from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.storage import is_store_url
 
@@ -63,7 +65,6 @@ log = logging.getLogger("merge_pipeline")
 # result) and the read and write buffers, what a task reserves unless --ray-memory-per-task says.
 PROCESS_BYTES = 1 << 30
 READ_BUFFERS = BUFFERED_BYTES + READ_PIECE_BYTES + GROUP_BYTES
-CONNECT_TIMEOUT_SECONDS = 10
 _POLL_SECONDS = 1.0
 _CANCEL_WAIT_SECONDS = 60
 _PACKAGE = Path(merge_pipeline.__file__).parent  # shipped to the cluster: its tasks run the driver's code
@@ -108,7 +109,8 @@ def _connected(ray, address: str) -> Iterator[None]:
 
 
 def _connect(ray, address: str) -> None:
-    _check_reachable(address)
+    check_ray_head(address)
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         # the driver's own merge_pipeline goes with the job: every task runs the code that planned it
         ray.init(
@@ -119,19 +121,11 @@ def _connect(ray, address: str) -> None:
         )
     except Exception as exc:  # ConnectionError (no cluster), RuntimeError (Ray or Python version mismatch), ...
         raise MergeError(None, f"Ray cluster at {address}: {exc}") from None
-
-
-def _check_reachable(address: str) -> None:
-    """Fail in seconds, in one line, where Ray would retry an unreachable head for a minute."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if address == "auto" or not host or not port.isdigit():
-        return  # Ray resolves it (RAY_ADDRESS, the local node) and says what is wrong
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_SECONDS).close()
-    except OSError as exc:
-        raise MergeError(
-            None, f"Ray cluster at {address}: cannot connect ({exc.strerror or exc}); is its head running?"
-        ) from None
+    finally:
+        # ray.init replaces the driver's SIGTERM handler with a bare exit: the CLI's (or Dagster's) unwinds
+        # the merge, cancelling the tasks and removing the staging folder and lock
+        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class RayTasks(Workers):
@@ -141,7 +135,7 @@ class RayTasks(Workers):
         """Checks that Ray is installed and the head answers, before any work. ``logger``: where the
         driver reports (the module's logger, or a Dagster run's)."""
         _ray()
-        _check_reachable(settings.address)
+        check_ray_head(settings.address)
         self.settings, self.log = settings, logger
         self.results: list[TaskResult] = []  # of the last write: per task, in the order of ``shares``
 

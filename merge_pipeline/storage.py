@@ -35,6 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from merge_pipeline.errors import MergeError, first_line, show_folder_as
+from merge_pipeline.settings import (
+    MAX_DOWNLOAD_BYTES,
+    PARALLEL_UPLOADS,
+    PART_BYTES,
+    PARTS_IN_FLIGHT,
+    PREFETCH_BYTES,
+    SCRATCH,
+)
 
 log = logging.getLogger("merge_pipeline")
 
@@ -42,13 +50,9 @@ MANIFEST = "merge_manifest.json"  # hf.manifest's name for it (the commit marker
 # Files read through ranged GETs, never downloaded: what the readers stream tensor bytes from.
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".distcp", ".safetensors", ".ckpt")
 # Any other file is downloaded into the view whole (a JSON, a tracker, DCP's .metadata, a tokenizer): a side
-# file must be copied with its bytes, never a placeholder's. Past this total the prefix is refused.
-DOWNLOADED_BYTES = int(os.environ.get("MERGE_PIPELINE_MAX_DOWNLOAD_BYTES", 4 << 30))
-# Uploads: parts of this size, this many files at once, each with this many parts in flight; the bytes in
-# flight are bounded by their product (configurable through the environment).
-PART_BYTES = int(os.environ.get("MERGE_PIPELINE_PART_BYTES", 32 << 20))
-PARALLEL_FILES = int(os.environ.get("MERGE_PIPELINE_PARALLEL_UPLOADS", 4))
-PARTS_IN_FLIGHT = int(os.environ.get("MERGE_PIPELINE_PARTS_IN_FLIGHT", 2))
+# file must be copied with its bytes, never a placeholder's. Past MAX_DOWNLOAD_BYTES the prefix is refused.
+# Uploads: parts of PART_BYTES, PARALLEL_UPLOADS files at once, each with PARTS_IN_FLIGHT parts in flight; the
+# bytes in flight are bounded by their product. Each is read where it is used (merge_pipeline.settings).
 
 
 def is_store_url(location: str | Path) -> bool:
@@ -211,10 +215,11 @@ class _Prefetched:
         with self.lock:
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="merge-prefetch")
+            budget = PREFETCH_BYTES.value()
             for at in range(start, end, PREFETCH_PIECE):
                 if (obj.url, obj.identity.etag, at) in self.pieces:
                     continue
-                while self.pieces and self._held() + PREFETCH_PIECE > PREFETCH_BYTES:
+                while self.pieces and self._held() + PREFETCH_PIECE > budget:
                     self.pieces.pop(next(iter(self.pieces)))  # the oldest hint, never read
                 piece_end = min(at + PREFETCH_PIECE, end)
                 self.pieces[(obj.url, obj.identity.etag, at)] = (piece_end, self.pool.submit(obj._get, at, piece_end))
@@ -241,9 +246,8 @@ class _Prefetched:
         return data[offset - key[2] : end - key[2]]
 
 
-# Reads ahead: pieces of this size, at most this many bytes held or in flight, on this many threads.
+# Reads ahead: pieces of this size, at most PREFETCH_BYTES held or in flight, on this many threads.
 PREFETCH_PIECE = 8 << 20
-PREFETCH_BYTES = int(os.environ.get("MERGE_PIPELINE_PREFETCH_BYTES", 64 << 20))
 PREFETCH_THREADS = 8
 _PREFETCHED = _Prefetched()
 
@@ -362,10 +366,11 @@ def viewed(location_or_url: str | Path, *, merged: bool = False) -> Iterator[Pat
                 registered.append(placeholder(local, store, relative, info))
             else:
                 small.append((store.key(relative), str(local)))
-        if sum(int(objects[k[len(store.path) + 1 :]]["size"]) for k, _ in small) > DOWNLOADED_BYTES:
+        downloaded = MAX_DOWNLOAD_BYTES.value()
+        if sum(int(objects[k[len(store.path) + 1 :]]["size"]) for k, _ in small) > downloaded:
             raise MergeError(
                 None,
-                f"{store.url}: holds more than {DOWNLOADED_BYTES:,} bytes of files that are not weight files "
+                f"{store.url}: holds more than {downloaded:,} bytes of files that are not weight files "
                 "(downloaded whole): give the checkpoint's own prefix, or raise MERGE_PIPELINE_MAX_DOWNLOAD_BYTES",
             )
         if small:
@@ -443,9 +448,9 @@ def publish_folder(
         before = set(_listing(store)) if store.fs.exists(store.path) else set()
         if MANIFEST in before:
             store.fs.rm_file(store.key(MANIFEST))
-        with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload") as pool:
+        with ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload") as pool:
             list(pool.map(lambda r: _upload(store, folder, r, digests.get(r), streamed=True), weights))
-        with ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload") as pool:
+        with ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload") as pool:
             list(pool.map(lambda r: _upload(store, folder, r, None), others))
         if before_the_manifest is not None:
             before_the_manifest()
@@ -468,15 +473,16 @@ def invalidate_target(url: str) -> None:
 
 class UploadSink:
     """Weight files uploaded while the merge writes the next ones: each, once written, fsynced and hashed,
-    goes up in parts (``PART_BYTES``, ``PARTS_IN_FLIGHT`` at once) on one of ``PARALLEL_FILES`` threads,
+    goes up in parts (``PART_BYTES``, ``PARTS_IN_FLIGHT`` at once) on one of ``PARALLEL_UPLOADS`` threads,
     then its tensor bytes are freed on local disk (a hole punched; the header stays for the blocking
-    checks). The writer waits while ``PARALLEL_FILES`` files are written and not yet uploaded: local disk
+    checks). The writer waits while ``PARALLEL_UPLOADS`` files are written and not yet uploaded: local disk
     holds at most that many weight files, memory at most the parts in flight."""
 
     def __init__(self, url: str):
         self.store = location(url)
-        self.pool = ThreadPoolExecutor(PARALLEL_FILES, thread_name_prefix="merge-upload")
-        self.slots = threading.BoundedSemaphore(PARALLEL_FILES)
+        PART_BYTES.value(), PARTS_IN_FLIGHT.value()  # a bad one is refused now, not after the first weight file
+        self.pool = ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload")
+        self.slots = threading.BoundedSemaphore(PARALLEL_UPLOADS.value())
         self.futures = []
 
     def add(self, folder: Path, relative: str, sha256: str) -> None:
@@ -537,7 +543,7 @@ def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | Non
     if path.stat().st_blocks * 512 < size - 4096:  # its tensor bytes were freed after an upload that is gone
         raise MergeError(None, f"{store.url_of(relative)}: uploaded during the merge, no longer in the store: re-run")
     metadata = _digest_metadata(store.fs, sha256) if sha256 else {}
-    store.fs.put_file(str(path), key, chunksize=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT, **metadata)
+    store.fs.put_file(str(path), key, chunksize=PART_BYTES.value(), max_concurrency=PARTS_IN_FLIGHT.value(), **metadata)
 
 
 def _digest_metadata(fs, sha256: str) -> dict:
@@ -583,6 +589,6 @@ def local_twin(url: str) -> Path:
     """Where a merge into ``url`` builds its folder before publishing it: a folder of this machine named
     by the URL (``MERGE_PIPELINE_SCRATCH``, else ~/.cache/merge_pipeline/store-targets), so that a killed
     merge's staging folder is found again and resumed, as beside a local target."""
-    scratch = Path(os.environ.get("MERGE_PIPELINE_SCRATCH") or Path.home() / ".cache/merge_pipeline/store-targets")
+    scratch = SCRATCH.value() or Path.home() / ".cache/merge_pipeline/store-targets"
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     return (scratch / f"{Path(url.rstrip('/')).name}-{digest}").absolute()

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 
+from merge_pipeline.settings import LIST_PAGE_KEYS
 from merge_pipeline.storage import (
     MANIFEST,
     WEIGHT_SUFFIXES,
@@ -35,7 +36,6 @@ from merge_pipeline.storage import (
     placeholder,
 )
 
-LIST_PAGE_KEYS = int(os.environ.get("MERGE_PIPELINE_LIST_PAGE_KEYS", 1000))  # S3's own maximum per request
 MARKER_BYTES = 64 << 10  # a file the readers read to judge a save (a step number, a tag, a JSON) is smaller
 
 
@@ -90,7 +90,7 @@ def pages(
         from fsspec.asyn import sync
 
         bucket, _, key_prefix = prefix.partition("/")
-        request = {"Bucket": bucket, "Prefix": key_prefix, "MaxKeys": LIST_PAGE_KEYS}
+        request = {"Bucket": bucket, "Prefix": key_prefix, "MaxKeys": LIST_PAGE_KEYS.value()}
         if not recursive:
             request["Delimiter"] = "/"
         listed = 0

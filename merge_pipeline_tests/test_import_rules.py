@@ -30,6 +30,8 @@ LAYERS = {
     "progress": 0,
     "plan": 0,
     "ray_settings": 0,
+    "ray_probe": 0,
+    "settings": 0,
     "model_card": 0,
     "checkpoint_name": 0,
     "storage": 0,

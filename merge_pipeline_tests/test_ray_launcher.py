@@ -3,23 +3,29 @@ mid-merge, the same bytes as one process; a bad address or an impossible request
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import logging
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from merge_pipeline.engine.publish import lock_path
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import merge, staging_path
 from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec
-from merge_pipeline_tests.helpers import error_lines, run_cli, tree_digest
-from merge_pipeline_tests.ray_cluster import MERGE_RESOURCE, add_worker, local_cluster, write_tasks
+from merge_pipeline_tests.helpers import cli_merge_command, error_lines, run_cli, tree_digest
+from merge_pipeline_tests.ray_cluster import MERGE_RESOURCE, add_worker, free_port, local_cluster, write_tasks
 
 SHARDS = "200KB"  # several weight files from the small samples: something to spread over the nodes
 
@@ -247,3 +253,88 @@ def test_tasks_that_never_start_fail_after_the_timeout_in_one_line(capsys, clust
     assert "resource 'merge' 1; free on the cluster now: CPU 2, memory " in line
     assert line.endswith(", resource 'merge' 0")
     assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
+
+
+@contextlib.contextmanager
+def not_a_ray_head(kind: str) -> Iterator[str]:
+    """An address where something that is not a Ray head listens: a port that accepts and never speaks,
+    a web server (as Ray's dashboard), or nothing at all."""
+    if kind == "closed":
+        yield f"127.0.0.1:{free_port()}"
+    elif kind == "silent":
+        with socket.create_server(("127.0.0.1", 0), backlog=64) as server:  # the kernel accepts, nobody reads
+            yield f"127.0.0.1:{server.getsockname()[1]}"
+    else:
+        with http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler) as server:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            yield f"127.0.0.1:{server.server_address[1]}"
+            server.shutdown()
+
+
+def assert_nothing_left(target: Path) -> None:
+    assert not target.exists() and not staging_path(target).exists() and not lock_path(target).exists()
+
+
+@pytest.mark.parametrize("kind", ["silent", "http", "closed"])
+def test_an_address_that_is_no_ray_head_is_refused_in_seconds_before_any_work(fsdp_checkpoint, tmp_path, kind):
+    """Before: a silent or web server port held the merge ~14 minutes inside ray.init, its lock and
+    staging made, Ray's C++ warnings on the terminal."""
+    with not_a_ray_head(kind) as address:
+        started = time.monotonic()
+        done = subprocess.run(
+            cli_merge_command(fsdp_checkpoint(FsdpSpec()).role_dir, tmp_path / "out", "--ray-address", address),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        took = time.monotonic() - started
+
+    # the probe waits 5 s at most; the rest is importing Ray and torch, slow on a loaded machine (before: ~14 min)
+    assert done.returncode == 1 and took < 90, (took, done.stderr)
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: Ray cluster at {address}: ")
+    if kind == "closed":
+        assert line.endswith("cannot connect (Connection refused); is its head running?")
+    else:
+        assert "not answered as by a Ray head's GCS port within 5 s" in line
+    assert_nothing_left(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_on_tasks_cancels_them_and_removes_staging_and_lock(cluster, fsdp_checkpoint, tmp_path):
+    """A scheduler stops the merge (SIGTERM) while its tasks wait for a node: it stops, cancels its tasks,
+    removes its staging folder and lock and exits non-zero (before: Ray's handler exited, leaving them)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_EVERY_MERGE_SLOT, cluster.address, "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    target = tmp_path / "out"
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        command = cli_merge_command(
+            fsdp_checkpoint(FsdpSpec()).role_dir,
+            target,
+            "--ray-address",
+            cluster.address,
+            "--ray-resource",
+            MERGE_RESOURCE,
+        )
+        merging = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        for line in merging.stderr:
+            if line.startswith("Ray: 1 write tasks"):
+                break
+        assert staging_path(target).is_dir() and lock_path(target).exists()
+        time.sleep(2)  # waiting in ray.wait
+        merging.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        rest = merging.stderr.read()
+        code = merging.wait(timeout=90)
+        took = time.monotonic() - started
+    finally:
+        holder.communicate(timeout=60)
+
+    assert code == 128 + signal.SIGTERM and took < 30, (code, took, rest)
+    assert "terminated (SIGTERM): nothing was published" in rest
+    assert_nothing_left(target)

@@ -35,7 +35,7 @@ from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MergeOptions, average_weights
+from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import viewed
 
@@ -69,8 +69,10 @@ class Averaging(dg.Model):
 
     def step_weights(self) -> tuple[float, ...]:
         """One weight per step, oldest first; a bad setting is one line."""
-        if self.last_k < 2:
-            raise MergeError(None, f"averaging: last_k {self.last_k}: averaging needs at least 2 steps")
+        if not 2 <= self.last_k <= MAX_AVERAGED:
+            raise MergeError(
+                None, f"averaging: last_k {self.last_k}: expected a whole number of steps from 2 to {MAX_AVERAGED:,}"
+            )
         if self.scheme == "weighted" and self.weights is None:
             raise MergeError(None, "averaging: scheme weighted needs weights (one per step, oldest first)")
         return average_weights(

@@ -1,7 +1,8 @@
 """Every setting of the ``MergeCheckpoints`` component, declared once: its name (the ``defs.yaml``
 attribute and the resource field), its environment variable, its default, its help and its check.
 
-From this one list come the component's attributes (``component.py``; the Hub's under its ``hub:``),
+Each is of a ``Kind`` of ``merge_pipeline.settings`` (where the engine's own variables are declared). From
+this one list come the component's attributes (``component.py``; the Hub's under its ``hub:``),
 the fields of the ``settings``, ``alert_webhook`` and ``hub`` resources (``resources.py``, ``alerts.py``,
 ``hub.py``), the ``defs.yaml`` the scaffolder writes, and the table in docs/DAGSTER.md ("Configuration":
 ``python -m merge_pipeline.dagster.settings`` prints it; a test holds the two equal).
@@ -16,12 +17,9 @@ time would switch the wait off.
 
 from __future__ import annotations
 
-import math
 import os
 import re
-import reprlib
 import textwrap
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,63 +27,23 @@ from typing import Any
 from pydantic import BaseModel, Field, create_model
 
 from merge_pipeline.dagster.pins import PINS
-from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
-from merge_pipeline.hub import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, TIMEOUT_ENV
-from merge_pipeline.options import parse_size
+from merge_pipeline.hub import DEFAULT_ENDPOINT
+from merge_pipeline.settings import (
+    DAY_SECONDS,
+    HUB_TIMEOUT,
+    OPTIONAL_PATH,
+    OPTIONAL_TEXT,
+    SECONDS,
+    SIZE,
+    SWITCH,
+    TEXT,
+    Kind,
+    choice,
+    number,
+)
 from merge_pipeline.storage import is_store_url
 from merge_pipeline.store_listing import StoreURL
-
-
-@dataclass(frozen=True)
-class Kind:
-    """What a setting holds: its type in ``defs.yaml`` and the resource, and how a value (the attribute's,
-    or the variable's text) becomes what the code uses, checked (``MergeError`` naming ``named``)."""
-
-    type: Any
-    parse: Callable[[Any, str], Any]
-    checked_at_load: bool = False  # a value that can be wrong (a number, a size): checked when the location loads
-
-
-def number(unit: str, minimum: float = 0, whole: bool = False, above: bool = False) -> Kind:
-    """A finite number of ``unit`` at or above ``minimum`` (``above``: and not ``minimum`` itself, as a
-    timeout of 0 s; ``whole``: Dagster takes the sensor interval as an int)."""
-
-    def parse(value: Any, named: str) -> float:
-        try:
-            parsed = math.nan if isinstance(value, bool) else float(value)  # YAML's true is no number of seconds
-        except (TypeError, ValueError, OverflowError):
-            parsed = math.nan
-        if not minimum <= parsed < math.inf or (above and parsed == minimum) or (whole and not parsed.is_integer()):
-            kind = "a whole number" if whole else "a finite number"
-            bound = f"> {minimum:g}" if above else f">= {minimum:g}"
-            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected {kind} of {unit} {bound}")
-        return int(parsed) if whole else parsed
-
-    return Kind(int if whole else float, parse, checked_at_load=True)
-
-
-def choice(*options: str) -> Kind:
-    """One of ``options``, as written."""
-
-    def parse(value: Any, named: str) -> str:
-        if value not in options:
-            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected one of {', '.join(options)}")
-        return value
-
-    return Kind(str, parse, checked_at_load=True)  # Dagster config has no optional Literal
-
-
-_SWITCHED = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-def _switch(value: Any, named: str) -> bool:
-    """A YAML boolean or a variable's word; any other word is refused (a private repo is no guess)."""
-    if isinstance(value, bool):
-        return value
-    if str(value).strip().lower() not in _SWITCHED:
-        raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected true or false (1 or 0)")
-    return _SWITCHED[str(value).strip().lower()]
 
 
 def _folders_or_urls(value: Any, named: str) -> list[Path | StoreURL]:
@@ -109,18 +67,8 @@ def _folder_or_url(value: Any, named: str) -> Path | StoreURL:
     return StoreURL(value) if is_store_url(value) else Path(value).absolute()
 
 
-def _optional_path(value: Any, named: str) -> Path | None:
-    return Path(value).absolute() if value else None
-
-
-SECONDS = number("seconds")
-SWITCH = Kind(bool, _switch, checked_at_load=True)
-TEXT = Kind(str, lambda value, named: value)
-OPTIONAL_TEXT = Kind(str, lambda value, named: value or None)
 FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
 FOLDER_OR_URL = Kind(str, _folder_or_url)
-OPTIONAL_PATH = Kind(str, _optional_path)
-SIZE = Kind(str, parse_size, checked_at_load=True)
 
 
 @dataclass(frozen=True)
@@ -271,7 +219,7 @@ SETTINGS = (
     Setting(
         "sensor_interval_seconds",
         "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS",
-        number("seconds", whole=True),
+        number("seconds", whole=True, maximum=DAY_SECONDS),
         "10",
         "minimum time between sensor ticks (the daemon loops every 5 s at best)",
         resource=None,
@@ -279,7 +227,7 @@ SETTINGS = (
     Setting(
         "freshness_minutes",
         "MERGE_PIPELINE_FRESHNESS_MINUTES",
-        number("minutes", minimum=1),  # Dagster refuses a freshness window under a minute
+        number("minutes", minimum=1, maximum=366 * 24 * 60),  # Dagster refuses a freshness window under a minute
         "30",
         "hf_model's freshness policy: stale when no step was published for this long",
         resource=None,
@@ -336,10 +284,10 @@ SETTINGS = (
     ),
     Setting(
         "timeout_s",
-        TIMEOUT_ENV,
-        number("seconds", above=True),
-        f"{DEFAULT_TIMEOUT_S:g}",
-        "seconds a Hub request may wait to connect or for an answer",
+        HUB_TIMEOUT.variable,
+        HUB_TIMEOUT.kind,
+        HUB_TIMEOUT.default,
+        HUB_TIMEOUT.help,
         resource="hub",
         under="hub",
     ),

@@ -3,11 +3,16 @@ tasks' reports in the run's event log, the launcher in the metadata."""
 
 from __future__ import annotations
 
+import http.server
+import threading
+import time
+
 import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.component import MergeCheckpoints
 from merge_pipeline.dagster.names import Names
+from merge_pipeline.engine.publish import lock_path, staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.defs.helpers import ACTOR, materialize
@@ -81,6 +86,29 @@ def test_ray_launcher_with_a_request_no_node_satisfies_fails_in_one_line(cluster
     description = failure.step_failure_data.user_failure_data.description
     assert "no node has resource 'merge_cpu' 1" in description and "\n" not in description
     assert not roots.target(key).exists()
+
+
+@pytest.mark.slow
+def test_ray_launcher_at_a_web_server_fails_in_one_line_before_any_work(fsdp_checkpoint, roots, instance):
+    """``ray_address`` at Ray's dashboard port (any web server): the step fails in seconds in one line, with
+    no lock or staging made (before: ~14 minutes inside ray.init, after both were made)."""
+    roots.drop(fsdp_checkpoint(ACTOR), "web/global_step_1", tracker=1)
+    key = "web/global_step_1/actor"
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler) as web:
+        threading.Thread(target=web.serve_forever, daemon=True).start()
+        address = f"127.0.0.1:{web.server_address[1]}"
+        started = time.monotonic()
+        result = materialize(instance, roots.settings(), key, merge_config={"launcher": "ray", "ray_address": address})
+        took = time.monotonic() - started
+        web.shutdown()
+
+    assert not result.success and took < 60
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    description = failure.step_failure_data.user_failure_data.description
+    assert f"Ray cluster at {address}: not answered as by a Ray head's GCS port within 5 s" in description
+    assert "\n" not in description
+    target = roots.target(key)
+    assert not target.exists() and not staging_path(target).exists() and not lock_path(target).exists()
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import time
 import dagster as dg
 import pytest
 
-from merge_pipeline import store_listing
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.dagster.sensors import SOURCE_TAG
@@ -58,7 +57,7 @@ def test_the_sensor_lists_a_store_root_in_pages_and_asks_the_tracker(
     sample = fsdp_checkpoint(ACTOR)
     for step in (1, 2, 3):  # more folders than one page of keys holds
         put_step(fs, b, sample, f"run/global_step_{step}/actor")
-    monkeypatch.setattr(store_listing, "LIST_PAGE_KEYS", 2)
+    monkeypatch.setenv("MERGE_PIPELINE_LIST_PAGE_KEYS", "2")
     settings = store_settings(b)
 
     waiting = tick(instance, settings)

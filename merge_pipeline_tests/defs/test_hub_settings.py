@@ -18,7 +18,7 @@ TOKEN = "hf_planted_token_never_in_config"
     [
         ("MERGE_PIPELINE_HUB_REVISIONS", "tags", "expected one of branch, commit"),
         ("MERGE_PIPELINE_HUB_PRIVATE", "maybe", "expected true or false (1 or 0)"),
-        ("MERGE_PIPELINE_HUB_TIMEOUT", "0", "expected a finite number of seconds > 0"),
+        ("MERGE_PIPELINE_HUB_TIMEOUT", "0", "expected a finite number of seconds > 0 and <= 86400"),
         ("MERGE_PIPELINE_PIN_STEPS", "sometimes", "expected true or false (1 or 0)"),
     ],
 )

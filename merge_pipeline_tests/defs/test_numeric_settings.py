@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+import tracemalloc
 import uuid
 
 import dagster as dg
@@ -18,13 +20,13 @@ from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 
 JUNK = ["abc", "10s", "nan", "inf", "-5"]
 ENVIRONMENT = {
-    "MERGE_PIPELINE_SETTLE_SECONDS": "expected a finite number of seconds >= 0",
-    "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS": "expected a whole number of seconds >= 0",
+    "MERGE_PIPELINE_SETTLE_SECONDS": "expected a finite number of seconds >= 0 and <= 604800",
+    "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS": "expected a whole number of seconds >= 0 and <= 86400",
 }
 DEFS_YAML = {
-    "settle_seconds": "expected a finite number of seconds >= 0",
-    "sensor_interval_seconds": "expected a whole number of seconds >= 0",
-    "freshness_minutes": "expected a finite number of minutes >= 1",
+    "settle_seconds": "expected a finite number of seconds >= 0 and <= 604800",
+    "sensor_interval_seconds": "expected a whole number of seconds >= 0 and <= 86400",
+    "freshness_minutes": "expected a finite number of minutes >= 1 and <= 527040",
 }
 
 
@@ -46,7 +48,9 @@ def test_a_bad_smoke_test_size_fails_the_load_in_one_line(monkeypatch, value):
     with pytest.raises(Exception) as refused:
         location()
 
-    assert str(merge_error(refused.value)).startswith(f"MERGE_PIPELINE_SMOKE_MAX_SIZE {value!r}: ")
+    assert str(merge_error(refused.value)).startswith(
+        f"MERGE_PIPELINE_SMOKE_MAX_SIZE is {value!r}: expected a size in bytes"
+    )
 
 
 @pytest.mark.slow  # a fresh interpreter loads the code location as dagster's code server does
@@ -64,7 +68,7 @@ def test_the_code_location_load_says_the_one_line():
     assert loaded.returncode != 0
     assert "defs.yaml (MergeCheckpoints) (error)" in loaded.stderr, loaded.stderr
     assert (
-        "merge_pipeline.errors.MergeError: MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS is '10s': expected a whole number of seconds >= 0"
+        "merge_pipeline.errors.MergeError: MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS is '10s': expected a whole number of seconds >= 0 and <= 86400"
         in loaded.stderr.splitlines()
     )
 
@@ -118,3 +122,40 @@ def test_good_settings_are_taken_from_the_environment_and_defs_yaml(tmp_path, mo
     assert from_env.resources["settings"].value("settle_seconds") == 2.5
     assert from_yaml.resolve_sensor_def("cluster_a__new_checkpoint_sensor").minimum_interval_seconds == 20
     assert from_yaml.resources["cluster_a__settings"].value("settle_seconds") == 0
+
+
+HUGE = {
+    "MERGE_PIPELINE_FRESHNESS_MINUTES": "expected a finite number of minutes >= 1 and <= 527040",
+    "MERGE_PIPELINE_SETTLE_SECONDS": "expected a finite number of seconds >= 0 and <= 604800",
+    "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS": "expected a whole number of seconds >= 0 and <= 86400",
+}
+
+
+@pytest.mark.parametrize("variable", HUGE)
+def test_a_huge_setting_fails_the_load_in_one_line(monkeypatch, variable):
+    """Before: 1e300 minutes failed the load with an OverflowError traceback (a timedelta); 1e300 seconds
+    were taken."""
+    monkeypatch.setenv(variable, "1e300")
+
+    with pytest.raises(Exception) as refused:
+        location()
+
+    assert str(merge_error(refused.value)) == f"{variable} is '1e300': {HUGE[variable]}"
+
+
+@pytest.mark.parametrize("last_k", [100_000_000, 1e12])
+def test_averaging_more_steps_than_can_exist_is_one_line_at_once(last_k):
+    """Before: last_k 100000000 built 840 MB of weights at load, 1e12 a MemoryError."""
+    from merge_pipeline.dagster.averaging import Averaging
+
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(MergeError) as refused:
+            Averaging(last_k=last_k)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+    assert str(refused.value) == f"averaging: last_k {int(last_k)}: expected a whole number of steps from 2 to 10,000"
+    assert time.monotonic() - started < 1 and peak < 1 << 20

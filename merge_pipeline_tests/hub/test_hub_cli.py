@@ -203,7 +203,7 @@ def test_uploading_an_edited_manifest_is_one_line(capsys, hub, merged_folder, tm
         (
             [],
             {"MERGE_PIPELINE_HUB_TIMEOUT": "soon"},
-            "Hub timeout 'soon' (--hub-timeout or MERGE_PIPELINE_HUB_TIMEOUT): expected a number of seconds > 0",
+            "MERGE_PIPELINE_HUB_TIMEOUT is 'soon': expected a finite number of seconds > 0 and <= 86400",
         ),
     ],
     ids=["dot_dot", "dot_dot_inside", "timeout_env"],

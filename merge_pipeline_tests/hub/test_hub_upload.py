@@ -402,7 +402,7 @@ def test_a_bad_timeout_is_one_line(hub, merged_folder, monkeypatch, value):
         upload(merged_folder)
     assert (
         str(error.value)
-        == f"Hub timeout {value!r} (--hub-timeout or MERGE_PIPELINE_HUB_TIMEOUT): expected a number of seconds > 0"
+        == f"MERGE_PIPELINE_HUB_TIMEOUT is {value!r}: expected a finite number of seconds > 0 and <= 86400"
     )
     assert not hub.requests
 

@@ -1,0 +1,198 @@
+"""How a setting's value is read and checked (``Kind``), and the variables the engine, the stores and the
+CLI read (``Variable``), each declared once with its unit, bounds and default.
+
+A variable is read where it is used, never at import: a bad ``MERGE_PIPELINE_PART_BYTES`` is refused by
+the upload that needs it, in one line naming the variable, the value, its unit and bounds, and every
+command that needs none (``inspect`` of a local folder) runs. The Dagster component's settings
+(``dagster/settings.py``) are records of the same kinds. Numbers are finite and bounded (``1e300``
+minutes or seconds would overflow a timedelta or a socket's timeout); sizes take ``33554432``,
+``32MiB`` or ``4GB``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import reprlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from merge_pipeline.errors import MergeError
+from merge_pipeline.options import parse_size
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a setting holds: its type in ``defs.yaml`` and the resource, and how a value (the attribute's,
+    or the variable's text) becomes what the code uses, checked (``MergeError`` naming ``named``)."""
+
+    type: Any
+    parse: Callable[[Any, str], Any]
+    checked_at_load: bool = False  # a value that can be wrong (a number, a size): checked when the location loads
+
+
+def number(unit: str, minimum: float = 0, whole: bool = False, above: bool = False, maximum: float = math.inf) -> Kind:
+    """A finite number of ``unit`` at or above ``minimum`` (``above``: and not ``minimum`` itself, as a
+    timeout of 0 s; ``whole``: a count, or Dagster's int sensor interval) and at most ``maximum``."""
+
+    def parse(value: Any, named: str) -> float:
+        try:
+            parsed = math.nan if isinstance(value, bool) else float(value)  # YAML's true is no number of seconds
+        except (TypeError, ValueError, OverflowError):
+            parsed = math.nan
+        if (
+            not minimum <= parsed <= maximum
+            or not math.isfinite(parsed)
+            or (above and parsed == minimum)
+            or (whole and not parsed.is_integer())
+        ):
+            kind = "a whole number" if whole else "a finite number"
+            bound = f"> {minimum:g}" if above else f">= {minimum:g}"
+            bound += f" and <= {maximum:g}" if maximum < math.inf else ""
+            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected {kind} of {unit} {bound}")
+        return int(parsed) if whole else parsed
+
+    return Kind(int if whole else float, parse, checked_at_load=True)
+
+
+def choice(*options: str) -> Kind:
+    """One of ``options``, as written."""
+
+    def parse(value: Any, named: str) -> str:
+        if value not in options:
+            raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected one of {', '.join(options)}")
+        return value
+
+    return Kind(str, parse, checked_at_load=True)  # Dagster config has no optional Literal
+
+
+def size(minimum: int = 1, maximum: int = 1 << 50) -> Kind:
+    """Bytes: a count (``33554432``) or a size (``32MiB``, ``64MB``), from ``minimum`` to ``maximum``."""
+
+    def parse(value: Any, named: str) -> int:
+        try:
+            parsed = parse_size(value, named)
+        except MergeError:
+            parsed = 0
+        if not minimum <= parsed <= maximum:
+            raise MergeError(
+                None,
+                f"{named} is {reprlib.repr(value)}: expected a size in bytes (33554432, 32MiB, 64MB) from"
+                f" {_bytes(minimum)} to {_bytes(maximum)}",
+            )
+        return parsed
+
+    return Kind(str, parse, checked_at_load=True)
+
+
+def _bytes(count: int) -> str:
+    for unit, scale in (("PiB", 1 << 50), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale and count % scale == 0:
+            return f"{count // scale}{unit}"
+    return f"{count} B"
+
+
+_SWITCHED = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _switch(value: Any, named: str) -> bool:
+    """A YAML boolean or a variable's word; any other word is refused (a private repo is no guess)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() not in _SWITCHED:
+        raise MergeError(None, f"{named} is {reprlib.repr(value)}: expected true or false (1 or 0)")
+    return _SWITCHED[str(value).strip().lower()]
+
+
+def _optional_path(value: Any, named: str) -> Path | None:
+    return Path(value).absolute() if value else None
+
+
+DAY_SECONDS = 24 * 3600
+SECONDS = number("seconds", maximum=7 * DAY_SECONDS)
+SWITCH = Kind(bool, _switch, checked_at_load=True)
+TEXT = Kind(str, lambda value, named: value)
+OPTIONAL_TEXT = Kind(str, lambda value, named: value or None)
+OPTIONAL_PATH = Kind(str, _optional_path)
+SIZE = size()
+
+
+@dataclass(frozen=True)
+class Variable(Generic[T]):
+    """An environment variable the code reads where it uses it (``value``), checked by its kind."""
+
+    variable: str
+    kind: Kind
+    default: str | None  # as the variable would say it (None: none)
+    help: str
+
+    def value(self, given: Any = None, flag: str | None = None) -> T:
+        """``given`` (a flag's value, named ``flag``), else the variable's, else the default; checked."""
+        if given is not None:
+            return self.kind.parse(given, flag or self.variable)
+        text = os.environ.get(self.variable)
+        if text is not None:
+            return self.kind.parse(text, self.variable)
+        return None if self.default is None else self.kind.parse(self.default, self.variable)
+
+
+# Object stores (storage.py, store_listing.py).
+MAX_DOWNLOAD_BYTES: Variable[int] = Variable(
+    "MERGE_PIPELINE_MAX_DOWNLOAD_BYTES",
+    size(),
+    "4GiB",
+    "a store prefix holding more bytes of files that are not weight files (downloaded whole) is refused",
+)
+PART_BYTES: Variable[int] = Variable(
+    "MERGE_PIPELINE_PART_BYTES",
+    size(5 << 20, 5 << 30),  # S3's bounds on a multipart upload's part
+    "32MiB",
+    "uploads go up in parts of this size",
+)
+PARALLEL_UPLOADS: Variable[int] = Variable(
+    "MERGE_PIPELINE_PARALLEL_UPLOADS",
+    number("files", minimum=1, whole=True, maximum=64),
+    "4",
+    "weight files uploaded at once (and written, not yet uploaded, on local disk)",
+)
+PARTS_IN_FLIGHT: Variable[int] = Variable(
+    "MERGE_PIPELINE_PARTS_IN_FLIGHT",
+    number("parts", minimum=1, whole=True, maximum=64),
+    "2",
+    "parts of each uploaded file in flight at once",
+)
+PREFETCH_BYTES: Variable[int] = Variable(
+    "MERGE_PIPELINE_PREFETCH_BYTES",
+    size(maximum=64 << 30),
+    "64MiB",
+    "bytes of input objects read ahead, held or in flight",
+)
+LIST_PAGE_KEYS: Variable[int] = Variable(
+    "MERGE_PIPELINE_LIST_PAGE_KEYS",
+    number("keys", minimum=1, whole=True, maximum=1000),  # S3's own maximum per request
+    "1000",
+    "keys asked for per listing request",
+)
+SCRATCH: Variable[Path | None] = Variable(
+    "MERGE_PIPELINE_SCRATCH",
+    OPTIONAL_PATH,
+    None,
+    "where a merge into a store builds its folder (default ~/.cache/merge_pipeline/store-targets)",
+)
+# Waits.
+HUB_TIMEOUT: Variable[float] = Variable(
+    "MERGE_PIPELINE_HUB_TIMEOUT",
+    number("seconds", above=True, maximum=DAY_SECONDS),
+    "60",
+    "seconds a Hub request may wait to connect or for an answer",
+)
+DIST_TIMEOUT: Variable[float] = Variable(
+    "MERGE_PIPELINE_DIST_TIMEOUT",
+    number("seconds", above=True, maximum=7 * DAY_SECONDS),
+    "1800",
+    "under torchrun: how long ranks wait for a silent peer",
+)
