@@ -39,7 +39,7 @@ def test_an_output_root_that_is_the_checkpoint_root_is_not_watched_and_merges_no
     message = failure.step_failure_data.error.message.strip()
     assert "\n" not in message
     assert (
-        f"s3://{b}/ckpts/{KEY}: is the input checkpoint s3://{b}/ckpts/{KEY}: choose a --target_dir outside it"
+        f"s3://{b}/ckpts/{KEY}: is the input checkpoint s3://{b}/ckpts/{KEY}: choose a MERGE_PIPELINE_OUTPUT_ROOT outside it"
         in message
     ), message
     assert {key: hashlib.sha256(fs.cat_file(key)).hexdigest() for key in fs.find(b, refresh=True)} == before
