@@ -67,6 +67,26 @@ def test_a_store_target_overlapping_the_input_is_refused_and_deletes_nothing(
     assert not (tmp_path / "scratch").exists()  # refused before any work
 
 
+def test_a_store_target_that_is_the_hf_model_path_is_refused_and_deletes_nothing(
+    capsys, bucket, fsdp_checkpoint, tmp_path, monkeypatch
+):
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=2))
+    base = upload(fs, sample.reference_dir, f"{b}/base")  # the trainer's model.path: config and weights
+    monkeypatch.setenv("MERGE_PIPELINE_SCRATCH", str(tmp_path / "scratch"))
+    before = bucket_state(fs, b)
+
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--hf_model_path", base, "--target_dir", base,
+        "--overwrite", "--no-progress",
+    )  # fmt: skip
+
+    assert code != 0 and error_lines(err) == [
+        f"error: {base}: is the input checkpoint {base}: choose a --target_dir outside it"
+    ], err
+    assert bucket_state(fs, b) == before
+
+
 @pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
 def test_a_prefix_holding_another_teams_objects_is_refused_and_deletes_nothing(
     capsys, bucket, fsdp_checkpoint, monkeypatch, tmp_path, overwrite
