@@ -43,3 +43,16 @@ def test_an_output_root_that_is_the_checkpoint_root_is_not_watched_and_merges_no
         in message
     ), message
     assert {key: hashlib.sha256(fs.cat_file(key)).hexdigest() for key in fs.find(b, refresh=True)} == before
+
+
+def test_an_output_root_that_is_the_checkpoint_folder_is_not_watched_either(fsdp_checkpoint, roots, instance):
+    """The same rule for folders (before: the root scanned and the step requested, its merge into itself)."""
+    roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1)
+    settings = MergeSettings(checkpoint_roots=[str(roots.checkpoints)], output_root=str(roots.checkpoints) + "/")
+
+    result = tick(instance, settings)
+
+    assert requested(result) == [] and cursor_keys(result.cursor) == {}
+    assert skip_message(result).startswith(
+        f"not watched: {roots.checkpoints}: the output root is the checkpoint root {roots.checkpoints} (not scanned"
+    ), skip_message(result)
