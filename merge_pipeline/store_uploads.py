@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from merge_pipeline.errors import printable
+from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.storage import StoreLocation, asking, is_s3, location
 
 log = logging.getLogger("merge_pipeline")
@@ -54,16 +54,22 @@ def incomplete_uploads(url: str) -> list[IncompleteUpload]:
 
 
 def abort_incomplete_uploads(url: str) -> None:
-    """Abort every incomplete multipart upload under ``url``; the caller holds the target's store lock."""
-    uploads = incomplete_uploads(url)
-    if not uploads:
-        return
+    """Abort every incomplete multipart upload under ``url``; the caller holds the target's store lock.
+    Cleanup only: credentials allowed to write but not to list or abort uploads get a warning, not a failure."""
     store = location(url)
     bucket, _, key = store.path.partition("/")
-    with asking(url):
-        for upload in uploads:
-            _call(store, "abort_multipart_upload", Bucket=bucket, Key=f"{key}/{upload.key}", UploadId=upload.upload_id)
-    log.warning("%s: aborted %s, left by a merge that did not finish", url, describe(uploads))
+    try:
+        uploads = incomplete_uploads(url)
+        with asking(url):
+            for upload in uploads:
+                _call(
+                    store, "abort_multipart_upload", Bucket=bucket, Key=f"{key}/{upload.key}", UploadId=upload.upload_id
+                )
+    except MergeError as exc:
+        log.warning("incomplete multipart uploads not aborted: %s", exc)
+        return
+    if uploads:
+        log.warning("%s: aborted %s, left by a merge that did not finish", url, describe(uploads))
 
 
 def describe(uploads: list[IncompleteUpload]) -> str:
