@@ -23,7 +23,8 @@ SHOWN = 3  # keys named in a line
 
 @dataclass(frozen=True)
 class IncompleteUpload:
-    key: str  # relative to the target prefix
+    key: str  # in the bucket
+    name: str  # relative to the target prefix
     upload_id: str
     bytes: int  # of the parts uploaded so far
 
@@ -49,7 +50,7 @@ def incomplete_uploads(url: str) -> list[IncompleteUpload]:
                     )
                     for part in parts
                 )
-                found.append(IncompleteUpload(upload["Key"][len(prefix) :], upload["UploadId"], size))
+                found.append(IncompleteUpload(upload["Key"], upload["Key"][len(prefix) :], upload["UploadId"], size))
     return found
 
 
@@ -57,14 +58,12 @@ def abort_incomplete_uploads(url: str) -> None:
     """Abort every incomplete multipart upload under ``url``; the caller holds the target's store lock.
     Cleanup only: credentials allowed to write but not to list or abort uploads get a warning, not a failure."""
     store = location(url)
-    bucket, _, key = store.path.partition("/")
+    bucket = store.path.split("/")[0]
     try:
         uploads = incomplete_uploads(url)
         with asking(url):
             for upload in uploads:
-                _call(
-                    store, "abort_multipart_upload", Bucket=bucket, Key=f"{key}/{upload.key}", UploadId=upload.upload_id
-                )
+                _call(store, "abort_multipart_upload", Bucket=bucket, Key=upload.key, UploadId=upload.upload_id)
     except MergeError as exc:
         log.warning("incomplete multipart uploads not aborted: %s", exc)
         return
@@ -74,7 +73,7 @@ def abort_incomplete_uploads(url: str) -> None:
 
 def describe(uploads: list[IncompleteUpload]) -> str:
     """``2 incomplete multipart upload(s) of 40.0 MiB in parts (model-00001-of-00002.safetensors, ...)``."""
-    names = ", ".join(printable(u.key) for u in uploads[:SHOWN]) + (", ..." if len(uploads) > SHOWN else "")
+    names = ", ".join(printable(u.name) for u in uploads[:SHOWN]) + (", ..." if len(uploads) > SHOWN else "")
     total = sum(u.bytes for u in uploads)
     return f"{len(uploads)} incomplete multipart upload(s) of {total / 2**20:.1f} MiB in parts ({names})"
 
