@@ -371,7 +371,21 @@ def _run_test(args: argparse.Namespace) -> int:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from merge_pipeline.pipeline import describe
+    from merge_pipeline.store_uploads import describe as described_uploads
+    from merge_pipeline.store_uploads import incomplete_uploads
 
+    if is_store_url(args.local_dir):  # said before the description, which a prefix of nothing but parts fails
+        try:
+            uploads = incomplete_uploads(args.local_dir)
+        except MergeError as exc:  # credentials that may read the checkpoint but not list uploads
+            log.debug("incomplete multipart uploads not listed: %s", exc)
+            uploads = []
+        if uploads:
+            log.warning(
+                "%s: %s, left by a merge that did not finish (the next merge into it aborts them)",
+                str(args.local_dir).rstrip("/"),
+                described_uploads(uploads),
+            )
     info = describe(args.local_dir, _options(args))
     if args.json:
         print(json.dumps(info, indent=2))

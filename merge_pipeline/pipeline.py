@@ -62,7 +62,6 @@ from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import ByteProgress, human_bytes
 from merge_pipeline.storage import (
     UploadSink,
-    check_store_target,
     invalidate_target,
     is_store_url,
     local_twin,
@@ -70,6 +69,8 @@ from merge_pipeline.storage import (
     viewed,
 )
 from merge_pipeline.store_lock import StoreTargetLock, locked_store_target
+from merge_pipeline.store_uploads import abort_incomplete_uploads
+from merge_pipeline.target_rules import check_store_target, refuse_overlap
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
@@ -536,13 +537,13 @@ def merge(
     target = local_twin(store_target) if store_target else Path(target_dir).absolute()
     overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked
     source = local_dir if is_store_url(local_dir) else Path(local_dir)
+    inputs = (source, *options.average_inputs, *([options.hf_model_path] if options.hf_model_path else []))
 
-    def checked_and_prepared() -> Prepared:
+    def checked_and_prepared() -> Prepared:  # the target rules (``target_rules``), before any work
+        refuse_overlap(store_target or target, inputs)
         if store_target:
             check_store_target(store_target, overwrite=options.overwrite)
-        for input_dir in (source, *options.average_inputs):  # refused before any work
-            if not is_store_url(input_dir):
-                check_target(target, source=input_dir, overwrite=overwrite)
+        check_target(target, source=source, overwrite=overwrite)  # a store target's: its local twin
         return prepare(source, options)
 
     prepared = workers.everywhere(checked_and_prepared)
@@ -554,10 +555,11 @@ def merge(
         def open_staging() -> dict[str, dict]:
             if store_target:  # held until the upload ends: the local twin's lock keeps out this machine only
                 store_lock.append(store_locked.enter_context(locked_store_target(store_target)))
+                abort_incomplete_uploads(store_target)  # a killed merge's: no live merge holds the lock
             publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
             kept = resume_killed(prepared, job.staging, options).finished
             if store_target:
-                invalidate_target(store_target)  # before the first weight file goes up
+                invalidate_target(store_target, {f.filename for f in prepared.outputs.files})  # before the first upload
             write_side_files(prepared, job.staging, options)
             return kept
 

@@ -403,17 +403,6 @@ def forget_placeholders(paths: list[Path]) -> None:
 # --- publishing a merged folder into a store --------------------------------------------------------------
 
 
-def check_store_target(url: str, *, overwrite: bool) -> StoreLocation:
-    """Refuse early what would fail or destroy: a missing bucket, wrong credentials, a complete target
-    without ``--overwrite``."""
-    store = location(url)
-    with asking(url):
-        _check_bucket(store)
-    if not overwrite and complete_target(url) is not None:
-        raise MergeError(None, f"{url}: already holds a merged model (pass --overwrite to replace it)")
-    return store
-
-
 def complete_target(url: str) -> dict | None:
     """The manifest of a complete target prefix, ``None`` while it has none (incomplete, or being replaced)."""
     store = location(url)
@@ -430,12 +419,14 @@ def publish_folder(
     """Upload the complete merged ``folder`` to the prefix ``url`` so that no reader ever sees a complete-
     looking target that is not (docs/SAFETY.md, "Publishing into a store"):
 
-    1. the old manifest, if any, is deleted first: from now on the prefix is incomplete to every reader;
+    1. the names to upload are recorded beside the prefix with those the old manifest names
+       (``record_publishing``), then that manifest is deleted: from now on the prefix is incomplete to every reader;
     2. the weight files, each in parts, with its sha256 as object metadata (an object already there with
        the same sha256 and size is kept: what a killed upload of the same merge finished);
     3. the index, configs and side files;
     4. ``merge_manifest.json``, the commit marker;
-    5. old objects the new folder does not hold are deleted (not named by the new manifest: never read).
+    5. old objects the new folder does not hold are deleted (not named by the new manifest: never read), only
+       those a merge wrote: named by the manifest replaced or a killed merge's record (``delete_stale``).
 
     ``before_the_manifest`` (the target's lock check) may refuse the commit after everything else is up.
     """
@@ -445,6 +436,7 @@ def publish_folder(
     weights = [r for r in local if r.endswith(".safetensors")]
     others = [r for r in local if r not in weights and r != MANIFEST]
     with asking(url):
+        ours = record_publishing(store, {*local, MANIFEST})
         before = set(_listing(store)) if store.fs.exists(store.path) else set()
         if MANIFEST in before:
             store.fs.rm_file(store.key(MANIFEST))
@@ -455,20 +447,72 @@ def publish_folder(
         if before_the_manifest is not None:
             before_the_manifest()
         _upload(store, folder, MANIFEST, None)
-        stale = sorted(before - set(local))
-        if stale:
-            store.fs.rm([store.key(r) for r in stale])
+        delete_stale(store, before & ours, set(local))
     log.info("published %d files to %s (%s last)", len(local), url, MANIFEST)
 
 
-def invalidate_target(url: str) -> None:
-    """Before the first byte of a merge reaches ``url``: its old manifest, if any, is deleted, so that no
-    reader takes the prefix for complete while new weight files replace old ones (docs/SAFETY.md)."""
+def invalidate_target(url: str, names: set[str]) -> None:
+    """Before the first byte of a merge reaches ``url``: the ``names`` it will upload first are recorded
+    (``record_publishing``), then its old manifest, if any, is deleted, so that no reader takes the prefix for
+    complete while new weight files replace old ones (docs/SAFETY.md)."""
     store = location(url)
     with asking(url):
+        record_publishing(store, names)
         if store.fs.exists(store.key(MANIFEST)):
             log.warning("%s: replacing a merged model: incomplete until the new %s is uploaded", url, MANIFEST)
             store.fs.rm_file(store.key(MANIFEST))
+
+
+# --- which objects under a target prefix this tool wrote --------------------------------------------------
+
+PUBLISHING = ".merge_publishing"  # beside the prefix, as its lock: what a merge publishing into it may leave
+_MAX_RECORD_BYTES = 64 * 10**6  # ours list one line per file; a larger one is not ours
+
+
+def written_names(store: StoreLocation) -> set[str] | None:
+    """The names under the prefix this tool wrote: those its manifest names (and the manifest), and those
+    recorded by merges that have not finished publishing there; None if there is neither."""
+    manifest = _names_in(store, store.key(MANIFEST))
+    recorded = _names_in(store, store.path + PUBLISHING)
+    if manifest is None and recorded is None:
+        return None
+    return {*(manifest or ()), *(recorded or ()), *((MANIFEST,) if manifest is not None else ())}
+
+
+def _names_in(store: StoreLocation, key: str) -> set[str] | None:
+    """The file names of our manifest or record at ``key``; None if absent, not JSON or not ours."""
+    try:
+        data = store.fs.cat_file(key, start=0, end=_MAX_RECORD_BYTES + 1)
+        body = json.loads(data) if len(data) <= _MAX_RECORD_BYTES else None
+    except (FileNotFoundError, ValueError):
+        return None
+    if (
+        not (isinstance(body, dict) and isinstance(body.get("tool"), dict))
+        or body["tool"].get("name") != "merge_pipeline"
+    ):
+        return None
+    files = body.get("files")
+    return {name for name in files if isinstance(name, str)} if isinstance(files, (dict, list)) else None
+
+
+def record_publishing(store: StoreLocation, names: set[str]) -> set[str]:
+    """Before a merge uploads ``names`` into the prefix: they are recorded beside it with every name this tool
+    wrote there before (the manifest being replaced, a killed merge's record), so that once the manifest is
+    deleted its names stay known: the next merge counts them as ours, publishing may delete them. What was
+    known before."""
+    known = written_names(store) or set()
+    record = {"tool": {"name": "merge_pipeline"}, "files": sorted(known | names)}
+    store.fs.pipe_file(store.path + PUBLISHING, json.dumps(record).encode())
+    return known
+
+
+def delete_stale(store: StoreLocation, written: set[str], kept: set[str]) -> None:
+    """After the manifest: the objects an earlier merge wrote (``written``, listed now) that the new folder
+    lacks are deleted, then the record; an object no merge wrote is never deleted."""
+    stale = sorted(written - kept)
+    if stale:
+        store.fs.rm([store.key(r) for r in stale])
+    store.fs.rm_file(store.path + PUBLISHING)
 
 
 class UploadSink:

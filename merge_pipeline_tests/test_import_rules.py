@@ -37,6 +37,8 @@ LAYERS = {
     "storage": 0,
     "store_lock": 0,
     "store_listing": 0,
+    "store_uploads": 0,
+    "target_rules": 0,
     "hf": 1,
     "families": 1,
     "formats": 2,

@@ -30,6 +30,7 @@ from merge_pipeline.pipeline import completeness as pipeline_completeness
 from merge_pipeline.pipeline import newest_change as newest_change  # a pinned step's age
 from merge_pipeline.pipeline import saved_in_step_folder, step_folder, step_folders
 from merge_pipeline.store_listing import Mirror, StoreURL
+from merge_pipeline.target_rules import within
 
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root
 
@@ -57,16 +58,13 @@ def scan_roots(roots: Sequence[Path | StoreURL], output_root: Path | StoreURL) -
         if isinstance(root, StoreURL):
             scan_store_root(root, output_root, scan)
     local = None if isinstance(output_root, StoreURL) else output_root.absolute()  # a store lies in no folder
-    resolved_output = _resolved(local) if local else None
     skip = {output} if local and (output := _identity(local)) else set()
     for root in roots:
         if isinstance(root, StoreURL):
             continue
         root = root.absolute()
-        if resolved_output and resolved_output.is_relative_to(_resolved(root)):
-            scan.not_watched.append(
-                f"{printable(str(local))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
-            )
+        if local and not _watched_beside(local, root, scan):
+            continue
         if not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
             scan.all_roots_read = False
         scan.found.extend(find_checkpoints(root, scan.not_watched, skip=skip))
@@ -154,11 +152,9 @@ def merged_before(target: Path | StoreURL) -> bool:
 def scan_store_root(root: StoreURL, output_root: Path | StoreURL, scan: Scan) -> None:
     """Every checkpoint under ``root`` into ``scan.found`` (as URLs), or why the root cannot be watched."""
     output = output_root if isinstance(output_root, StoreURL) else None
-    inside = output is not None and output.startswith(f"{root}/")
-    if inside:
-        scan.not_watched.append(
-            f"{printable(output)}: the output root lies inside the checkpoint root {printable(root)} (not scanned; better kept apart)"
-        )
+    if output is not None and not _watched_beside(output, root, scan):
+        return
+    inside = output is not None and within(output, root)
     try:
         with Mirror() as mirror:
             local_root = mirror.folder(root)
@@ -174,6 +170,24 @@ def scan_store_root(root: StoreURL, output_root: Path | StoreURL, scan: Scan) ->
     except MergeError as exc:  # wrong credentials, no such bucket: the store's words, never a secret
         scan.not_watched.append(str(exc))
         scan.all_roots_read = False
+
+
+def _watched_beside(output: Path | StoreURL, root: Path | StoreURL, scan: Scan) -> bool:
+    """Whether ``root`` is scanned, given the output root (compared as the target rules compare, folders
+    resolved, URLs normalised): said when the output lies inside it (then skipped in the scan) or is it
+    (then nothing is scanned: every merge would write into its own input)."""
+    if not within(output, root):
+        return True
+    if within(root, output):
+        scan.not_watched.append(
+            f"{printable(str(output))}: the output root is the checkpoint root {printable(str(root))} (not scanned: each merge would write into its input; keep them apart)"
+        )
+        scan.all_roots_read = False
+        return False
+    scan.not_watched.append(
+        f"{printable(str(output))}: the output root lies inside the checkpoint root {printable(str(root))} (not scanned; better kept apart)"
+    )
+    return True
 
 
 def _listed(mirror: Mirror, root: StoreURL, *, skip: StoreURL | None) -> bool:

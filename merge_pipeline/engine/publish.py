@@ -38,6 +38,7 @@ from merge_pipeline.errors import MergeError, naming, os_error
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.input_files import read_capped
 from merge_pipeline.shared_folders import refuse_planted, refuse_planted_fd
+from merge_pipeline.target_rules import not_ours, refuse_overlap
 
 log = logging.getLogger("merge_pipeline")
 
@@ -61,7 +62,7 @@ def lock_path(target: Path) -> Path:
 
 def check_target(target: Path, *, source: str | Path, overwrite: bool) -> None:
     """Refuse early, before any work, what would destroy data or fail at the end."""
-    _refuse_overlap(target, Path(source))
+    refuse_overlap(target, [source])
     if target.is_symlink():  # replacing it would swap the link, not the folder it names: be explicit
         raise MergeError(target, f"is a symlink (to {os.readlink(target)}): give the real folder as --target_dir")
     if target.exists() and not overwrite:
@@ -169,27 +170,13 @@ def staged_output(
             locked.discard_staging()
 
 
-def _refuse_overlap(target: Path, source: Path) -> None:
-    """Writing into, over or around the checkpoint could destroy the only copy of a training run."""
-    real_target, real_source = Path(os.path.realpath(target)), Path(os.path.realpath(source))
-    if real_target == real_source:
-        raise MergeError(target, f"is the input checkpoint {source}: choose a --target_dir outside it")
-    if real_target.is_relative_to(real_source):
-        raise MergeError(target, f"lies inside the input checkpoint {source}: choose a --target_dir outside it")
-    if real_source.is_relative_to(real_target):
-        raise MergeError(target, f"contains the input checkpoint {source}: choose a --target_dir outside it")
-
-
 def _refuse_foreign(target: Path) -> None:
     """Only a folder this tool wrote (our manifest) or an empty one may be replaced."""
     if not target.is_dir():
         raise MergeError(target, "exists and is not a directory")
     if not any(target.iterdir()) or _written_by_us(target):
         return
-    raise MergeError(
-        target,
-        f"is not empty and has no {MANIFEST} from merge_pipeline: not replaced, even with --overwrite (move it away or choose another --target_dir)",
-    )
+    raise not_ours(target)
 
 
 def _written_by_us(folder: Path) -> bool:
