@@ -14,8 +14,8 @@ from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.fp8 import Fp8Decisions
-from merge_pipeline.hf.quantization import QuantDecisions
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, OUTPUT_ADAPTER_DIR, has_lora_tensors
+from merge_pipeline.hf.quantization import QuantDecisions
 from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
@@ -50,7 +50,9 @@ class OutputPlan:
     dropped: list[str] = field(default_factory=list)  # e.g. a tied lm_head.weight
     adapter_only: bool = False  # no base weights: the folder is a PEFT adapter, not a model
     fp8: Fp8Decisions | None = None  # --dtype fp8: what was quantized and what kept (engine/fp8.py)
-    quantization: QuantDecisions | None = None  # --quantize: the scheme, what was quantized and kept (engine/quantize.py)
+    quantization: QuantDecisions | None = (
+        None  # --quantize: the scheme, what was quantized and kept (engine/quantize.py)
+    )
 
     @property
     def files(self) -> list[ShardFile]:

@@ -18,8 +18,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.fp8 import _KEPT_NAMES, _tower
 from merge_pipeline.plan import PlannedTensor
@@ -39,7 +37,9 @@ def preset(name: str, where: Path | None = None):
     except ImportError:
         raise MergeError(where, f"--quantize needs the compressed-tensors library: {_INSTALL}") from None
     if name not in PRESET_SCHEMES:
-        raise MergeError(where, f"--quantize {name}: no compressed-tensors preset of that name; one of {', '.join(SCHEMES)}")
+        raise MergeError(
+            where, f"--quantize {name}: no compressed-tensors preset of that name; one of {', '.join(SCHEMES)}"
+        )
     activations = PRESET_SCHEMES[name].get("input_activations")
     if activations is not None and activations.dynamic is not True:
         instead = _DATA_FREE_INSTEAD.get(name, "W4A16")
@@ -86,7 +86,12 @@ class QuantDecisions:
             quantization_status=QuantizationStatus.COMPRESSED,
             format=self.format,
         )
-        return {"version": __version__, "quant_method": "compressed-tensors", "transform_config": {}, **config.model_dump()}
+        return {
+            "version": __version__,
+            "quant_method": "compressed-tensors",
+            "transform_config": {},
+            **config.model_dump(),
+        }
 
     def summary(self) -> dict:
         return {
@@ -144,4 +149,3 @@ def _fits(shape: tuple[int, ...], weights) -> bool:
     if weights.group_size:
         return shape[1] % weights.group_size == 0
     return True
-
