@@ -56,7 +56,7 @@ class MergeOptions:
     quantize: str | None = _option(
         None,
         "write the linear weights in a compressed-tensors format that needs no calibration data, byte for byte what"
-        " llm-compressor's model_free_ptq writes: W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16,"
+        " llm-compressor's model_free_ptq writes: W4A16, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16,"
         " MXFP8A16 (the rest bfloat16; needs the [quant] extra; see docs/LAYOUTS.md)",
         commands=READING,  # inspect --quantize also lists what would stay unquantized
         metavar="SCHEME",
