@@ -5,6 +5,7 @@ and loads in transformers (compressed-tensors decompresses it on the CPU) with n
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,11 @@ import transformers
 from merge_pipeline.cli import main
 from merge_pipeline.hf.quantization import SCHEMES
 from merge_pipeline_samples.fsdp import FsdpSpec
+from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_tests.engine.test_resume import SPEC as RESUME_SPEC
+from merge_pipeline_tests.engine.test_resume import killed_and_resumed
 from merge_pipeline_tests.helpers import (
+    cli_merge_command,
     error_lines,
     load_safetensors_dir,
     merge_error,
@@ -192,3 +197,19 @@ def test_other_schemes_are_refused_in_one_line(capsys, tmp_path, fsdp_checkpoint
     assert line.startswith(f"error: {role_dir}: {problem}"), line
     code, _, err = run_cli(capsys, "inspect", role_dir, "--quantize", scheme)
     assert code == 1 and error_lines(err) == [line]
+
+
+def test_a_killed_quantized_merge_resumes(tmp_path):
+    """A killed ``--quantize`` merge started again reuses the files it finished, bit-identical to an uninterrupted
+    merge; the options it is keyed by (test_resume.py: a changed one starts over) hold the scheme and the list."""
+    role_dir = tmp_path / "global_step_1" / "actor"
+    write_fake_pg_checkpoint(role_dir, RESUME_SPEC)
+
+    def command(target: Path) -> list[str]:
+        return cli_merge_command(role_dir, target, "--quantize", "W4A16", "--max-shard-size", "8MB")
+
+    subprocess.run(command(tmp_path / "uninterrupted"), check=True, capture_output=True)
+    killed_and_resumed(command(tmp_path / "out"), tmp_path / "out", tmp_path / "uninterrupted")
+    manifest = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())
+    assert manifest["options"]["quantize"] == "W4A16" and manifest["options"]["quantize_ignore"] == []
+    assert manifest["decisions"]["quantization"]["ignore"] == DEFAULT_IGNORE
