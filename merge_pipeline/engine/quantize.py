@@ -128,9 +128,10 @@ def quantize_band(band: torch.Tensor, scheme, global_scale: torch.Tensor | None)
     module.weight = torch.nn.Parameter(band, requires_grad=False)
     initialize_module_for_quantization(module, scheme, force_zero_point=False)
     observed = _observed(band, scheme.weights)
-    scale, zero_point = calculate_qparams(
-        torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1)), scheme.weights, global_scale
-    )
+    low, high = torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1))
+    if not (torch.isfinite(low).all() and torch.isfinite(high).all()):
+        raise ValueError("holds inf or NaN")  # they reach every min or max they are in: no pass over the band
+    scale, zero_point = calculate_qparams(low, high, scheme.weights, global_scale)
     for key, value in (
         ("weight_scale", scale),
         ("weight_zero_point", zero_point),
@@ -206,9 +207,10 @@ class _Bands:
         kept: dict[str, list[torch.Tensor]] = {}
         done = 0
         for band in _row_groups(self.weight, per_group):
-            if not torch.isfinite(band).all():
-                raise MergeError(None, f"{self.weight.name} holds inf or NaN: it cannot be quantized")
-            state = quantize_band(band, self.scheme, global_scale)
+            try:
+                state = quantize_band(band, self.scheme, global_scale)
+            except ValueError as exc:
+                raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized") from None
             lead = "weight_packed" if "weight_packed" in state else "weight"
             yield state.pop(lead)
             for key, value in state.items():

@@ -13,7 +13,10 @@ import torch
 import transformers
 
 from merge_pipeline.cli import main
-from merge_pipeline.hf.quantization import SCHEMES
+from merge_pipeline.engine import quantize
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.quantization import SCHEMES, decide
+from merge_pipeline.plan import PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.engine.test_resume import SPEC as RESUME_SPEC
@@ -25,6 +28,8 @@ from merge_pipeline_tests.helpers import (
     merge_error,
     merge_ok,
     run_cli,
+    torchrun,
+    tree_digest,
     write_with_release,
 )
 
@@ -213,3 +218,71 @@ def test_a_killed_quantized_merge_resumes(tmp_path):
     manifest = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())
     assert manifest["options"]["quantize"] == "W4A16" and manifest["options"]["quantize_ignore"] == []
     assert manifest["decisions"]["quantization"]["ignore"] == DEFAULT_IGNORE
+
+
+@pytest.mark.torchrun
+def test_torchrun_ranks_quantize_their_own_shards_byte_identically(capsys, tmp_path, fsdp_checkpoint):
+    role_dir = fsdp_checkpoint(LLAMA).role_dir
+    flags = ("--max-shard-size", "200KB", "--quantize", "NVFP4A16")  # a global scale shared across shards too
+    merge_ok(capsys, role_dir, tmp_path / "single", *flags)
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", *flags) as run:
+        _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
+    assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
+
+
+class _Pieces:
+    """A tensor source yielding the weight in pieces that end mid-row and mid-band, as file reads do."""
+
+    def __init__(self, tensor: torch.Tensor, piece: int):
+        self.tensor, self.piece = tensor, piece
+
+    def byte_runs(self):
+        return None
+
+    def pieces(self):
+        flat = self.tensor.reshape(-1)
+        for start in range(0, flat.numel(), self.piece):
+            yield flat[start : start + self.piece].clone()
+
+
+def _planned(name: str, weight: torch.Tensor) -> PlannedTensor:
+    return PlannedTensor(name, tuple(weight.shape), weight.dtype, _Pieces(weight, 1000))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_bands_stacked_are_the_whole_tensor_quantized_at_once(monkeypatch, scheme):
+    """300 rows in bands of 128 (the last one short), read in pieces that end mid-row: the written tensors are
+    compressed-tensors' output for the whole weight, quantized in one call."""
+    monkeypatch.setattr(quantize, "READ_PIECE_BYTES", 1)  # one band of 128 rows at a time
+    torch.manual_seed(0)
+    weights = {f"model.layers.0.self_attn.{p}_proj.weight": torch.randn(300, 256) for p in "qkv"}
+    planned = [_planned(name, weight) for name, weight in weights.items()]
+    decisions = decide(planned, scheme, (), Path("."))
+    sets = quantize._global_scale_sets(decisions, {t.name: t for t in planned})
+    fused = max(w.to(torch.bfloat16).abs().max() for w in weights.values())
+    for t in planned:
+        leader, followers = quantize._quantized(t, decisions, sets[t.name])
+        written = {leader.planned.name: torch.cat([p.reshape(-1) for p in leader.planned.source.pieces()])}
+        written |= {f.planned.name: next(iter(f.planned.source.pieces())) for f in followers}
+        is_global = decisions.scheme.weights.strategy == "tensor_group"
+        whole = quantize.quantize_band(
+            weights[t.name].to(torch.bfloat16), decisions.scheme, quantize.global_scale_of(fused) if is_global else None
+        )
+        module = t.name.removesuffix(".weight")
+        assert sorted(written) == sorted(f"{module}.{key}" for key in whole)
+        for key, value in whole.items():
+            ours = written[f"{module}.{key}"]
+            assert ours.dtype == value.dtype and ours.numel() == value.numel(), key
+            assert torch.equal(ours.reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
+
+
+def test_a_weight_with_nan_is_one_line_naming_it():
+    weight = torch.ones(256, 256)
+    weight[200, 4] = float("nan")
+    planned = _planned("model.layers.0.mlp.down_proj.weight", weight)
+    decisions = decide([planned], "W4A16", (), Path("."))
+    leader, _ = quantize._quantized(planned, decisions, [planned])
+    with pytest.raises(MergeError, match=r"down_proj\.weight holds inf or NaN: it cannot be quantized$"):
+        list(leader.planned.source.pieces())
