@@ -5,6 +5,7 @@ and loads in transformers (compressed-tensors decompresses it on the CPU) with n
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -286,3 +287,20 @@ def test_a_weight_with_nan_is_one_line_naming_it():
     leader, _ = quantize._quantized(planned, decisions, [planned])
     with pytest.raises(MergeError, match=r"down_proj\.weight holds inf or NaN: it cannot be quantized$"):
         list(leader.planned.source.pieces())
+
+
+def test_average_quantizes_the_average(capsys, tmp_path, fsdp_checkpoint):
+    """Two copies of one bf16 merge averaged: the average is that merge, so its quantized folder is the
+    quantized merge's, tensor for tensor."""
+    role_dir = fsdp_checkpoint(LLAMA).role_dir
+    merge_ok(capsys, role_dir, tmp_path / "a", "--dtype", "bfloat16")
+    merge_ok(capsys, role_dir, tmp_path / "q", "--quantize", "W4A16")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    inputs = ("--inputs", tmp_path / "a", tmp_path / "b")
+    code, _, err = run_cli(capsys, "average", *inputs, "--target_dir", tmp_path / "avg", "--quantize", "W4A16")
+    assert code == 0, err
+    averaged, merged = load_safetensors_dir(tmp_path / "avg"), load_safetensors_dir(tmp_path / "q")
+    assert sorted(averaged) == sorted(merged)
+    assert all(
+        torch.equal(averaged[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)) for n, t in merged.items()
+    )
