@@ -49,6 +49,7 @@ def _option_flags(parser: argparse.ArgumentParser, command: str) -> None:
                 choices=meta["choices"],
                 type=int if isinstance(option.default, int) else None,
                 metavar=meta.get("metavar"),
+                nargs=meta.get("nargs"),
                 help=meta["help"],
             )
 
@@ -278,12 +279,19 @@ def _run_merge(args: argparse.Namespace) -> int:
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
     fp8 = result.manifest["decisions"].get("fp8")
+    quantization = result.manifest["decisions"].get("quantization")
     print(
         f"merged {result.parameters:,} parameters ({result.tensors} tensors, {human_bytes(result.tensor_bytes)} of tensor data) into {printable(str(result.target_dir))} in {result.seconds:.1f} s"
         + (
             f"; fp8: {fp8['quantized_weights']} weights quantized in {fp8['block']}x{fp8['block']} blocks,"
             f" {len(fp8['kept_modules'])} modules kept in bfloat16 ({len(fp8['off_grid'])} off the block grid)"
             if fp8
+            else ""
+        )
+        + (
+            f"; {quantization['scheme']}: {quantization['quantized_weights']} weights quantized ({quantization['format']}),"
+            f" {len(quantization['ignore'])} modules kept in bfloat16 ({len(quantization['off_grid'])} off the scheme's groups)"
+            if quantization
             else ""
         )
     )

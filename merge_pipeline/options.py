@@ -54,6 +54,22 @@ class MergeOptions:
     fp8_block_size: int = _option(
         128, "--dtype fp8: rows and columns of each tile sharing one scale (default 128)", commands=READING
     )
+    quantize: str | None = _option(
+        None,
+        "write the linear weights in a compressed-tensors format that needs no calibration data, byte for byte what"
+        " llm-compressor's model_free_ptq writes: W4A16, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16,"
+        " MXFP8A16 (the rest bfloat16; needs the [quant] extra; see docs/LAYOUTS.md)",
+        commands=READING,  # inspect --quantize also lists what would stay unquantized
+        metavar="SCHEME",
+    )
+    quantize_ignore: tuple[str, ...] = _option(
+        (),
+        "--quantize: modules kept unquantized, llm-compressor's syntax (a module name or re:PATTERN); default: the"
+        " embeddings, heads, MoE routers and vision / audio towers",
+        commands=READING,
+        metavar="NAME",
+        nargs="+",
+    )
     merge_lora: bool = _option(False, "fold LoRA into the base weights instead of writing lora_adapter/")
     hf_model_path: str | None = _option(
         None,
@@ -88,6 +104,11 @@ class MergeOptions:
             raise MergeError(None, f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.fp8_block_size < 1:
             raise MergeError(None, f"--fp8-block-size must be a positive number, not {self.fp8_block_size}")
+        object.__setattr__(self, "quantize_ignore", tuple(str(n) for n in self.quantize_ignore))
+        if self.quantize is not None and self.dtype not in ("auto", "bfloat16"):
+            raise MergeError(None, f"--quantize writes its unquantized tensors in bfloat16: drop --dtype {self.dtype}")
+        if self.quantize_ignore and self.quantize is None:
+            raise MergeError(None, "--quantize-ignore given without --quantize")
         if self.tie_word_embedding and self.untie_word_embedding:
             raise MergeError(None, "--tie-word-embedding and --untie-word-embedding contradict each other")
         parse_size(self.max_shard_size, "--max-shard-size")  # checked before any work, not after the plan

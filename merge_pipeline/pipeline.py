@@ -36,6 +36,7 @@ from merge_pipeline.engine.outputs import DTYPES, OutputPlan, ShardFile, config_
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
+from merge_pipeline.engine.quantize import quantized_outputs
 from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, merge_key, seal
 from merge_pipeline.engine.resume import forget as forget_finished
 from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
@@ -265,6 +266,8 @@ def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool =
             _check_against_architecture(outputs, expected, config)
         if options.dtype == "fp8":
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
+        if options.quantize:
+            outputs = _quantized(outputs, options, plan.role_dir)
     except BaseException:
         plan.close()
         raise
@@ -275,7 +278,8 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
     """Averaging: each input (a role folder or a merged HF folder) planned as a merge of it
     alone, then one plan whose tensors are their weighted average, computed while written; ``local_dir``,
     one of the inputs, gives the config and the side files. The merge sequence runs on it unchanged."""
-    alone = replace(options, average_inputs=(), average_weights=(), dtype="auto")  # the cast comes after the sum
+    # the cast and the quantization come after the sum
+    alone = replace(options, average_inputs=(), average_weights=(), dtype="auto", quantize=None, quantize_ignore=())
     inputs: list[AveragedInput] = []
     configs: dict[Path, ModelConfig] = {}
     try:
@@ -295,6 +299,8 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
         )
         if options.dtype == "fp8":  # the average, quantized
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, reference)
+        if options.quantize:  # the average, quantized
+            outputs = _quantized(outputs, options, reference)
     except BaseException:
         for one in inputs:
             one.plan.close()
@@ -484,6 +490,7 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
             if outputs.lora
             else None,
             **({"fp8": outputs.fp8.summary()} if outputs.fp8 else {}),
+            **({"quantization": outputs.quantization.summary()} if outputs.quantization else {}),
         },
         "parameters": plan.parameter_count,
         "tensors": sum(len(f.tensors) for f in outputs.files),
@@ -647,7 +654,17 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
         "tied_word_embeddings": tied,
         "files": [{"path": shown_path(f.path), "size": f.size} for f in plan.files],
         **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
+        **({"quantization": _quantization_plan(plan, config, options)} if options.quantize and config else {}),
     }
+
+
+def _quantized(outputs: OutputPlan, options: MergeOptions, where: Path) -> OutputPlan:
+    return quantized_outputs(outputs, options.quantize, options.quantize_ignore, options.max_shard_size, where)
+
+
+def _quantization_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
+    """``inspect --quantize``: what a merge would quantize and keep (after LoRA folding and tying)."""
+    return _quantized(plan_outputs(plan, config, options), options, plan.role_dir).quantization.summary()
 
 
 def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:

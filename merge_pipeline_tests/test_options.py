@@ -40,7 +40,8 @@ def test_every_option_is_a_dagster_config_field_with_the_same_description_and_de
     config_fields = MergeConfig.model_fields
     assert set(config_fields) == {option.name for option in OPTION_FIELDS} | LAUNCHER_FIELDS | RAY_CONFIG_FIELDS
     for option in OPTION_FIELDS:
-        assert config_fields[option.name].default == option.default, option.name
+        default = list(option.default) if isinstance(option.default, tuple) else option.default  # Dagster's lists
+        assert config_fields[option.name].default == default, option.name
         assert config_fields[option.name].description == option.metadata["help"], option.name
     for setting in RAY_FIELDS:
         field = config_fields[f"ray_{setting.name}"]
@@ -50,8 +51,10 @@ def test_every_option_is_a_dagster_config_field_with_the_same_description_and_de
         "tie_word_embedding": True,
         "is_value_model": True,
         "trust_remote_code": True,
-        "dtype": "fp8",
+        "dtype": "bfloat16",  # what --quantize writes its unquantized tensors in
         "fp8_block_size": 64,
+        "quantize": "W4A16",
+        "quantize_ignore": ["lm_head", "re:.*mlp.gate$"],
         "merge_lora": True,
         "hf_model_path": "/models/base",
         "verify_replicas": True,
@@ -89,6 +92,8 @@ def test_verl_spellings_and_every_earlier_flag_are_kept():
         "--hf-model-path",
         "--dtype",  # shows the config.json dtype a merge with it writes
         "--fp8-block-size",
+        "--quantize",  # lists what a merge with it would keep unquantized
+        "--quantize-ignore",
         "--json",
     }
 

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Libraries whose own save code writes test fixtures, each in its own venv (their dependencies clash
 # with ours); each script is a no-op once its venv is current.
-for library in torchtitan nemo bridge; do
+for library in torchtitan nemo bridge llmcompressor; do
     bash "scripts/setup_$library.sh"
 done
 exec .venv/bin/python -m pytest "$@"

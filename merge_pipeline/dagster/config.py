@@ -24,6 +24,8 @@ def _config_type(option: dataclasses.Field) -> object:
     """Dagster's config types have no unions but Optional: sizes are given as strings there (5GB, 500MB)."""
     if option.metadata["choices"]:
         return Literal[option.metadata["choices"]]
+    if isinstance(option.default, tuple):  # a list of names (quantize_ignore)
+        return list[str]
     return str | None if option.default is None else type(option.default)
 
 
@@ -31,7 +33,13 @@ _MergeOptionsConfig = create_model(
     "_MergeOptionsConfig",
     __base__=dg.Config,
     **{
-        option.name: (_config_type(option), Field(default=option.default, description=option.metadata["help"]))
+        option.name: (
+            _config_type(option),
+            Field(
+                default=list(option.default) if isinstance(option.default, tuple) else option.default,
+                description=option.metadata["help"],
+            ),
+        )
         for option in OPTION_FIELDS
     },
 )

@@ -51,12 +51,12 @@ def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, wher
         raise MergeError(where, nothing_to_quantize(decisions, {t.planned.name: t.planned.shape for t in model}))
     quantized = set(decisions.quantized)
     tensors: list[OutputTensor] = []
-    followers: dict[str, OutputTensor] = {}
+    followers: dict[str, tuple[OutputTensor, ...]] = {}
     for t in model:
         if t.planned.name in quantized:
             weight, scales = quantized_pair(t.planned, block)
             tensors.append(weight)
-            followers[weight.planned.name] = scales
+            followers[weight.planned.name] = (scales,)
         else:
             tensors.append(OutputTensor(t.planned, KEPT_DTYPE if t.dtype.is_floating_point else t.dtype))
     return dataclasses.replace(

@@ -92,6 +92,8 @@ def write_configs(model: ModelConfig, outputs: OutputPlan, out_dir: Path) -> Non
         config = output_config(model, dtype=outputs.config_dtype, tied=outputs.tied, value_model=outputs.is_value_model)
         if outputs.fp8 is not None:
             config["quantization_config"] = outputs.fp8.quantization_config
+        if outputs.quantization is not None:
+            config["quantization_config"] = outputs.quantization.quantization_config
         write_json(out_dir / CONFIG, config)
     if outputs.adapter is None:
         return

@@ -15,6 +15,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.fp8 import Fp8Decisions
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, OUTPUT_ADAPTER_DIR, has_lora_tensors
+from merge_pipeline.hf.quantization import QuantDecisions
 from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
@@ -49,6 +50,9 @@ class OutputPlan:
     dropped: list[str] = field(default_factory=list)  # e.g. a tied lm_head.weight
     adapter_only: bool = False  # no base weights: the folder is a PEFT adapter, not a model
     fp8: Fp8Decisions | None = None  # --dtype fp8: what was quantized and what kept (engine/fp8.py)
+    quantization: QuantDecisions | None = (
+        None  # --quantize: the scheme, what was quantized and kept (engine/quantize.py)
+    )
 
     @property
     def files(self) -> list[ShardFile]:
@@ -239,14 +243,17 @@ def config_dtype_for(tensors: Iterable[PlannedTensor], options: MergeOptions) ->
 
 
 def _split_shards(
-    tensors: list[OutputTensor], max_shard_size: str | int, *, followers: dict[str, OutputTensor] | None = None
+    tensors: list[OutputTensor],
+    max_shard_size: str | int,
+    *,
+    followers: dict[str, tuple[OutputTensor, ...]] | None = None,
 ) -> list[ShardFile]:
-    """HF-style shards of ``tensors``; each of ``followers`` (by the name it follows) is written right after
-    its tensor, in the same shard (an FP8 weight's scales: computed while the weight is written)."""
+    """HF-style shards of ``tensors``; the ``followers`` of a tensor (by its name) are written right after
+    it, in the same shard (a quantized weight's scales: computed while the weight is written)."""
     followers = followers or {}
     split = split_state_dict_into_shards_factory(
         {t.planned.name: t for t in tensors},
-        get_storage_size=lambda t: t.nbytes + (followers[t.planned.name].nbytes if t.planned.name in followers else 0),
+        get_storage_size=lambda t: t.nbytes + sum(f.nbytes for f in followers.get(t.planned.name, ())),
         filename_pattern=WEIGHTS_PATTERN,
         max_shard_size=parse_size(max_shard_size, "--max-shard-size"),  # ours: HF's takes "1e999GB" to a crash
     )
@@ -254,7 +261,7 @@ def _split_shards(
     return [
         ShardFile(
             filename,
-            tuple(t for n in names for t in (by_name[n], followers.get(n)) if t is not None),
+            tuple(t for n in names for t in (by_name[n], *followers.get(n, ()))),
         )
         for filename, names in split.filename_to_tensors.items()
     ]

@@ -48,7 +48,8 @@ def meta_load_problems(folder: Path) -> list[str]:
         # use_kernels=False: transformers 5.25 would otherwise fetch Hub kernels and refuse the meta device.
         # PreTrainedModel's loader: what a class's own from_pretrained adds after it is no weight (Qwen2.5-Omni's
         # speakers), and Qwen2.5-Omni's breaks on output_loading_info ('tuple' object has no attribute 'load_speakers').
-        model, info = load_with_info(model_type, folder, device_map="meta", dtype="auto", use_kernels=False)
+        with _one_process(config):
+            model, info = load_with_info(model_type, folder, device_map="meta", dtype="auto", use_kernels=False)
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none
@@ -64,6 +65,17 @@ def meta_load_problems(folder: Path) -> list[str]:
         ):
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
+
+
+def _one_process(config) -> contextlib.AbstractContextManager:
+    """compressed-tensors compresses a model's modules across the ranks of an initialized process group (a
+    torchrun merge's), waiting for the others: the checks run on the lead alone, so it works as one process."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "compressed-tensors":
+        return contextlib.nullcontext()
+    from compressed_tensors.offload.utils import as_single_threaded
+
+    return as_single_threaded()
 
 
 def load_with_info(model_type: type, folder: Path, **kwargs) -> tuple[torch.nn.Module, dict]:

@@ -1,0 +1,276 @@
+"""``--quantize SCHEME``: linear weights written in a compressed-tensors format on their way to disk.
+
+Each quantized ``<module>.weight`` becomes what compressed-tensors' compressor of the scheme writes for
+it (``weight_packed`` or ``weight``, then ``weight_scale``, and ``weight_zero_point``, ``weight_shape``,
+``weight_global_scale`` where the format has them), in the same shard; everything else is bfloat16.
+
+The numbers are compressed-tensors' own: for one band of rows at a time, the band is a ``Linear`` set
+up by ``initialize_module_for_quantization``, its scales come from ``calculate_qparams`` on the band's
+per-group min and max (what llm-compressor's weight observer takes), and ``compress_module`` quantizes
+and packs it, as ``model_free_ptq`` does for the whole tensor. Every scheme's groups lie within rows
+(blocks within bands of their height), so the bands' outputs, stacked, are the whole tensor's. A
+per-tensor statistic a scheme needs before its first band (NVFP4's global scale, shared by a fused set
+such as q/k/v) is gathered by a read pass of its own over the set's sources: memory holds one band group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from merge_pipeline.engine.outputs import OutputPlan, _split_shards
+from merge_pipeline.engine.safetensors_writer import OutputTensor
+from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.fp8 import KEPT_DTYPE
+from merge_pipeline.hf.quantization import QuantDecisions, decide
+from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor
+
+QUANTIZED_FROM = torch.bfloat16  # model_free_ptq's input: the bf16 merge of the same checkpoint
+_BAND_ROWS = 128  # a multiple of every scheme's row grouping: FP8_BLOCK's block, a packed zero point's 32 rows
+# Fused sets whose members share one global scale: llm-compressor's microscale mappings (the last name part differs).
+_FUSED = (
+    re.compile(r"^(?P<prefix>.*(attn|attention)\.)(q_proj|k_proj|v_proj)\.weight$"),
+    re.compile(r"^(?P<prefix>.*(attn|attention)\.)(wq_a|wkv_a_with_mqa)\.weight$"),
+    re.compile(r"^(?P<prefix>.*mlp\.)(gate_proj|up_proj)\.weight$"),
+    re.compile(r"^(?P<prefix>.*)(w1|w3)\.weight$"),
+)
+_FUSED_SIZES = (3, 2, 2, 2)
+
+
+def quantized_outputs(
+    outputs: OutputPlan, scheme: str, ignore: tuple[str, ...], max_shard_size: str | int, where: Path
+) -> OutputPlan:
+    """The output plan with the scheme's weights quantized (each followed by its parameters), the rest bfloat16."""
+    if outputs.adapter is not None:
+        raise MergeError(
+            where,
+            "--quantize quantizes base weights that a separate LoRA adapter cannot be applied to: add --merge-lora",
+        )
+    model = [t for shard in outputs.shards for t in shard.tensors]
+    decisions = decide([t.planned for t in model], scheme, ignore, where)
+    if not decisions.quantized:
+        raise MergeError(
+            where,
+            f"--quantize {decisions.scheme_name} would quantize nothing (ignored: {', '.join(decisions.ignore) or 'none'};"
+            f" off the scheme's groups: {len(decisions.off_grid)}): the folder would claim a format no weight is in",
+        )
+    by_name = {t.planned.name: t.planned for t in model}
+    global_sets = _global_scale_sets(decisions, by_name)
+    tensors: list[OutputTensor] = []
+    followers: dict[str, tuple[OutputTensor, ...]] = {}
+    for t in model:
+        name = t.planned.name
+        if name in global_sets:
+            leader, rest = _quantized(t.planned, decisions, global_sets[name])
+            tensors.append(leader)
+            followers[leader.planned.name] = rest
+        else:
+            tensors.append(OutputTensor(t.planned, KEPT_DTYPE if t.dtype.is_floating_point else t.dtype))
+    return dataclasses.replace(
+        outputs,
+        shards=_split_shards(tensors, max_shard_size, followers=followers),
+        config_dtype=KEPT_DTYPE,
+        quantization=decisions,
+    )
+
+
+def _global_scale_sets(decisions: QuantDecisions, by_name: dict[str, PlannedTensor]) -> dict[str, list[PlannedTensor]]:
+    """Each quantized weight -> the weights its global scale is taken over (itself, or its quantized fused set;
+    only for schemes with a global scale). A set counts when all its members exist, as llm-compressor pairs them."""
+    sets = {name: [by_name[name]] for name in decisions.quantized}
+    if decisions.scheme.weights.strategy != "tensor_group":
+        return sets
+    groups: dict[tuple[int, str], list[str]] = {}
+    for name in by_name:
+        for index, pattern in enumerate(_FUSED):
+            match = pattern.match(name)
+            if match:
+                groups.setdefault((index, match["prefix"]), []).append(name)
+                break
+    quantized = set(decisions.quantized)
+    for (index, _), members in groups.items():
+        if len(members) == _FUSED_SIZES[index]:
+            fused = [by_name[m] for m in members if m in quantized]
+            for member in fused:
+                sets[member.name] = fused
+    return sets
+
+
+def _quantized(weight: PlannedTensor, decisions: QuantDecisions, global_set: list[PlannedTensor]):
+    """The leading output (``weight_packed`` or ``weight``) and its followers, all from one pass over the rows."""
+    bands = _Bands(weight, decisions.scheme, global_set)
+    module = weight.name.removesuffix(".weight")
+    shapes = bands.layout()
+    lead, *rest = shapes
+    decisions.format = str(decisions.scheme.format.value)
+    leader = OutputTensor(PlannedTensor(f"{module}.{lead[0]}", lead[1], lead[2], bands), lead[2])
+    followers = tuple(
+        OutputTensor(PlannedTensor(f"{module}.{key}", shape, dtype, _Follower(bands, key)), dtype)
+        for key, shape, dtype in rest
+    )
+    return leader, followers
+
+
+def quantize_band(band: torch.Tensor, scheme, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """What compressed-tensors writes for ``band`` (rows of a weight) quantized with ``scheme``: its compressed
+    state dict, the scales taken as llm-compressor's memoryless min-max observer takes them."""
+    from compressed_tensors.compressors import compress_module
+    from compressed_tensors.offload import update_offload_parameter
+    from compressed_tensors.quantization import initialize_module_for_quantization
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    rows, cols = band.shape
+    module = torch.nn.Linear(cols, rows, bias=False, device="meta", dtype=band.dtype)
+    module.weight = torch.nn.Parameter(band, requires_grad=False)
+    initialize_module_for_quantization(module, scheme, force_zero_point=False)
+    observed = _observed(band, scheme.weights)
+    low, high = torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1))
+    if not (torch.isfinite(low).all() and torch.isfinite(high).all()):
+        raise ValueError("holds inf or NaN")  # they reach every min or max they are in: no pass over the band
+    scale, zero_point = calculate_qparams(low, high, scheme.weights, global_scale)
+    for key, value in (
+        ("weight_scale", scale),
+        ("weight_zero_point", zero_point),
+        ("weight_global_scale", global_scale),
+    ):
+        if value is not None and hasattr(module, key):
+            update_offload_parameter(module, key, value)
+    compress_module(module)
+    return dict(module.state_dict())
+
+
+def global_scale_of(absmax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's global scale of a (fused) set whose largest magnitude is ``absmax``: compressed-tensors' ``generate_gparam``."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    return generate_gparam(-absmax.reshape(1), absmax.reshape(1))
+
+
+def _observed(value: torch.Tensor, args) -> torch.Tensor:
+    """The weight as llm-compressor's observer reduces it (``flatten_for_calibration``): ``(1, *qparam_shape, group)``."""
+    if args.strategy == "channel":
+        return value.unsqueeze(-2).unsqueeze(0)
+    if args.strategy in ("group", "tensor_group"):
+        return value.unflatten(-1, (-1, args.group_size)).unsqueeze(0)
+    if args.strategy == "block":
+        from compressed_tensors.quantization.utils import maybe_pad_tensor_for_block_quant
+
+        height, width = args.block_structure
+        value = maybe_pad_tensor_for_block_quant(value, args.block_structure)
+        rows, cols = value.shape
+        return value.reshape(rows // height, height, cols // width, width).transpose(1, 2).flatten(-2, -1).unsqueeze(0)
+    raise MergeError(None, f"weight strategy {args.strategy} is not supported by --quantize")
+
+
+class _Bands:
+    """A ``TensorSource`` of the leading quantized output: the source's rows gathered into bands of
+    ``_BAND_ROWS`` (as many as fit in one read piece), each quantized as it completes; the followers'
+    bands are kept for the tensors written right after it."""
+
+    def __init__(self, weight: PlannedTensor, scheme, global_set: list[PlannedTensor]):
+        self.weight, self.scheme, self.global_set = weight, scheme, global_set
+        self.kept: dict[str, torch.Tensor] | None = None
+
+    def layout(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(key, shape, dtype) of each output, the leading one first: what compressed-tensors writes for
+        a band of zeros of each height the pass uses, stacked as the pass stacks them."""
+        rows, cols = self.weight.shape
+        full, rest = divmod(rows, _BAND_ROWS)
+        global_scale = torch.ones(1) if self.scheme.weights.strategy == "tensor_group" else None
+        heights = [(count, height) for count, height in ((full, _BAND_ROWS), (1, rest)) if count and height]
+        states = [
+            (count, quantize_band(torch.zeros(height, cols, dtype=QUANTIZED_FROM), self.scheme, global_scale))
+            for count, height in heights
+        ]
+        first = states[0][1]
+        lead = "weight_packed" if "weight_packed" in first else "weight"
+        layout = []
+        for key in [lead, *(k for k in first if k != lead)]:
+            if key in ("weight_shape", "weight_global_scale"):  # one per tensor
+                shape = tuple(first[key].shape)
+            else:
+                shape = (sum(count * state[key].shape[0] for count, state in states), *first[key].shape[1:])
+            layout.append((key, shape, first[key].dtype))
+        return layout
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        rows, cols = self.weight.shape
+        per_group = max(1, READ_PIECE_BYTES // (_BAND_ROWS * cols * QUANTIZED_FROM.itemsize)) * _BAND_ROWS
+        global_scale = self._global_scale()
+        kept: dict[str, list[torch.Tensor]] = {}
+        done = 0
+        for band in _row_groups(self.weight, per_group):
+            try:
+                state = quantize_band(band, self.scheme, global_scale)
+            except ValueError as exc:
+                raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized") from None
+            lead = "weight_packed" if "weight_packed" in state else "weight"
+            yield state.pop(lead)
+            for key, value in state.items():
+                kept.setdefault(key, []).append(value)
+            done += len(band)
+        if done != rows:
+            raise RuntimeError(f"{self.weight.name}: source gave {done} of {rows} rows")
+        self.kept = {key: self._whole(key, values) for key, values in kept.items()}
+
+    def _whole(self, key: str, bands: list[torch.Tensor]) -> torch.Tensor:
+        """A follower of the whole weight from its bands': per-row ones stacked, per-tensor ones taken once."""
+        if key == "weight_shape":
+            return torch.tensor(self.weight.shape)
+        if key == "weight_global_scale":
+            return bands[0]
+        return torch.cat(bands)
+
+    def _global_scale(self) -> torch.Tensor | None:
+        """NVFP4: the set's largest magnitude, from a read pass over its members' rows before the first band."""
+        if self.scheme.weights.strategy != "tensor_group":
+            return None
+        absmax = torch.zeros((), dtype=QUANTIZED_FROM)
+        for member in self.global_set:
+            for band in _row_groups(member, max(1, READ_PIECE_BYTES // (member.shape[1] * 2))):
+                absmax = torch.maximum(absmax, band.abs().amax())
+        return global_scale_of(absmax)
+
+
+def _row_groups(weight: PlannedTensor, rows_per_group: int) -> Iterator[torch.Tensor]:
+    """The weight's rows in bfloat16, ``rows_per_group`` at a time (the last group may be shorter)."""
+    cols = weight.shape[1]
+    wanted = rows_per_group * cols
+    group = torch.empty(wanted, dtype=QUANTIZED_FROM)
+    filled = 0
+    for piece in weight.source.pieces():
+        piece = piece.reshape(-1)
+        while piece.numel():
+            n = min(wanted - filled, piece.numel())
+            group[filled : filled + n].copy_(piece[:n])
+            filled, piece = filled + n, piece[n:]
+            if filled == wanted:
+                yield group.view(rows_per_group, cols)
+                group, filled = torch.empty(wanted, dtype=QUANTIZED_FROM), 0
+    if filled:
+        yield group[:filled].view(-1, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Follower:
+    """One of the parameters written after a quantized weight: kept from the weight's pass (always, in this
+    writer's order); otherwise the weight's bands are quantized again to get it."""
+
+    bands: _Bands
+    key: str
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        if self.bands.kept is None or self.key not in self.bands.kept:
+            for _ in self.bands.pieces():
+                pass
+        yield self.bands.kept.pop(self.key)  # written once: free it
