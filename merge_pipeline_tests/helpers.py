@@ -296,3 +296,18 @@ VARIANTS = {
     "zero2-tied-frozen": DeepSpeedSpec(stage=2, tie_word_embeddings=True, frozen=FROZEN),
     "zero3-tied-frozen": DeepSpeedSpec(stage=3, tie_word_embeddings=True, frozen=FROZEN),
 }
+
+
+class TensorInPieces:
+    """A tensor source yielding the weight in pieces that end mid-row and mid-band, as file reads do."""
+
+    def __init__(self, tensor: torch.Tensor, piece: int):
+        self.tensor, self.piece = tensor, piece
+
+    def byte_runs(self):
+        return None
+
+    def pieces(self):
+        flat = self.tensor.reshape(-1)
+        for start in range(0, flat.numel(), self.piece):
+            yield flat[start : start + self.piece].clone()

@@ -22,6 +22,7 @@ from merge_pipeline.model_card import render_card
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import (
+    TensorInPieces,
     error_lines,
     load_safetensors_dir,
     merge_error,
@@ -54,21 +55,6 @@ def reference_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     return quantized.reshape(rows, cols), inv_scales
 
 
-class _Pieces:
-    """A tensor source yielding the weight in pieces that end mid-row and mid-band, as file reads do."""
-
-    def __init__(self, tensor: torch.Tensor, piece: int):
-        self.tensor, self.piece = tensor, piece
-
-    def byte_runs(self):
-        return None
-
-    def pieces(self):
-        flat = self.tensor.reshape(-1)
-        for start in range(0, flat.numel(), self.piece):
-            yield flat[start : start + self.piece].clone()
-
-
 def _write_pair(weight: torch.Tensor, block: int, source=None) -> tuple[torch.Tensor, torch.Tensor]:
     planned = PlannedTensor("m.weight", tuple(weight.shape), weight.dtype, source or Computed(lambda: weight))
     fp8, scales = quantized_pair(planned, block)
@@ -88,7 +74,7 @@ def test_quantizer_is_bit_identical_to_the_reference(dtype):
     expected_q, expected_s = reference_quantize(weight, block)
     theirs = Fp8Quantize(AutoHfQuantizer.from_config(FineGrainedFP8Config(weight_block_size=(block, block))))
     ran = theirs._quantize_one("m.weight", weight)
-    for source in (None, _Pieces(weight, 100_003)):  # one whole piece, and pieces across band boundaries
+    for source in (None, TensorInPieces(weight, 100_003)):  # one whole piece, and pieces across band boundaries
         q, s = _write_pair(weight, block, source)
         on_grid = torch.ones_like(s, dtype=torch.bool)
         on_grid[1, 0] = False  # the sub-range tile: the one place the rules differ (see engine/fp8.py)

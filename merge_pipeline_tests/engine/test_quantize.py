@@ -23,6 +23,7 @@ from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.engine.test_resume import SPEC as RESUME_SPEC
 from merge_pipeline_tests.engine.test_resume import killed_and_resumed
 from merge_pipeline_tests.helpers import (
+    TensorInPieces,
     cli_merge_command,
     error_lines,
     load_safetensors_dir,
@@ -233,23 +234,8 @@ def test_torchrun_ranks_quantize_their_own_shards_byte_identically(capsys, tmp_p
     assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
 
 
-class _Pieces:
-    """A tensor source yielding the weight in pieces that end mid-row and mid-band, as file reads do."""
-
-    def __init__(self, tensor: torch.Tensor, piece: int):
-        self.tensor, self.piece = tensor, piece
-
-    def byte_runs(self):
-        return None
-
-    def pieces(self):
-        flat = self.tensor.reshape(-1)
-        for start in range(0, flat.numel(), self.piece):
-            yield flat[start : start + self.piece].clone()
-
-
 def _planned(name: str, weight: torch.Tensor) -> PlannedTensor:
-    return PlannedTensor(name, tuple(weight.shape), weight.dtype, _Pieces(weight, 1000))
+    return PlannedTensor(name, tuple(weight.shape), weight.dtype, TensorInPieces(weight, 1000))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
