@@ -3,8 +3,7 @@
     python scripts/lower_bounds.py EXTRA...   the project's dependencies and those of the named extras
 
 pip has no lowest-versions mode: `pip install -c <this> .` installs the oldest release of every direct
-dependency that the project says it supports (scripts/setup_lowest.sh). torch is left out: its older
-releases on PyPI are CUDA builds of several GB, so the lowest venv keeps the CPU wheel setup.sh installs.
+dependency that the project says it supports (scripts/setup_lowest.sh).
 """
 
 import sys
@@ -17,9 +16,6 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, a dependency of dag
 
 from packaging.requirements import Requirement
 
-# Installed before the project, at the release scripts/setup.sh installs (see the docstring).
-KEPT = {"torch"}
-
 
 def lower_bounds(pyproject: Path, extras: list[str]) -> list[str]:
     project = tomllib.loads(pyproject.read_text())["project"]
@@ -28,7 +24,7 @@ def lower_bounds(pyproject: Path, extras: list[str]) -> list[str]:
     for line in requirements:
         requirement = Requirement(line)
         lower = [s.version for s in requirement.specifier if s.operator in (">=", "==")]
-        if requirement.name not in KEPT and lower:
+        if lower:
             pins[requirement.name] = f"{requirement.name}=={lower[0]}"
     return sorted(pins.values())
 
