@@ -100,7 +100,7 @@ def _take(store: StoreLocation, key: str, url: str, body: bytes) -> str:
             held = _info(store, key)
         except FileNotFoundError:
             continue
-        age = (datetime.datetime.now(datetime.UTC) - held["LastModified"]).total_seconds()
+        age = (datetime.datetime.now(datetime.timezone.utc) - held["LastModified"]).total_seconds()
         holder, gone = _holder(store, key)
         if age < LEASE_SECONDS and not gone:
             raise MergeError(

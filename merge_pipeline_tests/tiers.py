@@ -159,7 +159,7 @@ def _tripwire(event: str, args: tuple) -> None:
     while frame is not None:
         if frame.f_code.co_filename.startswith(_SAMPLES_DIR):
             raise SlowWorkInFastTest(
-                f"{_fast_test}: {frame.f_code.co_qualname} of {SAMPLES} ({event}) runs in a test of the fast tier: "
+                f"{_fast_test}: {frame.f_code.co_name} of {SAMPLES} ({event}) runs in a test of the fast tier: "
                 "merge_pipeline_tests/tiers.py did not see it (make the writer a write_* function the test or "
                 "its fixture calls by name, or mark the test slow)"
             )

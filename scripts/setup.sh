@@ -2,8 +2,11 @@
 # Create .venv and install the project with its test extras (which pull the megatron and bench extras:
 # everything the tests, the demo and the benchmarks need). Idempotent; safe to re-run. The venvs of the
 # libraries that write some test fixtures in isolation are scripts/test.sh's, not the demo's.
-# torch is pinned to 2.13.0 in pyproject.toml: on this CPU machine pip takes that CPU wheel from
-# local disk, where a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch first, pinned here and not in pyproject.toml (a range there, so that an environment's own torch
+# stays): on this CPU machine pip takes the 2.13.0 CPU wheel from local disk, and the project's torch range
+# then installs no other. Without torch installed first, the range pulls PyPI's newest CUDA build (several
+# GB). Elsewhere the CPU build comes from `pip install torch --index-url https://download.pytorch.org/whl/cpu`.
+# Everything else comes at the newest release its range admits (scripts/setup_lowest.sh tests the oldest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
@@ -12,4 +15,5 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet torch==2.13.0
 .venv/bin/python -m pip install --quiet -e ".[test]"

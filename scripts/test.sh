@@ -4,8 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Libraries whose own save code writes test fixtures, each in its own venv (their dependencies clash
-# with ours); each script is a no-op once its venv is current.
-for library in torchtitan nemo bridge llmcompressor; do
+# with ours); this project at the lower bounds of its dependencies (.venv-lowest) and installed into a
+# new Dagster project's venv (.venv-user-project). Each script is a no-op once its venv is current.
+for library in torchtitan nemo bridge llmcompressor lowest user_project; do
     bash "scripts/setup_$library.sh"
 done
 exec .venv/bin/python -m pytest "$@"

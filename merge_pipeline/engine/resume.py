@@ -147,10 +147,18 @@ def _intact(path: Path, record: dict) -> list[int] | None:
                 return None
             if stat_identity(found) == record.get("identity") and _sealed_with(f.fileno()) == record["sha256"]:
                 return record["identity"]
-            digest = hashlib.file_digest(f, "sha256", _bufsize=_HASH_CHUNK)
+            digest = _sha256_of(f)
     except OSError:
         return None
-    return stat_identity(found) if digest.hexdigest() == record["sha256"] else None
+    return stat_identity(found) if digest == record["sha256"] else None
+
+
+def _sha256_of(f) -> str:
+    """What hashlib.file_digest (Python 3.11+) does."""
+    digest = hashlib.sha256()
+    while chunk := f.read(_HASH_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _sealed_with(fd: int) -> str | None:

@@ -18,7 +18,6 @@ from transformers.core_model_loading import (
     PrefixChange,
     WeightConverter,
     WeightRenaming,
-    apply_renamings,
     dot_natural_key,
     rename_source_key,
 )
@@ -73,7 +72,7 @@ class LoadNames:
     def _renamed(self, names: Iterable[str]) -> dict[str, str]:
         """Each name after loading's renamings alone, taken in loading's order with fresh renamings."""
         renamings = deepcopy(self._renamings)
-        return {name: apply_renamings(name, renamings) for name in sorted(names, key=dot_natural_key)}
+        return {name: rename_source_key(name, renamings, [])[0] for name in sorted(names, key=dot_natural_key)}
 
     def covered(self, loaded: Iterable[str]) -> set[str]:
         """The saved names all of whose memory tensors are among ``loaded``."""

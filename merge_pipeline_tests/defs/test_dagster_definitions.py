@@ -8,7 +8,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, a dependency of dagster's
+    import tomli as tomllib
 
 import dagster as dg
 import pytest
