@@ -13,7 +13,7 @@ def merge_checkpoint_job(names: Names, merge_config: dict | None = None) -> dg.U
     the sensor's carry none of their own, the Launchpad shows it filled in."""
     return dg.define_asset_job(
         names("merge_checkpoint"),
-        # the merge step alone: a run that fails plans no asset check (step_report's run in its own job)
+        # the merge step and its blocking checks (step_report's run in its own job)
         selection=dg.AssetSelection.assets(*map(names.key, ("parallel_config", "state_dict", "hf_model"))),
         tags={HEAVY_TAG: "merge"},
         # One process for the whole step (the code location's default executor, so runs started from
