@@ -31,6 +31,7 @@ LAYERS = {
     "plan": 0,
     "ray_settings": 0,
     "model_card": 0,
+    "card_metadata": 0,
     "checkpoint_name": 0,
     "storage": 0,
     "store_lock": 0,
