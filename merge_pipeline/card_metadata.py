@@ -89,8 +89,9 @@ def hub_id(value: object) -> str | None:
 
 
 def pipeline_tag(config: dict) -> str | None:
-    architectures = config.get("architectures") or [""]
-    return next((tag for end, tag in PIPELINE_TAGS.items() if str(architectures[0]).endswith(end)), None)
+    architectures = config.get("architectures")
+    name = architectures[0] if isinstance(architectures, list) and architectures else None
+    return next((tag for end, tag in PIPELINE_TAGS.items() if isinstance(name, str) and name.endswith(end)), None)
 
 
 def _base_dir(manifest: dict) -> Path | None:

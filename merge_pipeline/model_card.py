@@ -34,7 +34,7 @@ def _front_matter(meta: CardMetadata | None, writer: str | None) -> list[str]:
         "library_name": meta.library_name,
         "base_model": meta.base_model,
         "base_model_relation": meta.relation,
-        **{key: json.dumps(value, ensure_ascii=False) for key, value in meta.license.items()},
+        **{key: json.dumps(value) for key, value in meta.license.items()},
         "pipeline_tag": meta.pipeline_tag,
     }
     return [

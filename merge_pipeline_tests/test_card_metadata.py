@@ -52,3 +52,4 @@ def test_an_id_shaped_path_that_is_a_folder_here_is_not(tmp_path, monkeypatch):
 def test_the_task_comes_from_the_architecture(architecture, tag):
     assert pipeline_tag({"architectures": [architecture]}) == tag
     assert pipeline_tag({}) is None
+    assert pipeline_tag({"architectures": {"0": architecture}}) is None  # a hand-edited config: no task, no error
