@@ -56,6 +56,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from merge_pipeline import __version__
+from merge_pipeline.card_metadata import card_metadata
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
@@ -150,7 +151,13 @@ def upload_folder_verified(
     manifest = _our_manifest(folder)
     try:  # the card reads every part of the manifest: one edited by hand may lack or garble any of them
         name = CheckpointName.from_manifest(manifest["source"])
-        card = render_card(manifest, repo_id, replaces_readme=CARD in manifest["files"], smoke=smoke)
+        card = render_card(
+            manifest,
+            repo_id,
+            replaces_readme=CARD in manifest["files"],
+            smoke=smoke,
+            hub=card_metadata(folder, manifest),
+        )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise _not_our_manifest(folder) from None
     upload = _Upload(

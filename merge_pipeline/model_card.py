@@ -1,6 +1,7 @@
 """The README.md model card uploaded with a merged folder, written from its ``merge_manifest.json``.
 
-The card is a pure function of the manifest (no dates, no hosts, no environment), so re-uploading
+The card is a pure function of the manifest and the metadata the Hub reads (``card_metadata``: the base
+model, the relation, the base's license, the task; no dates, no hosts, no environment), so re-uploading
 the same folder produces the same bytes and sends nothing.
 
 Our part of the card sits between two marker lines. A re-upload replaces only that part, so text a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from merge_pipeline.card_metadata import CardMetadata
 from merge_pipeline.checkpoint_name import CheckpointName
 
 CARD = "README.md"
@@ -22,6 +24,27 @@ CARD_END = "<!-- end of the merge_pipeline model card -->"
 def _tag(writer: str) -> str:
     """A Hub tag for the stack that saved the checkpoint: verl, torchtitan, megatron-lm, hf-trainer."""
     return writer.removeprefix("the ").lower().replace(" ", "-")
+
+
+def _front_matter(meta: CardMetadata | None, writer: str | None) -> list[str]:
+    """The YAML the Hub reads: the model tree (base_model, base_model_relation), library, license, task, tags.
+    Values from files we did not write (a base's license) are JSON strings, which YAML reads as written."""
+    meta = meta or CardMetadata(None, None, "transformers", {}, None)
+    fields = {
+        "library_name": meta.library_name,
+        "base_model": meta.base_model,
+        "base_model_relation": meta.relation,
+        **{key: json.dumps(value) for key, value in meta.license.items()},
+        "pipeline_tag": meta.pipeline_tag,
+    }
+    return [
+        "---",
+        *(f"{key}: {value}" for key, value in fields.items() if value),
+        "tags:",
+        "- merge_pipeline",
+        *([f"- {_tag(writer)}"] if writer else []),
+        "---",
+    ]
 
 
 def _fp8_rows(fp8: dict | None) -> list[tuple[str, str]]:
@@ -84,7 +107,15 @@ def _run_rows(source: dict, name: CheckpointName) -> list[tuple[str, str]]:
     return [("run", runs or "not recorded"), ("steps", steps or "not recorded")]
 
 
-def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, smoke: dict | None = None) -> str:
+def render_card(
+    manifest: dict,
+    repo_id: str,
+    *,
+    replaces_readme: bool = False,
+    smoke: dict | None = None,
+    hub: CardMetadata | None = None,
+) -> str:
+    """``hub``: what the Hub reads in the front matter (``card_metadata.card_metadata``); without it, library and tags."""
     source, decisions, options = manifest["source"], manifest["decisions"], manifest["options"]
     name = CheckpointName.from_manifest(source)
     tool = f"{manifest['tool']['name']} {manifest['tool']['version']}"
@@ -103,12 +134,7 @@ def render_card(manifest: dict, repo_id: str, *, replaces_readme: bool = False, 
         ("tool", tool),
     ]
     lines = [
-        "---",
-        "library_name: transformers",
-        "tags:",
-        "- merge_pipeline",
-        *([f"- {_tag(name.writer)}"] if name.writer else []),
-        "---",
+        *_front_matter(hub, name.writer),
         CARD_START,
         "",
         f"# {repo_id.split('/')[-1]}",

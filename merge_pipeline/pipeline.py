@@ -501,17 +501,17 @@ def manifest_body(plan: CheckpointPlan, outputs: OutputPlan, options: MergeOptio
 
 def check_before_publishing(staging: Path, target: Path, written: WriteReport) -> list[CheckOutcome]:
     """The blocking checks, on the complete staging folder, for the CLI and Dagster's ``hf_model`` alike:
-    any failure is one line; when all passed, their outcomes (Dagster shows them on the stages).
+    any failure is one line (``BlockingChecksFailed``, carrying every outcome); when all passed, their outcomes
+    (Dagster records them as the asset checks of ``hf_model``).
 
     ``written``: the report of the weights written into ``staging`` (its digests: no weight byte is read again)."""
-    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, refusal
+    from merge_pipeline.hf.blocking_checks import CHECK_NAMES, BlockingChecksFailed
     from merge_pipeline.hf.check_worker import checks_on
 
     started = time.monotonic()
     outcomes = checks_on(staging, written.by_file)
-    problem = refusal(outcomes)
-    if problem:
-        raise MergeError(target, problem)
+    if not all(o.passed for o in outcomes):
+        raise BlockingChecksFailed(target, outcomes)
     log.info("blocking checks passed (%s) in %.1f s", ", ".join(CHECK_NAMES), time.monotonic() - started)
     return outcomes
 

@@ -6,7 +6,8 @@ the step needs is derived from the partition key and the ``settings`` resource, 
 between assets but the dependency. The stages are one step that cannot be subset, because they share the merge plan and the target's
 lock: plan once, write the whole folder into the staging folder beside the target, run the blocking
 checks against that staging folder, and publish (rename into place) only if every check passed. A
-failure at any stage leaves no staging folder and no published folder, and materializes nothing.
+failure at any stage leaves no staging folder and no published folder, and materializes nothing. The
+checks are asset checks of ``hf_model`` (``checks``): their results come with its materialization.
 """
 
 import dataclasses
@@ -17,7 +18,7 @@ from datetime import timedelta
 
 import dagster as dg
 
-from merge_pipeline.dagster.checks import checks_metadata
+from merge_pipeline.dagster.checks import blocking_check_specs, check_results, passed_metadata
 from merge_pipeline.dagster.config import MergeConfig, merge_config_class, overridden
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import GROUP, MERGE_POOL, OWNERS
@@ -27,6 +28,7 @@ from merge_pipeline.dagster.pins import unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.blocking_checks import BlockingChecksFailed
 
 
 def checkpoint_spec(names: Names) -> dg.AssetSpec:
@@ -101,6 +103,7 @@ def merge_step_definition(
     @dg.multi_asset(
         name=names("hf_model"),  # the op's name: run configs say ops: hf_model: config: ...
         specs=stage_specs(names, freshness_minutes),
+        check_specs=blocking_check_specs(names),
         partitions_def=names.partitions,
         can_subset=False,  # the plan is built once and the three stages are published together, or not at all
         pool=MERGE_POOL,
@@ -164,9 +167,13 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
         # The CLI's sequence: under the target's lock (a merge running there makes this step fail), resuming
         # what a killed run of this step finished (the instance retries a run whose worker died), the
         # blocking checks before the rename; a failure publishes nothing.
-        merged = merge(role_dir, target, options, workers=workers_for(context, config))
+        try:
+            merged = merge(role_dir, target, options, workers=workers_for(context, config))
+        except BlockingChecksFailed as refused:  # each check's outcome on the partition, then the CLI's line
+            yield from check_results(refused.outcomes, target, names)
+            raise
         plan_facts = parallel_config_metadata(merged.prepared, options, merged.manifest)
-        checked = checks_metadata(merged.checks, target)
+        checked = check_results(merged.checks, target, names)
     written = merged.written
     # After publishing: each stage describes its part of the published folder.
     yield dg.MaterializeResult(asset_key=names.key("parallel_config"), metadata=plan_facts)
@@ -177,7 +184,6 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
                 target, written.report, merged.manifest, (written.peak_rss_label, written.peak_rss_bytes)
             ),
             "launcher": config.launcher_label(),
-            **checked["state_dict"],
         },
     )
     yield dg.MaterializeResult(
@@ -188,6 +194,9 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
             "completeness": state.reason,
             "seconds since the checkpoint was written": round(time.time() - state.newest_change, 1),
             "seconds": round(merged.seconds, 3),
-            **checked["hf_model"],
+            **passed_metadata(merged.checks),
         },
     )
+    # Computed before publishing, recorded right after the materialization, so each result names it as the
+    # folder it checked (Dagster looks up the partition's latest materialization for each check result).
+    yield from checked

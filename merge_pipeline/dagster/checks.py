@@ -1,26 +1,76 @@
-"""The three blocking checks in the UI: metadata of the stages they looked at, not Dagster asset checks.
+"""The three blocking checks as Dagster asset checks of ``hf_model``, one result per partition.
 
-They are part of the merge step: ``pipeline.check_before_publishing`` (the CLI's own function) runs
-them on the staging folder before the rename, and a failed one fails the step with the CLI's line.
-They are not asset checks because Dagster 1.13 plans every check of a run when it creates the run and
-shows a planned check of a failed run as "Execution failed" (``AssetCheckExecutionRecord.resolve_status``):
-a merge that failed on a truncated rank file would paint checks that never looked at a folder.
+They are part of the merge step: ``pipeline.check_before_publishing`` (the CLI's own function) runs them on
+the staging folder before the rename. The step then yields one ``AssetCheckResult`` per check with the
+materialization of ``hf_model``; when a check refused the folder, it yields them (the failed one failed, with
+its problems) and fails with the CLI's line, publishing nothing. A merge that fails before the checks ran (a
+truncated rank file) leaves the run's planned checks without a result: Dagster shows them as "Execution
+failed", its way of saying the check did not run on that partition (docs/DAGSTER.md).
+
+``hf_model``'s materialization also lists the checks that passed (``PASSED``): the Hub's schedule and the step
+report read it from the event they already read. The averaged model, which has no asset checks, shows them as
+metadata (``checks_metadata``).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 import dagster as dg
 
 from merge_pipeline.dagster.keys import CHECKED, PASSED
+from merge_pipeline.dagster.names import Names
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.blocking_checks import CHECK_NAMES, CheckOutcome
+from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES, CheckOutcome
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import complete_target
 from merge_pipeline.store_listing import StoreURL
+
+PROBLEMS_SHOWN = 20  # a folder broken everywhere: the first problems say enough, the count says the rest
+
+
+def blocking_check_specs(names: Names) -> list[dg.AssetCheckSpec]:
+    """The checks of ``hf_model``: blocking, partitioned as it is (a preview in Dagster 1.13: run with the asset)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return [
+            dg.AssetCheckSpec(
+                check.name,
+                asset=names.key("hf_model"),
+                blocking=True,
+                partitions_def=names.partitions,
+                description=check.description,
+            )
+            for check in BLOCKING_CHECKS
+        ]
+
+
+def check_results(outcomes: list[CheckOutcome], folder: Path | StoreURL, names: Names) -> list[dg.AssetCheckResult]:
+    """One result per check: what a passed one verified and how much it looked at, a failed one's problems."""
+    looked_at = _looked_at(folder) if all(o.passed for o in outcomes) else None  # a refused folder is gone
+    return [
+        dg.AssetCheckResult(
+            asset_key=names.key("hf_model"),
+            check_name=o.check.name,
+            passed=o.passed,
+            description=o.check.passed_text if o.passed else o.problems[0],
+            metadata={"looked at": looked_at}
+            if o.passed
+            else {
+                "problems": len(o.problems),
+                "first problems": dg.MetadataValue.md("\n".join(f"- {p}" for p in o.problems[:PROBLEMS_SHOWN])),
+            },
+        )
+        for o in outcomes
+    ]
+
+
+def passed_metadata(outcomes: list[CheckOutcome]) -> dict[str, dg.MetadataValue]:
+    """The checks the published folder passed, as its materialization lists them (``passed_every_check``)."""
+    return {PASSED: dg.MetadataValue.json([o.check.name for o in outcomes if o.passed])}
 
 
 def checked_stage(check_name: str) -> str:
@@ -30,8 +80,8 @@ def checked_stage(check_name: str) -> str:
 
 
 def checks_metadata(outcomes: list[CheckOutcome], folder: Path | StoreURL) -> dict[str, dict]:
-    """Per stage (``state_dict``, ``hf_model``), the metadata saying which checks passed on the published
-    folder, what each verified and how much it looked at."""
+    """The averaged model's metadata (it has no asset checks), per stage (``state_dict``, ``hf_model``): which
+    checks passed on the published folder, what each verified and how much it looked at."""
     looked_at = _looked_at(folder)
     by_stage: dict[str, list[CheckOutcome]] = {}
     for outcome in outcomes:
@@ -52,7 +102,7 @@ def checks_metadata(outcomes: list[CheckOutcome], folder: Path | StoreURL) -> di
         }
         for stage, checked in by_stage.items()
     }
-    metadata["hf_model"][PASSED] = dg.MetadataValue.json([o.check.name for o in outcomes if o.passed])
+    metadata["hf_model"].update(passed_metadata(outcomes))
     return metadata
 
 

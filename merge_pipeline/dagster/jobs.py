@@ -12,7 +12,7 @@ def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
     """Its runs carry no config of their own: hf_model's defaults are the component's ``merge_config``."""
     return dg.define_asset_job(
         names("merge_checkpoint"),
-        # the merge step alone: a run that fails plans no asset check (step_report's run in its own job)
+        # the merge step and its blocking checks (step_report's run in its own job)
         selection=dg.AssetSelection.assets(*map(names.key, ("parallel_config", "state_dict", "hf_model"))),
         tags={HEAVY_TAG: "merge"},
         # One process for the whole step (the code location's default executor, so runs started from

@@ -8,8 +8,8 @@ OWNERS = ["team:training-infra"]
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
 
-# hf_model and state_dict: the blocking checks that looked at the stage, and (hf_model) that all passed
-CHECKED = "checked before publishing"  # a table of the checks that looked at this stage
+# the blocking checks: on hf_model (its asset checks hold each result) and averaged_model, that all passed
+CHECKED = "checked before publishing"  # averaged_model (no asset checks): a table of the checks that looked at it
 PASSED = "blocking checks passed"  # on hf_model: every check, so its materialization says the whole folder passed
 
 # step_report, read by the Hub (the model card, and whether a step may be published)

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from merge_pipeline.errors import MergeError
+
 # What a merge computed of its own weight files: relative path -> write report entry (sha256, identity).
 Written = Mapping[str, Mapping]
 
@@ -119,3 +121,12 @@ def refusal(outcomes: list[CheckOutcome]) -> str | None:
         + failed[0].problems[0]
         + (f" (and {others} more problem(s))" if others else "")
     )
+
+
+class BlockingChecksFailed(MergeError):
+    """The refusal of a folder (``refusal``'s line), with every check's outcome: Dagster records each one as
+    the result of its asset check before the step fails."""
+
+    def __init__(self, target: Path, outcomes: list[CheckOutcome]):
+        super().__init__(target, refusal(outcomes))
+        self.outcomes = outcomes

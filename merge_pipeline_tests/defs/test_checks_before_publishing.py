@@ -1,6 +1,7 @@
 """The CLI, in one process and under torchrun, runs the blocking checks Dagster's ``hf_model`` runs, on the
 complete staging folder before the rename: the same checkpoint is refused by all three with the same
-line, nothing is published, and an existing good folder is kept."""
+line, nothing is published, and an existing good folder is kept; Dagster records each check's outcome as
+an asset check of ``hf_model``."""
 
 from __future__ import annotations
 
@@ -58,10 +59,19 @@ def test_cli_torchrun_and_dagster_refuse_the_same_folder(capsys, fsdp_checkpoint
 
     result = materialize(instance, roots.settings(), KEY)
 
-    # Dagster's merge step fails with the CLI's very line (its own folder), and records no asset check
+    # Dagster's merge step fails with the CLI's very line (its own folder), after recording hf_model's asset
+    # checks for the partition: the one that refused the folder failed with the same problem, the others passed
     [event] = [e for e in result.all_events if e.is_step_failure]
     description = event.step_failure_data.user_failure_data.description
-    assert not result.success and not result.get_asset_check_evaluations()
+    assert not result.success
     assert description == line.removeprefix("error: ").replace(str(target), str(roots.target(KEY)))
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert [(n, evaluations[n].passed, evaluations[n].partition) for n in CHECK_NAMES] == [
+        ("loads_on_meta_device", False, KEY),
+        ("index_matches_shards", True, KEY),
+        ("manifest_sha256", True, KEY),
+    ]
+    assert evaluations["loads_on_meta_device"].description == f"missing from the weights: {missing}"
+    assert evaluations["loads_on_meta_device"].metadata["problems"].value > 1  # "(and ... more)" in the line
     assert not roots.target(KEY).exists()
     assert tree_digest(role_dir) == before

@@ -47,7 +47,8 @@ def test_chain_publishes_a_bit_exact_verified_folder(fsdp_checkpoint, roots, ins
         "torch."
     )
     assert (target / "model.safetensors.index.json").is_file() == (merge_config == SHARDED)
-    assert checks_passed(result) == CHECK_NAMES and not result.get_asset_check_evaluations()
+    assert checks_passed(result) == CHECK_NAMES
+    assert [(e.check_name, e.passed) for e in result.get_asset_check_evaluations()] == [(n, True) for n in CHECK_NAMES]
     # the manifest names the checks the folder passed before publishing, as the CLI's does
     assert json.loads((target / MANIFEST).read_text())["checks_before_publishing"] == CHECK_NAMES
     assert not staging_path(target).exists()
@@ -102,14 +103,15 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
         shown = f"`{f['sha256'][:SHA256_SHOWN]}…`"
         assert f"| {name} | " in published["files"].value and shown in published["files"].value
         assert (shown in weights["files"].value) == name.endswith(".safetensors")
-    # each blocking check on the stage it looked at, with what it verified and how much it counted
-    tables = {stage: metadata[stage][CHECKED].value for stage in ("state_dict", "hf_model")}
+    # each blocking check an asset check of hf_model, with what it verified and how much it counted
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    looked_at = f"3 weight file(s), 27 tensors; 9 files in the manifest, {human_bytes(sum(f['size'] for f in manifest.values()))}"
     for check in BLOCKING_CHECKS:
-        on, other = ("state_dict", "hf_model") if check.name == "index_matches_shards" else ("hf_model", "state_dict")
-        assert f"| `{check.name}` | {check.passed_text} |" in tables[on] and check.name not in tables[other]
-    looked_at = f"Looked at: 3 weight file(s), 27 tensors; 9 files in the manifest, {human_bytes(sum(f['size'] for f in manifest.values()))}"
-    assert all(looked_at in table for table in tables.values()), tables
-    assert CHECKED not in plan
+        evaluation = evaluations[check.name]
+        assert evaluation.passed and evaluation.asset_key.to_user_string() == "hf_model", check.name
+        assert evaluation.description == check.passed_text
+        assert evaluation.metadata["looked at"].value.startswith(looked_at), evaluation.metadata
+    assert not any(CHECKED in stage for stage in metadata.values())  # the Checks tab shows them, not the stages
 
 
 def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkeypatch):

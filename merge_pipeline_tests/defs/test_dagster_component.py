@@ -16,6 +16,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline_tests.defs.helpers import ACTOR, PROJECT_ROOT
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
@@ -135,7 +136,8 @@ def test_two_scaffolded_instances_load_with_dg_under_their_own_prefixes(project)
         f"{c}__{j}" for c in CLUSTERS for j in ("merge_checkpoint", "report_merged_step", "publish_to_hub")
     }
     assert {c["key"] for c in found["asset_checks"]} == {
-        f"{c}/step_report:{check}" for c in CLUSTERS for check in ("weights_changed", "finite")
+        *(f"{c}/step_report:{check}" for c in CLUSTERS for check in ("weights_changed", "finite")),
+        *(f"{c}/hf_model:{check}" for c in CLUSTERS for check in CHECK_NAMES),
     }
 
 
@@ -177,7 +179,10 @@ def test_a_prefixed_instance_merges_bit_exact_and_leaves_the_other_alone(
         partition_key=key, instance=instance
     )
 
-    assert merged.success and not merged.get_asset_check_evaluations()
+    assert merged.success
+    assert {(e.asset_key.to_user_string(), e.check_name, e.passed) for e in merged.get_asset_check_evaluations()} == {
+        ("cluster_a/hf_model", name, True) for name in CHECK_NAMES
+    }
     assert {e.asset_key.to_user_string() for e in merged.get_asset_materialization_events()} == {
         f"cluster_a/{s}" for s in ("parallel_config", "state_dict", "hf_model")
     }

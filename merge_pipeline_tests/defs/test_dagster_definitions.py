@@ -20,6 +20,7 @@ import yaml
 
 from merge_pipeline.dagster.keys import HEAVY_TAG
 from merge_pipeline.definitions import defs
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
 from merge_pipeline_tests.defs.services import LOCATIONS_QUERY, running_dagster_dev
 
@@ -78,7 +79,7 @@ def test_dg_dev_serves_the_location_from_the_project_root(tmp_path):
     assert entry == {"name": "merge_pipeline", "locationOrLoadError": {"__typename": "RepositoryLocation"}}
 
 
-def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_without_asset_checks():
+def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_with_its_blocking_checks():
     job = defs.resolve_job_def("merge_checkpoint")
     assert set(job.graph.node_dict) == {"hf_model"} and job.tags[HEAVY_TAG] == "merge"
     report = defs.resolve_job_def("report_merged_step")
@@ -87,11 +88,10 @@ def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_without_ass
     for every in (job, report, defs.resolve_implicit_global_asset_job_def(), defs.resolve_job_def("publish_to_hub")):
         assert every.executor_def is dg.in_process_executor, every.name
     hf_model = defs.resolve_assets_def("hf_model")
-    # the blocking checks are part of the step (a failed one fails it), not asset checks a failed run would paint
-    assert not hf_model.check_keys and {k.name for k in defs.resolve_assets_def("step_report").check_keys} == {
-        "weights_changed",
-        "finite",
-    }
+    # the blocking checks: asset checks of hf_model, blocking, partitioned as it is, run by its step
+    assert {k.name for k in hf_model.check_keys} == set(CHECK_NAMES)
+    assert all(s.blocking and s.partitions_def == hf_model.partitions_def for s in hf_model.check_specs)
+    assert {k.name for k in defs.resolve_assets_def("step_report").check_keys} == {"weights_changed", "finite"}
     # one step for the three stages: the plan built once, the checks on the staged folder
     assert not hf_model.can_subset and {k.to_user_string() for k in hf_model.keys} == {
         "parallel_config",

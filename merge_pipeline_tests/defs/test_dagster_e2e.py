@@ -1,9 +1,10 @@
 """End to end, as a user runs it: a clean copy of the project, a `.env` made from `.env.example`, plain
 `dagster dev` with no DAGSTER_HOME; a checkpoint dropped into the watched root gets merged by the sensor,
 a re-merge launched the way the UI's Materialize button does runs about as fast (and the time from its
-launch to STARTED is printed), each merge gets its step report in a run of its own, a broken checkpoint
-fails in one line and paints no check, and headless Chromium shows the asset graph, a partition, the
-checks and the failed run.
+launch to STARTED is printed), each merge gets its step report in a run of its own and its three blocking
+checks passed on hf_model's partition, a broken checkpoint fails in one line with those checks not executed
+(Dagster's "Execution failed"), and headless Chromium shows the asset graph, a partition, the checks and the
+failed run.
 
 One `dagster dev` serves the module: starting it costs most of the time here.
 """
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline_tests.defs import browser
 from merge_pipeline_tests.defs.helpers import ACTOR
 from merge_pipeline_tests.defs.services import Dagster, clean_copy, running_dagster_dev
@@ -33,7 +35,7 @@ KEY = "e2e_run/global_step_1/actor"
 BROKEN = "e2e_run/global_step_2/actor"
 RUN_TIMEOUT = 240
 FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
-REPORT_CHECKS = ("finite", "weights_changed")  # step_report's: the only asset checks
+REPORT_CHECKS = ("finite", "weights_changed")  # step_report's
 STAGES = ("parallel_config", "state_dict", "hf_model")  # one step: the UI's Materialize selects all three
 MERGE_JOBS, REPORT_JOB = ("merge_checkpoint", "__ASSET_JOB"), "report_merged_step"
 LAUNCH = """
@@ -150,7 +152,8 @@ def test_a_run_launched_like_the_ui_materialize_button_is_as_fast_as_the_sensors
             "repositoryName": "__repository__",
             "pipelineName": "__ASSET_JOB",
             "assetSelection": [{"path": [stage]} for stage in STAGES],
-            "assetCheckSelection": [],  # the stages have none: their blocking checks are part of the step
+            # the checks of the selected assets, as the button selects them: hf_model's blocking checks
+            "assetCheckSelection": [{"assetKey": {"path": ["hf_model"]}, "name": name} for name in CHECK_NAMES],
         },
         "mode": "default",
         "runConfigData": {"ops": {"hf_model": {"config": {"overwrite": True, "dtype": "bfloat16"}}}},
@@ -226,11 +229,12 @@ def run_phases(dagster: Dagster, run_id: str, clicked: float) -> dict[str, float
     }
 
 
-def test_only_the_step_report_has_asset_checks(dagster):
-    """The blocking checks are part of the merge step (metadata of its stages), not asset checks."""
+def test_hf_model_has_the_blocking_checks_and_the_step_report_its_own(dagster):
+    """The blocking checks are asset checks of hf_model, blocking; the other stages have none."""
     for asset in STAGES:
         checks = dagster.graphql(CHECKS, {"asset": {"path": [asset]}})["assetNodeOrError"]["assetChecksOrError"]
-        assert checks["checks"] == [], asset
+        expected = sorted((name, True) for name in CHECK_NAMES) if asset == "hf_model" else []
+        assert sorted((c["name"], c["blocking"]) for c in checks["checks"]) == expected, asset
     checks = dagster.graphql(CHECKS, {"asset": {"path": ["step_report"]}})["assetNodeOrError"]["assetChecksOrError"]
     assert sorted((c["name"], c["blocking"]) for c in checks["checks"]) == [(name, False) for name in REPORT_CHECKS]
 
@@ -273,10 +277,20 @@ def test_a_broken_checkpoint_fails_in_one_line_and_the_sensor_says_so(failed, da
     assert f"last merge failed for 1: {BROKEN}" in last["skipReason"]
 
 
-def test_a_failed_merge_paints_no_check(merged, failed, dagster):
+def test_a_failed_merge_shows_its_checks_not_executed(merged, failed, dagster):
     """Dagster 1.13 plans every check a run selects and resolves a planned check of a failed run as
-    "Execution failed": the merge run selects none, and a failed merge gets no step report run."""
+    "Execution failed": the broken partition's blocking checks never ran, the merged one's passed; a failed
+    merge gets no step report run."""
     wait_for_report(dagster)
+    checks = dagster.graphql(CHECK_PARTITIONS, {"asset": {"path": ["hf_model"]}})["assetNodeOrError"]
+    statuses = {c["name"]: c["partitionStatuses"] for c in checks["assetChecksOrError"]["checks"]}
+    assert set(statuses) == set(CHECK_NAMES)
+    for name, status in statuses.items():
+        assert status["succeededPartitions"] == [KEY] and status["executionFailedPartitions"] == [BROKEN], (
+            name,
+            status,
+        )
+        assert not status["failedPartitions"] and not status["skippedPartitions"], (name, status)
     checks = dagster.graphql(CHECK_PARTITIONS, {"asset": {"path": ["step_report"]}})["assetNodeOrError"]
     statuses = {c["name"]: c["partitionStatuses"] for c in checks["assetChecksOrError"]["checks"]}
     assert set(statuses) == set(REPORT_CHECKS)
@@ -300,7 +314,8 @@ def test_the_ui_shows_the_graph_a_partition_the_checks_and_the_failed_run(merged
     browser.screenshot(graph, tmp_path / "asset_graph.png")
     partition = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=partitions&partition={KEY}", BROKEN)
     checks = browser.dump_dom_showing(f"{dagster.url}/assets/step_report?view=checks", *REPORT_CHECKS)
-    published = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?partition={KEY}", "checked before publishing")
+    blocking = browser.dump_dom_showing(f"{dagster.url}/assets/hf_model?view=checks", *CHECK_NAMES)
+    browser.screenshot(f"{dagster.url}/assets/hf_model?view=checks", tmp_path / "hf_model_checks.png")
     stages = {  # every stage a person can open, and the step report with its plot and checks
         stage: browser.dump_dom_showing(f"{dagster.url}/assets/{stage}?partition={KEY}", KEY, *shows)
         for stage, shows in {**dict.fromkeys(STAGES, ()), "step_report": ("plot", "summary", "NaN")}.items()
@@ -309,10 +324,15 @@ def test_the_ui_shows_the_graph_a_partition_the_checks_and_the_failed_run(merged
 
     assert all(f">{asset}<" in dom for asset in ("checkpoint", *STAGES, "step_report")) and "2 partitions" in dom
     assert "1 failed" in dom  # the failed merge, on hf_model's partitions
-    # ... and no check painted by it: the step report's two checks passed for the one merged partition
-    passed = [tuple(map(int, m)) for m in re.findall(r"(\d+) / (\d+) Passed", dom)]
-    assert passed and all(n == total for n, total in passed) and "Execution failed" not in dom, summaries
-    assert "Execution failed" not in checks and "checked before publishing" in published
+    # hf_model's checks summed up by their newest executions, the failed merge's, which never ran: "0 / 3 Passed"
+    # (per partition, the merged one's passed: test_a_failed_merge_shows_its_checks_not_executed); the step
+    # report's two passed for the one merged partition
+    passed = sorted(tuple(map(int, m)) for m in re.findall(r"(\d+) / (\d+) Passed", dom))
+    assert passed == [(0, 3), (2, 2)], summaries
+    assert "Execution failed" not in checks
+    # hf_model's Checks tab: the three, blocking, the newest execution (the failed merge's) not run
+    assert all(name in blocking for name in CHECK_NAMES) and "blocking" in blocking, blocking
+    assert "Execution failed" in blocking and (tmp_path / "hf_model_checks.png").stat().st_size > 20_000
     assert all(KEY in page for page in stages.values())
     assert all(text in stages["step_report"] for text in ("plot", "summary", "NaN"))  # its metadata
     assert (tmp_path / "asset_graph.png").stat().st_size > 20_000

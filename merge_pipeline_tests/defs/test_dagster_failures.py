@@ -75,7 +75,10 @@ def test_a_failed_blocking_check_publishes_nothing_and_says_so(fsdp_checkpoint, 
         f"{roots.target(KEY)}: not published: blocking check(s) loads_on_meta_device failed on the merged folder: "
         f"missing from the weights: model.layers.{layers}."
     )
-    assert "\n" not in description and not result.get_asset_check_evaluations()  # no asset check to paint
+    assert "\n" not in description
+    # hf_model's checks for the partition: the refusing one failed, with its problem; nothing was published
+    refused = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert refused == {"loads_on_meta_device": False, "index_matches_shards": True, "manifest_sha256": True}
     [event] = [e for e in result.all_events if e.is_step_failure]
     assert event.step_failure_data.user_failure_data.metadata["next step"].value.startswith("fix the checkpoint")
     assert_nothing_published(instance, roots)

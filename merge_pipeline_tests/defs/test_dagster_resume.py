@@ -21,6 +21,7 @@ from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.defs.services import Dagster, clean_copy, running_dagster_dev
 from merge_pipeline_tests.engine.test_resume import SPEC
@@ -136,7 +137,8 @@ def _materialize(partition: str, config: dict) -> dict:
             "repositoryName": "__repository__",
             "pipelineName": "__ASSET_JOB",
             "assetSelection": [{"path": [stage]} for stage in ("parallel_config", "state_dict", "hf_model")],
-            "assetCheckSelection": [],
+            # the button selects the checks of the selected assets: hf_model's blocking checks
+            "assetCheckSelection": [{"assetKey": {"path": ["hf_model"]}, "name": name} for name in CHECK_NAMES],
         },
         "mode": "default",
         "runConfigData": {"ops": {"hf_model": {"config": config}}},

@@ -1,6 +1,6 @@
 """The ``hf_model`` step called directly with ``build_asset_context``, no run or daemon (the fast tier): a small
 consolidated HF save (NeMo-Automodel's ``<role>/model/``, written in this process) is published bit for bit and
-each stage reports its checks."""
+the three blocking checks' results follow its materialization."""
 
 from __future__ import annotations
 
@@ -30,10 +30,15 @@ def test_hf_model_publishes_and_reports_each_stage(tmp_path, roots):
         # The three stages' results, as a run records them.
         results = list(asset("hf_model")(context, config=MergeConfig()))
 
-    assert [r.asset_key for r in results] == [
+    assert [r.asset_key for r in results[:3]] == [
         dg.AssetKey(stage) for stage in ("parallel_config", "state_dict", "hf_model")
     ]
     assert results[2].metadata[PASSED].value == CHECK_NAMES  # the blocking checks, passed before publishing
+    # ... and each an asset check of hf_model, passed, recorded after its materialization
+    assert all(isinstance(r, dg.AssetCheckResult) for r in results[3:])
+    assert [(r.asset_key, r.check_name, r.passed) for r in results[3:]] == [
+        (dg.AssetKey("hf_model"), name, True) for name in CHECK_NAMES
+    ]
     target = roots.target(KEY)
     assert_bit_exact(target, tmp_path / "reference")
     assert not staging_path(target).exists()
