@@ -51,18 +51,21 @@ BLOCKING_CHECKS = (
         "loads_on_meta_device",
         _folder_check("meta_load_problems"),
         "every weight loads into the config's architecture with the stored shape and every stored value unaltered",
+        "The folder loads into its architecture, values unaltered.\n\n"
         "transformers builds the architecture config.json names on the meta device from this folder: no missing, unexpected or reshaped keys, each weight loaded in its stored dtype or one holding it exactly",
     ),
     FolderCheck(
         "index_matches_shards",
         _folder_check("index_problems"),
         "the index maps every stored tensor to the file holding it, total_size matches",
+        "The index maps exactly the tensors each shard holds.\n\n"
         "model.safetensors.index.json maps exactly the tensors each shard holds, and its total_size is their byte count",
     ),
     FolderCheck(
         "manifest_sha256",
         _folder_check("manifest_problems", uses_written=True),
         "every file matches the manifest's size and sha256",
+        "Every file matches merge_manifest.json's size and sha256.\n\n"
         "every file of the folder has the size and sha256 merge_manifest.json records, and no file is unlisted; a weight file still the one this merge wrote (or verified, when resumed) is compared by the sha256 computed then, every other file is hashed",
     ),
 )
