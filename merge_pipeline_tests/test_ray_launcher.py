@@ -22,7 +22,7 @@ from merge_pipeline.engine.publish import lock_path
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import merge, staging_path
 from merge_pipeline.ray_settings import RaySettings
-from merge_pipeline.ray_tasks import RayTasks
+from merge_pipeline.workers.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import cli_merge_command, error_lines, run_cli, tree_digest
 from merge_pipeline_tests.ray_cluster import MERGE_RESOURCE, add_worker, free_port, local_cluster, write_tasks
