@@ -11,11 +11,11 @@ import psutil
 import pytest
 import torch
 
-from merge_pipeline.workers.writing import assign_shards
 from merge_pipeline.engine.outputs import ShardFile
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.plan import Computed, PlannedTensor
+from merge_pipeline.workers.writing import assign_shards
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import TORCHRUN, run_cli, torchrun, tree_digest
 
