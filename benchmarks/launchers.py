@@ -24,7 +24,7 @@ and ``ru_maxrss`` from ``wait4``):
   adding up their CPU).
 
 The launch overhead is measured apart, per repeat: a fresh process imports Ray, connects as the merge
-does (``ray_tasks._connect``: the driver's package shipped as a ``py_modules`` runtime env), runs an
+does (``workers.ray_tasks._connect``: the driver's package shipped as a ``py_modules`` runtime env), runs an
 empty task in a fresh worker, then one that imports torch and the merge's modules.
 
 All outputs are cut at ``--max-shard-size`` (200MB) so that there are files to share out. Writes
@@ -90,7 +90,7 @@ LAUNCH_OVERHEAD = """
 import json, sys, time
 started = time.perf_counter()
 import ray
-from merge_pipeline.ray_tasks import _connect
+from merge_pipeline.workers.ray_tasks import _connect
 imported = time.perf_counter()
 _connect(ray, sys.argv[1])
 connected = time.perf_counter()
@@ -326,7 +326,7 @@ def render(results: dict) -> str:
         )
     lines += [
         "",
-        "| launch overhead, s (fastest of each) | import Ray and merge_pipeline.ray_tasks (torch) | connect (package shipped) | first empty task | first task importing torch | load |",
+        "| launch overhead, s (fastest of each) | import Ray and merge_pipeline.workers.ray_tasks (torch) | connect (package shipped) | first empty task | first task importing torch | load |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     launch = results["launch"]

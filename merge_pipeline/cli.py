@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _option_flags(average, "merge")
     _writer_flags(average)
+    _ray_flags(average)
     average.set_defaults(run=_run_average)
 
     test = commands.add_parser("test", help="compare a checkpoint's merged weights with a reference HF folder")
@@ -244,8 +245,25 @@ def _writer_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _workers(args: argparse.Namespace):
+    """Who writes the weights (``workers_for``): Ray tasks with ``--ray-address``, torchrun's ranks under
+    torchrun, else this process. An unreachable Ray head is refused here, before any work."""
+    from merge_pipeline.workers import workers_for
+    from merge_pipeline.workers.torchrun import launched_by_torchrun
+
+    ray = _ray_settings(args)
+    if ray is not None and launched_by_torchrun():
+        raise MergeError(None, "--ray-address under torchrun: run the merge once, Ray starts the workers")
+    if ray is None and not launched_by_torchrun() and os.environ.get("WORLD_SIZE", "1") != "1":
+        log.warning(
+            "WORLD_SIZE=%s is set but torchrun did not start this process: merging in this one process",
+            printable(os.environ["WORLD_SIZE"]),
+        )
+    launcher = "ray" if ray is not None else "torchrun" if launched_by_torchrun() else "inprocess"
+    return workers_for(launcher, ray=ray, dist_timeout=args.dist_timeout)
+
+
 def _run_merge(args: argparse.Namespace) -> int:
-    from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
     from merge_pipeline.pipeline import merge
 
     options = _options(args)
@@ -253,29 +271,8 @@ def _run_merge(args: argparse.Namespace) -> int:
         from merge_pipeline.hub import check_upload_settings
 
         check_upload_settings(args.hf_upload_path, args.revision, args.hub_timeout)
-    ray = _ray_settings(args)
-    if ray is not None and launched_by_torchrun():
-        raise MergeError(None, "--ray-address under torchrun: run the merge once, Ray starts the workers")
-    if ray is not None:
-        from merge_pipeline.ray_tasks import RayTasks
-
-        workers = RayTasks(ray)  # an unreachable head is refused now, before any work
+    with _workers(args) as workers:
         result = merge(args.local_dir, args.target_dir, options, workers=workers, show_progress=not args.no_progress)
-    elif launched_by_torchrun():
-        result = merge_distributed(
-            args.local_dir,
-            args.target_dir,
-            options,
-            show_progress=not args.no_progress,
-            timeout_seconds=args.dist_timeout,
-        )
-    else:
-        if os.environ.get("WORLD_SIZE", "1") != "1":
-            log.warning(
-                "WORLD_SIZE=%s is set but torchrun did not start this process: merging in this one process",
-                printable(os.environ["WORLD_SIZE"]),
-            )
-        result = merge(args.local_dir, args.target_dir, options, show_progress=not args.no_progress)
     if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
         return 0
     fp8 = result.manifest["decisions"].get("fp8")
@@ -301,8 +298,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_average(args: argparse.Namespace) -> int:
-    """The merge sequence on the average of ``--inputs``: under torchrun too, as ``merge``."""
-    from merge_pipeline.distributed import launched_by_torchrun, merge_distributed
+    """The merge sequence on the average of ``--inputs``: under torchrun or on Ray too, as ``merge``."""
     from merge_pipeline.pipeline import merge
 
     inputs = tuple(str(path if is_store_url(path) else path.absolute()) for path in args.inputs)
@@ -312,13 +308,8 @@ def _run_average(args: argparse.Namespace) -> int:
         average_weights=average_weights(len(inputs), weights=args.weights, ema=args.ema),
         average_accumulate=args.accumulate,
     )
-    show_progress = not args.no_progress
-    if launched_by_torchrun():
-        result = merge_distributed(
-            inputs[-1], args.target_dir, options, show_progress=show_progress, timeout_seconds=args.dist_timeout
-        )
-    else:
-        result = merge(inputs[-1], args.target_dir, options, show_progress=show_progress)
+    with _workers(args) as workers:
+        result = merge(inputs[-1], args.target_dir, options, workers=workers, show_progress=not args.no_progress)
     if result is None:  # a torchrun rank other than 0
         return 0
     weights = ", ".join(f"{w:.4g}" for w in options.average_weights)

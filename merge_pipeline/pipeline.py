@@ -6,40 +6,34 @@ finish    index, configs and the manifest (reusing the digests computed while wr
 check     the blocking checks (``hf/blocking_checks.py``), the same ones Dagster runs
 publish   ``staged_output``: the one staging folder + target lock, renamed into place on success
 merge     THE sequence of the above, written once: the CLI, torchrun ranks, the Dagster step and its
-          launchers all run ``merge`` and differ only in the ``Workers`` they pass (who writes which
-          weight files, how workers agree); so every one of them resumes a killed merge.
+          launchers all run ``merge`` and differ only in the ``Workers`` they pass (``workers``: who
+          writes which weight files, how workers agree); so every one of them resumes a killed merge.
 describe / compare   for ``inspect`` and ``test``
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
-import os
-import resource
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING
 
 from merge_pipeline import __version__
 from merge_pipeline.engine.averaging import AveragedInput, average_plan
 from merge_pipeline.engine.fp8 import fp8_outputs
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.lora import model_tensors
-from merge_pipeline.engine.outputs import DTYPES, OutputPlan, ShardFile, config_dtype_for, plan_outputs
+from merge_pipeline.engine.outputs import DTYPES, OutputPlan, config_dtype_for, plan_outputs
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
 from merge_pipeline.engine.quantize import quantized_outputs
-from merge_pipeline.engine.resume import RECORDS, ResumeLog, keep_finished, merge_key, seal
+from merge_pipeline.engine.resume import ResumeLog, keep_finished
 from merge_pipeline.engine.resume import forget as forget_finished
-from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, naming, printable, shown_path
 from merge_pipeline.formats import BACKENDS as BACKENDS
@@ -57,12 +51,11 @@ from merge_pipeline.formats.base_model import with_base_weights
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
-from merge_pipeline.hf.manifest import stat_identity, write_manifest
+from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
-from merge_pipeline.progress import ByteProgress, human_bytes
+from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import (
-    UploadSink,
     invalidate_target,
     is_store_url,
     local_twin,
@@ -72,130 +65,14 @@ from merge_pipeline.storage import (
 from merge_pipeline.store_lock import StoreTargetLock, locked_store_target
 from merge_pipeline.store_uploads import abort_incomplete_uploads
 from merge_pipeline.target_rules import check_store_target, refuse_overlap
+from merge_pipeline.workers.in_process import IN_PROCESS, Workers
+from merge_pipeline.workers.writing import Prepared, WeightJob, WriteReport, Written, resume_key
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
     from merge_pipeline.hf.blocking_checks import CheckOutcome
 
 log = logging.getLogger("merge_pipeline")
-
-
-@dataclass
-class WriteReport:
-    # filename, bytes, tensors, sha256 (computed while written, or by the resume's check of a kept file)
-    # and identity (the file's stat identity then: the blocking checks trust the sha256 while it holds)
-    files: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def by_file(self) -> dict[str, dict]:
-        return {f["filename"]: f for f in self.files}
-
-    @property
-    def bytes(self) -> int:
-        return sum(f["bytes"] for f in self.files)
-
-    @property
-    def tensors(self) -> int:
-        return sum(f["tensors"] for f in self.files)
-
-    @property
-    def written_bytes(self) -> int:
-        """The bytes this merge wrote: a resumed merge's kept files (``kept``) took none of its seconds."""
-        return sum(f["bytes"] for f in self.files if not f.get("kept"))
-
-
-class Prepared(NamedTuple):
-    """A validated plan, built once and handed on: the input (open files), its config, the output files."""
-
-    plan: CheckpointPlan
-    config: ModelConfig
-    outputs: OutputPlan
-
-    def __enter__(self) -> Prepared:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.plan.close()
-
-
-@dataclass(frozen=True)
-class WeightJob:
-    """What a worker needs to write its share of the weights: it opens and plans ``local_dir`` itself
-    (metadata only) when it runs in another process, and reuses what the lead kept in ``staging``."""
-
-    local_dir: str | Path  # a path, or a store URL (each worker reads it through its own view)
-    staging: Path  # beside the target: the shards are renamed into place with the rest of the folder
-    options: MergeOptions
-    # The weight files a killed merge finished, as the lead checked them (file name -> write report entry):
-    # handed to every worker, never re-read from the records in the staging folder, which anyone able to
-    # write there could edit meanwhile.
-    kept: Mapping[str, Mapping] = field(default_factory=dict)
-    # A target in a store: each weight file is uploaded there as soon as it is written (``storage.UploadSink``).
-    upload_to: str | None = None
-
-    def saved(self) -> Path:
-        """The job as JSON beside the resume records, for workers started as other processes (on every node
-        that sees the staging folder); removed with the records before the folder is finished."""
-        path = self.staging / RECORDS / "job.json"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({**asdict(self), "local_dir": str(self.local_dir), "staging": str(self.staging)}))
-        return path
-
-    @classmethod
-    def load(cls, path: Path) -> WeightJob:
-        job = json.loads(path.read_text())
-        local_dir = job["local_dir"] if is_store_url(job["local_dir"]) else Path(job["local_dir"])
-        return cls(local_dir, Path(job["staging"]), MergeOptions(**job["options"]), job["kept"], job["upload_to"])
-
-    def planned_as(self, prepared: Prepared) -> WeightJob:
-        """For workers in other processes: the backend the lead's plan found, so they do not detect it again.
-        An average keeps its options: each input's backend is its own (the plan's is ``average``)."""
-        if self.options.average_inputs:
-            return self
-        return replace(self, options=replace(self.options, backend=prepared.plan.backend))
-
-
-@dataclass(frozen=True)
-class Written:
-    """The weights of the whole output as the lead learns them: the write report, and whose peak RSS."""
-
-    report: WriteReport
-    peak_rss_bytes: int
-    peak_rss_label: str  # the lead's whole process (imports included), or the largest of several workers
-
-
-T = TypeVar("T")
-
-
-class Workers:
-    """Who writes which weight files and how workers agree, injected into ``merge``.
-
-    This base is one process doing everything: agreeing is running the step. Launchers subclass it
-    (``distributed.TorchrunRanks``: every rank runs ``merge``; ``dagster.weights.TorchrunLaunch``: the
-    Dagster step leads and torchrun ranks write), overriding what differs and nothing else."""
-
-    lead = True  # the one worker that holds the target's lock, writes the side files and publishes
-
-    def everywhere(self, step: Callable[[], T]) -> T:
-        """Run ``step`` on every worker; all fail together with the first failure."""
-        return step()
-
-    def on_lead(self, step: Callable[[], T]) -> T | None:
-        """Run ``step`` on the lead only; every worker learns whether it failed. ``None`` elsewhere."""
-        return step()
-
-    def share(self, value: T | None) -> T:
-        """The lead's ``value``, on every worker (picklable)."""
-        return value
-
-    def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
-        """The weight files into ``job.staging``, reusing the files a killed merge finished there."""
-        report = write_share(job, prepared, prepared.outputs.files, show_progress=show_progress)
-        return Written(report, peak_rss_bytes(), "peak RSS (whole process)")
-
-
-IN_PROCESS = Workers()
 
 
 @dataclass
@@ -218,14 +95,6 @@ class MergeResult:
     @property
     def tensor_bytes(self) -> int:  # bytes of tensor data written (file sizes add the headers)
         return self.prepared.outputs.total_bytes
-
-
-def peak_rss_bytes() -> int:
-    """This process's own peak RSS (VmHWM); ru_maxrss would carry over the parent's peak across exec."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
@@ -356,89 +225,10 @@ def write_side_files(prepared: Prepared, out_dir: Path, options: MergeOptions) -
     start_beside(config.raw, out_dir)
 
 
-def write_weights(
-    outputs: OutputPlan,
-    out_dir: Path,
-    *,
-    files: list[ShardFile] | None = None,
-    show_progress: bool = True,
-    resume: ResumeLog | None = None,
-    sink: UploadSink | None = None,
-) -> WriteReport:
-    """Stream the weight files (all, or the given subset) into ``out_dir``; with ``resume``, keep the
-    files it lists as finished and record each newly finished one; with ``sink``, upload each once written."""
-    files = outputs.files if files is None else files
-    reused = {shard.filename for shard in files if resume and shard.filename in resume.finished}
-    description = "writing weights"
-    if reused:
-        description += f" ({len(reused)} of {len(files)} files reused from a killed merge)"
-    # the files' sizes, headers included: what the writer counts, so the progress ends at 100% of its total
-    total = sum(len(build_header(f.tensors)) + f.nbytes for f in files)
-    kept = sum(resume.finished[name]["bytes"] for name in reused)  # whole files, as the total counts them
-    progress = ByteProgress(total, description, done=kept, enabled=show_progress)
-    report = WriteReport()
-    try:
-        for shard in files:
-            if shard.filename in reused:
-                report.files.append({**resume.finished[shard.filename], "kept": True})
-                continue
-            path = out_dir / shard.filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
-            size = write_safetensors(path, shard.tensors, progress, digest=digest)
-            seal(path, digest.hexdigest())  # before the identity: a resume trusts the digest only with both
-            entry = {
-                "filename": shard.filename,
-                "bytes": size,
-                "tensors": len(shard.tensors),
-                "sha256": digest.hexdigest(),
-                "identity": stat_identity(os.stat(path)),  # right after the fsync
-            }
-            report.files.append(entry)
-            if resume:
-                resume.record(entry)
-            if sink:
-                sink.add(out_dir, shard.filename, entry["sha256"])
-        if sink:
-            sink.close()
-            for entry in report.files:  # a hole was punched in each: the checks trust its sha256 as it is now
-                entry["identity"] = stat_identity(os.stat(out_dir / entry["filename"]))
-    finally:
-        progress.close()
-    report.seconds = time.monotonic() - progress.started
-    return report
-
-
-def gathered(files: list[ShardFile], reports: list[WriteReport]) -> WriteReport:
-    """Workers' reports as one: every file's entry in plan order (``files``), the time of the slowest worker."""
-    by_name = {f["filename"]: f for report in reports for f in report.files}
-    return WriteReport([by_name[f.filename] for f in files], max(r.seconds for r in reports))
-
-
-def resume_key(prepared: Prepared, options: MergeOptions) -> str:
-    # With the backend the plan found: a launcher hands its workers the detected one, and `auto` or the
-    # name of what it detects write the same bytes.
-    described = {"version": __version__, **asdict(options), "backend": prepared.plan.backend}
-    return merge_key(prepared.plan.files, described, prepared.outputs.files)
-
-
 def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> ResumeLog:
     """The lead, before any writing: what a killed merge of the same inputs and options finished in
     ``staging`` (checked), the rest removed."""
     return keep_finished(staging, resume_key(prepared, options), prepared.outputs.files)
-
-
-def write_share(job: WeightJob, prepared: Prepared, files: list[ShardFile], *, show_progress: bool) -> WriteReport:
-    """A worker's part of the weights: ``files``, reusing those the lead's ``resume_killed`` kept."""
-    resume = ResumeLog(job.staging, resume_key(prepared, job.options), dict(job.kept))
-    sink = UploadSink(job.upload_to) if job.upload_to else None
-    try:
-        return write_weights(
-            prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume, sink=sink
-        )
-    finally:
-        if sink:
-            sink.pool.shutdown(cancel_futures=True)
 
 
 def finish_folder(prepared: Prepared, out_dir: Path, options: MergeOptions, written: WriteReport) -> dict:

@@ -17,7 +17,7 @@ from ray.util.state import list_tasks
 
 OBJECT_STORE_BYTES = 80 << 20
 MERGE_RESOURCE = "merge"
-WRITE_TASK = "_write_task"  # ray_tasks' task function, as Ray's task records name it
+WRITE_TASK = "_write_task"  # workers.ray_tasks' task function, as Ray's task records name it
 
 
 def free_port() -> int:

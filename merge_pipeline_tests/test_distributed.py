@@ -11,11 +11,11 @@ import psutil
 import pytest
 import torch
 
-from merge_pipeline.distributed import assign_shards
 from merge_pipeline.engine.outputs import ShardFile
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.plan import Computed, PlannedTensor
+from merge_pipeline.workers.writing import assign_shards
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import TORCHRUN, run_cli, torchrun, tree_digest
 
@@ -82,7 +82,7 @@ def test_killed_rank_publishes_nothing_and_a_rerun_recovers(tmp_path, fsdp_check
 # A failure every rank agrees on while the lead still has cleaning up to do (its staging folder to remove).
 _FAILING_RANKS = """
 import sys, time
-from merge_pipeline.distributed import TorchrunRanks, _process_group
+from merge_pipeline.workers.torchrun import TorchrunRanks, _process_group
 from merge_pipeline.errors import MergeError
 
 def refuse():

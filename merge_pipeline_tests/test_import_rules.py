@@ -2,8 +2,9 @@
 
 Layers, lowest first: shared leaves (errors, files, options, the plan types) < ``hf`` (the Hugging Face
 folder format) < ``formats`` (readers, one package per format beside the helpers they share) and ``engine``
-(the writer), which know nothing of each other < ``pipeline`` (the one module using both) < ``distributed``,
-``ray_tasks`` and ``hub`` < ``cli`` and ``dagster``.
+(the writer), which know nothing of each other < ``pipeline`` (the one module using both) and ``workers``
+(who writes the weights: in process, torchrun, Ray; the sequence and its workers import each other's modules,
+never in a cycle) < ``hub`` < ``cli`` and ``dagster``. Only ``workers`` starts Ray or torch.distributed.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ LAYERS = {
     "formats": 2,
     "engine": 2,
     "pipeline": 3,
-    "distributed": 4,
-    "ray_tasks": 4,
+    "workers": 3,
     "hub": 4,
     "cli": 5,
     "defs": 5,
@@ -104,7 +104,7 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
             a, b = part(importer), part(target)
             if LAYERS[b] > LAYERS[a]:
                 found.append(f"upward: {importer} -> {target}")
-            if a in ("engine", "formats") and b in ("pipeline", "cli", "dagster", "definitions", "distributed", "hub"):
+            if a in ("engine", "formats") and b in ("pipeline", "workers", "cli", "dagster", "definitions", "hub"):
                 found.append(f"{a} imports {b}: {importer} -> {target}")
             if {a, b} == {"engine", "formats"}:
                 found.append(f"engine and formats are independent: {importer} -> {target}")
@@ -155,6 +155,23 @@ def test_imports_point_down_and_through_pipeline() -> None:
 
 def test_no_import_cycle() -> None:
     assert cycles(graph()) == []
+
+
+def third_party_importers(library: str) -> set[str]:
+    """The package's modules that import ``library`` (or one of its modules) anywhere in their body."""
+    return {
+        name
+        for name, path in all_modules().items()
+        if any(m == library or m.startswith(f"{library}.") for m in imports_of(path, {}))
+    }
+
+
+def test_ray_and_dagster_are_imported_by_their_own_rooms_only() -> None:
+    """The engine, the formats and the merge sequence run without Ray or Dagster installed: Ray is the Ray
+    launcher's (and its head probe's, which reads Ray's gRPC stubs), Dagster the code location's (``dagster/`` and the location's ``definitions``)."""
+    assert third_party_importers("ray") == {"merge_pipeline.workers.ray_tasks", "merge_pipeline.ray_probe"}
+    dagster_rooms = {part(m) for m in third_party_importers("dagster") | third_party_importers("dagster_pipes")}
+    assert dagster_rooms == {"dagster", "definitions"}
 
 
 # A format is a package of ``formats`` (its reader and its own helpers); the helpers several formats share sit

@@ -13,7 +13,7 @@ import pytest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import merge
 from merge_pipeline.ray_settings import RaySettings
-from merge_pipeline.ray_tasks import RayTasks
+from merge_pipeline.workers.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, run_cli, torchrun
 from merge_pipeline_tests.object_store import SECRET_KEY, download, upload, weights_and_index

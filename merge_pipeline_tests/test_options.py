@@ -66,6 +66,16 @@ def test_every_option_is_a_dagster_config_field_with_the_same_description_and_de
     assert MergeConfig(**every_option_set, launcher="torchrun").options() == MergeOptions(**every_option_set)
 
 
+@pytest.mark.parametrize("command", ["merge", "average"])
+def test_every_ray_setting_is_a_flag_of_each_command_that_writes_a_folder(command):
+    """``merge`` and ``average`` write on Ray alike: the flags are those of Dagster's ``ray_*`` fields."""
+    ray_flags = {dest: action for dest, action in command_flags(command).items() if dest.startswith("ray_")}
+    assert set(ray_flags) == RAY_CONFIG_FIELDS
+    assert {dest: action.option_strings for dest, action in ray_flags.items()} == {
+        dest: [f"--{dest.replace('_', '-')}"] for dest in RAY_CONFIG_FIELDS
+    }
+
+
 def test_verl_spellings_and_every_earlier_flag_are_kept():
     verl = {"--tie-word-embedding", "--is-value-model", "--trust-remote-code", "--hf_model_path", "--hf-model-path"}
     ours = {"--backend", "--untie-word-embedding", "--dtype", "--merge-lora", "--verify-replicas"}

@@ -22,7 +22,7 @@ from merge_pipeline.engine.publish import lock_path
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import merge, staging_path
 from merge_pipeline.ray_settings import RaySettings
-from merge_pipeline.ray_tasks import RayTasks
+from merge_pipeline.workers.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import cli_merge_command, error_lines, run_cli, tree_digest
 from merge_pipeline_tests.ray_cluster import MERGE_RESOURCE, add_worker, free_port, local_cluster, write_tasks
@@ -143,10 +143,17 @@ def cli_merge(capsys, local_dir: Path, target: Path, *flags) -> tuple[int, str, 
     return run_cli(capsys, "merge", "--local_dir", local_dir, "--target_dir", target, "--no-progress", *flags)
 
 
-def test_an_unreachable_address_is_one_line(capsys, tmp_path):
+def cli_write(capsys, command: str, source: Path, target: Path, *flags) -> tuple[int, str, str]:
+    """``merge`` of ``source``, or ``average`` of it and a sibling, into ``target``."""
+    inputs = ("--local_dir", source) if command == "merge" else ("--inputs", source, f"{source}_2")
+    return run_cli(capsys, command, *inputs, "--target_dir", target, "--no-progress", *flags)
+
+
+@pytest.mark.parametrize("command", ["merge", "average"])
+def test_an_unreachable_address_is_one_line(capsys, tmp_path, command):
     (tmp_path / "checkpoint").mkdir()
 
-    code, _, err = cli_merge(capsys, tmp_path / "checkpoint", tmp_path / "out", "--ray-address", "127.0.0.1:1")
+    code, _, err = cli_write(capsys, command, tmp_path / "checkpoint", tmp_path / "out", "--ray-address", "127.0.0.1:1")
 
     assert code == 1
     assert error_lines(err) == [
@@ -155,8 +162,9 @@ def test_an_unreachable_address_is_one_line(capsys, tmp_path):
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
-def test_ray_settings_without_an_address_are_refused(capsys, tmp_path):
-    code, _, err = cli_merge(capsys, tmp_path, tmp_path / "out", "--ray-tasks", "2")
+@pytest.mark.parametrize("command", ["merge", "average"])
+def test_ray_settings_without_an_address_are_refused(capsys, tmp_path, command):
+    code, _, err = cli_write(capsys, command, tmp_path, tmp_path / "out", "--ray-tasks", "2")
 
     assert code == 1 and error_lines(err) == ["error: --ray-tasks needs --ray-address"]
 

@@ -144,7 +144,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     # Imported here, by the run: they import torch and transformers, which the code location's load
     # (the UI's, and each run worker's before it reports the run started) does not need.
     from merge_pipeline.dagster.discovery import Completeness, completeness, newest_change
-    from merge_pipeline.dagster.weights import workers_for
+    from merge_pipeline.dagster.weights import step_workers
     from merge_pipeline.pipeline import merge
 
     key = checkpoint_key(context.partition_key)
@@ -168,7 +168,8 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
         # what a killed run of this step finished (the instance retries a run whose worker died), the
         # blocking checks before the rename; a failure publishes nothing.
         try:
-            merged = merge(role_dir, target, options, workers=workers_for(context, config))
+            with step_workers(context, config) as workers:
+                merged = merge(role_dir, target, options, workers=workers)
         except BlockingChecksFailed as refused:  # each check's outcome on the partition, then the CLI's line
             yield from check_results(refused.outcomes, target, names)
             raise

@@ -6,7 +6,7 @@ Partitioned by run (``<run_name>/<role>``, dynamic partitions ``averaged_runs``)
 (each checked before it was published), newest last. The run is ``pipeline.merge`` on their average, as
 ``merge-pipeline average`` runs it: streamed, the blocking checks on the staging folder, then published
 atomically into ``<output_root>/<run_name>/averaged/<role>``, replacing the previous average of the run;
-its weights written by the merge step's launcher (``weights.workers_for``: in process, torchrun or Ray, the
+its weights written by the merge step's launcher (``workers.workers_for``: in process, torchrun or Ray, the
 component's ``merge_config`` giving the defaults).
 Its metadata names each input and its weight, and compares the average with the newest step
 (``hf/step_diff``, the step report's table).
@@ -177,7 +177,7 @@ def _average(
 ) -> dg.MaterializeResult:
     """``writer``: the run config, its launcher (and ``max_shard_size``) deciding who writes the weights."""
     # torch and transformers: imported by the run, not by the code location's load
-    from merge_pipeline.dagster.weights import workers_for
+    from merge_pipeline.dagster.weights import step_workers
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
     from merge_pipeline.pipeline import merge
 
@@ -200,7 +200,8 @@ def _average(
             max_shard_size=writer.max_shard_size,
         )
         target = averaged_dir(settings, run)
-        merged = merge(inputs[-1], target, options, workers=workers_for(context, writer), show_progress=False)
+        with step_workers(context, writer) as workers:
+            merged = merge(inputs[-1], target, options, workers=workers, show_progress=False)
         checked = checks_metadata(merged.checks, target)
         with contextlib.ExitStack() as views:  # folders in a store compared through views (ranged GETs)
             diff = diff_folders(

@@ -74,7 +74,7 @@ _LauncherAndRay = create_model(
 
 
 class LauncherConfig(_LauncherAndRay):
-    """Who writes the weights (``weights.workers_for``): every step that writes a folder takes these
+    """Who writes the weights (``workers.workers_for``): every step that writes a folder takes these
     fields, hf_model's merge and averaged_model's average alike."""
 
     def ray_settings(self) -> RaySettings:

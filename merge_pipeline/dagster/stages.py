@@ -20,8 +20,8 @@ from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.progress import human_bytes
 
-if TYPE_CHECKING:  # the pipeline imports torch: a run does, the code location's load does not
-    from merge_pipeline.pipeline import Prepared, WriteReport
+if TYPE_CHECKING:  # the workers' types import torch: a run does, the code location's load does not
+    from merge_pipeline.workers.writing import Prepared, WriteReport
 
 
 def parallel_config_metadata(prepared: Prepared, options: MergeOptions, manifest: Mapping) -> dict:

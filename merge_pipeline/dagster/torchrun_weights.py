@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from merge_pipeline.dagster.die_with_parent import die_with_parent
-from merge_pipeline.distributed import write_weights_distributed
 from merge_pipeline.errors import MergeError
-from merge_pipeline.pipeline import WeightJob
+from merge_pipeline.workers.torchrun import write_as_ranks
+from merge_pipeline.workers.writing import WeightJob
 
 REPORT_MESSAGE = "weights_written"  # the custom Pipes messages rank 0 sends
 ERROR_MESSAGE = "merge_failed"
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     job = WeightJob.load(args.job)
     if rank != 0:
         try:
-            write_weights_distributed(job)
+            write_as_ranks(job)
         except MergeError as exc:  # every rank raised the same agreed error; rank 0 reports it
             print(f"error: {exc}", file=sys.stderr)
         return 0
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     with open_dagster_pipes() as pipes:
         pipes.log.info(f"torchrun merge of {job.local_dir} into {job.staging}: {os.environ.get('WORLD_SIZE')} ranks")
         try:
-            written = write_weights_distributed(job)
+            written = write_as_ranks(job)
         except MergeError as exc:
             # A clean, agreed failure: the asset raises this one line, so torchrun itself succeeds.
             pipes.report_custom_message({"kind": ERROR_MESSAGE, "message": str(exc)})

@@ -1,18 +1,20 @@
 """Who writes the weights of ``hf_model`` and ``averaged_model``: the run's own process, torchrun ranks it
-launches, or Ray tasks.
+launches, or Ray tasks, as ``workers.workers_for`` picks them for the CLI too.
 
 Each is a ``Workers`` of the one merge sequence (``pipeline.merge``): the step leads either way (it
 holds the target's lock, keeps what a killed merge finished, writes the side files, checks and
 publishes). With ``launcher: torchrun`` the weights are written by ranks launched through Dagster
-Pipes, each planning its share itself and reusing the files the step kept; with ``launcher: ray`` by
-Ray tasks on the cluster at ``ray_address`` (``ray_tasks``), the step being their driver.
-``LauncherConfig.launcher`` picks one; an average is the same merge sequence on averaged inputs (its
-options carry them, so every worker plans the same average).
+Pipes (``TorchrunLaunch``, here: it needs Dagster), each planning its share itself and reusing the files
+the step kept; with ``launcher: ray`` by Ray tasks on the cluster at ``ray_address`` (``workers.ray_tasks``),
+the step being their driver. An average is the same merge sequence on averaged inputs (its options carry
+them, so every worker plans the same average).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -20,15 +22,21 @@ import dagster as dg
 from merge_pipeline.dagster.config import LauncherConfig
 from merge_pipeline.dagster.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
 from merge_pipeline.errors import MergeError, first_line
-from merge_pipeline.pipeline import IN_PROCESS, Prepared, WeightJob, Workers, WriteReport, Written
+from merge_pipeline.workers import workers_for
+from merge_pipeline.workers.in_process import Workers
+from merge_pipeline.workers.writing import Prepared, WeightJob, WriteReport, Written
 
 
-def workers_for(context: dg.AssetExecutionContext, config: LauncherConfig) -> Workers:
-    if config.launcher == "ray":
-        from merge_pipeline.ray_tasks import RayTasks  # imports Ray only when a run asks for it
-
-        return RayTasks(config.ray_settings(), context.log)
-    return TorchrunLaunch(context, config) if config.launcher == "torchrun" else IN_PROCESS
+@contextmanager
+def step_workers(context: dg.AssetExecutionContext, config: LauncherConfig) -> Iterator[Workers]:
+    """The step's workers, from its run config; the driver of Ray tasks reports to the run's log."""
+    with workers_for(
+        config.launcher,
+        ray=config.ray_settings() if config.launcher == "ray" else None,
+        launch_torchrun=lambda: TorchrunLaunch(context, config),
+        log=context.log,
+    ) as workers:
+        yield workers
 
 
 class TorchrunLaunch(Workers):

@@ -26,15 +26,9 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.model_card import render_card
 from merge_pipeline.options import MergeOptions, average_weights
-from merge_pipeline.pipeline import (
-    finish_folder,
-    prepare,
-    resume_key,
-    staged_output,
-    write_side_files,
-    write_weights,
-)
+from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
 from merge_pipeline.plan import PlannedTensor
+from merge_pipeline.workers.writing import resume_key, write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_samples.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.engine.test_inputs_changed import rewrite_in_place

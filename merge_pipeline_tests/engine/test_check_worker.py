@@ -27,8 +27,8 @@ from merge_pipeline.pipeline import (
     staged_output,
     staging_path,
     write_side_files,
-    write_weights,
 )
+from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 SPEC = FsdpSpec(world_size=2, with_optimizer=False)

@@ -14,14 +14,8 @@ import pytest
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.folder_checks import manifest_problems
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import (
-    check_before_publishing,
-    finish_folder,
-    prepare,
-    staged_output,
-    write_side_files,
-    write_weights,
-)
+from merge_pipeline.pipeline import check_before_publishing, finish_folder, prepare, staged_output, write_side_files
+from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 SPEC = FsdpSpec(world_size=2, with_optimizer=False)

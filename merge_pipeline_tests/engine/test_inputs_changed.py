@@ -17,7 +17,8 @@ import pytest
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files, write_weights
+from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
+from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import TORCHRUN, error_lines
 

@@ -17,8 +17,9 @@ from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header,
 from merge_pipeline.formats import coalesced_reads
 from merge_pipeline.hf.manifest import MANIFEST, sha256_file, write_manifest
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import prepare, write_weights
+from merge_pipeline.pipeline import prepare
 from merge_pipeline.plan import Computed, PlannedTensor
+from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

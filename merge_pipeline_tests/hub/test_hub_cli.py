@@ -111,7 +111,7 @@ def test_a_failed_upload_prints_one_line_and_none_of_the_http_clients(hub, merge
 UPLOAD_AND_PEAK = """
 import sys
 from merge_pipeline.cli import main
-from merge_pipeline.pipeline import peak_rss_bytes
+from merge_pipeline.workers.writing import peak_rss_bytes
 code = main(sys.argv[1:])
 print(f"peak {peak_rss_bytes()}")
 sys.exit(code)

@@ -363,7 +363,7 @@ def test_build_on_a_class_is_refused_and_the_class_is_left_alone(
 MERGE_REPORTING_PEAK_RSS = """
 import sys
 from merge_pipeline.cli import main
-from merge_pipeline.pipeline import peak_rss_bytes
+from merge_pipeline.workers.writing import peak_rss_bytes
 code = main(sys.argv[1:])
 print("peak_rss_bytes", peak_rss_bytes())
 sys.exit(code)

@@ -1,4 +1,4 @@
-"""Merging under ``torchrun``: every rank writes whole output shards, rank 0 finishes and publishes.
+"""Workers that are ``torchrun``'s ranks: every rank writes whole output shards, rank 0 leads.
 
 ``TorchrunRanks`` is the ``Workers`` of the one merge sequence (``pipeline.merge``) for torchrun ranks:
 agreeing is a gloo collective, writing is each rank's share. The shard split is decided by the same
@@ -15,28 +15,24 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TypeVar
 
 import torch.distributed as dist
 
 from merge_pipeline.errors import MergeError, os_error
-from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import (
-    MergeResult,
+from merge_pipeline.settings import DIST_TIMEOUT
+from merge_pipeline.workers.in_process import Workers
+from merge_pipeline.workers.remote import plan_then_write
+from merge_pipeline.workers.writing import (
     Prepared,
-    ShardFile,
     WeightJob,
-    Workers,
     WriteReport,
     Written,
+    assign_shards,
     gathered,
-    merge,
     peak_rss_bytes,
-    prepare,
     write_share,
 )
-from merge_pipeline.settings import DIST_TIMEOUT
 
 log = logging.getLogger("merge_pipeline")
 
@@ -72,17 +68,6 @@ def _peers_answer() -> Iterator[None]:
             None,
             f"rank {os.environ.get('RANK', '?')}: another rank stopped answering (stopped, hung or dead) within the --dist-timeout ({DIST_TIMEOUT.variable}); nothing was published",
         ) from None
-
-
-def assign_shards(files: list[ShardFile], world_size: int) -> list[list[ShardFile]]:
-    """Balance bytes: biggest file first to the least-loaded rank (deterministic on every rank)."""
-    loads = [0] * world_size
-    assigned: list[list[ShardFile]] = [[] for _ in range(world_size)]
-    for f in sorted(files, key=lambda f: (-f.nbytes, f.filename)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        assigned[rank].append(f)
-        loads[rank] += f.nbytes
-    return assigned
 
 
 class RanksFailedTogether(MergeError):
@@ -194,28 +179,20 @@ class TorchrunRanks(Workers):
         return Written(whole, max(peak for _, peak in everyone), "peak RSS (largest rank)")
 
 
-def write_weights_distributed(job: WeightJob) -> Written | None:
-    """The workers' side of a launch whose lead is another process (Dagster's step): every rank plans,
-    then writes its share into the lead's staging folder. Rank 0 returns the whole report, others ``None``.
-
-    The wait for other ranks is $MERGE_PIPELINE_DIST_TIMEOUT (or the default)."""
-    with _process_group(None) as (rank, world):
-        ranks = TorchrunRanks(rank, world)
-        with ranks.everywhere(lambda: prepare(job.local_dir, job.options)) as prepared:
-            written = ranks.write(job, prepared, show_progress=False)
-            return written if ranks.lead else None
-
-
-def merge_distributed(
-    local_dir: str | Path,
-    target_dir: str | Path,
-    options: MergeOptions,
-    *,
-    show_progress: bool = True,
-    timeout_seconds: float | None = None,
-) -> MergeResult | None:
-    """Run one rank's part of the merge sequence; rank 0 returns the result, other ranks ``None``.
+@contextlib.contextmanager
+def torchrun_ranks(timeout_seconds: float | None = None) -> Iterator[TorchrunRanks]:
+    """This process and its peers as the workers, for the block: the process group is open while they merge.
 
     A rank waits at most ``timeout_seconds`` (default: see ``dist_timeout``) for the others."""
     with _process_group(timeout_seconds) as (rank, world):
-        return merge(local_dir, target_dir, options, workers=TorchrunRanks(rank, world), show_progress=show_progress)
+        yield TorchrunRanks(rank, world)
+
+
+def write_as_ranks(job: WeightJob) -> Written | None:
+    """The ranks of a launch whose lead is another process (Dagster's step): every rank plans, then writes
+    its share into the lead's staging folder. Rank 0 returns the whole report, others ``None``.
+
+    The wait for other ranks is $MERGE_PIPELINE_DIST_TIMEOUT (or the default)."""
+    with torchrun_ranks() as ranks:
+        written = plan_then_write(job, ranks)
+        return written if ranks.lead else None

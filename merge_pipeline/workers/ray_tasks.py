@@ -3,9 +3,9 @@
 The driver is the process running ``pipeline.merge``: it plans, holds the target's lock, keeps what a
 killed merge finished, writes the side files, checks and publishes, as every launcher's lead does.
 ``RayTasks.write`` hands the weight files to Ray tasks, each a set of whole output files (balanced by
-bytes: ``distributed.assign_shards``), spread over the nodes, each reserving one CPU and the memory its
+bytes: ``writing.assign_shards``), spread over the nodes, each reserving one CPU and the memory its
 files need. A task plans the checkpoint itself (metadata only), writes its files into the staging
-folder beside the target (the nodes share that filesystem at the same path, as torchrun's ranks do)
+folder beside the target (``remote.plan_then_write``, as torchrun's ranks do) (the nodes share that filesystem at the same path, as torchrun's ranks do)
 and returns its write report, the bytes it read and its peak RSS.
 
 A task whose node or worker dies is run again by Ray on another node (``max_retries``): it keeps the
@@ -36,27 +36,27 @@ from pathlib import Path
 from typing import Any
 
 import merge_pipeline
-from merge_pipeline.distributed import assign_shards
 from merge_pipeline.engine.safetensors_writer import BUFFERED_BYTES, build_header
 from merge_pipeline.errors import MergeError, first_line, os_error
 from merge_pipeline.formats.coalesced_reads import GROUP_BYTES
-from merge_pipeline.pipeline import (
-    Prepared,
-    ShardFile,
-    WeightJob,
-    Workers,
-    WriteReport,
-    Written,
-    gathered,
-    peak_rss_bytes,
-    prepare,
-    write_share,
-)
 from merge_pipeline.plan import READ_PIECE_BYTES
 from merge_pipeline.progress import ByteProgress, human_bytes
 from merge_pipeline.ray_probe import check_ray_head
 from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.storage import is_store_url
+from merge_pipeline.workers.in_process import Workers
+from merge_pipeline.workers.remote import plan_then_write
+from merge_pipeline.workers.writing import (
+    Prepared,
+    ShardFile,
+    WeightJob,
+    WriteReport,
+    Written,
+    assign_shards,
+    gathered,
+    peak_rss_bytes,
+    write_share,
+)
 
 log = logging.getLogger("merge_pipeline")
 
@@ -204,25 +204,38 @@ def _write_task(job: WeightJob, filenames: list[str]) -> TaskResult:
     import ray
 
     node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    task = _Task(filenames)
     try:
         if not job.staging.is_dir():
             raise MergeError(
                 job.staging, "not found on this node: the Ray nodes must see the target's filesystem at the same path"
             )
-        with prepare(job.local_dir, job.options) as prepared:
-            wanted = set(filenames)
-            files = [f for f in prepared.outputs.files if f.filename in wanted]
-            if len(files) != len(wanted):
-                raise MergeError(job.local_dir, "planned other weight files on this node than on the driver")
-            before = _bytes_read(prepared)
-            report = write_share(job, prepared, files, show_progress=False)
-            read = _bytes_read(prepared) - before
+        written = plan_then_write(job, task)
     except MergeError as exc:
         return TaskResult(node_id, node_ip, error=str(exc))
     except OSError as exc:
         return TaskResult(node_id, node_ip, error=str(os_error(exc)))
     usage = resource.getrusage(resource.RUSAGE_SELF)  # a fresh worker per task (max_calls=1): the task's own
-    return TaskResult(node_id, node_ip, report, read, peak_rss_bytes(), usage.ru_utime + usage.ru_stime)
+    return TaskResult(
+        node_id, node_ip, written.report, task.bytes_read, written.peak_rss_bytes, usage.ru_utime + usage.ru_stime
+    )
+
+
+class _Task(Workers):
+    """A write task as a worker of its own: its files are those the driver named."""
+
+    def __init__(self, filenames: list[str]):
+        self.filenames, self.bytes_read = filenames, 0
+
+    def write(self, job: WeightJob, prepared: Prepared, *, show_progress: bool) -> Written:
+        wanted = set(self.filenames)
+        files = [f for f in prepared.outputs.files if f.filename in wanted]
+        if len(files) != len(wanted):
+            raise MergeError(job.local_dir, "planned other weight files on this node than on the driver")
+        before = _bytes_read(prepared)
+        report = write_share(job, prepared, files, show_progress=show_progress)
+        self.bytes_read = _bytes_read(prepared) - before
+        return Written(report, peak_rss_bytes(), "peak RSS (this task)")
 
 
 def _bytes_read(prepared: Prepared) -> int:
