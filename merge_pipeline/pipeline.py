@@ -67,9 +67,10 @@ from merge_pipeline.storage import (
     is_store_url,
     local_twin,
     publish_folder,
+    unguarded,
     viewed,
 )
-from merge_pipeline.store_lock import StoreTargetLock, locked_store_target
+from merge_pipeline.store_lock import LockGuard, StoreTargetLock, locked_store_target
 
 if TYPE_CHECKING:
     from merge_pipeline.hf.architecture import ExpectedTensors
@@ -131,6 +132,11 @@ class WeightJob:
     kept: Mapping[str, Mapping] = field(default_factory=dict)
     # A target in a store: each weight file is uploaded there as soon as it is written (``storage.UploadSink``).
     upload_to: str | None = None
+    # The token of the lead's lock on ``upload_to``: every worker confirms it before each upload (``LockGuard``).
+    lock_token: str | None = None
+
+    def guard(self) -> Callable[[], None]:
+        return LockGuard(self.upload_to, self.lock_token) if self.upload_to and self.lock_token else unguarded
 
     def saved(self) -> Path:
         """The job as JSON beside the resume records, for workers started as other processes (on every node
@@ -144,7 +150,8 @@ class WeightJob:
     def load(cls, path: Path) -> WeightJob:
         job = json.loads(path.read_text())
         local_dir = job["local_dir"] if is_store_url(job["local_dir"]) else Path(job["local_dir"])
-        return cls(local_dir, Path(job["staging"]), MergeOptions(**job["options"]), job["kept"], job["upload_to"])
+        options = MergeOptions(**job["options"])
+        return cls(local_dir, Path(job["staging"]), options, job["kept"], job["upload_to"], job["lock_token"])
 
     def planned_as(self, prepared: Prepared) -> WeightJob:
         """For workers in other processes: the backend the lead's plan found, so they do not detect it again.
@@ -424,7 +431,7 @@ def resume_killed(prepared: Prepared, staging: Path, options: MergeOptions) -> R
 def write_share(job: WeightJob, prepared: Prepared, files: list[ShardFile], *, show_progress: bool) -> WriteReport:
     """A worker's part of the weights: ``files``, reusing those the lead's ``resume_killed`` kept."""
     resume = ResumeLog(job.staging, resume_key(prepared, job.options), dict(job.kept))
-    sink = UploadSink(job.upload_to) if job.upload_to else None
+    sink = UploadSink(job.upload_to, job.guard()) if job.upload_to else None
     try:
         return write_weights(
             prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume, sink=sink
@@ -550,17 +557,19 @@ def merge(
     store_lock: list[StoreTargetLock | None] = []  # the lead's, once taken
     with prepared, contextlib.ExitStack() as store_locked, contextlib.ExitStack() as publishing:
 
-        def open_staging() -> dict[str, dict]:
+        def open_staging() -> tuple[dict[str, dict], str | None]:
             if store_target:  # held until the upload ends: the local twin's lock keeps out this machine only
                 store_lock.append(store_locked.enter_context(locked_store_target(store_target)))
+            token = store_lock[0].guard.token if store_lock and store_lock[0] else None
             publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
             kept = resume_killed(prepared, job.staging, options).finished
-            if store_target:
-                invalidate_target(store_target)  # before the first weight file goes up
+            if store_target:  # before the first weight file goes up
+                invalidate_target(store_target, replace(job, lock_token=token).guard())
             write_side_files(prepared, job.staging, options)
-            return kept
+            return kept, token
 
-        job = replace(job, kept=workers.share(workers.on_lead(open_staging)))
+        kept, token = workers.share(workers.on_lead(open_staging))
+        job = replace(job, kept=kept, lock_token=token)
         written = workers.write(job, prepared, show_progress=show_progress)
 
         def finish_and_publish() -> tuple[dict, list[CheckOutcome]]:
@@ -569,8 +578,7 @@ def merge(
             checks = check_before_publishing(job.staging, target, written.report)
             publishing.close()  # leaves staged_output cleanly: the rename into place happens here
             if store_target:
-                lock = store_lock[0]
-                publish_folder(target, store_target, manifest, before_the_manifest=lock.check if lock else None)
+                publish_folder(target, store_target, manifest, guard=job.guard())
                 shutil.rmtree(target)  # the twin: uploaded, no longer needed
             return manifest, checks
 
