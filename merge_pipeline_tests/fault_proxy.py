@@ -1,6 +1,7 @@
 """A store that fails as real ones do: an HTTP proxy on 127.0.0.1 in front of the tests' SeaweedFS that answers
-the first requests matching a rule with a store's 500 ``InternalError``, a reset connection, or a reset after
-the request reached the store (its answer lost), then forwards the rest unchanged. SeaweedFS cannot be told to
+the first requests matching a rule with a store's 500 ``InternalError``, a reset connection, a reset after
+the request reached the store (its answer lost) or half-way through its answer, then forwards the rest
+unchanged. SeaweedFS cannot be told to
 fail; this is a real network component between the client and a real store, not a mock of either.
 
 Each client connection carries one request: the proxy asks the store to close after answering (``Connection:
@@ -16,6 +17,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pytest
+
 INTERNAL_ERROR = (
     b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>InternalError</Code>"
     b"<Message>We encountered an internal error, please try again.</Message></Error>"
@@ -25,7 +28,7 @@ INTERNAL_ERROR = (
 @dataclass
 class Fault:
     """Requests whose method is ``method`` and whose path holds ``path`` get ``kind`` (``"500"``, ``"reset"``,
-    ``"lost answer"``), ``times`` times (None: always)."""
+    ``"lost answer"``, ``"cut answer"``), ``times`` times (None: always)."""
 
     method: str
     path: str
@@ -78,11 +81,12 @@ class FaultProxy:
             with self.lock:
                 self.requests.append((method, path))
                 fault = next((f for f in self.faults if f.takes(method, path)), None)
-            if fault and fault.kind == "500":
+            if fault and fault.kind == "500":  # as a store says it: after the request, with no body to a HEAD
+                _read_body(client, head.split(b"\r\n"), body)
                 client.sendall(
                     b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
                     + f"Content-Length: {len(INTERNAL_ERROR)}\r\nConnection: close\r\n\r\n".encode()
-                    + INTERNAL_ERROR
+                    + (INTERNAL_ERROR if method != "HEAD" else b"")
                 )
                 return
             if fault and fault.kind == "reset":
@@ -91,17 +95,35 @@ class FaultProxy:
             lines = head.split(b"\r\n")
             if b"expect: 100-continue" in (line.lower() for line in lines):  # said here: the store's is not seen
                 client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            body = _read_body(client, lines, body)
             lines = [line for line in lines if not line.lower().startswith((b"connection:", b"expect:"))]
             with socket.create_connection(self.upstream) as upstream:
                 upstream.sendall(b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body)
-                forward = threading.Thread(target=_pipe, args=(client, upstream), daemon=True)
-                forward.start()  # the rest of the request body
-                _pipe(upstream, None if fault else client)
+                answer = _read_all(upstream)
+            if fault and fault.kind == "cut answer":  # the answer's head and half its body, then a reset
+                head_end = answer.index(b"\r\n\r\n") + 4
+                client.sendall(answer[: head_end + (len(answer) - head_end) // 2])
             if fault:  # "lost answer": the store did it, the client never hears
                 _reset(client)
             else:
-                with contextlib.suppress(OSError):
-                    client.shutdown(socket.SHUT_RDWR)
+                client.sendall(answer)
+
+
+def _read_body(sock: socket.socket, lines: list[bytes], body: bytes) -> bytes:
+    """The request's body (botocore always sends its Content-Length), read whole before it is forwarded."""
+    length = next((int(line.split(b":", 1)[1]) for line in lines if line.lower().startswith(b"content-length:")), 0)
+    data = bytearray(body)
+    while len(data) < length and (chunk := sock.recv(1 << 20)):
+        data += chunk
+    return bytes(data)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything until the store closes (it does after answering: ``Connection: close``)."""
+    data = bytearray()
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    return bytes(data)
 
 
 def _read_head(sock: socket.socket) -> tuple[bytes | None, bytes]:
@@ -115,14 +137,6 @@ def _read_head(sock: socket.socket) -> tuple[bytes | None, bytes]:
     return head, rest
 
 
-def _pipe(source: socket.socket, sink: socket.socket | None) -> None:
-    """Copy until ``source`` closes (to nowhere when ``sink`` is None)."""
-    with contextlib.suppress(OSError):
-        while chunk := source.recv(65536):
-            if sink is not None:
-                sink.sendall(chunk)
-
-
 def _reset(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
 
@@ -134,3 +148,16 @@ def fault_proxy(endpoint: str) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+@pytest.fixture
+def faulty_store(s3_server, bucket, monkeypatch) -> Iterator[FaultProxy]:
+    """The tests' store, reached through a ``FaultProxy`` (AWS_ENDPOINT_URL names it); ``bucket``'s own
+    filesystem still reaches the store directly, to set up and look."""
+    import s3fs
+
+    with fault_proxy(s3_server) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield proxy
+        s3fs.S3FileSystem.clear_instance_cache()
