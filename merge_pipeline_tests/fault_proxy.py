@@ -81,8 +81,8 @@ class FaultProxy:
             with self.lock:
                 self.requests.append((method, path))
                 fault = next((f for f in self.faults if f.takes(method, path)), None)
-            if fault and fault.kind == "500":  # as a store says it: after the request, with no body to a HEAD
-                _read_body(client, head.split(b"\r\n"), body)
+            # at once, as a store refusing an ``Expect: 100-continue`` does; no body to a HEAD
+            if fault and fault.kind == "500":
                 client.sendall(
                     b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
                     + f"Content-Length: {len(INTERNAL_ERROR)}\r\nConnection: close\r\n\r\n".encode()
