@@ -4,11 +4,13 @@ left when the store stays down. Conditional writes are never weakened: a 412 is 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 
-from merge_pipeline.store_lock import LOCK_SUFFIX
+from merge_pipeline import store_lock
+from merge_pipeline.store_lock import LOCK_SUFFIX, locked_store_target
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, merge
 from merge_pipeline_tests.object_store import download, upload
@@ -33,6 +35,24 @@ def test_a_lock_write_that_fails_once_is_retried_and_the_merge_succeeds(
     assert injected.hits == 1
     assert_bit_exact(download(fs, target, tmp_path / "merged"), sample.reference_dir)
     assert not fs.exists(f"{b}/merged{LOCK_SUFFIX}")
+
+
+def test_a_refresh_the_store_failed_is_tried_again_and_the_lock_stays_held(bucket, faulty_store, monkeypatch, caplog):
+    """Before: any error of a refresh marked the lock lost, and the merge refused to publish."""
+    fs, b = bucket
+    monkeypatch.setattr(store_lock, "REFRESH_SECONDS", 0.1)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    caplog.set_level(logging.WARNING, logger="merge_pipeline")
+    with locked_store_target(f"s3://{b}/merged") as lock:
+        down = faulty_store.fail("PUT", f"/{b}/merged{LOCK_SUFFIX}", "500", times=4)  # two refreshes, both tries
+        deadline = time.monotonic() + 60
+        while down.hits < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # refreshed again since
+        assert not lock.lost
+        lock.confirm()
+    assert "merged.merge_lock: not refreshed (" in caplog.text and "trying again" in caplog.text
+    assert not fs.exists(f"{b}/merged{LOCK_SUFFIX}"), "released by its holder"
 
 
 def test_a_weight_read_cut_half_way_is_read_again(capsys, bucket, faulty_store, fsdp_checkpoint, tmp_path):

@@ -7,10 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +24,12 @@ from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, merge
 from merge_pipeline_tests.object_store import download, upload
 
 pytestmark = pytest.mark.slow
+
+
+def record_here(pid: int) -> dict:
+    """A lock holder's record naming ``pid`` in this process's host, kernel (boot id) and PID namespace."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return {"host": socket.gethostname(), "pid": pid, "boot": boot, "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
 
 
 def test_a_merge_into_a_target_another_machine_merges_into_is_one_line_and_uploads_nothing(
@@ -69,7 +77,7 @@ def test_the_lock_of_a_killed_merge_is_taken_over(
         killed = subprocess.Popen([sys.executable, "-c", "pass"])
         killed.wait()
         host, pid = socket.gethostname(), killed.pid
-        record = {**store_lock._this_process(), "pid": pid}  # this host, kernel and PID namespace
+        record = record_here(pid)
     fs.pipe(f"{b}/merged{LOCK_SUFFIX}", json.dumps({**record, "token": "gone"}).encode())
     time.sleep(1.5 if where == "another machine" else 0)  # the killed merge refreshes it no more
 
@@ -104,7 +112,7 @@ def test_a_dead_pid_of_this_host_name_elsewhere_is_no_gone_holder(capsys, bucket
     source, target = upload(fs, sample.role_dir, f"{b}/ckpt/actor"), f"s3://{b}/merged"
     killed = subprocess.Popen([sys.executable, "-c", "pass"])
     killed.wait()
-    record = {**store_lock._this_process(), "pid": killed.pid, "token": "theirs"}
+    record = {**record_here(killed.pid), "token": "theirs"}
     if where == "another PID namespace":
         record["pid_ns"] += 1
     else:
