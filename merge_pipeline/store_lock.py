@@ -183,7 +183,7 @@ def _info(store: StoreLocation, key: str) -> dict:
 def _record(store: StoreLocation, key: str) -> dict:
     """The holder's record in the lock object ({} where unreadable: a holder unknown is never gone)."""
     try:
-        record = json.loads(store.fs.cat_file(key))
+        record = json.loads(store.fs.cat_file(key, max_concurrency=1))  # one GET (no HEAD for its size first)
     except FileNotFoundError:
         raise
     except (OSError, ValueError):

@@ -163,3 +163,27 @@ def test_a_superseded_holder_stops_at_its_next_upload_and_leaves_the_new_merge_i
         assert hashlib.sha256(fs.cat(f"{b}/merged/{name}")).hexdigest() == described["sha256"], name
     assert json.loads(fs.cat(f"{b}/merged/config.json"))["dtype"] == "bfloat16"
     assert json.loads(fs.cat(f"{b}/merged{LOCK_SUFFIX}"))["token"] == "theirs"
+
+
+def test_a_multipart_upload_is_confirmed_again_before_it_is_completed(bucket, tmp_path, monkeypatch):
+    """Its parts take long and are no object until completed: a lock lost meanwhile completes nothing, and
+    the parts are aborted; confirmed twice, it is the file, with its sha256 as metadata."""
+    fs, b = bucket
+    monkeypatch.setattr(storage, "PART_BYTES", 5 << 20)  # S3's smallest part: three parts
+    data = os.urandom(11 << 20)
+    (tmp_path / "model.safetensors").write_bytes(data)
+    store, confirmed = storage.location(f"s3://{b}/merged"), []
+
+    def lost_after_the_parts() -> None:
+        confirmed.append("lost")
+        if len(confirmed) == 2:
+            raise MergeError(None, "lost")
+
+    with pytest.raises(MergeError, match="lost"):
+        storage._upload(store, tmp_path, "model.safetensors", "ab" * 32, lost_after_the_parts)
+    assert len(confirmed) == 2 and not fs.exists(f"{b}/merged/model.safetensors")
+    assert not fs.call_s3("list_multipart_uploads", Bucket=b).get("Uploads"), "its parts aborted"
+
+    storage._upload(store, tmp_path, "model.safetensors", "ab" * 32, storage.unguarded)
+    assert fs.cat(f"{b}/merged/model.safetensors") == data
+    assert fs.metadata(f"{b}/merged/model.safetensors", refresh=True)["sha256"] == "ab" * 32
