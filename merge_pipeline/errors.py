@@ -67,6 +67,11 @@ class MergeError(Exception):
         )
 
 
+class StoreUnavailable(MergeError):
+    """A store that failed (5xx, throttled, connection lost) after its library's retries: nothing is wrong
+    with the input, so a later run may succeed (Dagster's instance retries such a run, never a MergeError)."""
+
+
 def os_error(exc: OSError, path: str | Path | None = None, *, doing: str | None = None) -> MergeError:
     """The one line for an OSError: the file the OS names, else ``path`` (write, fsync and copy errors name none),
     and the OS's words, after ``doing`` ("cannot open") when given."""

@@ -349,18 +349,21 @@ def merge(
     store_lock: list[StoreTargetLock | None] = []  # the lead's, once taken
     with prepared, contextlib.ExitStack() as store_locked, contextlib.ExitStack() as publishing:
 
-        def open_staging() -> dict[str, dict]:
+        def open_staging() -> tuple[dict[str, dict], str | None]:
             if store_target:  # held until the upload ends: the local twin's lock keeps out this machine only
                 store_lock.append(store_locked.enter_context(locked_store_target(store_target)))
                 abort_incomplete_uploads(store_target)  # a killed merge's: no live merge holds the lock
+            token = store_lock[0].guard.token if store_lock and store_lock[0] else None
             publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
             kept = resume_killed(prepared, job.staging, options).finished
-            if store_target:
-                invalidate_target(store_target, {f.filename for f in prepared.outputs.files})  # before the first upload
+            if store_target:  # before the first upload
+                names = {f.filename for f in prepared.outputs.files}
+                invalidate_target(store_target, names, replace(job, lock_token=token).guard())
             write_side_files(prepared, job.staging, options)
-            return kept
+            return kept, token
 
-        job = replace(job, kept=workers.share(workers.on_lead(open_staging)))
+        kept, token = workers.share(workers.on_lead(open_staging))
+        job = replace(job, kept=kept, lock_token=token)
         written = workers.write(job, prepared, show_progress=show_progress)
 
         def finish_and_publish() -> tuple[dict, list[CheckOutcome]]:
@@ -369,8 +372,7 @@ def merge(
             checks = check_before_publishing(job.staging, target, written.report)
             publishing.close()  # leaves staged_output cleanly: the rename into place happens here
             if store_target:
-                lock = store_lock[0]
-                publish_folder(target, store_target, manifest, before_the_manifest=lock.check if lock else None)
+                publish_folder(target, store_target, manifest, guard=job.guard())
                 shutil.rmtree(target)  # the twin: uploaded, no longer needed
             return manifest, checks
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from merge_pipeline.errors import MergeError, first_line, show_folder_as
+from merge_pipeline.errors import MergeError, StoreUnavailable, first_line, show_folder_as
 from merge_pipeline.settings import (
     MAX_DOWNLOAD_BYTES,
     PARALLEL_UPLOADS,
@@ -104,6 +104,10 @@ def store_error(exc: BaseException, url: str) -> MergeError:
     """One line for a store's refusal, naming the URL: the library's words, which hold no credential."""
     if isinstance(exc, MergeError):
         return exc
+    if transient(exc):
+        return StoreUnavailable(
+            None, f"{url}: the store did not answer after retries ({first_line(exc) or type(exc).__name__})"
+        )
     if isinstance(exc, PermissionError):
         problem = f"access denied ({first_line(exc)}): check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...) and AWS_ENDPOINT_URL"
     elif isinstance(exc, FileNotFoundError) and "bucket" in str(exc).lower():
@@ -113,6 +117,26 @@ def store_error(exc: BaseException, url: str) -> MergeError:
     else:
         problem = first_line(exc) or type(exc).__name__
     return MergeError(None, f"{url}: {problem}")
+
+
+# A store's words for "not now" (besides any 5xx); its library retried them (botocore: AWS_MAX_ATTEMPTS, AWS_RETRY_MODE).
+_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException"}
+# Connections lost or timed out, by class name (botocore's, aiohttp's, fsspec's: optional imports).
+_CONNECTION_ERRORS = {"HTTPClientError", "ConnectionError", "ClientConnectionError", "ClientPayloadError"}
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether the store failed rather than refused: a later try may succeed (never a 412, a 403, a 404)."""
+    for error in (exc, exc.__cause__):
+        response = getattr(error, "response", None) or {}
+        if (
+            response.get("Error", {}).get("Code") in _TRANSIENT_CODES
+            or response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500
+            or isinstance(error, (ConnectionError, TimeoutError))
+            or any(c.__name__ in _CONNECTION_ERRORS for c in type(error).__mro__)
+        ):
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -278,8 +302,11 @@ def precondition_failed(exc: BaseException) -> bool:
 
 
 def _s3_range(fs, key: str, start: int, end: int, etag: str) -> bytes:
-    """One GET of ``[start, end)``, only if the object still has ``etag`` (else the store answers 412)."""
+    """One GET of ``[start, end)``, only if the object still has ``etag`` (else the store answers 412). The
+    library retries the request; a connection lost while its body is read is retried here as ``cat_file``
+    does, with s3fs's own backoff (a refusal, a 412 among them, is not)."""
     from fsspec.asyn import sync
+    from s3fs.core import _error_wrapper
 
     bucket, _, name = key.partition("/")
 
@@ -294,7 +321,7 @@ def _s3_range(fs, key: str, start: int, end: int, etag: str) -> bytes:
         async with response["Body"] as body:
             return await body.read()
 
-    return sync(fs.loop, get)
+    return sync(fs.loop, _error_wrapper, get, retries=fs.retries)
 
 
 # Placeholders in views, by absolute local path: what ``plan.SourceFile`` reads through the store instead.
@@ -413,9 +440,11 @@ def complete_target(url: str) -> dict | None:
             return None
 
 
-def publish_folder(
-    folder: Path, url: str, manifest: dict, *, before_the_manifest: Callable[[], None] | None = None
-) -> None:
+def unguarded() -> None:
+    """The guard of a target no lock keeps (a local store, one without conditional writes): nothing to confirm."""
+
+
+def publish_folder(folder: Path, url: str, manifest: dict, *, guard: Callable[[], None] = unguarded) -> None:
     """Upload the complete merged ``folder`` to the prefix ``url`` so that no reader ever sees a complete-
     looking target that is not (docs/SAFETY.md, "Publishing into a store"):
 
@@ -428,7 +457,8 @@ def publish_folder(
     5. old objects the new folder does not hold are deleted (not named by the new manifest: never read), only
        those a merge wrote: named by the manifest replaced or a killed merge's record (``delete_stale``).
 
-    ``before_the_manifest`` (the target's lock check) may refuse the commit after everything else is up.
+    ``guard`` (``store_lock.LockGuard``) confirms the target's lock before each deletion and upload, the
+    manifest's included, and raises once it is lost: the merge stops there.
     """
     store = location(url)
     digests = {name: f["sha256"] for name, f in manifest["files"].items()}
@@ -436,30 +466,30 @@ def publish_folder(
     weights = [r for r in local if r.endswith(".safetensors")]
     others = [r for r in local if r not in weights and r != MANIFEST]
     with asking(url):
-        ours = record_publishing(store, {*local, MANIFEST})
+        ours = record_publishing(store, {*local, MANIFEST}, guard)
         before = set(_listing(store)) if store.fs.exists(store.path) else set()
         if MANIFEST in before:
+            guard()
             store.fs.rm_file(store.key(MANIFEST))
         with ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload") as pool:
-            list(pool.map(lambda r: _upload(store, folder, r, digests.get(r), streamed=True), weights))
+            list(pool.map(lambda r: _upload(store, folder, r, digests.get(r), guard, streamed=True), weights))
         with ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload") as pool:
-            list(pool.map(lambda r: _upload(store, folder, r, None), others))
-        if before_the_manifest is not None:
-            before_the_manifest()
-        _upload(store, folder, MANIFEST, None)
-        delete_stale(store, before & ours, set(local))
+            list(pool.map(lambda r: _upload(store, folder, r, None, guard), others))
+        _upload(store, folder, MANIFEST, None, guard)
+        delete_stale(store, before & ours, set(local), guard)
     log.info("published %d files to %s (%s last)", len(local), url, MANIFEST)
 
 
-def invalidate_target(url: str, names: set[str]) -> None:
+def invalidate_target(url: str, names: set[str], guard: Callable[[], None] = unguarded) -> None:
     """Before the first byte of a merge reaches ``url``: the ``names`` it will upload first are recorded
     (``record_publishing``), then its old manifest, if any, is deleted, so that no reader takes the prefix for
-    complete while new weight files replace old ones (docs/SAFETY.md)."""
+    complete while new weight files replace old ones (docs/SAFETY.md). ``guard`` confirms the lock before each."""
     store = location(url)
     with asking(url):
-        record_publishing(store, names)
+        record_publishing(store, names, guard)
         if store.fs.exists(store.key(MANIFEST)):
             log.warning("%s: replacing a merged model: incomplete until the new %s is uploaded", url, MANIFEST)
+            guard()
             store.fs.rm_file(store.key(MANIFEST))
 
 
@@ -495,21 +525,23 @@ def _names_in(store: StoreLocation, key: str) -> set[str] | None:
     return {name for name in files if isinstance(name, str)} if isinstance(files, (dict, list)) else None
 
 
-def record_publishing(store: StoreLocation, names: set[str]) -> set[str]:
+def record_publishing(store: StoreLocation, names: set[str], guard: Callable[[], None]) -> set[str]:
     """Before a merge uploads ``names`` into the prefix: they are recorded beside it with every name this tool
     wrote there before (the manifest being replaced, a killed merge's record), so that once the manifest is
     deleted its names stay known: the next merge counts them as ours, publishing may delete them. What was
     known before."""
     known = written_names(store) or set()
     record = {"tool": {"name": "merge_pipeline"}, "files": sorted(known | names)}
+    guard()
     store.fs.pipe_file(store.path + PUBLISHING, json.dumps(record).encode())
     return known
 
 
-def delete_stale(store: StoreLocation, written: set[str], kept: set[str]) -> None:
+def delete_stale(store: StoreLocation, written: set[str], kept: set[str], guard: Callable[[], None]) -> None:
     """After the manifest: the objects an earlier merge wrote (``written``, listed now) that the new folder
     lacks are deleted, then the record; an object no merge wrote is never deleted."""
     stale = sorted(written - kept)
+    guard()
     if stale:
         store.fs.rm([store.key(r) for r in stale])
     store.fs.rm_file(store.path + PUBLISHING)
@@ -522,8 +554,8 @@ class UploadSink:
     checks). The writer waits while ``PARALLEL_UPLOADS`` files are written and not yet uploaded: local disk
     holds at most that many weight files, memory at most the parts in flight."""
 
-    def __init__(self, url: str):
-        self.store = location(url)
+    def __init__(self, url: str, guard: Callable[[], None] = unguarded):
+        self.store, self.guard = location(url), guard
         PART_BYTES.value(), PARTS_IN_FLIGHT.value()  # a bad one is refused now, not after the first weight file
         self.pool = ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload")
         self.slots = threading.BoundedSemaphore(PARALLEL_UPLOADS.value())
@@ -540,7 +572,7 @@ class UploadSink:
 
     def _upload_and_free(self, folder: Path, relative: str, sha256: str) -> None:
         with asking(self.store.url_of(relative)):
-            _upload(self.store, folder, relative, sha256)
+            _upload(self.store, folder, relative, sha256, self.guard)
         if _digest_metadata(self.store.fs, sha256):  # publishing confirms it by its sha256: no need to keep it
             free_tensor_bytes(folder / relative)
 
@@ -576,8 +608,17 @@ def free_tensor_bytes(path: Path) -> None:
             log.debug("%s: cannot punch a hole (errno %d): kept on disk until published", path, ctypes.get_errno())
 
 
-def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | None, *, streamed: bool = False) -> None:
-    """``streamed``: the file may have been uploaded while the merge wrote (``UploadSink``): say nothing."""
+def _upload(
+    store: StoreLocation,
+    folder: Path,
+    relative: str,
+    sha256: str | None,
+    guard: Callable[[], None],
+    *,
+    streamed: bool = False,
+) -> None:
+    """``streamed``: the file may have been uploaded while the merge wrote (``UploadSink``): say nothing.
+    ``guard`` is confirmed before the object is written (in S3, before a multipart upload is completed)."""
     path, key = folder / relative, store.key(relative)
     size = path.stat().st_size
     if sha256 is not None and _uploaded(store, key, size) == sha256:
@@ -587,7 +628,43 @@ def _upload(store: StoreLocation, folder: Path, relative: str, sha256: str | Non
     if path.stat().st_blocks * 512 < size - 4096:  # its tensor bytes were freed after an upload that is gone
         raise MergeError(None, f"{store.url_of(relative)}: uploaded during the merge, no longer in the store: re-run")
     metadata = _digest_metadata(store.fs, sha256) if sha256 else {}
-    store.fs.put_file(str(path), key, chunksize=PART_BYTES.value(), max_concurrency=PARTS_IN_FLIGHT.value(), **metadata)
+    guard()
+    if is_s3(store.fs) and size >= 2 * PART_BYTES.value():
+        _s3_multipart(store.fs, path, key, guard, **metadata)
+    else:
+        store.fs.put_file(
+            str(path), key, chunksize=PART_BYTES.value(), max_concurrency=PARTS_IN_FLIGHT.value(), **metadata
+        )
+
+
+def _s3_multipart(fs, path: Path, key: str, guard: Callable[[], None], **kwargs) -> None:
+    """``put_file``'s multipart upload, with ``guard`` confirmed again before it is completed: the parts are
+    no object until then, so a merge that lost its lock while they went up replaces nothing (left: the
+    milliseconds between that confirmation and the completion)."""
+    from fsspec.asyn import sync
+    from s3fs.core import calculate_chunksize
+
+    bucket, _, name = key.partition("/")
+    upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=name, **kwargs)
+    try:
+        with open(path, "rb") as f:
+            chunk = calculate_chunksize(path.stat().st_size, chunksize=PART_BYTES.value())
+            send = fs._upload_file_part_concurrent
+            sent = sync(fs.loop, send, bucket, name, upload, f, chunk, max_concurrency=PARTS_IN_FLIGHT.value())
+        guard()
+        parts = [{"PartNumber": n, "ETag": part["ETag"]} for n, part in enumerate(sent, 1)]
+        fs.call_s3(
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=name,
+            UploadId=upload["UploadId"],
+            MultipartUpload={"Parts": parts},
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):  # its parts would be kept (and billed) until aborted
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload["UploadId"])
+        raise
+    fs.invalidate_cache(key)
 
 
 def _digest_metadata(fs, sha256: str) -> dict:

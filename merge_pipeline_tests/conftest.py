@@ -25,7 +25,7 @@ from merge_pipeline_tests.helpers import DCP_FOLDERS, VARIANTS, DcpSample, run_c
 from merge_pipeline_tests.tiers import pytest_collection_modifyitems, pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 
 # The S3 server (SeaweedFS) and a bucket per test, for every test that asks for them (started only then).
-pytest_plugins = ["merge_pipeline_tests.object_store"]
+pytest_plugins = ["merge_pipeline_tests.object_store", "merge_pipeline_tests.fault_proxy"]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """Engine errors become a failed step in Dagster's words: the engine's one line, with the CLI's flags
-named as the run config fields that set them, and the file at fault and the next step as metadata."""
+named as the run config fields that set them, and the file at fault and the next step as metadata.
+
+The instance's ``run_retries`` retry a run whose worker crashed, never one whose step failed
+(``retry_on_asset_or_op_failure: false``: a bad checkpoint fails the same way again), except a step that
+failed because its store did not answer after the library's retries: that run is tagged to be retried."""
 
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from merge_pipeline.errors import MergeError, os_error
+from merge_pipeline.errors import MergeError, StoreUnavailable, os_error
 from merge_pipeline.options import OPTION_FIELDS, cli_flags
 
 RUN_CONFIG = "hf_model's run config"
+RETRY_ON_STEP_FAILURE = "dagster/retry_on_asset_or_op_failure"  # the run's own word over the instance's setting
 # CLI flag in an engine message -> where a Dagster user sets the same thing (MergeConfig's fields)
 _IN_DAGSTER = {
     **{flag: option.name for option in OPTION_FIELDS for flag in cli_flags(option)},
@@ -29,6 +34,7 @@ _NEXT_STEPS = [
         f"to replace it, materialize the partition again with overwrite: true in {RUN_CONFIG} (Launchpad)",
     ),
     ("another merge", "wait for that merge to finish, then re-execute this run"),
+    ("did not answer after retries", "the store failed: the instance retries this run (run_retries), or re-execute it"),
     ("incomplete checkpoint", "wait until the trainer has finished saving this step, then re-execute this run"),
     ("no such checkpoint folder", "the checkpoint is gone: nothing to merge (the sensor removes its partition)"),
     ("not replaced", "move the folder away or set MERGE_PIPELINE_OUTPUT_ROOT elsewhere, then re-execute"),
@@ -57,6 +63,10 @@ def failure(error: MergeError) -> dg.Failure:
 def one_line_failure() -> Iterator[None]:
     try:
         yield
+    except StoreUnavailable as exc:
+        context = dg.OpExecutionContext.get()
+        context.instance.add_run_tags(context.run_id, {RETRY_ON_STEP_FAILURE: "true"})  # read when the run fails
+        raise failure(exc) from None
     except MergeError as exc:
         raise failure(exc) from None
     except OSError as exc:  # disk full, permission denied, ...: name the file, as the CLI does

@@ -12,7 +12,7 @@ import json
 import os
 import resource
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -26,7 +26,8 @@ from merge_pipeline.hf.manifest import stat_identity
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.progress import ByteProgress
-from merge_pipeline.storage import UploadSink, is_store_url
+from merge_pipeline.storage import UploadSink, is_store_url, unguarded
+from merge_pipeline.store_lock import LockGuard
 
 
 @dataclass
@@ -82,6 +83,11 @@ class WeightJob:
     kept: Mapping[str, Mapping] = field(default_factory=dict)
     # A target in a store: each weight file is uploaded there as soon as it is written (``storage.UploadSink``).
     upload_to: str | None = None
+    # The token of the lead's lock on ``upload_to``: every worker confirms it before each upload (``LockGuard``).
+    lock_token: str | None = None
+
+    def guard(self) -> Callable[[], None]:
+        return LockGuard(self.upload_to, self.lock_token) if self.upload_to and self.lock_token else unguarded
 
     def saved(self) -> Path:
         """The job as JSON beside the resume records, for workers started as other processes (on every node
@@ -95,7 +101,8 @@ class WeightJob:
     def load(cls, path: Path) -> WeightJob:
         job = json.loads(path.read_text())
         local_dir = job["local_dir"] if is_store_url(job["local_dir"]) else Path(job["local_dir"])
-        return cls(local_dir, Path(job["staging"]), MergeOptions(**job["options"]), job["kept"], job["upload_to"])
+        options = MergeOptions(**job["options"])
+        return cls(local_dir, Path(job["staging"]), options, job["kept"], job["upload_to"], job["lock_token"])
 
     def planned_as(self, prepared: Prepared) -> WeightJob:
         """For workers in other processes: the backend the lead's plan found, so they do not detect it again.
@@ -191,7 +198,7 @@ def resume_key(prepared: Prepared, options: MergeOptions) -> str:
 def write_share(job: WeightJob, prepared: Prepared, files: list[ShardFile], *, show_progress: bool) -> WriteReport:
     """A worker's part of the weights: ``files``, reusing those the lead's ``resume_killed`` kept."""
     resume = ResumeLog(job.staging, resume_key(prepared, job.options), dict(job.kept))
-    sink = UploadSink(job.upload_to) if job.upload_to else None
+    sink = UploadSink(job.upload_to, job.guard()) if job.upload_to else None
     try:
         return write_weights(
             prepared.outputs, job.staging, files=files, show_progress=show_progress, resume=resume, sink=sink

@@ -232,3 +232,31 @@ def test_a_step_deleted_mid_merge_fails_its_run_in_one_line(bucket, fsdp_checkpo
     assert "\n" not in message
     assert f"s3://{b}/ckpts/{KEY}/" in message and ": deleted while it was being merged" in message, message
     assert not fs.exists(f"{b}/merged/{KEY}/merge_manifest.json")
+
+
+@pytest.mark.slow
+def test_a_run_the_store_failed_is_retried_by_the_instance_one_a_bad_checkpoint_failed_is_not(
+    bucket, faulty_store, fsdp_checkpoint, instance, monkeypatch
+):
+    """The instance retries no step failure (``retry_on_asset_or_op_failure: false``) but a store that did
+    not answer after the library's retries: Dagster's own decision, its run tag ``dagster/will_retry``."""
+    fs, b = bucket
+    settings = store_settings(b)
+    put_step(fs, b, fsdp_checkpoint(ACTOR), KEY, tracker=1)
+    bad = "run/global_step_2/actor"
+    put_step(fs, b, fsdp_checkpoint(ACTOR), bad, tracker=2)
+    fs.pipe(f"{b}/ckpts/{bad}/model_world_size_2_rank_1.pt", b"a crash mid-write")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    faulty_store.fail("PUT", f"/{b}/merged/", "500", times=None)  # every write into the output root fails
+    started = time.monotonic()
+    down = materialize(instance, settings, KEY)
+    print(f"store down: the run failed after {time.monotonic() - started:.1f} s, {len(faulty_store.requests)} requests")
+    faulty_store.faults.clear()  # the store is back
+    broken = materialize(instance, settings, bad)
+
+    assert not down.success and not broken.success
+    runs = {name: instance.get_run_by_id(r.run_id) for name, r in (("down", down), ("broken", broken))}
+    assert {name: run.tags.get("dagster/will_retry") for name, run in runs.items()} == {
+        "down": "true",
+        "broken": "false",
+    }
