@@ -202,8 +202,10 @@ def test_hf_model_path_must_describe_the_same_model(v2, tmp_path, capsys):
 
 def test_hf_model_path_without_config_is_named(v2, tmp_path, capsys):
     sample = v2("qwen2_tp2", "dist")
-    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", tmp_path)
-    assert line.startswith(f"error: {tmp_path / 'config.json'}: not found: --hf_model_path")
+    empty = tmp_path / "base"  # beside the target: a target inside an input (--hf_model_path too) is refused first
+    empty.mkdir()
+    line = merge_error(capsys, sample.role_dir, tmp_path / "out", "--hf_model_path", empty)
+    assert line.startswith(f"error: {empty / 'config.json'}: not found: --hf_model_path")
 
 
 # ---- item 3: LoRA with the bridge --------------------------------------------------------------
