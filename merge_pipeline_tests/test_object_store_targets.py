@@ -185,16 +185,17 @@ def test_a_merge_killed_mid_upload_leaves_multipart_uploads_that_inspect_counts_
     bucket, fsdp_checkpoint, tmp_path
 ):
     fs, b = bucket
-    sample = fsdp_checkpoint(FsdpSpec(world_size=3))
+    # weight files of several 5 MiB parts (S3's smallest part, MERGE_PIPELINE_PART_BYTES' lower bound)
+    sample = fsdp_checkpoint(FsdpSpec(world_size=3, hidden_size=512, intermediate_size=2048, vocab_size=8000))
     target = f"s3://{b}/model"
     # a neighbour whose name starts with the target's: its upload is not the target's to abort
     neighbour = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=b, Key="model-2/weights.safetensors")
     merge_command = [
         sys.executable, "-m", "merge_pipeline", "merge", "--local_dir", str(sample.role_dir),
-        "--target_dir", target, "--max-shard-size", "40000", "--no-progress",
+        "--target_dir", target, "--max-shard-size", "12MB", "--no-progress",
     ]  # fmt: skip
     env = {**os.environ, "MERGE_PIPELINE_SCRATCH": str(tmp_path / "scratch")}
-    small_parts = {"MERGE_PIPELINE_PART_BYTES": "4096", "MERGE_PIPELINE_PARTS_IN_FLIGHT": "1"}
+    small_parts = {"MERGE_PIPELINE_PART_BYTES": "5MiB", "MERGE_PIPELINE_PARTS_IN_FLIGHT": "1"}
     killed = subprocess.Popen(merge_command, env={**env, **small_parts, "MERGE_PIPELINE_PARALLEL_UPLOADS": "1"})
     deadline = time.monotonic() + 120
     while not uploads_under(fs, b, "model/"):
