@@ -35,6 +35,17 @@ class SampleCheckpoint:
     spec: FsdpSpec
 
 
+@pytest.fixture(autouse=True)
+def no_ambient_dagster_state_storage():
+    """Each test starts with no Dagster definitions-state storage in its context: an instance sets one while
+    it is entered, and one left behind by an earlier test names an instance that is gone (Dagster's
+    ``Attempted to resolve undefined DagsterInstance weakref`` at the next definitions load)."""
+    from dagster._core.storage.defs_state.base import set_defs_state_storage
+
+    with set_defs_state_storage(None):
+        yield
+
+
 @pytest.fixture(scope="session")
 def fsdp_checkpoint(tmp_path_factory):
     """``fsdp_checkpoint(spec) -> SampleCheckpoint``, written on first use of each spec. Read only."""
