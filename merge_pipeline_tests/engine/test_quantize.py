@@ -20,6 +20,7 @@ from merge_pipeline.hf.quantization import SCHEMES, decide
 from merge_pipeline.plan import PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
+from merge_pipeline_tests.engine.test_fp8 import LLAMA, TOKENS  # the same small Llama and text as --dtype fp8's
 from merge_pipeline_tests.engine.test_resume import SPEC as RESUME_SPEC
 from merge_pipeline_tests.engine.test_resume import killed_and_resumed
 from merge_pipeline_tests.helpers import (
@@ -35,10 +36,6 @@ from merge_pipeline_tests.helpers import (
     write_with_release,
 )
 
-LLAMA = FsdpSpec(
-    arch="llama", world_size=2, hidden_size=256, intermediate_size=512, vocab_size=1003, with_optimizer=False
-)
-TOKENS = torch.tensor([[1, 5, 17, 200, 40, 999, 3, 64]])
 DEFAULT_IGNORE = ["lm_head", "model.embed_tokens"]
 
 
