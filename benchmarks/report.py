@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -9,7 +10,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks.checkpoints import REPO_ROOT
@@ -532,21 +532,24 @@ def update_docs(results: dict, markdown: str, plot_path: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        raise SystemExit(
-            "usage: python -m benchmarks.report RESULTS_JSON [--stat min|median] [--plot PNG] [--update-docs]"
-        )
-    results = json.loads(Path(argv[0]).read_text())
-    if "--stat" in argv:
-        results["settings"]["stat"] = argv[argv.index("--stat") + 1]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
+    parser.add_argument("results", type=Path, help="a results.json written by python -m benchmarks.run")
+    parser.add_argument("--stat", choices=("min", "median"), help="the statistic of the repeats shown")
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="also draw the plot into this file")
+    parser.add_argument("--update-docs", action="store_true", help="write the tables into docs/BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    try:
+        results = json.loads(args.results.read_text())
+    except (OSError, ValueError) as exc:
+        parser.exit(2, f"error: {args.results}: not a readable results.json ({exc})\n")
+    if args.stat:
+        results["settings"]["stat"] = args.stat
     markdown = render(results)
     print(markdown)
-    png = Path(argv[argv.index("--plot") + 1]) if "--plot" in argv else None
-    if png:
-        plot(results, png)
-    if "--update-docs" in argv:
-        update_docs(results, markdown, png)
+    if args.plot:
+        plot(results, args.plot)
+    if args.update_docs:
+        update_docs(results, markdown, args.plot)
 
 
 if __name__ == "__main__":
