@@ -79,7 +79,7 @@ def _in_child(*args: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.megatron_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, help="where to write the checkpoint (default: a temporary folder)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()

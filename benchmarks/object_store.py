@@ -66,7 +66,7 @@ def timed(command: list[str], env: dict) -> tuple[float, int, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.object_store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="large")
     parser.add_argument("--bucket", required=True)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

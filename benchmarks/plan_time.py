@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/plan_time.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.plan_time", description=__doc__.split("\n\n")[0])
     parser.add_argument("role_dir", type=Path)
     parser.add_argument("--hf_model_path")
     args = parser.parse_args(argv)
