@@ -66,7 +66,9 @@ class TorchrunLaunch(Workers):
             invocation = dg.PipesSubprocessClient(env={"OMP_NUM_THREADS": "1"}).run(
                 context=self.context, command=command
             )
-        except dg.DagsterPipesExecutionError as exc:  # a rank died (killed, out of memory): no report came back
+        # A rank died (killed, out of memory): no report came back. Dagster raises DagsterPipesExecutionError,
+        # which it does not export (`dg.` has no such name: naming it failed as AttributeError here).
+        except Exception as exc:
             raise MergeError(
                 job.staging,
                 f"torchrun failed before the ranks agreed on a result ({first_line(exc)}); each rank's output is in the run's logs",
