@@ -264,7 +264,7 @@ def _workers(args: argparse.Namespace):
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from merge_pipeline.pipeline import merge
+    from merge_pipeline.pipeline.merge import merge
 
     options = _options(args)
     if args.hf_upload_path:  # a bad repo id, branch or timeout is refused now, not after the merge is published
@@ -299,7 +299,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 def _run_average(args: argparse.Namespace) -> int:
     """The merge sequence on the average of ``--inputs``: under torchrun or on Ray too, as ``merge``."""
-    from merge_pipeline.pipeline import merge
+    from merge_pipeline.pipeline.merge import merge
 
     inputs = tuple(str(path if is_store_url(path) else path.absolute()) for path in args.inputs)
     options = dataclasses.replace(
@@ -344,7 +344,7 @@ def _upload(folder: str | Path, repo_id: str, args: argparse.Namespace) -> int:
 
 
 def _run_test(args: argparse.Namespace) -> int:
-    from merge_pipeline.pipeline import compare
+    from merge_pipeline.pipeline.inspect import compare
 
     result = compare(args.local_dir, args.test_hf_dir, _options(args), atol=args.atol)
     if result.worst:
@@ -369,7 +369,7 @@ def _run_test(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from merge_pipeline.pipeline import describe
+    from merge_pipeline.pipeline.inspect import describe
     from merge_pipeline.store_uploads import describe as described_uploads
     from merge_pipeline.store_uploads import incomplete_uploads
 

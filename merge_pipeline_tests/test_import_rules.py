@@ -97,6 +97,12 @@ def part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+# The watching side's questions, answered by the readers' registry and defined there: which folders are step
+# folders, whether one holds a save itself, whether a save is complete (``formats``), the answer's type and a
+# step's age (``formats.step_folders``). Dagster imports them where they are defined; no reader, no writer.
+STEP_FOLDER_QUESTIONS = {"merge_pipeline.formats", "merge_pipeline.formats.step_folders"}
+
+
 def violations(edges: dict[str, set[str]]) -> list[str]:
     found = []
     for importer, imported in sorted(edges.items()):
@@ -108,7 +114,11 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
                 found.append(f"{a} imports {b}: {importer} -> {target}")
             if {a, b} == {"engine", "formats"}:
                 found.append(f"engine and formats are independent: {importer} -> {target}")
-            if a in ("cli", "dagster", "definitions") and b in ("formats", "engine"):
+            if (
+                a in ("cli", "dagster", "definitions")
+                and b in ("formats", "engine")
+                and target not in STEP_FOLDER_QUESTIONS
+            ):
                 found.append(f"{a} must go through pipeline: {importer} -> {target}")
     return found
 
@@ -277,4 +287,4 @@ def test_the_wheel_ships_the_product_only(tmp_path) -> None:
     subprocess.run(build, check=True, capture_output=True, timeout=300, cwd=source)  # setuptools builds in the cwd
     names = zipfile.ZipFile(next(tmp_path.glob("merge_pipeline-*.whl"))).namelist()
     assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {"merge_pipeline"}
-    assert "merge_pipeline/dagster/run_launcher.py" in names and "merge_pipeline/pipeline.py" in names
+    assert "merge_pipeline/dagster/run_launcher.py" in names and "merge_pipeline/pipeline/merge.py" in names

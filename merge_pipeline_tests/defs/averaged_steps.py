@@ -6,7 +6,7 @@ import dataclasses
 import shutil
 
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 STEP = FsdpSpec(with_optimizer=False)  # the averaging tests' steps (seeds 0, 1, 2): written once per session

@@ -14,7 +14,8 @@ from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST, write_manifest
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import describe, prepare
+from merge_pipeline.pipeline.inspect import describe
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.progress import human_bytes
 from merge_pipeline_samples.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, checks_passed, materialize
@@ -115,12 +116,12 @@ def test_each_asset_reports_what_a_person_reads(fsdp_checkpoint, roots, instance
 
 
 def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkeypatch):
-    from merge_pipeline import pipeline
+    from merge_pipeline.pipeline import merge as merge_sequence
 
     roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_3", tracker=3)
     plans = []
     # the step imports the pipeline when it runs (the code location's load does not import torch)
-    monkeypatch.setattr(pipeline, "prepare", lambda *a, **k: plans.append(a) or prepare(*a, **k))
+    monkeypatch.setattr(merge_sequence, "prepare", lambda *a, **k: plans.append(a) or prepare(*a, **k))
 
     assert materialize(instance, roots.settings(), "run/global_step_3/actor").success
     assert len(plans) == 1
@@ -128,7 +129,7 @@ def test_the_plan_is_built_once_per_run(fsdp_checkpoint, roots, instance, monkey
 
 def test_the_manifest_takes_the_weights_digests_from_the_write(fsdp_checkpoint, roots, instance, monkeypatch):
     """The weights are hashed while they are written; the manifest never reads them back."""
-    from merge_pipeline import pipeline
+    from merge_pipeline.pipeline import folder
 
     roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_4", tracker=4)
     supplied = []
@@ -137,7 +138,7 @@ def test_the_manifest_takes_the_weights_digests_from_the_write(fsdp_checkpoint, 
         supplied.append(known)
         return write_manifest(folder, body, known)
 
-    monkeypatch.setattr(pipeline, "write_manifest", recording)
+    monkeypatch.setattr(folder, "write_manifest", recording)
     assert materialize(instance, roots.settings(), "run/global_step_4/actor", merge_config=SHARDED).success
     files = json.loads((roots.target("run/global_step_4/actor") / MANIFEST).read_text())["files"]
     weights = {name: entry["sha256"] for name, entry in files.items() if name.endswith(".safetensors")}

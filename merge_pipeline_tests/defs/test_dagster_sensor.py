@@ -17,7 +17,7 @@ from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline_tests.defs.helpers import ACTOR, CRITIC, LOCATION, materialize
 from merge_pipeline_tests.helpers import tree_digest
 

@@ -215,15 +215,15 @@ def test_a_step_deleted_mid_merge_fails_its_run_in_one_line(bucket, fsdp_checkpo
     fs, b = bucket
     put_step(fs, b, fsdp_checkpoint(ACTOR), KEY, tracker=1)
     settings = store_settings(b)
-    from merge_pipeline import pipeline
+    from merge_pipeline.pipeline import merge as merge_sequence
 
-    original = pipeline.write_side_files
+    original = merge_sequence.write_side_files
 
     def rotated_meanwhile(*args, **kwargs):  # the trainer's rotation deletes the step after it was planned
         fs.rm(f"{b}/ckpts/run/global_step_1", recursive=True)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "write_side_files", rotated_meanwhile)
+    monkeypatch.setattr(merge_sequence, "write_side_files", rotated_meanwhile)
     result = materialize(instance, settings, KEY)
 
     assert not result.success

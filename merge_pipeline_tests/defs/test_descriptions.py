@@ -10,7 +10,7 @@ import dagster as dg
 from merge_pipeline.dagster.averaging import Averaging
 from merge_pipeline.dagster.component import HubPublishing, MergeCheckpoints
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.pipeline import step_folders
+from merge_pipeline.formats import step_folders
 from merge_pipeline_tests.defs.helpers import LOCATION
 
 FIRST_LINE = 60  # `dg list defs` at 80 columns: the table's name column and borders take the rest

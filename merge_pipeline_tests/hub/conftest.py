@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 (fixtures for the Dagster tests here)
 from merge_pipeline_tests.hub.fake_hub import FakeHub, User
