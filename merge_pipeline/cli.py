@@ -268,7 +268,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 
     options = _options(args)
     if args.hf_upload_path:  # a bad repo id, branch or timeout is refused now, not after the merge is published
-        from merge_pipeline.hub import check_upload_settings
+        from merge_pipeline.hub.upload import check_upload_settings
 
         check_upload_settings(args.hf_upload_path, args.revision, args.hub_timeout)
     with _workers(args) as workers:
@@ -326,7 +326,7 @@ def _run_upload(args: argparse.Namespace) -> int:
 
 def _upload(folder: str | Path, repo_id: str, args: argparse.Namespace) -> int:
     """A folder in a store is uploaded through its view: weight files streamed by ranged GETs, never downloaded."""
-    from merge_pipeline.hub import upload_folder_verified
+    from merge_pipeline.hub.upload import upload_folder_verified
 
     with viewed(folder, merged=True) as local:
         upload = upload_folder_verified(

@@ -33,8 +33,6 @@ LAYERS = {
     "ray_settings": 0,
     "ray_probe": 0,
     "settings": 0,
-    "model_card": 0,
-    "card_metadata": 0,
     "checkpoint_name": 0,
     "storage": 0,
     "store_lock": 0,

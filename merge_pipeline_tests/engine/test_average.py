@@ -24,7 +24,7 @@ from merge_pipeline.engine.fp8 import quantize_bands
 from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import read_manifest
-from merge_pipeline.model_card import render_card
+from merge_pipeline.hub.model_card import render_card
 from merge_pipeline.options import MergeOptions, average_weights
 from merge_pipeline.pipeline.folder import finish_folder, write_side_files
 from merge_pipeline.pipeline.prepare import prepare

@@ -18,7 +18,7 @@ from merge_pipeline.engine.fp8 import quantized_pair
 from merge_pipeline.hf.architecture import expected_tensors
 from merge_pipeline.hf.folder_checks import meta_load_problems
 from merge_pipeline.hf.fp8 import FP8, decide_fp8, dequantize
-from merge_pipeline.model_card import render_card
+from merge_pipeline.hub.model_card import render_card
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import (

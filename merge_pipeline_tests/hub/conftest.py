@@ -1,7 +1,7 @@
 """A Hub per test (``hub``), and one real merged folder per session (``merged_folder``).
 
 The client is the real huggingface_hub; it reaches the test's FakeHub through HF_ENDPOINT, read by
-merge_pipeline.hub at call time (huggingface_hub itself reads it once, at import).
+merge_pipeline.hub.upload at call time (huggingface_hub itself reads it once, at import).
 """
 
 from __future__ import annotations

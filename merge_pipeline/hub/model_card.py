@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from merge_pipeline.card_metadata import CardMetadata
 from merge_pipeline.checkpoint_name import CheckpointName
+from merge_pipeline.hub.card_metadata import CardMetadata
 
 CARD = "README.md"
 CARD_START = "<!-- merge_pipeline model card: replaced on every upload; text outside these two lines is kept -->"
