@@ -31,7 +31,6 @@ LAYERS = {
     "progress": 0,
     "plan": 0,
     "ray_settings": 0,
-    "ray_probe": 0,
     "settings": 0,
     "checkpoint_name": 0,
     "storage": 0,
@@ -177,7 +176,7 @@ def third_party_importers(library: str) -> set[str]:
 def test_ray_and_dagster_are_imported_by_their_own_rooms_only() -> None:
     """The engine, the formats and the merge sequence run without Ray or Dagster installed: Ray is the Ray
     launcher's (and its head probe's, which reads Ray's gRPC stubs), Dagster the code location's (``dagster/`` and the location's ``definitions``)."""
-    assert third_party_importers("ray") == {"merge_pipeline.workers.ray_tasks", "merge_pipeline.ray_probe"}
+    assert third_party_importers("ray") == {"merge_pipeline.workers.ray_tasks", "merge_pipeline.workers.ray_probe"}
     dagster_rooms = {part(m) for m in third_party_importers("dagster") | third_party_importers("dagster_pipes")}
     assert dagster_rooms == {"dagster", "definitions"}
 
