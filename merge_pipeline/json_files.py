@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import read_capped
+from merge_pipeline.files.inputs import read_capped
 
 # Larger than any config, index or metadata a checkpoint holds (a 1T-parameter model's
 # model.safetensors.index.json is ~10 MB); a file past it is no such file, and reading it whole would cost

@@ -24,8 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "merge_pipeline"
 LAYERS = {
     "__init__": 0,
     "errors": 0,
-    "input_files": 0,
-    "shared_folders": 0,
+    "files": 0,
     "json_files": 0,
     "options": 0,
     "progress": 0,

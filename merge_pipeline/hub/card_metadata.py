@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import read_capped
+from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.json_files import read_json_object
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
