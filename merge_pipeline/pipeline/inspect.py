@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from merge_pipeline.engine.fp8 import fp8_outputs
+from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.outputs import config_dtype_for, plan_outputs
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, shown_path

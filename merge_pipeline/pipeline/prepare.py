@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from merge_pipeline.engine.averaging import AveragedInput, average_plan
-from merge_pipeline.engine.fp8 import fp8_outputs
-from merge_pipeline.engine.lora import model_tensors
+from merge_pipeline.engine.fp8_quantize import fp8_outputs
+from merge_pipeline.engine.lora_merge import model_tensors
 from merge_pipeline.engine.outputs import DTYPES, OutputPlan, plan_outputs
 from merge_pipeline.engine.quantize import quantized_outputs
 from merge_pipeline.formats import open_checkpoint

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from merge_pipeline.engine.averaging import AveragedSource
-from merge_pipeline.engine.fp8 import quantize_bands
+from merge_pipeline.engine.fp8_quantize import quantize_bands
 from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import read_manifest
