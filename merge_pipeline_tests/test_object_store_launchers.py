@@ -1,4 +1,4 @@
-"""Object storage with the launchers: torchrun ranks and Ray tasks read a checkpoint from the store
+"""A store with the launchers: torchrun ranks and Ray tasks read a checkpoint from the store
 and upload their weight files to a target in the store, as one process does."""
 
 from __future__ import annotations
