@@ -2,7 +2,7 @@
 
 Layers, lowest first: shared leaves (errors, files, options, the plan types) < ``hf`` (the Hugging Face
 folder format) < ``formats`` (readers, one package per format beside the helpers they share) and ``engine``
-(the writer), which know nothing of each other < ``pipeline`` (the one module using both) and ``workers``
+(the writer), which know nothing of each other < ``pipeline`` (the one package using both) and ``workers``
 (who writes the weights: in process, torchrun, Ray; the sequence and its workers import each other's modules,
 never in a cycle) < ``hub`` < ``cli`` and ``dagster``. Only ``workers`` starts Ray or torch.distributed.
 """
