@@ -31,6 +31,7 @@ LAYERS = {
     "plan": 0,
     "ray_settings": 0,
     "settings": 0,
+    "checkpoint_name": 0,
     "storage": 0,
     "store_lock": 0,
     "store_listing": 0,
@@ -94,13 +95,8 @@ def part(module: str) -> str:
 
 # The watching side's questions, answered by the readers' registry and defined there: which folders are step
 # folders, whether one holds a save itself, whether a save is complete (``formats``), the answer's type and a
-# step's age (``formats.step_folders``), a checkpoint's name by its step folder (``formats.checkpoint_names``).
-# Dagster imports them where they are defined; never a reader, never the writer.
-STEP_FOLDER_QUESTIONS = {
-    "merge_pipeline.formats",
-    "merge_pipeline.formats.step_folders",
-    "merge_pipeline.formats.checkpoint_names",
-}
+# step's age (``formats.step_folders``). Dagster imports them where they are defined; no reader, no writer.
+STEP_FOLDER_QUESTIONS = {"merge_pipeline.formats", "merge_pipeline.formats.step_folders"}
 
 
 def violations(edges: dict[str, set[str]]) -> list[str]:

@@ -24,6 +24,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field, create_model, model_validator
 
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.checks import checks_metadata
 from merge_pipeline.dagster.config import LauncherConfig, writer_fields
 from merge_pipeline.dagster.failures import one_line_failure
@@ -33,7 +34,6 @@ from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.checkpoint_names import CheckpointName
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes

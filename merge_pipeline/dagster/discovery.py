@@ -23,10 +23,10 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.formats import completeness as readers_completeness
 from merge_pipeline.formats import saved_in_step_folder, step_folder, step_folders
-from merge_pipeline.formats.checkpoint_names import STEP_ROLE, CheckpointName
 from merge_pipeline.formats.step_folders import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.formats.step_folders import newest_change as newest_change  # a pinned step's age
 from merge_pipeline.store_listing import Mirror, StoreURL

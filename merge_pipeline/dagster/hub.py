@@ -15,6 +15,7 @@ from typing import Any
 
 import dagster as dg
 
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.failures import one_line_failure
@@ -25,7 +26,6 @@ from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.checkpoint_names import CheckpointName
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub.upload import UploadResult, upload_folder_verified
 from merge_pipeline.json_files import read_json_object

@@ -1,4 +1,4 @@
-"""One dynamic partition per checkpoint folder, keyed by its name (``formats.checkpoint_names.CheckpointName``):
+"""One dynamic partition per checkpoint folder, keyed by its name (``checkpoint_name.CheckpointName``):
 ``<run>/<step folder>[/<role>]``.
 
 The readers say how each training stack names its step folders and which role folders it saves
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.checkpoint_names import STEP_ROLE, CheckpointName
 
 
 def checkpoint_key(key: str) -> CheckpointName:

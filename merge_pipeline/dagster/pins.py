@@ -36,10 +36,10 @@ from urllib.parse import quote, unquote
 
 import dagster as dg
 
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.files.shared_folders import open_own_folder, refuse_planted, refuse_planted_fd
-from merge_pipeline.formats.checkpoint_names import CheckpointName
 
 log = logging.getLogger("merge_pipeline")
 

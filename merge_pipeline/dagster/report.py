@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
-from merge_pipeline.formats.checkpoint_names import CheckpointName
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.progress import human_bytes

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from merge_pipeline.formats.checkpoint_names import CheckpointName
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.hub.card_metadata import CardMetadata
 
 CARD = "README.md"

@@ -56,8 +56,8 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from merge_pipeline import __version__
+from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
-from merge_pipeline.formats.checkpoint_names import CheckpointName
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub.card_metadata import card_metadata
 from merge_pipeline.hub.model_card import CARD, readme_to_publish, render_card
