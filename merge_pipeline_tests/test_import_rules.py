@@ -25,7 +25,6 @@ LAYERS = {
     "__init__": 0,
     "errors": 0,
     "files": 0,
-    "json_files": 0,
     "options": 0,
     "progress": 0,
     "plan": 0,

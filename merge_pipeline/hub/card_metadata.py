@@ -29,7 +29,7 @@ from pathlib import Path
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.inputs import read_capped
-from merge_pipeline.json_files import read_json_object
+from merge_pipeline.files.json_files import read_json_object
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 HUB_CACHE_FOLDER = re.compile(r"(?:^|/)models--([\w.-]+?)--([\w.-]+)/snapshots/[^/]+/?$")

@@ -58,10 +58,10 @@ from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_b
 from merge_pipeline import __version__
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
+from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub.card_metadata import card_metadata
 from merge_pipeline.hub.model_card import CARD, readme_to_publish, render_card
-from merge_pipeline.json_files import read_json_object
 from merge_pipeline.settings import HUB_TIMEOUT
 from merge_pipeline.storage import sha256_uploaded_with, store_object
 
