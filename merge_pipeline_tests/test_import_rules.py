@@ -274,7 +274,7 @@ def test_the_product_never_imports_the_sample_writers() -> None:
 
 @pytest.mark.slow
 def test_the_wheel_ships_the_product_only(tmp_path) -> None:
-    from merge_pipeline_tests.defs.services import clean_copy  # the repo's files, not its build/ leftovers
+    from merge_pipeline_tests.dagster.services import clean_copy  # the repo's files, not its build/ leftovers
 
     source = tmp_path / "src"
     clean_copy(source)

@@ -14,7 +14,7 @@ from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_fl
 from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.ray_settings import RAY_FIELDS
 from merge_pipeline_samples.fsdp import FsdpSpec
-from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
+from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
 
 LAUNCHER_FIELDS = {"launcher", "nproc_per_node", "nnodes", "rdzv_endpoint"}  # Dagster's own
 RAY_CONFIG_FIELDS = {f"ray_{setting.name}" for setting in RAY_FIELDS}  # the CLI's --ray-<name>
