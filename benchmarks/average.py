@@ -133,7 +133,7 @@ def _read_only(step: Path, dtype: str) -> None:
 
     import merge_pipeline.hf.architecture  # noqa: F401  transformers: a one-time import, not reading
     from merge_pipeline.options import MergeOptions
-    from merge_pipeline.pipeline import prepare
+    from merge_pipeline.pipeline.prepare import prepare
 
     started = time.perf_counter()
     with prepare(step, MergeOptions(dtype=dtype)) as prepared:

@@ -101,7 +101,7 @@ def empty():
 
 @ray.remote(max_calls=1, num_cpus=1, resources={"n1": 1})
 def with_torch():
-    import torch, merge_pipeline.pipeline, merge_pipeline.formats.fsdp.reader
+    import torch, merge_pipeline.pipeline.merge, merge_pipeline.formats.fsdp.reader
     return None
 
 ray.get(empty.remote())

@@ -72,7 +72,7 @@ INTERPRETERS = {
     "torch": "import torch, torch.distributed.tensor",
     "torch+transformers": "import torch, torch.distributed.tensor, transformers; from transformers import AutoConfig, PretrainedConfig",
     # What a merge imports before it reads a byte: its start-up (import) cost.
-    "merge_pipeline": "import merge_pipeline.cli, merge_pipeline.pipeline, merge_pipeline.formats.fsdp.reader",
+    "merge_pipeline": "import merge_pipeline.cli, merge_pipeline.pipeline.merge, merge_pipeline.formats.fsdp.reader",
 }
 
 

@@ -264,11 +264,11 @@ def _workers(args: argparse.Namespace):
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from merge_pipeline.pipeline import merge
+    from merge_pipeline.pipeline.merge import merge
 
     options = _options(args)
     if args.hf_upload_path:  # a bad repo id, branch or timeout is refused now, not after the merge is published
-        from merge_pipeline.hub import check_upload_settings
+        from merge_pipeline.hub.upload import check_upload_settings
 
         check_upload_settings(args.hf_upload_path, args.revision, args.hub_timeout)
     with _workers(args) as workers:
@@ -299,7 +299,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 def _run_average(args: argparse.Namespace) -> int:
     """The merge sequence on the average of ``--inputs``: under torchrun or on Ray too, as ``merge``."""
-    from merge_pipeline.pipeline import merge
+    from merge_pipeline.pipeline.merge import merge
 
     inputs = tuple(str(path if is_store_url(path) else path.absolute()) for path in args.inputs)
     options = dataclasses.replace(
@@ -326,7 +326,7 @@ def _run_upload(args: argparse.Namespace) -> int:
 
 def _upload(folder: str | Path, repo_id: str, args: argparse.Namespace) -> int:
     """A folder in a store is uploaded through its view: weight files streamed by ranged GETs, never downloaded."""
-    from merge_pipeline.hub import upload_folder_verified
+    from merge_pipeline.hub.upload import upload_folder_verified
 
     with viewed(folder, merged=True) as local:
         upload = upload_folder_verified(
@@ -344,7 +344,7 @@ def _upload(folder: str | Path, repo_id: str, args: argparse.Namespace) -> int:
 
 
 def _run_test(args: argparse.Namespace) -> int:
-    from merge_pipeline.pipeline import compare
+    from merge_pipeline.pipeline.inspect import compare
 
     result = compare(args.local_dir, args.test_hf_dir, _options(args), atol=args.atol)
     if result.worst:
@@ -369,7 +369,7 @@ def _run_test(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from merge_pipeline.pipeline import describe
+    from merge_pipeline.pipeline.inspect import describe
     from merge_pipeline.store_uploads import describe as described_uploads
     from merge_pipeline.store_uploads import incomplete_uploads
 

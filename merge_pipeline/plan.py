@@ -22,7 +22,7 @@ from typing import Protocol, TypedDict
 import torch
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import open_regular_stat
+from merge_pipeline.files.inputs import open_regular_stat
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.storage import ObjectIdentity, store_object
 

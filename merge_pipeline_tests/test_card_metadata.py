@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from merge_pipeline.card_metadata import hub_id, pipeline_tag
+from merge_pipeline.hub.card_metadata import hub_id, pipeline_tag
 
 
 @pytest.mark.parametrize("value", ["Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B", "org_1/model.v2"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, tree_digest
 

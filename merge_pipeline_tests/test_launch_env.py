@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from merge_pipeline_samples.fsdp import FsdpSpec
-from merge_pipeline_tests.defs.services import free_port
+from merge_pipeline_tests.dagster.services import free_port
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits, torchrun
 
 SPEC = FsdpSpec(world_size=3, with_optimizer=False)

@@ -26,7 +26,8 @@ import pytest
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import describe, merge
+from merge_pipeline.pipeline.inspect import describe
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline.storage import sha256_uploaded_with, store_object, viewed
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest
@@ -143,15 +144,15 @@ def test_an_object_replaced_mid_merge_is_refused_in_one_line(bucket, fsdp_checkp
     source = upload(fs, sample.role_dir, f"{b}/ckpt/actor")
     rank_file = sorted(p.name for p in sample.role_dir.glob("model_world_size_*_rank_1.pt"))[0]
 
-    from merge_pipeline import pipeline
+    from merge_pipeline.pipeline import merge as merge_sequence
 
-    original = pipeline.write_side_files
+    original = merge_sequence.write_side_files
 
     def replaced_meanwhile(*args, **kwargs):  # the trainer re-saves one rank file after planning
         fs.pipe(f"{b}/ckpt/actor/{rank_file}", (sample.role_dir / rank_file).read_bytes() + b"\0")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "write_side_files", replaced_meanwhile)
+    monkeypatch.setattr(merge_sequence, "write_side_files", replaced_meanwhile)
     with pytest.raises(MergeError) as refused:
         merge(source, f"s3://{b}/merged", MergeOptions(), show_progress=False)
     assert str(refused.value).startswith(f"{source}/{rank_file}: changed while it was being merged")

@@ -1,4 +1,4 @@
-"""Object storage with the launchers: torchrun ranks and Ray tasks read a checkpoint from the store
+"""A store with the launchers: torchrun ranks and Ray tasks read a checkpoint from the store
 and upload their weight files to a target in the store, as one process does."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.workers.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec

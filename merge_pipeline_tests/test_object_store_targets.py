@@ -18,7 +18,7 @@ import pytest
 from fsspec.asyn import sync
 
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline.storage import publish_folder
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli

@@ -11,10 +11,10 @@ from merge_pipeline.cli import _options, build_parser
 from merge_pipeline.dagster.config import MergeConfig
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_flags
-from merge_pipeline.pipeline import prepare
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.ray_settings import RAY_FIELDS
 from merge_pipeline_samples.fsdp import FsdpSpec
-from merge_pipeline_tests.defs.helpers import PROJECT_ROOT
+from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
 
 LAUNCHER_FIELDS = {"launcher", "nproc_per_node", "nnodes", "rdzv_endpoint"}  # Dagster's own
 RAY_CONFIG_FIELDS = {f"ray_{setting.name}" for setting in RAY_FIELDS}  # the CLI's --ray-<name>

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.engine.publish import lock_path
+from merge_pipeline.engine.publish import lock_path, staging_path
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge, staging_path
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.workers.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec

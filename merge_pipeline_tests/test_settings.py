@@ -12,7 +12,7 @@ import pytest
 
 from merge_pipeline import settings
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hub import check_upload_settings
+from merge_pipeline.hub.upload import check_upload_settings
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli
 

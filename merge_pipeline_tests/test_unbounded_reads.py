@@ -84,7 +84,7 @@ from merge_pipeline.formats.step_folders import read_tracker
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.dcp_files import read_dcp_metadata
 from merge_pipeline.formats.deepspeed.reader import tag_dir
-from merge_pipeline.json_files import read_json_object
+from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.workers.writing import peak_rss_bytes
 
 folder = Path(sys.argv[1])

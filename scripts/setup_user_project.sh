@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv-user-project: the venv of a Dagster project that `create-dagster project` makes today, for
-# merge_pipeline_tests/defs/test_user_project.py, which installs this package into it as a user does. Here:
+# merge_pipeline_tests/dagster/test_user_project.py, which installs this package into it as a user does. Here:
 # the CPU torch first (docs/DAGSTER.md, "Install"), then a scaffolded project's own dependencies (its exact
 # dagster pin) and this package's with its [s3] and [ray] extras, so that the test downloads nothing; this
 # package itself is uninstalled again: the test installs it. create-dagster lies in a venv of its own inside,

@@ -145,7 +145,7 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     # (the UI's, and each run worker's before it reports the run started) does not need.
     from merge_pipeline.dagster.discovery import Completeness, completeness, newest_change
     from merge_pipeline.dagster.weights import step_workers
-    from merge_pipeline.pipeline import merge
+    from merge_pipeline.pipeline.merge import merge
 
     key = checkpoint_key(context.partition_key)
     target = settings.target_dir(key)

@@ -179,7 +179,7 @@ def _average(
     # torch and transformers: imported by the run, not by the code location's load
     from merge_pipeline.dagster.weights import step_workers
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
-    from merge_pipeline.pipeline import merge
+    from merge_pipeline.pipeline.merge import merge
 
     with one_line_failure():
         weights = averaging.step_weights()

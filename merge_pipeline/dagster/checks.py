@@ -1,6 +1,6 @@
 """The three blocking checks as Dagster asset checks of ``hf_model``, one result per partition.
 
-They are part of the merge step: ``pipeline.check_before_publishing`` (the CLI's own function) runs them on
+They are part of the merge step: ``pipeline.folder.check_before_publishing`` (the CLI's own function) runs them on
 the staging folder before the rename. The step then yields one ``AssetCheckResult`` per check with the
 materialization of ``hf_model``; when a check refused the folder, it yields them (the failed one failed, with
 its problems) and fails with the CLI's line, publishing nothing. A merge that fails before the checks ran (a

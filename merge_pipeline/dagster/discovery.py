@@ -25,10 +25,10 @@ from pathlib import Path
 
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError, printable
-from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's and the asset's answer type
-from merge_pipeline.pipeline import completeness as pipeline_completeness
-from merge_pipeline.pipeline import newest_change as newest_change  # a pinned step's age
-from merge_pipeline.pipeline import saved_in_step_folder, step_folder, step_folders
+from merge_pipeline.formats import completeness as readers_completeness
+from merge_pipeline.formats import saved_in_step_folder, step_folder, step_folders
+from merge_pipeline.formats.step_folders import Completeness as Completeness  # the sensor's and the asset's answer type
+from merge_pipeline.formats.step_folders import newest_change as newest_change  # a pinned step's age
 from merge_pipeline.store_listing import Mirror, StoreURL
 from merge_pipeline.target_rules import within
 
@@ -137,7 +137,7 @@ def completeness(folder: Path | StoreURL, step: int, settle_seconds: float) -> C
     """The readers' answer (``pipeline.completeness``); for a folder in a store, asked of its listing."""
     if isinstance(folder, StoreURL):
         return store_completeness(folder, step, settle_seconds)
-    return pipeline_completeness(folder, step, settle_seconds)
+    return readers_completeness(folder, step, settle_seconds)
 
 
 def merged_before(target: Path | StoreURL) -> bool:
@@ -218,7 +218,7 @@ def store_completeness(folder: StoreURL, step: int, settle_seconds: float) -> Co
             if above.partition("://")[2]:
                 mirror.list(above)
         mirror.list(folder, recursive=True)
-        return pipeline_completeness(mirror.folder(folder), step, settle_seconds)
+        return readers_completeness(mirror.folder(folder), step, settle_seconds)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -20,7 +20,7 @@ def checkpoint_key(key: str) -> CheckpointName:
     """A partition key, parsed into the checkpoint's name (its writer included); ``MergeError`` naming the
     forms a key takes when it is none of them."""
     # the step folder rules live with the readers (torch): imported on use, not by the location's load
-    from merge_pipeline.pipeline import step_folder, step_folders
+    from merge_pipeline.formats import step_folder, step_folders
 
     parts = key.rsplit("/", 2)
     if len(parts) == 3 and (found := step_folder(parts[1])) and parts[2] in found[0].roles:

@@ -14,7 +14,7 @@ keep their own until their own merge is done, and each one's stale sweep sees on
 
 The checkpoint root may be shared with other users (``docs/SAFETY.md``, "Data is never lost"):
 every folder from the pin root down is ours, made with mode 0700 and opened without following a
-link (``shared_folders``), so a pin never lets another user read a file, and an entry planted there
+link (``files.shared_folders``), so a pin never lets another user read a file, and an entry planted there
 is refused in one line and left alone. A pin is read only if it still holds the very files (device,
 inode, size, mtime) its record lists from when it was made; else the merge reads the step itself.
 """
@@ -39,7 +39,7 @@ import dagster as dg
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError, printable
-from merge_pipeline.shared_folders import open_own_folder, refuse_planted, refuse_planted_fd
+from merge_pipeline.files.shared_folders import open_own_folder, refuse_planted, refuse_planted_fd
 
 log = logging.getLogger("merge_pipeline")
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, create_model
 
 from merge_pipeline.dagster.pins import PINS
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
-from merge_pipeline.hub import DEFAULT_ENDPOINT
+from merge_pipeline.hub.upload import DEFAULT_ENDPOINT
 from merge_pipeline.settings import (
     DAY_SECONDS,
     HUB_TIMEOUT,

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the workers' types import torch: a run does, the code locat
 
 def parallel_config_metadata(prepared: Prepared, options: MergeOptions, manifest: Mapping) -> dict:
     """``inspect``'s facts (the same function builds both) and the plan's decisions."""
-    from merge_pipeline.pipeline import checkpoint_facts
+    from merge_pipeline.pipeline.inspect import checkpoint_facts
 
     facts = checkpoint_facts(prepared.plan, options, prepared.config)
     inputs = facts.pop("files")

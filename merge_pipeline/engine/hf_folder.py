@@ -8,9 +8,9 @@ from pathlib import Path
 
 from merge_pipeline.engine.outputs import OUTPUT_ADAPTER_DIR, OutputPlan
 from merge_pipeline.errors import printable, shown_path
+from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
 from merge_pipeline.hf.safetensors import INDEX
-from merge_pipeline.input_files import read_capped
 from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE, parse_size
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 (fp32 holds up to ~3.40e38): the merge would exit 0 with a model whose first forward pass is NaN.
 The writer checks every chunk it casts to a dtype that cannot hold all of the source's finite values
 (``may_overflow``); ``--dtype fp8`` quantizes with scales instead and refuses inf and NaN itself
-(``engine/fp8.py``).
+(``engine/fp8_quantize.py``).
 """
 
 from __future__ import annotations

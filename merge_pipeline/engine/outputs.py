@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from merge_pipeline.engine.lora import split_lora
+from merge_pipeline.engine.lora_merge import split_lora
 from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.config import ModelConfig
@@ -20,7 +20,7 @@ from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
 
-# fp8 is no cast: engine/fp8.py rewrites the plan (tensors are planned here in their stored dtype first).
+# fp8 is no cast: engine/fp8_quantize.py rewrites the plan (tensors are planned here in their stored dtype first).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_WEIGHTS = f"{OUTPUT_ADAPTER_DIR}/{ADAPTER_FILE}"
@@ -49,7 +49,7 @@ class OutputPlan:
     config_dtype: torch.dtype
     dropped: list[str] = field(default_factory=list)  # e.g. a tied lm_head.weight
     adapter_only: bool = False  # no base weights: the folder is a PEFT adapter, not a model
-    fp8: Fp8Decisions | None = None  # --dtype fp8: what was quantized and what kept (engine/fp8.py)
+    fp8: Fp8Decisions | None = None  # --dtype fp8: what was quantized and what kept (engine/fp8_quantize.py)
     quantization: QuantDecisions | None = (
         None  # --quantize: the scheme, what was quantized and kept (engine/quantize.py)
     )

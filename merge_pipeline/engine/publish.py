@@ -16,7 +16,7 @@ The parent may be a shared folder (``/tmp``, a team folder) where another user c
 names first: none is ever followed (the lock is opened with ``O_NOFOLLOW`` relative to the parent's
 descriptor, the staging folder made by ``mkdir``, which fails on any existing entry), and one found
 there that is a symlink, not this user's, or of the wrong type is refused in one line and touched
-in no way (``shared_folders``).
+in no way (``files.shared_folders``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError, naming, os_error
+from merge_pipeline.files.inputs import read_capped
+from merge_pipeline.files.shared_folders import refuse_planted, refuse_planted_fd
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.input_files import read_capped
-from merge_pipeline.shared_folders import refuse_planted, refuse_planted_fd
 from merge_pipeline.target_rules import not_ours, refuse_overlap
 
 log = logging.getLogger("merge_pipeline")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError
+from merge_pipeline.files.inputs import require_opened_inside
 from merge_pipeline.formats.step_folders import Completeness, Quiet, StepFolder, newest_change, tracker_vouches
 from merge_pipeline.hf.config import CheckpointConfig
-from merge_pipeline.input_files import require_opened_inside
 from merge_pipeline.options import BACKENDS, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, closed_on_failure
 

@@ -23,12 +23,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError, shown
+from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.formats.added_one import AddedOne
 from merge_pipeline.formats.expert_matrices import ExpertMatrices, hf_shape
 from merge_pipeline.formats.output_specs import OutputSpec, Piece
 from merge_pipeline.formats.rotary_rows import RotaryRows
 from merge_pipeline.formats.torch_files import load_meta_archive, stored_tensor
-from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (
     READ_PIECE_BYTES,
     ByteRun,

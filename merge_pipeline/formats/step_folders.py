@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import read_capped
+from merge_pipeline.files.inputs import read_capped
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl writes it beside its steps after every role of step N
 MAX_TRACKER_BYTES = 64  # a step number; verl writes a few bytes: a larger file is not a tracker

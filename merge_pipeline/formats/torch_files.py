@@ -30,8 +30,8 @@ from typing import BinaryIO
 import torch
 
 from merge_pipeline.errors import MergeError, first_line
+from merge_pipeline.files.inputs import open_regular
 from merge_pipeline.formats.state_dict_pickle import PickleRefused, StateDictUnpickler
-from merge_pipeline.input_files import open_regular
 from merge_pipeline.plan import ByteRun, FileRange, SourceFile
 from merge_pipeline.storage import store_object
 

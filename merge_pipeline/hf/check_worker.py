@@ -1,10 +1,10 @@
 """The blocking checks in a process of their own, started as the weights start being written.
 
-``start_beside`` (``pipeline.write_side_files``, just before the weights) forks the merging process:
+``start_beside`` (``pipeline.folder.write_side_files``, just before the weights) forks the merging process:
 the child, which has torch already, imports transformers and the modeling module of the class
 config.json names and builds transformers' table of checkpoint renamings (~2-3 s of CPU that a
 thread of the merging process would spend holding the GIL its writer threads need at every chunk),
-then waits. ``checks_on`` (``pipeline.check_before_publishing``, once the folder is complete) sends
+then waits. ``checks_on`` (``pipeline.folder.check_before_publishing``, once the folder is complete) sends
 it the write report's entries; it runs ``blocking_checks.run_blocking_checks`` on the folder, the
 same functions on the same folder as in the merging process, and answers each check's problems. So
 the merging process never imports transformers for the checks (a FSDP merge imports none of it).

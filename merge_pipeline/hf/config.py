@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from merge_pipeline.errors import MergeError, first_line
-from merge_pipeline.json_files import read_json_object
+from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import dtype_name
 

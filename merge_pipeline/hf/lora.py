@@ -13,7 +13,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.json_files import read_json_object
+from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.plan import LoraInfo, PlannedTensor
 
 PEFT_PREFIX = "base_model.model."

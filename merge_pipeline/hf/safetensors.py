@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import open_regular
+from merge_pipeline.files.inputs import open_regular
 from merge_pipeline.storage import StoreObject, store_object
 
 INDEX = "model.safetensors.index.json"

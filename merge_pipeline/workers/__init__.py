@@ -4,6 +4,7 @@
     in_process  the ``Workers`` interface of ``pipeline.merge``, and ``IN_PROCESS``: this process writes all
     torchrun    ``TorchrunRanks``: this process and its torchrun peers, rank 0 leading
     ray_tasks   ``RayTasks``: this process leads, Ray tasks on a cluster write
+    ray_probe   whether a Ray head answers at an address, asked in seconds before ``ray_tasks`` connects
     remote      a worker whose lead is another process: plan, then write its files (torchrun ranks, a Ray task)
 
 Dagster's step launching torchrun ranks through Pipes (``dagster.weights.TorchrunLaunch``) needs Dagster,

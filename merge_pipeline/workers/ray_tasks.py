@@ -41,10 +41,10 @@ from merge_pipeline.errors import MergeError, first_line, os_error
 from merge_pipeline.formats.coalesced_reads import GROUP_BYTES
 from merge_pipeline.plan import READ_PIECE_BYTES
 from merge_pipeline.progress import ByteProgress, human_bytes
-from merge_pipeline.ray_probe import check_ray_head
 from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.storage import is_store_url
 from merge_pipeline.workers.in_process import Workers
+from merge_pipeline.workers.ray_probe import check_ray_head
 from merge_pipeline.workers.remote import plan_then_write
 from merge_pipeline.workers.writing import (
     Prepared,

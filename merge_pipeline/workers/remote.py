@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from merge_pipeline.pipeline import prepare
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.workers.in_process import Workers
 from merge_pipeline.workers.writing import WeightJob, Written
 

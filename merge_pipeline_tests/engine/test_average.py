@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from merge_pipeline.engine.averaging import AveragedSource
-from merge_pipeline.engine.fp8 import quantize_bands
-from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.engine.fp8_quantize import quantize_bands
+from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import read_manifest
-from merge_pipeline.model_card import render_card
+from merge_pipeline.hub.model_card import render_card
 from merge_pipeline.options import MergeOptions, average_weights
-from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
+from merge_pipeline.pipeline.folder import finish_folder, write_side_files
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.plan import PlannedTensor
 from merge_pipeline.workers.writing import resume_key, write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec

@@ -16,18 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf import check_worker
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import (
-    check_before_publishing,
-    finish_folder,
-    prepare,
-    staged_output,
-    staging_path,
-    write_side_files,
-)
+from merge_pipeline.pipeline.folder import check_before_publishing, finish_folder, write_side_files
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+from merge_pipeline.engine.publish import staged_output
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.folder_checks import manifest_problems
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import check_before_publishing, finish_folder, prepare, staged_output, write_side_files
+from merge_pipeline.pipeline.folder import check_before_publishing, finish_folder, write_side_files
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 

@@ -14,11 +14,11 @@ from transformers import FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 from transformers.quantizers.auto import AutoHfQuantizer
 
-from merge_pipeline.engine.fp8 import quantized_pair
+from merge_pipeline.engine.fp8_quantize import quantized_pair
 from merge_pipeline.hf.architecture import expected_tensors
 from merge_pipeline.hf.folder_checks import meta_load_problems
 from merge_pipeline.hf.fp8 import FP8, decide_fp8, dequantize
-from merge_pipeline.model_card import render_card
+from merge_pipeline.hub.model_card import render_card
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import (
@@ -77,7 +77,7 @@ def test_quantizer_is_bit_identical_to_the_reference(dtype):
     for source in (None, TensorInPieces(weight, 100_003)):  # one whole piece, and pieces across band boundaries
         q, s = _write_pair(weight, block, source)
         on_grid = torch.ones_like(s, dtype=torch.bool)
-        on_grid[1, 0] = False  # the sub-range tile: the one place the rules differ (see engine/fp8.py)
+        on_grid[1, 0] = False  # the sub-range tile: the one place the rules differ (see engine/fp8_quantize.py)
         assert same_bits(s[on_grid], expected_s[on_grid]) and same_bits(s[on_grid], ran["m.weight_scale_inv"][on_grid])
         rows = torch.ones(384, dtype=torch.bool)
         rows[128:256] = False

@@ -14,10 +14,11 @@ import time
 
 import pytest
 
-from merge_pipeline.engine.publish import staging_path
+from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import finish_folder, prepare, staged_output, write_side_files
+from merge_pipeline.pipeline.folder import finish_folder, write_side_files
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import TORCHRUN, error_lines

@@ -17,7 +17,7 @@ from merge_pipeline.engine.safetensors_writer import OutputTensor, build_header,
 from merge_pipeline.formats import coalesced_reads
 from merge_pipeline.hf.manifest import MANIFEST, sha256_file, write_manifest
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import prepare
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec

@@ -1,7 +1,7 @@
 """A Hub per test (``hub``), and one real merged folder per session (``merged_folder``).
 
 The client is the real huggingface_hub; it reaches the test's FakeHub through HF_ENDPOINT, read by
-merge_pipeline.hub at call time (huggingface_hub itself reads it once, at import).
+merge_pipeline.hub.upload at call time (huggingface_hub itself reads it once, at import).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline_samples.fsdp import FsdpSpec
-from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 (fixtures for the Dagster tests here)
+from merge_pipeline_tests.dagster.conftest import instance, roots  # noqa: F401 (fixtures for the Dagster tests here)
 from merge_pipeline_tests.hub.fake_hub import FakeHub, User
 
 WRITER = "hf_writerTOKENx7Qz9"  # alice: member of "org", may write

@@ -10,7 +10,7 @@ from merge_pipeline.dagster.averaging import Averaging
 from merge_pipeline.dagster.component import HubPublishing, MergeCheckpoints
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline_tests.defs.averaged_steps import publish_merged_steps
+from merge_pipeline_tests.dagster.averaged_steps import publish_merged_steps
 from merge_pipeline_tests.hub.conftest import WRITER
 
 SCHEDULE = "c__publish_averaged_models"

@@ -11,9 +11,9 @@ from pathlib import Path
 from huggingface_hub import ModelCard, hf_hub_download
 
 from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.hub import upload_folder_verified
+from merge_pipeline.hub.upload import upload_folder_verified
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import merge
+from merge_pipeline.pipeline.merge import merge
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.hub.conftest import WRITER
 from merge_pipeline_tests.hub.test_hub_upload import FAST

@@ -15,9 +15,9 @@ from merge_pipeline.dagster.averaging import Averaging, averaged_model_definitio
 from merge_pipeline.dagster.hub import HuggingFaceHub, hub_averaged_definition
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline_tests.defs.averaged_steps import publish_merged_steps
-from merge_pipeline_tests.defs.helpers import ACTOR, asset, materialize
-from merge_pipeline_tests.defs.test_dagster_store import KEY, put_step, store_settings
+from merge_pipeline_tests.dagster.averaged_steps import publish_merged_steps
+from merge_pipeline_tests.dagster.helpers import ACTOR, asset, materialize
+from merge_pipeline_tests.dagster.test_dagster_store import KEY, put_step, store_settings
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER
 

@@ -17,8 +17,8 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from merge_pipeline import __version__
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST, read_manifest
-from merge_pipeline.hub import RetryPolicy, upload_folder_verified
-from merge_pipeline.model_card import CARD_END, CARD_START
+from merge_pipeline.hub.model_card import CARD_END, CARD_START
+from merge_pipeline.hub.upload import RetryPolicy, upload_folder_verified
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import OUTSIDER, READER, TOKENS, WRITER, silent_endpoint
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from merge_pipeline.errors import MergeError, shown
+from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.coalesced_reads import coalesced
 from merge_pipeline.formats.step_folders import (
@@ -35,7 +36,6 @@ from merge_pipeline.formats.step_folders import (
 )
 from merge_pipeline.formats.torch_files import load_meta_state_dict, stored_tensor
 from merge_pipeline.hf.config import CONFIG, has_value_head
-from merge_pipeline.input_files import read_capped
 from merge_pipeline.plan import (
     ByteRun,
     CheckpointPlan,

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.coalesced_reads import RunBlock, coalesced
 from merge_pipeline.formats.dcp_files import check_tiling
@@ -28,7 +29,6 @@ from merge_pipeline.formats.step_folders import VERL, StepFolder
 from merge_pipeline.formats.torch_files import StoredTensor, stored_tensor, torch_archive
 from merge_pipeline.hf.config import has_value_head
 from merge_pipeline.hf.lora import LORA_META, read_lora_meta
-from merge_pipeline.json_files import read_json_object
 from merge_pipeline.plan import (
     ByteRun,
     CheckpointPlan,

@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.formats.step_folders import MAX_TRACKER_BYTES, TRACKER, StepFolder
-from merge_pipeline.input_files import read_capped
 
 ITERATION_FOLDER = re.compile(r"iter_[0-9]{7,}|release")
 # The sensor's view of the same folders: each iter_<N>/ one checkpoint, complete once the tracker names N.

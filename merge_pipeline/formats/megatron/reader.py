@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.dcp_files import (
     METADATA,
@@ -47,7 +48,6 @@ from merge_pipeline.formats.safetensors_folder.reader import BRIDGE_ADAPTER_DIR,
 from merge_pipeline.formats.step_folders import VERL, Completeness, Quiet, StepFolder, tracker_vouches
 from merge_pipeline.hf.config import CheckpointConfig, model_section
 from merge_pipeline.hf.lora import ADAPTER_CONFIG
-from merge_pipeline.json_files import read_json_object
 from merge_pipeline.plan import CheckpointPlan, Computed, PlannedTensor, SourceFile, dtype_name
 
 MANIFEST = "ckpt_contents.json"  # verl's layout v2: rank 0 writes it last, atomically

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.safetensors_files import header_entries
 from merge_pipeline.hf.config import VALUE_HEAD, CheckpointConfig, has_value_head
@@ -31,7 +32,6 @@ from merge_pipeline.hf.lora import (
     peft_base_names,
 )
 from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE
-from merge_pipeline.json_files import read_json_object
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import (
     CheckpointPlan,

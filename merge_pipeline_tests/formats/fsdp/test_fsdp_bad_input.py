@@ -14,7 +14,8 @@ import torch
 
 from merge_pipeline.engine.publish import staged_output
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline import finish_folder, prepare, write_side_files
+from merge_pipeline.pipeline.folder import finish_folder, write_side_files
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.workers.writing import write_weights
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, run_cli, same_bits, tree_digest

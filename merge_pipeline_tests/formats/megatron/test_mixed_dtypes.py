@@ -16,8 +16,8 @@ from merge_pipeline.definitions import defs
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_samples.megatron import arrange_v2
-from merge_pipeline_tests.defs.conftest import instance, roots  # noqa: F401 - fixtures: a real instance, watched roots
-from merge_pipeline_tests.defs.helpers import LOCATION, checks_passed
+from merge_pipeline_tests.dagster.conftest import instance, roots  # noqa: F401 - fixtures: a real instance, watched roots
+from merge_pipeline_tests.dagster.helpers import LOCATION, checks_passed
 from merge_pipeline_tests.helpers import (
     assert_loads_every_stored_value,
     load_safetensors_dir,

@@ -29,7 +29,7 @@ from merge_pipeline_samples.megatron import (
     sample_tokens,
     write_bridge_weights,
 )
-from merge_pipeline_tests.defs.helpers import LOCATION, materialize
+from merge_pipeline_tests.dagster.helpers import LOCATION, materialize
 from merge_pipeline_tests.helpers import (
     assert_bit_exact,
     load_safetensors_dir,
