@@ -26,7 +26,8 @@ from merge_pipeline.options import (
 )
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
-from merge_pipeline.storage import is_store_url, viewed
+from merge_pipeline.store.url import is_store_url
+from merge_pipeline.store.view import viewed
 
 log = logging.getLogger("merge_pipeline")
 
@@ -370,8 +371,8 @@ def _run_test(args: argparse.Namespace) -> int:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from merge_pipeline.pipeline import describe
-    from merge_pipeline.store_uploads import describe as described_uploads
-    from merge_pipeline.store_uploads import incomplete_uploads
+    from merge_pipeline.store.incomplete_uploads import describe as described_uploads
+    from merge_pipeline.store.incomplete_uploads import incomplete_uploads
 
     if is_store_url(args.local_dir):  # said before the description, which a prefix of nothing but parts fails
         try:

@@ -63,7 +63,8 @@ from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.model_card import CARD, readme_to_publish, render_card
 from merge_pipeline.settings import HUB_TIMEOUT
-from merge_pipeline.storage import sha256_uploaded_with, store_object
+from merge_pipeline.store.upload import sha256_uploaded_with
+from merge_pipeline.store.view import store_object
 
 log = logging.getLogger("merge_pipeline")
 

@@ -55,16 +55,13 @@ from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import (
-    invalidate_target,
-    is_store_url,
-    local_twin,
-    publish_folder,
-    viewed,
-)
-from merge_pipeline.store_lock import StoreTargetLock, locked_store_target
-from merge_pipeline.store_uploads import abort_incomplete_uploads
-from merge_pipeline.target_rules import check_store_target, refuse_overlap
+from merge_pipeline.store.incomplete_uploads import abort_incomplete_uploads
+from merge_pipeline.store.lock import StoreTargetLock, locked_store_target
+from merge_pipeline.store.publish import invalidate_target, publish_folder
+from merge_pipeline.store.target_rules import check_store_target, refuse_overlap
+from merge_pipeline.store.upload import local_twin
+from merge_pipeline.store.url import is_store_url
+from merge_pipeline.store.view import viewed
 from merge_pipeline.workers.in_process import IN_PROCESS, Workers
 from merge_pipeline.workers.writing import Prepared, WeightJob, WriteReport, Written, resume_key
 

@@ -27,7 +27,8 @@ import pytest
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import describe, merge
-from merge_pipeline.storage import sha256_uploaded_with, store_object, viewed
+from merge_pipeline.store.upload import sha256_uploaded_with
+from merge_pipeline.store.view import store_object, viewed
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest
 from merge_pipeline_tests.hub.conftest import hub  # noqa: F401 (the Hub-compatible server, for `upload`)

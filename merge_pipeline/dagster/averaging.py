@@ -37,7 +37,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import viewed
+from merge_pipeline.store.view import viewed
 
 AVERAGED = "averaged"  # <output_root>/<run_name>/averaged/<role>
 BATCH = 200  # hf_model events read per tick

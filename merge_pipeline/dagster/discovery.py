@@ -29,8 +29,8 @@ from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's
 from merge_pipeline.pipeline import completeness as pipeline_completeness
 from merge_pipeline.pipeline import newest_change as newest_change  # a pinned step's age
 from merge_pipeline.pipeline import saved_in_step_folder, step_folder, step_folders
-from merge_pipeline.store_listing import Mirror, StoreURL
-from merge_pipeline.target_rules import within
+from merge_pipeline.store.listing import Mirror, StoreURL
+from merge_pipeline.store.target_rules import within
 
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root
 

@@ -30,7 +30,7 @@ from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import viewed
+from merge_pipeline.store.view import viewed
 
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
 # the step branches), and one branch per K, updated in place as steps land (its history: the averages).

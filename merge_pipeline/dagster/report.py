@@ -26,8 +26,9 @@ from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import is_store_url, viewed
-from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.store.url import is_store_url
+from merge_pipeline.store.view import viewed
 
 if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
     from merge_pipeline.hf.step_diff import StepDiff

@@ -187,8 +187,8 @@ def open_checkpoint(
     base = Path(options.hf_model_path).absolute() if options.hf_model_path else None
     with closed_on_failure(plan.files):
         for f in plan.files:
-            # a store's view holds only the prefix's own objects: no link to follow out of it
-            if f.remote is None and (base is None or not f.path.absolute().is_relative_to(base)):
+            if base is None or not f.path.absolute().is_relative_to(base):
                 with f.opened() as fd:
-                    require_opened_inside(fd, f.path, role_dir)
+                    if fd is not None:  # a store object has no descriptor: a view holds no link out of it
+                        require_opened_inside(fd, f.path, role_dir)
     return plan

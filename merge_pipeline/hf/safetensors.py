@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.input_files import open_regular
-from merge_pipeline.storage import StoreObject, store_object
+from merge_pipeline.store.objects import StoreObject
+from merge_pipeline.store.view import store_object
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -1,6 +1,6 @@
 """Incomplete multipart uploads under a target prefix: what a merge killed mid-upload leaves in an S3 store.
 
-A weight file goes up in parts (``storage.PART_BYTES``); a failure inside the upload aborts it (s3fs), but a
+A weight file goes up in parts (``settings.PART_BYTES``); a failure inside the upload aborts it (s3fs), but a
 killed process (SIGKILL, out of memory, a lost node, a cancelled Ray task) leaves the parts in the store,
 billed and invisible to a listing. The next merge into the same target aborts them once it holds the
 target's store lock (so none belongs to a live merge), and ``inspect`` of the prefix counts them. Only uploads
@@ -14,7 +14,8 @@ import logging
 from dataclasses import dataclass
 
 from merge_pipeline.errors import MergeError, printable
-from merge_pipeline.storage import StoreLocation, asking, is_s3, location
+from merge_pipeline.store.asking import asking
+from merge_pipeline.store.url import StoreLocation, location
 
 log = logging.getLogger("merge_pipeline")
 
@@ -33,7 +34,7 @@ def incomplete_uploads(url: str) -> list[IncompleteUpload]:
     """The multipart uploads begun and never completed nor aborted under the prefix ``url`` (none where
     the store is not S3)."""
     store = location(url)
-    if not is_s3(store.fs):
+    if not store.backend.multipart:
         return []
     bucket, _, key = store.path.partition("/")
     prefix = f"{key}/" if key else ""
@@ -91,6 +92,4 @@ def _pages(store: StoreLocation, operation: str, field: str, **request):
 
 
 def _call(store: StoreLocation, operation: str, **request) -> dict:
-    from fsspec.asyn import sync
-
-    return sync(store.fs.loop, store.fs._call_s3, operation, **request)
+    return store.backend.call(operation, **request)

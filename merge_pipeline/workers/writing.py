@@ -26,8 +26,9 @@ from merge_pipeline.hf.manifest import stat_identity
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.progress import ByteProgress
-from merge_pipeline.storage import UploadSink, is_store_url, unguarded
-from merge_pipeline.store_lock import LockGuard
+from merge_pipeline.store.lock import LockGuard
+from merge_pipeline.store.publish import UploadSink, unguarded
+from merge_pipeline.store.url import is_store_url
 
 
 @dataclass
