@@ -59,10 +59,10 @@ from merge_pipeline import __version__
 from merge_pipeline.card_metadata import card_metadata
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.model_card import CARD, readme_to_publish, render_card
 from merge_pipeline.settings import HUB_TIMEOUT
+from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.upload import sha256_uploaded_with
 from merge_pipeline.store.view import store_object
 

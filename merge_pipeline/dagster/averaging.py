@@ -34,9 +34,9 @@ from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.view import viewed
 
 AVERAGED = "averaged"  # <output_root>/<run_name>/averaged/<role>

@@ -26,10 +26,10 @@ from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.view import viewed
 
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
