@@ -453,7 +453,7 @@ def _chunks(source: Path | bytes, block: int = 8 << 20):
 
 def _client_source(source: Path | bytes) -> Path | bytes | io.BufferedReader:
     """What a file is read from: its bytes or local path as they are; for a placeholder of a store's view
-    (``storage.viewed``), a seekable reader of ranged GETs pinned to the object's ETag (never downloaded)."""
+    (``store.view.viewed``), a seekable reader of ranged GETs pinned to the object's ETag (never downloaded)."""
     if isinstance(source, bytes) or store_object(source) is None:
         return source
     from merge_pipeline.plan import FileRange, SourceFile  # torch: not for the Dagster location's load

@@ -326,7 +326,7 @@ def merge(
     started = time.monotonic()
     options = options or MergeOptions()
     # A target in a store is built in a folder of this machine named by its URL (the same lock, staging,
-    # resume and checks as a local target), then uploaded with the manifest last (``storage.publish_folder``).
+    # resume and checks as a local target), then uploaded with the manifest last (``store.publish.publish_folder``).
     store_target = str(target_dir).rstrip("/") if is_store_url(target_dir) else None
     target = local_twin(store_target) if store_target else Path(target_dir).absolute()
     overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked

@@ -320,7 +320,7 @@ class CheckpointPlan:
     check_against_architecture: bool = True
     layout: LayoutFacts = field(default_factory=dict)
     # What the plan reads through besides its files, released with them: the local views of store
-    # prefixes (``storage.viewed``) that ``pipeline.prepare`` opened for it.
+    # prefixes (``store.view.viewed``) that ``pipeline.prepare`` opened for it.
     views: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, compare=False, repr=False)
 
     def writes_value_model(self, options: MergeOptions) -> bool:

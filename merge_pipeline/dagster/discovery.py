@@ -8,7 +8,7 @@ may vanish at any moment (the trainer's rotation deletes old steps): every listi
 tolerates that.
 
 A root in a store (``s3://bucket/prefix``) is looked over the same way, through listings laid out
-locally (``store_listing.Mirror``): each folder above the step folders and each step folder's own
+locally (``store.listing.Mirror``): each folder above the step folders and each step folder's own
 entries, one page of keys at a time, never the rank files of steps already known; a new step's
 completeness lists its objects whole with the trackers beside it and asks the readers (markers, then
 the objects' ``LastModified`` for the settle time). Such steps are never pinned: objects are immutable,

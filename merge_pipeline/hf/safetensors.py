@@ -59,7 +59,7 @@ def open_safetensors(path: Path) -> Iterator:
     """``safe_open`` a finished file; a missing, special or malformed one is one line naming it."""
     os.close(open_regular(path))  # checked first: safe_open would block on a FIFO
     remote = store_object(path)
-    if remote is not None:  # a placeholder of a store's view (``storage.viewed``): its bytes are in the store
+    if remote is not None:  # a placeholder of a store's view (``store.view.viewed``): its bytes are in the store
         yield StoredSafetensors(path, remote)
         return
     try:

@@ -56,7 +56,7 @@ def publish_folder(folder: Path, url: str, manifest: dict, *, guard: Callable[[]
     5. old objects the new folder does not hold are deleted (not named by the new manifest: never read), only
        those a merge wrote: named by the manifest replaced or a killed merge's record (``delete_stale``).
 
-    ``guard`` (``store_lock.LockGuard``) confirms the target's lock before each deletion and upload, the
+    ``guard`` (``store.lock.LockGuard``) confirms the target's lock before each deletion and upload, the
     manifest's included, and raises once it is lost: the merge stops there.
     """
     store = location(url)
