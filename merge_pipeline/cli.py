@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError, os_error, printable
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import (
     ACCUMULATE_CHOICES,
     OPTION_FIELDS,
@@ -329,7 +330,7 @@ def _upload(folder: str | Path, repo_id: str, args: argparse.Namespace) -> int:
     """A folder in a store is uploaded through its view: weight files streamed by ranged GETs, never downloaded."""
     from merge_pipeline.hub import upload_folder_verified
 
-    with viewed(folder, merged=True) as local:
+    with viewed(folder, WEIGHT_SUFFIXES, merged=True) as local:
         upload = upload_folder_verified(
             local,
             repo_id,
@@ -400,7 +401,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _run_diff(args: argparse.Namespace) -> int:
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
 
-    with viewed(args.before, merged=True) as before, viewed(args.after, merged=True) as after:
+    with (
+        viewed(args.before, WEIGHT_SUFFIXES, merged=True) as before,
+        viewed(args.after, WEIGHT_SUFFIXES, merged=True) as after,
+    ):
         diff = diff_folders(after, {"before": before})
     print("\n".join([*summary_lines(diff), "", markdown_table(diff)]))
     return 0

@@ -64,7 +64,7 @@ from merge_pipeline.model_card import CARD, readme_to_publish, render_card
 from merge_pipeline.settings import HUB_TIMEOUT
 from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.upload import sha256_uploaded_with
-from merge_pipeline.store.view import store_object
+from merge_pipeline.store.view import byte_source, store_object
 
 log = logging.getLogger("merge_pipeline")
 
@@ -431,7 +431,7 @@ def _addition(local: _Local) -> CommitOperationAdd:
 
 def _hash(path: str, source: Path | bytes) -> _Local:
     """sha256, and the git blob id for small files, in one read."""
-    size = len(source) if isinstance(source, bytes) else source.stat().st_size
+    size = len(source) if isinstance(source, bytes) else _size(source)
     sha256 = hashlib.sha256()
     git = hashlib.sha1(b"blob %d\0" % size) if size <= _REGULAR_MAX else None
     for chunk in _chunks(source):
@@ -439,6 +439,12 @@ def _hash(path: str, source: Path | bytes) -> _Local:
         if git is not None:
             git.update(chunk)
     return _Local(path, size, sha256.hexdigest(), git.hexdigest() if git else None, source)
+
+
+def _size(path: Path) -> int:
+    """The size of a file to upload: of the object a placeholder of a store's view stands for, if it is one."""
+    with contextlib.closing(byte_source(path)) as source:
+        return source.size
 
 
 def _chunks(source: Path | bytes, block: int = 8 << 20):

@@ -41,7 +41,7 @@ from merge_pipeline.formats import BACKENDS as BACKENDS
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
 # a save itself, and whether a save is complete (and why not).
 from merge_pipeline.formats import Completeness as Completeness
-from merge_pipeline.formats import checkpoint_name, open_checkpoint
+from merge_pipeline.formats import checkpoint_name, open_checkpoint, weight_suffixes
 from merge_pipeline.formats import completeness as completeness
 from merge_pipeline.formats import newest_change as newest_change
 from merge_pipeline.formats import saved_in_step_folder as saved_in_step_folder
@@ -52,6 +52,7 @@ from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import has_lora_tensors, is_adapter_only
 from merge_pipeline.hf.manifest import write_manifest
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
 from merge_pipeline.progress import human_bytes
@@ -109,9 +110,11 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
 def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool = False) -> Prepared:
     views = contextlib.ExitStack()
     try:
-        local_dir = views.enter_context(viewed(local_dir))
+        local_dir = views.enter_context(viewed(local_dir, weight_suffixes()))
         if options.hf_model_path and is_store_url(options.hf_model_path):
-            options = replace(options, hf_model_path=str(views.enter_context(viewed(options.hf_model_path))))
+            options = replace(
+                options, hf_model_path=str(views.enter_context(viewed(options.hf_model_path, WEIGHT_SUFFIXES)))
+            )
         configs = CheckpointConfig.of(local_dir, options)
         plan = open_checkpoint(local_dir, options, configs, merged=merged)
     except BaseException:
@@ -406,7 +409,7 @@ def _merged_from(prepared: Prepared, options: MergeOptions) -> str:
 
 def describe(local_dir: str | Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
-    with viewed(local_dir) as folder:
+    with viewed(local_dir, weight_suffixes()) as folder:
         configs = CheckpointConfig.of(folder, options)
         with open_checkpoint(folder, options, configs) as plan:
             try:
@@ -469,5 +472,5 @@ def compare(
 ) -> Comparison:
     """``test``: what the checkpoint merges to, tensor by tensor against a reference HF folder (or a merged
     folder in a store, refused while its ``merge_manifest.json`` is missing)."""
-    with viewed(reference_dir, merged=True) as reference, prepare(local_dir, options) as prepared:
+    with viewed(reference_dir, WEIGHT_SUFFIXES, merged=True) as reference, prepare(local_dir, options) as prepared:
         return compare_with_reference(prepared.outputs, reference.absolute(), atol=atol)

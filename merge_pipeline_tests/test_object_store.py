@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.formats import weight_suffixes
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.input_files import open_regular
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline import describe, merge
@@ -169,7 +171,7 @@ def test_a_viewed_weight_file_opened_as_a_file_is_refused_not_read_as_zeros(buck
     sample = fsdp_checkpoint(FsdpSpec(world_size=2))
     source = upload(fs, sample.role_dir, f"{b}/ckpt/actor")
     name = "model_world_size_2_rank_0.pt"
-    with viewed(source) as folder:
+    with viewed(source, weight_suffixes()) as folder:
         assert byte_source(folder / name).read(0, 64) == (sample.role_dir / name).read_bytes()[:64]
         with pytest.raises(MergeError) as refused:
             open_regular(folder / name)
@@ -321,7 +323,7 @@ def test_upload_from_the_store_reads_a_weight_file_unhashed_only_where_its_merge
     manifest = json.loads((local / "merge_manifest.json").read_text())["files"]
     first, second = sorted(p.name for p in local.glob("model-*.safetensors"))[:2]
     fs.put_file(str(local / first), f"{b}/merged/{first}")  # the same bytes, copied by hand: no metadata
-    with viewed(url, merged=True) as folder:
+    with viewed(url, WEIGHT_SUFFIXES, merged=True) as folder:
         recorded = {name: sha256_uploaded_with(store_object(folder / name)) for name in (first, second)}
     assert recorded == {first: None, second: manifest[second]["sha256"]}
 

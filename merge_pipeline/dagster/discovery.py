@@ -25,6 +25,7 @@ from pathlib import Path
 
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError, printable
+from merge_pipeline.formats import weight_suffixes
 from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.pipeline import completeness as pipeline_completeness
 from merge_pipeline.pipeline import newest_change as newest_change  # a pinned step's age
@@ -156,7 +157,7 @@ def scan_store_root(root: StoreURL, output_root: Path | StoreURL, scan: Scan) ->
         return
     inside = output is not None and within(output, root)
     try:
-        with Mirror() as mirror:
+        with Mirror(weight_suffixes()) as mirror:
             local_root = mirror.folder(root)
             if not _listed(mirror, root, skip=output if inside else None):
                 scan.not_watched.append(f"{printable(root)}: no object under the checkpoint root")
@@ -212,7 +213,7 @@ def _listed(mirror: Mirror, root: StoreURL, *, skip: StoreURL | None) -> bool:
 def store_completeness(folder: StoreURL, step: int, settle_seconds: float) -> Completeness:
     """The readers' answer for a checkpoint folder in a store: its objects listed whole, and the two
     folders above it (a tracker or DeepSpeed's ``latest`` lies beside the step folders)."""
-    with Mirror() as mirror:
+    with Mirror(weight_suffixes()) as mirror:
         # a step folder at the bucket's top has no grandparent: "s3:" names no bucket
         for above in (folder.parent.parent, folder.parent):
             if above.partition("://")[2]:

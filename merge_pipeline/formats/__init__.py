@@ -9,6 +9,7 @@ else here changes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from collections.abc import Callable
@@ -47,6 +48,8 @@ class Reader:
     detect: Callable[[Path], bool]
     # The plan of a role folder; the config is asked for only by readers that need it to plan.
     plan: Callable[[Path, MergeOptions, CheckpointConfig], CheckpointPlan]
+    # Its files the plan streams tensor bytes from: in a store, read through ranged GETs, never downloaded.
+    weight_suffixes: tuple[str, ...]
     # The step folders of the trainers that save this format, and whether one holds such a save
     # itself (not in a role folder: verl's SFT trainer, a DeepSpeed tag, torchtitan).
     step_folders: tuple[StepFolder, ...] = ()
@@ -63,6 +66,12 @@ def reader(name: str) -> Reader:
     if name not in READERS:
         raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     return importlib.import_module(f"{__name__}.{MODULE_OF.get(name, name)}.reader").READER
+
+
+@functools.cache
+def weight_suffixes() -> tuple[str, ...]:
+    """Every reader's weight-file suffixes, each once: what a store's view leaves in the store (``store.view``)."""
+    return tuple(dict.fromkeys(suffix for name in READERS for suffix in reader(name).weight_suffixes))
 
 
 def step_folders() -> list[StepFolder]:

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from merge_pipeline.store.asking import asking
 from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.url import StoreLocation, location
-from merge_pipeline.store.view import WEIGHT_SUFFIXES, forget_placeholders, placeholder
+from merge_pipeline.store.view import forget_placeholders, placeholder
 
 MARKER_BYTES = 64 << 10  # a file the readers read to judge a save (a step number, a tag, a JSON) is smaller
 
@@ -80,7 +80,8 @@ class Mirror:
     """A temporary local folder laying out what listings of store prefixes found (``list``), at
     ``folder(url)``; removed on ``close``."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: tuple[str, ...]) -> None:
+        self.weights = weights  # the suffixes of weight files (``formats.weight_suffixes``): never downloaded
         self.top = Path(tempfile.mkdtemp(prefix="merge_pipeline-listing-"))
         self.newest: dict[Path, float] = {}  # each folder's newest object listed so far
         self.placeholders: list[Path] = []  # weight files, read through the store if a reader asks
@@ -114,7 +115,7 @@ class Mirror:
                     continue  # a folder marker, or a key no reader's path could name
                 local = base / relative
                 local.parent.mkdir(parents=True, exist_ok=True)
-                if relative.endswith(WEIGHT_SUFFIXES):
+                if relative.endswith(self.weights):
                     self.placeholders.append(placeholder(local, store, relative, info))
                 else:
                     with open(local, "wb") as f:

@@ -10,6 +10,7 @@ is downloaded whole.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import threading
@@ -24,9 +25,8 @@ from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.sources import ByteSource, LocalFile
 from merge_pipeline.store.url import StoreLocation, is_store_url, location
 
-# Files read through ranged GETs, never downloaded: what the readers stream tensor bytes from.
-WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".distcp", ".safetensors", ".ckpt")
-# Any other file is downloaded into the view whole (a JSON, a tracker, DCP's .metadata, a tokenizer): a side
+# Weight files (the suffixes the caller gives: ``formats.weight_suffixes``, an HF folder's) are read through
+# ranged GETs, never downloaded: what the readers stream tensor bytes from. Any other file is downloaded into the view whole (a JSON, a tracker, DCP's .metadata, a tokenizer): a side
 # file must be copied with its bytes, never a placeholder's. Past MAX_DOWNLOAD_BYTES the prefix is refused.
 
 # Placeholders in views, by absolute local path: the objects ``byte_source`` hands out for them.
@@ -62,10 +62,10 @@ def listed(store: StoreLocation) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def viewed(location_or_url: str | Path, *, merged: bool = False) -> Iterator[Path]:
+def viewed(location_or_url: str | Path, weights: tuple[str, ...], *, merged: bool = False) -> Iterator[Path]:
     """A local folder standing for a store prefix while the block runs (a local path is yielded as it is).
 
-    Other files are downloaded, weight files are sparse placeholders read through ``byte_source``.
+    Other files are downloaded, weight files (those ending in one of ``weights``) are placeholders read through ``byte_source``.
     Errors naming a file in the view name its URL (``errors.show_folder_as``). ``merged``: a merged folder
     (``test``'s reference, ``upload``, ``diff``), refused unless the listing holds its commit marker; the
     weight files listed with it are pinned to their ETags, so a re-publish under way fails their reads."""
@@ -85,7 +85,7 @@ def viewed(location_or_url: str | Path, *, merged: bool = False) -> Iterator[Pat
         for relative, info in objects.items():
             local = root / relative
             local.parent.mkdir(parents=True, exist_ok=True)
-            if relative.endswith(WEIGHT_SUFFIXES):
+            if relative.endswith(weights):
                 registered.append(placeholder(local, store, relative, info))
             else:
                 small.append((store.key(relative), str(local)))
@@ -107,10 +107,14 @@ def viewed(location_or_url: str | Path, *, merged: bool = False) -> Iterator[Pat
 
 
 def placeholder(local: Path, store: StoreLocation, relative: str, info: dict) -> Path:
-    """A sparse file at ``local`` standing for the object ``relative`` listed with ``info``: stat tells its
-    size, reads go to the store (``byte_source``), pinned to the ETag listed. Its absolute path."""
-    with open(local, "wb") as f:
-        f.truncate(int(info["size"]))
+    """A stand-in at ``local`` for the object ``relative`` listed with ``info``, whose bytes ``byte_source``
+    reads from the store, pinned to the ETag listed. Code that opens it as a file instead gets none of them,
+    never zeros: it holds one line naming the object, and no one may read it (``input_files`` refuses it in one
+    line, and so does the OS unless run by root). Its absolute path."""
+    local.write_text(
+        f"{store.url_of(relative)}: an object in a store, read through the store: none of its bytes are here\n"
+    )
+    os.chmod(local, 0)
     local = local.absolute()
     with _OBJECTS_LOCK:
         _OBJECTS[local] = StoreObject(store, store.key(relative), store.url_of(relative), ObjectIdentity.of(info))

@@ -504,6 +504,7 @@ READER = Reader(
     looks_for="an FSDP checkpoint (model_world_size_*_rank_*.pt)",
     detect=is_fsdp_dir,
     plan=lambda role_dir, options, config: plan_fsdp(role_dir, verify_replicas=options.verify_replicas),
+    weight_suffixes=(".pt",),
     step_folders=(VERL,),
     saved_in_step_folder=holds_model_files,
     # FSDP leaves no marker of a finished save: verl's tracker or the settle time decides.
