@@ -41,12 +41,13 @@ from merge_pipeline.formats import BACKENDS as BACKENDS
 # The sensor's questions, answered by the readers: which folders are step folders, whether one holds
 # a save itself, and whether a save is complete (and why not).
 from merge_pipeline.formats import Completeness as Completeness
-from merge_pipeline.formats import checkpoint_name, open_checkpoint, weight_suffixes
+from merge_pipeline.formats import checkpoint_name, open_checkpoint
 from merge_pipeline.formats import completeness as completeness
 from merge_pipeline.formats import newest_change as newest_change
 from merge_pipeline.formats import saved_in_step_folder as saved_in_step_folder
 from merge_pipeline.formats import step_folder as step_folder
 from merge_pipeline.formats import step_folders as step_folders
+from merge_pipeline.formats import weight_suffixes as weight_suffixes  # the store views' (a sensor's listing too)
 from merge_pipeline.formats.base_model import with_base_weights
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.fp8 import refuse_quantized
@@ -61,7 +62,7 @@ from merge_pipeline.store.lock import StoreTargetLock, locked_store_target
 from merge_pipeline.store.publish import invalidate_target, publish_folder
 from merge_pipeline.store.target_rules import check_store_target, refuse_overlap
 from merge_pipeline.store.upload import local_twin
-from merge_pipeline.store.url import is_store_url
+from merge_pipeline.store.url import as_location, is_store_url, spelled, store_prefix
 from merge_pipeline.store.view import viewed
 from merge_pipeline.workers.in_process import IN_PROCESS, Workers
 from merge_pipeline.workers.writing import Prepared, WeightJob, WriteReport, Written, resume_key
@@ -157,7 +158,7 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
             inputs.append(AveragedInput(one.plan, one.outputs, weight))
             configs[one.plan.role_dir] = one.config
         # local_dir names one of the inputs: its folder as planned (a store input's is its local view)
-        named, wanted = [_named_folder(path) for path in options.average_inputs], _named_folder(local_dir)
+        named, wanted = [spelled(path) for path in options.average_inputs], spelled(local_dir)
         reference = inputs[named.index(wanted)].plan.role_dir if wanted in named else Path(local_dir).absolute()
         plan, outputs = average_plan(
             inputs,
@@ -177,11 +178,6 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
     for one in inputs:  # a store input's view lives as long as the average's plan reads through it
         plan.views.enter_context(one.plan.views.pop_all())
     return Prepared(plan, configs[reference], outputs)
-
-
-def _named_folder(location: str | Path) -> str:
-    """A folder as its name is compared: a store URL as written, a local path made absolute."""
-    return str(location).rstrip("/") if is_store_url(location) else str(Path(location).absolute())
 
 
 # Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.
@@ -330,10 +326,10 @@ def merge(
     options = options or MergeOptions()
     # A target in a store is built in a folder of this machine named by its URL (the same lock, staging,
     # resume and checks as a local target), then uploaded with the manifest last (``store.publish.publish_folder``).
-    store_target = str(target_dir).rstrip("/") if is_store_url(target_dir) else None
+    store_target = store_prefix(target_dir)
     target = local_twin(store_target) if store_target else Path(target_dir).absolute()
     overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked
-    source = local_dir if is_store_url(local_dir) else Path(local_dir)
+    source = as_location(local_dir)
     inputs = (source, *options.average_inputs, *([options.hf_model_path] if options.hf_model_path else []))
 
     def checked_and_prepared() -> Prepared:  # the target rules (``target_rules``), before any work

@@ -25,11 +25,10 @@ from pathlib import Path
 
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError, printable
-from merge_pipeline.formats import weight_suffixes
 from merge_pipeline.pipeline import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.pipeline import completeness as pipeline_completeness
 from merge_pipeline.pipeline import newest_change as newest_change  # a pinned step's age
-from merge_pipeline.pipeline import saved_in_step_folder, step_folder, step_folders
+from merge_pipeline.pipeline import saved_in_step_folder, step_folder, step_folders, weight_suffixes
 from merge_pipeline.store.listing import Mirror, StoreURL
 from merge_pipeline.store.target_rules import within
 

@@ -20,7 +20,6 @@ from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import Completeness, Quiet, StepFolder, newest_change, tracker_vouches
 from merge_pipeline.hf.config import CheckpointConfig
-from merge_pipeline.input_files import require_opened_inside
 from merge_pipeline.options import BACKENDS, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, closed_on_failure
 
@@ -197,7 +196,5 @@ def open_checkpoint(
     with closed_on_failure(plan.files):
         for f in plan.files:
             if base is None or not f.path.absolute().is_relative_to(base):
-                with f.opened() as fd:
-                    if fd is not None:  # a store object has no descriptor: a view holds no link out of it
-                        require_opened_inside(fd, f.path, role_dir)
+                f.source.require_inside(role_dir)
     return plan

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.store.asking import asking
-from merge_pipeline.store.url import StoreLocation, location
+from merge_pipeline.store.url import StoreLocation, is_store_url, location
 
 log = logging.getLogger("merge_pipeline")
 
@@ -30,10 +31,12 @@ class IncompleteUpload:
     bytes: int  # of the parts uploaded so far
 
 
-def incomplete_uploads(url: str) -> list[IncompleteUpload]:
+def incomplete_uploads(url: str | Path) -> list[IncompleteUpload]:
     """The multipart uploads begun and never completed nor aborted under the prefix ``url`` (none where
-    the store is not S3)."""
-    store = location(url)
+    the store is not S3, nor in a local folder)."""
+    if not is_store_url(url):
+        return []
+    store = location(str(url))
     if not store.backend.multipart:
         return []
     bucket, _, key = store.path.partition("/")

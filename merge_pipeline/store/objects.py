@@ -8,6 +8,7 @@ import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from merge_pipeline.errors import MergeError
@@ -81,6 +82,9 @@ class StoreObject:
             b[: len(piece)] = piece
             done += len(piece)
         return done
+
+    def require_inside(self, folder: Path) -> None:
+        """Nothing to refuse: a view holds only the prefix's own objects, no link out of it."""
 
     def opened(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # no descriptor: its bytes come through ``read``

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.input_files import open_regular_stat
+from merge_pipeline.input_files import open_regular_stat, require_opened_inside
 
 
 class ByteSource(Protocol):
@@ -31,6 +31,7 @@ class ByteSource(Protocol):
     def readv(self, buffers: list[memoryview], offset: int) -> int: ...  # fills them in turn: bytes read
     def prefetch(self, offset: int, length: int) -> None: ...
     def check_unchanged(self) -> None: ...
+    def require_inside(self, folder: Path) -> None: ...  # refuse a link that leads out of the checkpoint
     def opened(self) -> contextlib.AbstractContextManager[int | None]: ...
     def stream(self) -> contextlib.AbstractContextManager[BinaryIO]: ...  # unbuffered, seekable
     def close(self) -> None: ...
@@ -164,6 +165,11 @@ class LocalFile:
             raise changed(self.path) from exc
         if now != self.identity:
             raise changed(self.path)
+
+    def require_inside(self, folder: Path) -> None:
+        """Refuse the file unless it lies inside ``folder`` (``input_files.require_opened_inside``)."""
+        with self.opened() as fd:
+            require_opened_inside(fd, self.path, folder)
 
     def read(self, offset: int, length: int) -> bytes:
         with self.opened() as fd:

@@ -23,6 +23,27 @@ def is_store_url(location: str | Path) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+def as_location(text: str | Path) -> str | Path:
+    """A local folder as a ``Path``, a store URL kept as written (``Path`` would fold ``s3://`` into ``s3:/``)."""
+    return str(text) if is_store_url(text) else Path(text)
+
+
+def absolute(location: str | Path) -> str | Path:
+    """A local path made absolute, a store URL as written."""
+    return location if is_store_url(location) else Path(location).absolute()
+
+
+def spelled(location: str | Path) -> str:
+    """A location as its name is compared and recorded: a store URL without its trailing ``/``, a local path
+    made absolute."""
+    return str(location).rstrip("/") if is_store_url(location) else str(Path(location).absolute())
+
+
+def store_prefix(location: str | Path) -> str | None:
+    """The store URL ``location`` names (no trailing ``/``); ``None`` for a local path."""
+    return str(location).rstrip("/") if is_store_url(location) else None
+
+
 @dataclass(frozen=True)
 class StoreLocation:
     """A prefix in a store: its backend (the filesystem, from the standard credential chain) and the path in it."""
