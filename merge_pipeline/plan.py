@@ -112,8 +112,8 @@ class FileRange(io.RawIOBase):
         return n
 
 
-# HEAD requests in flight when the inputs are in a store: a 1024-rank checkpoint is 64 round trips, not 1024.
-STORE_CHECKS_AT_ONCE = 16
+# Checks in flight at once (a HEAD each for objects in a store: a 1024-rank checkpoint is 64 round trips, not 1024).
+CHECKS_AT_ONCE = 16
 
 
 def check_unchanged(files: Iterable[SourceFile]) -> None:
@@ -122,7 +122,7 @@ def check_unchanged(files: Iterable[SourceFile]) -> None:
     order is refused."""
     files = list(files)
     if files:
-        with ThreadPoolExecutor(min(len(files), STORE_CHECKS_AT_ONCE), thread_name_prefix="merge-check") as pool:
+        with ThreadPoolExecutor(min(len(files), CHECKS_AT_ONCE), thread_name_prefix="merge-check") as pool:
             for _ in pool.map(SourceFile.check_unchanged, files):
                 pass
 
