@@ -67,7 +67,7 @@ def abort_incomplete_uploads(url: str) -> None:
         uploads = incomplete_uploads(url)
         with asking(url):
             for upload in uploads:
-                _call(store, "abort_multipart_upload", Bucket=bucket, Key=upload.key, UploadId=upload.upload_id)
+                store.backend.call("abort_multipart_upload", Bucket=bucket, Key=upload.key, UploadId=upload.upload_id)
     except MergeError as exc:
         log.warning("incomplete multipart uploads not aborted: %s", exc)
         return
@@ -86,13 +86,9 @@ def _pages(store: StoreLocation, operation: str, field: str, **request):
     """The ``field`` lists of every page of a paginated listing (uploads by key and id, parts by number)."""
     markers = {"list_multipart_uploads": ("KeyMarker", "UploadIdMarker"), "list_parts": ("PartNumberMarker",)}
     while True:
-        answer = _call(store, operation, **request)
+        answer = store.backend.call(operation, **request)
         yield answer.get(field) or []
         if not answer.get("IsTruncated"):
             return
         for marker in markers[operation]:
             request[marker] = answer[f"Next{marker}"]
-
-
-def _call(store: StoreLocation, operation: str, **request) -> dict:
-    return store.backend.call(operation, **request)
