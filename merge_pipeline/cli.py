@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError, os_error, printable
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import (
     ACCUMULATE_CHOICES,
     OPTION_FIELDS,
@@ -26,7 +27,8 @@ from merge_pipeline.options import (
 )
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
-from merge_pipeline.storage import is_store_url, viewed
+from merge_pipeline.store.url import absolute, as_location
+from merge_pipeline.store.view import viewed
 
 log = logging.getLogger("merge_pipeline")
 
@@ -54,16 +56,11 @@ def _option_flags(parser: argparse.ArgumentParser, command: str) -> None:
             )
 
 
-def _location(text: str) -> str | Path:
-    """A local folder, or a store URL kept as written (``Path`` would fold ``s3://`` into ``s3:/``)."""
-    return text if is_store_url(text) else Path(text)
-
-
 def _checkpoint_flags(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument(
         "--local_dir",
         required=True,
-        type=_location,
+        type=as_location,
         help="role folder, e.g. checkpoints/global_step_100/actor, or a store URL (s3://bucket/prefix/actor)",
     )
     _option_flags(parser, command)
@@ -122,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument(
         "--target_dir",
         required=True,
-        type=_location,
+        type=as_location,
         help="output HF folder (created atomically), or a store URL (published with merge_manifest.json last)",
     )
     merge.add_argument("--hf_upload_path", help="also upload to this Hub repo (ORG/NAME)")
@@ -138,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--inputs",
         required=True,
         nargs="+",
-        type=_location,
+        type=as_location,
         metavar="DIR",
         help="checkpoint role folders or merged HF folders (mixed allowed; or their store URLs), oldest first; the last gives config.json and the tokenizer",
     )
@@ -163,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype the weighted sum is accumulated in (default float32); --dtype is the output's",
     )
     average.add_argument(
-        "--target_dir", required=True, type=_location, help="output HF folder, or store URL (created atomically)"
+        "--target_dir", required=True, type=as_location, help="output HF folder, or store URL (created atomically)"
     )
     _option_flags(average, "merge")
     _writer_flags(average)
@@ -175,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument(
         "--test_hf_dir",
         required=True,
-        type=_location,
+        type=as_location,
         help="reference HF folder, or a merged folder in a store (s3://bucket/prefix)",
     )
     test.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bit-exact)")
@@ -183,23 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     upload = commands.add_parser("upload", help="upload a merged folder to a Hub repo and verify it")
     upload.add_argument(
-        "folder", type=_location, help="a folder written by `merge`, or its store URL (s3://bucket/prefix)"
+        "folder", type=as_location, help="a folder written by `merge`, or its store URL (s3://bucket/prefix)"
     )
     upload.add_argument("repo_id", metavar="ORG/NAME")
     _hub_flags(upload)
     upload.set_defaults(run=_run_upload)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint without loading tensor data")
-    inspect.add_argument("local_dir", type=_location)
+    inspect.add_argument("local_dir", type=as_location)
     _option_flags(inspect, "inspect")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_run_inspect)
 
     diff = commands.add_parser("diff", help="what changed between two merged folders, tensor by tensor (streamed)")
     diff.add_argument(
-        "before", type=_location, help="a merged folder (or store URL): the previous step, or the base model"
+        "before", type=as_location, help="a merged folder (or store URL): the previous step, or the base model"
     )
-    diff.add_argument("after", type=_location, help="a merged folder (or store URL) compared with BEFORE")
+    diff.add_argument("after", type=as_location, help="a merged folder (or store URL) compared with BEFORE")
     diff.set_defaults(run=_run_diff)
 
     queue = commands.add_parser(
@@ -301,7 +298,7 @@ def _run_average(args: argparse.Namespace) -> int:
     """The merge sequence on the average of ``--inputs``: under torchrun or on Ray too, as ``merge``."""
     from merge_pipeline.pipeline.merge import merge
 
-    inputs = tuple(str(path if is_store_url(path) else path.absolute()) for path in args.inputs)
+    inputs = tuple(str(absolute(path)) for path in args.inputs)
     options = dataclasses.replace(
         _options(args),
         average_inputs=inputs,
@@ -328,7 +325,7 @@ def _upload(folder: str | Path, repo_id: str, args: argparse.Namespace) -> int:
     """A folder in a store is uploaded through its view: weight files streamed by ranged GETs, never downloaded."""
     from merge_pipeline.hub.upload import upload_folder_verified
 
-    with viewed(folder, merged=True) as local:
+    with viewed(folder, WEIGHT_SUFFIXES, merged=True) as local:
         upload = upload_folder_verified(
             local,
             repo_id,
@@ -370,21 +367,20 @@ def _run_test(args: argparse.Namespace) -> int:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from merge_pipeline.pipeline.inspect import describe
-    from merge_pipeline.store_uploads import describe as described_uploads
-    from merge_pipeline.store_uploads import incomplete_uploads
+    from merge_pipeline.store.incomplete_uploads import describe as described_uploads
+    from merge_pipeline.store.incomplete_uploads import incomplete_uploads
 
-    if is_store_url(args.local_dir):  # said before the description, which a prefix of nothing but parts fails
-        try:
-            uploads = incomplete_uploads(args.local_dir)
-        except MergeError as exc:  # credentials that may read the checkpoint but not list uploads
-            log.debug("incomplete multipart uploads not listed: %s", exc)
-            uploads = []
-        if uploads:
-            log.warning(
-                "%s: %s, left by a merge that did not finish (the next merge into it aborts them)",
-                str(args.local_dir).rstrip("/"),
-                described_uploads(uploads),
-            )
+    try:  # said before the description, which a prefix of nothing but parts fails
+        uploads = incomplete_uploads(args.local_dir)
+    except MergeError as exc:  # credentials that may read the checkpoint but not list uploads
+        log.debug("incomplete multipart uploads not listed: %s", exc)
+        uploads = []
+    if uploads:
+        log.warning(
+            "%s: %s, left by a merge that did not finish (the next merge into it aborts them)",
+            str(args.local_dir).rstrip("/"),
+            described_uploads(uploads),
+        )
     info = describe(args.local_dir, _options(args))
     if args.json:
         print(json.dumps(info, indent=2))
@@ -399,7 +395,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _run_diff(args: argparse.Namespace) -> int:
     from merge_pipeline.hf.step_diff import diff_folders, markdown_table, summary_lines
 
-    with viewed(args.before, merged=True) as before, viewed(args.after, merged=True) as after:
+    with (
+        viewed(args.before, WEIGHT_SUFFIXES, merged=True) as before,
+        viewed(args.after, WEIGHT_SUFFIXES, merged=True) as after,
+    ):
         diff = diff_folders(after, {"before": before})
     print("\n".join([*summary_lines(diff), "", markdown_table(diff)]))
     return 0

@@ -30,7 +30,7 @@ def shown(value: object) -> str:
     return _BOUNDED.repr(value)
 
 
-# Local folders standing for store prefixes (``storage.viewed``): a path inside one is shown as its URL.
+# Local folders standing for store prefixes (``store.view.viewed``): a path inside one is shown as its URL.
 _SHOWN_AS: dict[Path, str] = {}
 
 

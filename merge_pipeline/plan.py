@@ -8,11 +8,8 @@ bounded by the largest single tensor, never by the model.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
-import os
 import threading
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,175 +19,46 @@ from typing import Protocol, TypedDict
 import torch
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.files.inputs import open_regular_stat
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.storage import ObjectIdentity, store_object
+from merge_pipeline.store.sources import ByteSource
+from merge_pipeline.store.view import byte_source
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
 READ_PIECE_BYTES = 8 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class FileIdentity:
-    """Which file, in which state: a rewrite in place changes the times, a save renamed over it the inode."""
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, found: os.stat_result) -> FileIdentity:
-        return cls(found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
-
-
-# At most this many input files are open at once, whatever the world size: a merge of 4096 rank files
-# runs under `ulimit -n 256`. Planning opens, reads and closes each file; the writer opens on demand and
-# closes the least recently used one when another must open.
-MAX_OPEN_FILES = 64
-
-
-class _OpenFiles:
-    """The process's open input descriptors, least recently used first. A descriptor in use (pinned by
-    ``SourceFile.opened``, e.g. by the writer thread's kernel copy) is never closed under it."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.lock = threading.Lock()
-        self.fds: OrderedDict[SourceFile, int] = OrderedDict()
-        self.pins: Counter[SourceFile] = Counter()
-
-    def pin(self, file: SourceFile) -> int:
-        with self.lock:
-            fd = self.fds.get(file)
-            if fd is None:
-                self._make_room()
-                fd = self.fds[file] = file._open()
-            self.fds.move_to_end(file)
-            self.pins[file] += 1
-            return fd
-
-    def held(self, file: SourceFile) -> int | None:
-        """The descriptor open on ``file`` now, if any (a deleted file stays readable through it)."""
-        with self.lock:
-            return self.fds.get(file)
-
-    def unpin(self, file: SourceFile) -> None:
-        with self.lock:
-            self.pins[file] -= 1
-            if not self.pins[file]:
-                del self.pins[file]
-
-    def close(self, file: SourceFile) -> None:
-        with self.lock:
-            fd = self.fds.pop(file, None)
-            if fd is not None:
-                os.close(fd)
-
-    def _make_room(self) -> None:
-        # the least recently used idle ones, looked for from the oldest: at 1024 rank files every open of
-        # a grouped read comes here, and a pass over all the open ones each time cost seconds
-        victims: list[SourceFile] = []
-        excess = len(self.fds) - self.limit + 1
-        for f in self.fds:
-            if len(victims) >= excess:
-                break
-            if f not in self.pins:
-                victims.append(f)
-        for f in victims:
-            os.close(self.fds.pop(f))
-
-
-_OPEN = _OpenFiles(MAX_OPEN_FILES)
 _COUNTING = threading.Lock()  # the writer thread's kernel copies and this thread's reads may count one file at once
 
 
 class SourceFile:
-    """An input file: checked and measured at planning time, opened whenever its bytes are read.
-
-    While it stays open (always, for merges of fewer than ``MAX_OPEN_FILES`` files), a trainer that
-    deletes the checkpoint folder mid-merge (rotation) cannot pull the bytes away: Linux keeps an
-    unlinked open file readable. A file re-opened later must still be the same file, or the merge stops.
-    """
+    """An input file of the plan: its bytes come from a ``ByteSource`` (a local file, or an object in a
+    store that a view's placeholder stands for), checked and measured at planning time."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.identity: FileIdentity | ObjectIdentity | None = None
+        self.source: ByteSource = byte_source(self.path)
+        self.identity = self.source.identity
+        self.size = self.source.size
         self.bytes_read = 0  # tensor bytes taken from it (``counted``): what a launcher reports per node
-        # A placeholder of a store's view (``storage.viewed``): read through ranged GETs pinned to its ETag.
-        self.remote = store_object(self.path)
-        if self.remote is not None:
-            self.identity = self.remote.identity
-            self.size = self.identity.size
-            return
-        with self.opened():  # planning opens each file once: this records its identity
-            self.size = self.identity.size
 
-    def _open(self) -> int:
-        """The one place an input file is opened (again, after its descriptor was closed to keep the count
-        bounded); a re-open must find the very file planned, in the state planned."""
-        fd, opened = open_regular_stat(self.path)  # never a FIFO or device: those would block or never end
-        found = FileIdentity.of(opened)  # of what was opened, not of a path looked up again
-        if self.identity is None:
-            self.identity = found
-        elif found != self.identity:
-            os.close(fd)
-            raise _changed(self.path)
-        return fd
-
-    @contextlib.contextmanager
-    def opened(self) -> Iterator[int]:
-        """The file's descriptor, kept open while the block runs."""
-        fd = _OPEN.pin(self)
-        try:
-            yield fd
-        finally:
-            _OPEN.unpin(self)
+    def opened(self) -> contextlib.AbstractContextManager[int | None]:
+        """The file's descriptor, kept open while the block runs (``None`` where it has none: a store object)."""
+        return self.source.opened()
 
     def check_unchanged(self) -> None:
-        """Refuse a file rewritten or replaced since it was planned: what we read of it may mix two saves.
-
-        The file at the path must still be the one planned, in the state planned. A file deleted
-        meanwhile (the trainer's rotation) is fine if the one we hold open is unchanged: deleting it
-        changes only its ctime. Run before publishing; every re-open checks the same in ``_open``.
-        """
-        if self.remote is not None:
-            self.remote.check_unchanged()
-            return
-        try:
-            now = FileIdentity.of(os.stat(self.path))
-        except FileNotFoundError:
-            held = _OPEN.held(self)
-            if held is None:
-                raise _changed(self.path) from None
-            now = dataclasses.replace(FileIdentity.of(os.fstat(held)), ctime_ns=self.identity.ctime_ns)
-        except OSError as exc:
-            raise _changed(self.path) from exc
-        if now != self.identity:
-            raise _changed(self.path)
+        """Refuse a file rewritten or replaced since it was planned: what we read of it may mix two saves."""
+        self.source.check_unchanged()
 
     def read_into(self, buffer: memoryview, offset: int) -> None:
         """Fill ``buffer`` with the bytes at ``offset``; a short read means the file was truncated."""
-        if self.remote is not None:
-            data = self.remote.read(offset, len(buffer))
-            if len(data) != len(buffer):
+        done = 0
+        while done < len(buffer):
+            n = self.source.readv([buffer[done:]], offset + done)
+            if n == 0:
                 raise MergeError(
-                    self.path,
-                    f"file ends at byte {offset + len(data)}, expected data up to byte {offset + len(buffer)}",
+                    self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
                 )
-            buffer[:] = data
-            self.counted(len(data))
-            return
-        with self.opened() as fd:
-            done = 0
-            while done < len(buffer):
-                n = os.preadv(fd, [buffer[done:]], offset + done)
-                if n == 0:
-                    raise MergeError(
-                        self.path, f"file ends at byte {offset + done}, expected data up to byte {offset + len(buffer)}"
-                    )
-                done += self.counted(n)
+            done += self.counted(n)
 
     def counted(self, n: int) -> int:
         """``n`` bytes were read from this file (by ``read_into``, a grouped read or a kernel copy); returns ``n``."""
@@ -200,35 +68,18 @@ class SourceFile:
 
     def pread(self, length: int, offset: int) -> bytes:
         """Up to ``length`` bytes at ``offset`` (fewer at the end), as ``os.pread``: for reading metadata."""
-        if self.remote is not None:
-            return self.remote.read(offset, length)
-        with self.opened() as fd:
-            return os.pread(fd, length, offset)
+        return self.source.read(offset, length)
 
     def preadv(self, buffers: list[memoryview], offset: int) -> int:
         """Fill ``buffers`` in turn from ``offset`` (one read); the bytes read, as ``os.preadv``."""
-        if self.remote is not None:
-            data = memoryview(self.remote.read(offset, sum(len(b) for b in buffers)))
-            done = 0
-            for b in buffers:
-                piece = data[done : done + len(b)]
-                b[: len(piece)] = piece
-                done += len(piece)
-            return self.counted(done)
-        with self.opened() as fd:
-            return self.counted(os.preadv(fd, buffers, offset))
+        return self.counted(self.source.readv(buffers, offset))
 
     def advise_will_need(self, offset: int, length: int) -> None:
-        """Ask the kernel to start reading this range into the page cache (a store object: GETs ahead)."""
-        if self.remote is not None:
-            self.remote.prefetch(offset, length)
-            return
-        with self.opened() as fd:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        """Start reading this range ahead (the page cache; a store object: GETs ahead)."""
+        self.source.prefetch(offset, length)
 
     def close(self) -> None:
-        if self.remote is None:
-            _OPEN.close(self)
+        self.source.close()
 
 
 class FileRange(io.RawIOBase):
@@ -261,25 +112,18 @@ class FileRange(io.RawIOBase):
         return n
 
 
-def _changed(path: Path) -> MergeError:
-    return MergeError(path, "changed while it was being merged: re-run once the save is complete")
-
-
-# HEAD requests in flight when the inputs are in a store: a 1024-rank checkpoint is 64 round trips, not 1024.
-STORE_CHECKS_AT_ONCE = 16
+# Checks in flight at once (a HEAD each for objects in a store: a 1024-rank checkpoint is 64 round trips, not 1024).
+CHECKS_AT_ONCE = 16
 
 
 def check_unchanged(files: Iterable[SourceFile]) -> None:
-    """Before publishing: every input file is still what was planned (``SourceFile.check_unchanged``).
-    A local file is one ``stat``; objects in a store are asked concurrently, the first change in file order refused."""
+    """Before publishing: every input file is still what was planned (``SourceFile.check_unchanged``),
+    asked concurrently (a local file is one ``stat``, an object in a store a HEAD); the first change in file
+    order is refused."""
     files = list(files)
-    for f in files:
-        if f.remote is None:
-            f.check_unchanged()
-    remote = [f for f in files if f.remote is not None]
-    if remote:
-        with ThreadPoolExecutor(min(len(remote), STORE_CHECKS_AT_ONCE), thread_name_prefix="merge-check") as pool:
-            for _ in pool.map(SourceFile.check_unchanged, remote):
+    if files:
+        with ThreadPoolExecutor(min(len(files), CHECKS_AT_ONCE), thread_name_prefix="merge-check") as pool:
+            for _ in pool.map(SourceFile.check_unchanged, files):
                 pass
 
 
@@ -476,7 +320,7 @@ class CheckpointPlan:
     check_against_architecture: bool = True
     layout: LayoutFacts = field(default_factory=dict)
     # What the plan reads through besides its files, released with them: the local views of store
-    # prefixes (``storage.viewed``) that ``pipeline.prepare`` opened for it.
+    # prefixes (``store.view.viewed``) that ``pipeline.prepare`` opened for it.
     views: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, compare=False, repr=False)
 
     def writes_value_model(self, options: MergeOptions) -> bool:

@@ -140,7 +140,7 @@ class Variable(Generic[T]):
         return None if self.default is None else self.kind.parse(self.default, self.variable)
 
 
-# Object stores (storage.py, store_listing.py).
+# Object stores (merge_pipeline/store/).
 MAX_DOWNLOAD_BYTES: Variable[int] = Variable(
     "MERGE_PIPELINE_MAX_DOWNLOAD_BYTES",
     size(),

@@ -25,10 +25,14 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.files.inputs import open_regular
+from merge_pipeline.formats import weight_suffixes
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.inspect import describe
 from merge_pipeline.pipeline.merge import merge
-from merge_pipeline.storage import sha256_uploaded_with, store_object, viewed
+from merge_pipeline.store.upload import sha256_uploaded_with
+from merge_pipeline.store.view import byte_source, store_object, viewed
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest
 from merge_pipeline_tests.hub.conftest import hub  # noqa: F401 (the Hub-compatible server, for `upload`)
@@ -158,6 +162,27 @@ def test_an_object_replaced_mid_merge_is_refused_in_one_line(bucket, fsdp_checkp
     assert str(refused.value).startswith(f"{source}/{rank_file}: changed while it was being merged")
     assert "\n" not in str(refused.value)
     assert not fs.exists(f"{b}/merged/merge_manifest.json")
+
+
+def test_a_viewed_weight_file_opened_as_a_file_is_refused_not_read_as_zeros(bucket, fsdp_checkpoint):
+    """A view's weight file stands for an object: read through the byte source the view hands out, it is the
+    object's bytes; opened as a local file (bypassing that), it is refused in one line naming the URL, and
+    even a plain ``open`` by root reads no zeros."""
+    fs, b = bucket
+    sample = fsdp_checkpoint(FsdpSpec(world_size=2))
+    source = upload(fs, sample.role_dir, f"{b}/ckpt/actor")
+    name = "model_world_size_2_rank_0.pt"
+    with viewed(source, weight_suffixes()) as folder:
+        assert byte_source(folder / name).read(0, 64) == (sample.role_dir / name).read_bytes()[:64]
+        with pytest.raises(MergeError) as refused:
+            open_regular(folder / name)
+        assert str(refused.value).startswith(f"{source}/{name}: ") and "store" in str(refused.value)
+        if os.geteuid() == 0:  # root reads a file whatever its mode
+            data = (folder / name).read_bytes()
+            assert data.strip(b"\0") and f"{source}/{name}".encode() in data
+        else:
+            with pytest.raises(PermissionError):
+                open(folder / name, "rb")
 
 
 def test_wrong_credentials_a_missing_bucket_and_dotdot_are_one_line_without_the_secret(
@@ -299,7 +324,7 @@ def test_upload_from_the_store_reads_a_weight_file_unhashed_only_where_its_merge
     manifest = json.loads((local / "merge_manifest.json").read_text())["files"]
     first, second = sorted(p.name for p in local.glob("model-*.safetensors"))[:2]
     fs.put_file(str(local / first), f"{b}/merged/{first}")  # the same bytes, copied by hand: no metadata
-    with viewed(url, merged=True) as folder:
+    with viewed(url, WEIGHT_SUFFIXES, merged=True) as folder:
         recorded = {name: sha256_uploaded_with(store_object(folder / name)) for name in (first, second)}
     assert recorded == {first: None, second: manifest[second]["sha256"]}
 

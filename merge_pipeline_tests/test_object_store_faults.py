@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from merge_pipeline import store_lock
-from merge_pipeline.store_lock import LOCK_SUFFIX, locked_store_target
+from merge_pipeline.store import lock as store_lock
+from merge_pipeline.store.lock import LOCK_SUFFIX, locked_store_target
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, merge
 from merge_pipeline_tests.object_store import download, upload

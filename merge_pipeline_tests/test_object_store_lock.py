@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline import storage, store_lock
 from merge_pipeline.errors import MergeError
-from merge_pipeline.store_lock import LOCK_SUFFIX, locked_store_target
+from merge_pipeline.store import lock as store_lock
+from merge_pipeline.store import publish
+from merge_pipeline.store.lock import LOCK_SUFFIX, locked_store_target
+from merge_pipeline.store.upload import upload_file
+from merge_pipeline.store.url import location
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, merge
 from merge_pipeline_tests.object_store import download, upload
@@ -140,7 +143,7 @@ def test_a_superseded_holder_stops_at_its_next_upload_and_leaves_the_new_merge_i
     assert code == 0, err
     newer = sorted(fs.find(f"{b}/newer"))
     monkeypatch.setenv("MERGE_PIPELINE_PARALLEL_UPLOADS", "1")  # one upload at a time: the takeover falls between two
-    real_upload, uploads = storage._upload, []
+    real_upload, uploads = publish.upload_file, []
 
     def upload_then_taken_over(store, folder, relative, *args, **kwargs):
         real_upload(store, folder, relative, *args, **kwargs)
@@ -149,7 +152,7 @@ def test_a_superseded_holder_stops_at_its_next_upload_and_leaves_the_new_merge_i
             fs.pipe(f"{b}/merged{LOCK_SUFFIX}", b'{"host": "node-8", "pid": 1, "token": "theirs"}')
             fs.copy(newer, [k.replace(f"{b}/newer/", f"{b}/merged/") for k in newer])
 
-    monkeypatch.setattr(storage, "_upload", upload_then_taken_over)
+    monkeypatch.setattr(publish, "upload_file", upload_then_taken_over)
     code, _, err = merge(capsys, source, target, "--dtype", "float32", "--max-shard-size", "60000")
 
     assert code == 1 and len(error_lines(err)) == 1, err
@@ -172,7 +175,7 @@ def test_a_multipart_upload_is_confirmed_again_before_it_is_completed(bucket, tm
     monkeypatch.setenv("MERGE_PIPELINE_PART_BYTES", "5MiB")  # S3's smallest part: three parts
     data = os.urandom(11 << 20)
     (tmp_path / "model.safetensors").write_bytes(data)
-    store, confirmed = storage.location(f"s3://{b}/merged"), []
+    store, confirmed = location(f"s3://{b}/merged"), []
 
     def lost_after_the_parts() -> None:
         confirmed.append("lost")
@@ -180,10 +183,10 @@ def test_a_multipart_upload_is_confirmed_again_before_it_is_completed(bucket, tm
             raise MergeError(None, "lost")
 
     with pytest.raises(MergeError, match="lost"):
-        storage._upload(store, tmp_path, "model.safetensors", "ab" * 32, lost_after_the_parts)
+        upload_file(store, tmp_path, "model.safetensors", "ab" * 32, lost_after_the_parts)
     assert len(confirmed) == 2 and not fs.exists(f"{b}/merged/model.safetensors")
     assert not fs.call_s3("list_multipart_uploads", Bucket=b).get("Uploads"), "its parts aborted"
 
-    storage._upload(store, tmp_path, "model.safetensors", "ab" * 32, storage.unguarded)
+    upload_file(store, tmp_path, "model.safetensors", "ab" * 32, publish.unguarded)
     assert fs.cat(f"{b}/merged/model.safetensors") == data
     assert fs.metadata(f"{b}/merged/model.safetensors", refresh=True)["sha256"] == "ab" * 32

@@ -34,10 +34,11 @@ from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import viewed
+from merge_pipeline.store.record import MANIFEST
+from merge_pipeline.store.view import viewed
 
 AVERAGED = "averaged"  # <output_root>/<run_name>/averaged/<role>
 BATCH = 200  # hf_model events read per tick
@@ -205,8 +206,8 @@ def _average(
         checked = checks_metadata(merged.checks, target)
         with contextlib.ExitStack() as views:  # folders in a store compared through views (ranged GETs)
             diff = diff_folders(
-                views.enter_context(viewed(target, merged=True)),
-                {"newest step": views.enter_context(viewed(inputs[-1], merged=True))},
+                views.enter_context(viewed(target, WEIGHT_SUFFIXES, merged=True)),
+                {"newest step": views.enter_context(viewed(inputs[-1], WEIGHT_SUFFIXES, merged=True))},
             )
     rows = [f"| `{key}` | {weight:.6g} |" for key, weight in zip(chosen, options.average_weights, strict=True)]
     return dg.MaterializeResult(

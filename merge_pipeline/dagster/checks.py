@@ -26,8 +26,8 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES, CheckOutcome
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import complete_target
-from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.store.publish import complete_target
 
 PROBLEMS_SHOWN = 20  # a folder broken everywhere: the first problems say enough, the count says the rest
 

@@ -8,7 +8,7 @@ may vanish at any moment (the trainer's rotation deletes old steps): every listi
 tolerates that.
 
 A root in a store (``s3://bucket/prefix``) is looked over the same way, through listings laid out
-locally (``store_listing.Mirror``): each folder above the step folders and each step folder's own
+locally (``store.listing.Mirror``): each folder above the step folders and each step folder's own
 entries, one page of keys at a time, never the rank files of steps already known; a new step's
 completeness lists its objects whole with the trackers beside it and asks the readers (markers, then
 the objects' ``LastModified`` for the settle time). Such steps are never pinned: objects are immutable,
@@ -26,11 +26,11 @@ from pathlib import Path
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.formats import completeness as readers_completeness
-from merge_pipeline.formats import saved_in_step_folder, step_folder, step_folders
+from merge_pipeline.formats import saved_in_step_folder, step_folder, step_folders, weight_suffixes
 from merge_pipeline.formats.step_folders import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.formats.step_folders import newest_change as newest_change  # a pinned step's age
-from merge_pipeline.store_listing import Mirror, StoreURL
-from merge_pipeline.target_rules import within
+from merge_pipeline.store.listing import Mirror, StoreURL
+from merge_pipeline.store.target_rules import within
 
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root
 
@@ -156,7 +156,7 @@ def scan_store_root(root: StoreURL, output_root: Path | StoreURL, scan: Scan) ->
         return
     inside = output is not None and within(output, root)
     try:
-        with Mirror() as mirror:
+        with Mirror(weight_suffixes()) as mirror:
             local_root = mirror.folder(root)
             if not _listed(mirror, root, skip=output if inside else None):
                 scan.not_watched.append(f"{printable(root)}: no object under the checkpoint root")
@@ -212,7 +212,7 @@ def _listed(mirror: Mirror, root: StoreURL, *, skip: StoreURL | None) -> bool:
 def store_completeness(folder: StoreURL, step: int, settle_seconds: float) -> Completeness:
     """The readers' answer for a checkpoint folder in a store: its objects listed whole, and the two
     folders above it (a tracker or DeepSpeed's ``latest`` lies beside the step folders)."""
-    with Mirror() as mirror:
+    with Mirror(weight_suffixes()) as mirror:
         # a step folder at the bucket's top has no grandparent: "s3:" names no bucket
         for above in (folder.parent.parent, folder.parent):
             if above.partition("://")[2]:

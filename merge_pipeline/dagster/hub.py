@@ -27,10 +27,11 @@ from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
-from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.hub.upload import UploadResult, upload_folder_verified
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import viewed
+from merge_pipeline.store.record import MANIFEST
+from merge_pipeline.store.view import viewed
 
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
 # the step branches), and one branch per K, updated in place as steps land (its history: the averages).
@@ -140,7 +141,7 @@ def _publish(context: dg.AssetExecutionContext, settings: MergeSettings, hub: Hu
         key = checkpoint_key(context.partition_key)
         # A merged folder in a store is published through its view, as the CLI's `upload`: weight files
         # streamed by ranged GETs, and refused while its merge_manifest.json (the commit marker) is missing.
-        with viewed(settings.target_dir(key), merged=True) as folder:
+        with viewed(settings.target_dir(key), WEIGHT_SUFFIXES, merged=True) as folder:
             result = hub.publish(folder, key, _smoke_of(context.instance, names, str(key)))
     yield dg.MaterializeResult(metadata=_published(result))
 
@@ -178,7 +179,9 @@ def hub_averaged_definition(names: Names) -> dg.AssetsDefinition:
         hub: HuggingFaceHub = getattr(context.resources, names("hub"))
         with one_line_failure():
             # an average in a store, through its view as hub_model's folders (refused without its manifest)
-            with viewed(averaged_dir(settings, RunKey.parse(context.partition_key)), merged=True) as folder:
+            with viewed(
+                averaged_dir(settings, RunKey.parse(context.partition_key)), WEIGHT_SUFFIXES, merged=True
+            ) as folder:
                 inputs = _averaged_inputs(folder)
                 result = hub.publish(
                     folder, _newest_step(inputs, settings, folder), branch=AVERAGED_BRANCH.format(k=len(inputs))

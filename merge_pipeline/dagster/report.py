@@ -24,10 +24,12 @@ from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import is_store_url, viewed
-from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.store.url import is_store_url
+from merge_pipeline.store.view import viewed
 
 if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
     from merge_pipeline.hf.step_diff import StepDiff
@@ -84,10 +86,11 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
     folder = settings.target_dir(key)
     with one_line_failure(), contextlib.ExitStack() as views:
         # a merged folder in a store, and the previous step's there, read through views (tensors by ranged GETs)
-        local = views.enter_context(viewed(folder, merged=True))
+        local = views.enter_context(viewed(folder, WEIGHT_SUFFIXES, merged=True))
         references = _references(context.instance, settings, key, local, names)
         diff = diff_folders(
-            local, {label: views.enter_context(viewed(p, merged=True)) for label, p in references.items()}
+            local,
+            {label: views.enter_context(viewed(p, WEIGHT_SUFFIXES, merged=True)) for label, p in references.items()},
         )
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]

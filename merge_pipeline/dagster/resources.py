@@ -17,7 +17,7 @@ from pydantic import model_validator
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.pins import PINS, PinSpace, verified_pin
 from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
-from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.store.listing import StoreURL
 
 # discovery imports the pipeline, which imports torch: sensor ticks and runs import it, the location's load does not
 if TYPE_CHECKING:

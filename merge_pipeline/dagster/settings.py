@@ -42,8 +42,8 @@ from merge_pipeline.settings import (
     choice,
     number,
 )
-from merge_pipeline.storage import is_store_url
-from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.store.url import is_store_url
 
 
 def _folders_or_urls(value: Any, named: str) -> list[Path | StoreURL]:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import dagster as dg
 
 from merge_pipeline.dagster.metadata import sha256_table, value
-from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.store.record import MANIFEST
 
 if TYPE_CHECKING:  # the workers' types import torch: a run does, the code location's load does not
     from merge_pipeline.workers.writing import Prepared, WriteReport

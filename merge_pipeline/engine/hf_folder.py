@@ -10,13 +10,12 @@ from merge_pipeline.engine.outputs import OUTPUT_ADAPTER_DIR, OutputPlan
 from merge_pipeline.errors import printable, shown_path
 from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
-from merge_pipeline.hf.safetensors import INDEX
+from merge_pipeline.hf.safetensors import INDEX, WEIGHT_SUFFIXES
 from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE, parse_size
 
 log = logging.getLogger(__name__)
 
-# Weights in huggingface/ are never copied: the merged weights replace them.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+# Weights in huggingface/ (hf.safetensors.WEIGHT_SUFFIXES) are never copied: the merged weights replace them.
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 # Data a model class reads beside its weights, not weights: Qwen2.5-Omni's speakers (its from_pretrained refuses a
 # folder without them; transformers loads them with weights_only=True).
@@ -60,7 +59,7 @@ def copy_side_files(
     for src in sorted(hf_dir.iterdir()):
         if (
             src.name in (CONFIG, *_TRAINING_STATE_FILES)
-            or (src.name.endswith(_WEIGHT_SUFFIXES + _WEIGHT_INDEXES) and src.name not in _MODEL_DATA_FILES)
+            or (src.name.endswith(WEIGHT_SUFFIXES + _WEIGHT_INDEXES) and src.name not in _MODEL_DATA_FILES)
             or src.is_dir()
         ):
             continue

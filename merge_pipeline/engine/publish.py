@@ -37,8 +37,8 @@ from pathlib import Path
 from merge_pipeline.errors import MergeError, naming, os_error
 from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.files.shared_folders import refuse_planted, refuse_planted_fd
-from merge_pipeline.hf.manifest import MANIFEST
-from merge_pipeline.target_rules import not_ours, refuse_overlap
+from merge_pipeline.store.record import MANIFEST
+from merge_pipeline.store.target_rules import not_ours, refuse_overlap
 
 log = logging.getLogger("merge_pipeline")
 

@@ -27,7 +27,8 @@ import torch
 from merge_pipeline.engine.narrowing import OutOfRange, check_cast, may_overflow, refusal
 from merge_pipeline.errors import MergeError, naming
 from merge_pipeline.hf.safetensors import METADATA_KEY, SAFETENSORS_DTYPES
-from merge_pipeline.plan import MAX_OPEN_FILES, READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
+from merge_pipeline.plan import READ_PIECE_BYTES, ByteRun, PlannedTensor, SourceFile
+from merge_pipeline.store.sources import MAX_OPEN_FILES
 
 # copy_file_range moves at most this much per call (the kernel copies, no user-space buffer);
 # small enough that the hasher re-reads each piece from the page cache while the next is copied.
@@ -275,9 +276,9 @@ def _copy_run(
     hasher: _Hasher,
 ) -> int:
     """Copy a file range to ``out_pos`` of ``out_fd``, inside the kernel where the filesystems allow."""
-    if source.remote is not None:  # an object in a store: its bytes come through ranged GETs
-        return _copy_through_buffer(source, offset, length, out_fd, out_pos, on_bytes, hasher)
     with source.opened() as source_fd:
+        if source_fd is None:  # no descriptor (an object in a store): its bytes come through ranged GETs
+            return _copy_through_buffer(source, offset, length, out_fd, out_pos, on_bytes, hasher)
         return _copy_range(source, source_fd, offset, length, out_fd, out_pos, on_bytes, hasher)
 
 

@@ -101,3 +101,8 @@ def require_opened_inside(fd: int, path: Path, folder: Path) -> None:
 def _require_regular(path: Path, mode: int) -> None:
     if not stat.S_ISREG(mode):
         raise MergeError(path, f"is a {_KINDS.get(stat.S_IFMT(mode), 'special file')}, not a regular file: refused")
+    if not mode & 0o444:  # refused as well where root could open it: it has none of the bytes it stands for
+        raise MergeError(
+            path,
+            "no one may read it (mode 000; in a store's view: an object's stand-in, read through the store, never opened as a file): refused",
+        )

@@ -9,6 +9,7 @@ else here changes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from collections.abc import Callable
@@ -17,7 +18,6 @@ from pathlib import Path
 
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.errors import MergeError
-from merge_pipeline.files.inputs import require_opened_inside
 from merge_pipeline.formats.step_folders import Completeness, Quiet, StepFolder, newest_change, tracker_vouches
 from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.options import BACKENDS, MergeOptions
@@ -47,6 +47,8 @@ class Reader:
     detect: Callable[[Path], bool]
     # The plan of a role folder; the config is asked for only by readers that need it to plan.
     plan: Callable[[Path, MergeOptions, CheckpointConfig], CheckpointPlan]
+    # Its files the plan streams tensor bytes from: in a store, read through ranged GETs, never downloaded.
+    weight_suffixes: tuple[str, ...]
     # The step folders of the trainers that save this format, and whether one holds such a save
     # itself (not in a role folder: verl's SFT trainer, a DeepSpeed tag, torchtitan).
     step_folders: tuple[StepFolder, ...] = ()
@@ -63,6 +65,12 @@ def reader(name: str) -> Reader:
     if name not in READERS:
         raise MergeError(None, f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     return importlib.import_module(f"{__name__}.{MODULE_OF.get(name, name)}.reader").READER
+
+
+@functools.cache
+def weight_suffixes() -> tuple[str, ...]:
+    """Every reader's weight-file suffixes, each once: what a store's view leaves in the store (``store.view``)."""
+    return tuple(dict.fromkeys(suffix for name in READERS for suffix in reader(name).weight_suffixes))
 
 
 def step_folders() -> list[StepFolder]:
@@ -187,8 +195,6 @@ def open_checkpoint(
     base = Path(options.hf_model_path).absolute() if options.hf_model_path else None
     with closed_on_failure(plan.files):
         for f in plan.files:
-            # a store's view holds only the prefix's own objects: no link to follow out of it
-            if f.remote is None and (base is None or not f.path.absolute().is_relative_to(base)):
-                with f.opened() as fd:
-                    require_opened_inside(fd, f.path, role_dir)
+            if base is None or not f.path.absolute().is_relative_to(base):
+                f.source.require_inside(role_dir)
     return plan

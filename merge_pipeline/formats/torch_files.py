@@ -30,10 +30,9 @@ from typing import BinaryIO
 import torch
 
 from merge_pipeline.errors import MergeError, first_line
-from merge_pipeline.files.inputs import open_regular
 from merge_pipeline.formats.state_dict_pickle import PickleRefused, StateDictUnpickler
-from merge_pipeline.plan import ByteRun, FileRange, SourceFile
-from merge_pipeline.storage import store_object
+from merge_pipeline.plan import ByteRun, SourceFile
+from merge_pipeline.store.view import byte_source
 
 _ZIP_START = b"PK\x03\x04"  # what torch.load needs at byte 0 to read a file as a zip archive
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, as zipfile reads it
@@ -67,12 +66,8 @@ def torch_archive(path: Path) -> Iterator[TorchArchive]:
     """A torch.save file's archive, open while the block runs (its records located, nothing unpickled)."""
     # Unbuffered: the reads are few and exact (directory, one local header per record, the pickle); a
     # buffered stream would read 8 KiB after every seek, ~1 GB for the headers of 1024 rank files.
-    if store_object(path) is not None:  # in a store: its bytes through ranged GETs, pinned to its ETag
-        file = SourceFile(path)
-        stream = contextlib.nullcontext(FileRange(file, 0, file.size))
-    else:
-        stream = os.fdopen(open_regular(path), "rb", buffering=0)  # never a FIFO or device
-    with stream as stream:
+    source = byte_source(path)  # a local file (never a FIFO or device), or a store object's ranged GETs
+    with contextlib.closing(source), source.stream() as stream:
         if stream.seek(0, io.SEEK_END) == 0:
             raise MergeError(path, "file is empty")
         yield TorchArchive(stream, path)

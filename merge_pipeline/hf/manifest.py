@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-MANIFEST = "merge_manifest.json"
+from merge_pipeline.store.record import MANIFEST  # the commit marker the store looks for: one name
+
 _LIBRARIES = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "megatron-core")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +16,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.files.inputs import open_regular
-from merge_pipeline.storage import StoreObject, store_object
+from merge_pipeline.store.sources import ByteSource
+from merge_pipeline.store.view import byte_source
 
+# A model folder's weight files, in any framework's format: never copied as side files, never downloaded whole.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # The safetensors library refuses a header over 100 MB, and reserves this name in it for string metadata.
@@ -56,34 +57,34 @@ def exact_common_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 @contextlib.contextmanager
 def open_safetensors(path: Path) -> Iterator:
     """``safe_open`` a finished file; a missing, special or malformed one is one line naming it."""
-    os.close(open_regular(path))  # checked first: safe_open would block on a FIFO
-    remote = store_object(path)
-    if remote is not None:  # a placeholder of a store's view (``storage.viewed``): its bytes are in the store
-        yield StoredSafetensors(path, remote)
-        return
-    try:
-        with safe_open(path, "pt") as f:
-            yield f
-    except SafetensorError as exc:
-        raise MergeError(path, f"not a readable safetensors file ({exc})") from None
+    source = byte_source(path)  # a local file checked first, as ``open_regular``: safe_open would block on a FIFO
+    with contextlib.closing(source), source.opened() as fd:
+        if fd is None:  # no local file: an object in a store (``store.view.viewed``), read through ranged GETs
+            yield StoredSafetensors(path, source)
+            return
+        try:
+            with safe_open(path, "pt") as f:
+                yield f
+        except SafetensorError as exc:
+            raise MergeError(path, f"not a readable safetensors file ({exc})") from None
 
 
 class StoredSafetensors:
     """``safe_open``'s reading calls on a safetensors file in a store: the header in two ranged GETs, each
     tensor in one (pinned to the ETag listed, as every read of a store object)."""
 
-    def __init__(self, path: Path, remote: StoreObject):
-        self.path, self.remote = path, remote
-        length = int.from_bytes(remote.read(0, 8), "little")
+    def __init__(self, path: Path, source: ByteSource):
+        self.path, self.source = path, source
+        length = int.from_bytes(source.read(0, 8), "little")
         self.data_start = 8 + length
-        if length > MAX_HEADER_BYTES or self.data_start > remote.identity.size:
+        if length > MAX_HEADER_BYTES or self.data_start > source.size:
             raise MergeError(path, "not a readable safetensors file (header length past the end of the file)")
         try:
-            header = json.loads(remote.read(8, length))
+            header = json.loads(source.read(8, length))
             self.entries = {name: _Entry(e) for name, e in header.items() if name != METADATA_KEY}
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise MergeError(path, f"not a readable safetensors file (header: {exc})") from None
-        if any(self.data_start + e.end > remote.identity.size for e in self.entries.values()):
+        if any(self.data_start + e.end > source.size for e in self.entries.values()):
             raise MergeError(path, "not a readable safetensors file (a tensor's offsets run past the end of the file)")
 
     def keys(self) -> list[str]:
@@ -94,7 +95,7 @@ class StoredSafetensors:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         entry = self.entries[name]
-        data = bytearray(self.remote.read(self.data_start + entry.start, entry.end - entry.start))
+        data = bytearray(self.source.read(self.data_start + entry.start, entry.end - entry.start))
         if not data:
             return torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])
         return torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).view(entry.shape)

@@ -59,11 +59,12 @@ from merge_pipeline import __version__
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
-from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub.card_metadata import card_metadata
 from merge_pipeline.hub.model_card import CARD, readme_to_publish, render_card
 from merge_pipeline.settings import HUB_TIMEOUT
-from merge_pipeline.storage import sha256_uploaded_with, store_object
+from merge_pipeline.store.record import MANIFEST
+from merge_pipeline.store.upload import sha256_uploaded_with
+from merge_pipeline.store.view import byte_source, store_object
 
 log = logging.getLogger("merge_pipeline")
 
@@ -430,7 +431,7 @@ def _addition(local: _Local) -> CommitOperationAdd:
 
 def _hash(path: str, source: Path | bytes) -> _Local:
     """sha256, and the git blob id for small files, in one read."""
-    size = len(source) if isinstance(source, bytes) else source.stat().st_size
+    size = len(source) if isinstance(source, bytes) else _size(source)
     sha256 = hashlib.sha256()
     git = hashlib.sha1(b"blob %d\0" % size) if size <= _REGULAR_MAX else None
     for chunk in _chunks(source):
@@ -438,6 +439,12 @@ def _hash(path: str, source: Path | bytes) -> _Local:
         if git is not None:
             git.update(chunk)
     return _Local(path, size, sha256.hexdigest(), git.hexdigest() if git else None, source)
+
+
+def _size(path: Path) -> int:
+    """The size of a file to upload: of the object a placeholder of a store's view stands for, if it is one."""
+    with contextlib.closing(byte_source(path)) as source:
+        return source.size
 
 
 def _chunks(source: Path | bytes, block: int = 8 << 20):
@@ -452,7 +459,7 @@ def _chunks(source: Path | bytes, block: int = 8 << 20):
 
 def _client_source(source: Path | bytes) -> Path | bytes | io.BufferedReader:
     """What a file is read from: its bytes or local path as they are; for a placeholder of a store's view
-    (``storage.viewed``), a seekable reader of ranged GETs pinned to the object's ETag (never downloaded)."""
+    (``store.view.viewed``), a seekable reader of ranged GETs pinned to the object's ETag (never downloaded)."""
     if isinstance(source, bytes) or store_object(source) is None:
         return source
     from merge_pipeline.plan import FileRange, SourceFile  # torch: not for the Dagster location's load

@@ -12,13 +12,14 @@ from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.outputs import config_dtype_for, plan_outputs
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, shown_path
-from merge_pipeline.formats import checkpoint_name, open_checkpoint
+from merge_pipeline.formats import checkpoint_name, open_checkpoint, weight_suffixes
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.lora import has_lora_tensors
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.prepare import prepare, quantized
 from merge_pipeline.plan import CheckpointPlan, dtype_name
-from merge_pipeline.storage import viewed
+from merge_pipeline.store.view import viewed
 
 if TYPE_CHECKING:
     pass
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 def describe(local_dir: str | Path, options: MergeOptions) -> dict:
     """``inspect``: what a checkpoint holds, from metadata only."""
-    with viewed(local_dir) as folder:
+    with viewed(local_dir, weight_suffixes()) as folder:
         configs = CheckpointConfig.of(folder, options)
         with open_checkpoint(folder, options, configs) as plan:
             try:
@@ -85,5 +86,5 @@ def compare(
 ) -> Comparison:
     """``test``: what the checkpoint merges to, tensor by tensor against a reference HF folder (or a merged
     folder in a store, refused while its ``merge_manifest.json`` is missing)."""
-    with viewed(reference_dir, merged=True) as reference, prepare(local_dir, options) as prepared:
+    with viewed(reference_dir, WEIGHT_SUFFIXES, merged=True) as reference, prepare(local_dir, options) as prepared:
         return compare_with_reference(prepared.outputs, reference.absolute(), atol=atol)

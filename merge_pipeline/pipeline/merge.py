@@ -23,10 +23,12 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.folder import check_before_publishing, finish_folder, resume_killed, write_side_files
 from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.storage import invalidate_target, is_store_url, local_twin, publish_folder
-from merge_pipeline.store_lock import StoreTargetLock, locked_store_target
-from merge_pipeline.store_uploads import abort_incomplete_uploads
-from merge_pipeline.target_rules import check_store_target, refuse_overlap
+from merge_pipeline.store.incomplete_uploads import abort_incomplete_uploads
+from merge_pipeline.store.lock import StoreTargetLock, locked_store_target
+from merge_pipeline.store.publish import invalidate_target, publish_folder
+from merge_pipeline.store.target_rules import check_store_target, refuse_overlap
+from merge_pipeline.store.upload import local_twin
+from merge_pipeline.store.url import as_location, store_prefix
 from merge_pipeline.workers.in_process import IN_PROCESS, Workers
 from merge_pipeline.workers.writing import Prepared, WeightJob, Written
 
@@ -74,11 +76,11 @@ def merge(
     started = time.monotonic()
     options = options or MergeOptions()
     # A target in a store is built in a folder of this machine named by its URL (the same lock, staging,
-    # resume and checks as a local target), then uploaded with the manifest last (``storage.publish_folder``).
-    store_target = str(target_dir).rstrip("/") if is_store_url(target_dir) else None
+    # resume and checks as a local target), then uploaded with the manifest last (``store.publish.publish_folder``).
+    store_target = store_prefix(target_dir)
     target = local_twin(store_target) if store_target else Path(target_dir).absolute()
     overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked
-    source = local_dir if is_store_url(local_dir) else Path(local_dir)
+    source = as_location(local_dir)
     inputs = (source, *options.average_inputs, *([options.hf_model_path] if options.hf_model_path else []))
 
     def checked_and_prepared() -> Prepared:  # the target rules (``target_rules``), before any work

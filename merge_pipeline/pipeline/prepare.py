@@ -16,14 +16,16 @@ from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.lora_merge import model_tensors
 from merge_pipeline.engine.outputs import DTYPES, OutputPlan, plan_outputs
 from merge_pipeline.engine.quantize import quantized_outputs
-from merge_pipeline.formats import open_checkpoint
+from merge_pipeline.formats import open_checkpoint, weight_suffixes
 from merge_pipeline.formats.base_model import with_base_weights
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import is_adapter_only
+from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
-from merge_pipeline.storage import is_store_url, viewed
+from merge_pipeline.store.url import is_store_url, spelled
+from merge_pipeline.store.view import viewed
 from merge_pipeline.workers.writing import Prepared
 
 if TYPE_CHECKING:
@@ -45,9 +47,11 @@ def prepare(local_dir: str | Path, options: MergeOptions) -> Prepared:
 def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool = False) -> Prepared:
     views = contextlib.ExitStack()
     try:
-        local_dir = views.enter_context(viewed(local_dir))
+        local_dir = views.enter_context(viewed(local_dir, weight_suffixes()))
         if options.hf_model_path and is_store_url(options.hf_model_path):
-            options = replace(options, hf_model_path=str(views.enter_context(viewed(options.hf_model_path))))
+            options = replace(
+                options, hf_model_path=str(views.enter_context(viewed(options.hf_model_path, WEIGHT_SUFFIXES)))
+            )
         configs = CheckpointConfig.of(local_dir, options)
         plan = open_checkpoint(local_dir, options, configs, merged=merged)
     except BaseException:
@@ -90,7 +94,7 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
             inputs.append(AveragedInput(one.plan, one.outputs, weight))
             configs[one.plan.role_dir] = one.config
         # local_dir names one of the inputs: its folder as planned (a store input's is its local view)
-        named, wanted = [_named_folder(path) for path in options.average_inputs], _named_folder(local_dir)
+        named, wanted = [spelled(path) for path in options.average_inputs], spelled(local_dir)
         reference = inputs[named.index(wanted)].plan.role_dir if wanted in named else Path(local_dir).absolute()
         plan, outputs = average_plan(
             inputs,
@@ -110,11 +114,6 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
     for one in inputs:  # a store input's view lives as long as the average's plan reads through it
         plan.views.enter_context(one.plan.views.pop_all())
     return Prepared(plan, configs[reference], outputs)
-
-
-def _named_folder(location: str | Path) -> str:
-    """A folder as its name is compared: a store URL as written, a local path made absolute."""
-    return str(location).rstrip("/") if is_store_url(location) else str(Path(location).absolute())
 
 
 # Imported in the functions below: hf.architecture imports transformers (~1.3 s, ~35 MB), which FSDP never needs.

@@ -42,7 +42,7 @@ from merge_pipeline.formats.coalesced_reads import GROUP_BYTES
 from merge_pipeline.plan import READ_PIECE_BYTES
 from merge_pipeline.progress import ByteProgress, human_bytes
 from merge_pipeline.ray_settings import RaySettings
-from merge_pipeline.storage import is_store_url
+from merge_pipeline.store.url import is_store_url
 from merge_pipeline.workers.in_process import Workers
 from merge_pipeline.workers.ray_probe import check_ray_head
 from merge_pipeline.workers.remote import plan_then_write

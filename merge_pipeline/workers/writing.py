@@ -26,8 +26,9 @@ from merge_pipeline.hf.manifest import stat_identity
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.progress import ByteProgress
-from merge_pipeline.storage import UploadSink, is_store_url, unguarded
-from merge_pipeline.store_lock import LockGuard
+from merge_pipeline.store.lock import LockGuard
+from merge_pipeline.store.publish import UploadSink, unguarded
+from merge_pipeline.store.url import as_location
 
 
 @dataclass
@@ -100,7 +101,7 @@ class WeightJob:
     @classmethod
     def load(cls, path: Path) -> WeightJob:
         job = json.loads(path.read_text())
-        local_dir = job["local_dir"] if is_store_url(job["local_dir"]) else Path(job["local_dir"])
+        local_dir = as_location(job["local_dir"])
         options = MergeOptions(**job["options"])
         return cls(local_dir, Path(job["staging"]), options, job["kept"], job["upload_to"], job["lock_token"])
 

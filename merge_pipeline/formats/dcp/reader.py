@@ -171,6 +171,7 @@ READER = Reader(
     looks_for=f"a DCP folder (.metadata in it or in {ACCELERATE_DIR}/, {NEMO_RL_DIR}/, {NEMO_AUTOMODEL_DIR}/; or shard-*-model-*.safetensors)",
     detect=is_dcp_dir,
     plan=lambda role_dir, options, config: plan_dcp(role_dir, config),
+    weight_suffixes=(".distcp", ".safetensors"),
     step_folders=(TORCHTITAN, HF_TRAINER, NEMO_RL),
     saved_in_step_folder=holds_a_save,
     completeness=completeness,

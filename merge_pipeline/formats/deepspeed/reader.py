@@ -512,6 +512,7 @@ READER = Reader(
     looks_for=f"DeepSpeed ZeRO ({LATEST}, *_optim_states.pt)",
     detect=is_deepspeed_dir,
     plan=lambda role_dir, options, config: plan_deepspeed(role_dir),
+    weight_suffixes=(".pt",),
     step_folders=(DEEPSPEED, HF_TRAINER),
     saved_in_step_folder=holds_a_save,
     completeness=completeness,

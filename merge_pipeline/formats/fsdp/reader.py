@@ -8,7 +8,6 @@ must tile its global shape exactly. Nothing is written before all of that holds.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -141,7 +140,7 @@ def _by_layout(layouts: list[ArchiveLayout], templates: list[RankTemplate], rank
     neighbouring ranks share theirs --, the rank if so and its pickle is a template's with this rank's
     numbers, else ``None``), from a few reads. ``shared``: storage offsets by layout and template, one
     dict for all ranks of a layout."""
-    with file.opened() if file.remote is None else contextlib.nullcontext():  # one open for all the reads
+    with file.opened():  # one open for all the reads
         for index, layout in enumerate(layouts):
             if (records := layout.locate(file, file.path.stem)) is not None:
                 layouts.insert(0, layouts.pop(index))
@@ -505,6 +504,7 @@ READER = Reader(
     looks_for="an FSDP checkpoint (model_world_size_*_rank_*.pt)",
     detect=is_fsdp_dir,
     plan=lambda role_dir, options, config: plan_fsdp(role_dir, verify_replicas=options.verify_replicas),
+    weight_suffixes=(".pt",),
     step_folders=(VERL,),
     saved_in_step_folder=holds_model_files,
     # FSDP leaves no marker of a finished save: verl's tracker or the settle time decides.

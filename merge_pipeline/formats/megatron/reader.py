@@ -433,6 +433,7 @@ READER = Reader(
         is_value_model=options.is_value_model or None,
         tie_word_embedding=options.tie_word_embedding or None,
     ),
+    weight_suffixes=(".distcp", ".pt"),
     step_folders=(VERL, MEGATRON_LM_STEPS),
     saved_in_step_folder=holds_an_iteration,
     completeness=completeness,

@@ -31,7 +31,7 @@ from merge_pipeline.hf.lora import (
     lora_module,
     peft_base_names,
 )
-from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE
+from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import (
     CheckpointPlan,
@@ -261,5 +261,6 @@ READER = Reader(
     looks_for=f"consolidated HF weights ({NEMO_MODEL_DIR}/*.safetensors, or {INDEX} beside {TORCHTITAN_SHARDS}/)",
     detect=lambda role_dir: weights_dir(role_dir) is not None,
     plan=_plan,
+    weight_suffixes=WEIGHT_SUFFIXES,
     plan_model_folder=_plan_model_folder,
 )

@@ -20,13 +20,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from merge_pipeline import plan as plan_module
 from merge_pipeline.engine import safetensors_writer
 from merge_pipeline.formats import coalesced_reads
 from merge_pipeline.formats.fsdp.archive_layouts import ArchiveLayout
 from merge_pipeline.formats.fsdp.rank_template import RankTemplate
 from merge_pipeline.formats.fsdp.reader import RankShard, plan_fsdp
 from merge_pipeline.formats.torch_files import torch_archive
+from merge_pipeline.plan import SourceFile
+from merge_pipeline.store import sources
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.formats.fsdp.test_fsdp_hostile_files import edit_pickle, repack
 from merge_pipeline_tests.formats.fsdp.test_fsdp_world_size import SPEC as WORLD_SIZE_SPEC
@@ -130,7 +131,7 @@ def zip_layout(role_dir, rank):
 
 def records_found(role_dir, rank, layout, name=None):
     path = rank_file(role_dir, rank)
-    file = plan_module.SourceFile(path)
+    file = SourceFile(path)
     try:
         return layout.locate(file, name or path.stem)
     finally:
@@ -280,11 +281,11 @@ def test_a_tensor_over_more_rank_files_than_descriptors_kept_opens_each_once(che
     # file; with 4 descriptors kept for its 14 rank files, reading it ahead (fadvise) and then reading
     # it opened each file twice (at ws1024: 2 x 1024 opens per such tensor). Now once.
     monkeypatch.setattr(coalesced_reads, "GROUP_BYTES", 4096)
-    monkeypatch.setattr(plan_module._OPEN, "limit", 4)
+    monkeypatch.setattr(sources._OPEN, "limit", 4)
     monkeypatch.setattr(safetensors_writer, "MAX_OPEN_FILES", 4)
     opened: list[Path] = []
-    real_open = plan_module.SourceFile._open
-    monkeypatch.setattr(plan_module.SourceFile, "_open", lambda f: opened.append(f.path) or real_open(f))
+    real_open = sources.LocalFile._open
+    monkeypatch.setattr(sources.LocalFile, "_open", lambda f: opened.append(f.path) or real_open(f))
     role_dir, expected = checkpoint
     with plan_fsdp(role_dir) as plan:
         embedding = next(t for t in plan.tensors if t.name == "model.embed_tokens.weight")

@@ -31,7 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from merge_pipeline.errors import MergeError, first_line
-from merge_pipeline.storage import StoreLocation, asking, is_s3, location, precondition_failed
+from merge_pipeline.store.asking import asking, precondition_failed
+from merge_pipeline.store.url import StoreLocation, location
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,8 @@ class StoreTargetLock:
         self.refresher.join()
         if self.lost:
             return
-        bucket, _, name = self.key.partition("/")
         with contextlib.suppress(Exception):  # a lock left behind expires; the merge's outcome stands
-            self.store.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=self.etag)
+            self.store.backend.delete_if(self.key, self.etag)
 
 
 @contextlib.contextmanager
@@ -109,7 +109,7 @@ def locked_store_target(url: str) -> Iterator[StoreTargetLock | None]:
     """Hold ``url``'s lock while the block runs; one line if another merge holds it. A store without
     conditional writes (anything but S3 and S3-compatible ones here) gets none, with a warning."""
     store = location(url)
-    if not is_s3(store.fs):
+    if not store.backend.conditional_writes:
         log.warning("%s: no lock across machines in this store: run one merge per target at a time", url)
         yield None
         return
@@ -172,8 +172,7 @@ def _take(store: StoreLocation, key: str, url: str, body: bytes, token: str) -> 
 
 def _put(store: StoreLocation, key: str, body: bytes, **condition: str) -> str:
     """A conditional PUT of the lock; its new ETag, from the answer."""
-    bucket, _, name = key.partition("/")
-    return store.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=body, **condition)["ETag"]
+    return store.backend.put_if(key, body, **condition)
 
 
 def _info(store: StoreLocation, key: str) -> dict:

@@ -1,6 +1,6 @@
 """Incomplete multipart uploads under a target prefix: what a merge killed mid-upload leaves in an S3 store.
 
-A weight file goes up in parts (``storage.PART_BYTES``); a failure inside the upload aborts it (s3fs), but a
+A weight file goes up in parts (``settings.PART_BYTES``); a failure inside the upload aborts it (s3fs), but a
 killed process (SIGKILL, out of memory, a lost node, a cancelled Ray task) leaves the parts in the store,
 billed and invisible to a listing. The next merge into the same target aborts them once it holds the
 target's store lock (so none belongs to a live merge), and ``inspect`` of the prefix counts them. Only uploads
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from merge_pipeline.errors import MergeError, printable
-from merge_pipeline.storage import StoreLocation, asking, is_s3, location
+from merge_pipeline.store.asking import asking
+from merge_pipeline.store.url import StoreLocation, is_store_url, location
 
 log = logging.getLogger("merge_pipeline")
 
@@ -29,11 +31,13 @@ class IncompleteUpload:
     bytes: int  # of the parts uploaded so far
 
 
-def incomplete_uploads(url: str) -> list[IncompleteUpload]:
+def incomplete_uploads(url: str | Path) -> list[IncompleteUpload]:
     """The multipart uploads begun and never completed nor aborted under the prefix ``url`` (none where
-    the store is not S3)."""
-    store = location(url)
-    if not is_s3(store.fs):
+    the store is not S3, nor in a local folder)."""
+    if not is_store_url(url):
+        return []
+    store = location(str(url))
+    if not store.backend.multipart:
         return []
     bucket, _, key = store.path.partition("/")
     prefix = f"{key}/" if key else ""
@@ -63,7 +67,7 @@ def abort_incomplete_uploads(url: str) -> None:
         uploads = incomplete_uploads(url)
         with asking(url):
             for upload in uploads:
-                _call(store, "abort_multipart_upload", Bucket=bucket, Key=upload.key, UploadId=upload.upload_id)
+                store.backend.call("abort_multipart_upload", Bucket=bucket, Key=upload.key, UploadId=upload.upload_id)
     except MergeError as exc:
         log.warning("incomplete multipart uploads not aborted: %s", exc)
         return
@@ -82,15 +86,9 @@ def _pages(store: StoreLocation, operation: str, field: str, **request):
     """The ``field`` lists of every page of a paginated listing (uploads by key and id, parts by number)."""
     markers = {"list_multipart_uploads": ("KeyMarker", "UploadIdMarker"), "list_parts": ("PartNumberMarker",)}
     while True:
-        answer = _call(store, operation, **request)
+        answer = store.backend.call(operation, **request)
         yield answer.get(field) or []
         if not answer.get("IsTruncated"):
             return
         for marker in markers[operation]:
             request[marker] = answer[f"Next{marker}"]
-
-
-def _call(store: StoreLocation, operation: str, **request) -> dict:
-    from fsspec.asyn import sync
-
-    return sync(store.fs.loop, store.fs._call_s3, operation, **request)

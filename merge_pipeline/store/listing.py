@@ -6,7 +6,7 @@ a listing of a store prefix found under a temporary folder, at the same relative
 sparse file of its size whose modification time is the object's ``LastModified``, small files that are
 no weight files (trackers, ``latest``, ``ckpt_contents.json``) downloaded, each folder dated by its
 newest object. The readers' own answers then hold for the store unchanged. A weight file is read only
-where a reader's rule asks for a few of its bytes, through ranged GETs (``storage.placeholder``):
+where a reader's rule asks for a few of its bytes, through ranged GETs (``view.placeholder``):
 DeepSpeed's model states say the data-parallel world size in their pickle.
 
 Listings go one folder at a time (``Delimiter='/'``), ``LIST_PAGE_KEYS`` keys per request, so a tick
@@ -24,17 +24,10 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 
-from merge_pipeline.settings import LIST_PAGE_KEYS
-from merge_pipeline.storage import (
-    MANIFEST,
-    WEIGHT_SUFFIXES,
-    StoreLocation,
-    asking,
-    forget_placeholders,
-    is_s3,
-    location,
-    placeholder,
-)
+from merge_pipeline.store.asking import asking
+from merge_pipeline.store.record import MANIFEST
+from merge_pipeline.store.url import StoreLocation, location
+from merge_pipeline.store.view import forget_placeholders, placeholder
 
 MARKER_BYTES = 64 << 10  # a file the readers read to judge a save (a step number, a tag, a JSON) is smaller
 
@@ -77,41 +70,18 @@ class StoreURL(str):
 def pages(
     store: StoreLocation, prefix: str, *, recursive: bool, max_pages: int | None = None
 ) -> Iterator[tuple[list[dict], list[str]]]:
-    """The objects (key, size, LastModified) and, unless ``recursive``, the subfolder prefixes under
-    ``prefix`` (``bucket/...``, ending in ``/``), page by page. S3: ``list_objects_v2``, ``LIST_PAGE_KEYS``
-    keys each; another filesystem: its own listing as one page."""
+    """The objects (Key, size, LastModified) and, unless ``recursive``, the subfolder prefixes under
+    ``prefix`` (``bucket/...``, ending in ``/``), page by page (``Backend.pages``)."""
     with asking(store.url):
-        if not is_s3(store.fs):
-            found = store.fs.find(prefix, detail=True) if recursive else store.fs.ls(prefix, detail=True)
-            files = [dict(i, Key=i["name"]) for i in (found.values() if recursive else found) if i["type"] == "file"]
-            folders = [] if recursive else [i["name"] + "/" for i in found if i["type"] == "directory"]
-            yield files, folders
-            return
-        from fsspec.asyn import sync
-
-        bucket, _, key_prefix = prefix.partition("/")
-        request = {"Bucket": bucket, "Prefix": key_prefix, "MaxKeys": LIST_PAGE_KEYS.value()}
-        if not recursive:
-            request["Delimiter"] = "/"
-        listed = 0
-        while max_pages is None or listed < max_pages:
-            answer = sync(store.fs.loop, store.fs._call_s3, "list_objects_v2", **request)
-            listed += 1
-            files = [
-                {"Key": f"{bucket}/{o['Key']}", "size": o["Size"], "LastModified": o["LastModified"]}
-                for o in answer.get("Contents", [])
-            ]
-            yield files, [f"{bucket}/{p['Prefix']}" for p in answer.get("CommonPrefixes", [])]
-            if not answer.get("IsTruncated"):
-                return
-            request["ContinuationToken"] = answer["NextContinuationToken"]
+        yield from store.backend.pages(prefix, recursive=recursive, max_pages=max_pages)
 
 
 class Mirror:
     """A temporary local folder laying out what listings of store prefixes found (``list``), at
     ``folder(url)``; removed on ``close``."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: tuple[str, ...]) -> None:
+        self.weights = weights  # the suffixes of weight files (``formats.weight_suffixes``): never downloaded
         self.top = Path(tempfile.mkdtemp(prefix="merge_pipeline-listing-"))
         self.newest: dict[Path, float] = {}  # each folder's newest object listed so far
         self.placeholders: list[Path] = []  # weight files, read through the store if a reader asks
@@ -145,7 +115,7 @@ class Mirror:
                     continue  # a folder marker, or a key no reader's path could name
                 local = base / relative
                 local.parent.mkdir(parents=True, exist_ok=True)
-                if relative.endswith(WEIGHT_SUFFIXES):
+                if relative.endswith(self.weights):
                     self.placeholders.append(placeholder(local, store, relative, info))
                 else:
                     with open(local, "wb") as f:

@@ -6,7 +6,7 @@
    and key parts (a trailing or doubled ``/`` changes nothing); a folder never overlaps a prefix.
 2. A target that is not empty is replaced only if this tool wrote it: a folder holding our manifest
    (``engine.publish``, which swaps the whole folder), a prefix whose every object is named by our
-   manifest or by the record of a merge publishing into it (``storage.written_names``); anything else is
+   manifest or by the record of a merge publishing into it (``record.written_names``); anything else is
    refused, even with ``--overwrite``, in the same words. Publishing deletes only objects named so.
 """
 
@@ -17,7 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.storage import MANIFEST, _listing, asking, complete_target, is_store_url, location, written_names
+from merge_pipeline.store.asking import asking
+from merge_pipeline.store.publish import complete_target
+from merge_pipeline.store.record import MANIFEST, written_names
+from merge_pipeline.store.url import is_store_url, location
+from merge_pipeline.store.view import listed
 
 SHOWN_FOREIGN = 3  # names of objects we did not write, in the refusal
 
@@ -79,7 +83,7 @@ def check_store_target(url: str, *, overwrite: bool) -> None:
     credentials are refused here too. An empty prefix, or one a killed merge left, may be written."""
     store = location(url)
     with asking(url):
-        objects = _listing(store)
+        objects = listed(store)
         if not objects:
             return
         ours = written_names(store)
