@@ -406,8 +406,8 @@ def _run_diff(args: argparse.Namespace) -> int:
 
 
 def _run_queue(args: argparse.Namespace) -> int:
-    from merge_pipeline.dagster.queue import queue_merge
-    from merge_pipeline.dagster.webserver_api import shown_url
+    from merge_pipeline.webserver.client import shown_url
+    from merge_pipeline.webserver.queue import queue_merge
 
     run_id = queue_merge(args.url, args.partition, job=args.job, run_config=args.config_json)
     print(f"queued: {shown_url(args.url.rstrip('/'))}/runs/{printable(run_id)}")

@@ -4,7 +4,7 @@ CLI read (``Variable``), each declared once with its unit, bounds and default.
 A variable is read where it is used, never at import: a bad ``MERGE_PIPELINE_PART_BYTES`` is refused by
 the upload that needs it, in one line naming the variable, the value, its unit and bounds, and every
 command that needs none (``inspect`` of a local folder) runs. The Dagster component's settings
-(``dagster/settings.py``) are records of the same kinds. Numbers are finite and bounded (``1e300``
+(``watch/location_settings.py``) are records of the same kinds. Numbers are finite and bounded (``1e300``
 minutes or seconds would overflow a timedelta or a socket's timeout); sizes take ``33554432``,
 ``32MiB`` or ``4GB``.
 """

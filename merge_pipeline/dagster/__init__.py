@@ -2,5 +2,6 @@
 definition it builds, plus what this package adds to a Dagster instance (``instance.yaml``, the run launcher).
 
 Everything here is a thin layer over ``merge_pipeline.pipeline`` (never the readers or the writer
-directly); nothing below it imports dagster.
+directly); every module here imports dagster. What runs without it (watching the checkpoint roots, the
+settings, the webserver client) lives in ``merge_pipeline.watch`` and ``merge_pipeline.webserver``.
 """

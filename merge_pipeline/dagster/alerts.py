@@ -14,7 +14,7 @@ import urllib.request
 import dagster as dg
 
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
+from merge_pipeline.watch.location_settings import BY_NAME, of_resource, with_fields
 
 TIMEOUT_SECONDS = 10
 WEBHOOK = BY_NAME["alert_webhook_url"]

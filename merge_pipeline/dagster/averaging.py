@@ -28,9 +28,7 @@ from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.checks import checks_metadata
 from merge_pipeline.dagster.config import LauncherConfig, writer_fields
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
@@ -38,6 +36,8 @@ from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import viewed
+from merge_pipeline.watch.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
+from merge_pipeline.watch.partitions import checkpoint_key
 
 AVERAGED = "averaged"  # <output_root>/<run_name>/averaged/<role>
 BATCH = 200  # hf_model events read per tick

@@ -39,7 +39,14 @@ from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import checkpoint_sensor
-from merge_pipeline.dagster.settings import BY_NAME, Setting, attributes, of_resource, scaffold_lines, with_fields
+from merge_pipeline.watch.location_settings import (
+    BY_NAME,
+    Setting,
+    attributes,
+    of_resource,
+    scaffold_lines,
+    with_fields,
+)
 
 INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
 

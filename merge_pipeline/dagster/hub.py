@@ -19,18 +19,18 @@ from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import HUB_GROUP, INF, NAN, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline.hub import UploadResult, upload_folder_verified
 from merge_pipeline.json_files import read_json_object
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import viewed
+from merge_pipeline.watch.keys import HUB_GROUP, INF, NAN, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
+from merge_pipeline.watch.location_settings import BY_NAME, of_resource, with_fields
+from merge_pipeline.watch.partitions import checkpoint_key
 
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
 # the step branches), and one branch per K, updated in place as steps land (its history: the averages).

@@ -18,9 +18,7 @@ import dagster as dg
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
@@ -28,6 +26,8 @@ from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import is_store_url, viewed
 from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.watch.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
+from merge_pipeline.watch.partitions import checkpoint_key
 
 if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
     from merge_pipeline.hf.step_diff import StepDiff

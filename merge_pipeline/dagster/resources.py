@@ -15,13 +15,14 @@ import dagster as dg
 from pydantic import model_validator
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.dagster.pins import PINS, PinSpace, verified_pin
-from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
+from merge_pipeline.dagster.pins import PinSpace, verified_pin
 from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.watch.keys import PINS
+from merge_pipeline.watch.location_settings import BY_NAME, of_resource, with_fields
 
 # discovery imports the pipeline, which imports torch: sensor ticks and runs import it, the location's load does not
 if TYPE_CHECKING:
-    from merge_pipeline.dagster.discovery import Scan
+    from merge_pipeline.watch.discovery import Scan
 
 SETTINGS = of_resource("settings")
 
@@ -64,12 +65,12 @@ class MergeSettings(with_fields(dg.ConfigurableResource, SETTINGS)):
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""
-        from merge_pipeline.dagster.discovery import scan_roots
+        from merge_pipeline.watch.discovery import scan_roots
 
         return scan_roots(self.value("checkpoint_roots"), self.value("output_root"))
 
     def role_dir(self, key: CheckpointName) -> Path:
-        from merge_pipeline.dagster.discovery import locate
+        from merge_pipeline.watch.discovery import locate
 
         return locate(key, self.value("checkpoint_roots"))
 

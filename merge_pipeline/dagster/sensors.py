@@ -24,13 +24,13 @@ import dagster as dg
 
 from merge_pipeline.dagster.jobs import merge_checkpoint_job
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensor_cursor import cursor_keys, sensor_cursor
+from merge_pipeline.watch.cursor import cursor_keys, sensor_cursor
+from merge_pipeline.watch.partitions import checkpoint_key
 
 if TYPE_CHECKING:
-    from merge_pipeline.dagster.discovery import Completeness, FoundCheckpoint
+    from merge_pipeline.watch.discovery import Completeness, FoundCheckpoint
 
 SOURCE_TAG = "merge_pipeline/source"
 
@@ -60,7 +60,7 @@ def _tick(
     context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names, max_concurrent_merges: int
 ) -> dg.SensorResult:
     # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
-    from merge_pipeline.dagster.discovery import completeness, merged_before
+    from merge_pipeline.watch.discovery import completeness, merged_before
 
     checkpoint_partitions = names.partitions
     seen = cursor_keys(context.cursor)  # requested (with the step's newest change then) or already merged

@@ -20,10 +20,10 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.defs import browser
 from merge_pipeline_tests.defs.helpers import ACTOR
 from merge_pipeline_tests.defs.services import Dagster, clean_copy, running_dagster_dev

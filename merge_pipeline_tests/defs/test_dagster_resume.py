@@ -16,12 +16,12 @@ import psutil
 import pytest
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.defs.services import Dagster, clean_copy, running_dagster_dev
 from merge_pipeline_tests.engine.test_resume import SPEC

@@ -12,9 +12,9 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.watch.cursor import cursor_keys
 from merge_pipeline_tests.defs.helpers import ACTOR, asset, materialize
 from merge_pipeline_tests.defs.test_dagster_sensor import requested, tick
 from merge_pipeline_tests.defs.test_sensor_stacks import DEEPSPEED, DEEPSPEED_DONE

@@ -1,4 +1,4 @@
-"""The Hub's settings, declared with the merge's in ``dagster/settings.py``: read from their variables when the
+"""The Hub's settings, declared with the merge's in ``watch/location_settings.py``: read from their variables when the
 code location loads, a bad word refused there in one line naming the variable, and the token kept as its
 variable's name (``EnvVar``), so the resource's config never holds it."""
 

@@ -1,6 +1,6 @@
 """The names the merge step, the step report, the Hub and the averaged model share: asset groups,
 owners, the pool and run tag that keep heavy runs apart, and the metadata keys one writes and another
-reads. One home, below all of them, so none imports another just for a string."""
+reads, and the pin folder's name. One home, below all of them, so none imports another just for a string."""
 
 GROUP = "merge"  # the merge's assets (an instance's: <prefix>__merge)
 HUB_GROUP = "hub"
@@ -15,3 +15,6 @@ PASSED = "blocking checks passed"  # on hf_model: every check, so its materializ
 # step_report, read by the Hub (the model card, and whether a step may be published)
 NAN, INF = "NaN", "Inf"
 SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smoke text", "smoke loss (fixed text)"
+
+# the folder in a checkpoint root where pin_steps hard-links steps, unless pin_root says elsewhere
+PINS = ".merge_pins"

@@ -5,7 +5,7 @@ Each is of a ``Kind`` of ``merge_pipeline.settings`` (where the engine's own var
 this one list come the component's attributes (``component.py``; the Hub's under its ``hub:``),
 the fields of the ``settings``, ``alert_webhook`` and ``hub`` resources (``resources.py``, ``alerts.py``,
 ``hub.py``), the ``defs.yaml`` the scaffolder writes, and the table in docs/DAGSTER.md ("Configuration":
-``python -m merge_pipeline.dagster.settings`` prints it; a test holds the two equal).
+``python -m merge_pipeline.watch.location_settings`` prints it; a test holds the two equal).
 
 An attribute left out is read from its variable, when a run or a sensor tick uses it, or for the
 settings that shape the definitions (``at_load``) when the code location loads; with neither, the
@@ -26,7 +26,6 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
-from merge_pipeline.dagster.pins import PINS
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.hub import DEFAULT_ENDPOINT
 from merge_pipeline.settings import (
@@ -44,6 +43,7 @@ from merge_pipeline.settings import (
 )
 from merge_pipeline.storage import is_store_url
 from merge_pipeline.store_listing import StoreURL
+from merge_pipeline.watch.keys import PINS
 
 
 def _folders_or_urls(value: Any, named: str) -> list[Path | StoreURL]:
@@ -348,5 +348,5 @@ def scaffold_lines(prefix: str, under: str | None = None) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":  # python -m merge_pipeline.dagster.settings: the table docs/DAGSTER.md shows
+if __name__ == "__main__":  # python -m merge_pipeline.watch.location_settings: the table docs/DAGSTER.md shows
     print(docs_table(), end="")
