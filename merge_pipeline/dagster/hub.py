@@ -271,6 +271,3 @@ def _highest_verified(
             continue
         return key, merge
     return None, None
-
-
-CRON = "*/10 * * * *"

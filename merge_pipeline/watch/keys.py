@@ -4,6 +4,7 @@ reads, and the pin folder's name. One home, below all of them, so none imports a
 
 GROUP = "merge"  # the merge's assets (an instance's: <prefix>__merge)
 HUB_GROUP = "hub"
+HUB_CRON = "*/10 * * * *"  # publish_latest_steps, unless the component's hub: schedule says otherwise
 OWNERS = ["team:training-infra"]
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time

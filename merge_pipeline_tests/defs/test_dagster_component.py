@@ -70,7 +70,7 @@ def project(tmp_path_factory) -> Path:
 
 
 def test_the_scaffolder_writes_the_instance_settings_a_new_project_lacks(project, tmp_path):
-    from merge_pipeline.dagster.component import INSTANCE_SETTINGS
+    from merge_pipeline.dagster.scaffolder import INSTANCE_SETTINGS
 
     assert (project / "dagster.yaml").read_text() == INSTANCE_SETTINGS.read_text()
     assert (PROJECT_ROOT / "dagster.yaml").resolve() == INSTANCE_SETTINGS.resolve()  # this repo's is the same file
