@@ -28,6 +28,7 @@ from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_met
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BlockingChecksFailed
 from merge_pipeline.watch.keys import GROUP, MERGE_POOL, OWNERS
+from merge_pipeline.watch.location_settings import HF_MODEL_PATH, SETTLE_SECONDS
 from merge_pipeline.watch.partitions import checkpoint_key
 
 
@@ -151,15 +152,15 @@ def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: Mer
     target = settings.target_dir(key)
     with one_line_failure():
         options = config.options()  # tie and untie together are refused in one line, as by the CLI
-        if options.hf_model_path is None and settings.value("hf_model_path"):  # the sensor's runs carry no run config
-            options = dataclasses.replace(options, hf_model_path=settings.value("hf_model_path"))
+        if options.hf_model_path is None and settings.value(HF_MODEL_PATH):  # the sensor's runs carry no run config
+            options = dataclasses.replace(options, hf_model_path=settings.value(HF_MODEL_PATH))
         pinned = settings.pinned(key)  # the sensor's hard links (pin_steps): the trainer may have deleted the step
         role_dir = pinned[1] if pinned else settings.role_dir(key)
         state = (
             Completeness(True, "pinned by the sensor when complete", newest_change(role_dir))
             if pinned
             else completeness(
-                role_dir, key.step, settings.value("settle_seconds")
+                role_dir, key.step, settings.value(SETTLE_SECONDS)
             )  # a run started by hand may come too early
         )
         if not state.complete:

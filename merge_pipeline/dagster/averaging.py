@@ -37,6 +37,7 @@ from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAG
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import viewed
 from merge_pipeline.watch.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
+from merge_pipeline.watch.location_settings import OUTPUT_ROOT
 from merge_pipeline.watch.partitions import checkpoint_key
 
 AVERAGED = "averaged"  # <output_root>/<run_name>/averaged/<role>
@@ -110,7 +111,7 @@ def averaged_partitions(names: Names) -> dg.DynamicPartitionsDefinition:
 
 
 def averaged_dir(settings: MergeSettings, run: RunKey) -> Path:
-    return settings.value("output_root") / run.run_name / AVERAGED / run.role
+    return settings.value(OUTPUT_ROOT) / run.run_name / AVERAGED / run.role
 
 
 def merged_steps(

@@ -38,6 +38,8 @@ from merge_pipeline.dagster.sensors import checkpoint_sensor
 from merge_pipeline.watch.keys import HUB_CRON
 from merge_pipeline.watch.location_settings import (
     BY_NAME,
+    FRESHNESS_MINUTES,
+    SENSOR_INTERVAL_SECONDS,
     Setting,
     attributes,
     of_resource,
@@ -60,7 +62,7 @@ class HubPublishing(with_fields(dg.Model, attributes("hub"))):
     def resource(self) -> HuggingFaceHub:
         """Every field resolved when the location loads (the attribute, else its variable, else the default),
         so the definitions that hang on the organization and the runs agree; the token stays its variable."""
-        return HuggingFaceHub(**{s.name: s.of(getattr(self, s.name)) for s in attributes("hub")}, token=env_token())
+        return HuggingFaceHub(**{s.name: s.value(getattr(self, s.name)) for s in attributes("hub")}, token=env_token())
 
 
 def _as_written(context: dg.ResolutionContext, value: object) -> object:
@@ -102,9 +104,8 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
 
     def definitions(self, names: Names) -> dg.Definitions:
         hub = self.hub.resource()
-        interval, freshness = (
-            BY_NAME[s].of(getattr(self, s)) for s in ("sensor_interval_seconds", "freshness_minutes")
-        )
+        interval = SENSOR_INTERVAL_SECONDS.value(self.sensor_interval_seconds)
+        freshness = FRESHNESS_MINUTES.value(self.freshness_minutes)
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
         merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(

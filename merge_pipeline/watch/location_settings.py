@@ -20,11 +20,10 @@ from __future__ import annotations
 import os
 import re
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, create_model
 
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.hub import DEFAULT_ENDPOINT
@@ -38,6 +37,7 @@ from merge_pipeline.settings import (
     SWITCH,
     TEXT,
     Kind,
+    Setting,
     choice,
     number,
 )
@@ -71,238 +71,188 @@ FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
 FOLDER_OR_URL = Kind(str, _folder_or_url)
 
 
-@dataclass(frozen=True)
-class Setting:
-    name: str  # the defs.yaml attribute and the resource field
-    variable: str  # read when the attribute is left out
-    kind: Kind
-    default: Any  # as the variable would say it (None: none)
-    help: str
-    resource: str | None = "settings"  # the resource holding it; None: it shapes the definitions, read at load
-    example: str | None = None  # what the scaffolded defs.yaml sets ({prefix}: the instance's); None: left out
-    unset: str | None = None  # what no value at all means, where the default does not say it
-    # The defs.yaml mapping its attribute sits in (hub:); None: the top level. A section is resolved when the
-    # location loads: the Hub's organization decides whether its schedules run and its averaged asset exists.
-    under: str | None = None
-    # Read from its variable only, never a defs.yaml attribute: the resource takes it as an EnvVar, so
-    # neither the file nor the UI's resource config ever holds the value (a token).
-    secret: bool = False
-
-    @property
-    def at_load(self) -> bool:
-        return (self.resource is None or self.under is not None) and not self.secret
-
-    @property
-    def attribute(self) -> str:
-        """Its name in ``defs.yaml``, with its section's (``hub.private``)."""
-        return f"{self.under}.{self.name}" if self.under else self.name
-
-    def of(self, value: Any) -> Any:
-        """What the code uses: the attribute's ``value``, else the variable's, else the default; checked."""
-        if value is not None:
-            return self.kind.parse(value, self.name)
-        text = os.environ.get(self.variable)
-        if text is not None:
-            return self.kind.parse(text, self.variable)
-        return None if self.default is None else self.kind.parse(self.default, self.name)
-
-    def check(self, value: Any) -> Any:
-        """A ``defs.yaml`` attribute's value, as given, once it passed the check (one line naming it)."""
-        if value is not None and self.kind.checked_at_load:
-            self.kind.parse(value, f"defs.yaml {self.attribute}")
-        return value
-
-    @property
-    def shown_default(self) -> str:
-        return self.unset or (
-            "none"
-            if self.default is None
-            else repr(self.default)
-            if " " in self.default or not self.default
-            else self.default
-        )
-
-    @property
-    def description(self) -> str:
-        """The resource field's description (the UI shows it) and the scaffolded attribute's comment."""
-        return f"{self.help}; unset: ${self.variable}, else {self.shown_default}"
-
-    def field(self) -> tuple[Any, Any]:
-        """The attribute / resource field: its type or None (left out: the variable's, then the default)."""
-        return self.kind.type | None, Field(default=None, description=self.description)
-
-
+CHECKPOINT_ROOTS: Setting[list[Path | StoreURL]] = Setting(
+    "MERGE_PIPELINE_CHECKPOINT_ROOTS",
+    FOLDERS_OR_URLS,
+    "./demo/checkpoints",
+    "folders or store prefixes (s3://bucket/prefix) watched for checkpoints; the variable: os.pathsep-separated",
+    example="[/data/{prefix}/checkpoints]",
+    name="checkpoint_roots",
+)
+OUTPUT_ROOT: Setting[Path | StoreURL] = Setting(
+    "MERGE_PIPELINE_OUTPUT_ROOT",
+    FOLDER_OR_URL,
+    "./demo/merged",
+    "merged HF folders land in <output_root>/<partition key>/ (the checkpoint folder's path below its watched root)",
+    example="/data/{prefix}/merged",
+    name="output_root",
+)
+SETTLE_SECONDS: Setting[float] = Setting(
+    "MERGE_PIPELINE_SETTLE_SECONDS",
+    SECONDS,
+    "60",
+    "without the trainer's tracker file, a step is complete once no file under it changed for this long",
+    example="60",
+    name="settle_seconds",
+)
+HF_MODEL_PATH: Setting[str | None] = Setting(
+    "MERGE_PIPELINE_HF_MODEL_PATH",
+    OPTIONAL_TEXT,
+    None,
+    "the original HF model folder for checkpoints that hold no config of their own (a merge that needs "
+    "it says so), so the sensor's runs merge them; a run config's hf_model_path wins",
+    name="hf_model_path",
+)
+PIN_STEPS: Setting[bool] = Setting(
+    "MERGE_PIPELINE_PIN_STEPS",
+    SWITCH,
+    "0",
+    "hard-link a complete step into a pin folder when its merge is requested, so the trainer's rotation "
+    "cannot delete it before it is merged; the pin is removed once published or failed (the variable: 1/true)",
+    example="false",
+    name="pin_steps",
+)
+PIN_ROOT: Setting[Path | None] = Setting(
+    "MERGE_PIPELINE_PIN_ROOT",
+    OPTIONAL_PATH,
+    None,
+    "where pins lie: a folder of this user's (made 0700 if absent; each deployment's pins in a 0700 folder "
+    "of their own), on the checkpoints' filesystem (hard links do not cross filesystems)",
+    unset=f"<checkpoint root>/{PINS}",
+    name="pin_root",
+)
+SMOKE_TEST: Setting[bool] = Setting(
+    "MERGE_PIPELINE_SMOKE_TEST",
+    SWITCH,
+    "0",
+    "after the merge, load the folder with transformers on CPU, greedy-generate a few tokens for "
+    "smoke_prompt and measure the loss on a short fixed text (step_report and the model card; the variable: 1/true)",
+    example="false",
+    name="smoke_test",
+)
+SMOKE_TEST_PROMPT: Setting[str] = Setting(
+    "MERGE_PIPELINE_SMOKE_PROMPT",
+    TEXT,
+    DEFAULT_PROMPT,
+    "the smoke test's prompt",
+    name="smoke_prompt",
+)
+SMOKE_MAX_SIZE: Setting[int] = Setting(
+    "MERGE_PIPELINE_SMOKE_MAX_SIZE",
+    SIZE,
+    "2GB",  # the model is loaded whole, on CPU, in the run's process: a 1B bf16 model fits
+    "folders with more weight bytes than this skip the smoke test (loaded whole)",
+    example="2GB",
+    name="smoke_max_size",
+)
+ALERT_WEBHOOK_URL: Setting[str | None] = Setting(
+    "MERGE_PIPELINE_ALERT_WEBHOOK_URL",
+    OPTIONAL_TEXT,
+    None,
+    "where merge_failure_webhook posts a failed run",
+    resource="alert_webhook",
+    unset="no alerts",
+    name="alert_webhook_url",
+)
+SENSOR_INTERVAL_SECONDS: Setting[int] = Setting(
+    "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS",
+    number("seconds", whole=True, maximum=DAY_SECONDS),
+    "10",
+    "minimum time between sensor ticks (the daemon loops every 5 s at best)",
+    resource=None,
+    name="sensor_interval_seconds",
+)
+FRESHNESS_MINUTES: Setting[float] = Setting(
+    "MERGE_PIPELINE_FRESHNESS_MINUTES",
+    number("minutes", minimum=1, maximum=366 * 24 * 60),  # Dagster refuses a freshness window under a minute
+    "30",
+    "hf_model's freshness policy: stale when no step was published for this long",
+    resource=None,
+    name="freshness_minutes",
+)
+# Publishing to a Hugging Face Hub (dagster/hub.py): the `hub` resource, the component's `hub:` section;
+# its timeout, which the CLI's upload reads too, is settings.HUB_TIMEOUT.
+HUB_ORG: Setting[str] = Setting(
+    "MERGE_PIPELINE_HUB_ORG",
+    TEXT,
+    "",
+    "Hub namespace (user or organization) to publish under; empty: publishing is off (its schedules stay "
+    "stopped, hub_model records nothing)",
+    resource="hub",
+    under="hub",
+    example='""',
+    name="organization",
+)
+HUB_PRIVATE: Setting[bool] = Setting(
+    "MERGE_PIPELINE_HUB_PRIVATE",
+    SWITCH,
+    "1",
+    "create new repos private (an existing repo keeps its visibility; the variable: 1/true or 0/false)",
+    resource="hub",
+    under="hub",
+    name="private",
+)
+HUB_REPO_TEMPLATE: Setting[str] = Setting(
+    "MERGE_PIPELINE_HUB_REPO_TEMPLATE",
+    TEXT,
+    "{org}/{run_name}-{role}",
+    "repo id of a checkpoint, from {org}, {run_name}, {role} and {step}",
+    resource="hub",
+    under="hub",
+    name="repo_template",
+)
+HUB_REVISIONS: Setting[str] = Setting(
+    "MERGE_PIPELINE_HUB_REVISIONS",
+    choice("branch", "commit"),
+    "branch",
+    "branch: one branch per step, named as the step folder its trainer wrote (the partition key's step "
+    "part); commit: one commit per step on main",
+    resource="hub",
+    under="hub",
+    name="revisions",
+)
+HUB_ENDPOINT: Setting[str | None] = Setting(
+    "HF_ENDPOINT",
+    OPTIONAL_TEXT,
+    None,
+    "the Hub's URL",
+    resource="hub",
+    under="hub",
+    unset=DEFAULT_ENDPOINT,
+    name="endpoint",
+)
+HUB_TOKEN: Setting[str | None] = Setting(
+    "HF_TOKEN",
+    OPTIONAL_TEXT,
+    None,
+    "access token, from its variable only (never in defs.yaml or plain config: the resource takes "
+    "EnvVar('HF_TOKEN'), whose name the UI shows)",
+    resource="hub",
+    under="hub",
+    unset="the stored `hf auth login`",
+    secret=True,
+    name="token",
+)
 SETTINGS = (
-    Setting(
-        "checkpoint_roots",
-        "MERGE_PIPELINE_CHECKPOINT_ROOTS",
-        FOLDERS_OR_URLS,
-        "./demo/checkpoints",
-        "folders or store prefixes (s3://bucket/prefix) watched for checkpoints; the variable: os.pathsep-separated",
-        example="[/data/{prefix}/checkpoints]",
-    ),
-    Setting(
-        "output_root",
-        "MERGE_PIPELINE_OUTPUT_ROOT",
-        FOLDER_OR_URL,
-        "./demo/merged",
-        "merged HF folders land in <output_root>/<partition key>/ (the checkpoint folder's path below its watched root)",
-        example="/data/{prefix}/merged",
-    ),
-    Setting(
-        "settle_seconds",
-        "MERGE_PIPELINE_SETTLE_SECONDS",
-        SECONDS,
-        "60",
-        "without the trainer's tracker file, a step is complete once no file under it changed for this long",
-        example="60",
-    ),
-    Setting(
-        "hf_model_path",
-        "MERGE_PIPELINE_HF_MODEL_PATH",
-        OPTIONAL_TEXT,
-        None,
-        "the original HF model folder for checkpoints that hold no config of their own (a merge that needs "
-        "it says so), so the sensor's runs merge them; a run config's hf_model_path wins",
-    ),
-    Setting(
-        "pin_steps",
-        "MERGE_PIPELINE_PIN_STEPS",
-        SWITCH,
-        "0",
-        "hard-link a complete step into a pin folder when its merge is requested, so the trainer's rotation "
-        "cannot delete it before it is merged; the pin is removed once published or failed (the variable: 1/true)",
-        example="false",
-    ),
-    Setting(
-        "pin_root",
-        "MERGE_PIPELINE_PIN_ROOT",
-        OPTIONAL_PATH,
-        None,
-        "where pins lie: a folder of this user's (made 0700 if absent; each deployment's pins in a 0700 folder "
-        "of their own), on the checkpoints' filesystem (hard links do not cross filesystems)",
-        unset=f"<checkpoint root>/{PINS}",
-    ),
-    Setting(
-        "smoke_test",
-        "MERGE_PIPELINE_SMOKE_TEST",
-        SWITCH,
-        "0",
-        "after the merge, load the folder with transformers on CPU, greedy-generate a few tokens for "
-        "smoke_prompt and measure the loss on a short fixed text (step_report and the model card; the variable: 1/true)",
-        example="false",
-    ),
-    Setting(
-        "smoke_prompt",
-        "MERGE_PIPELINE_SMOKE_PROMPT",
-        TEXT,
-        DEFAULT_PROMPT,
-        "the smoke test's prompt",
-    ),
-    Setting(
-        "smoke_max_size",
-        "MERGE_PIPELINE_SMOKE_MAX_SIZE",
-        SIZE,
-        "2GB",  # the model is loaded whole, on CPU, in the run's process: a 1B bf16 model fits
-        "folders with more weight bytes than this skip the smoke test (loaded whole)",
-        example="2GB",
-    ),
-    Setting(
-        "alert_webhook_url",
-        "MERGE_PIPELINE_ALERT_WEBHOOK_URL",
-        OPTIONAL_TEXT,
-        None,
-        "where merge_failure_webhook posts a failed run",
-        resource="alert_webhook",
-        unset="no alerts",
-    ),
-    Setting(
-        "sensor_interval_seconds",
-        "MERGE_PIPELINE_SENSOR_INTERVAL_SECONDS",
-        number("seconds", whole=True, maximum=DAY_SECONDS),
-        "10",
-        "minimum time between sensor ticks (the daemon loops every 5 s at best)",
-        resource=None,
-    ),
-    Setting(
-        "freshness_minutes",
-        "MERGE_PIPELINE_FRESHNESS_MINUTES",
-        number("minutes", minimum=1, maximum=366 * 24 * 60),  # Dagster refuses a freshness window under a minute
-        "30",
-        "hf_model's freshness policy: stale when no step was published for this long",
-        resource=None,
-    ),
-    # Publishing to a Hugging Face Hub (dagster/hub.py): the `hub` resource, the component's `hub:` section.
-    Setting(
-        "organization",
-        "MERGE_PIPELINE_HUB_ORG",
-        TEXT,
-        "",
-        "Hub namespace (user or organization) to publish under; empty: publishing is off (its schedules stay "
-        "stopped, hub_model records nothing)",
-        resource="hub",
-        under="hub",
-        example='""',
-    ),
-    Setting(
-        "private",
-        "MERGE_PIPELINE_HUB_PRIVATE",
-        SWITCH,
-        "1",
-        "create new repos private (an existing repo keeps its visibility; the variable: 1/true or 0/false)",
-        resource="hub",
-        under="hub",
-    ),
-    Setting(
-        "repo_template",
-        "MERGE_PIPELINE_HUB_REPO_TEMPLATE",
-        TEXT,
-        "{org}/{run_name}-{role}",
-        "repo id of a checkpoint, from {org}, {run_name}, {role} and {step}",
-        resource="hub",
-        under="hub",
-    ),
-    Setting(
-        "revisions",
-        "MERGE_PIPELINE_HUB_REVISIONS",
-        choice("branch", "commit"),
-        "branch",
-        "branch: one branch per step, named as the step folder its trainer wrote (the partition key's step "
-        "part); commit: one commit per step on main",
-        resource="hub",
-        under="hub",
-    ),
-    Setting(
-        "endpoint",
-        "HF_ENDPOINT",
-        OPTIONAL_TEXT,
-        None,
-        "the Hub's URL",
-        resource="hub",
-        under="hub",
-        unset=DEFAULT_ENDPOINT,
-    ),
-    Setting(
-        "timeout_s",
-        HUB_TIMEOUT.variable,
-        HUB_TIMEOUT.kind,
-        HUB_TIMEOUT.default,
-        HUB_TIMEOUT.help,
-        resource="hub",
-        under="hub",
-    ),
-    Setting(
-        "token",
-        "HF_TOKEN",
-        OPTIONAL_TEXT,
-        None,
-        "access token, from its variable only (never in defs.yaml or plain config: the resource takes "
-        "EnvVar('HF_TOKEN'), whose name the UI shows)",
-        resource="hub",
-        under="hub",
-        unset="the stored `hf auth login`",
-        secret=True,
-    ),
+    CHECKPOINT_ROOTS,
+    OUTPUT_ROOT,
+    SETTLE_SECONDS,
+    HF_MODEL_PATH,
+    PIN_STEPS,
+    PIN_ROOT,
+    SMOKE_TEST,
+    SMOKE_TEST_PROMPT,
+    SMOKE_MAX_SIZE,
+    ALERT_WEBHOOK_URL,
+    SENSOR_INTERVAL_SECONDS,
+    FRESHNESS_MINUTES,
+    HUB_ORG,
+    HUB_PRIVATE,
+    HUB_REPO_TEMPLATE,
+    HUB_REVISIONS,
+    HUB_ENDPOINT,
+    HUB_TIMEOUT,
+    HUB_TOKEN,
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
