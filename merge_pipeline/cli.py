@@ -26,6 +26,7 @@ from merge_pipeline.options import (
 )
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
+from merge_pipeline.settings import DIST_TIMEOUT, HUB_TIMEOUT
 from merge_pipeline.storage import is_store_url, viewed
 
 log = logging.getLogger("merge_pipeline")
@@ -82,7 +83,7 @@ def _hub_flags(parser: argparse.ArgumentParser) -> None:
         "--hub-timeout",
         type=float,
         metavar="SECONDS",
-        help="connect/read timeout of each Hub request (default: MERGE_PIPELINE_HUB_TIMEOUT, else 60)",
+        help=f"connect/read timeout of each Hub request (default: {HUB_TIMEOUT.variable}, else {HUB_TIMEOUT.default})",
     )
 
 
@@ -241,7 +242,7 @@ def _writer_flags(parser: argparse.ArgumentParser) -> None:
         "--dist-timeout",
         type=float,
         metavar="SECONDS",
-        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
+        help=f"torchrun: fail when another rank does not answer for this long (default ${DIST_TIMEOUT.variable} or {DIST_TIMEOUT.default})",
     )
 
 
