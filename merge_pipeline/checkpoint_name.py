@@ -2,7 +2,7 @@
 
 ``formats.checkpoint_name`` finds it from the step folders the readers declare; the merge records it in
 ``merge_manifest.json`` (``source.checkpoint``), and the model card and the Hub upload read it from there.
-Dagster's partition keys are these names (``dagster/partitions.checkpoint_key`` parses one, by the same declarations).
+Dagster's partition keys are these names (``watch/partitions.checkpoint_key`` parses one, by the same declarations).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from merge_pipeline.options import (
 )
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.ray_settings import RAY_FIELDS, RaySettings
+from merge_pipeline.settings import DIST_TIMEOUT, HUB_TIMEOUT
 from merge_pipeline.store.url import absolute, as_location
 from merge_pipeline.store.view import viewed
 
@@ -79,7 +80,7 @@ def _hub_flags(parser: argparse.ArgumentParser) -> None:
         "--hub-timeout",
         type=float,
         metavar="SECONDS",
-        help="connect/read timeout of each Hub request (default: MERGE_PIPELINE_HUB_TIMEOUT, else 60)",
+        help=f"connect/read timeout of each Hub request (default: {HUB_TIMEOUT.variable}, else {HUB_TIMEOUT.default})",
     )
 
 
@@ -238,7 +239,7 @@ def _writer_flags(parser: argparse.ArgumentParser) -> None:
         "--dist-timeout",
         type=float,
         metavar="SECONDS",
-        help="torchrun: fail when another rank does not answer for this long (default $MERGE_PIPELINE_DIST_TIMEOUT or 1800)",
+        help=f"torchrun: fail when another rank does not answer for this long (default ${DIST_TIMEOUT.variable} or {DIST_TIMEOUT.default})",
     )
 
 
@@ -405,8 +406,8 @@ def _run_diff(args: argparse.Namespace) -> int:
 
 
 def _run_queue(args: argparse.Namespace) -> int:
-    from merge_pipeline.dagster.queue import queue_merge
-    from merge_pipeline.dagster.webserver_api import shown_url
+    from merge_pipeline.webserver.client import shown_url
+    from merge_pipeline.webserver.queue import queue_merge
 
     run_id = queue_merge(args.url, args.partition, job=args.job, run_config=args.config_json)
     print(f"queued: {shown_url(args.url.rstrip('/'))}/runs/{printable(run_id)}")

@@ -1,10 +1,11 @@
-"""How a setting's value is read and checked (``Kind``), and the variables the engine, the stores and the
-CLI read (``Variable``), each declared once with its unit, bounds and default.
+"""Every knob read from the environment, one record type (``Setting``): how its value is read and checked
+(``Kind``), and the variables the engine, the stores and the CLI read, each declared once with its unit,
+bounds and default. Every ``MERGE_PIPELINE_*`` variable is read here, by ``Setting.value``.
 
 A variable is read where it is used, never at import: a bad ``MERGE_PIPELINE_PART_BYTES`` is refused by
 the upload that needs it, in one line naming the variable, the value, its unit and bounds, and every
 command that needs none (``inspect`` of a local folder) runs. The Dagster component's settings
-(``dagster/settings.py``) are records of the same kinds. Numbers are finite and bounded (``1e300``
+(``watch/location_settings.py``) are records of the same type. Numbers are finite and bounded (``1e300``
 minutes or seconds would overflow a timedelta or a socket's timeout); sizes take ``33554432``,
 ``32MiB`` or ``4GB``.
 """
@@ -122,75 +123,128 @@ SIZE = size()
 
 
 @dataclass(frozen=True)
-class Variable(Generic[T]):
-    """An environment variable the code reads where it uses it (``value``), checked by its kind."""
+class Setting(Generic[T]):
+    """One knob read from the environment: its variable, kind, default (as the variable would say it; None:
+    none) and help. Where it is also the code location's (``watch/location_settings.py``): its ``name``
+    there (the ``defs.yaml`` attribute and the resource field) and how the component and its scaffolder
+    show it. Every variable is read here, where used (``value``), never at import."""
 
     variable: str
     kind: Kind
-    default: str | None  # as the variable would say it (None: none)
+    default: str | None
     help: str
+    name: str | None = None  # the defs.yaml attribute and the resource field; None: a variable only
+    resource: str | None = "settings"  # the resource holding it; None: it shapes the definitions, read at load
+    example: str | None = None  # what the scaffolded defs.yaml sets ({prefix}: the instance's); None: left out
+    unset: str | None = None  # what no value at all means, where the default does not say it
+    # The defs.yaml mapping its attribute sits in (hub:); None: the top level. A section is resolved when the
+    # location loads: the Hub's organization decides whether its schedules run and its averaged asset exists.
+    under: str | None = None
+    # Read from its variable only, never a defs.yaml attribute: the resource takes it as an EnvVar, so
+    # neither the file nor the UI's resource config ever holds the value (a token).
+    secret: bool = False
 
-    def value(self, given: Any = None, flag: str | None = None) -> T:
-        """``given`` (a flag's value, named ``flag``), else the variable's, else the default; checked."""
+    def value(self, given: Any = None, named: str | None = None) -> T:
+        """``given`` (a flag's or an attribute's value, named ``named``, else by its name), else the
+        variable's, else the default; checked (one line naming where the bad value came from)."""
         if given is not None:
-            return self.kind.parse(given, flag or self.variable)
+            return self.kind.parse(given, named or self.name or self.variable)
         text = os.environ.get(self.variable)
         if text is not None:
             return self.kind.parse(text, self.variable)
-        return None if self.default is None else self.kind.parse(self.default, self.variable)
+        return None if self.default is None else self.kind.parse(self.default, self.name or self.variable)
+
+    @property
+    def at_load(self) -> bool:
+        return (self.resource is None or self.under is not None) and not self.secret
+
+    @property
+    def attribute(self) -> str:
+        """Its name in ``defs.yaml``, with its section's (``hub.private``)."""
+        return f"{self.under}.{self.name}" if self.under else str(self.name)
+
+    def check(self, value: Any) -> Any:
+        """A ``defs.yaml`` attribute's value, as given, once it passed the check (one line naming it)."""
+        if value is not None and self.kind.checked_at_load:
+            self.kind.parse(value, f"defs.yaml {self.attribute}")
+        return value
+
+    @property
+    def shown_default(self) -> str:
+        return self.unset or (
+            "none"
+            if self.default is None
+            else repr(self.default)
+            if " " in self.default or not self.default
+            else self.default
+        )
+
+    @property
+    def description(self) -> str:
+        """The resource field's description (the UI shows it) and the scaffolded attribute's comment."""
+        return f"{self.help}; unset: ${self.variable}, else {self.shown_default}"
+
+    def field(self) -> tuple[Any, Any]:
+        """The attribute / resource field: its type or None (left out: the variable's, then the default)."""
+        from pydantic import Field  # the code location's; the CLI never builds one
+
+        return self.kind.type | None, Field(default=None, description=self.description)
 
 
-# Object stores (merge_pipeline/store/).
-MAX_DOWNLOAD_BYTES: Variable[int] = Variable(
+# Stores (merge_pipeline/store/).
+MAX_DOWNLOAD_BYTES: Setting[int] = Setting(
     "MERGE_PIPELINE_MAX_DOWNLOAD_BYTES",
     size(),
     "4GiB",
     "a store prefix holding more bytes of files that are not weight files (downloaded whole) is refused",
 )
-PART_BYTES: Variable[int] = Variable(
+PART_BYTES: Setting[int] = Setting(
     "MERGE_PIPELINE_PART_BYTES",
     size(5 << 20, 5 << 30),  # S3's bounds on a multipart upload's part
     "32MiB",
     "uploads go up in parts of this size",
 )
-PARALLEL_UPLOADS: Variable[int] = Variable(
+PARALLEL_UPLOADS: Setting[int] = Setting(
     "MERGE_PIPELINE_PARALLEL_UPLOADS",
     number("files", minimum=1, whole=True, maximum=64),
     "4",
     "weight files uploaded at once (and written, not yet uploaded, on local disk)",
 )
-PARTS_IN_FLIGHT: Variable[int] = Variable(
+PARTS_IN_FLIGHT: Setting[int] = Setting(
     "MERGE_PIPELINE_PARTS_IN_FLIGHT",
     number("parts", minimum=1, whole=True, maximum=64),
     "2",
     "parts of each uploaded file in flight at once",
 )
-PREFETCH_BYTES: Variable[int] = Variable(
+PREFETCH_BYTES: Setting[int] = Setting(
     "MERGE_PIPELINE_PREFETCH_BYTES",
     size(maximum=64 << 30),
     "64MiB",
     "bytes of input objects read ahead, held or in flight",
 )
-LIST_PAGE_KEYS: Variable[int] = Variable(
+LIST_PAGE_KEYS: Setting[int] = Setting(
     "MERGE_PIPELINE_LIST_PAGE_KEYS",
     number("keys", minimum=1, whole=True, maximum=1000),  # S3's own maximum per request
     "1000",
     "keys asked for per listing request",
 )
-SCRATCH: Variable[Path | None] = Variable(
+SCRATCH: Setting[Path | None] = Setting(
     "MERGE_PIPELINE_SCRATCH",
     OPTIONAL_PATH,
     None,
     "where a merge into a store builds its folder (default ~/.cache/merge_pipeline/store-targets)",
 )
 # Waits.
-HUB_TIMEOUT: Variable[float] = Variable(
+HUB_TIMEOUT: Setting[float] = Setting(
     "MERGE_PIPELINE_HUB_TIMEOUT",
     number("seconds", above=True, maximum=DAY_SECONDS),
     "60",
     "seconds a Hub request may wait to connect or for an answer",
+    name="timeout_s",  # the component's hub: timeout_s, the hub resource's field
+    resource="hub",
+    under="hub",
 )
-DIST_TIMEOUT: Variable[float] = Variable(
+DIST_TIMEOUT: Setting[float] = Setting(
     "MERGE_PIPELINE_DIST_TIMEOUT",
     number("seconds", above=True, maximum=7 * DAY_SECONDS),
     "1800",

@@ -32,6 +32,7 @@ LAYERS = {
     "settings": 0,
     "checkpoint_name": 0,
     "store": 0,
+    "webserver": 0,
     "hf": 1,
     "families": 1,
     "formats": 2,
@@ -39,6 +40,7 @@ LAYERS = {
     "pipeline": 3,
     "workers": 3,
     "hub": 4,
+    "watch": 4,
     "cli": 5,
     "defs": 5,
     "dagster": 5,
@@ -203,7 +205,7 @@ def test_a_format_package_is_entered_only_from_itself() -> None:
 # component by its type in defs.yaml; the component (dagster/component.py) is the one module that puts the
 # definition modules together; what several of them share sits below them (keys, settings, names).
 DEFINITION_MODULES = {f"merge_pipeline.dagster.{m}" for m in ("assets", "report", "hub")}
-SHARED_BELOW = {f"merge_pipeline.dagster.{m}" for m in ("keys", "settings", "names")}
+SHARED_BELOW = {"merge_pipeline.watch.keys", "merge_pipeline.watch.location_settings", "merge_pipeline.dagster.names"}
 
 
 def test_the_dagster_side_keeps_its_rooms() -> None:
@@ -211,7 +213,14 @@ def test_the_dagster_side_keeps_its_rooms() -> None:
     assert edges["merge_pipeline.definitions"] == {"merge_pipeline.defs"}  # the defs folder, never the component
     assert {m for m, imported in edges.items() if imported & DEFINITION_MODULES} == {"merge_pipeline.dagster.component"}
     assert {m: edges[m] & DEFINITION_MODULES for m in SHARED_BELOW} == {m: set() for m in SHARED_BELOW}
-    assert edges["merge_pipeline.dagster.keys"] == set()  # plain names: importable by every module
+    assert edges["merge_pipeline.watch.keys"] == set()  # plain names: importable by every module
+
+
+def test_every_dagster_module_imports_dagster() -> None:
+    """``dagster/`` is the glue: what runs without Dagster (watching roots, settings, the webserver client)
+    lives in plain modules that the CLI can import without climbing above the code location."""
+    glue = {name for name in all_modules() if name.startswith("merge_pipeline.dagster.")}
+    assert sorted(glue - third_party_importers("dagster") - third_party_importers("dagster_pipes")) == []
 
 
 @pytest.mark.slow  # imports every Dagster module, torch with them

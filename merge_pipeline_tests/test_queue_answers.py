@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from merge_pipeline.dagster import webserver_api
+from merge_pipeline.webserver import client as webserver_api
 from merge_pipeline_tests.helpers import error_lines, run_cli
 
 KEY = "run/global_step_1/actor"

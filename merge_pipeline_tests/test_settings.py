@@ -5,8 +5,10 @@ seconds passed its check to overflow later)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +18,7 @@ from merge_pipeline.hub.upload import check_upload_settings
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli
 
-VARIABLES = [v for v in vars(settings).values() if isinstance(v, settings.Variable)]
+VARIABLES = [v for v in vars(settings).values() if isinstance(v, settings.Setting)]
 
 
 @pytest.mark.parametrize(("text", "expected"), [("32MiB", 32 << 20), ("33554432", 32 << 20), ("4GB", 4 * 10**9)])
@@ -93,3 +95,51 @@ def test_a_command_that_uploads_nothing_runs_whatever_the_upload_settings(fsdp_c
         timeout=120,
     )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+PACKAGE = Path(settings.__file__).parent
+
+
+def _environment_reads(tree: ast.AST) -> list[ast.AST]:
+    """``os.environ.get(...)``, ``os.environ[...]``, ``os.getenv(...)`` and ``... in os.environ`` of a module."""
+
+    def is_environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    return [
+        node
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "getenv"))
+        and (is_environ(node.func.value) or node.func.attr == "getenv")
+        or isinstance(node, ast.Subscript)
+        and is_environ(node.value)
+    ]
+
+
+def test_every_knob_variable_is_read_in_one_module():
+    """A setting's variable is read by ``Setting.value`` only: the engine's, the CLI's and the code location's
+    alike, so each is checked the one way (one line naming it) wherever it is used."""
+    readers = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in _environment_reads(ast.parse(path.read_text())):
+            text = ast.unparse(node)
+            if "MERGE_PIPELINE_" in text or ".variable" in text:
+                readers.add(str(path.relative_to(PACKAGE)))
+    assert readers == {"settings.py"}
+
+
+def test_no_setting_is_looked_up_by_its_name():
+    """Settings are read through their records (``settings.value(OUTPUT_ROOT)``), typed, never by a string a
+    typo turns into a KeyError at run time."""
+    by_name = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "value"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ]
+    assert by_name == []

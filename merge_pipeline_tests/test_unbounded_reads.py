@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from merge_pipeline.dagster.discovery import completeness
 from merge_pipeline.engine.publish import check_target
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.watch.discovery import completeness
 
 GB = 1 << 30
 

@@ -14,16 +14,15 @@ import urllib.request
 import dagster as dg
 
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
+from merge_pipeline.watch.location_settings import ALERT_WEBHOOK_URL, of_resource, with_fields
 
 TIMEOUT_SECONDS = 10
-WEBHOOK = BY_NAME["alert_webhook_url"]
 
 
 class AlertWebhook(with_fields(dg.ConfigurableResource, of_resource("alert_webhook"))):
     @property
     def target(self) -> str | None:
-        return WEBHOOK.of(self.alert_webhook_url)
+        return ALERT_WEBHOOK_URL.value(self.alert_webhook_url)
 
     def post(self, body: dict) -> None:
         request = urllib.request.Request(
@@ -66,7 +65,7 @@ def failure_webhook(names: Names) -> dg.SensorDefinition:
         if not _of_this_instance(context.dagster_run, names):
             return dg.SkipReason(f"run {context.dagster_run.run_id[:8]} is another instance's")
         if not alert_webhook.target:
-            return dg.SkipReason(f"{WEBHOOK.variable} is not set: no alert sent")
+            return dg.SkipReason(f"{ALERT_WEBHOOK_URL.variable} is not set: no alert sent")
         try:
             alert_webhook.post(failure_message(context))
         except (OSError, urllib.error.URLError) as exc:
@@ -80,7 +79,7 @@ def failure_webhook(names: Names) -> dg.SensorDefinition:
         run_status_sensor_fn=merge_failure_webhook,
         default_status=dg.DefaultSensorStatus.RUNNING,  # inert until MERGE_PIPELINE_ALERT_WEBHOOK_URL is set
         required_resource_keys={names("alert_webhook")},
-        description=f"Posts each failed run to a webhook.\n\nTo ${WEBHOOK.variable}; off when unset.",
+        description=f"Posts each failed run to a webhook.\n\nTo ${ALERT_WEBHOOK_URL.variable}; off when unset.",
     )
 
 

@@ -21,14 +21,15 @@ import dagster as dg
 from merge_pipeline.dagster.checks import blocking_check_specs, check_results, passed_metadata
 from merge_pipeline.dagster.config import MergeConfig, merge_config_class, overridden
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import GROUP, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BlockingChecksFailed
+from merge_pipeline.watch.keys import GROUP, MERGE_POOL, OWNERS
+from merge_pipeline.watch.location_settings import HF_MODEL_PATH, SETTLE_SECONDS
+from merge_pipeline.watch.partitions import checkpoint_key
 
 
 def checkpoint_spec(names: Names) -> dg.AssetSpec:
@@ -143,23 +144,23 @@ def _remove_pin(settings: MergeSettings, partition_key: str) -> None:
 def _merge(context: dg.AssetExecutionContext, config: MergeConfig, settings: MergeSettings, names: Names) -> Iterator:
     # Imported here, by the run: they import torch and transformers, which the code location's load
     # (the UI's, and each run worker's before it reports the run started) does not need.
-    from merge_pipeline.dagster.discovery import Completeness, completeness, newest_change
     from merge_pipeline.dagster.weights import step_workers
     from merge_pipeline.pipeline.merge import merge
+    from merge_pipeline.watch.discovery import Completeness, completeness, newest_change
 
     key = checkpoint_key(context.partition_key)
     target = settings.target_dir(key)
     with one_line_failure():
         options = config.options()  # tie and untie together are refused in one line, as by the CLI
-        if options.hf_model_path is None and settings.value("hf_model_path"):  # the sensor's runs carry no run config
-            options = dataclasses.replace(options, hf_model_path=settings.value("hf_model_path"))
+        if options.hf_model_path is None and settings.value(HF_MODEL_PATH):  # the sensor's runs carry no run config
+            options = dataclasses.replace(options, hf_model_path=settings.value(HF_MODEL_PATH))
         pinned = settings.pinned(key)  # the sensor's hard links (pin_steps): the trainer may have deleted the step
         role_dir = pinned[1] if pinned else settings.role_dir(key)
         state = (
             Completeness(True, "pinned by the sensor when complete", newest_change(role_dir))
             if pinned
             else completeness(
-                role_dir, key.step, settings.value("settle_seconds")
+                role_dir, key.step, settings.value(SETTLE_SECONDS)
             )  # a run started by hand may come too early
         )
         if not state.complete:

@@ -28,9 +28,7 @@ from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.checks import checks_metadata
 from merge_pipeline.dagster.config import LauncherConfig, writer_fields
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
@@ -39,6 +37,9 @@ from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAG
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.view import viewed
+from merge_pipeline.watch.keys import CHECKED, GROUP, HEAVY_TAG, MERGE_POOL, OWNERS
+from merge_pipeline.watch.location_settings import OUTPUT_ROOT
+from merge_pipeline.watch.partitions import checkpoint_key
 
 AVERAGED = "averaged"  # <output_root>/<run_name>/averaged/<role>
 BATCH = 200  # hf_model events read per tick
@@ -111,7 +112,7 @@ def averaged_partitions(names: Names) -> dg.DynamicPartitionsDefinition:
 
 
 def averaged_dir(settings: MergeSettings, run: RunKey) -> Path:
-    return settings.value("output_root") / run.run_name / AVERAGED / run.role
+    return settings.value(OUTPUT_ROOT) / run.run_name / AVERAGED / run.role
 
 
 def merged_steps(

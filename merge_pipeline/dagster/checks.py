@@ -20,7 +20,6 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster.keys import CHECKED, PASSED
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES, CheckOutcome
@@ -28,6 +27,7 @@ from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.listing import StoreURL
 from merge_pipeline.store.publish import complete_target
+from merge_pipeline.watch.keys import CHECKED, PASSED
 
 PROBLEMS_SHOWN = 20  # a folder broken everywhere: the first problems say enough, the count says the rest
 

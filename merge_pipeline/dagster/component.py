@@ -13,12 +13,8 @@ instance with no prefix whose settings come from the environment (``defs/merge/d
 
 from __future__ import annotations
 
-import shutil
-import textwrap
-from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import dagster as dg
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -27,7 +23,6 @@ from merge_pipeline.dagster.assets import checkpoint_spec, merge_step_definition
 from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.dagster.config import checked_merge_config
 from merge_pipeline.dagster.hub import (
-    CRON,
     HuggingFaceHub,
     env_token,
     hub_averaged_definition,
@@ -38,10 +33,18 @@ from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.scaffolder import MergeCheckpointsScaffolder
 from merge_pipeline.dagster.sensors import checkpoint_sensor
-from merge_pipeline.dagster.settings import BY_NAME, Setting, attributes, of_resource, scaffold_lines, with_fields
-
-INSTANCE_SETTINGS = Path(__file__).parents[1] / "dagster" / "instance.yaml"
+from merge_pipeline.watch.keys import HUB_CRON
+from merge_pipeline.watch.location_settings import (
+    BY_NAME,
+    FRESHNESS_MINUTES,
+    SENSOR_INTERVAL_SECONDS,
+    Setting,
+    attributes,
+    of_resource,
+    with_fields,
+)
 
 
 def _checked(cls, value: object, field: ValidationInfo) -> object:
@@ -52,66 +55,14 @@ def _checked(cls, value: object, field: ValidationInfo) -> object:
 class HubPublishing(with_fields(dg.Model, attributes("hub"))):
     """The ``hub:`` section: one attribute per Hub setting of ``settings.py`` (the token only from its variable)."""
 
-    schedule: str = CRON  # cron of publish_latest_steps
+    schedule: str = HUB_CRON  # cron of publish_latest_steps
 
     _setting_checked = field_validator(*(s.name for s in attributes("hub")), mode="before")(_checked)
 
     def resource(self) -> HuggingFaceHub:
         """Every field resolved when the location loads (the attribute, else its variable, else the default),
         so the definitions that hang on the organization and the runs agree; the token stays its variable."""
-        return HuggingFaceHub(**{s.name: s.of(getattr(self, s.name)) for s in attributes("hub")}, token=env_token())
-
-
-class MergeCheckpointsScaffolder(dg.Scaffolder):
-    """``dg scaffold defs merge_pipeline.MergeCheckpoints <name>``: a defs.yaml naming every setting, and
-    the instance settings (``dagster.yaml``) in a project root that has none."""
-
-    def scaffold(self, request: dg.ScaffoldRequest) -> None:
-        if request.project_root is not None:
-            click.echo(_write_instance_settings(request.project_root))
-        request.target_path.mkdir(parents=True, exist_ok=True)
-        prefix = request.target_path.name.replace("-", "_")
-        settings = textwrap.indent("\n".join(scaffold_lines(prefix)), "  ")
-        hub = textwrap.indent("\n".join([*scaffold_lines(prefix, "hub"), f'schedule: "{CRON}"']), "    ")
-        (request.target_path / "defs.yaml").write_text(
-            f"type: {request.type_name}\nattributes:\n"
-            f"  # asset keys {prefix}/..., jobs, sensors and schedules {prefix}__...\n  prefix: {prefix}\n"
-            f"{settings}\n{CONCURRENCY}  hub:\n{hub}\n{STRUCTURE}"
-        )
-
-
-# The scaffolded defs.yaml's attributes that are no setting of settings.py (no variable of their own).
-CONCURRENCY = """\
-  # merge and report runs of this instance at once (the sensors hold back the rest);
-  # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
-  max_concurrent_merges: 1
-"""
-STRUCTURE = """\
-  # the merge step's config for every run without its own, e.g. weights written by Ray tasks
-  # on the trainer's cluster (pip install 'merge_pipeline[ray]'; docs/DAGSTER.md):
-  # merge_config:
-  #   launcher: ray
-  #   ray_address: ray://raycluster-head-svc:10001
-  #   ray_resource: merge
-  # average the newest K merged steps of each run when a step lands (averaged_model)
-  # averaging:
-  #   last_k: 3
-  #   scheme: uniform    # or ema (ema_decay: 0.9), or weighted (weights: [1, 2, 3])
-  #   dtype: auto
-"""
-
-
-def _write_instance_settings(project_root: Path) -> str:
-    """A new project's instance has no run queue limits, DEBUG event logs, no run monitoring and no
-    retries: this package's instance settings, written where ``dg dev`` reads them. What it did, in one line."""
-    written = project_root / "dagster.yaml"
-    if written.exists() or (project_root / "dagster.yml").exists():
-        return f"{written.name} kept as it is; merge_pipeline's instance settings are in {INSTANCE_SETTINGS}"
-    shutil.copyfile(INSTANCE_SETTINGS, written)
-    return (
-        f"wrote {written}: merge_pipeline's instance settings (one heavy run at a time, INFO logs, run "
-        "monitoring and retries); `dg dev` reads it here, with DAGSTER_HOME set copy it there"
-    )
+        return HuggingFaceHub(**{s.name: s.value(getattr(self, s.name)) for s in attributes("hub")}, token=env_token())
 
 
 def _as_written(context: dg.ResolutionContext, value: object) -> object:
@@ -153,9 +104,8 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
 
     def definitions(self, names: Names) -> dg.Definitions:
         hub = self.hub.resource()
-        interval, freshness = (
-            BY_NAME[s].of(getattr(self, s)) for s in ("sensor_interval_seconds", "freshness_minutes")
-        )
+        interval = SENSOR_INTERVAL_SECONDS.value(self.sensor_interval_seconds)
+        freshness = FRESHNESS_MINUTES.value(self.freshness_minutes)
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
         merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(

@@ -11,7 +11,6 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import dagster as dg
 
@@ -19,55 +18,63 @@ from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import HUB_GROUP, INF, NAN, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.hub.upload import UploadResult, upload_folder_verified
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.settings import HUB_TIMEOUT, Setting, T
 from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.view import viewed
+from merge_pipeline.watch.keys import HUB_GROUP, INF, NAN, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
+from merge_pipeline.watch.location_settings import (
+    HUB_ENDPOINT,
+    HUB_ORG,
+    HUB_PRIVATE,
+    HUB_REPO_TEMPLATE,
+    HUB_REVISIONS,
+    HUB_TOKEN,
+    OUTPUT_ROOT,
+    of_resource,
+    with_fields,
+)
+from merge_pipeline.watch.partitions import checkpoint_key
 
 # The averaged model's branch in its run's role repo: no trainer names a step folder so (no collision with
 # the step branches), and one branch per K, updated in place as steps land (its history: the averages).
 AVERAGED_BRANCH = "averaged-last-{k}"
 
 
-TOKEN = BY_NAME["token"]
-
-
 def env_token() -> dg.EnvVar | None:
     """The token's variable as an EnvVar (the UI shows its name, not its value); none: the stored `hf auth login`."""
-    return dg.EnvVar(TOKEN.variable) if TOKEN.variable in os.environ else None
+    return dg.EnvVar(HUB_TOKEN.variable) if HUB_TOKEN.variable in os.environ else None
 
 
 class HuggingFaceHub(with_fields(dg.ConfigurableResource, of_resource("hub"))):
     """Where and how merged folders are published. A field left unset is read from its variable when
     used (the component sets every one but the token when the location loads)."""
 
-    def value(self, name: str) -> Any:
-        """The setting ``name``: the field's, else its variable's now, else the default; checked."""
-        return BY_NAME[name].of(getattr(self, name))
+    def value(self, setting: Setting[T]) -> T:
+        """``setting``: the field's, else its variable's now, else the default; checked."""
+        return setting.value(getattr(self, setting.name))
 
     @property
     def enabled(self) -> bool:
-        return bool(self.value("organization"))
+        return bool(self.value(HUB_ORG))
 
     def repo_id(self, key: CheckpointName) -> str:
         # A run name may be a path below the watched root ("team/exp1"); a repo name has no "/".
         run_name = re.sub(r"[^\w.-]+", "-", key.run).strip("-.")
-        return self.value("repo_template").format(
-            org=self.value("organization"), run_name=run_name, role=key.role, step=key.step
+        return self.value(HUB_REPO_TEMPLATE).format(
+            org=self.value(HUB_ORG), run_name=run_name, role=key.role, step=key.step
         )
 
     def revision(self, key: CheckpointName) -> str | None:
         """The step's branch, named as its trainer names the step folder (global_step_7, step-10, iter_0000100)."""
-        return key.step_folder if self.value("revisions") == "branch" else None
+        return key.step_folder if self.value(HUB_REVISIONS) == "branch" else None
 
     def publish(
         self, folder: Path, key: CheckpointName, smoke: dict | None = None, branch: str | None = None
@@ -76,11 +83,11 @@ class HuggingFaceHub(with_fields(dg.ConfigurableResource, of_resource("hub"))):
         return upload_folder_verified(
             folder,
             self.repo_id(key),
-            private=self.value("private"),
+            private=self.value(HUB_PRIVATE),
             revision=branch or self.revision(key),
-            endpoint=self.value("endpoint"),
-            token=self.value("token"),
-            timeout_s=self.value("timeout_s"),
+            endpoint=self.value(HUB_ENDPOINT),
+            token=self.value(HUB_TOKEN),
+            timeout_s=self.value(HUB_TIMEOUT),
             smoke=smoke,
         )
 
@@ -207,7 +214,7 @@ def _averaged_inputs(folder: Path) -> list[dict]:
 def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> CheckpointName:
     """The newest averaged step's key (its repo is the run's role's; the template's {step} is that step).
     Compared as text: the inputs and the root are URLs in a store (a Path would fold ``s3://`` to ``s3:/``)."""
-    newest, root = str(inputs[-1]["path"]), str(settings.value("output_root")).rstrip("/")
+    newest, root = str(inputs[-1]["path"]), str(settings.value(OUTPUT_ROOT)).rstrip("/")
     if not newest.startswith(root + "/"):
         raise MergeError(folder, f"its newest input {newest} is not a merged step under {root}")
     return checkpoint_key(newest.removeprefix(root + "/"))
@@ -274,6 +281,3 @@ def _highest_verified(
             continue
         return key, merge
     return None, None
-
-
-CRON = "*/10 * * * *"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.dagster.keys import HEAVY_TAG
 from merge_pipeline.dagster.names import Names
+from merge_pipeline.watch.keys import HEAVY_TAG
 
 
 def merge_checkpoint_job(names: Names) -> dg.UnresolvedAssetJobDefinition:

@@ -37,13 +37,12 @@ from urllib.parse import quote, unquote
 import dagster as dg
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError, printable
 from merge_pipeline.files.shared_folders import open_own_folder, refuse_planted, refuse_planted_fd
+from merge_pipeline.watch.partitions import checkpoint_key
 
 log = logging.getLogger("merge_pipeline")
 
-PINS = ".merge_pins"
 RECORD = ".pin_record.json"  # in the key folder, beside the step folder; no step folder is named so
 MAX_RECORD_BYTES = 64 * 10**6  # ~100 bytes per file: far above any step
 PARTITION_TAG = "dagster/partition"

@@ -18,9 +18,7 @@ import dagster as dg
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
@@ -30,6 +28,9 @@ from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.listing import StoreURL
 from merge_pipeline.store.url import is_store_url
 from merge_pipeline.store.view import viewed
+from merge_pipeline.watch.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
+from merge_pipeline.watch.location_settings import HF_MODEL_PATH, SMOKE_MAX_SIZE, SMOKE_TEST, SMOKE_TEST_PROMPT
+from merge_pipeline.watch.partitions import checkpoint_key
 
 if TYPE_CHECKING:  # torch: imported by the run, not by the code location's load
     from merge_pipeline.hf.step_diff import StepDiff
@@ -94,7 +95,7 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
         )
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
-    smoke = _smoke_metadata(context, settings, folder) if settings.value("smoke_test") else {}
+    smoke = _smoke_metadata(context, settings, folder) if settings.value(SMOKE_TEST) else {}
     return dg.MaterializeResult(
         metadata={
             **smoke,
@@ -138,7 +139,7 @@ def _references(
     ]
     if earlier:
         found[PREVIOUS] = settings.target_dir(max(earlier, key=lambda k: k.step))
-    base = read_manifest(folder)["options"].get("hf_model_path") or settings.value("hf_model_path")
+    base = read_manifest(folder)["options"].get("hf_model_path") or settings.value(HF_MODEL_PATH)
     # a base folder with only config and tokenizer has nothing to compare; one in a store is not compared
     if base and not is_store_url(base) and weight_files(Path(base)):
         found[BASE] = Path(base)
@@ -160,15 +161,15 @@ def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, 
         return {SMOKE: "skipped: the merged folder is in a store (the smoke test loads a folder on local disk)"}
     manifest = read_manifest(folder)
     weight_bytes = sum(f["size"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))
-    if weight_bytes > settings.value("smoke_max_size"):
-        why = f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.value('smoke_max_size'))})"
+    if weight_bytes > settings.value(SMOKE_MAX_SIZE):
+        why = f"{human_bytes(weight_bytes)} of weights is over smoke_max_size ({human_bytes(settings.value(SMOKE_MAX_SIZE))})"
     else:
         why = generates_text(folder)
     if why:
         return {SMOKE: f"skipped: {why}"}
     try:
         smoke = smoke_test(
-            folder, settings.value("smoke_prompt"), trust_remote_code=manifest["options"]["trust_remote_code"]
+            folder, settings.value(SMOKE_TEST_PROMPT), trust_remote_code=manifest["options"]["trust_remote_code"]
         )
     except Exception as exc:  # whatever transformers raises: the report says it, the merge stays good
         context.log.warning(f"{folder}: smoke test failed: {first_line(exc)}")

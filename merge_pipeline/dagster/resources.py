@@ -9,19 +9,27 @@ uses it (``value``; ``dagster dev`` and ``dg dev`` load ``.env`` from the projec
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import dagster as dg
 from pydantic import model_validator
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.dagster.pins import PINS, PinSpace, verified_pin
-from merge_pipeline.dagster.settings import BY_NAME, of_resource, with_fields
+from merge_pipeline.dagster.pins import PinSpace, verified_pin
+from merge_pipeline.settings import Setting, T
 from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.watch.keys import PINS
+from merge_pipeline.watch.location_settings import (
+    CHECKPOINT_ROOTS,
+    OUTPUT_ROOT,
+    PIN_ROOT,
+    of_resource,
+    with_fields,
+)
 
 # discovery imports the pipeline, which imports torch: sensor ticks and runs import it, the location's load does not
 if TYPE_CHECKING:
-    from merge_pipeline.dagster.discovery import Scan
+    from merge_pipeline.watch.discovery import Scan
 
 SETTINGS = of_resource("settings")
 
@@ -34,23 +42,21 @@ class MergeSettings(with_fields(dg.ConfigurableResource, SETTINGS)):
         traceback in every tick or a failure after each merge."""
         for setting in SETTINGS:
             if setting.kind.checked_at_load:
-                setting.of(getattr(self, setting.name))
+                self.value(setting)
         return self
 
-    def value(self, name: str) -> Any:
-        """The setting ``name`` as the code uses it (paths absolute, sizes in bytes): the field's, else
+    def value(self, setting: Setting[T]) -> T:
+        """``setting`` as the code uses it (paths absolute, sizes in bytes): the field's, else
         its variable's now, else the default."""
-        return BY_NAME[name].of(getattr(self, name))
+        return setting.value(getattr(self, setting.name))
 
     @property
     def pin_spaces(self) -> list[PinSpace]:
         """This deployment's pins in each pin root (the setting, else one per checkpoint root): named by
         its output root, so two deployments watching one root keep their own."""
-        chosen = self.value("pin_root")
-        roots = (
-            [chosen] if chosen else [root / PINS for root in self.value("checkpoint_roots") if isinstance(root, Path)]
-        )
-        return [PinSpace.of(root, self.value("output_root")) for root in roots]
+        chosen = self.value(PIN_ROOT)
+        roots = [chosen] if chosen else [root / PINS for root in self.value(CHECKPOINT_ROOTS) if isinstance(root, Path)]
+        return [PinSpace.of(root, self.value(OUTPUT_ROOT)) for root in roots]
 
     def pin_space_of(self, role_dir: Path) -> PinSpace:
         """Where a checkpoint folder is pinned: the setting, else beside it in its own checkpoint root."""
@@ -64,14 +70,14 @@ class MergeSettings(with_fields(dg.ConfigurableResource, SETTINGS)):
 
     def find_checkpoints(self) -> Scan:
         """Every role folder under every root, and what could not be watched."""
-        from merge_pipeline.dagster.discovery import scan_roots
+        from merge_pipeline.watch.discovery import scan_roots
 
-        return scan_roots(self.value("checkpoint_roots"), self.value("output_root"))
+        return scan_roots(self.value(CHECKPOINT_ROOTS), self.value(OUTPUT_ROOT))
 
     def role_dir(self, key: CheckpointName) -> Path:
-        from merge_pipeline.dagster.discovery import locate
+        from merge_pipeline.watch.discovery import locate
 
-        return locate(key, self.value("checkpoint_roots"))
+        return locate(key, self.value(CHECKPOINT_ROOTS))
 
     def target_dir(self, key: CheckpointName) -> Path | StoreURL:
-        return self.value("output_root") / key.path
+        return self.value(OUTPUT_ROOT) / key.path

@@ -24,13 +24,14 @@ import dagster as dg
 
 from merge_pipeline.dagster.jobs import merge_checkpoint_job
 from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensor_cursor import cursor_keys, sensor_cursor
+from merge_pipeline.watch.cursor import cursor_keys, sensor_cursor
+from merge_pipeline.watch.location_settings import PIN_STEPS, SETTLE_SECONDS
+from merge_pipeline.watch.partitions import checkpoint_key
 
 if TYPE_CHECKING:
-    from merge_pipeline.dagster.discovery import Completeness, FoundCheckpoint
+    from merge_pipeline.watch.discovery import Completeness, FoundCheckpoint
 
 SOURCE_TAG = "merge_pipeline/source"
 
@@ -60,7 +61,7 @@ def _tick(
     context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names, max_concurrent_merges: int
 ) -> dg.SensorResult:
     # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
-    from merge_pipeline.dagster.discovery import completeness, merged_before
+    from merge_pipeline.watch.discovery import completeness, merged_before
 
     checkpoint_partitions = names.partitions
     seen = cursor_keys(context.cursor)  # requested (with the step's newest change then) or already merged
@@ -82,7 +83,7 @@ def _tick(
                 found_merged.append(key)
                 saved.append(_found_merged(found, settings.target_dir(found.key), names))
             continue
-        state = completeness(found.role_dir, found.key.step, settings.value("settle_seconds"))
+        state = completeness(found.role_dir, found.key.step, settings.value(SETTLE_SECONDS))
         if requested_before and seen[key] in (None, state.newest_change):
             seen[key] = state.newest_change  # its merge failed on what is there now: asked again once it changes
             continue
@@ -101,7 +102,7 @@ def _tick(
         # A re-requested step's pin is made again: pin() keeps a pin only if it holds the step's current files.
         # a step in a store is not pinned: objects are immutable, a deleted one fails its merge's next read
         if (
-            settings.value("pin_steps")
+            settings.value(PIN_STEPS)
             and isinstance(found.role_dir, Path)
             and (not_pinned := pin(found.role_dir, settings.pin_space_of(found.role_dir), found.key))
         ):

@@ -25,12 +25,12 @@ if TYPE_CHECKING:  # the workers' types import torch: a run does, the code locat
 
 
 def parallel_config_metadata(prepared: Prepared, options: MergeOptions, manifest: Mapping) -> dict:
-    """``inspect``'s facts (the same function builds both) and the plan's decisions."""
+    """``inspect``'s facts (the same function builds both) and the plan's decisions, as the manifest records them."""
     from merge_pipeline.pipeline.inspect import checkpoint_facts
 
-    facts = checkpoint_facts(prepared.plan, options, prepared.config)
-    inputs = facts.pop("files")
     decisions = manifest["decisions"]
+    facts = checkpoint_facts(prepared.plan, options, prepared.config, decisions)
+    inputs = facts.pop("files")
     return {
         **{k: value(v) for k, v in facts.items()},
         "input files": len(inputs),

@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from merge_pipeline.dagster.die_with_parent import die_with_parent
 from merge_pipeline.errors import MergeError
+from merge_pipeline.workers.die_with_parent import die_with_parent
 from merge_pipeline.workers.torchrun import write_as_ranks
 from merge_pipeline.workers.writing import WeightJob
 

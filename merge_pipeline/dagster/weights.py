@@ -51,7 +51,7 @@ class TorchrunLaunch(Workers):
         command = [
             sys.executable,
             "-m",
-            "merge_pipeline.dagster.die_with_parent",  # torchrun and its ranks die with this run's worker
+            "merge_pipeline.workers.die_with_parent",  # torchrun and its ranks die with this run's worker
             str(Path(sys.executable).parent / "torchrun"),
             *self._rendezvous(),
             "--nproc_per_node",

@@ -37,10 +37,13 @@ def describe(local_dir: str | Path, options: MergeOptions) -> dict:
             return checkpoint_facts(plan, options, config)
 
 
-def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelConfig | MergeError) -> dict:
+def checkpoint_facts(
+    plan: CheckpointPlan, options: MergeOptions, config: ModelConfig | MergeError, decided: dict | None = None
+) -> dict:
     """What an opened checkpoint is: ``inspect`` prints these, Dagster's ``parallel_config`` shows them.
 
-    ``config``: the config the merge resolved, or why there is none."""
+    ``config``: the config the merge resolved, or why there is none; ``decided``: a finished merge's
+    manifest ``decisions``, whose FP8 and quantization plans are shown as made, not planned again."""
     dtypes = Counter()
     for t in plan.tensors:
         dtypes[dtype_name(t.dtype)] += t.numel
@@ -63,9 +66,19 @@ def checkpoint_facts(plan: CheckpointPlan, options: MergeOptions, config: ModelC
         "value_model": plan.is_value_model,
         "tied_word_embeddings": tied,
         "files": [{"path": shown_path(f.path), "size": f.size} for f in plan.files],
+        **(_output_plans(plan, config, options) if decided is None else _planned(decided)),
+    }
+
+
+def _output_plans(plan: CheckpointPlan, config: ModelConfig | None, options: MergeOptions) -> dict:
+    return {
         **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
         **({"quantization": _quantization_plan(plan, config, options)} if options.quantize and config else {}),
     }
+
+
+def _planned(decisions: dict) -> dict:
+    return {name: decisions[name] for name in ("fp8", "quantization") if name in decisions}
 
 
 def _quantization_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:

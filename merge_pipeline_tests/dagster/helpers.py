@@ -9,11 +9,11 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster.keys import PASSED
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.definitions import location
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.watch.keys import PASSED
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_samples.fsdp import FsdpSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

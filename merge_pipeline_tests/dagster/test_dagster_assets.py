@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.keys import CHECKED
 from merge_pipeline.dagster.metadata import SHA256_SHOWN
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES
@@ -17,6 +16,7 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.inspect import describe
 from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.progress import human_bytes
+from merge_pipeline.watch.keys import CHECKED
 from merge_pipeline_samples.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits

@@ -12,9 +12,9 @@ import dagster as dg
 import torch
 import yaml
 
-from merge_pipeline.dagster.keys import PASSED
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.manifest import read_manifest
+from merge_pipeline.watch.keys import PASSED
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.engine.test_average import weighted_sum
 from merge_pipeline_tests.helpers import assert_bit_exact, load_safetensors_dir

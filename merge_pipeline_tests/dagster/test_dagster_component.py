@@ -70,7 +70,7 @@ def project(tmp_path_factory) -> Path:
 
 
 def test_the_scaffolder_writes_the_instance_settings_a_new_project_lacks(project, tmp_path):
-    from merge_pipeline.dagster.component import INSTANCE_SETTINGS
+    from merge_pipeline.dagster.scaffolder import INSTANCE_SETTINGS
 
     assert (project / "dagster.yaml").read_text() == INSTANCE_SETTINGS.read_text()
     assert (PROJECT_ROOT / "dagster.yaml").resolve() == INSTANCE_SETTINGS.resolve()  # this repo's is the same file
@@ -85,7 +85,7 @@ def test_the_scaffolded_yaml_the_docs_table_and_the_resources_come_from_one_sche
     from merge_pipeline.dagster.component import HubPublishing, MergeCheckpoints
     from merge_pipeline.dagster.hub import HuggingFaceHub
     from merge_pipeline.dagster.resources import MergeSettings
-    from merge_pipeline.dagster.settings import SETTINGS, attributes, docs_table, of_resource
+    from merge_pipeline.watch.location_settings import SETTINGS, attributes, docs_table, of_resource
 
     text = (project / "src/clusters/defs/cluster_a/defs.yaml").read_text()
     written = yaml.safe_load(text)["attributes"]
@@ -111,7 +111,7 @@ def test_the_scaffolded_yaml_the_docs_table_and_the_resources_come_from_one_sche
     }
     # the docs show the generated table and the scaffolded YAML (of the instance named cluster_a)
     docs = (PROJECT_ROOT / "docs" / "DAGSTER.md").read_text()
-    assert docs_table() in docs, "docs/DAGSTER.md: paste `python -m merge_pipeline.dagster.settings`"
+    assert docs_table() in docs, "docs/DAGSTER.md: paste `python -m merge_pipeline.watch.location_settings`"
     assert f"```yaml\n{text}```" in docs, "docs/DAGSTER.md: paste the scaffolded cluster_a/defs.yaml"
 
 

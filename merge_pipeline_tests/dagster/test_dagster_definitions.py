@@ -18,9 +18,9 @@ import dagster as dg
 import pytest
 import yaml
 
-from merge_pipeline.dagster.keys import HEAVY_TAG
 from merge_pipeline.definitions import defs
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.watch.keys import HEAVY_TAG
 from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
 from merge_pipeline_tests.dagster.services import LOCATIONS_QUERY, running_dagster_dev
 

@@ -20,10 +20,11 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.watch.location_settings import CHECKPOINT_ROOTS
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster import browser
 from merge_pipeline_tests.dagster.helpers import ACTOR
 from merge_pipeline_tests.dagster.services import Dagster, clean_copy, running_dagster_dev
@@ -107,9 +108,9 @@ def drop(settings: MergeSettings, sample, key: str) -> None:
     """A checkpoint saved the way verl saves one: the role folder, then the tracker."""
     parsed = checkpoint_key(key)
     shutil.copytree(
-        sample.role_dir, settings.value("checkpoint_roots")[0] / parsed.path, copy_function=shutil.copy
+        sample.role_dir, settings.value(CHECKPOINT_ROOTS)[0] / parsed.path, copy_function=shutil.copy
     )  # fresh mtimes
-    (settings.value("checkpoint_roots")[0] / parsed.run / TRACKER).write_text(str(parsed.step))
+    (settings.value(CHECKPOINT_ROOTS)[0] / parsed.run / TRACKER).write_text(str(parsed.step))
 
 
 @pytest.fixture(scope="module")
@@ -252,10 +253,10 @@ def failed(merged, dagster, settings, fsdp_checkpoint):
     """A checkpoint whose rank file was cut short: the sensor's run fails in one line."""
     sample = fsdp_checkpoint(ACTOR)
     parsed = checkpoint_key(BROKEN)
-    shutil.copytree(sample.role_dir, settings.value("checkpoint_roots")[0] / parsed.path, copy_function=shutil.copy)
-    rank_file = settings.value("checkpoint_roots")[0] / parsed.path / "model_world_size_2_rank_1.pt"
+    shutil.copytree(sample.role_dir, settings.value(CHECKPOINT_ROOTS)[0] / parsed.path, copy_function=shutil.copy)
+    rank_file = settings.value(CHECKPOINT_ROOTS)[0] / parsed.path / "model_world_size_2_rank_1.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])
-    (settings.value("checkpoint_roots")[0] / parsed.run / TRACKER).write_text(str(parsed.step))
+    (settings.value(CHECKPOINT_ROOTS)[0] / parsed.run / TRACKER).write_text(str(parsed.step))
     return wait_for_run(dagster, BROKEN, "merge_checkpoint"), rank_file
 
 

@@ -11,6 +11,7 @@ import dagster as dg
 
 from merge_pipeline.dagster.alerts import AlertWebhook
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.watch.location_settings import CHECKPOINT_ROOTS, OUTPUT_ROOT, SETTLE_SECONDS
 from merge_pipeline_tests.dagster.helpers import ACTOR, LOCATION, materialize
 
 KEY = "run/global_step_2/actor"
@@ -96,7 +97,7 @@ def test_settings_are_read_from_the_environment_when_used(tmp_path, monkeypatch)
     monkeypatch.setenv("MERGE_PIPELINE_OUTPUT_ROOT", str(tmp_path / "merged"))
     monkeypatch.setenv("MERGE_PIPELINE_SETTLE_SECONDS", "5")
 
-    assert [settings.value(s) for s in ("checkpoint_roots", "output_root", "settle_seconds")] == [
+    assert [settings.value(s) for s in (CHECKPOINT_ROOTS, OUTPUT_ROOT, SETTLE_SECONDS)] == [
         [tmp_path / "a", tmp_path / "b"],
         tmp_path / "merged",
         5.0,

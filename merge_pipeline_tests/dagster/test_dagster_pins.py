@@ -12,8 +12,8 @@ from pathlib import Path
 import dagster as dg
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, pin_path
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster.helpers import ACTOR, LOCATION, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 

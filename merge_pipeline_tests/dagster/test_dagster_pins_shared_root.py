@@ -24,8 +24,9 @@ import dagster as dg
 import pytest
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import checkpoint_key
-from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, PINS, pin_path
+from merge_pipeline.dagster.pins import PIN_GRACE_SECONDS, pin_path
+from merge_pipeline.watch.keys import PINS
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.dagster.helpers import ACTOR, PROJECT_ROOT, Roots, materialize
 from merge_pipeline_tests.dagster.test_dagster_failures import assert_nothing_published, failure

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
 from merge_pipeline_tests.dagster.postgres import running_postgres
 from merge_pipeline_tests.dagster.services import (

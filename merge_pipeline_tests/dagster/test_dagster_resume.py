@@ -16,12 +16,13 @@ import psutil
 import pytest
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.engine.resume import RECORDS
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.watch.location_settings import CHECKPOINT_ROOTS
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
 from merge_pipeline_tests.dagster.services import Dagster, clean_copy, running_dagster_dev
 from merge_pipeline_tests.engine.test_resume import SPEC
@@ -75,8 +76,8 @@ def write_killable_checkpoint(base: Path, *, unsharded: Path | None = None) -> t
 def drop_and_wait_for_the_sensors_merge(dagster: Dagster, settings: MergeSettings, written: Path, key: CheckpointName):
     """The checkpoint put in the watched root (hard links: the same files, no disk), its tracker last; the
     sensor's merge (one file) makes the partition."""
-    shutil.copytree(written, settings.value("checkpoint_roots")[0] / key.path, copy_function=os.link)
-    (settings.value("checkpoint_roots")[0] / key.run / TRACKER).write_text(str(key.step))
+    shutil.copytree(written, settings.value(CHECKPOINT_ROOTS)[0] / key.path, copy_function=os.link)
+    (settings.value(CHECKPOINT_ROOTS)[0] / key.run / TRACKER).write_text(str(key.step))
     sensor_run = dagster.wait_for("the sensor's merge", lambda: dagster.ended_run(str(key), "merge_checkpoint"))
     assert sensor_run["status"] == "SUCCESS", dagster.log_tail()
 

@@ -10,14 +10,14 @@ import time
 import dagster as dg
 import pytest
 
-from merge_pipeline.dagster.discovery import completeness
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.pipeline.merge import merge
+from merge_pipeline.watch.cursor import cursor_keys
+from merge_pipeline.watch.discovery import completeness
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, LOCATION, materialize
 from merge_pipeline_tests.helpers import tree_digest
 

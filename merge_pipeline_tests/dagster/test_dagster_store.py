@@ -12,9 +12,10 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.watch.cursor import cursor_keys
+from merge_pipeline.watch.location_settings import CHECKPOINT_ROOTS
 from merge_pipeline_tests.dagster.helpers import ACTOR, asset, materialize
 from merge_pipeline_tests.dagster.test_dagster_sensor import requested, tick
 from merge_pipeline_tests.dagster.test_sensor_stacks import DEEPSPEED, DEEPSPEED_DONE
@@ -26,7 +27,7 @@ KEY = "run/global_step_1/actor"
 
 def test_the_roots_variable_keeps_a_urls_colon(monkeypatch, tmp_path):
     monkeypatch.setenv("MERGE_PIPELINE_CHECKPOINT_ROOTS", f"s3://b/ckpts:{tmp_path}:gs://c/d")
-    assert MergeSettings().value("checkpoint_roots") == ["s3://b/ckpts", tmp_path, "gs://c/d"]
+    assert MergeSettings().value(CHECKPOINT_ROOTS) == ["s3://b/ckpts", tmp_path, "gs://c/d"]
 
 
 def put_step(fs, bucket: str, sample, key: str, *, tracker: int | None = None) -> str:

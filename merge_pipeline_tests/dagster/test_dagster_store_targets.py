@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensor_cursor import cursor_keys
+from merge_pipeline.watch.cursor import cursor_keys
 from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 from merge_pipeline_tests.dagster.test_dagster_sensor import requested, tick
 from merge_pipeline_tests.dagster.test_dagster_store import KEY, put_step, skip_message

@@ -9,13 +9,13 @@ import shutil
 import dagster as dg
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.discovery import completeness
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.sensors import SOURCE_TAG
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
 from merge_pipeline.hf.folder_checks import index_problems, meta_load_problems
 from merge_pipeline.pipeline.merge import merge
+from merge_pipeline.watch.discovery import completeness
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.dagster.helpers import LOCATION, checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits

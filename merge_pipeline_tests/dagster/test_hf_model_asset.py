@@ -7,10 +7,10 @@ from __future__ import annotations
 import dagster as dg
 
 from merge_pipeline.dagster.config import MergeConfig
-from merge_pipeline.dagster.keys import PASSED
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.watch.keys import PASSED
 from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.dagster.helpers import asset
 from merge_pipeline_tests.helpers import assert_bit_exact

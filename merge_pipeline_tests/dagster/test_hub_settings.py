@@ -1,4 +1,4 @@
-"""The Hub's settings, declared with the merge's in ``dagster/settings.py``: read from their variables when the
+"""The Hub's settings, declared with the merge's in ``watch/location_settings.py``: read from their variables when the
 code location loads, a bad word refused there in one line naming the variable, and the token kept as its
 variable's name (``EnvVar``), so the resource's config never holds it."""
 
@@ -8,6 +8,7 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.definitions import location
+from merge_pipeline.watch.location_settings import HUB_TOKEN
 from merge_pipeline_tests.dagster.test_numeric_settings import merge_error
 
 TOKEN = "hf_planted_token_never_in_config"
@@ -44,4 +45,4 @@ def test_the_hub_resource_takes_its_variables_at_load_and_the_token_by_name(monk
     assert (hub.organization, hub.private, hub.revisions, hub.timeout_s) == ("org", False, "commit", 7.5)
     assert hub.token == "HF_TOKEN" and TOKEN not in repr(hub) and TOKEN not in str(hub.model_dump())
     with dg.build_resources({"hub": hub}) as resolved:  # as a run resolves it: the upload is given the value
-        assert resolved.hub.value("token") == TOKEN
+        assert resolved.hub.value(HUB_TOKEN) == TOKEN

@@ -16,6 +16,7 @@ import pytest
 
 from merge_pipeline.definitions import location
 from merge_pipeline.errors import MergeError
+from merge_pipeline.watch.location_settings import SETTLE_SECONDS
 from merge_pipeline_tests.dagster.helpers import PROJECT_ROOT
 
 JUNK = ["abc", "10s", "nan", "inf", "-5"]
@@ -119,9 +120,9 @@ def test_good_settings_are_taken_from_the_environment_and_defs_yaml(tmp_path, mo
     from_yaml = load_component(tmp_path, monkeypatch, "settle_seconds: 0\n  sensor_interval_seconds: 20.0")
 
     assert from_env.resolve_sensor_def("new_checkpoint_sensor").minimum_interval_seconds == 30
-    assert from_env.resources["settings"].value("settle_seconds") == 2.5
+    assert from_env.resources["settings"].value(SETTLE_SECONDS) == 2.5
     assert from_yaml.resolve_sensor_def("cluster_a__new_checkpoint_sensor").minimum_interval_seconds == 20
-    assert from_yaml.resources["cluster_a__settings"].value("settle_seconds") == 0
+    assert from_yaml.resources["cluster_a__settings"].value(SETTLE_SECONDS) == 0
 
 
 HUGE = {

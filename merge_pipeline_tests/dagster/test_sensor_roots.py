@@ -5,10 +5,10 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.dagster.sensor_cursor import cursor_keys
 from merge_pipeline.errors import MergeError
+from merge_pipeline.watch.cursor import cursor_keys
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster.helpers import ACTOR, LOCATION
 
 new_checkpoint_sensor = LOCATION.resolve_sensor_def("new_checkpoint_sensor")

@@ -13,10 +13,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from merge_pipeline.dagster.discovery import completeness
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
+from merge_pipeline.watch.discovery import completeness
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster.helpers import LOCATION, materialize
 from merge_pipeline_tests.helpers import assert_bit_exact, load_safetensors_dir, run_cli, same_bits
 

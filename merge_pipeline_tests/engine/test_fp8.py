@@ -15,10 +15,14 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 from transformers.quantizers.auto import AutoHfQuantizer
 
 from merge_pipeline.engine.fp8_quantize import quantized_pair
+from merge_pipeline.formats import open_checkpoint
 from merge_pipeline.hf.architecture import expected_tensors
+from merge_pipeline.hf.config import CheckpointConfig
 from merge_pipeline.hf.folder_checks import meta_load_problems
 from merge_pipeline.hf.fp8 import FP8, decide_fp8, dequantize
 from merge_pipeline.hub.model_card import render_card
+from merge_pipeline.options import MergeOptions
+from merge_pipeline.pipeline.inspect import checkpoint_facts
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import (
@@ -174,6 +178,19 @@ def test_llama_fp8_folder_loads_in_transformers(capsys, tmp_path, fsdp_checkpoin
     code, out, err = run_cli(capsys, "inspect", sample.role_dir, "--dtype", "fp8", "--json")
     assert code == 0, err
     assert json.loads(out)["fp8"] == manifest["decisions"]["fp8"]
+
+
+def test_a_finished_merge_shows_its_recorded_plan_not_a_second_one(capsys, tmp_path, fsdp_checkpoint):
+    """Dagster's parallel_config describes the published merge by its manifest's decisions: the FP8 plan
+    shown is the one the merge made, not one planned again after it."""
+    sample = fsdp_checkpoint(LLAMA)
+    merge_ok(capsys, sample.role_dir, tmp_path / "fp8", "--dtype", "fp8")
+    decisions = json.loads((tmp_path / "fp8" / "merge_manifest.json").read_text())["decisions"]
+    options = MergeOptions(dtype="fp8")
+    configs = CheckpointConfig.of(sample.role_dir, options)
+    with open_checkpoint(sample.role_dir, options, configs) as plan:
+        facts = checkpoint_facts(plan, options, configs.load(plan.hf_dir), decisions)
+    assert facts["fp8"] is decisions["fp8"]
 
 
 def test_off_grid_weights_stay_in_bfloat16_and_are_listed(capsys, tmp_path, fsdp_checkpoint):

@@ -9,7 +9,7 @@ import shutil
 
 from safetensors.torch import load_file
 
-from merge_pipeline.dagster.discovery import find_checkpoints
+from merge_pipeline.watch.discovery import find_checkpoints
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, load_safetensors_dir, merge, same_bits
 

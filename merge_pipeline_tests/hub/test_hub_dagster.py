@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from merge_pipeline import __version__
 from merge_pipeline.dagster.hub import HuggingFaceHub
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.errors import MergeError
 from merge_pipeline.pipeline.merge import merge
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster.helpers import ACTOR, CHAIN, LOCATION, asset, materialize
 from merge_pipeline_tests.helpers import tree_digest
 from merge_pipeline_tests.hub.conftest import WRITER, silent_endpoint

@@ -15,9 +15,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.hf.manifest import MANIFEST
+from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_samples.fsdp import FsdpSpec, write_nemo_automodel_checkpoint
 from merge_pipeline_tests.helpers import (
     assert_bit_exact,

@@ -19,8 +19,8 @@ import transformers
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from merge_pipeline.dagster.discovery import completeness
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.watch.discovery import completeness
 from merge_pipeline_samples.megatron import (
     LORA_ALPHA,
     LORA_R,

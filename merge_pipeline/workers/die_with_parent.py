@@ -1,4 +1,4 @@
-"""Run a command that dies with the process that started it: ``python -m merge_pipeline.dagster.die_with_parent CMD ...``.
+"""Run a command that dies with the process that started it: ``python -m merge_pipeline.workers.die_with_parent CMD ...``.
 
 Dagster's torchrun launcher starts torchrun through this, and each rank asks the same for itself
 (``die_with_parent()``): a run worker killed mid-merge (SIGKILL, the OOM killer) takes torchrun and its

@@ -2,7 +2,7 @@
 
 ``dg launch`` runs the merge in its own process, outside the queue, and like ``dagster job launch`` it
 answers a wrong instance (no ``DAGSTER_HOME``, another instance's partition) with a traceback. This
-asks the webserver the user opened (the UI's own GraphQL API, through ``webserver_api``: one deadline,
+asks the webserver the user opened (the UI's own GraphQL API, through ``client``: one deadline,
 a bounded answer, no password shown), so the run lands in the instance the sensor fills, waits behind its merges, and every mistake
 (no webserver there, a job or a partition it does not know, a bad run config) is one line.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from merge_pipeline.dagster.webserver_api import WebserverAPI
 from merge_pipeline.errors import MergeError, first_line
+from merge_pipeline.webserver.client import WebserverAPI
 
 PARTITION_TAG = "dagster/partition"
 
