@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from merge_pipeline.errors import MergeError, os_error, printable
-from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
+from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.options import (
     ACCUMULATE_CHOICES,
     OPTION_FIELDS,

@@ -27,7 +27,7 @@ import pytest
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.inputs import open_regular
 from merge_pipeline.formats import weight_suffixes
-from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
+from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.inspect import describe
 from merge_pipeline.pipeline.merge import merge

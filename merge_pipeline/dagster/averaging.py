@@ -32,7 +32,7 @@ from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
+from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.record import MANIFEST

@@ -23,7 +23,7 @@ from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
-from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
+from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.hub.upload import UploadResult, upload_folder_verified
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.settings import HUB_TIMEOUT, Setting, T

@@ -21,8 +21,8 @@ from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
+from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.hf.manifest import read_manifest
-from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.listing import StoreURL

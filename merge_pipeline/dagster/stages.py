@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import dagster as dg
 
 from merge_pipeline.dagster.metadata import sha256_table, value
+from merge_pipeline.hf.file_names import INDEX
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.record import MANIFEST
@@ -56,8 +57,6 @@ def _lora_handling(lora: Mapping | None) -> str:
 
 def state_dict_metadata(target: Path, report: WriteReport, manifest: Mapping, rss: tuple[str, int]) -> dict:
     """The weight files of the published folder: names, full sha256, sizes, the write's throughput."""
-    from merge_pipeline.hf.safetensors import INDEX  # torch: imported by the run, not by the location's load
-
     weights = {f["filename"] for f in report.files}
     label, peak = rss
     return {
@@ -76,8 +75,6 @@ def state_dict_metadata(target: Path, report: WriteReport, manifest: Mapping, rs
 
 def hf_model_metadata(target: Path, prepared: Prepared, manifest: Mapping) -> dict:
     """The complete published folder: config, tokenizer and other side files, the manifest of every file."""
-    from merge_pipeline.hf.safetensors import INDEX
-
     weights_and_index = {n for n in manifest["files"] if n.endswith(".safetensors") or n == INDEX}
     return {
         "path": dg.MetadataValue.path(str(target)),

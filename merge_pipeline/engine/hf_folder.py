@@ -10,12 +10,12 @@ from merge_pipeline.engine.outputs import OUTPUT_ADAPTER_DIR, OutputPlan
 from merge_pipeline.errors import printable, shown_path
 from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
-from merge_pipeline.hf.safetensors import INDEX, WEIGHT_SUFFIXES
+from merge_pipeline.hf.file_names import INDEX, WEIGHT_SUFFIXES
 from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE, parse_size
 
 log = logging.getLogger(__name__)
 
-# Weights in huggingface/ (hf.safetensors.WEIGHT_SUFFIXES) are never copied: the merged weights replace them.
+# Weights in huggingface/ (hf.file_names.WEIGHT_SUFFIXES) are never copied: the merged weights replace them.
 _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 # Data a model class reads beside its weights, not weights: Qwen2.5-Omni's speakers (its from_pretrained refuses a
 # folder without them; transformers loads them with weights_only=True).

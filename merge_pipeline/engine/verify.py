@@ -10,7 +10,8 @@ import torch
 from merge_pipeline.engine.outputs import OutputPlan
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
-from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, open_safetensors
+from merge_pipeline.hf.file_names import INDEX, SINGLE_FILE
+from merge_pipeline.hf.safetensors import open_safetensors
 from merge_pipeline.plan import dtype_name
 
 

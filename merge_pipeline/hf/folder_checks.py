@@ -15,10 +15,11 @@ from transformers.utils import logging as hf_logging
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.architecture import model_class, multi_token_prediction_prefixes
 from merge_pipeline.hf.config import CONFIG
+from merge_pipeline.hf.file_names import INDEX, SINGLE_FILE
 from merge_pipeline.hf.fp8 import SCALE_SUFFIX
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from merge_pipeline.hf.manifest import digests_still_valid, file_sums, read_manifest
-from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, TORCH_DTYPES, exact_common_dtype, read_header
+from merge_pipeline.hf.safetensors import TORCH_DTYPES, exact_common_dtype, read_header
 
 _ADAPTER_TENSOR = re.compile(rf"^{re.escape(PEFT_PREFIX)}.+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
 

@@ -19,10 +19,6 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.store.sources import ByteSource
 from merge_pipeline.store.view import byte_source
 
-# A model folder's weight files, in any framework's format: never copied as side files, never downloaded whole.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
-INDEX = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # The safetensors library refuses a header over 100 MB, and reserves this name in it for string metadata.
 MAX_HEADER_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"

@@ -14,8 +14,8 @@ from merge_pipeline.engine.verify import Comparison, compare_with_reference
 from merge_pipeline.errors import MergeError, shown_path
 from merge_pipeline.formats import checkpoint_name, open_checkpoint, weight_suffixes
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
+from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.hf.lora import has_lora_tensors
-from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.prepare import prepare, quantized
 from merge_pipeline.plan import CheckpointPlan, dtype_name

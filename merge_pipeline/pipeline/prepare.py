@@ -19,9 +19,9 @@ from merge_pipeline.engine.quantize import quantized_outputs
 from merge_pipeline.formats import open_checkpoint, weight_suffixes
 from merge_pipeline.formats.base_model import with_base_weights
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
+from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.hf.fp8 import refuse_quantized
 from merge_pipeline.hf.lora import is_adapter_only
-from merge_pipeline.hf.safetensors import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.store.url import is_store_url, spelled

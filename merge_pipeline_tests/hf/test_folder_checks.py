@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from merge_pipeline.errors import MergeError
+from merge_pipeline.hf.file_names import INDEX
 from merge_pipeline.hf.folder_checks import index_problems, weight_files
-from merge_pipeline.hf.safetensors import INDEX
 
 
 def test_a_merged_folder_has_no_index_problems(good_target):

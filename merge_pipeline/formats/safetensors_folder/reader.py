@@ -23,6 +23,7 @@ from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.formats import Reader
 from merge_pipeline.formats.safetensors_files import header_entries
 from merge_pipeline.hf.config import VALUE_HEAD, CheckpointConfig, has_value_head
+from merge_pipeline.hf.file_names import INDEX, SINGLE_FILE, WEIGHT_SUFFIXES
 from merge_pipeline.hf.lora import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
@@ -31,7 +32,6 @@ from merge_pipeline.hf.lora import (
     lora_module,
     peft_base_names,
 )
-from merge_pipeline.hf.safetensors import INDEX, SINGLE_FILE, WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import (
     CheckpointPlan,
