@@ -246,8 +246,9 @@ def test_bands_stacked_are_the_whole_tensor_quantized_at_once(monkeypatch, schem
     decisions = decide(planned, scheme, (), Path("."))
     sets = quantize._global_scale_sets(decisions, {t.name: t for t in planned})
     fused = max(w.to(torch.bfloat16).abs().max() for w in weights.values())
+    layouts = {}  # shared, as the merge shares it: k and v take q's
     for t in planned:
-        leader, followers = quantize._quantized(t, decisions, sets[t.name])
+        leader, followers = quantize._quantized(t, decisions, sets[t.name], layouts)
         written = {leader.planned.name: torch.cat([p.reshape(-1) for p in leader.planned.source.pieces()])}
         written |= {f.planned.name: next(iter(f.planned.source.pieces())) for f in followers}
         is_global = decisions.scheme.weights.strategy == "tensor_group"
@@ -267,7 +268,7 @@ def test_a_weight_with_nan_is_one_line_naming_it():
     weight[200, 4] = float("nan")
     planned = _planned("model.layers.0.mlp.down_proj.weight", weight)
     decisions = decide([planned], "W4A16", (), Path("."))
-    leader, _ = quantize._quantized(planned, decisions, [planned])
+    leader, _ = quantize._quantized(planned, decisions, [planned], {})
     with pytest.raises(MergeError, match=r"down_proj\.weight holds inf or NaN: it cannot be quantized$"):
         list(leader.planned.source.pieces())
 
