@@ -25,6 +25,7 @@ from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
+from merge_pipeline.model_card import quantization_rows
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.storage import is_store_url, viewed
 from merge_pipeline.store_listing import StoreURL
@@ -89,6 +90,7 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
         diff = diff_folders(
             local, {label: views.enter_context(viewed(p, merged=True)) for label, p in references.items()}
         )
+        quantized = quantization_rows(read_manifest(local)["decisions"].get("quantization"))
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
     smoke = _smoke_metadata(context, settings, folder) if settings.value("smoke_test") else {}
@@ -96,6 +98,11 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
         metadata={
             **smoke,
             "path": dg.MetadataValue.path(str(folder)),
+            **(
+                {"quantization": dg.MetadataValue.md("\n".join(f"- {k}: {v}" for k, v in quantized))}
+                if quantized
+                else {}
+            ),
             "summary": dg.MetadataValue.md("\n".join(f"- {line}" for line in summary)),
             **{label: dg.MetadataValue.path(str(path)) for label, path in references.items()},
             **{f"largest change vs {label}": diff.max_change(label) for label in diff.references},

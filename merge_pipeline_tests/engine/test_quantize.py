@@ -17,6 +17,7 @@ from merge_pipeline.cli import main
 from merge_pipeline.engine import quantize
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.quantization import SCHEMES, decide
+from merge_pipeline.model_card import render_card
 from merge_pipeline.plan import PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
@@ -175,6 +176,10 @@ def test_off_grid_weights_stay_in_bfloat16_and_are_ignored(capsys, tmp_path, fsd
     written = load_safetensors_dir(tmp_path / "out")
     assert written["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert written["model.layers.0.mlp.up_proj.weight_packed"].dtype == torch.int32
+    card = render_card(json.loads((tmp_path / "out" / "merge_manifest.json").read_text()), "org/model")
+    assert "| weights | 12 linear weights in W4A16 (compressed-tensors pack-quantized) |" in card
+    kept = "`lm_head`, `model.embed_tokens`, `model.layers.0.mlp.down_proj`, `model.layers.1.mlp.down_proj`"
+    assert f"| kept in bfloat16 | {kept} (and every norm and bias); 2 of them off the scheme's groups |" in card
 
 
 @pytest.mark.parametrize(
