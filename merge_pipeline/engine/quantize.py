@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import OutputPlan, _split_shards
+from merge_pipeline.engine.outputs import OutputPlan, quantized_shards
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.fp8 import KEPT_DTYPE
@@ -64,20 +64,16 @@ def quantized_outputs(
         )
     by_name = {t.planned.name: t.planned for t in model}
     global_sets = _global_scale_sets(decisions, by_name)
-    tensors: list[OutputTensor] = []
-    followers: dict[str, tuple[OutputTensor, ...]] = {}
     layouts: dict[tuple[int, ...], list] = {}  # by shape: a model repeats a few shapes in every layer
-    for t in model:
-        name = t.planned.name
-        if name in global_sets:
-            leader, rest = _quantized(t.planned, decisions, global_sets[name], layouts)
-            tensors.append(leader)
-            followers[leader.planned.name] = rest
-        else:
-            tensors.append(OutputTensor(t.planned, KEPT_DTYPE if t.dtype.is_floating_point else t.dtype))
+
+    def quantized(weight: PlannedTensor):
+        if weight.name not in global_sets:
+            return None
+        return _quantized(weight, decisions, global_sets[weight.name], layouts)
+
     return dataclasses.replace(
         outputs,
-        shards=_split_shards(tensors, max_shard_size, followers=followers),
+        shards=quantized_shards(model, quantized, KEPT_DTYPE, max_shard_size),
         config_dtype=KEPT_DTYPE,
         quantization=decisions,
     )
