@@ -24,6 +24,7 @@ from merge_pipeline.errors import first_line
 from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
+from merge_pipeline.hub.model_card import quantization_rows
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.listing import StoreURL
 from merge_pipeline.store.url import is_store_url
@@ -93,6 +94,7 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
             local,
             {label: views.enter_context(viewed(p, WEIGHT_SUFFIXES, merged=True)) for label, p in references.items()},
         )
+        quantized = quantization_rows(read_manifest(local)["decisions"].get("quantization"))
     summary = summary_lines(diff)
     identical = [label for label in diff.references if diff.identical_to(label)]
     smoke = _smoke_metadata(context, settings, folder) if settings.value(SMOKE_TEST) else {}
@@ -100,6 +102,11 @@ def _report(context: dg.AssetExecutionContext, settings: MergeSettings, names: N
         metadata={
             **smoke,
             "path": dg.MetadataValue.path(str(folder)),
+            **(
+                {"quantization": dg.MetadataValue.md("\n".join(f"- {k}: {v}" for k, v in quantized))}
+                if quantized
+                else {}
+            ),
             "summary": dg.MetadataValue.md("\n".join(f"- {line}" for line in summary)),
             **{label: dg.MetadataValue.path(str(path)) for label, path in references.items()},
             **{f"largest change vs {label}": diff.max_change(label) for label in diff.references},

@@ -28,10 +28,7 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import (
-    OutputPlan,
-    _split_shards,
-)  # the one HF shard split (name kept: other branches use it)
+from merge_pipeline.engine.outputs import OutputPlan, quantized_shards
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, Fp8Decisions, decide_fp8
@@ -50,18 +47,16 @@ def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, wher
     if not decisions.quantized:
         raise MergeError(where, nothing_to_quantize(decisions, {t.planned.name: t.planned.shape for t in model}))
     quantized = set(decisions.quantized)
-    tensors: list[OutputTensor] = []
-    followers: dict[str, tuple[OutputTensor, ...]] = {}
-    for t in model:
-        if t.planned.name in quantized:
-            weight, scales = quantized_pair(t.planned, block)
-            tensors.append(weight)
-            followers[weight.planned.name] = (scales,)
-        else:
-            tensors.append(OutputTensor(t.planned, KEPT_DTYPE if t.dtype.is_floating_point else t.dtype))
+
+    def pair(weight: PlannedTensor):
+        if weight.name not in quantized:
+            return None
+        weight, scales = quantized_pair(weight, block)
+        return weight, (scales,)
+
     return dataclasses.replace(
         outputs,
-        shards=_split_shards(tensors, max_shard_size, followers=followers),
+        shards=quantized_shards(model, pair, KEPT_DTYPE, max_shard_size),
         config_dtype=KEPT_DTYPE,
         fp8=decisions,
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,6 +240,26 @@ def config_dtype_for(tensors: Iterable[PlannedTensor], options: MergeOptions) ->
     """What config.json will say for these tensors under ``--dtype`` (``inspect``, before any plan of the output)."""
     requested = DTYPES.get(options.dtype)
     return auto_config_dtype(_output_dtype(t, requested) for t in tensors)
+
+
+def quantized_shards(
+    model: list[OutputTensor],
+    quantized: Callable[[PlannedTensor], tuple[OutputTensor, tuple[OutputTensor, ...]] | None],
+    kept_dtype: torch.dtype,
+    max_shard_size: str | int,
+) -> list[ShardFile]:
+    """The shards of ``model`` with each weight ``quantized`` takes (it returns the leading output and the
+    followers written right after it, else None) quantized; every other floating tensor in ``kept_dtype``."""
+    tensors: list[OutputTensor] = []
+    followers: dict[str, tuple[OutputTensor, ...]] = {}
+    for t in model:
+        outputs = quantized(t.planned)
+        if outputs is None:
+            tensors.append(OutputTensor(t.planned, kept_dtype if t.dtype.is_floating_point else t.dtype))
+        else:
+            tensors.append(outputs[0])
+            followers[outputs[0].planned.name] = outputs[1]
+    return _split_shards(tensors, max_shard_size, followers=followers)
 
 
 def _split_shards(

@@ -13,8 +13,8 @@ reaches the Hub. No id found: no ``base_model`` and no relation (the Hub needs b
 
 ``base_model_relation`` comes from the manifest alone (``relation``): ``merge`` for an average, ``adapter``
 (with ``library_name: peft``) for LoRA written unfolded (``lora_adapter/``, or an adapter folder alone),
-``quantized`` when ``decisions.quantization.base_only`` is true (a quantizing merge records it when the
-weights are the base model's own, no training step changed them), else ``finetune``.
+else ``finetune``, quantized or not: the Hub's ``quantized`` means the base's own weights in fewer bits, and
+a merge's are a training step's.
 
 The base's license (``license``, and ``license_name`` / ``license_link`` with ``license: other``) is read
 from the front matter of the ``README.md`` in the ``--hf_model_path`` folder; ``pipeline_tag`` from the
@@ -76,8 +76,6 @@ def relation(manifest: dict) -> str:
     lora = decisions.get("lora")
     if lora and not lora["merged"]:
         return "adapter"
-    if (decisions.get("quantization") or {}).get("base_only") is True:
-        return "quantized"
     return "finetune"
 
 

@@ -59,6 +59,25 @@ def _fp8_rows(fp8: dict | None) -> list[tuple[str, str]]:
     ]
 
 
+def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
+    """``--quantize``: the scheme, how many weights it holds and what was kept (the card and the step report)."""
+    if not quantization:
+        return []
+    kept = ", ".join(_code(name) for name in quantization["ignore"]) or "nothing"
+    off_grid = len(quantization["off_grid"])
+    return [
+        (
+            "weights",
+            f"{quantization['quantized_weights']} linear weights in {quantization['scheme']}"
+            f" (compressed-tensors {quantization['format']})",
+        ),
+        (
+            "kept in bfloat16",
+            f"{kept} (and every norm and bias)" + (f"; {off_grid} of them off the scheme's groups" if off_grid else ""),
+        ),
+    ]
+
+
 def _smoke_lines(smoke: dict | None) -> list[str]:
     """The smoke test's result (Dagster's ``smoke_test`` setting): what a person reads first."""
     if not smoke:
@@ -130,6 +149,7 @@ def render_card(
         ("world size", str(source["layout"].get("world_size", "not recorded"))),
         ("dtype", dtype),
         *_fp8_rows(decisions.get("fp8")),
+        *quantization_rows(decisions.get("quantization")),
         ("parameters", f"{manifest['parameters']:,}"),
         ("tool", tool),
     ]

@@ -6,6 +6,7 @@ import base64
 
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.dagster.helpers import CHAIN, asset, materialize
+from merge_pipeline_tests.engine.test_fp8 import LLAMA  # its weights fit the scheme's groups
 
 LORA = FsdpSpec(lora=(4, 8))
 step_report = asset("step_report")
@@ -47,3 +48,17 @@ def test_weights_changed_fails_on_an_unfolded_lora_and_passes_folded(fsdp_checkp
     assert "| change vs previous step | change vs base model |" in table and "q_proj" in table
     png = base64.b64decode(metadata["plot"].value.split("base64,", 1)[1].rstrip(")"))
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def test_a_quantized_step_says_its_scheme_and_what_was_kept(fsdp_checkpoint, roots, instance):
+    sample = fsdp_checkpoint(LLAMA)
+    roots.drop(sample, "q/global_step_1", tracker=1)
+    result = materialize(
+        instance, roots.settings(), "q/global_step_1/actor", merge_config={"quantize": "W8A16"}, selection=WITH_REPORT
+    )
+
+    assert result.success
+    metadata, _ = report_of(result)
+    quantization = metadata["quantization"].value
+    assert "- weights: 14 linear weights in W8A16 (compressed-tensors pack-quantized)" in quantization
+    assert "- kept in bfloat16: `lm_head`, `model.embed_tokens` (and every norm and bias)" in quantization

@@ -17,6 +17,7 @@ from merge_pipeline.cli import main
 from merge_pipeline.engine import quantize
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.quantization import SCHEMES, decide
+from merge_pipeline.hub.model_card import render_card
 from merge_pipeline.plan import PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_samples.fsdp_fake_pg import write_fake_pg_checkpoint
@@ -175,6 +176,10 @@ def test_off_grid_weights_stay_in_bfloat16_and_are_ignored(capsys, tmp_path, fsd
     written = load_safetensors_dir(tmp_path / "out")
     assert written["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert written["model.layers.0.mlp.up_proj.weight_packed"].dtype == torch.int32
+    card = render_card(json.loads((tmp_path / "out" / "merge_manifest.json").read_text()), "org/model")
+    assert "| weights | 12 linear weights in W4A16 (compressed-tensors pack-quantized) |" in card
+    kept = "`lm_head`, `model.embed_tokens`, `model.layers.0.mlp.down_proj`, `model.layers.1.mlp.down_proj`"
+    assert f"| kept in bfloat16 | {kept} (and every norm and bias); 2 of them off the scheme's groups |" in card
 
 
 @pytest.mark.parametrize(
@@ -246,8 +251,9 @@ def test_bands_stacked_are_the_whole_tensor_quantized_at_once(monkeypatch, schem
     decisions = decide(planned, scheme, (), Path("."))
     sets = quantize._global_scale_sets(decisions, {t.name: t for t in planned})
     fused = max(w.to(torch.bfloat16).abs().max() for w in weights.values())
+    layouts = {}  # shared, as the merge shares it: k and v take q's
     for t in planned:
-        leader, followers = quantize._quantized(t, decisions, sets[t.name])
+        leader, followers = quantize._quantized(t, decisions, sets[t.name], layouts)
         written = {leader.planned.name: torch.cat([p.reshape(-1) for p in leader.planned.source.pieces()])}
         written |= {f.planned.name: next(iter(f.planned.source.pieces())) for f in followers}
         is_global = decisions.scheme.weights.strategy == "tensor_group"
@@ -267,7 +273,7 @@ def test_a_weight_with_nan_is_one_line_naming_it():
     weight[200, 4] = float("nan")
     planned = _planned("model.layers.0.mlp.down_proj.weight", weight)
     decisions = decide([planned], "W4A16", (), Path("."))
-    leader, _ = quantize._quantized(planned, decisions, [planned])
+    leader, _ = quantize._quantized(planned, decisions, [planned], {})
     with pytest.raises(MergeError, match=r"down_proj\.weight holds inf or NaN: it cannot be quantized$"):
         list(leader.planned.source.pieces())
 

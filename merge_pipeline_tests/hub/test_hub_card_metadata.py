@@ -112,16 +112,20 @@ def test_an_average_is_a_merge_of_the_base_the_trainer_recorded(hub, fsdp_checkp
     }
 
 
-def test_a_quantized_base_is_marked_quantized(hub, fsdp_checkpoint, tmp_path):
-    """A quantizing merge records ``decisions.quantization.base_only`` when it quantized the base's own weights."""
+def test_a_quantized_merge_is_a_finetune_of_its_base(hub, fsdp_checkpoint, tmp_path):
+    """The Hub's ``quantized`` is the base's own weights in fewer bits; a merge's weights are a training step's,
+    whatever its manifest's quantization says (an earlier manifest field, ``base_only``, included)."""
     sample = fsdp_checkpoint(FsdpSpec())
     folder = merged(step(sample, tmp_path, 3, recorded=BASE_ID), tmp_path / "out")
     manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["decisions"]["quantization"] = {"scheme": "W8A16", "base_only": True}
+    manifest["decisions"]["quantization"] = {
+        **{"scheme": "W8A16", "format": "pack-quantized", "quantized_weights": 14, "ignore": ["lm_head"]},
+        **{"off_grid": [], "base_only": True},
+    }
     (folder / MANIFEST).write_text(json.dumps(manifest))
 
     card = published(hub, folder, "org/quantized")
-    assert (card["base_model"], card["base_model_relation"]) == (BASE_ID, "quantized")
+    assert (card["base_model"], card["base_model_relation"]) == (BASE_ID, "finetune")
 
 
 def test_a_local_path_is_never_published_as_the_base_model(hub, fsdp_checkpoint, tmp_path, monkeypatch):
