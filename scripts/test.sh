@@ -5,8 +5,15 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Libraries whose own save code writes test fixtures, each in its own venv (their dependencies clash
 # with ours); this project at the lower bounds of its dependencies (.venv-lowest) and installed into a
-# new Dagster project's venv (.venv-user-project). Each script is a no-op once its venv is current.
+# new Dagster project's venv (.venv-user-project). Each script is a no-op once its venv is current. They
+# run side by side (one uv cache, locked per package, that setup.sh filled with what they share): on a fresh
+# machine the downloads of one overlap the venv creation and import checks of another.
+declare -A setups
 for library in torchtitan nemo bridge llmcompressor lowest user_project; do
-    bash "scripts/setup_$library.sh"
+    bash "scripts/setup_$library.sh" &
+    setups[$library]=$!
+done
+for library in "${!setups[@]}"; do
+    wait "${setups[$library]}" || { echo "scripts/setup_$library.sh failed" >&2; exit 1; }
 done
 exec .venv/bin/python -m pytest "$@"
