@@ -14,10 +14,10 @@ new_venv() {
     "$python" -m venv "$1"
 }
 
-# install VENV PIP_INSTALL_ARGUMENTS...: `pip install` into VENV, by uv (scripts/setup.sh installs it in .venv):
+# venv_install VENV PIP_INSTALL_ARGUMENTS...: `pip install` into VENV, by uv (scripts/setup.sh installs it in .venv):
 # parallel downloads, and one cache hard-linked into every venv instead of each unpacking torch again. It takes
 # what pip would (scripts/uv_options.py: pip's indexes, find-links and constraints here).
-install() {
+venv_install() {
     local venv=$1 uv=${UV:-.venv/bin/uv} options
     shift
     [ -x "$uv" ] || { echo "$uv missing: run scripts/setup.sh (it installs uv)" >&2; return 1; }

@@ -18,5 +18,5 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip uv==0.13.10
-install .venv torch==2.13.0
-install .venv -e ".[test]"
+venv_install .venv torch==2.13.0
+venv_install .venv -e ".[test]"

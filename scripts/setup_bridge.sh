@@ -43,7 +43,7 @@ fi
 new_venv "$VENV"
 # torch first, pinned: on this CPU machine pip's find-links hold that CPU wheel on local disk.
 # shellcheck disable=SC2086
-install "$VENV" $BASE
+venv_install "$VENV" $BASE
 WHEELS=$(mktemp -d)
 trap 'rm -rf "$WHEELS"' EXIT
 "$VENV/bin/python" -m pip download --quiet --no-deps --python-version 3.12 --only-binary=:all: -d "$WHEELS" "$CORE"
@@ -51,7 +51,7 @@ for wheel in "$WHEELS"/megatron_core-*-cp312-cp312-*.whl; do
     mv "$wheel" "${wheel//cp312-cp312/cp311-cp311}"
 done
 # shellcheck disable=SC2086
-install "$VENV" --no-deps $NODEPS
+venv_install "$VENV" --no-deps $NODEPS
 # pip: uv has no --ignore-requires-python for the two that declare Python 3.12.
 "$VENV/bin/python" -m pip install --quiet --no-deps --ignore-requires-python "$WHEELS"/megatron_core-*.whl "$BRIDGE"
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

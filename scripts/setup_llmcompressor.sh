@@ -14,8 +14,8 @@ if venv_is_current "$VENV" "$PACKAGES"; then
 fi
 new_venv "$VENV"
 # torch first, pinned: on this CPU machine pip's find-links (uv_options.py) hold that CPU wheel on local disk.
-install "$VENV" "$TORCH"
+venv_install "$VENV" "$TORCH"
 # shellcheck disable=SC2086
-install "$VENV" $PACKAGES
+venv_install "$VENV" $PACKAGES
 "$VENV/bin/python" -c "from llmcompressor import model_free_ptq"
 echo "$PACKAGES" > "$VENV/stamp"
