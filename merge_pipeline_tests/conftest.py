@@ -1,4 +1,4 @@
-"""Shared fixtures: real verl-style FSDP, DCP and DeepSpeed checkpoints, each written once per test session.
+"""Shared fixtures: real verl-style FSDP, DCP, DeepSpeed and Megatron checkpoints, each written once per test session.
 
 The cached folders are shared by every test that asks for the same spec: never modify them.
 A test that changes, deletes or adds files works on ``fresh_copy(sample)`` instead.
@@ -116,6 +116,13 @@ def deepspeed_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     folders = {name: (root / name / "ckpt", root / name / "reference") for name in VARIANTS}
     write_deepspeed_checkpoints([(*folders[name], spec) for name, spec in VARIANTS.items()])
     return folders
+
+
+@pytest.fixture(scope="session")
+def megatron_samples(tmp_path_factory) -> dict[str, MegatronSample]:
+    """Every variant of ``VARIANTS``: real megatron-core checkpoints plus the hand-built layouts, in one torchrun
+    job (the formats' tests and the Dagster assets' share it). Read only: ``fresh_megatron(name)`` copies one."""
+    return write_megatron_samples(tmp_path_factory.mktemp("megatron"), MEGATRON_VARIANTS.values(), timeout=600)
 
 
 @pytest.fixture(scope="session")

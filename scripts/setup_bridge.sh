@@ -18,9 +18,10 @@ cd "$(dirname "$0")/.."
 source scripts/isolated_venv.sh
 VENV=.venv-bridge
 BASE="torch==2.13.0 transformers==5.12.1 safetensors numpy einops packaging typing_extensions omegaconf==2.4.0 psutil requests pulp scipy"
-NODEPS="megatron-bridge==0.6.2 nvidia-modelopt==0.47.0 triton==3.9.0 fla-core==0.6.0"
+BRIDGE=megatron-bridge==0.6.2
+NODEPS="nvidia-modelopt==0.47.0 triton==3.9.0 fla-core==0.6.0"
 CORE=megatron-core==0.18.2
-PACKAGES="$BASE $CORE $NODEPS"
+PACKAGES="$BASE $CORE $BRIDGE $NODEPS"
 # A CPU stand-in (its docstring says what it stands in and how it was checked) copied into the venv's site-packages:
 # TransformerEngine's modules megatron-core wraps (merge_pipeline_samples/te_stand_in) and what megatron-core's Mamba
 # mixer imports from mamba-ssm (merge_pipeline_samples/mamba_stand_in), so the bridges' own specs build on CPU.
@@ -40,9 +41,9 @@ if venv_is_current "$VENV" "$PACKAGES"; then
     exit 0
 fi
 new_venv "$VENV"
-# torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
+# torch first, pinned: on this CPU machine pip's find-links hold that CPU wheel on local disk.
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install --quiet $BASE
+venv_install "$VENV" $BASE
 WHEELS=$(mktemp -d)
 trap 'rm -rf "$WHEELS"' EXIT
 "$VENV/bin/python" -m pip download --quiet --no-deps --python-version 3.12 --only-binary=:all: -d "$WHEELS" "$CORE"
@@ -50,7 +51,9 @@ for wheel in "$WHEELS"/megatron_core-*-cp312-cp312-*.whl; do
     mv "$wheel" "${wheel//cp312-cp312/cp311-cp311}"
 done
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install --quiet --no-deps --ignore-requires-python "$WHEELS"/megatron_core-*.whl $NODEPS
+venv_install "$VENV" --no-deps $NODEPS
+# pip: uv has no --ignore-requires-python for the two that declare Python 3.12.
+"$VENV/bin/python" -m pip install --quiet --no-deps --ignore-requires-python "$WHEELS"/megatron_core-*.whl "$BRIDGE"
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cat > "$SITE/_py312_shims.py" <<'PY'
 """Python 3.12 names that Megatron-Bridge imports, for its install on 3.11."""

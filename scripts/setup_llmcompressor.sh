@@ -13,9 +13,9 @@ if venv_is_current "$VENV" "$PACKAGES"; then
     exit 0
 fi
 new_venv "$VENV"
-# torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
-"$VENV/bin/python" -m pip install --quiet "$TORCH"
+# torch first, pinned: on this CPU machine pip's find-links (uv_options.py) hold that CPU wheel on local disk.
+venv_install "$VENV" "$TORCH"
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install --quiet $PACKAGES
+venv_install "$VENV" $PACKAGES
 "$VENV/bin/python" -c "from llmcompressor import model_free_ptq"
 echo "$PACKAGES" > "$VENV/stamp"

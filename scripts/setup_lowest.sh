@@ -16,6 +16,6 @@ if venv_is_current "$VENV" "$PACKAGES"; then
     exit 0
 fi
 new_venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet -c <(echo "$CONSTRAINTS") torch
-"$VENV/bin/python" -m pip install --quiet -c <(echo "$CONSTRAINTS") -e ".[$EXTRAS]" $TOOLS
+venv_install "$VENV" -c <(echo "$CONSTRAINTS") torch
+venv_install "$VENV" -c <(echo "$CONSTRAINTS") -e ".[$EXTRAS]" $TOOLS
 echo "$PACKAGES" > "$VENV/stamp"

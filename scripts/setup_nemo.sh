@@ -14,9 +14,9 @@ if venv_is_current "$VENV" "$PACKAGES"; then
     exit 0
 fi
 new_venv "$VENV"
-# torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
-"$VENV/bin/python" -m pip install --quiet torch==2.13.0 transformers==5.18.0 pyyaml safetensors numpy
+# torch first, pinned: on this CPU machine pip's find-links (uv_options.py) hold that CPU wheel on local disk.
+venv_install "$VENV" torch==2.13.0 transformers==5.18.0 pyyaml safetensors numpy
 # Last, so that no later pip run reports nemo-automodel's declared dependencies as missing.
-"$VENV/bin/python" -m pip install --quiet --no-deps nemo-automodel==0.7.0
+venv_install "$VENV" --no-deps nemo-automodel==0.7.0
 "$VENV/bin/python" -c "import nemo_automodel.components.checkpoint.checkpointing"
 echo "$PACKAGES" > "$VENV/stamp"

@@ -14,9 +14,9 @@ if venv_is_current "$VENV" "$PACKAGES"; then
     exit 0
 fi
 new_venv "$VENV"
-# torch first, pinned: on this CPU machine pip takes that CPU wheel from local disk.
-"$VENV/bin/python" -m pip install --quiet torch==2.13.0 tyro numpy safetensors einops
+# torch first, pinned: on this CPU machine pip's find-links (uv_options.py) hold that CPU wheel on local disk.
+venv_install "$VENV" torch==2.13.0 tyro numpy safetensors einops
 # Last, so that no later pip run reports torchtitan's declared dependencies as missing.
-"$VENV/bin/python" -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0
+venv_install "$VENV" --no-deps torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0
 "$VENV/bin/python" -c "import torchtitan.models.llama3, torchtitan.components.checkpoint"
 echo "$PACKAGES" > "$VENV/stamp"

@@ -15,12 +15,12 @@ if venv_is_current "$VENV" "$PACKAGES"; then
 fi
 new_venv "$VENV"
 new_venv "$VENV/create-dagster"
-"$VENV/create-dagster/bin/python" -m pip install --quiet create-dagster==1.13.29
-"$VENV/bin/python" -m pip install --quiet torch==2.13.0
+venv_install "$VENV/create-dagster" create-dagster==1.13.29
+venv_install "$VENV" torch==2.13.0
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 "$VENV/create-dagster/bin/create-dagster" project "$scratch/user_project" --no-uv-sync >/dev/null
-"$VENV/bin/python" -m pip install --quiet -e "$scratch/user_project"
-"$VENV/bin/python" -m pip install --quiet ".[s3,ray]"
+venv_install "$VENV" -e "$scratch/user_project"
+venv_install "$VENV" ".[s3,ray]"
 "$VENV/bin/python" -m pip uninstall --quiet --yes merge_pipeline user_project
 echo "$PACKAGES" > "$VENV/stamp"

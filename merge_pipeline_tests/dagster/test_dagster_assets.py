@@ -17,7 +17,6 @@ from merge_pipeline.pipeline.inspect import describe
 from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.watch.keys import CHECKED
-from merge_pipeline_samples.megatron import VARIANTS, write_megatron_samples
 from merge_pipeline_tests.dagster.helpers import ACTOR, CRITIC, checks_passed, materialize
 from merge_pipeline_tests.helpers import load_safetensors_dir, same_bits
 
@@ -143,14 +142,6 @@ def test_the_manifest_takes_the_weights_digests_from_the_write(fsdp_checkpoint, 
     files = json.loads((roots.target("run/global_step_4/actor") / MANIFEST).read_text())["files"]
     weights = {name: entry["sha256"] for name, entry in files.items() if name.endswith(".safetensors")}
     assert len(weights) > 1 and supplied == [weights]
-
-
-@pytest.fixture(scope="module")
-def megatron_samples(tmp_path_factory):
-    """A real megatron-core TP=2 dist checkpoint, and verl's default layout (weights as HF safetensors)."""
-    return write_megatron_samples(
-        tmp_path_factory.mktemp("megatron"), [VARIANTS["qwen2_tp2"], VARIANTS["qwen2_hf_weights"]]
-    )
 
 
 @pytest.mark.parametrize(

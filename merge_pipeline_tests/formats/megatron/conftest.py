@@ -1,4 +1,4 @@
-"""Megatron-Core sample checkpoints, written once per test session (one torchrun job for all).
+"""Megatron-Core sample checkpoints beyond the suite's ``megatron_samples`` (merge_pipeline_tests/conftest.py).
 
 The cached folders are shared: never modify them. A test that damages a checkpoint works on
 ``fresh_megatron(name)``, a private copy of the role folder.
@@ -12,19 +12,11 @@ from dataclasses import replace
 import pytest
 
 from merge_pipeline_samples.megatron import (
-    VARIANTS,
     MegatronSample,
     Variant,
     _finish_v2,
-    write_megatron_samples,
 )
 from merge_pipeline_tests.helpers import write_with_release
-
-
-@pytest.fixture(scope="session")
-def megatron_samples(tmp_path_factory) -> dict[str, MegatronSample]:
-    """Every variant of ``VARIANTS``: real megatron-core checkpoints plus the hand-built layouts."""
-    return write_megatron_samples(tmp_path_factory.mktemp("megatron"), VARIANTS.values(), timeout=600)
 
 
 @pytest.fixture
