@@ -26,6 +26,7 @@ from merge_pipeline.dagster.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.dagster.assets import checkpoint_spec, merge_step_definition
 from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.dagster.config import checked_merge_config
+from merge_pipeline.dagster.evaluation import evaluation_definitions
 from merge_pipeline.dagster.hub import (
     CRON,
     HuggingFaceHub,
@@ -156,15 +157,19 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
         interval, freshness = (
             BY_NAME[s].of(getattr(self, s)) for s in ("sensor_interval_seconds", "freshness_minutes")
         )
-        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
+        threshold = BY_NAME["evaluation_threshold"].of(self.evaluation_threshold)
+        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled, threshold is not None)
+        evaluation, evaluate_job = evaluation_definitions(names, threshold)
         merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
                 merge_step_definition(names, freshness, merge_config),
                 step_report_definition(names),
+                evaluation,
                 hub_model,
             ],
+            jobs=[evaluate_job],
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
                 checkpoint_sensor(names, interval, self.max_concurrent_merges),

@@ -15,3 +15,6 @@ PASSED = "blocking checks passed"  # on hf_model: every check, so its materializ
 # step_report, read by the Hub (the model card, and whether a step may be published)
 NAN, INF = "NaN", "Inf"
 SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smoke text", "smoke loss (fixed text)"
+
+# evaluation, read by the Hub where a threshold is set (a step is published only when its evaluation met it)
+THRESHOLD_MET = "threshold met"

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, Field, create_model
 
 from merge_pipeline.dagster.pins import PINS
+from merge_pipeline.hf.evaluation import Threshold
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.hub import DEFAULT_ENDPOINT
 from merge_pipeline.settings import (
@@ -67,6 +68,7 @@ def _folder_or_url(value: Any, named: str) -> Path | StoreURL:
     return StoreURL(value) if is_store_url(value) else Path(value).absolute()
 
 
+THRESHOLD = Kind(str, Threshold.parse, checked_at_load=True)
 FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
 FOLDER_OR_URL = Kind(str, _folder_or_url)
 
@@ -231,6 +233,26 @@ SETTINGS = (
         "30",
         "hf_model's freshness policy: stale when no step was published for this long",
         resource=None,
+    ),
+    # The evaluation of each merged step (dagster/evaluation.py): the `evaluation` asset, run through Dagster Pipes.
+    Setting(
+        "evaluation_command",
+        "MERGE_PIPELINE_EVALUATION_COMMAND",
+        OPTIONAL_TEXT,
+        None,
+        "the evaluation's command line, run through Dagster Pipes in a subprocess with the merged folder as "
+        "{folder} and the Pipes extra 'folder'; it reports its metrics as materialization metadata",
+        unset="python -m merge_pipeline.dagster.smoke_evaluation (the smoke test's loss on a fixed text, CPU)",
+    ),
+    Setting(
+        "evaluation_threshold",
+        "MERGE_PIPELINE_EVALUATION_THRESHOLD",
+        THRESHOLD,
+        None,
+        "'<metric> <= <number>' or '<metric> >= <number>': a blocking check of the evaluation, and the Hub "
+        "publishes only steps whose evaluation met it",
+        resource=None,
+        unset="no threshold",
     ),
     # Publishing to a Hugging Face Hub (dagster/hub.py): the `hub` resource, the component's `hub:` section.
     Setting(
