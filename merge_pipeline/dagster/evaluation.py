@@ -18,9 +18,6 @@ import warnings
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.errors import (
-    DagsterPipesExecutionError,  # raised by Pipes clients; dagster exports it nowhere public
-)
 
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.keys import GROUP, OWNERS, THRESHOLD_MET
@@ -68,9 +65,9 @@ def evaluation_definitions(
         required_resource_keys={names("settings")},
     )
     def evaluation(context: dg.AssetExecutionContext):
-        """The user's evaluation of the published folder, through Dagster Pipes.
+        """The user's evaluation of the published folder, via Pipes.
 
-        Its metrics as metadata, in the folder's manifest and in the model card's model-index."""
+        Its command run through Dagster Pipes; its metrics as metadata, in the folder's manifest and in the model card's model-index."""
         settings: MergeSettings = getattr(context.resources, names("settings"))
         return _evaluate(context, settings, threshold)
 
@@ -96,11 +93,12 @@ def _evaluate(context: dg.AssetExecutionContext, settings: MergeSettings, thresh
         context.log.info("evaluating %s: %s", folder, shlex.join(argv))
         try:
             reported = (
-                dg.PipesSubprocessClient(env={"MERGE_PIPELINE_EVALUATED_FOLDER": str(folder)})
+                dg.PipesSubprocessClient()
                 .run(context=context, command=argv, extras={"folder": str(folder)})
                 .get_materialize_result()
             )
-        except DagsterPipesExecutionError as exc:
+        # a non-zero exit (Dagster's DagsterPipesExecutionError, exported nowhere public), a command not found
+        except Exception as exc:  # noqa: BLE001
             raise MergeError(
                 None, f"the evaluation command failed ({first_line(exc)}); its output is in the run's logs"
             ) from None

@@ -18,9 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.errors import (
-    DagsterPipesExecutionError,  # raised by Pipes clients; dagster exports it nowhere public
-)
 
 from merge_pipeline.dagster.config import LauncherConfig
 from merge_pipeline.dagster.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
@@ -69,7 +66,7 @@ class TorchrunLaunch(Workers):
             invocation = dg.PipesSubprocessClient(env={"OMP_NUM_THREADS": "1"}).run(
                 context=self.context, command=command
             )
-        except DagsterPipesExecutionError as exc:  # a rank died (killed, out of memory): no report came back
+        except dg.DagsterPipesExecutionError as exc:  # a rank died (killed, out of memory): no report came back
             raise MergeError(
                 job.staging,
                 f"torchrun failed before the ranks agreed on a result ({first_line(exc)}); each rank's output is in the run's logs",
