@@ -48,6 +48,7 @@ LAYERS = {
     "pipeline": 3,
     "workers": 3,
     "hub": 4,
+    "hub_promotion": 4,
     "cli": 5,
     "defs": 5,
     "dagster": 5,

@@ -36,6 +36,7 @@ from merge_pipeline.dagster.hub import (
 )
 from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
 from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.promotion import promotion_definitions
 from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
 from merge_pipeline.dagster.resources import MergeSettings
@@ -160,6 +161,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
         threshold = BY_NAME["evaluation_threshold"].of(self.evaluation_threshold)
         hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled, threshold is not None)
         evaluation, evaluate_job = evaluation_definitions(names, threshold)
+        promoted_model, promote_job = promotion_definitions(names)
         merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(
             assets=[
@@ -168,8 +170,9 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
                 step_report_definition(names),
                 evaluation,
                 hub_model,
+                promoted_model,
             ],
-            jobs=[evaluate_job],
+            jobs=[evaluate_job, promote_job],
             # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
             sensors=[
                 checkpoint_sensor(names, interval, self.max_concurrent_merges),
