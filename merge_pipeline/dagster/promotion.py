@@ -13,7 +13,6 @@ import dagster as dg
 
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.hub import HuggingFaceHub
 from merge_pipeline.dagster.keys import HUB_GROUP
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import checkpoint_key
@@ -41,11 +40,11 @@ def promotion_definitions(names: Names) -> "tuple[dg.AssetsDefinition, dg.Unreso
         required_resource_keys={names("settings"), names("hub")},
     )
     def promoted_model(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        """The step a serving stack pulls: main on the Hub, promoted/ in a store.
+        """The served step: Hub main, promoted/ in its store.
 
         Materialize it for one partition to promote that step (server-side copies, nothing uploaded again)."""
         settings: MergeSettings = getattr(context.resources, names("settings"))
-        hub: HuggingFaceHub = getattr(context.resources, names("hub"))
+        hub = getattr(context.resources, names("hub"))  # dagster.hub's HuggingFaceHub
         with one_line_failure():
             return dg.MaterializeResult(metadata=_promote(context, settings, hub, names))
 
@@ -57,7 +56,7 @@ def promotion_definitions(names: Names) -> "tuple[dg.AssetsDefinition, dg.Unreso
     return promoted_model, job
 
 
-def _promote(context: dg.AssetExecutionContext, settings: MergeSettings, hub: HuggingFaceHub, names: Names) -> dict:
+def _promote(context: dg.AssetExecutionContext, settings: MergeSettings, hub, names: Names) -> dict:
     from merge_pipeline.hub_promotion import promote_to_main  # huggingface_hub: by the run, not the location's load
     from merge_pipeline.storage import copy_published_in_store
 
