@@ -15,7 +15,6 @@ Hub's schedule then passes it over (``evaluation_passed``).
 import shlex
 import sys
 import warnings
-from pathlib import Path
 
 import dagster as dg
 
@@ -25,8 +24,10 @@ from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.engine.publish import published_locked
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.hf.evaluation import Threshold, record_in_manifest
+from merge_pipeline.hf.manifest import MANIFEST, read_manifest
 from merge_pipeline.store_listing import StoreURL
 
 DEFAULT_COMMAND = f"{shlex.quote(sys.executable)} -m merge_pipeline.dagster.smoke_evaluation"
@@ -87,8 +88,9 @@ def _evaluate(context: dg.AssetExecutionContext, settings: MergeSettings, thresh
     with one_line_failure():
         if isinstance(folder, StoreURL):  # the command reads files: a store's folder would need a download first
             raise MergeError(None, f"{folder}: the evaluation reads local folders only; merge to a local output_root")
-        if not (folder / "merge_manifest.json").is_file():
+        if not (folder / MANIFEST).is_file():
             raise MergeError(folder, "not a published merged folder: materialize hf_model for this partition first")
+        evaluated = read_manifest(folder)
         argv = [a.replace("{folder}", str(folder)) for a in shlex.split(command)]
         context.log.info("evaluating %s: %s", folder, shlex.join(argv))
         try:
@@ -105,7 +107,8 @@ def _evaluate(context: dg.AssetExecutionContext, settings: MergeSettings, thresh
         metrics = _metrics(reported.metadata or {})
         if not metrics:
             raise MergeError(None, f"the evaluation command reported no number: {shlex.join(argv)}")
-        record_in_manifest(Path(folder), command, metrics)
+        with published_locked(folder):  # no merge replaces the folder while its manifest is rewritten
+            record_in_manifest(folder, command, metrics, evaluated)
     problem = threshold.problem(metrics) if threshold else None
     return dg.MaterializeResult(
         metadata={

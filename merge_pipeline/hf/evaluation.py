@@ -54,11 +54,19 @@ class Threshold:
         return f"{self.metric} is {value:g}: expected {self.op} {self.bound:g}"
 
 
-def record_in_manifest(folder: Path, command: str, metrics: dict[str, float]) -> None:
+def record_in_manifest(folder: Path, command: str, metrics: dict[str, float], evaluated: dict) -> None:
     """The metrics under the manifest's ``evaluation`` key, replacing the file at once (a reader sees the
-    old manifest or the new one, never half of one)."""
+    old manifest or the new one, never half of one). ``evaluated``: the manifest when the evaluation began;
+    a folder merged again since is refused (its new weights were not the ones evaluated). The caller holds
+    the folder's lock."""
     manifest = read_manifest(folder)
+    if _without_evaluation(manifest) != _without_evaluation(evaluated):
+        raise MergeError(folder, "was merged again while it was evaluated: evaluate it again")
     manifest[EVALUATION] = {"command": command, "metrics": metrics}
     written = folder / f".{MANIFEST}.evaluation"
     written.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(written, folder / MANIFEST)
+
+
+def _without_evaluation(manifest: dict) -> dict:
+    return {key: value for key, value in manifest.items() if key != EVALUATION}

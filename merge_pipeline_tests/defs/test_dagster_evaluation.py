@@ -148,3 +148,26 @@ def test_a_threshold_setting_that_says_nothing_is_refused_in_one_line():
         with pytest.raises(Exception, match=r"expected '<metric> <= <number>'") as refused:
             Threshold.parse(text, "MERGE_PIPELINE_EVALUATION_THRESHOLD")
         assert "MERGE_PIPELINE_EVALUATION_THRESHOLD" in str(refused.value)
+
+
+def test_a_folder_merged_again_while_evaluated_keeps_its_new_manifest(merged, tmp_path):
+    roots, instance = merged
+    manifest = roots.target(KEY) / MANIFEST
+    kept = manifest.read_bytes()
+    script = tmp_path / "remerged.py"  # stands for a merge publishing the step again while the command runs
+    script.write_text(
+        "import json, sys\nfrom pathlib import Path\nfrom dagster_pipes import open_dagster_pipes\n"
+        "with open_dagster_pipes() as pipes:\n"
+        "    manifest = Path(sys.argv[1]) / 'merge_manifest.json'\n"
+        "    body = json.loads(manifest.read_text()); body['seconds'] = -1.0; manifest.write_text(json.dumps(body))\n"
+        "    pipes.report_asset_materialization(metadata={'score': 1.0})\n"
+    )
+    try:
+        result = evaluate(instance, roots.settings(evaluation_command=f"{sys.executable} {script} {{folder}}"))
+
+        assert not result.success
+        [failure] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+        assert "was merged again while it was evaluated" in failure.step_failure_data.error.message
+        assert read_manifest(roots.target(KEY))["seconds"] == -1.0 and "score" not in manifest.read_text()
+    finally:
+        manifest.write_bytes(kept)
