@@ -29,6 +29,7 @@ from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, writ
 from merge_pipeline.engine.lora import model_tensors
 from merge_pipeline.engine.outputs import DTYPES, OutputPlan, config_dtype_for, plan_outputs
 from merge_pipeline.engine.publish import check_target
+from merge_pipeline.engine.publish import published_locked as published_locked  # an evaluation's manifest entry
 from merge_pipeline.engine.publish import staged_output as staged_output  # the one staging + lock API
 from merge_pipeline.engine.publish import staging_path as staging_path
 from merge_pipeline.engine.quantize import quantized_outputs

@@ -24,7 +24,6 @@ from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
-from merge_pipeline.engine.publish import published_locked
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.hf.evaluation import Threshold, record_in_manifest
 from merge_pipeline.hf.manifest import MANIFEST, read_manifest
@@ -82,6 +81,8 @@ def evaluation_definitions(
 
 
 def _evaluate(context: dg.AssetExecutionContext, settings: MergeSettings, threshold: Threshold | None):
+    from merge_pipeline.pipeline import published_locked  # torch: imported by the run, not the location's load
+
     key = checkpoint_key(context.partition_key)
     folder = settings.target_dir(key)
     command = settings.value("evaluation_command") or DEFAULT_COMMAND

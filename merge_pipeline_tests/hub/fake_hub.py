@@ -398,7 +398,9 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, {"id": repo_id, "private": repo.private, "sha": commit.oid, "siblings": siblings}, {}
         if method == "GET" and rest[:1] == ["tree"] and len(rest) == 2:
             return self._tree(_commit_from(repo, rest[1]), hub.page_size)
-        if method == "POST" and rest[:1] == ["paths-info"]:  # the entries of the paths asked for, as the tree lists them
+        if method == "POST" and rest[:1] == [
+            "paths-info"
+        ]:  # the entries of the paths asked for, as the tree lists them
             commit, asked = _commit_from(repo, rest[1]), parse_qs(body.decode()).get("paths", [])
             return 200, [commit.tree[p].entry(p) for p in asked if p in commit.tree], {}
         if method == "POST" and rest[:1] == ["preupload"]:
