@@ -127,13 +127,15 @@ def test_two_scaffolded_instances_load_with_dg_under_their_own_prefixes(project)
 
     found = json.loads(listed.stdout)
     assets = {a["asset_key"] for a in found["assets"]}
-    assert assets == {f"{c}/{s}" for c in CLUSTERS for s in STAGES}
+    assert assets == {f"{c}/{s}" for c in CLUSTERS for s in (*STAGES, "evaluation", "promoted_model")}
     assert {s["name"] for s in found["sensors"]} == {
         f"{c}__{s}" for c in CLUSTERS for s in ("new_checkpoint_sensor", "step_report_sensor", "merge_failure_webhook")
     }
     assert {s["name"] for s in found["schedules"]} == {f"{c}__publish_latest_steps" for c in CLUSTERS}
     assert {j["name"] for j in found["jobs"]} == {
-        f"{c}__{j}" for c in CLUSTERS for j in ("merge_checkpoint", "report_merged_step", "publish_to_hub")
+        f"{c}__{j}"
+        for c in CLUSTERS
+        for j in ("merge_checkpoint", "report_merged_step", "publish_to_hub", "evaluate_merged_step", "promote_step")
     }
     assert {c["key"] for c in found["asset_checks"]} == {
         *(f"{c}/step_report:{check}" for c in CLUSTERS for check in ("weights_changed", "finite")),
