@@ -19,7 +19,7 @@ import warnings
 import dagster as dg
 
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.keys import GROUP, OWNERS, THRESHOLD_MET
+from merge_pipeline.dagster.keys import GROUP, HEAVY_TAG, OWNERS, THRESHOLD_MET
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.partitions import checkpoint_key
 from merge_pipeline.dagster.records import latest_materialization
@@ -74,6 +74,7 @@ def evaluation_definitions(
     job = dg.define_asset_job(
         names("evaluate_merged_step"),
         selection=dg.AssetSelection.assets(names.key("evaluation")),
+        tags={HEAVY_TAG: "report"},  # the default loads the whole model: not beside a merge
         executor_def=dg.in_process_executor,
         description="Evaluate one merged step.\n\nRuns the evaluation command through Dagster Pipes on the published folder.",
     )
