@@ -34,11 +34,12 @@ from merge_pipeline.dagster.hub import (
     hub_averaged_definition,
     hub_definitions,
 )
+from merge_pipeline.dagster.jobs import report_job
 from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.promotion import promotion_definitions
 from merge_pipeline.dagster.report import step_report_definition
-from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
+from merge_pipeline.dagster.report_automation import step_report_automation
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import checkpoint_sensor
 from merge_pipeline.dagster.settings import BY_NAME, Setting, attributes, of_resource, scaffold_lines, with_fields
@@ -167,16 +168,17 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
             assets=[
                 checkpoint_spec(names),
                 merge_step_definition(names, freshness, merge_config),
-                step_report_definition(names),
+                step_report_definition(names, self.max_concurrent_merges),
                 evaluation,
                 hub_model,
                 promoted_model,
             ],
-            jobs=[evaluate_job, promote_job],
-            # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
+            jobs=[evaluate_job, promote_job, report_job(names)],
+            # the sensor's job (merge_checkpoint) and the schedule's (publish_to_hub) come with them; report_merged_step
+            # (step_report from the UI) with the report's automation
             sensors=[
                 checkpoint_sensor(names, interval, self.max_concurrent_merges),
-                step_report_sensor_definition(names, interval, self.max_concurrent_merges),
+                step_report_automation(names, interval),
                 failure_webhook(names),
             ],
             schedules=[publish_latest_steps],

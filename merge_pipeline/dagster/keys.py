@@ -7,6 +7,7 @@ HUB_GROUP = "hub"
 OWNERS = ["team:training-infra"]
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
+AUTOMATED_BY = "merge_pipeline/automated_by"  # the automation sensor that requested a run (its runs share one job name)
 
 # the blocking checks: on hf_model (its asset checks hold each result) and averaged_model, that all passed
 CHECKED = "checked before publishing"  # averaged_model (no asset checks): a table of the checks that looked at it
