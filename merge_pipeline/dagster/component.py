@@ -34,8 +34,8 @@ from merge_pipeline.dagster.hub import (
     hub_averaged_definition,
     hub_definitions,
 )
-from merge_pipeline.dagster.jobs import report_job
 from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
+from merge_pipeline.dagster.jobs import report_job
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.promotion import promotion_definitions
 from merge_pipeline.dagster.report import step_report_definition
