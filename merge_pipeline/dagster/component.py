@@ -85,7 +85,8 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
 
 # The scaffolded defs.yaml's attributes that are no setting of settings.py (no variable of their own).
 CONCURRENCY = """\
-  # merge and report runs of this instance at once (the sensors hold back the rest);
+  # merge and report runs of this instance at once (its sensors and the report's automation
+  # hold back the rest);
   # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
   max_concurrent_merges: 1
 """
@@ -139,7 +140,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
     attribute per setting of ``settings.py`` (left out: its environment variable, else its default)."""
 
     prefix: str | None = None  # none: the component folder's name; "": no prefix (this project's own location)
-    # Merge and report runs of this instance queued or running at once; the sensors hold back the rest
+    # Merge and report runs of this instance queued or running at once; the sensors and the report's automation hold back the rest
     # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
     max_concurrent_merges: int = Field(default=1, ge=0)
     hub: HubPublishing = HubPublishing()
