@@ -109,7 +109,9 @@ def test_job_descriptions_name_sensors_that_exist(prefix):
     built = MergeCheckpoints(prefix=prefix).definitions(Names(prefix))
     sensors = {s.name for s in built.sensors}
     named = {
-        name for job in built.resolve_all_job_defs() for name in re.findall(r"\w+_sensor\b", job.description or "")
+        name
+        for job in built.resolve_all_job_defs()
+        for name in re.findall(r"\w+_(?:sensor|automation)\b", job.description or "")
     }
     assert named and named <= sensors, named - sensors
 
