@@ -11,7 +11,7 @@ component's ``merge_config`` giving the defaults).
 Its metadata names each input and its weight, and compares the average with the newest step
 (``hf/step_diff``, the step report's table).
 
-``averaged_model_sensor`` reads ``hf_model``'s new materializations (as ``step_report_sensor`` does): for
+``averaged_model_sensor`` reads ``hf_model``'s new materializations: for
 each run that gained a merged step and now has at least K, it requests the average (``run_key``: the
 run and that merge, so once per landed step), in a run of its own with the heavy tag.
 """

@@ -22,6 +22,7 @@ from merge_pipeline.dagster.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.dagster.assets import checkpoint_spec, merge_step_definition
 from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.dagster.config import checked_merge_config
+from merge_pipeline.dagster.evaluation import evaluation_definitions
 from merge_pipeline.dagster.hub import (
     HuggingFaceHub,
     env_token,
@@ -29,15 +30,18 @@ from merge_pipeline.dagster.hub import (
     hub_definitions,
 )
 from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
+from merge_pipeline.dagster.jobs import report_job
 from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.promotion import promotion_definitions
 from merge_pipeline.dagster.report import step_report_definition
-from merge_pipeline.dagster.report_sensor import step_report_sensor_definition
+from merge_pipeline.dagster.report_automation import step_report_automation
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.scaffolder import MergeCheckpointsScaffolder
 from merge_pipeline.dagster.sensors import checkpoint_sensor
 from merge_pipeline.watch.keys import HUB_CRON
 from merge_pipeline.watch.location_settings import (
     BY_NAME,
+    EVALUATION_THRESHOLD,
     FRESHNESS_MINUTES,
     SENSOR_INTERVAL_SECONDS,
     Setting,
@@ -87,7 +91,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
     attribute per setting of ``settings.py`` (left out: its environment variable, else its default)."""
 
     prefix: str | None = None  # none: the component folder's name; "": no prefix (this project's own location)
-    # Merge and report runs of this instance queued or running at once; the sensors hold back the rest
+    # Merge and report runs of this instance queued or running at once; the sensors and the report's automation hold back the rest
     # (0: they request them all, for an instance whose run queue limits them, as this project's dagster.yaml does).
     max_concurrent_merges: int = Field(default=1, ge=0)
     hub: HubPublishing = HubPublishing()
@@ -106,19 +110,26 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
         hub = self.hub.resource()
         interval = SENSOR_INTERVAL_SECONDS.value(self.sensor_interval_seconds)
         freshness = FRESHNESS_MINUTES.value(self.freshness_minutes)
-        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled)
+        threshold = EVALUATION_THRESHOLD.value(self.evaluation_threshold)
+        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled, threshold is not None)
+        evaluation, evaluate_job = evaluation_definitions(names, threshold)
+        promoted_model, promote_job = promotion_definitions(names)
         merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(
             assets=[
                 checkpoint_spec(names),
                 merge_step_definition(names, freshness, merge_config),
-                step_report_definition(names),
+                step_report_definition(names, self.max_concurrent_merges),
+                evaluation,
                 hub_model,
+                promoted_model,
             ],
-            # the sensors' jobs (merge_checkpoint, report_merged_step) and the schedule's (publish_to_hub) come with them
+            jobs=[evaluate_job, promote_job, report_job(names)],
+            # the sensor's job (merge_checkpoint) and the schedule's (publish_to_hub) come with them; report_merged_step
+            # (step_report from the UI) with the report's automation
             sensors=[
                 checkpoint_sensor(names, interval, self.max_concurrent_merges),
-                step_report_sensor_definition(names, interval, self.max_concurrent_merges),
+                step_report_automation(names, interval),
                 failure_webhook(names),
             ],
             schedules=[publish_latest_steps],

@@ -17,6 +17,7 @@ import dagster as dg
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
+from merge_pipeline.dagster.evaluation import evaluation_passed
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.records import latest_materialization
@@ -92,9 +93,12 @@ class HuggingFaceHub(with_fields(dg.ConfigurableResource, of_resource("hub"))):
         )
 
 
-def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDefinition, dg.ScheduleDefinition]:
+def hub_definitions(
+    names: Names, cron: str, running: bool, gated: bool = False
+) -> tuple[dg.AssetsDefinition, dg.ScheduleDefinition]:
     """``hub_model`` and its schedule (with its job); the schedule runs by default only when a Hub
-    organization is set when the code location loads (``running``: a schedule's default is fixed then)."""
+    organization is set when the code location loads (``running``: a schedule's default is fixed then).
+    ``gated``: an evaluation threshold is set, and the schedule publishes only steps whose evaluation met it."""
 
     @dg.asset(
         key=names.key("hub_model"),
@@ -135,7 +139,7 @@ def hub_definitions(names: Names, cron: str, running: bool) -> tuple[dg.AssetsDe
     )
     def publish_latest_steps(context: dg.ScheduleEvaluationContext, **_called_with: object):
         # (called directly, Dagster passes the resources as arguments too; the daemon does not)
-        return _latest_steps(context, getattr(context.resources, names("hub")), names)
+        return _latest_steps(context, getattr(context.resources, names("hub")), names, gated)
 
     return hub_model, publish_latest_steps
 
@@ -220,14 +224,14 @@ def _newest_step(inputs: list[dict], settings: MergeSettings, folder: Path) -> C
     return checkpoint_key(newest.removeprefix(root + "/"))
 
 
-def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names):
+def _latest_steps(context: dg.ScheduleEvaluationContext, hub: HuggingFaceHub, names: Names, gated: bool):
     if not hub.enabled:
         return dg.SkipReason("no Hub organization configured (MERGE_PIPELINE_HUB_ORG)")
     instance = context.instance
     runs = _merged_steps_by_run(instance, names)
     requests = []
     for steps in runs.values():
-        key, merge = _highest_verified(instance, steps, context.log, names)
+        key, merge = _highest_verified(instance, steps, context.log, names, gated)
         published = latest_materialization(instance, names.key("hub_model"), str(key)) if key else None
         if key and (published is None or published.storage_id < merge.storage_id):
             requests.append(dg.RunRequest(run_key=f"{key}@{merge.storage_id}", partition_key=str(key)))
@@ -260,7 +264,7 @@ def _merged_steps_by_run(instance: dg.DagsterInstance, names: Names) -> dict[tup
 
 
 def _highest_verified(
-    instance: dg.DagsterInstance, steps: list[CheckpointName], log, names: Names
+    instance: dg.DagsterInstance, steps: list[CheckpointName], log, names: Names, gated: bool
 ) -> tuple[CheckpointName | None, dg.EventLogRecord | None]:
     """The highest step whose latest merge passed every blocking check (they run before publishing; its
     hf_model metadata lists them) and whose step report of that merge found every tensor finite, with
@@ -279,5 +283,13 @@ def _highest_verified(
         if metadata[NAN].value or metadata[INF].value:
             log.info(f"{key}: not published: its step report found NaN or Inf (the finite check failed)")
             continue
+        if gated:
+            passed = evaluation_passed(instance, names, str(key), merge.storage_id)
+            if passed is None:
+                log.info(f"{key}: not published yet: no evaluation of its latest merge")
+                return None, None
+            if not passed:
+                log.info(f"{key}: not published: its evaluation missed the threshold")
+                continue
         return key, merge
     return None, None

@@ -29,5 +29,5 @@ def report_job(names: Names) -> dg.UnresolvedAssetJobDefinition:
         selection=dg.AssetSelection.assets(names.key("step_report")),
         tags={HEAVY_TAG: "report"},  # it reads every weight: not beside a merge
         executor_def=dg.in_process_executor,
-        description=f"The step report of a published folder.\n\nRequested by {names('step_report_sensor')} after each merge.",
+        description=f"The step report of a published folder.\n\nRequested by {names('step_report_automation')} after each merge.",
     )

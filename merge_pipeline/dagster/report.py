@@ -1,7 +1,7 @@
 """``step_report``: did training change anything? The published folder against the previous merged step and the base model.
 
-Downstream of ``hf_model``, in a run of its own that ``step_report_sensor`` requests after each successful
-merge (a merge run that failed would otherwise show these checks "Execution failed"): it reads the published folder
+Downstream of ``hf_model``, in a run of its own that its automation condition requests after each successful
+merge (``report_automation.py``) (a merge run that failed would otherwise show these checks "Execution failed"): it reads the published folder
 and the references one tensor at a time (``hf/step_diff.py``, the same table as ``merge-pipeline
 diff``), so its memory is bounded by the largest tensor. Its two checks are not blocking: the folder
 is already published and correct as a merge; they flag what training did to it.
@@ -19,6 +19,7 @@ import dagster as dg
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.report_automation import step_report_condition
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line
 from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
@@ -59,7 +60,7 @@ def report_checks(names: Names) -> list[dg.AssetCheckSpec]:
         ]
 
 
-def step_report_definition(names: Names) -> dg.AssetsDefinition:
+def step_report_definition(names: Names, max_concurrent_merges: int) -> dg.AssetsDefinition:
     @dg.asset(
         key=names.key("step_report"),
         partitions_def=names.partitions,
@@ -70,6 +71,7 @@ def step_report_definition(names: Names) -> dg.AssetsDefinition:
         tags={"stage": "report"},
         check_specs=report_checks(names),
         required_resource_keys={names("settings")},
+        automation_condition=step_report_condition(names, max_concurrent_merges),
     )
     def step_report(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         """Per tensor: change against the previous step and the base.

@@ -36,7 +36,8 @@ class MergeCheckpointsScaffolder(dg.Scaffolder):
 
 # The scaffolded defs.yaml's attributes that are no setting of settings.py (no variable of their own).
 CONCURRENCY = """\
-  # merge and report runs of this instance at once (the sensors hold back the rest);
+  # merge and report runs of this instance at once (its sensors and the report's automation
+  # hold back the rest);
   # 0: all, for an instance whose run queue limits them (docs/DAGSTER.md, "The component")
   max_concurrent_merges: 1
 """

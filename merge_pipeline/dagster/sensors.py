@@ -27,6 +27,7 @@ from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.watch.cursor import cursor_keys, sensor_cursor
+from merge_pipeline.watch.keys import AUTOMATED_BY
 from merge_pipeline.watch.location_settings import PIN_STEPS, SETTLE_SECONDS
 from merge_pipeline.watch.partitions import checkpoint_key
 
@@ -176,8 +177,11 @@ def _tick(
 
 def heavy_runs_in_flight(instance: dg.DagsterInstance, names: Names) -> int:
     """Runs of this instance's merge, report and average jobs (the sensors', retries, backfills, ``dagster job
-    launch``) queued or running: all read or write every weight."""
-    return sum(
+    launch``) and its step report automation's queued or running: all read or write every weight."""
+    automated = instance.get_runs_count(
+        dg.RunsFilter(tags={AUTOMATED_BY: names("step_report_automation")}, statuses=ACTIVE_RUNS)
+    )
+    return automated + sum(
         instance.get_runs_count(dg.RunsFilter(job_name=names(job), statuses=ACTIVE_RUNS))
         for job in ("merge_checkpoint", "report_merged_step", "average_run")
     )

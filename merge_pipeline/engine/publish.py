@@ -144,6 +144,14 @@ def locked_target(target: str | Path, *, source: str | Path, overwrite: bool) ->
             _remove_if_empty(made)
 
 
+@contextlib.contextmanager
+def published_locked(target: str | Path) -> Iterator[None]:
+    """The target's lock alone, for a change made in place to a published folder (an evaluation's entry in
+    its manifest): no merge replaces the folder meanwhile; one under way makes this refuse in one line."""
+    with _exclusive_lock(Path(target).absolute()):
+        yield
+
+
 def _remove_if_empty(folders: list[Path]) -> None:
     """A merge that published nothing leaves no empty ``global_step_<N>/`` it made in the output root. A folder
     another merge has put its lock, staging folder or target in meanwhile is not empty, and stays."""

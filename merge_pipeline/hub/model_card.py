@@ -26,7 +26,28 @@ def _tag(writer: str) -> str:
     return writer.removeprefix("the ").lower().replace(" ", "-")
 
 
-def _front_matter(meta: CardMetadata | None, writer: str | None) -> list[str]:
+def _model_index(name: str, evaluation: dict | None) -> list[str]:
+    """The evaluation's metrics (the manifest's ``evaluation``, Dagster's ``evaluation`` asset) as the Hub's
+    ``model-index``: its evaluation results, shown on the model page. Names are JSON strings, read by YAML as written."""
+    if not evaluation or not evaluation.get("metrics"):
+        return []
+    lines = [
+        "model-index:",
+        f"- name: {json.dumps(name)}",
+        "  results:",
+        "  - task:",
+        "      type: text-generation",
+        "    dataset:",
+        "      name: merge_pipeline evaluation",
+        "      type: merge_pipeline-evaluation",
+        "    metrics:",
+    ]
+    for metric, value in evaluation["metrics"].items():
+        lines += [f"    - name: {json.dumps(metric)}", f"      type: {json.dumps(metric)}", f"      value: {value!r}"]
+    return lines
+
+
+def _front_matter(meta: CardMetadata | None, writer: str | None, index: list[str] = ()) -> list[str]:
     """The YAML the Hub reads: the model tree (base_model, base_model_relation), library, license, task, tags.
     Values from files we did not write (a base's license) are JSON strings, which YAML reads as written."""
     meta = meta or CardMetadata(None, None, "transformers", {}, None)
@@ -43,6 +64,7 @@ def _front_matter(meta: CardMetadata | None, writer: str | None) -> list[str]:
         "tags:",
         "- merge_pipeline",
         *([f"- {_tag(writer)}"] if writer else []),
+        *index,
         "---",
     ]
 
@@ -154,7 +176,7 @@ def render_card(
         ("tool", tool),
     ]
     lines = [
-        *_front_matter(hub, name.writer),
+        *_front_matter(hub, name.writer, _model_index(repo_id.split("/")[-1], manifest.get("evaluation"))),
         CARD_START,
         "",
         f"# {repo_id.split('/')[-1]}",

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 from merge_pipeline import __version__
 from merge_pipeline.engine.hf_folder import copy_side_files, write_configs, write_index
 from merge_pipeline.engine.outputs import OutputPlan
+from merge_pipeline.engine.publish import published_locked
 from merge_pipeline.engine.resume import ResumeLog, keep_finished
 from merge_pipeline.errors import naming, shown_path
 from merge_pipeline.formats import checkpoint_name
+from merge_pipeline.hf.evaluation import record_in_manifest
 from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
@@ -136,3 +138,10 @@ def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:
         f"{dtype_name(t.planned.dtype)} -> {dtype_name(t.dtype)}" for f in outputs.files for t in f.tensors
     )
     return dict(counts)
+
+
+def record_evaluation(folder: Path, command: str, metrics: dict[str, float], evaluated: dict) -> None:
+    """An evaluation's metrics in the published ``folder``'s manifest (``hf.evaluation.record_in_manifest``),
+    under the folder's lock: no merge replaces the folder while its manifest is rewritten."""
+    with published_locked(folder):
+        record_in_manifest(folder, command, metrics, evaluated)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from merge_pipeline.errors import MergeError
 from merge_pipeline.settings import PARALLEL_UPLOADS, PART_BYTES, PARTS_IN_FLIGHT
 from merge_pipeline.store.asking import asking
 from merge_pipeline.store.record import MANIFEST, delete_stale, record_publishing
@@ -77,6 +78,31 @@ def publish_folder(folder: Path, url: str, manifest: dict, *, guard: Callable[[]
         upload_file(store, folder, MANIFEST, None, guard)
         delete_stale(store, before & ours, set(local), guard)
     log.info("published %d files to %s (%s last)", len(local), url, MANIFEST)
+
+
+def copy_published_in_store(source: str, target: str) -> dict:
+    """Copy the complete merged prefix ``source`` to ``target`` in the same store, server-side (no byte passes
+    through this process), in ``publish_folder``'s order: the names recorded beside ``target`` and its old
+    manifest deleted first, then every file the source manifest lists, the manifest last, then the old
+    objects the new one does not name. The source's manifest, as copied."""
+    src, dst = location(source), location(target)
+    if src.fs.protocol != dst.fs.protocol:
+        raise MergeError(None, f"{target}: not in the store of {source}: a server-side copy stays in one store")
+    manifest = complete_target(source)
+    if manifest is None:
+        raise MergeError(None, f"{source}: incomplete: no {MANIFEST}; a merge is still publishing or failed")
+    names = set(manifest["files"])
+    with asking(target):
+        ours = record_publishing(dst, {*names, MANIFEST}, unguarded)
+        before = set(listed(dst)) if dst.fs.exists(dst.path) else set()
+        if MANIFEST in before:
+            dst.fs.rm_file(dst.key(MANIFEST))
+        for name in sorted(names):  # a copy keeps the object's metadata: the sha256 recorded at upload
+            src.fs.copy(src.key(name), dst.key(name))
+        src.fs.copy(src.key(MANIFEST), dst.key(MANIFEST))
+        delete_stale(dst, before & ours, names, unguarded)
+    log.info("copied %d files from %s to %s (%s last)", len(names), source, target, MANIFEST)
+    return manifest
 
 
 def invalidate_target(url: str, names: set[str], guard: Callable[[], None] = unguarded) -> None:

@@ -8,6 +8,7 @@ HUB_CRON = "*/10 * * * *"  # publish_latest_steps, unless the component's hub: s
 OWNERS = ["team:training-infra"]
 MERGE_POOL = "merge"  # dagster.yaml gives every pool one slot: one heavy merge at a time
 HEAVY_TAG = "merge_pipeline/heavy"  # dagster.yaml lets one run with this tag run at a time
+AUTOMATED_BY = "merge_pipeline/automated_by"  # the automation sensor that requested a run (its runs share one job name)
 
 # the blocking checks: on hf_model (its asset checks hold each result) and averaged_model, that all passed
 CHECKED = "checked before publishing"  # averaged_model (no asset checks): a table of the checks that looked at it
@@ -19,3 +20,5 @@ SMOKE, SMOKE_PROMPT, SMOKE_TEXT, SMOKE_LOSS = "smoke test", "smoke prompt", "smo
 
 # the folder in a checkpoint root where pin_steps hard-links steps, unless pin_root says elsewhere
 PINS = ".merge_pins"
+# evaluation, read by the Hub where a threshold is set (a step is published only when its evaluation met it)
+THRESHOLD_MET = "threshold met"

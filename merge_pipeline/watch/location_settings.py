@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, create_model
 
+from merge_pipeline.hf.evaluation import Threshold
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.hub.upload import DEFAULT_ENDPOINT
 from merge_pipeline.settings import (
@@ -67,6 +68,7 @@ def _folder_or_url(value: Any, named: str) -> Path | StoreURL:
     return StoreURL(value) if is_store_url(value) else Path(value).absolute()
 
 
+THRESHOLD = Kind(str, Threshold.parse, checked_at_load=True)
 FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
 FOLDER_OR_URL = Kind(str, _folder_or_url)
 
@@ -170,6 +172,26 @@ FRESHNESS_MINUTES: Setting[float] = Setting(
     resource=None,
     name="freshness_minutes",
 )
+# The evaluation of each merged step (dagster/evaluation.py): the `evaluation` asset, run through Dagster Pipes.
+EVALUATION_COMMAND: Setting[str | None] = Setting(
+    "MERGE_PIPELINE_EVALUATION_COMMAND",
+    OPTIONAL_TEXT,
+    None,
+    "the evaluation's command line, run through Dagster Pipes in a subprocess with the merged folder as "
+    "{folder} and the Pipes extra 'folder'; it reports its metrics as materialization metadata",
+    unset="python -m merge_pipeline.dagster.smoke_evaluation (the smoke test's loss on a fixed text, CPU)",
+    name="evaluation_command",
+)
+EVALUATION_THRESHOLD: Setting[str | None] = Setting(
+    "MERGE_PIPELINE_EVALUATION_THRESHOLD",
+    THRESHOLD,
+    None,
+    "'<metric> <= <number>' or '<metric> >= <number>': a blocking check of the evaluation, and the Hub "
+    "publishes only steps whose evaluation met it",
+    resource=None,
+    unset="no threshold",
+    name="evaluation_threshold",
+)
 # Publishing to a Hugging Face Hub (dagster/hub.py): the `hub` resource, the component's `hub:` section;
 # its timeout, which the CLI's upload reads too, is settings.HUB_TIMEOUT.
 HUB_ORG: Setting[str] = Setting(
@@ -246,6 +268,8 @@ SETTINGS = (
     ALERT_WEBHOOK_URL,
     SENSOR_INTERVAL_SECONDS,
     FRESHNESS_MINUTES,
+    EVALUATION_COMMAND,
+    EVALUATION_THRESHOLD,
     HUB_ORG,
     HUB_PRIVATE,
     HUB_REPO_TEMPLATE,

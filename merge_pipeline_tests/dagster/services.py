@@ -72,9 +72,9 @@ class Dagster:
         assert "errors" not in body, body["errors"]
         return body["data"]
 
-    def partition_runs(self, partition_key: str, job: str | None = None) -> list[dict]:
-        """The partition's runs, newest first; ``job``: of that job only."""
-        tags = [{"key": "dagster/partition", "value": partition_key}]
+    def partition_runs(self, partition_key: str, job: str | None = None, tags: dict | None = None) -> list[dict]:
+        """The partition's runs, newest first; ``job``: of that job only; ``tags``: with these tags."""
+        tags = [{"key": k, "value": v} for k, v in {"dagster/partition": partition_key, **(tags or {})}.items()]
         runs_filter = {"tags": tags, **({"pipelineName": job} if job else {})}
         return self.graphql(RUNS_QUERY, {"filter": runs_filter})["runsOrError"]["results"]
 

@@ -26,9 +26,13 @@ from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 KEY, BROKEN = "run/global_step_3/actor", "run/global_step_4/actor"
 ROOTS_VAR, OUTPUT_VAR = "MERGE_PIPELINE_CHECKPOINT_ROOTS", "MERGE_PIPELINE_OUTPUT_ROOT"
 HF_MODEL_CHECKS = [dg.AssetCheckKey(dg.AssetKey("hf_model"), name) for name in CHECK_NAMES]
-new_checkpoint_sensor, step_report_sensor = (
-    defs.resolve_sensor_def(s) for s in ("new_checkpoint_sensor", "step_report_sensor")
+new_checkpoint_sensor, step_report_automation = (
+    defs.resolve_sensor_def(s) for s in ("new_checkpoint_sensor", "step_report_automation")
 )
+
+
+def report_tick(instance, cursor: str | None = None) -> dg.SensorResult:
+    return step_report_automation(dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs))
 
 
 def executions(instance, check_key: dg.AssetCheckKey, partition: str) -> list[AssetCheckExecutionRecord]:
@@ -52,6 +56,7 @@ def test_a_merged_step_shows_three_passed_checks_and_a_failed_merge_none(roots, 
     roots.track(rank_file.parent, 4)
     instance.add_dynamic_partitions("checkpoints", [KEY, BROKEN])
     job = defs.resolve_job_def("merge_checkpoint")  # the sensor's runs
+    started = report_tick(instance)  # the report automation runs
 
     merged = job.execute_in_process(instance=instance, partition_key=KEY, raise_on_error=False)
     sensor_run = job.execute_in_process(instance=instance, partition_key=BROKEN, raise_on_error=False)
@@ -79,8 +84,7 @@ def test_a_merged_step_shows_three_passed_checks_and_a_failed_merge_none(roots, 
             assert record.status == AssetCheckExecutionRecordStatus.PLANNED
             assert shown_as(instance, record) == AssetCheckExecutionResolvedStatus.EXECUTION_FAILED
     # and no step report is requested for the merge that did not happen
-    tick = step_report_sensor(dg.build_sensor_context(instance=instance))
-    assert [r.partition_key for r in tick.run_requests] == [KEY]
+    assert [r.partition_key for r in report_tick(instance, started.cursor).run_requests] == [KEY]
 
 
 def test_a_folder_found_already_merged_gets_no_step_report(roots, instance, fsdp_checkpoint, monkeypatch):
@@ -89,10 +93,11 @@ def test_a_folder_found_already_merged_gets_no_step_report(roots, instance, fsdp
     monkeypatch.setenv(OUTPUT_VAR, str(roots.output))
     roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_3", tracker=3, link=True)
     roots.target(KEY).mkdir(parents=True)  # merged before, e.g. with the CLI
+    started = report_tick(instance)  # the report automation runs
     tick = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources=defs.resources))
     instance.add_dynamic_partitions("checkpoints", [KEY])
     [found] = tick.asset_events
     instance.report_runless_asset_event(found)  # as the daemon stores the tick's events
 
-    assert step_report_sensor(dg.build_sensor_context(instance=instance)).run_requests == []
+    assert report_tick(instance, started.cursor).run_requests == []
     assert not any(executions(instance, check_key, KEY) for check_key in HF_MODEL_CHECKS)

@@ -127,13 +127,17 @@ def test_two_scaffolded_instances_load_with_dg_under_their_own_prefixes(project)
 
     found = json.loads(listed.stdout)
     assets = {a["asset_key"] for a in found["assets"]}
-    assert assets == {f"{c}/{s}" for c in CLUSTERS for s in STAGES}
+    assert assets == {f"{c}/{s}" for c in CLUSTERS for s in (*STAGES, "evaluation", "promoted_model")}
     assert {s["name"] for s in found["sensors"]} == {
-        f"{c}__{s}" for c in CLUSTERS for s in ("new_checkpoint_sensor", "step_report_sensor", "merge_failure_webhook")
+        f"{c}__{s}"
+        for c in CLUSTERS
+        for s in ("new_checkpoint_sensor", "step_report_automation", "merge_failure_webhook")
     }
     assert {s["name"] for s in found["schedules"]} == {f"{c}__publish_latest_steps" for c in CLUSTERS}
     assert {j["name"] for j in found["jobs"]} == {
-        f"{c}__{j}" for c in CLUSTERS for j in ("merge_checkpoint", "report_merged_step", "publish_to_hub")
+        f"{c}__{j}"
+        for c in CLUSTERS
+        for j in ("merge_checkpoint", "report_merged_step", "publish_to_hub", "evaluate_merged_step", "promote_step")
     }
     assert {c["key"] for c in found["asset_checks"]} == {
         *(f"{c}/step_report:{check}" for c in CLUSTERS for check in ("weights_changed", "finite")),
@@ -175,6 +179,10 @@ def test_a_prefixed_instance_merges_bit_exact_and_leaves_the_other_alone(
     )
     assert ticked_b.dynamic_partitions_requests == []
 
+    # the report automations run (their first tick: nothing for the history before it)
+    automations = {c: defs.resolve_sensor_def(f"{c}__step_report_automation") for c in CLUSTERS}
+    started = {c: automations[c](dg.build_sensor_context(instance=instance, definitions=defs)) for c in CLUSTERS}
+    assert not any(t.run_requests for t in started.values())
     merged = defs.resolve_job_def("cluster_a__merge_checkpoint").execute_in_process(
         partition_key=key, instance=instance
     )
@@ -186,9 +194,12 @@ def test_a_prefixed_instance_merges_bit_exact_and_leaves_the_other_alone(
     assert {e.asset_key.to_user_string() for e in merged.get_asset_materialization_events()} == {
         f"cluster_a/{s}" for s in ("parallel_config", "state_dict", "hf_model")
     }
-    # the step report follows in a run of its own, requested by this instance's report sensor once
-    report_sensor = defs.resolve_sensor_def("cluster_a__step_report_sensor")
-    first = report_sensor(dg.build_sensor_context(instance=instance))
+
+    # the step report follows in a run of its own, requested by this instance's report automation once
+    def tick(cluster: str, cursor: str | None) -> dg.SensorResult:
+        return automations[cluster](dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs))
+
+    first = tick("cluster_a", started["cluster_a"].cursor)
     [report_request] = first.run_requests
     assert report_request.partition_key == key
     report = defs.resolve_job_def("cluster_a__report_merged_step").execute_in_process(
@@ -197,14 +208,8 @@ def test_a_prefixed_instance_merges_bit_exact_and_leaves_the_other_alone(
     assert report.success and {
         (e.asset_key.to_user_string(), e.passed) for e in report.get_asset_check_evaluations()
     } == {("cluster_a/step_report", True)}
-    assert report_sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor)).run_requests == []
-    assert report_sensor(dg.build_sensor_context(instance=instance)).run_requests == []  # reported: not again
-    assert (
-        defs.resolve_sensor_def("cluster_b__step_report_sensor")(
-            dg.build_sensor_context(instance=instance)
-        ).run_requests
-        == []
-    )
+    assert tick("cluster_a", first.cursor).run_requests == []  # reported: not again
+    assert tick("cluster_b", started["cluster_b"].cursor).run_requests == []
     reference = load_file(sample.reference_dir / "model.safetensors")
     weights = load_safetensors_dir(roots.output / key)
     assert set(weights) == set(reference) and all(same_bits(weights[n], t) for n, t in reference.items())

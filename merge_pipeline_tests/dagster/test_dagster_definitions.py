@@ -64,7 +64,7 @@ def test_dg_check_and_list_defs_work_in_the_project_root(tmp_path):
         "merge_checkpoint",
         "report_merged_step",
         "new_checkpoint_sensor",
-        "step_report_sensor",
+        "step_report_automation",
         "merge_failure_webhook",
     ):
         assert name in listed.stdout, name
@@ -109,7 +109,9 @@ def test_job_descriptions_name_sensors_that_exist(prefix):
     built = MergeCheckpoints(prefix=prefix).definitions(Names(prefix))
     sensors = {s.name for s in built.sensors}
     named = {
-        name for job in built.resolve_all_job_defs() for name in re.findall(r"\w+_sensor\b", job.description or "")
+        name
+        for job in built.resolve_all_job_defs()
+        for name in re.findall(r"\w+_(?:sensor|automation)\b", job.description or "")
     }
     assert named and named <= sensors, named - sensors
 
@@ -131,7 +133,7 @@ def test_assets_carry_owners_kinds_tags_code_references_and_a_freshness_policy()
 
 @pytest.mark.slow
 def test_sensors_run_by_default_and_the_hub_schedule_only_with_an_organization(tmp_path):
-    for sensor in ("new_checkpoint_sensor", "step_report_sensor"):
+    for sensor in ("new_checkpoint_sensor", "step_report_automation"):
         assert defs.resolve_sensor_def(sensor).default_status == dg.DefaultSensorStatus.RUNNING
     assert "Off until MERGE_PIPELINE_HUB_ORG is set" in defs.resolve_schedule_def("publish_latest_steps").description
     assert (

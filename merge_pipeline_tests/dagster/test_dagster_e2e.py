@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES
+from merge_pipeline.watch.keys import HEAVY_TAG
 from merge_pipeline.watch.location_settings import CHECKPOINT_ROOTS
 from merge_pipeline.watch.partitions import checkpoint_key
 from merge_pipeline_tests.dagster import browser
@@ -38,7 +39,8 @@ RUN_TIMEOUT = 240
 FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
 REPORT_CHECKS = ("finite", "weights_changed")  # step_report's
 STAGES = ("parallel_config", "state_dict", "hf_model")  # one step: the UI's Materialize selects all three
-MERGE_JOBS, REPORT_JOB = ("merge_checkpoint", "__ASSET_JOB"), "report_merged_step"
+MERGE_JOBS = ("merge_checkpoint", "__ASSET_JOB")  # the sensor's, the UI's
+REPORT = {HEAVY_TAG: "report"}  # step_report's runs: its automation's (__ASSET_JOB) and report_merged_step's
 LAUNCH = """
 mutation Launch($params: ExecutionParams!) {
   launchPipelineExecution(executionParams: $params) { __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } }
@@ -93,15 +95,15 @@ def dagster(settings, tmp_path_factory):
         yield served
 
 
-def wait_for_run(dagster: Dagster, key: str, job: str, *, after: int = 0) -> dict:
-    """The newest run of ``job`` for partition ``key`` once it finished, when more than ``after`` such runs exist."""
+def wait_for_run(dagster: Dagster, key: str, job: str | None, *, after: int = 0, tags: dict | None = None) -> dict:
+    """The newest run of ``job`` (and ``tags``) for partition ``key`` once it finished, when more than ``after`` such runs exist."""
     deadline = time.monotonic() + RUN_TIMEOUT
     while time.monotonic() < deadline:
-        runs = dagster.partition_runs(key, job)
+        runs = dagster.partition_runs(key, job, tags)
         if len(runs) > after and runs[0]["status"] in FINISHED:
             return runs[0]
         time.sleep(0.5)
-    pytest.fail(f"no finished {job} run for {key} after {RUN_TIMEOUT} s\n{dagster.log_tail()}")
+    pytest.fail(f"no finished {job or tags} run for {key} after {RUN_TIMEOUT} s\n{dagster.log_tail()}")
 
 
 def drop(settings: MergeSettings, sample, key: str) -> None:
@@ -241,9 +243,14 @@ def test_hf_model_has_the_blocking_checks_and_the_step_report_its_own(dagster):
 
 
 def wait_for_report(dagster: Dagster) -> dict:
-    """The step report of the partition's latest merge, in a run of its own that step_report_sensor requested."""
-    merges = [r for job in MERGE_JOBS for r in dagster.partition_runs(KEY, job) if r["status"] == "SUCCESS"]
-    run = wait_for_run(dagster, KEY, REPORT_JOB, after=len(merges) - 1)
+    """The step report of the partition's latest merge, in a run of its own that its automation requested."""
+    merges = [
+        r
+        for job in MERGE_JOBS
+        for r in dagster.partition_runs(KEY, job)
+        if r["status"] == "SUCCESS" and {"key": HEAVY_TAG, "value": "report"} not in r["tags"]
+    ]
+    run = wait_for_run(dagster, KEY, None, after=len(merges) - 1, tags=REPORT)
     assert run["status"] == "SUCCESS", dagster.log_tail()
     return run
 
@@ -301,7 +308,7 @@ def test_a_failed_merge_shows_its_checks_not_executed(merged, failed, dagster):
             name,
             status,
         )
-    assert dagster.partition_runs(BROKEN, REPORT_JOB) == []
+    assert dagster.partition_runs(BROKEN, tags=REPORT) == []
 
 
 def test_the_ui_shows_the_graph_a_partition_the_checks_and_the_failed_run(merged, failed, dagster, tmp_path):

@@ -312,7 +312,7 @@ def test_the_cursor_leads_with_what_the_last_tick_did(fsdp_checkpoint, roots, in
 def test_the_components_sensors_keep_one_merge_or_report_in_flight(fsdp_checkpoint, roots, instance):
     """A project made by create-dagster has no run queue limits: the component's sensor requests one merge
     (the oldest step) and holds back the other complete steps while a merge or a step report of the
-    instance is queued or running; its report sensor waits while a merge is."""
+    instance is queued or running; its report automation waits while a merge is."""
     from merge_pipeline.dagster.component import MergeCheckpoints
     from merge_pipeline.dagster.names import Names
 
@@ -322,16 +322,19 @@ def test_the_components_sensors_keep_one_merge_or_report_in_flight(fsdp_checkpoi
     (roots.checkpoints / "run" / TRACKER).write_text("3")
     component = MergeCheckpoints(prefix="c", checkpoint_roots=[str(roots.checkpoints)], output_root=str(roots.output))
     built = component.definitions(Names("c"))  # max_concurrent_merges: 1, the default
-    merge_job, report_job = built.resolve_job_def("c__merge_checkpoint"), built.resolve_job_def("c__report_merged_step")
+    merge_job = built.resolve_job_def("c__merge_checkpoint")
 
     def tick(sensor: str, cursor=None) -> dg.SensorResult:
-        context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=built.resources)
+        context = dg.build_sensor_context(
+            instance=instance, cursor=cursor, resources=built.resources, definitions=built
+        )
         return built.resolve_sensor_def(sensor)(context)
 
     first = tick("c__new_checkpoint_sensor")
     assert requested(first) == ["run/global_step_1/actor"]
     assert "2 complete checkpoint(s) held back" in first.cursor
     instance.add_dynamic_partitions("c__checkpoints", requested(first))
+    started = tick("c__step_report_automation")
     merged = merge_job.execute_in_process(instance=instance, partition_key="run/global_step_1/actor")
     assert merged.success
     # NOT_STARTED: what the daemon makes of a request, before it queues it
@@ -339,13 +342,14 @@ def test_the_components_sensors_keep_one_merge_or_report_in_flight(fsdp_checkpoi
 
     held = tick("c__new_checkpoint_sensor", first.cursor)
     assert requested(held) == [] and "held back" in held.skip_reason.skip_message
-    report_held = tick("c__step_report_sensor")
-    assert requested(report_held) == [] and report_held.cursor is None  # read again once the merge ended
+    report_held = tick("c__step_report_automation", started.cursor)
+    assert requested(report_held) == []  # requested once the merge ended
 
     instance.report_run_canceled(in_flight)
-    report = tick("c__step_report_sensor")
+    report = tick("c__step_report_automation", report_held.cursor)
     assert requested(report) == ["run/global_step_1/actor"]
-    report_run = instance.create_run_for_job(report_job, tags={"dagster/partition": "run/global_step_1/actor"})
+    [request] = report.run_requests  # a run of the automation's (__ASSET_JOB), counted by its tags
+    report_run = instance.create_run_for_job(built.resolve_implicit_global_asset_job_def(), tags=request.tags)
     assert requested(tick("c__new_checkpoint_sensor", held.cursor)) == []  # no merge beside a report
     instance.report_run_canceled(report_run)
     assert requested(tick("c__new_checkpoint_sensor", held.cursor)) == ["run/global_step_2/actor"]

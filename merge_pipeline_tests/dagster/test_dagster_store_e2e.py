@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from merge_pipeline.watch.keys import HEAVY_TAG
 from merge_pipeline_tests.dagster.helpers import ACTOR
 from merge_pipeline_tests.dagster.services import clean_copy, running_dagster_dev
 from merge_pipeline_tests.dagster.test_dagster_e2e import wait_for_run
@@ -42,7 +43,7 @@ def test_dagster_dev_merges_a_step_from_the_bucket_into_the_bucket(bucket, fsdp_
         latency = time.monotonic() - uploaded
         assert run["status"] == "SUCCESS", dagster.log_tail()
         published = dagster.materialized(run["runId"], "hf_model")
-        report = wait_for_run(dagster, KEY, "report_merged_step")  # the step report reads the bucket too
+        report = wait_for_run(dagster, KEY, None, tags={HEAVY_TAG: "report"})  # the step report reads the bucket too
         assert report["status"] == "SUCCESS", dagster.log_tail()
 
     fs.get(f"{b}/merged/{KEY}/", str(tmp_path / "merged") + "/", recursive=True)

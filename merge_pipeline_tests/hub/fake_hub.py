@@ -390,7 +390,7 @@ class _Handler(BaseHTTPRequestHandler):
         return 200, {"url": f"{self.base}/{_URL_PREFIX[repo_type]}{repo_id}", "name": repo_id}, {}
 
     def _repo_api(self, hub: FakeHub, method: str, user, repo_type: str, repo_id: str, rest: list[str], body: bytes):
-        write = method == "POST"
+        write = method == "POST" and rest[:1] != ["paths-info"]  # a POST that only reads, as on the Hub
         repo = hub._repo(repo_type, repo_id, user, write=write)
         if method == "GET" and rest[:1] in ([], ["revision"]):
             commit = _commit_from(repo, rest[1] if rest else "main")
@@ -398,6 +398,11 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, {"id": repo_id, "private": repo.private, "sha": commit.oid, "siblings": siblings}, {}
         if method == "GET" and rest[:1] == ["tree"] and len(rest) == 2:
             return self._tree(_commit_from(repo, rest[1]), hub.page_size)
+        if method == "POST" and rest[:1] == [
+            "paths-info"
+        ]:  # the entries of the paths asked for, as the tree lists them
+            commit, asked = _commit_from(repo, rest[1]), parse_qs(body.decode()).get("paths", [])
+            return 200, [commit.tree[p].entry(p) for p in asked if p in commit.tree], {}
         if method == "POST" and rest[:1] == ["preupload"]:
             return self._preupload(_commit_from(repo, rest[1]), json.loads(body))
         if method == "POST" and rest[:1] == ["commit"]:
