@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from merge_pipeline.engine.as_base import following_base
 from merge_pipeline.engine.averaging import AveragedInput, average_plan
 from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.lora_merge import model_tensors
@@ -62,6 +63,7 @@ def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool =
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path).absolute())
         config = configs.load(plan.hf_dir)
+        options = following_base(options, config)
         if options.dtype == "fp8":
             refuse_quantized(plan.tensors, plan.role_dir)  # said before the architecture check names the scales
         expected = _architecture_tensors(plan, config, options) if plan.check_against_architecture else None
@@ -103,6 +105,7 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
             accumulate=options.average_accumulate,
             max_shard_size=options.max_shard_size,
         )
+        options = following_base(options, configs[reference])
         if options.dtype == "fp8":  # the average, quantized
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, reference)
         if options.quantize:  # the average, quantized
