@@ -3,7 +3,7 @@
 The base's config is ``--hf_model_path``'s config.json when given (the model the trainer started from), else
 the checkpoint's own. A compressed-tensors config becomes the preset whose scheme and format it states, with
 its ``ignore`` list (one we write byte for byte as llm-compressor does); ``quant_method: fp8`` with square
-``weight_block_size`` becomes ``--dtype fp8`` with that block. Anything else is refused in one line naming
+``weight_block_size`` becomes ``--dtype fp8`` with that block; gpt-oss's ``mxfp4`` its own writer. Anything else is refused in one line naming
 what we would not reproduce: a folder claiming the base's format must be in it.
 """
 
@@ -24,9 +24,32 @@ _WEIGHT_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "bl
 
 
 def following_base(options: MergeOptions, config: ModelConfig) -> MergeOptions:
-    """``options`` with ``--quantize as-base`` replaced by what writes the base's format (else unchanged)."""
-    if options.quantize is None or options.quantize.lower() != AS_BASE:
+    """``options`` with ``--quantize as-base`` replaced by what writes the base's format (else unchanged; a
+    gpt-oss MXFP4 base keeps ``as-base``: ``mxfp4_quantize.py`` writes it from ``base_quantization``)."""
+    if not follows_base(options):
         return options
+    path, base = base_quantization(options, config)
+    method = base.get("quant_method")
+    if method == "compressed-tensors":
+        name = _preset_of(base, path)
+        return replace(options, quantize=name, quantize_ignore=options.quantize_ignore or tuple(base.get("ignore", ())))
+    if method == "fp8":
+        return replace(options, quantize=None, quantize_ignore=(), dtype="fp8", fp8_block_size=_fp8_block(base, path))
+    if method == "mxfp4":
+        return options
+    raise MergeError(
+        path,
+        f"--quantize {AS_BASE}: the base's quant_method {method!r} is not written by this tool"
+        " (compressed-tensors presets, fp8 blocks and gpt-oss's mxfp4 are)",
+    )
+
+
+def follows_base(options: MergeOptions) -> bool:
+    return options.quantize is not None and options.quantize.lower() == AS_BASE
+
+
+def base_quantization(options: MergeOptions, config: ModelConfig) -> tuple[Path, dict]:
+    """The config.json the base's format is read from, and its ``quantization_config``."""
     path = Path(options.hf_model_path) / "config.json" if options.hf_model_path else config.path
     raw = read_json_object(path) if options.hf_model_path else config.raw
     base = raw.get("quantization_config")
@@ -36,17 +59,7 @@ def following_base(options: MergeOptions, config: ModelConfig) -> MergeOptions:
             f"--quantize {AS_BASE}: the base model has no quantization_config, nothing to follow;"
             f" name a scheme instead ({', '.join(SCHEMES)}) or --dtype fp8",
         )
-    method = base.get("quant_method")
-    if method == "compressed-tensors":
-        name = _preset_of(base, path)
-        return replace(options, quantize=name, quantize_ignore=options.quantize_ignore or tuple(base.get("ignore", ())))
-    if method == "fp8":
-        return replace(options, quantize=None, quantize_ignore=(), dtype="fp8", fp8_block_size=_fp8_block(base, path))
-    raise MergeError(
-        path,
-        f"--quantize {AS_BASE}: the base's quant_method {method!r} is not written by this tool"
-        " (compressed-tensors presets and fp8 blocks are)",
-    )
+    return path, base
 
 
 def _fp8_block(base: dict, path: Path) -> int:

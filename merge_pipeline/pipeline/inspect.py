@@ -86,7 +86,7 @@ def _planned(decisions: dict) -> dict:
 
 def _quantization_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
     """``inspect --quantize``: what a merge would quantize and keep (after LoRA folding and tying)."""
-    return quantized(plan_outputs(plan, config, options), options, plan.role_dir).quantization.summary()
+    return quantized(plan_outputs(plan, config, options), options, config, plan.role_dir).quantization.summary()
 
 
 def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:

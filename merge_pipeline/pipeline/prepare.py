@@ -11,10 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from merge_pipeline.engine.as_base import following_base
+from merge_pipeline.engine.as_base import base_quantization, following_base, follows_base
 from merge_pipeline.engine.averaging import AveragedInput, average_plan
 from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.lora_merge import model_tensors
+from merge_pipeline.engine.mxfp4_quantize import mxfp4_outputs
 from merge_pipeline.engine.outputs import DTYPES, OutputPlan, plan_outputs
 from merge_pipeline.engine.quantize import quantized_outputs
 from merge_pipeline.formats import open_checkpoint, weight_suffixes
@@ -75,7 +76,7 @@ def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool =
         if options.dtype == "fp8":
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
         if options.quantize:
-            outputs = quantized(outputs, options, plan.role_dir)
+            outputs = quantized(outputs, options, config, plan.role_dir)
     except BaseException:
         plan.close()
         raise
@@ -109,7 +110,7 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
         if options.dtype == "fp8":  # the average, quantized
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, reference)
         if options.quantize:  # the average, quantized
-            outputs = quantized(outputs, options, reference)
+            outputs = quantized(outputs, options, configs[reference], reference)
     except BaseException:
         for one in inputs:
             one.plan.close()
@@ -148,6 +149,9 @@ def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, 
     check_plan_against_architecture(outputs.planned_tensors, expected, config.path)
 
 
-def quantized(outputs: OutputPlan, options: MergeOptions, where: Path) -> OutputPlan:
-    """``outputs`` quantized as ``options`` ask: for the merge, and for ``inspect --quantize``."""
+def quantized(outputs: OutputPlan, options: MergeOptions, config: ModelConfig, where: Path) -> OutputPlan:
+    """``outputs`` quantized as ``options`` (resolved by ``following_base``) ask: for the merge, and for
+    ``inspect --quantize``. Still ``as-base``: a base format of its own, not a compressed-tensors preset."""
+    if follows_base(options):
+        return mxfp4_outputs(outputs, base_quantization(options, config)[1], options.max_shard_size, where)
     return quantized_outputs(outputs, options.quantize, options.quantize_ignore, options.max_shard_size, where)

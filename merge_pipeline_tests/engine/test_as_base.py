@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
-from merge_pipeline_tests.engine.test_fp8 import LLAMA
+from merge_pipeline.hub.model_card import render_card
+from merge_pipeline_tests.engine.test_fp8 import LLAMA, TOKENS
 from merge_pipeline_tests.helpers import load_safetensors_dir, merge_error, merge_ok, same_bits
 
 W4A16_GROUP = {
@@ -94,3 +96,60 @@ def test_a_base_format_we_cannot_write_is_refused_in_one_line(capsys, tmp_path, 
     line = merge_error(capsys, llama, tmp_path / "out", "--quantize", "as-base", "--hf_model_path", base)
     assert line.startswith(f"error: {base / 'config.json'}: --quantize as-base: "), line
     assert problem in line, line
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny gpt-oss (transformers' own writer, bf16) as a step folder read with ``--backend hf``, and its
+    base: the same config.json with gpt-oss's MXFP4 quantization_config."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=1003, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    role_dir = root / "global_step_1" / "actor"
+    transformers.GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(role_dir / "model")
+    base = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_KEPT}
+    config.quantization_config = base
+    config.save_pretrained(root / "base")
+    return role_dir, root / "base"
+
+
+MXFP4_KEPT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def test_a_gpt_oss_mxfp4_base_round_trips_through_transformers_dequantizer(capsys, tmp_path, gpt_oss):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    role_dir, base = gpt_oss
+    merge_ok(capsys, role_dir, tmp_path / "bf16", "--backend", "hf", "--dtype", "bfloat16")
+    flags = ("--backend", "hf", "--quantize", "as-base", "--hf_model_path", base)
+    out = merge_ok(capsys, role_dir, tmp_path / "mxfp4", *flags)
+    assert "; MXFP4: 4 weights quantized (experts' blocks and scales), 4 modules kept in bfloat16" in out
+    config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())["quantization_config"]
+    assert config == {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_KEPT}
+    ours, merged = load_safetensors_dir(tmp_path / "mxfp4"), load_safetensors_dir(tmp_path / "bf16")
+    experts = {n for n in merged if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert len(experts) == 4
+    assert sorted(ours) == sorted({*merged} - experts | {f"{n}_{s}" for n in experts for s in ("blocks", "scales")})
+    for name in experts:
+        blocks, scales = ours[f"{name}_blocks"], ours[f"{name}_scales"]
+        assert blocks.dtype == scales.dtype == torch.uint8
+        weight = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert weight.shape == merged[name].shape
+        # MXFP4's rounding error: at most half E2M1's widest step (4 to 6) times the group's power of two
+        half_step = torch.pow(2.0, scales.float() - 127).repeat_interleave(32, -1).transpose(1, 2)
+        error = (weight - merged[name].float()).abs()
+        assert (error <= half_step).all() and error.mean() < merged[name].float().abs().mean() / 8, name
+    assert all(same_bits(ours[n], t) for n, t in merged.items() if n not in experts)
+    transformers.logging.set_verbosity_error()
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mxfp4", output_loading_info=True)
+    assert not any(info.values()), info
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    with torch.no_grad():
+        ours, theirs = loaded.eval()(TOKENS).logits.float(), reference.eval()(TOKENS).logits.float()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    card = render_card(json.loads((tmp_path / "mxfp4" / "merge_manifest.json").read_text()), "org/model")
+    assert "| weights | 4 linear weights in MXFP4 (quant_method mxfp4: experts' blocks and scales) |" in card
