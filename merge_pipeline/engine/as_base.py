@@ -1,40 +1,47 @@
-"""``--quantize as-base``: the base model's own ``quantization_config``, turned into the options that write it.
+"""``--quantize as-base``: the base model's own ``quantization_config``, written as the base ships it.
 
 The base's config is ``--hf_model_path``'s config.json when given (the model the trainer started from), else
-the checkpoint's own. A compressed-tensors config becomes the preset whose scheme and format it states, with
-its ``ignore`` list (one we write byte for byte as llm-compressor does); ``quant_method: fp8`` with square
-``weight_block_size`` becomes ``--dtype fp8`` with that block; gpt-oss's ``mxfp4`` its own writer. Anything else is refused in one line naming
-what we would not reproduce: a folder claiming the base's format must be in it.
+the checkpoint's own. A compressed-tensors config is written from its own config group, named as the base names
+it, with its ``ignore`` list: what llm-compressor's ``model_free_ptq`` writes given that config, when the group
+quantizes weights as one of our presets does (the same bits, type, strategy, symmetry, activations and format;
+its own group size or block). ``quant_method: fp8`` with a square ``weight_block_size`` becomes ``--dtype fp8``
+with that block; gpt-oss's ``mxfp4`` has a writer of its own. Anything else is refused in one line naming what
+we would not reproduce: a folder claiming the base's format must be in it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from pathlib import Path
 
+from merge_pipeline.engine.mxfp4_quantize import mxfp4_outputs
+from merge_pipeline.engine.outputs import OutputPlan
+from merge_pipeline.engine.quantize import BAND_ROWS, quantized_outputs
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.hf.config import ModelConfig
 from merge_pipeline.hf.quantization import SCHEMES, preset
 from merge_pipeline.options import AS_BASE, MergeOptions
 
-# The fields of a weights' QuantizationArgs that decide the bytes written (observers only pick scales at
-# calibration: model_free_ptq takes min-max whatever the config names).
-_WEIGHT_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder")
+# The fields of the weights' QuantizationArgs that must equal a preset's for our writer to write its bytes
+# (group size and block are the base's own; observers only pick scales at calibration: model_free_ptq takes
+# min-max whatever the config names).
+_WEIGHT_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "actorder")
 
 
 def following_base(options: MergeOptions, config: ModelConfig) -> MergeOptions:
-    """``options`` with ``--quantize as-base`` replaced by what writes the base's format (else unchanged; a
-    gpt-oss MXFP4 base keeps ``as-base``: ``mxfp4_quantize.py`` writes it from ``base_quantization``)."""
+    """``options`` with an FP8-block base's ``--quantize as-base`` as ``--dtype fp8`` with its block; any other
+    base checked now (refused before any work) and left ``as-base``, for ``base_outputs``."""
     if not follows_base(options):
         return options
     path, base = base_quantization(options, config)
     method = base.get("quant_method")
-    if method == "compressed-tensors":
-        name = _preset_of(base, path)
-        return replace(options, quantize=name, quantize_ignore=options.quantize_ignore or tuple(base.get("ignore", ())))
     if method == "fp8":
         return replace(options, quantize=None, quantize_ignore=(), dtype="fp8", fp8_block_size=_fp8_block(base, path))
+    if method == "compressed-tensors":
+        _base_scheme(base, path)
+        return options
     if method == "mxfp4":
         return options
     raise MergeError(
@@ -46,6 +53,16 @@ def following_base(options: MergeOptions, config: ModelConfig) -> MergeOptions:
 
 def follows_base(options: MergeOptions) -> bool:
     return options.quantize is not None and options.quantize.lower() == AS_BASE
+
+
+def base_outputs(outputs: OutputPlan, options: MergeOptions, config: ModelConfig, where: Path) -> OutputPlan:
+    """``outputs`` in the base's compressed-tensors or MXFP4 format (``following_base`` took fp8)."""
+    path, base = base_quantization(options, config)
+    if base.get("quant_method") == "mxfp4":
+        return mxfp4_outputs(outputs, base, options.max_shard_size, where)
+    name, scheme = _base_scheme(base, path)
+    ignore = options.quantize_ignore or tuple(base.get("ignore") or ())
+    return quantized_outputs(outputs, name, ignore, options.max_shard_size, where, scheme)
 
 
 def base_quantization(options: MergeOptions, config: ModelConfig) -> tuple[Path, dict]:
@@ -79,57 +96,53 @@ def _fp8_block(base: dict, path: Path) -> int:
     return int(block[0])
 
 
-def _preset_of(base: dict, path: Path) -> str:
-    """The preset whose weights and format the base's one config group states; one line naming what differs."""
+def _base_scheme(base: dict, path: Path):
+    """The base's one config group (its name and QuantizationScheme), when it quantizes weights as a preset
+    does; else one line naming the nearest preset and each field that differs."""
+    from compressed_tensors.quantization import QuantizationScheme
+
     groups = base.get("config_groups") or {}
     if len(groups) != 1:
         raise MergeError(path, f"--quantize {AS_BASE}: the base has {len(groups)} config groups; one is written")
-    (group,) = groups.values()
-    weights = group.get("weights") or {}
-    candidates = [name for name in SCHEMES if _kind(_preset_weights(name)) == _kind(weights)]
-    if not candidates:
-        described = ", ".join(f"{k} {weights.get(k)!r}" for k in ("num_bits", "type", "strategy"))
-        raise MergeError(path, f"--quantize {AS_BASE}: no preset quantizes weights as the base does ({described})")
-    differences = {}
-    for name in candidates:
-        differences[name] = _differences(name, group, base.get("format"))
-        if not differences[name]:
-            return name
-    nearest = min(candidates, key=lambda name: len(differences[name]))
-    raise MergeError(
-        path,
-        f"--quantize {AS_BASE}: the base's config is no preset written byte for byte; nearest {nearest}, which"
-        f" differs in {'; '.join(differences[nearest])}",
-    )
+    ((name, group),) = groups.items()
+    try:
+        scheme = QuantizationScheme.model_validate(group)
+    except ValueError as exc:
+        raise MergeError(path, f"--quantize {AS_BASE}: the base's config group {name!r} is invalid: {exc}") from None
+    differences = {preset_name: _differences(preset_name, scheme, base.get("format")) for preset_name in SCHEMES}
+    nearest = min(SCHEMES, key=lambda preset_name: len(differences[preset_name]))
+    if differences[nearest]:
+        raise MergeError(
+            path,
+            f"--quantize {AS_BASE}: the base's config group {name!r} is written by no preset we write byte for byte;"
+            f" nearest {nearest}, which differs in {'; '.join(differences[nearest])}",
+        )
+    block = scheme.weights.block_structure
+    if block and BAND_ROWS % block[0]:
+        raise MergeError(path, f"--quantize {AS_BASE}: the base's blocks of {block[0]} rows do not divide 128")
+    if scheme.weights.observer in ("minmax", "mse"):  # what model_free_ptq runs instead, as for a preset
+        scheme.weights.observer = f"static_{scheme.weights.observer}"
+    return name, scheme
 
 
-def _kind(weights: dict) -> tuple:
-    return weights.get("num_bits"), weights.get("type"), weights.get("strategy")
-
-
-def _preset_weights(name: str) -> dict:
-    return preset(name).weights.model_dump()
-
-
-def _differences(name: str, group: dict, format: str | None) -> list[str]:
+def _differences(name: str, scheme, format: str | None) -> list[str]:
     """What the base's group states that preset ``name`` writes otherwise: ``field base (preset)``."""
-    scheme = preset(name)
-    ours = scheme.model_dump()
+    ours = preset(name)
     found = [
-        f"weights.{key} {group['weights'].get(key)!r} ({ours['weights'][key]!r})"
+        f"weights.{key} {getattr(scheme.weights, key)!r} ({getattr(ours.weights, key)!r})"
         for key in _WEIGHT_FIELDS
-        if group["weights"].get(key) != ours["weights"][key]
+        if getattr(scheme.weights, key) != getattr(ours.weights, key)
     ]
     for key in ("input_activations", "output_activations"):
-        if (group.get(key) is None) != (ours[key] is None) or (
-            ours[key] is not None and group[key].get("dynamic") != ours[key]["dynamic"]
-        ):
-            found.append(f"{key} {group.get(key)!r} ({ours[key]!r})")
+        theirs, mine = getattr(scheme, key), getattr(ours, key)
+        if (theirs is None) != (mine is None) or (mine is not None and theirs.dynamic != mine.dynamic):
+            found.append(f"{key} {'none' if theirs is None else 'dynamic=' + str(theirs.dynamic)}")
     if format != _format_of(name):
         found.append(f"format {format!r} ({_format_of(name)!r})")
     return found
 
 
+@functools.cache
 def _format_of(name: str) -> str:
     """The compression format our writer gives preset ``name``'s weights (what compress_module picks)."""
     import torch

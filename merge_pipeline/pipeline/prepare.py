@@ -11,11 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from merge_pipeline.engine.as_base import base_quantization, following_base, follows_base
+from merge_pipeline.engine.as_base import base_outputs, following_base, follows_base
 from merge_pipeline.engine.averaging import AveragedInput, average_plan
 from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.lora_merge import model_tensors
-from merge_pipeline.engine.mxfp4_quantize import mxfp4_outputs
 from merge_pipeline.engine.outputs import DTYPES, OutputPlan, plan_outputs
 from merge_pipeline.engine.quantize import quantized_outputs
 from merge_pipeline.formats import open_checkpoint, weight_suffixes
@@ -151,7 +150,7 @@ def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, 
 
 def quantized(outputs: OutputPlan, options: MergeOptions, config: ModelConfig, where: Path) -> OutputPlan:
     """``outputs`` quantized as ``options`` (resolved by ``following_base``) ask: for the merge, and for
-    ``inspect --quantize``. Still ``as-base``: a base format of its own, not a compressed-tensors preset."""
+    ``inspect --quantize``. Still ``as-base``: the base's compressed-tensors group or MXFP4."""
     if follows_base(options):
-        return mxfp4_outputs(outputs, base_quantization(options, config)[1], options.max_shard_size, where)
+        return base_outputs(outputs, options, config, where)
     return quantized_outputs(outputs, options.quantize, options.quantize_ignore, options.max_shard_size, where)

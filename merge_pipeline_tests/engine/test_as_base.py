@@ -10,9 +10,10 @@ import pytest
 import torch
 import transformers
 
+from merge_pipeline.cli import main
 from merge_pipeline.hub.model_card import render_card
 from merge_pipeline_tests.engine.test_fp8 import LLAMA, TOKENS
-from merge_pipeline_tests.helpers import load_safetensors_dir, merge_error, merge_ok, same_bits
+from merge_pipeline_tests.helpers import load_safetensors_dir, merge_error, merge_ok, same_bits, write_with_release
 
 W4A16_GROUP = {
     "targets": ["Linear"],
@@ -25,9 +26,31 @@ IGNORE = ["lm_head", "model.embed_tokens", "re:.*self_attn.*"]
 COMPRESSED = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": IGNORE}
 
 
+GROUP_32 = {**W4A16_GROUP, "weights": {**W4A16_GROUP["weights"], "group_size": 32}}  # Kimi-K2's group
+BASES = {
+    "w4a16": {**COMPRESSED, "config_groups": {"group_0": W4A16_GROUP}},
+    "kimi_k2": {**COMPRESSED, "config_groups": {"group_0": GROUP_32}, "kv_cache_scheme": None,
+                "quantization_status": "compressed"},
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def llama(fsdp_checkpoint):
     return fsdp_checkpoint(LLAMA).role_dir
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, llama):
+    """name -> llm-compressor's ``model_free_ptq`` folder of the bf16 merge, given the base's config ``BASES[name]``."""
+    root = tmp_path_factory.mktemp("as_base")
+    assert main(["merge", "--local_dir", str(llama), "--target_dir", str(root / "bf16"), "--dtype", "bfloat16"]) == 0
+    for name, config in BASES.items():
+        (root / f"{name}.json").write_text(json.dumps(config))
+    configs = [str(root / f"{name}.json") for name in BASES]
+    write_with_release(
+        ".venv-llmcompressor", "model_free_ptq.py", root / "reference", str(root / "bf16"), "[]", *configs
+    )
+    return {name: root / "reference" / name for name in BASES}
 
 
 def _base(folder: Path, role_dir: Path, quantization_config: dict | None) -> Path:
@@ -46,15 +69,19 @@ def _same_weights(ours: Path, theirs: Path) -> None:
     assert all(same_bits(mine[name], tensor) for name, tensor in reference.items())
 
 
-def test_a_compressed_tensors_base_is_written_as_its_preset(capsys, tmp_path, llama):
-    base = _base(tmp_path / "base", llama, {**COMPRESSED, "config_groups": {"group_0": W4A16_GROUP}})
-    merge_ok(capsys, llama, tmp_path / "named", "--quantize", "W4A16", "--quantize-ignore", *IGNORE)
+@pytest.mark.parametrize("name", BASES)
+def test_a_compressed_tensors_base_is_written_as_llm_compressor_writes_it(capsys, tmp_path, llama, references, name):
+    base = _base(tmp_path / "base", llama, BASES[name])
     out = merge_ok(capsys, llama, tmp_path / "as_base", "--quantize", "as-base", "--hf_model_path", base)
-    assert "W4A16: 6 weights quantized (pack-quantized)" in out  # the MLPs: attention is ignored as the base says
-    _same_weights(tmp_path / "as_base", tmp_path / "named")
-    config = json.loads((tmp_path / "as_base" / "config.json").read_text())
-    assert config == json.loads((tmp_path / "named" / "config.json").read_text())
-    assert config["quantization_config"]["ignore"] == IGNORE
+    assert "; group_0: 6 weights quantized (pack-quantized)" in out  # the MLPs: attention is ignored as the base says
+    _same_weights(tmp_path / "as_base", references[name])
+    config = json.loads((tmp_path / "as_base" / "config.json").read_text())["quantization_config"]
+    reference = json.loads((references[name] / "config.json").read_text())["quantization_config"]
+    assert config.pop("version") == reference.pop("version")
+    assert config == reference and config["ignore"] == IGNORE
+    if name == "w4a16":  # the preset's own bytes
+        merge_ok(capsys, llama, tmp_path / "named", "--quantize", "W4A16", "--quantize-ignore", *IGNORE)
+        _same_weights(tmp_path / "as_base", tmp_path / "named")
     transformers.logging.set_verbosity_error()
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "as_base", output_loading_info=True)
     assert not any(info.values()), info
@@ -77,9 +104,13 @@ def test_an_fp8_block_base_is_written_as_dtype_fp8_with_its_block(capsys, tmp_pa
         (None, "the base model has no quantization_config, nothing to follow; name a scheme instead (W4A16, "),
         ({"quant_method": "awq", "bits": 4}, "the base's quant_method 'awq' is not written by this tool"),
         (
-            {**COMPRESSED, "config_groups": {"group_0": {**W4A16_GROUP, "weights": {**W4A16_GROUP["weights"], "group_size": 32}}}},
-            "the base's config is no preset written byte for byte; nearest W4A16, which differs in"
-            " weights.group_size 32 (128)",
+            {**COMPRESSED, "config_groups": {"group_0": {**W4A16_GROUP, "weights": {**W4A16_GROUP["weights"], "symmetric": False}}}},
+            "the base's config group 'group_0' is written by no preset we write byte for byte; nearest W4A16, which"
+            " differs in weights.symmetric False (True)",
+        ),
+        (
+            {**COMPRESSED, "config_groups": {"a": W4A16_GROUP, "b": GROUP_32}},
+            "the base has 2 config groups; one is written",
         ),
         (
             {**COMPRESSED, "format": "int-quantized", "config_groups": {"group_0": W4A16_GROUP}},
