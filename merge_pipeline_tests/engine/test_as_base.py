@@ -1,5 +1,7 @@
-"""``--quantize as-base``: the base model's own quantization_config (``--hf_model_path``'s config.json) written
-as the scheme it states: the same bytes as naming that scheme, or one line saying why not."""
+"""``--quantize as-base``: the base model's own quantization_config (``--hf_model_path``'s config.json) written as
+it states: a compressed-tensors group byte for byte what llm-compressor's ``model_free_ptq`` writes given that
+config, FP8 blocks as ``--dtype fp8`` writes them, gpt-oss's MXFP4 experts as transformers reads them back; or
+one line saying why not."""
 
 from __future__ import annotations
 
@@ -24,14 +26,13 @@ W4A16_GROUP = {
 }  # fmt: skip
 IGNORE = ["lm_head", "model.embed_tokens", "re:.*self_attn.*"]
 COMPRESSED = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": IGNORE}
-
-
 GROUP_32 = {**W4A16_GROUP, "weights": {**W4A16_GROUP["weights"], "group_size": 32}}  # Kimi-K2's group
 BASES = {
     "w4a16": {**COMPRESSED, "config_groups": {"group_0": W4A16_GROUP}},
     "kimi_k2": {**COMPRESSED, "config_groups": {"group_0": GROUP_32}, "kv_cache_scheme": None,
                 "quantization_status": "compressed"},
 }  # fmt: skip
+MXFP4_KEPT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +147,6 @@ def gpt_oss(tmp_path_factory):
     config.quantization_config = base
     config.save_pretrained(root / "base")
     return role_dir, root / "base"
-
-
-MXFP4_KEPT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
 def test_a_gpt_oss_mxfp4_base_round_trips_through_transformers_dequantizer(capsys, tmp_path, gpt_oss):
