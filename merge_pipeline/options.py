@@ -15,6 +15,7 @@ from merge_pipeline.errors import MergeError, shown
 
 BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed", "dcp")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8")
+AS_BASE = "as-base"  # --quantize: the base model's own quantized format
 # Larger than any real tokenizer.json (~30 MB), small enough that a stray dump is noticed.
 DEFAULT_MAX_SIDE_FILE_SIZE = "64MB"
 READING = ("merge", "test", "inspect")  # how to open the checkpoint: every command
@@ -58,7 +59,9 @@ class MergeOptions:
         None,
         "write the linear weights in a compressed-tensors format that needs no calibration data, byte for byte what"
         " llm-compressor's model_free_ptq writes: W4A16, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16,"
-        " MXFP8A16 (the rest bfloat16; needs the [quant] extra; see docs/LAYOUTS.md)",
+        " MXFP8A16 (the rest bfloat16; needs the [quant] extra; see docs/LAYOUTS.md); as-base: the format the base"
+        " model's quantization_config states (--hf_model_path's, else the checkpoint's config.json): its"
+        " compressed-tensors group, fp8 blocks or gpt-oss's mxfp4 experts",
         commands=READING,  # inspect --quantize also lists what would stay unquantized
         metavar="SCHEME",
     )

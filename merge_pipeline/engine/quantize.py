@@ -33,7 +33,7 @@ from merge_pipeline.hf.quantization import QuantDecisions, decide
 from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor
 
 QUANTIZED_FROM = torch.bfloat16  # model_free_ptq's input: the bf16 merge of the same checkpoint
-_BAND_ROWS = 128  # a multiple of every scheme's row grouping: FP8_BLOCK's block, a packed zero point's 32 rows
+BAND_ROWS = 128  # a multiple of every scheme's row grouping: FP8_BLOCK's block, a packed zero point's 32 rows
 # Fused sets whose members share one global scale: llm-compressor's microscale mappings (the last name part differs).
 _FUSED = (
     re.compile(r"^(?P<prefix>.*(attn|attention)\.)(q_proj|k_proj|v_proj)\.weight$"),
@@ -46,16 +46,17 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def quantized_outputs(
-    outputs: OutputPlan, scheme: str, ignore: tuple[str, ...], max_shard_size: str | int, where: Path
+    outputs: OutputPlan, scheme: str, ignore: tuple[str, ...], max_shard_size: str | int, where: Path, args=None
 ) -> OutputPlan:
-    """The output plan with the scheme's weights quantized (each followed by its parameters), the rest bfloat16."""
+    """The output plan with the scheme's weights quantized (each followed by its parameters), the rest bfloat16;
+    ``args``: the QuantizationScheme of a config group named ``scheme`` (the base's), instead of a preset."""
     if outputs.adapter is not None:
         raise MergeError(
             where,
             "--quantize quantizes base weights that a separate LoRA adapter cannot be applied to: add --merge-lora",
         )
     model = [t for shard in outputs.shards for t in shard.tensors]
-    decisions = decide([t.planned for t in model], scheme, ignore, where)
+    decisions = decide([t.planned for t in model], scheme, ignore, where, args)
     if not decisions.quantized:
         raise MergeError(
             where,
@@ -183,7 +184,7 @@ def _observed(value: torch.Tensor, args) -> torch.Tensor:
 
 class _Bands:
     """A ``TensorSource`` of the leading quantized output: the source's rows gathered into bands of
-    ``_BAND_ROWS`` (as many as fit in one read piece), each quantized as it completes; the followers'
+    ``BAND_ROWS`` (as many as fit in one read piece), each quantized as it completes; the followers'
     bands are kept for the tensors written right after it."""
 
     def __init__(self, weight: PlannedTensor, scheme, global_set: list[PlannedTensor]):
@@ -194,9 +195,9 @@ class _Bands:
         """(key, shape, dtype) of each output, the leading one first: what compressed-tensors writes for
         a band of zeros of each height the pass uses, stacked as the pass stacks them."""
         rows, cols = self.weight.shape
-        full, rest = divmod(rows, _BAND_ROWS)
+        full, rest = divmod(rows, BAND_ROWS)
         global_scale = torch.ones(1) if self.scheme.weights.strategy == "tensor_group" else None
-        heights = [(count, height) for count, height in ((full, _BAND_ROWS), (1, rest)) if count and height]
+        heights = [(count, height) for count, height in ((full, BAND_ROWS), (1, rest)) if count and height]
         states = [
             (count, quantize_band(torch.zeros(height, cols, dtype=QUANTIZED_FROM), self.scheme, global_scale))
             for count, height in heights
@@ -217,7 +218,7 @@ class _Bands:
 
     def pieces(self) -> Iterator[torch.Tensor]:
         rows, cols = self.weight.shape
-        per_group = max(1, READ_PIECE_BYTES // (_BAND_ROWS * cols * QUANTIZED_FROM.itemsize)) * _BAND_ROWS
+        per_group = max(1, READ_PIECE_BYTES // (BAND_ROWS * cols * QUANTIZED_FROM.itemsize)) * BAND_ROWS
         _temporaries_unmapped_when_freed()
         global_scale = self._global_scale()
         kept: dict[str, list[torch.Tensor]] = {}

@@ -110,14 +110,18 @@ class QuantDecisions:
         }
 
 
-def decide(tensors: list[PlannedTensor], name: str, ignore: tuple[str, ...], where: Path) -> QuantDecisions:
-    """Which weights ``name`` quantizes, from their names and shapes alone: the one place this is decided."""
+def decide(
+    tensors: list[PlannedTensor], name: str, ignore: tuple[str, ...], where: Path, scheme=None
+) -> QuantDecisions:
+    """Which weights ``name`` quantizes, from their names and shapes alone: the one place this is decided.
+    ``scheme``: a config group of the base's own, named ``name`` (``--quantize as-base``), not a preset."""
     from merge_pipeline.hf.fp8 import refuse_quantized
 
-    scheme = preset(name, where)
+    if scheme is None:
+        name, scheme = name.upper(), preset(name, where)
     refuse_quantized(tensors, where)
     entries = list(ignore) if ignore else default_ignore(tensors)
-    decisions = QuantDecisions(name.upper(), scheme, entries)
+    decisions = QuantDecisions(name, scheme, entries)
     for t in tensors:
         module, _, param = t.name.rpartition(".")
         if param != "weight" or module.endswith("norm") or any(matches(module, e) for e in entries):

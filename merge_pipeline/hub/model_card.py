@@ -87,11 +87,13 @@ def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
         return []
     kept = ", ".join(_code(name) for name in quantization["ignore"]) or "nothing"
     off_grid = len(quantization["off_grid"])
+    # compressed-tensors names its format; another quant_method (gpt-oss's mxfp4) is named with what it writes
+    method = f"quant_method {quantization['quant_method']}:" if "quant_method" in quantization else "compressed-tensors"
     return [
         (
             "weights",
             f"{quantization['quantized_weights']} linear weights in {quantization['scheme']}"
-            f" (compressed-tensors {quantization['format']})",
+            f" ({method} {quantization['format']})",
         ),
         (
             "kept in bfloat16",

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from merge_pipeline.engine.as_base import following_base
 from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.outputs import config_dtype_for, plan_outputs
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
@@ -71,6 +72,8 @@ def checkpoint_facts(
 
 
 def _output_plans(plan: CheckpointPlan, config: ModelConfig | None, options: MergeOptions) -> dict:
+    if config is not None:
+        options = following_base(options, config)
     return {
         **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
         **({"quantization": _quantization_plan(plan, config, options)} if options.quantize and config else {}),
@@ -83,7 +86,7 @@ def _planned(decisions: dict) -> dict:
 
 def _quantization_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
     """``inspect --quantize``: what a merge would quantize and keep (after LoRA folding and tying)."""
-    return quantized(plan_outputs(plan, config, options), options, plan.role_dir).quantization.summary()
+    return quantized(plan_outputs(plan, config, options), options, config, plan.role_dir).quantization.summary()
 
 
 def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:

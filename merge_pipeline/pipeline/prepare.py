@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from merge_pipeline.engine.as_base import base_outputs, following_base, follows_base
 from merge_pipeline.engine.averaging import AveragedInput, average_plan
 from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.lora_merge import model_tensors
@@ -62,6 +63,7 @@ def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool =
         if options.hf_model_path and is_adapter_only(plan.tensors):
             plan = with_base_weights(plan, Path(options.hf_model_path).absolute())
         config = configs.load(plan.hf_dir)
+        options = following_base(options, config)
         if options.dtype == "fp8":
             refuse_quantized(plan.tensors, plan.role_dir)  # said before the architecture check names the scales
         expected = _architecture_tensors(plan, config, options) if plan.check_against_architecture else None
@@ -73,7 +75,7 @@ def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool =
         if options.dtype == "fp8":
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
         if options.quantize:
-            outputs = quantized(outputs, options, plan.role_dir)
+            outputs = quantized(outputs, options, config, plan.role_dir)
     except BaseException:
         plan.close()
         raise
@@ -103,10 +105,11 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
             accumulate=options.average_accumulate,
             max_shard_size=options.max_shard_size,
         )
+        options = following_base(options, configs[reference])
         if options.dtype == "fp8":  # the average, quantized
             outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, reference)
         if options.quantize:  # the average, quantized
-            outputs = quantized(outputs, options, reference)
+            outputs = quantized(outputs, options, configs[reference], reference)
     except BaseException:
         for one in inputs:
             one.plan.close()
@@ -145,6 +148,9 @@ def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, 
     check_plan_against_architecture(outputs.planned_tensors, expected, config.path)
 
 
-def quantized(outputs: OutputPlan, options: MergeOptions, where: Path) -> OutputPlan:
-    """``outputs`` quantized as ``options`` ask: for the merge, and for ``inspect --quantize``."""
+def quantized(outputs: OutputPlan, options: MergeOptions, config: ModelConfig, where: Path) -> OutputPlan:
+    """``outputs`` quantized as ``options`` (resolved by ``following_base``) ask: for the merge, and for
+    ``inspect --quantize``. Still ``as-base``: the base's compressed-tensors group or MXFP4."""
+    if follows_base(options):
+        return base_outputs(outputs, options, config, where)
     return quantized_outputs(outputs, options.quantize, options.quantize_ignore, options.max_shard_size, where)
