@@ -12,7 +12,8 @@ DeepSpeed's model states say the data-parallel world size in their pickle.
 Listings go one folder at a time (``Delimiter='/'``), ``LIST_PAGE_KEYS`` keys per request, so a tick
 never holds a whole bucket's listing in one answer. ``StoreURL`` is a store prefix that joins and
 answers ``is_dir``/``is_file`` like a ``Path``, so settings and the partition-key mapping treat a store
-root as they treat a folder.
+root as they treat a folder. A ``Folder`` is either; what differs between the two is answered here
+(``folder_or_url``, ``published``, ``refusal``, ``laid_out``), so the watching code does not ask which.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def in_store(folder: Folder) -> StoreURL | None:
 def published(folder: Folder) -> bool:
     """A merged folder is there: on disk it appears whole (renamed into place), in a store once its
     commit marker is (docs/SAFETY.md)."""
-    return folder.published() if is_store_url(folder) else folder.exists()
+    store = in_store(folder)
+    return store.published() if store else Path(folder).exists()
 
 
 def refusal(where: Folder | None, problem: str) -> MergeError:
