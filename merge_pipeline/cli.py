@@ -18,11 +18,11 @@ from pathlib import Path
 from merge_pipeline.errors import MergeError, os_error, printable
 from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.options import (
-    ACCUMULATE_CHOICES,
     OPTION_FIELDS,
     MergeOptions,
     average_weights,
     cli_flags,
+    option_field,
     options_of,
 )
 from merge_pipeline.progress import human_bytes
@@ -154,11 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DECAY",
         help="exponential moving average over the inputs, oldest first: the newest weighs 1 - DECAY",
     )
+    accumulate = option_field("average_accumulate")
     average.add_argument(
         "--accumulate",
-        choices=ACCUMULATE_CHOICES,
-        default=ACCUMULATE_CHOICES[0],
-        help="dtype the weighted sum is accumulated in (default float32); --dtype is the output's",
+        choices=accumulate.metadata["choices"],
+        default=accumulate.default,
+        help=f"{accumulate.metadata['help']} (default {accumulate.default}); --dtype is the output's",
     )
     average.add_argument(
         "--target_dir", required=True, type=as_location, help="output HF folder, or store URL (created atomically)"

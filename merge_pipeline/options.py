@@ -1,7 +1,8 @@
 """The merge options, described once: the CLI's flags and Dagster's run config are both built from ``MergeOptions``.
 
-Each field carries its help text, choices and the CLI commands that take it as metadata;
-``OPTION_FIELDS`` lists them in order. Dagster's ``hf_model`` takes them all.
+Each field carries its help text, choices and the CLI commands that take it as metadata (``described``: the
+one way a knob is described, ``RaySettings``' too); ``OPTION_FIELDS`` lists them in order. Dagster's
+``hf_model`` takes them all; its ``averaging:`` setting takes averaging's from here (``option_field``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
+def described(default, help: str, **cli):
+    """A dataclass field with its default and help text; ``cli``: its CLI spellings (``flags``, ``metavar``,
+    ``nargs``) and, for an option, its commands and choices. The CLI's flags and Dagster's config are built from them."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 def _option(default, help: str, *, commands=TENSORS, choices: tuple[str, ...] | None = None, **cli):
-    """A field of ``MergeOptions``; ``cli``: its own CLI spellings (``flags``) and ``metavar``."""
-    return field(default=default, metadata={"help": help, "commands": commands, "choices": choices, **cli})
+    """A field of ``MergeOptions``, taken by the CLI ``commands``."""
+    return described(default, help, commands=commands, choices=choices, **cli)
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ class MergeOptions:
     )
     average_weights: tuple[float, ...] = _option((), "one weight per input, summing to 1", commands=AVERAGE)
     average_accumulate: str = _option(
-        "float32", "the dtype the weighted sum is accumulated in", commands=AVERAGE, choices=ACCUMULATE_CHOICES
+        "float32", "dtype the weighted sum is accumulated in", commands=AVERAGE, choices=ACCUMULATE_CHOICES
     )
 
     def __post_init__(self) -> None:
@@ -193,6 +200,11 @@ OPTION_FIELDS = tuple(option for option in fields(MergeOptions) if option.metada
 def cli_flags(option: Field) -> tuple[str, ...]:
     """The CLI spellings of an option field: ``--max-shard-size`` for ``max_shard_size``, unless it names its own."""
     return option.metadata.get("flags") or ("--" + option.name.replace("_", "-"),)
+
+
+def option_field(name: str) -> Field:
+    """The ``MergeOptions`` field ``name``, for a schema that takes the knob under another name."""
+    return next(f for f in fields(MergeOptions) if f.name == name)
 
 
 def options_of(command: str) -> list[Field]:

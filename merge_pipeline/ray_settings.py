@@ -9,51 +9,47 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.options import parse_size
-
-
-def _setting(default, help: str, **cli):
-    return field(default=default, metadata={"help": help, **cli})
+from merge_pipeline.options import described, parse_size
 
 
 @dataclass(frozen=True)
 class RaySettings:
-    address: str = _setting(
+    address: str = described(
         "auto",
         "the Ray cluster: the head's host:port (ray start --head prints it), ray://HOST:10001 for Ray Client"
         " (a KubeRay head service), or auto (RAY_ADDRESS, else the cluster this machine is a node of)",
         metavar="ADDR",
     )
-    cpus_per_task: float = _setting(1.0, "CPUs each write task reserves (it asks for no GPU)", metavar="N")
-    memory_per_task: str | None = _setting(
+    cpus_per_task: float = described(1.0, "CPUs each write task reserves (it asks for no GPU)", metavar="N")
+    memory_per_task: str | None = described(
         None,
         "memory each write task reserves, HF-style (e.g. 8GB); default: from the plan, its largest tensor twice"
         " plus the writer's buffers and the process",
         metavar="SIZE",
     )
-    resource: str | None = _setting(
+    resource: str | None = described(
         None,
         "a custom resource each write task takes one unit of, to keep merges on the nodes that offer it"
         " (ray start --resources '{\"merge\": 4}')",
         metavar="NAME",
     )
-    node_label: str | None = _setting(
+    node_label: str | None = described(
         None, "only nodes with this label run write tasks (ray start --labels)", metavar="KEY=VALUE"
     )
-    tasks: int | None = _setting(
+    tasks: int | None = described(
         None, "write tasks, each a set of whole weight files (default: one per node that can run one)", metavar="N"
     )
-    max_retries: int = _setting(3, "times a task whose node or worker died is run again, on another node", metavar="N")
-    timeout: float = _setting(
+    max_retries: int = described(3, "times a task whose node or worker died is run again, on another node", metavar="N")
+    timeout: float = described(
         600.0,
         "fail when no weight byte was written for this long (tasks waiting for resources, a hung node)",
         metavar="SECONDS",
     )
 
-    env_vars: list[str] | None = _setting(
+    env_vars: list[str] | None = described(
         None,
         "environment variables given to the write tasks, by name (their values: this process's, at launch; never"
         " printed); default, for a merge that reads or writes a store: those of the store's and the Hub's that are"

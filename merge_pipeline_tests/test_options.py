@@ -8,9 +8,10 @@ import re
 import pytest
 
 from merge_pipeline.cli import _options, build_parser
+from merge_pipeline.dagster.averaging import Averaging
 from merge_pipeline.dagster.config import MergeConfig
 from merge_pipeline.errors import MergeError
-from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_flags
+from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_flags, option_field
 from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.ray_settings import RAY_FIELDS
 from merge_pipeline_samples.fsdp import FsdpSpec
@@ -64,6 +65,23 @@ def test_every_option_is_a_dagster_config_field_with_the_same_description_and_de
     }
     assert set(every_option_set) | {"untie_word_embedding"} == {option.name for option in OPTION_FIELDS}
     assert MergeConfig(**every_option_set, launcher="torchrun").options() == MergeOptions(**every_option_set)
+
+
+def test_averaging_knobs_are_the_options_in_the_cli_and_in_dagster():
+    """The accumulation dtype: one default, one set of choices, one help in ``average`` and ``averaging:``;
+    the output dtype's default and choices are the merge's."""
+    accumulate, dtype = option_field("average_accumulate"), option_field("dtype")
+    flag = command_flags("average")["accumulate"]
+    setting = Averaging.model_fields["accumulate"]
+    assert (flag.default, flag.choices) == (accumulate.default, accumulate.metadata["choices"])
+    assert flag.help.startswith(accumulate.metadata["help"] + " (default float32)")
+    assert (setting.default, setting.description) == (accumulate.default, accumulate.metadata["help"])
+    assert Averaging(accumulate="float64").accumulate == "float64"
+    with pytest.raises(ValueError):
+        Averaging(accumulate="bfloat16")  # not one of the option's choices
+    assert Averaging.model_fields["dtype"].default == dtype.default
+    for choice in dtype.metadata["choices"]:
+        assert Averaging(dtype=choice).dtype == choice
 
 
 @pytest.mark.parametrize("command", ["merge", "average"])

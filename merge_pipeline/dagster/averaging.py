@@ -26,14 +26,21 @@ from pydantic import Field, create_model, model_validator
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.checks import checks_metadata
-from merge_pipeline.dagster.config import LauncherConfig, writer_fields
+from merge_pipeline.dagster.config import LauncherConfig, config_field, writer_fields
 from merge_pipeline.dagster.failures import one_line_failure
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
-from merge_pipeline.options import ACCUMULATE_CHOICES, DTYPE_CHOICES, MAX_AVERAGED, MergeOptions, average_weights
+from merge_pipeline.options import (
+    ACCUMULATE_CHOICES,
+    DTYPE_CHOICES,
+    MAX_AVERAGED,
+    MergeOptions,
+    average_weights,
+    option_field,
+)
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.view import viewed
@@ -57,12 +64,11 @@ class Averaging(dg.Model):
     weights: list[float] | None = Field(
         default=None, description="scheme weighted: one weight per step, oldest first, scaled to sum to 1"
     )
-    dtype: Literal[DTYPE_CHOICES] = Field(
-        default="auto", description="output dtype (auto: the inputs' own; fp8: the average quantized)"
+    # the merge options', with their defaults and choices
+    dtype: Literal[DTYPE_CHOICES] = config_field(
+        option_field("dtype"), "output dtype (auto: the inputs' own; fp8: the average quantized)"
     )
-    accumulate: Literal[ACCUMULATE_CHOICES] = Field(
-        default="float32", description="dtype the weighted sum is accumulated in"
-    )
+    accumulate: Literal[ACCUMULATE_CHOICES] = config_field(option_field("average_accumulate"))
 
     @model_validator(mode="after")
     def _valid(self) -> "Averaging":  # defs.yaml is refused when the component loads

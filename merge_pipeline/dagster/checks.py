@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 
 import dagster as dg
 
@@ -25,7 +24,7 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES, CheckOutcome
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.store.listing import Folder, in_store
 from merge_pipeline.store.publish import complete_target
 from merge_pipeline.watch.keys import CHECKED, PASSED
 
@@ -48,7 +47,7 @@ def blocking_check_specs(names: Names) -> list[dg.AssetCheckSpec]:
         ]
 
 
-def check_results(outcomes: list[CheckOutcome], folder: Path | StoreURL, names: Names) -> list[dg.AssetCheckResult]:
+def check_results(outcomes: list[CheckOutcome], folder: Folder, names: Names) -> list[dg.AssetCheckResult]:
     """One result per check: what a passed one verified and how much it looked at, a failed one's problems."""
     looked_at = _looked_at(folder) if all(o.passed for o in outcomes) else None  # a refused folder is gone
     return [
@@ -79,7 +78,7 @@ def checked_stage(check_name: str) -> str:
     return "state_dict" if check_name == "index_matches_shards" else "hf_model"
 
 
-def checks_metadata(outcomes: list[CheckOutcome], folder: Path | StoreURL) -> dict[str, dict]:
+def checks_metadata(outcomes: list[CheckOutcome], folder: Folder) -> dict[str, dict]:
     """The averaged model's metadata (it has no asset checks), per stage (``state_dict``, ``hf_model``): which
     checks passed on the published folder, what each verified and how much it looked at."""
     looked_at = _looked_at(folder)
@@ -112,13 +111,13 @@ def passed_every_check(metadata: Mapping[str, dg.MetadataValue]) -> bool:
     return PASSED in metadata and set(metadata[PASSED].value) >= set(CHECK_NAMES)
 
 
-def _looked_at(folder: Path | StoreURL) -> str:
+def _looked_at(folder: Folder) -> str:
     """What the checks looked at, so a passed check says how much it verified."""
     from merge_pipeline.hf.folder_checks import weight_files  # torch: imported by a run, not by the location's load
 
     try:
-        if isinstance(folder, StoreURL):  # counted from its manifest: no weight file downloaded to count it
-            manifest = complete_target(folder)
+        if store := in_store(folder):  # counted from its manifest: no weight file downloaded to count it
+            manifest = complete_target(store)
             files = manifest["files"]
             shards = [n for n in files if n.startswith("model") and n.endswith(".safetensors")]
             tensors = manifest["tensors"]

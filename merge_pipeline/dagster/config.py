@@ -29,19 +29,17 @@ def _config_type(option: dataclasses.Field) -> object:
     return str | None if option.default is None else type(option.default)
 
 
+def config_field(option: dataclasses.Field, description: str | None = None) -> FieldInfo:
+    """A described field (``options.described``) as a config field: its default (a tuple as a list) and its
+    help as the description (``description``: a schema's own words for it)."""
+    default = list(option.default) if isinstance(option.default, tuple) else option.default
+    return Field(default=default, description=description or option.metadata["help"])
+
+
 _MergeOptionsConfig = create_model(
     "_MergeOptionsConfig",
     __base__=dg.Config,
-    **{
-        option.name: (
-            _config_type(option),
-            Field(
-                default=list(option.default) if isinstance(option.default, tuple) else option.default,
-                description=option.metadata["help"],
-            ),
-        )
-        for option in OPTION_FIELDS
-    },
+    **{option.name: (_config_type(option), config_field(option)) for option in OPTION_FIELDS},
 )
 
 
@@ -66,7 +64,7 @@ _LauncherAndRay = create_model(
     **{
         f"ray_{setting.name}": (
             get_type_hints(RaySettings)[setting.name],
-            Field(default=setting.default, description=f"launcher ray: {setting.metadata['help']}"),
+            config_field(setting, f"launcher ray: {setting.metadata['help']}"),
         )
         for setting in RAY_FIELDS
     },

@@ -25,7 +25,7 @@ from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.hf.evaluation import Threshold
 from merge_pipeline.hf.manifest import MANIFEST, read_manifest
-from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.store.listing import in_store
 from merge_pipeline.watch.keys import GROUP, HEAVY_TAG, OWNERS, THRESHOLD_MET
 from merge_pipeline.watch.location_settings import EVALUATION_COMMAND
 from merge_pipeline.watch.partitions import checkpoint_key
@@ -89,7 +89,7 @@ def _evaluate(context: dg.AssetExecutionContext, settings: MergeSettings, thresh
     folder = settings.target_dir(key)
     command = settings.value(EVALUATION_COMMAND) or DEFAULT_COMMAND
     with one_line_failure():
-        if isinstance(folder, StoreURL):  # the command reads files: a store's folder would need a download first
+        if in_store(folder):  # the command reads files: a store's folder would need a download first
             raise MergeError(None, f"{folder}: the evaluation reads local folders only; merge to a local output_root")
         if not (folder / MANIFEST).is_file():
             raise MergeError(folder, "not a published merged folder: materialize hf_model for this partition first")

@@ -18,7 +18,7 @@ from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError
 from merge_pipeline.settings import HUB_TIMEOUT
-from merge_pipeline.store.listing import StoreURL
+from merge_pipeline.store.listing import StoreURL, in_store
 from merge_pipeline.watch.keys import HUB_GROUP
 from merge_pipeline.watch.location_settings import HUB_ENDPOINT, HUB_TOKEN, OUTPUT_ROOT
 from merge_pipeline.watch.partitions import checkpoint_key
@@ -65,7 +65,7 @@ def _promote(context: dg.AssetExecutionContext, settings: MergeSettings, hub, na
     key = checkpoint_key(context.partition_key)
     target = settings.target_dir(key)
     metadata: dict = {"step": str(key)}
-    if isinstance(target, StoreURL):
+    if in_store(target):
         copied_to = promoted_url(settings, key)
         manifest = copy_published_in_store(target, copied_to)
         metadata |= {"promoted prefix": copied_to, "files copied": len(manifest["files"]) + 1}

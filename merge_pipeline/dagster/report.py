@@ -27,8 +27,7 @@ from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.hf.smoke_test import NEW_TOKENS, generates_text, smoke_test
 from merge_pipeline.hub.model_card import quantization_rows
 from merge_pipeline.progress import human_bytes
-from merge_pipeline.store.listing import StoreURL
-from merge_pipeline.store.url import is_store_url
+from merge_pipeline.store.listing import Folder, in_store, on_disk
 from merge_pipeline.store.view import viewed
 from merge_pipeline.watch.keys import GROUP, INF, NAN, OWNERS, SMOKE, SMOKE_LOSS, SMOKE_PROMPT, SMOKE_TEXT
 from merge_pipeline.watch.location_settings import HF_MODEL_PATH, SMOKE_MAX_SIZE, SMOKE_TEST, SMOKE_TEST_PROMPT
@@ -150,23 +149,24 @@ def _references(
         found[PREVIOUS] = settings.target_dir(max(earlier, key=lambda k: k.step))
     base = read_manifest(folder)["options"].get("hf_model_path") or settings.value(HF_MODEL_PATH)
     # a base folder with only config and tokenizer has nothing to compare; one in a store is not compared
-    if base and not is_store_url(base) and weight_files(Path(base)):
-        found[BASE] = Path(base)
+    if base and (local := on_disk(base)) and weight_files(local):
+        found[BASE] = local
     return found
 
 
-def _has_weights(folder: Path | StoreURL) -> bool:
+def _has_weights(folder: Folder) -> bool:
     """A merged step to compare with: its weights on disk, or its commit marker in a store."""
     from merge_pipeline.hf.folder_checks import weight_files  # torch: by the run only
 
-    return folder.published() if isinstance(folder, StoreURL) else bool(weight_files(folder))
+    store = in_store(folder)
+    return store.published() if store else bool(weight_files(folder))
 
 
 def _smoke_metadata(context: dg.AssetExecutionContext, settings: MergeSettings, folder: Path) -> dict:
     """The smoke test's prompt, greedy text and loss on the fixed text (what the model card shows), or why
     it did not run. A folder that fails it stays published: it passed the blocking checks; this says it
     does not run, in the report."""
-    if isinstance(folder, StoreURL):
+    if on_disk(folder) is None:
         return {SMOKE: "skipped: the merged folder is in a store (the smoke test loads a folder on local disk)"}
     manifest = read_manifest(folder)
     weight_bytes = sum(f["size"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))

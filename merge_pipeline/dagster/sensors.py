@@ -26,6 +26,7 @@ from merge_pipeline.dagster.jobs import merge_checkpoint_job
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.store.listing import published
 from merge_pipeline.watch.cursor import cursor_keys, sensor_cursor
 from merge_pipeline.watch.keys import AUTOMATED_BY
 from merge_pipeline.watch.location_settings import PIN_STEPS, SETTLE_SECONDS
@@ -62,7 +63,7 @@ def _tick(
     context: dg.SensorEvaluationContext, settings: MergeSettings, names: Names, max_concurrent_merges: int
 ) -> dg.SensorResult:
     # discovery imports the pipeline (torch): imported by a tick, not by the location's load (a run worker's included)
-    from merge_pipeline.watch.discovery import completeness, merged_before
+    from merge_pipeline.watch.discovery import completeness
 
     checkpoint_partitions = names.partitions
     seen = cursor_keys(context.cursor)  # requested (with the step's newest change then) or already merged
@@ -78,7 +79,7 @@ def _tick(
         requested_before = key in seen
         if requested_before and key not in failed:
             continue
-        if merged_before(settings.target_dir(found.key)):
+        if published(settings.target_dir(found.key)):
             seen.setdefault(key, None)  # merged before (by an earlier run, or by hand with the CLI)
             if key not in partitions:  # e.g. a fresh instance: show it as merged, marked as found
                 found_merged.append(key)
@@ -121,7 +122,7 @@ def _tick(
             k
             for k in partitions
             if k not in present
-            and not merged_before(settings.target_dir(checkpoint_key(k)))
+            and not published(settings.target_dir(checkpoint_key(k)))
             and not settings.pinned(checkpoint_key(k))  # its merge reads the pin
         ]
         if scan.all_roots_read

@@ -12,11 +12,13 @@ DeepSpeed's model states say the data-parallel world size in their pickle.
 Listings go one folder at a time (``Delimiter='/'``), ``LIST_PAGE_KEYS`` keys per request, so a tick
 never holds a whole bucket's listing in one answer. ``StoreURL`` is a store prefix that joins and
 answers ``is_dir``/``is_file`` like a ``Path``, so settings and the partition-key mapping treat a store
-root as they treat a folder.
+root as they treat a folder. A ``Folder`` is either; what differs between the two is answered here
+(``folder_or_url``, ``published``, ``refusal``, ``laid_out``), so the watching code does not ask which.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -24,9 +26,10 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 
+from merge_pipeline.errors import MergeError
 from merge_pipeline.store.asking import asking
 from merge_pipeline.store.record import MANIFEST
-from merge_pipeline.store.url import StoreLocation, location
+from merge_pipeline.store.url import StoreLocation, is_store_url, location
 from merge_pipeline.store.view import forget_placeholders, placeholder
 
 MARKER_BYTES = 64 << 10  # a file the readers read to judge a save (a step number, a tag, a JSON) is smaller
@@ -65,6 +68,54 @@ class StoreURL(str):
     def published(self) -> bool:
         """A merged folder in the store is there once its commit marker is (docs/SAFETY.md)."""
         return (self / MANIFEST).is_file()
+
+
+Folder = Path | StoreURL  # a folder on disk or a prefix in a store: the functions below answer for both
+
+
+def folder_or_url(text: str | Path) -> Folder:
+    """``s3://bucket/prefix`` (any fsspec URL) as a store prefix, anything else as a local folder made absolute."""
+    return StoreURL(str(text)) if is_store_url(text) else Path(text).absolute()
+
+
+def on_disk(folder: Folder | str) -> Path | None:
+    """The local folder ``folder`` names; ``None`` for a store prefix (it lies in no folder)."""
+    return None if is_store_url(folder) else Path(folder)
+
+
+def in_store(folder: Folder) -> StoreURL | None:
+    """The store prefix ``folder`` names; ``None`` for a local folder."""
+    return StoreURL(folder) if is_store_url(folder) else None
+
+
+def published(folder: Folder) -> bool:
+    """A merged folder is there: on disk it appears whole (renamed into place), in a store once its
+    commit marker is (docs/SAFETY.md)."""
+    store = in_store(folder)
+    return store.published() if store else Path(folder).exists()
+
+
+def refusal(where: Folder | None, problem: str) -> MergeError:
+    """One line about ``where``; a URL named as it is spelled (a ``Path`` would fold its ``//``)."""
+    return MergeError(None, f"{where}: {problem}") if is_store_url(where or "") else MergeError(where, problem)
+
+
+@contextlib.contextmanager
+def laid_out(folder: Folder, weights: tuple[str, ...]) -> Iterator[Path]:
+    """A checkpoint folder as the readers judge a save: on disk, itself; in a store, its objects listed
+    whole in a ``Mirror`` with the two folders above it (a tracker or DeepSpeed's ``latest`` lies beside
+    the step folders)."""
+    store = in_store(folder)
+    if store is None:
+        yield Path(folder)
+        return
+    with Mirror(weights) as mirror:
+        # a step folder at the bucket's top has no grandparent: "s3:" names no bucket
+        for above in (store.parent.parent, store.parent):
+            if above.partition("://")[2]:
+                mirror.list(above)
+        mirror.list(store, recursive=True)
+        yield mirror.folder(store)
 
 
 def pages(

@@ -29,7 +29,7 @@ from merge_pipeline.formats import completeness as readers_completeness
 from merge_pipeline.formats import saved_in_step_folder, step_folder, step_folders, weight_suffixes
 from merge_pipeline.formats.step_folders import Completeness as Completeness  # the sensor's and the asset's answer type
 from merge_pipeline.formats.step_folders import newest_change as newest_change  # a pinned step's age
-from merge_pipeline.store.listing import Mirror, StoreURL
+from merge_pipeline.store.listing import Folder, Mirror, StoreURL, in_store, laid_out, on_disk, refusal
 from merge_pipeline.store.target_rules import within
 
 MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched root
@@ -38,7 +38,7 @@ MAX_DEPTH = 3  # a step folder sits at most this many levels below a watched roo
 @dataclass(frozen=True)
 class FoundCheckpoint:
     key: CheckpointName
-    role_dir: Path | StoreURL
+    role_dir: Folder
 
 
 @dataclass
@@ -50,18 +50,16 @@ class Scan:
     all_roots_read: bool = True  # False: a root was missing or unreadable, so an absent folder proves nothing
 
 
-def scan_roots(roots: Sequence[Path | StoreURL], output_root: Path | StoreURL) -> Scan:
+def scan_roots(roots: Sequence[Folder], output_root: Folder) -> Scan:
     """Every role folder under every root; the output root is never mistaken for a checkpoint, however
     either is spelled (compared with symlinks and ``..`` resolved). Roots in a store: ``scan_store_root``."""
     scan = Scan()
-    for root in roots:
-        if isinstance(root, StoreURL):
-            scan_store_root(root, output_root, scan)
-    local = None if isinstance(output_root, StoreURL) else output_root.absolute()  # a store lies in no folder
+    for store_root in filter(None, map(in_store, roots)):
+        scan_store_root(store_root, output_root, scan)
+    local = on_disk(output_root)  # a store lies in no folder
+    local = local and local.absolute()
     skip = {output} if local and (output := _identity(local)) else set()
-    for root in roots:
-        if isinstance(root, StoreURL):
-            continue
+    for root in filter(None, map(on_disk, roots)):
         root = root.absolute()
         if local and not _watched_beside(local, root, scan):
             continue
@@ -110,48 +108,36 @@ def find_checkpoints(
         level = deeper
 
 
-def locate(key: CheckpointName, roots: Sequence[Path | StoreURL]) -> Path | StoreURL:
+def locate(key: CheckpointName, roots: Sequence[Folder]) -> Folder:
     """The role folder a partition key names: the inverse of ``find_checkpoints``, over all roots (a
     store root's ``StoreURL`` is asked as a folder is)."""
     candidates = [root / key.path for root in roots]
     candidates += [root / key.path.relative_to(key.run) for root in roots if root.name == key.run]
     found = sorted({c for c in candidates if c.is_dir()}, key=str)
     if not found:
-        raise _error(
+        raise refusal(
             candidates[0] if candidates else None,
             "no such checkpoint folder under the checkpoint roots (deleted by the trainer's rotation?)",
         )
     if len(found) > 1:
-        raise _error(
+        raise refusal(
             found[1], f"has the same partition key as {found[0]}: give the checkpoint roots distinct run folders"
         )
     return found[0]
 
 
-def _error(where: Path | StoreURL | None, problem: str) -> MergeError:
-    """A URL is named as it is spelled (a ``Path`` would fold its ``//``)."""
-    return MergeError(None, f"{where}: {problem}") if isinstance(where, StoreURL) else MergeError(where, problem)
-
-
-def completeness(folder: Path | StoreURL, step: int, settle_seconds: float) -> Completeness:
+def completeness(folder: Folder, step: int, settle_seconds: float) -> Completeness:
     """The readers' answer (``pipeline.completeness``); for a folder in a store, asked of its listing."""
-    if isinstance(folder, StoreURL):
-        return store_completeness(folder, step, settle_seconds)
-    return readers_completeness(folder, step, settle_seconds)
-
-
-def merged_before(target: Path | StoreURL) -> bool:
-    """A merged folder is there: on disk it appears whole (renamed into place), in a store once its
-    commit marker is (docs/SAFETY.md)."""
-    return target.published() if isinstance(target, StoreURL) else target.exists()
+    with laid_out(folder, weight_suffixes()) as local:
+        return readers_completeness(local, step, settle_seconds)
 
 
 # --- checkpoint roots in a store (``s3://bucket/prefix``) -------------------------------------------------
 
 
-def scan_store_root(root: StoreURL, output_root: Path | StoreURL, scan: Scan) -> None:
+def scan_store_root(root: StoreURL, output_root: Folder, scan: Scan) -> None:
     """Every checkpoint under ``root`` into ``scan.found`` (as URLs), or why the root cannot be watched."""
-    output = output_root if isinstance(output_root, StoreURL) else None
+    output = in_store(output_root)
     if output is not None and not _watched_beside(output, root, scan):
         return
     inside = output is not None and within(output, root)
@@ -172,7 +158,7 @@ def scan_store_root(root: StoreURL, output_root: Path | StoreURL, scan: Scan) ->
         scan.all_roots_read = False
 
 
-def _watched_beside(output: Path | StoreURL, root: Path | StoreURL, scan: Scan) -> bool:
+def _watched_beside(output: Folder, root: Folder, scan: Scan) -> bool:
     """Whether ``root`` is scanned, given the output root (compared as the target rules compare, folders
     resolved, URLs normalised): said when the output lies inside it (then skipped in the scan) or is it
     (then nothing is scanned: every merge would write into its own input)."""
@@ -207,18 +193,6 @@ def _listed(mirror: Mirror, root: StoreURL, *, skip: StoreURL | None) -> bool:
                     deeper.append(url / name)
         level = deeper
     return anything or any(mirror.folder(root).iterdir())
-
-
-def store_completeness(folder: StoreURL, step: int, settle_seconds: float) -> Completeness:
-    """The readers' answer for a checkpoint folder in a store: its objects listed whole, and the two
-    folders above it (a tracker or DeepSpeed's ``latest`` lies beside the step folders)."""
-    with Mirror(weight_suffixes()) as mirror:
-        # a step folder at the bucket's top has no grandparent: "s3:" names no bucket
-        for above in (folder.parent.parent, folder.parent):
-            if above.partition("://")[2]:
-                mirror.list(above)
-        mirror.list(folder, recursive=True)
-        return readers_completeness(mirror.folder(folder), step, settle_seconds)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -42,14 +42,13 @@ from merge_pipeline.settings import (
     choice,
     number,
 )
-from merge_pipeline.store.listing import StoreURL
-from merge_pipeline.store.url import is_store_url
+from merge_pipeline.store.listing import Folder, folder_or_url
 from merge_pipeline.watch.keys import PINS
 
 
-def _folders_or_urls(value: Any, named: str) -> list[Path | StoreURL]:
+def _folders_or_urls(value: Any, named: str) -> list[Folder]:
     roots = _split_roots(value) if isinstance(value, str) else value
-    return [_folder_or_url(r, named) for r in roots if r]
+    return [folder_or_url(r) for r in roots if r]
 
 
 def _split_roots(setting: str) -> list[str]:
@@ -63,17 +62,12 @@ def _split_roots(setting: str) -> list[str]:
     return roots
 
 
-def _folder_or_url(value: Any, named: str) -> Path | StoreURL:
-    """``s3://bucket/prefix`` (any fsspec URL) as a store prefix, anything else as a local folder."""
-    return StoreURL(value) if is_store_url(value) else Path(value).absolute()
-
-
 THRESHOLD = Kind(str, Threshold.parse, checked_at_load=True)
 FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
-FOLDER_OR_URL = Kind(str, _folder_or_url)
+FOLDER_OR_URL = Kind(str, lambda value, named: folder_or_url(value))
 
 
-CHECKPOINT_ROOTS: Setting[list[Path | StoreURL]] = Setting(
+CHECKPOINT_ROOTS: Setting[list[Folder]] = Setting(
     "MERGE_PIPELINE_CHECKPOINT_ROOTS",
     FOLDERS_OR_URLS,
     "./demo/checkpoints",
@@ -81,7 +75,7 @@ CHECKPOINT_ROOTS: Setting[list[Path | StoreURL]] = Setting(
     example="[/data/{prefix}/checkpoints]",
     name="checkpoint_roots",
 )
-OUTPUT_ROOT: Setting[Path | StoreURL] = Setting(
+OUTPUT_ROOT: Setting[Folder] = Setting(
     "MERGE_PIPELINE_OUTPUT_ROOT",
     FOLDER_OR_URL,
     "./demo/merged",
