@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 from merge_pipeline.engine.outputs import OUTPUT_ADAPTER_DIR, OutputPlan
 from merge_pipeline.errors import printable, shown_path
 from merge_pipeline.files.inputs import read_capped
@@ -93,6 +95,8 @@ def write_configs(model: ModelConfig, outputs: OutputPlan, out_dir: Path) -> Non
             config["quantization_config"] = outputs.fp8.quantization_config
         if outputs.quantization is not None:
             config["quantization_config"] = outputs.quantization.quantization_config
+        if outputs.fp8 is None and outputs.quantization is None:
+            _drop_unwritten_quantization(config, outputs)
         write_json(out_dir / CONFIG, config)
     if outputs.adapter is None:
         return
@@ -111,3 +115,26 @@ def write_configs(model: ModelConfig, outputs: OutputPlan, out_dir: Path) -> Non
         inference_mode=True,
     )
     lora.save_pretrained(str(adapter_dir))
+
+
+def _drop_unwritten_quantization(config: dict, outputs: OutputPlan) -> None:
+    """The source config's ``quantization_config``, left out when the merged weights are plain (e.g. a gpt-oss
+    fine-tune trained from its dequantized MXFP4 base: loaders would read plain weights as the base's quantized
+    ones); kept for an HF folder of quantized weights merged as it is."""
+    if "quantization_config" not in config or _writes_quantized_weights(outputs):
+        return
+    source = config["quantization_config"]
+    method = source.get("quant_method") if isinstance(source, dict) else None
+    log.warning(
+        "config.json: the source's quantization_config (%s) left out: the merged weights are not quantized",
+        printable(str(method or "no quant_method")),
+    )
+    del config["quantization_config"]
+
+
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8, torch.int32)
+
+
+def _writes_quantized_weights(outputs: OutputPlan) -> bool:
+    """Whether a written tensor is a quantized format's (FP8, packed integers: an HF folder merged as it is)."""
+    return any(t.dtype in _QUANTIZED_DTYPES for shard in outputs.shards for t in shard.tensors)

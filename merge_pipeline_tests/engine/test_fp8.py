@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.inspect import checkpoint_facts
 from merge_pipeline.plan import Computed, PlannedTensor
 from merge_pipeline_samples.fsdp import FsdpSpec
+from merge_pipeline_tests.conftest import copy_checkpoint
 from merge_pipeline_tests.helpers import (
     TensorInPieces,
     error_lines,
@@ -437,3 +439,20 @@ def test_kept_precision_list_per_architecture(tmp_path, family):
     mtp = "model.layers.1." if family == "deepseek_v3" else "(none)"
     assert all(n in built or n.startswith(experts) or n.startswith(mtp) for n in quantized)
     assert bool(experts) == (family in ("qwen2_moe", "deepseek_v3"))
+
+
+def test_a_source_quantization_config_is_left_out_of_a_plain_merge(capsys, caplog, tmp_path, fsdp_checkpoint):
+    """A fine-tune of a quantized base (gpt-oss's MXFP4, trained dequantized) saves the base's config: its
+    quantization_config would make loaders read the plain merged weights as quantized ones."""
+    sample = copy_checkpoint(fsdp_checkpoint(LLAMA), tmp_path / "actor")
+    config_path = sample.role_dir / "huggingface" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+
+    caplog.set_level(logging.WARNING, logger="merge_pipeline")
+    code, _, err = run_cli(capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out")
+
+    assert code == 0, err
+    assert "quantization_config (mxfp4) left out: the merged weights are not quantized" in caplog.text
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert meta_load_problems(tmp_path / "out") == []
