@@ -8,7 +8,6 @@ bounded by the largest single tensor, never by the model.
 from __future__ import annotations
 
 import contextlib
-import io
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import torch
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.store.sources import ByteSource
+from merge_pipeline.store.sources import ByteSource, SourceRange
 from merge_pipeline.store.view import byte_source
 
 # Reads are done in pieces of at most this many bytes, so a cast or a copy never holds more.
@@ -82,27 +81,13 @@ class SourceFile:
         self.source.close()
 
 
-class FileRange(io.RawIOBase):
-    """A read-only, seekable window onto part of an open file: one chunk's torch.save archive,
-    or a whole torch.save file of a store (``torch_files.torch_archive``)."""
+class FileRange(SourceRange):
+    """A window onto part of a plan's input file (one chunk's torch.save archive) read through the file:
+    its bytes counted, and a file that ends early refused."""
 
     def __init__(self, file: SourceFile, offset: int, length: int):
-        super().__init__()
-        self.file, self.offset, self.length, self.position = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
-        self.position = base + position
-        return self.position
+        super().__init__(file.source, offset, length)
+        self.file = file
 
     def readinto(self, buffer) -> int:
         n = max(0, min(len(buffer), self.length - self.position))

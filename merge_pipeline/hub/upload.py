@@ -63,6 +63,7 @@ from merge_pipeline.hub.card_metadata import card_metadata
 from merge_pipeline.hub.model_card import CARD, readme_to_publish, render_card
 from merge_pipeline.settings import HUB_TIMEOUT
 from merge_pipeline.store.record import MANIFEST
+from merge_pipeline.store.sources import SourceRange
 from merge_pipeline.store.upload import sha256_uploaded_with
 from merge_pipeline.store.view import byte_source, store_object
 
@@ -462,10 +463,8 @@ def _client_source(source: Path | bytes) -> Path | bytes | io.BufferedReader:
     (``store.view.viewed``), a seekable reader of ranged GETs pinned to the object's ETag (never downloaded)."""
     if isinstance(source, bytes) or store_object(source) is None:
         return source
-    from merge_pipeline.plan import FileRange, SourceFile  # torch: not for the Dagster location's load
-
-    file = SourceFile(source)
-    return io.BufferedReader(FileRange(file, 0, file.size), _STORE_READ)
+    stored = byte_source(source)
+    return io.BufferedReader(SourceRange(stored, 0, stored.size), _STORE_READ)
 
 
 def _retrying(attempt, policy: RetryPolicy, token: str):
