@@ -33,6 +33,7 @@ from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedu
 from merge_pipeline.dagster.jobs import report_job
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.promotion import promotion_definitions
+from merge_pipeline.dagster.promotion_sensor import promote_best_sensor
 from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_automation import step_report_automation
 from merge_pipeline.dagster.resources import MergeSettings
@@ -43,6 +44,7 @@ from merge_pipeline.watch.location_settings import (
     BY_NAME,
     EVALUATION_THRESHOLD,
     FRESHNESS_MINUTES,
+    PROMOTE_BEST_BY,
     SENSOR_INTERVAL_SECONDS,
     Setting,
     attributes,
@@ -111,9 +113,12 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
         interval = SENSOR_INTERVAL_SECONDS.value(self.sensor_interval_seconds)
         freshness = FRESHNESS_MINUTES.value(self.freshness_minutes)
         threshold = EVALUATION_THRESHOLD.value(self.evaluation_threshold)
-        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled, threshold is not None)
+        gated = threshold is not None
+        hub_model, publish_latest_steps = hub_definitions(names, self.hub.schedule, hub.enabled, gated)
         evaluation, evaluate_job = evaluation_definitions(names, threshold)
         promoted_model, promote_job = promotion_definitions(names)
+        best_by = PROMOTE_BEST_BY.value(self.promote_best_by)  # none: no sensor, promotion only by hand
+        promote_best = [promote_best_sensor(names, promote_job, best_by, gated, interval)] if best_by else []
         merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(
             assets=[
@@ -131,6 +136,7 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
                 checkpoint_sensor(names, interval, self.max_concurrent_merges),
                 step_report_automation(names, interval),
                 failure_webhook(names),
+                *promote_best,
             ],
             schedules=[publish_latest_steps],
             resources={

@@ -54,6 +54,31 @@ class Threshold:
         return f"{self.metric} is {value:g}: expected {self.op} {self.bound:g}"
 
 
+_BEST_BY = re.compile(r"\s*(?P<metric>.+?)\s+(?P<way>max|min)\s*")
+
+
+@dataclass(frozen=True)
+class BestBy:
+    """``<metric> max`` (the highest value is best, e.g. an accuracy) or ``<metric> min`` (e.g. a loss)."""
+
+    metric: str
+    way: str
+
+    @classmethod
+    def parse(cls, text: str, named: str) -> BestBy:
+        found = _BEST_BY.fullmatch(text)
+        if not found:
+            raise MergeError(None, f"{named} is {text!r}: expected '<metric> max' or '<metric> min'")
+        return cls(found["metric"], found["way"])
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.way}"
+
+    def rank(self, value: float) -> float:
+        """Higher is better, whichever way the metric goes."""
+        return value if self.way == "max" else -value
+
+
 def record_in_manifest(folder: Path, command: str, metrics: dict[str, float], evaluated: dict) -> None:
     """The metrics under the manifest's ``evaluation`` key, replacing the file at once (a reader sees the
     old manifest or the new one, never half of one). ``evaluated``: the manifest when the evaluation began;

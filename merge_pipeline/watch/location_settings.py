@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, create_model
 
-from merge_pipeline.hf.evaluation import Threshold
+from merge_pipeline.hf.evaluation import BestBy, Threshold
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.hub.upload import DEFAULT_ENDPOINT
 from merge_pipeline.settings import (
@@ -63,6 +63,7 @@ def _split_roots(setting: str) -> list[str]:
 
 
 THRESHOLD = Kind(str, Threshold.parse, checked_at_load=True)
+BEST_BY = Kind(str, BestBy.parse, checked_at_load=True)
 FOLDERS_OR_URLS = Kind(list[str], _folders_or_urls)
 FOLDER_OR_URL = Kind(str, lambda value, named: folder_or_url(value))
 
@@ -186,6 +187,16 @@ EVALUATION_THRESHOLD: Setting[str | None] = Setting(
     unset="no threshold",
     name="evaluation_threshold",
 )
+PROMOTE_BEST_BY: Setting[str | None] = Setting(
+    "MERGE_PIPELINE_PROMOTE_BEST_BY",
+    BEST_BY,
+    None,
+    "'<metric> max' or '<metric> min': the sensor promote_best_steps promotes each run's evaluated step with "
+    "the best value of that metric (ties: the newest step), never one that missed evaluation_threshold",
+    resource=None,
+    unset="no automatic promotion",
+    name="promote_best_by",
+)
 # Publishing to a Hugging Face Hub (dagster/hub.py): the `hub` resource, the component's `hub:` section;
 # its timeout, which the CLI's upload reads too, is settings.HUB_TIMEOUT.
 HUB_ORG: Setting[str] = Setting(
@@ -264,6 +275,7 @@ SETTINGS = (
     FRESHNESS_MINUTES,
     EVALUATION_COMMAND,
     EVALUATION_THRESHOLD,
+    PROMOTE_BEST_BY,
     HUB_ORG,
     HUB_PRIVATE,
     HUB_REPO_TEMPLATE,
