@@ -40,7 +40,8 @@ def promote_best_sensor(
         "Once per evaluation that makes a step the best of its run (ties: the newest step), unless it is "
         "already the promoted one; never a step whose evaluation missed the threshold.",
     )
-    def promote_best_steps(context: dg.SensorEvaluationContext):
+    def promote_best_steps(context: dg.SensorEvaluationContext, **_called_with: object):
+        # (called directly, Dagster passes the resources as arguments too; the daemon does not)
         hub = getattr(context.resources, names("hub"))
         return _best_steps(context, names, best_by, gated, hub.enabled)
 
