@@ -6,7 +6,8 @@ Materializing it for a partition (job ``promote_step``, from the UI's partition 
 - in a store (an ``output_root`` of ``s3://...``): the step's prefix copied server-side to
   ``<output_root>/promoted/<run>/<role>``, manifest last (``store.publish.copy_published_in_store``).
 What was promoted where is this asset's metadata for the step's partition; the latest materialization of a
-run's partitions names the step served.
+run's partitions names the step served. With ``promote_best_by`` set, ``promotion_sensor`` launches the job
+for each run's best evaluated step.
 """
 
 import dagster as dg
