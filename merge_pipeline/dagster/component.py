@@ -39,6 +39,7 @@ from merge_pipeline.dagster.report_automation import step_report_automation
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.dagster.scaffolder import MergeCheckpointsScaffolder
 from merge_pipeline.dagster.sensors import checkpoint_sensor
+from merge_pipeline.errors import MergeError
 from merge_pipeline.watch.keys import HUB_CRON
 from merge_pipeline.watch.location_settings import (
     BY_NAME,
@@ -118,6 +119,8 @@ class MergeCheckpoints(dg.Component, dg.Resolvable, with_fields(dg.Model, attrib
         evaluation, evaluate_job = evaluation_definitions(names, threshold)
         promoted_model, promote_job = promotion_definitions(names)
         best_by = PROMOTE_BEST_BY.value(self.promote_best_by)  # none: no sensor, promotion only by hand
+        if best_by and not hub.enabled:  # an evaluated folder is local: only the Hub has a place to promote it to
+            raise MergeError(None, "promote_best_by is set, but hub: organization is not: nowhere to promote a step")
         promote_best = [promote_best_sensor(names, promote_job, best_by, gated, interval)] if best_by else []
         merge_config = checked_merge_config(self.merge_config or {})
         merge = dg.Definitions(

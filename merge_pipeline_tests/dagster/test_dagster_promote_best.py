@@ -25,14 +25,9 @@ with open_dagster_pipes() as pipes:
     scores = json.loads(Path(sys.argv[2]).read_text())
     pipes.report_asset_materialization(metadata={"score": scores[Path(sys.argv[1]).parent.name]})
 """
-# step 3 scores best but misses the threshold; step 4 is later and better than step 2; step 5 later and worse
-SCORES = {
-    "global_step_1": 0.5,
-    "global_step_2": 0.8,
-    "global_step_3": 0.95,
-    "global_step_4": 0.85,
-    "global_step_5": 0.6,
-}
+# step 3 scores best but misses the threshold; step 4 is later and better than step 2; step 5 later and worse;
+# step 6 ties with step 4: the newer step wins
+SCORES = {f"global_step_{n}": score for n, score in enumerate((0.5, 0.8, 0.95, 0.85, 0.6, 0.85), 1)}
 
 
 def key(step: int) -> str:
@@ -44,12 +39,12 @@ def test_the_best_evaluated_step_of_a_run_is_promoted_once_and_a_better_later_on
     fsdp_checkpoint,
     roots,
     instance,
-    tmp_path,  # noqa: F811
+    tmp_path,
 ):
     sample = fsdp_checkpoint(ACTOR)
     for step in SCORES:
         roots.drop(sample, f"run/{step}", link=True)
-    (roots.checkpoints / "run" / TRACKER).write_text("5")
+    (roots.checkpoints / "run" / TRACKER).write_text("6")
     script, scores = tmp_path / "score.py", tmp_path / "scores.json"
     script.write_text(SCORE_SCRIPT)
     scores.write_text(json.dumps(SCORES))
@@ -64,7 +59,7 @@ def test_the_best_evaluated_step_of_a_run_is_promoted_once_and_a_better_later_on
         hub=HubPublishing(organization="org"),
     ).definitions(Names("c"))
     sensor = built.resolve_sensor_def("c__promote_best_steps")
-    instance.add_dynamic_partitions("c__checkpoints", [key(step) for step in range(1, 6)])
+    instance.add_dynamic_partitions("c__checkpoints", [key(step) for step in range(1, 7)])
 
     def run(job: str, step: int) -> bool:
         return (
@@ -100,6 +95,9 @@ def test_the_best_evaluated_step_of_a_run_is_promoted_once_and_a_better_later_on
     merged_published_evaluated(5)
     assert tick() == []  # later, but worse
     assert hub.tree("org/run-actor", "main") == hub.tree("org/run-actor", "global_step_4")
+    merged_published_evaluated(6)
+    [(best, _)] = tick()
+    assert best == key(6)
 
 
 def test_the_sensor_exists_only_with_the_setting_and_a_bad_value_is_refused_in_one_line(monkeypatch):
@@ -108,9 +106,11 @@ def test_the_sensor_exists_only_with_the_setting_and_a_bad_value_is_refused_in_o
     assert "c__promote_best_steps" not in names and "c__new_checkpoint_sensor" in names
 
     monkeypatch.setenv("MERGE_PIPELINE_PROMOTE_BEST_BY", "accuracy max")
-    names = {s.name for s in MergeCheckpoints(prefix="c").definitions(Names("c")).sensors or []}
-    assert "c__promote_best_steps" in names
+    with pytest.raises(MergeError, match=r"promote_best_by is set, but hub: organization is not"):
+        MergeCheckpoints(prefix="c").definitions(Names("c"))
+    on_hub = MergeCheckpoints(prefix="c", hub=HubPublishing(organization="org"))
+    assert "c__promote_best_steps" in {s.name for s in on_hub.definitions(Names("c")).sensors or []}
 
     monkeypatch.setenv("MERGE_PIPELINE_PROMOTE_BEST_BY", "accuracy best")
     with pytest.raises(MergeError, match=r"MERGE_PIPELINE_PROMOTE_BEST_BY is 'accuracy best': expected '<metric> max'"):
-        MergeCheckpoints(prefix="c").definitions(Names("c"))
+        on_hub.definitions(Names("c"))
