@@ -6,8 +6,8 @@ merge (one whose blocking checks passed), reported the metric, and met ``evaluat
 set; the best value wins, a tie goes to the newest step. It requests ``promote_step`` for that partition
 once per evaluation (``run_key``: the partition and the evaluation's storage id), unless the step is
 already the run's promoted one (the latest ``promoted_model`` materialization among the run's partitions).
-With a Hub organization set, it waits until ``hub_model`` published the step's latest merge (promotion
-commits that upload to ``main``), and does not fall back to a lesser step meanwhile.
+It waits until ``hub_model`` published the step's latest merge (promotion commits that upload to ``main``; the
+component defines the sensor only with a Hub organization), and does not fall back to a lesser step meanwhile.
 """
 
 from __future__ import annotations
@@ -35,20 +35,17 @@ def promote_best_sensor(
         job=job,
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,  # defined only when a user asked for it
-        required_resource_keys={names("hub")},
         description=f"Promotes each run's best evaluated step by {best_by}.\n\n"
         "Once per evaluation that makes a step the best of its run (ties: the newest step), unless it is "
         "already the promoted one; never a step whose evaluation missed the threshold.",
     )
-    def promote_best_steps(context: dg.SensorEvaluationContext, **_called_with: object):
-        # (called directly, Dagster passes the resources as arguments too; the daemon does not)
-        hub = getattr(context.resources, names("hub"))
-        return _best_steps(context, names, best_by, gated, hub.enabled)
+    def promote_best_steps(context: dg.SensorEvaluationContext):
+        return _best_steps(context, names, best_by, gated)
 
     return promote_best_steps
 
 
-def _best_steps(context: dg.SensorEvaluationContext, names: Names, best_by: BestBy, gated: bool, on_hub: bool):
+def _best_steps(context: dg.SensorEvaluationContext, names: Names, best_by: BestBy, gated: bool):
     instance = context.instance
     runs: dict[tuple[str, str], list[CheckpointName]] = defaultdict(list)
     for partition in instance.get_dynamic_partitions(names.partitions.name):
@@ -62,8 +59,8 @@ def _best_steps(context: dg.SensorEvaluationContext, names: Names, best_by: Best
         key, evaluated, merged = best
         if _promoted(instance, names, steps) == str(key):
             continue
-        published = latest_materialization(instance, names.key("hub_model"), str(key)) if on_hub else None
-        if on_hub and (published is None or published.storage_id < merged.storage_id):
+        published = latest_materialization(instance, names.key("hub_model"), str(key))
+        if published is None or published.storage_id < merged.storage_id:
             context.log.info(f"{key}: the best by {best_by}, promoted once hub_model published its latest merge")
             continue
         requests.append(dg.RunRequest(run_key=f"{key}@{evaluated.storage_id}", partition_key=str(key)))

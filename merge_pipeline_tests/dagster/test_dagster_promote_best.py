@@ -74,7 +74,7 @@ def test_the_best_evaluated_step_of_a_run_is_promoted_once_and_a_better_later_on
         assert run("evaluate_merged_step", step) is (SCORES[f"global_step_{step}"] <= 0.9)
 
     def tick() -> list[tuple[str, str]]:
-        answer = sensor(dg.build_sensor_context(instance=instance, resources=built.resources))
+        answer = sensor(dg.build_sensor_context(instance=instance))
         return [] if isinstance(answer, dg.SkipReason) else [(r.partition_key, r.run_key) for r in answer]
 
     for step in (1, 2, 3):
