@@ -23,12 +23,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import OutputPlan, quantized_shards
+from merge_pipeline.engine.outputs import KeptFromPass, OutputPlan, quantized_shards
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, Fp8Decisions, decide_fp8
@@ -91,7 +90,10 @@ def quantized_pair(weight: PlannedTensor, block: int) -> tuple[OutputTensor, Out
     grid = (rows // block, cols // block)
     return (
         OutputTensor(PlannedTensor(weight.name, weight.shape, FP8, source), FP8),
-        OutputTensor(PlannedTensor(weight.name + SCALE_SUFFIX, grid, SCALE_DTYPE, _Scales(source)), SCALE_DTYPE),
+        OutputTensor(
+            PlannedTensor(weight.name + SCALE_SUFFIX, grid, SCALE_DTYPE, KeptFromPass(source, source.take_scales)),
+            SCALE_DTYPE,
+        ),
     )
 
 
@@ -152,6 +154,11 @@ class _Fp8Bands:
             raise RuntimeError(f"{self.weight.name}: source gave {done * band_numel + filled} of {rows * cols} values")
         self.scales = scales
 
+    def take_scales(self) -> torch.Tensor | None:
+        """The ``weight_scale_inv`` the last pass kept, once (``None`` before a pass)."""
+        scales, self.scales = self.scales, None
+        return scales
+
     def _quantize(self, flat: torch.Tensor, scales: torch.Tensor, first: int) -> torch.Tensor:
         cols = self.weight.shape[1]
         try:
@@ -160,21 +167,3 @@ class _Fp8Bands:
             raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized to FP8") from None
         scales[first : first + len(tile_scales)] = tile_scales
         return quantized
-
-
-@dataclass(frozen=True)
-class _Scales:
-    """The ``weight_scale_inv`` of a quantized weight: kept from its pass when it was written just before
-    (always, in this writer's order); otherwise the weight's bands are quantized again to get them."""
-
-    weight: _Fp8Bands
-
-    def byte_runs(self) -> None:
-        return None
-
-    def pieces(self) -> Iterator[torch.Tensor]:
-        if self.weight.scales is None:
-            for _ in self.weight.pieces():
-                pass
-        scales, self.weight.scales = self.weight.scales, None  # written once: free it
-        yield scales

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import OutputPlan, quantized_shards
+from merge_pipeline.engine.outputs import KeptFromPass, OutputPlan, quantized_shards
 from merge_pipeline.engine.quantize import QUANTIZED_FROM, quantize_band
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
@@ -90,7 +90,7 @@ def mxfp4_outputs(outputs: OutputPlan, base_config: dict, max_shard_size: str | 
         blocks = _ExpertBlocks(weight)
         return (
             OutputTensor(PlannedTensor(f"{weight.name}_blocks", (experts, outer, inner // _GROUP, 16), CODES, blocks), CODES),
-            (OutputTensor(PlannedTensor(f"{weight.name}_scales", (experts, outer, inner // _GROUP), CODES, _Scales(blocks)), CODES),),
+            (OutputTensor(PlannedTensor(f"{weight.name}_scales", (experts, outer, inner // _GROUP), CODES, KeptFromPass(blocks, blocks.take_scales)), CODES),),
         )  # fmt: skip
 
     return dataclasses.replace(
@@ -138,26 +138,13 @@ class _ExpertBlocks:
             raise RuntimeError(f"{self.weight.name}: source gave {len(scales)} of {experts} experts")
         self.scales = scales
 
+    def take_scales(self) -> torch.Tensor | None:
+        """The experts' ``_scales`` the last pass kept, once (``None`` before a pass)."""
+        scales, self.scales = self.scales, None
+        return None if scales is None else torch.stack(scales)
+
     def _quantized(self, expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             return quantize_expert(expert)
         except ValueError as exc:
             raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized") from None
-
-
-@dataclass(frozen=True)
-class _Scales:
-    """The ``_scales`` of an expert tensor: kept from its blocks' pass (written just before, in this writer's
-    order); otherwise the experts are quantized again to get them."""
-
-    blocks: _ExpertBlocks
-
-    def byte_runs(self) -> None:
-        return None
-
-    def pieces(self) -> Iterator[torch.Tensor]:
-        if self.blocks.scales is None:
-            for _ in self.blocks.pieces():
-                pass
-        scales, self.blocks.scales = self.blocks.scales, None  # written once: free it
-        yield torch.stack(scales)

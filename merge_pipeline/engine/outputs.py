@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, OUTPUT_ADAPTER_DIR, 
 from merge_pipeline.hf.quantization import QuantDecisions
 from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
 from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
-from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor
+from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor, TensorSource
 
 # fp8 is no cast: engine/fp8_quantize.py rewrites the plan (tensors are planned here in their stored dtype first).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
@@ -240,6 +240,27 @@ def config_dtype_for(tensors: Iterable[PlannedTensor], options: MergeOptions) ->
     """What config.json will say for these tensors under ``--dtype`` (``inspect``, before any plan of the output)."""
     requested = DTYPES.get(options.dtype)
     return auto_config_dtype(_output_dtype(t, requested) for t in tensors)
+
+
+@dataclass(frozen=True)
+class KeptFromPass:
+    """A tensor written right after the quantized weight whose pass computes it (its scales, zero points):
+    ``take`` hands over what that pass kept, freeing it (``None`` before the pass ran); the writer's order
+    runs the pass first, otherwise the weight is read and quantized again to get it."""
+
+    weight: TensorSource  # the quantized weight's: its ``pieces()`` run the pass
+    take: Callable[[], torch.Tensor | None]
+
+    def byte_runs(self) -> None:
+        return None
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        kept = self.take()
+        if kept is None:
+            for _ in self.weight.pieces():
+                pass
+            kept = self.take()
+        yield kept
 
 
 def quantized_shards(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import OutputPlan, quantized_shards
+from merge_pipeline.engine.outputs import KeptFromPass, OutputPlan, quantized_shards
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.fp8 import KEPT_DTYPE
@@ -112,7 +112,10 @@ def _quantized(weight: PlannedTensor, decisions: QuantDecisions, global_set: lis
     decisions.format = str(decisions.scheme.format.value)
     leader = OutputTensor(PlannedTensor(f"{module}.{lead[0]}", lead[1], lead[2], bands), lead[2])
     followers = tuple(
-        OutputTensor(PlannedTensor(f"{module}.{key}", shape, dtype, _Follower(bands, key)), dtype)
+        OutputTensor(
+            PlannedTensor(f"{module}.{key}", shape, dtype, KeptFromPass(bands, functools.partial(bands.take, key))),
+            dtype,
+        )
         for key, shape, dtype in rest
     )
     return leader, followers
@@ -238,6 +241,10 @@ class _Bands:
             raise RuntimeError(f"{self.weight.name}: source gave {done} of {rows} rows")
         self.kept = {key: self._whole(key, values) for key, values in kept.items()}
 
+    def take(self, key: str) -> torch.Tensor | None:
+        """The follower ``key`` the last pass kept, once (``None`` before a pass)."""
+        return None if self.kept is None else self.kept.pop(key, None)
+
     def _whole(self, key: str, bands: list[torch.Tensor]) -> torch.Tensor:
         """A follower of the whole weight from its bands': per-row ones stacked, per-tensor ones taken once."""
         if key == "weight_shape":
@@ -286,21 +293,3 @@ def _row_groups(weight: PlannedTensor, rows_per_group: int) -> Iterator[torch.Te
                 group, filled = torch.empty(wanted, dtype=QUANTIZED_FROM), 0
     if filled:
         yield group[:filled].view(-1, cols)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Follower:
-    """One of the parameters written after a quantized weight: kept from the weight's pass (always, in this
-    writer's order); otherwise the weight's bands are quantized again to get it."""
-
-    bands: _Bands
-    key: str
-
-    def byte_runs(self) -> None:
-        return None
-
-    def pieces(self) -> Iterator[torch.Tensor]:
-        if self.bands.kept is None or self.key not in self.bands.kept:
-            for _ in self.bands.pieces():
-                pass
-        yield self.bands.kept.pop(self.key)  # written once: free it
