@@ -61,14 +61,19 @@ def promotion_definitions(names: Names) -> "tuple[dg.AssetsDefinition, dg.Unreso
 
 def _promote(context: dg.AssetExecutionContext, settings: MergeSettings, hub, names: Names) -> dict:
     from merge_pipeline.hub.promotion import promote_to_main  # huggingface_hub: by the run, not the location's load
-    from merge_pipeline.store.publish import copy_published_in_store
+    from merge_pipeline.store.lock import locked_store_target
+    from merge_pipeline.store.publish import copy_published_in_store, unguarded
+    from merge_pipeline.store.target_rules import check_store_target
 
     key = checkpoint_key(context.partition_key)
     target = settings.target_dir(key)
     metadata: dict = {"step": str(key)}
     if in_store(target):
         copied_to = promoted_url(settings, key)
-        manifest = copy_published_in_store(target, copied_to)
+        # a merge's target rules: objects we did not write there are refused, one writer at a time
+        check_store_target(copied_to, overwrite=True)
+        with locked_store_target(copied_to) as lock:
+            manifest = copy_published_in_store(target, copied_to, guard=lock.guard if lock else unguarded)
         metadata |= {"promoted prefix": copied_to, "files copied": len(manifest["files"]) + 1}
     if hub.enabled:
         published = latest_materialization(context.instance, names.key("hub_model"), context.partition_key)

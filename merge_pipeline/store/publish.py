@@ -80,11 +80,12 @@ def publish_folder(folder: Path, url: str, manifest: dict, *, guard: Callable[[]
     log.info("published %d files to %s (%s last)", len(local), url, MANIFEST)
 
 
-def copy_published_in_store(source: str, target: str) -> dict:
+def copy_published_in_store(source: str, target: str, *, guard: Callable[[], None] = unguarded) -> dict:
     """Copy the complete merged prefix ``source`` to ``target`` in the same store, server-side (no byte passes
     through this process), in ``publish_folder``'s order: the names recorded beside ``target`` and its old
     manifest deleted first, then every file the source manifest lists, the manifest last, then the old
-    objects the new one does not name. The source's manifest, as copied."""
+    objects the new one does not name. ``guard`` (``store.lock.LockGuard``) confirms the target's lock before
+    each deletion and copy. The source's manifest, as copied."""
     src, dst = location(source), location(target)
     if src.fs.protocol != dst.fs.protocol:
         raise MergeError(None, f"{target}: not in the store of {source}: a server-side copy stays in one store")
@@ -93,14 +94,17 @@ def copy_published_in_store(source: str, target: str) -> dict:
         raise MergeError(None, f"{source}: incomplete: no {MANIFEST}; a merge is still publishing or failed")
     names = set(manifest["files"])
     with asking(target):
-        ours = record_publishing(dst, {*names, MANIFEST}, unguarded)
+        ours = record_publishing(dst, {*names, MANIFEST}, guard)
         before = set(listed(dst)) if dst.fs.exists(dst.path) else set()
         if MANIFEST in before:
+            guard()
             dst.fs.rm_file(dst.key(MANIFEST))
         for name in sorted(names):  # a copy keeps the object's metadata: the sha256 recorded at upload
+            guard()
             src.fs.copy(src.key(name), dst.key(name))
+        guard()
         src.fs.copy(src.key(MANIFEST), dst.key(MANIFEST))
-        delete_stale(dst, before & ours, names, unguarded)
+        delete_stale(dst, before & ours, names, guard)
     log.info("copied %d files from %s to %s (%s last)", len(names), source, target, MANIFEST)
     return manifest
 

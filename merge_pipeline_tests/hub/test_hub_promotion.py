@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import dagster as dg
 
@@ -52,21 +53,31 @@ def test_promotion_commits_a_steps_files_to_main_without_sending_a_weight_byte_a
     assert len(hub.sent("PUT", r"^/lfs/")) == uploads  # no weight byte sent again
 
 
-def test_promotion_copies_a_step_to_promoted_in_the_bucket_manifest_and_all(bucket, fsdp_checkpoint, roots, instance):  # noqa: F811
-    fs, name = bucket
-    local = roots.settings()
+def published_in_the_bucket(store_bucket, fsdp_checkpoint, roots, instance) -> tuple[Path, MergeSettings]:
+    """Step 1 merged, then published to the bucket as a store merge publishes it; the settings of that output root."""
+    _, name = store_bucket
     roots.drop(fsdp_checkpoint(ACTOR), "run/global_step_1", tracker=1, link=True)
-    assert materialize(instance, local, STEPS[0]).success
+    assert materialize(instance, roots.settings(), STEPS[0]).success
     folder = roots.target(STEPS[0])
     publish_folder(folder, f"s3://{name}/merged/{STEPS[0]}", read_manifest(folder))
-    in_store = MergeSettings(checkpoint_roots=[str(roots.checkpoints)], output_root=f"s3://{name}/merged")
+    return folder, MergeSettings(checkpoint_roots=[str(roots.checkpoints)], output_root=f"s3://{name}/merged")
 
-    result = dg.materialize(
+
+def promote(instance, settings: MergeSettings) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
         [promoted_model],
         partition_key=STEPS[0],
         instance=instance,
-        resources={"settings": in_store, "hub": HuggingFaceHub(organization="")},
+        resources={"settings": settings, "hub": HuggingFaceHub(organization="")},
+        raise_on_error=False,
     )
+
+
+def test_promotion_copies_a_step_to_promoted_in_the_bucket_manifest_and_all(bucket, fsdp_checkpoint, roots, instance):  # noqa: F811
+    fs, name = bucket
+    folder, in_store = published_in_the_bucket(bucket, fsdp_checkpoint, roots, instance)
+
+    result = promote(instance, in_store)
 
     assert result.success
     promoted = f"{name}/merged/promoted/run/actor"
@@ -77,3 +88,28 @@ def test_promotion_copies_a_step_to_promoted_in_the_bucket_manifest_and_all(buck
     assert copied[MANIFEST] == (folder / MANIFEST).read_bytes()
     [event] = result.get_asset_materialization_events()
     assert event.materialization.metadata["promoted prefix"].value == f"s3://{promoted}"
+
+
+def test_promotion_into_a_prefix_holding_objects_we_did_not_write_is_refused_and_keeps_them(
+    bucket,  # noqa: F811
+    fsdp_checkpoint,
+    roots,
+    instance,
+):
+    """``promoted/<run>/<role>`` follows a merge target's rules: another team's object there is refused in one
+    line, before any copy, and stays."""
+    fs, name = bucket
+    _, in_store = published_in_the_bucket(bucket, fsdp_checkpoint, roots, instance)
+    theirs = f"{name}/merged/promoted/run/actor/eval/results.json"
+    fs.pipe_file(theirs, b'{"theirs": true}')
+
+    result = promote(instance, in_store)
+
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    description = failure.step_failure_data.user_failure_data.description
+    assert (
+        f"s3://{name}/merged/promoted/run/actor: is not empty and has no {MANIFEST} from merge_pipeline" in description
+    )
+    assert "\n" not in description
+    assert fs.find(f"{name}/merged/promoted") == [theirs] and fs.cat_file(theirs) == b'{"theirs": true}'
