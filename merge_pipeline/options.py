@@ -1,6 +1,6 @@
 """The merge options, described once: the CLI's flags and Dagster's run config are both built from ``MergeOptions``.
 
-Each field carries its help text, choices and the CLI commands that take it as metadata (``described``: the
+Each field carries its help text, choices and the CLI commands that take it as metadata (``settings.described``: the
 one way a knob is described, ``RaySettings``' too); ``OPTION_FIELDS`` lists them in order. Dagster's
 ``hf_model`` takes them all; its ``averaging:`` setting takes averaging's from here (``option_field``).
 """
@@ -8,11 +8,11 @@ one way a knob is described, ``RaySettings``' too); ``OPTION_FIELDS`` lists them
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, fields
 
 from merge_pipeline.errors import MergeError, shown
+from merge_pipeline.settings import described, parse_size
 
 BACKENDS = ("auto", "fsdp", "megatron", "hf", "deepspeed", "dcp")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8")
@@ -24,14 +24,6 @@ TENSORS = ("merge", "test")  # what tensors come out: also compared by `test`
 FOLDER = ("merge",)  # how the folder is written
 AVERAGE = ("average",)  # averaging: set by the `average` command and Dagster's averaged_model, no merge flag
 ACCUMULATE_CHOICES = ("float32", "float64")
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_SIZE_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def described(default, help: str, **cli):
-    """A dataclass field with its default and help text; ``cli``: its CLI spellings (``flags``, ``metavar``,
-    ``nargs``) and, for an option, its commands and choices. The CLI's flags and Dagster's config are built from them."""
-    return field(default=default, metadata={"help": help, **cli})
 
 
 def _option(default, help: str, *, commands=TENSORS, choices: tuple[str, ...] | None = None, **cli):
@@ -177,20 +169,6 @@ def average_weights(
         # ema_0 = x_0, ema_i = ema * ema_{i-1} + (1 - ema) * x_i: the oldest keeps ema^(K-1)
         return tuple(ema ** (count - 1) if i == 0 else (1 - ema) * ema ** (count - 1 - i) for i in range(count))
     return (1 / count,) * count
-
-
-def parse_size(size: str | int, flag: str) -> int:
-    """Bytes, at least 1, from an int or an HF-style size ("64MB", "1.5GB"; decimal units; "32MiB" binary)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]i?B)?\s*", str(size), re.IGNORECASE)
-        if not match:
-            raise MergeError(None, f"{flag} {size!r}: expected a size such as 64MB or 1GB")
-        value = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
-    if value < 1:
-        raise MergeError(None, f"{flag} {size!r}: must be at least 1 byte")
-    return value
 
 
 # The options of one merge (CLI flags, hf_model's run config); averaging's are set by its own command and asset.

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.options import described, parse_size
+from merge_pipeline.settings import described, parse_size
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,48 @@ command that needs none (``inspect`` of a local folder) runs. The Dagster compon
 (``watch/location_settings.py``) are records of the same type. Numbers are finite and bounded (``1e300``
 minutes or seconds would overflow a timedelta or a socket's timeout); sizes take ``33554432``,
 ``32MiB`` or ``4GB``.
+
+The schema helpers every record type shares live here too: ``described`` (a field with its help, for
+``MergeOptions`` and ``RaySettings``) and ``parse_size``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import reprlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.options import parse_size
 
 T = TypeVar("T")
+
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def described(default, help: str, **cli):
+    """A dataclass field with its default and help text; ``cli``: its CLI spellings (``flags``, ``metavar``,
+    ``nargs``) and, for an option, its commands and choices. The CLI's flags and Dagster's config are built from them."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+def parse_size(size: str | int, flag: str) -> int:
+    """Bytes, at least 1, from an int or an HF-style size ("64MB", "1.5GB"; decimal units; "32MiB" binary)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]i?B)?\s*", str(size), re.IGNORECASE)
+        if not match:
+            raise MergeError(None, f"{flag} {size!r}: expected a size such as 64MB or 1GB")
+        value = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
+    if value < 1:
+        raise MergeError(None, f"{flag} {size!r}: must be at least 1 byte")
+    return value
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def _config_type(option: dataclasses.Field) -> object:
 
 
 def config_field(option: dataclasses.Field, description: str | None = None) -> FieldInfo:
-    """A described field (``options.described``) as a config field: its default (a tuple as a list) and its
+    """A described field (``settings.described``) as a config field: its default (a tuple as a list) and its
     help as the description (``description``: a schema's own words for it)."""
     default = list(option.default) if isinstance(option.default, tuple) else option.default
     return Field(default=default, description=description or option.metadata["help"])

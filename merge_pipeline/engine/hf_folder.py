@@ -13,7 +13,8 @@ from merge_pipeline.errors import printable, shown_path
 from merge_pipeline.files.inputs import read_capped
 from merge_pipeline.hf.config import CONFIG, ModelConfig, output_config
 from merge_pipeline.hf.file_names import INDEX, WEIGHT_SUFFIXES
-from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE, parse_size
+from merge_pipeline.options import DEFAULT_MAX_SIDE_FILE_SIZE
+from merge_pipeline.settings import parse_size
 
 log = logging.getLogger(__name__)
 

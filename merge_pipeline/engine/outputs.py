@@ -17,8 +17,9 @@ from merge_pipeline.hf.fp8 import Fp8Decisions
 from merge_pipeline.hf.lora import ADAPTER_FILE, LORA_META, OUTPUT_ADAPTER_DIR, has_lora_tensors
 from merge_pipeline.hf.quantization import QuantDecisions
 from merge_pipeline.hf.safetensors import MAX_HEADER_BYTES, METADATA_KEY, exact_common_dtype
-from merge_pipeline.options import DTYPE_CHOICES, MergeOptions, parse_size
+from merge_pipeline.options import DTYPE_CHOICES, MergeOptions
 from merge_pipeline.plan import CheckpointPlan, LoraInfo, PlannedTensor, TensorSource
+from merge_pipeline.settings import parse_size
 
 # fp8 is no cast: engine/fp8_quantize.py rewrites the plan (tensors are planned here in their stored dtype first).
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
