@@ -63,7 +63,7 @@ TASK_LINE = re.compile(
 HOLD_CLUSTER = """
 import json, sys
 import psutil
-from merge_pipeline_tests.ray_cluster import add_worker, local_cluster
+from local_servers.ray_cluster import add_worker, local_cluster
 
 def tree_cpu():
     me = psutil.Process()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.checkpoints import DEFAULT_CACHE, ensure_checkpoint
-from merge_pipeline_tests.hub.fake_hub import FakeHub, User
+from local_servers.fake_hub import FakeHub, User
 
 FLOOR = r"""
 import sys, s3fs, time

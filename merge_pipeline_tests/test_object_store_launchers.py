@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from local_servers.ray_cluster import local_cluster
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.merge import merge
 from merge_pipeline.ray_settings import RaySettings
@@ -17,7 +18,6 @@ from merge_pipeline.workers.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, run_cli, torchrun
 from merge_pipeline_tests.object_store import SECRET_KEY, download, upload, weights_and_index
-from merge_pipeline_tests.ray_cluster import local_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from local_servers.ray_cluster import MERGE_RESOURCE, add_worker, free_port, local_cluster, write_tasks
 from merge_pipeline.engine.publish import lock_path, staging_path
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.merge import merge
@@ -25,7 +26,6 @@ from merge_pipeline.ray_settings import RaySettings
 from merge_pipeline.workers.ray_tasks import RayTasks
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import cli_merge_command, error_lines, run_cli, tree_digest
-from merge_pipeline_tests.ray_cluster import MERGE_RESOURCE, add_worker, free_port, local_cluster, write_tasks
 
 SHARDS = "200KB"  # several weight files from the small samples: something to spread over the nodes
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
+from local_servers.ray_cluster import local_cluster
 from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition
 from merge_pipeline.dagster.component import MergeCheckpoints
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.dagster.averaged_steps import publish_merged_steps
 from merge_pipeline_tests.helpers import tree_digest
-from merge_pipeline_tests.ray_cluster import local_cluster
 
 SHARDS = {"max_shard_size": "200KB"}  # several weight files: the workers share them
 # What names its inputs (their paths differ per run); every other file must be the same bytes.

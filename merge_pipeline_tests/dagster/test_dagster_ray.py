@@ -10,6 +10,7 @@ import time
 import dagster as dg
 import pytest
 
+from local_servers.ray_cluster import local_cluster
 from merge_pipeline.dagster.component import MergeCheckpoints
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.engine.publish import lock_path, staging_path
@@ -17,7 +18,6 @@ from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest
-from merge_pipeline_tests.ray_cluster import local_cluster
 
 INPROCESS = {"max_shard_size": "200KB"}
 

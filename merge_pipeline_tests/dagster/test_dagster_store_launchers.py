@@ -10,6 +10,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from local_servers.ray_cluster import local_cluster
 from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition
 from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.resources import MergeSettings
@@ -19,7 +20,6 @@ from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 from merge_pipeline_tests.dagster.test_dagster_store import put_step, store_settings
 from merge_pipeline_tests.helpers import assert_bit_exact, tree_digest
 from merge_pipeline_tests.object_store import download, weights_and_index
-from merge_pipeline_tests.ray_cluster import local_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -4,19 +4,19 @@ for byte, the manifest included; and so does the average of the same merged step
 the CLI or Dagster's ``averaged_model`` writes it (``pipeline.merge`` is the one sequence; the entry points
 only pick who writes and how workers agree, with ``workers.workers_for``).
 
-The Ray cluster is real (``ray_cluster.py``): run these under ``flock /tmp/ray-tests.lock``."""
+The Ray cluster is real (``local_servers/ray_cluster.py``): run these under ``flock /tmp/ray-tests.lock``."""
 
 from __future__ import annotations
 
 import dagster as dg
 import pytest
 
+from local_servers.ray_cluster import local_cluster
 from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition
 from merge_pipeline.dagster.names import Names
 from merge_pipeline_tests.dagster.averaged_steps import publish_merged_steps
 from merge_pipeline_tests.dagster.helpers import materialize
 from merge_pipeline_tests.helpers import merge, run_cli, torchrun, tree_digest
-from merge_pipeline_tests.ray_cluster import local_cluster
 from merge_pipeline_tests.test_distributed import SPEC
 
 pytestmark = pytest.mark.torchrun

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from local_servers.fake_hub import FakeHub, User
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.merge import merge
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.dagster.conftest import instance, roots  # noqa: F401 (fixtures for the Dagster tests here)
-from merge_pipeline_tests.hub.fake_hub import FakeHub, User
 
 WRITER = "hf_writerTOKENx7Qz9"  # alice: member of "org", may write
 READER = "hf_readerTOKENk2Lm4"  # bob: member of "org", read-only token

@@ -1,4 +1,4 @@
-"""A real multi-node Ray cluster on this machine, for the Ray launcher's tests.
+"""A real multi-node Ray cluster on this machine, for the Ray launcher's tests and benchmarks.
 
 A head that runs no task (the driver connects to it) and worker nodes of one CPU each, every one its
 own raylet (``ray.cluster_utils.Cluster``), each offering one unit of ``merge`` so that tasks asking
