@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.dagster.hub import HuggingFaceHub
+from merge_pipeline.dagster.hub_model import HuggingFaceHub
 from merge_pipeline.formats import checkpoint_name
 from merge_pipeline.hub.model_card import render_card
 from merge_pipeline.watch.partitions import checkpoint_key

@@ -205,7 +205,11 @@ def test_a_format_package_is_entered_only_from_itself() -> None:
 # component by its type in defs.yaml; the component (dagster/component.py) is the one module that puts the
 # definition modules together; what several of them share sits below them (keys, settings, names).
 DEFINITION_MODULES = {f"merge_pipeline.dagster.{m}" for m in ("assets", "report", "hub")}
-SHARED_BELOW = {"merge_pipeline.watch.keys", "merge_pipeline.watch.location_settings", "merge_pipeline.dagster.names"}
+SHARED_BELOW = {
+    "merge_pipeline.watch.keys",
+    "merge_pipeline.watch.location_settings",
+    "merge_pipeline.dagster.instance_names",
+}
 
 
 def test_the_dagster_side_keeps_its_rooms() -> None:

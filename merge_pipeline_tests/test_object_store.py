@@ -31,7 +31,7 @@ from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.inspect import describe
 from merge_pipeline.pipeline.merge import merge
-from merge_pipeline.store.upload import sha256_uploaded_with
+from merge_pipeline.store.object_upload import sha256_uploaded_with
 from merge_pipeline.store.view import byte_source, store_object, viewed
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, run_cli, tree_digest

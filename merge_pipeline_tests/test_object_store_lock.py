@@ -18,9 +18,9 @@ import pytest
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.store import lock as store_lock
-from merge_pipeline.store import publish
+from merge_pipeline.store import published_prefix
 from merge_pipeline.store.lock import LOCK_SUFFIX, locked_store_target
-from merge_pipeline.store.upload import upload_file
+from merge_pipeline.store.object_upload import upload_file
 from merge_pipeline.store.url import location
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import assert_bit_exact, error_lines, merge
@@ -143,7 +143,7 @@ def test_a_superseded_holder_stops_at_its_next_upload_and_leaves_the_new_merge_i
     assert code == 0, err
     newer = sorted(fs.find(f"{b}/newer"))
     monkeypatch.setenv("MERGE_PIPELINE_PARALLEL_UPLOADS", "1")  # one upload at a time: the takeover falls between two
-    real_upload, uploads = publish.upload_file, []
+    real_upload, uploads = published_prefix.upload_file, []
 
     def upload_then_taken_over(store, folder, relative, *args, **kwargs):
         real_upload(store, folder, relative, *args, **kwargs)
@@ -152,7 +152,7 @@ def test_a_superseded_holder_stops_at_its_next_upload_and_leaves_the_new_merge_i
             fs.pipe(f"{b}/merged{LOCK_SUFFIX}", b'{"host": "node-8", "pid": 1, "token": "theirs"}')
             fs.copy(newer, [k.replace(f"{b}/newer/", f"{b}/merged/") for k in newer])
 
-    monkeypatch.setattr(publish, "upload_file", upload_then_taken_over)
+    monkeypatch.setattr(published_prefix, "upload_file", upload_then_taken_over)
     code, _, err = merge(capsys, source, target, "--dtype", "float32", "--max-shard-size", "60000")
 
     assert code == 1 and len(error_lines(err)) == 1, err
@@ -187,6 +187,6 @@ def test_a_multipart_upload_is_confirmed_again_before_it_is_completed(bucket, tm
     assert len(confirmed) == 2 and not fs.exists(f"{b}/merged/model.safetensors")
     assert not fs.call_s3("list_multipart_uploads", Bucket=b).get("Uploads"), "its parts aborted"
 
-    upload_file(store, tmp_path, "model.safetensors", "ab" * 32, publish.unguarded)
+    upload_file(store, tmp_path, "model.safetensors", "ab" * 32, published_prefix.unguarded)
     assert fs.cat(f"{b}/merged/model.safetensors") == data
     assert fs.metadata(f"{b}/merged/model.safetensors", refresh=True)["sha256"] == "ab" * 32

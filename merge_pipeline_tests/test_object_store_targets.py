@@ -19,7 +19,7 @@ from fsspec.asyn import sync
 
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.merge import merge
-from merge_pipeline.store.publish import publish_folder
+from merge_pipeline.store.published_prefix import publish_folder
 from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.helpers import error_lines, run_cli
 from merge_pipeline_tests.object_store import upload

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from merge_pipeline.cli import _options, build_parser
-from merge_pipeline.dagster.averaging import Averaging
-from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.averaged_model import Averaging
+from merge_pipeline.dagster.run_config import MergeConfig
 from merge_pipeline.errors import MergeError
 from merge_pipeline.options import BACKENDS, OPTION_FIELDS, MergeOptions, cli_flags, option_field
 from merge_pipeline.pipeline.prepare import prepare

@@ -13,7 +13,7 @@ import urllib.request
 
 import dagster as dg
 
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.watch.location_settings import ALERT_WEBHOOK_URL, of_resource, with_fields
 
 TIMEOUT_SECONDS = 10

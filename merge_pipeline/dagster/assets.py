@@ -19,11 +19,11 @@ from datetime import timedelta
 import dagster as dg
 
 from merge_pipeline.dagster.checks import blocking_check_specs, check_results, passed_metadata
-from merge_pipeline.dagster.config import MergeConfig, merge_config_class, overridden
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.pins import unpin
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.run_config import MergeConfig, merge_config_class, overridden
 from merge_pipeline.dagster.stages import hf_model_metadata, parallel_config_metadata, state_dict_metadata
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BlockingChecksFailed

@@ -19,13 +19,13 @@ from collections.abc import Mapping
 
 import dagster as dg
 
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.blocking_checks import BLOCKING_CHECKS, CHECK_NAMES, CheckOutcome
 from merge_pipeline.hf.manifest import read_manifest
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.listing import Folder, in_store
-from merge_pipeline.store.publish import complete_target
+from merge_pipeline.store.published_prefix import complete_target
 from merge_pipeline.watch.keys import CHECKED, PASSED
 
 PROBLEMS_SHOWN = 20  # a folder broken everywhere: the first problems say enough, the count says the rest

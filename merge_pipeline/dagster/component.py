@@ -6,7 +6,7 @@ In any ``dg`` project::
     dg check defs && dg list defs                                  # cluster_a/checkpoint ... cluster_a__new_checkpoint_sensor
 
 Each instance takes its own prefix (default: its folder's name) for asset keys, partitions, job /
-sensor / schedule names and resource keys (``names.Names``), so two instances (two training
+sensor / schedule names and resource keys (``instance_names.Names``), so two instances (two training
 clusters) in one project never collide. This project's own code location (``definitions.py``) is the
 instance with no prefix whose settings come from the environment (``defs/merge/defs.yaml``).
 """
@@ -20,23 +20,23 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from merge_pipeline.dagster.alerts import AlertWebhook, failure_webhook
 from merge_pipeline.dagster.assets import checkpoint_spec, merge_step_definition
-from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition, averaged_model_sensor_definition
-from merge_pipeline.dagster.config import checked_merge_config
+from merge_pipeline.dagster.averaged_model import Averaging, averaged_model_definition, averaged_model_sensor_definition
 from merge_pipeline.dagster.evaluation import evaluation_definitions
-from merge_pipeline.dagster.hub import (
+from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
+from merge_pipeline.dagster.hub_model import (
     HuggingFaceHub,
     env_token,
     hub_averaged_definition,
     hub_definitions,
 )
-from merge_pipeline.dagster.hub_averaged_schedule import publish_averaged_schedule
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.jobs import report_job
-from merge_pipeline.dagster.names import Names
-from merge_pipeline.dagster.promotion import promotion_definitions
+from merge_pipeline.dagster.promoted_model import promotion_definitions
 from merge_pipeline.dagster.promotion_sensor import promote_best_sensor
 from merge_pipeline.dagster.report import step_report_definition
 from merge_pipeline.dagster.report_automation import step_report_automation
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.run_config import checked_merge_config
 from merge_pipeline.dagster.scaffolder import MergeCheckpointsScaffolder
 from merge_pipeline.dagster.sensors import checkpoint_sensor
 from merge_pipeline.errors import MergeError

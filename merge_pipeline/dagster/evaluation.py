@@ -4,7 +4,7 @@ Downstream of ``hf_model``, partitioned as it is, launched by ``evaluate_merged_
 "Materialize" on a partition). The command (``evaluation_command``; none: ``smoke_evaluation``, the smoke
 test's loss on CPU) runs in a subprocess through ``PipesSubprocessClient`` and reports its metrics as
 materialization metadata; they are recorded on this asset, and in the folder's ``merge_manifest.json``
-(``hf.evaluation``), from which the model card's ``model-index`` is written when the step is published.
+(``hf.evaluation_result``), from which the model card's ``model-index`` is written when the step is published.
 Another Pipes client (Kubernetes, Databricks, a GPU host reached over SSH) runs the same command elsewhere:
 docs/DAGSTER.md, "The evaluation".
 
@@ -19,11 +19,11 @@ import warnings
 import dagster as dg
 
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError, first_line
-from merge_pipeline.hf.evaluation import Threshold
+from merge_pipeline.hf.evaluation_result import Threshold
 from merge_pipeline.hf.manifest import MANIFEST, read_manifest
 from merge_pipeline.store.listing import in_store
 from merge_pipeline.watch.keys import GROUP, HEAVY_TAG, OWNERS, THRESHOLD_MET

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.dagster.averaging import averaged_partitions
+from merge_pipeline.dagster.averaged_model import averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.records import latest_materialization
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.watch.keys import HEAVY_TAG
 
 

@@ -18,9 +18,9 @@ import dagster as dg
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.checks import passed_every_check
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.records import latest_materialization
-from merge_pipeline.hf.evaluation import BestBy
+from merge_pipeline.hf.evaluation_result import BestBy
 from merge_pipeline.watch.keys import THRESHOLD_MET
 from merge_pipeline.watch.partitions import checkpoint_key
 

@@ -18,7 +18,7 @@ import dagster as dg
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.report_automation import step_report_condition
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import first_line

@@ -17,7 +17,7 @@ import warnings
 
 import dagster as dg
 
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.watch.keys import AUTOMATED_BY, HEAVY_TAG
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.jobs import merge_checkpoint_job
-from merge_pipeline.dagster.names import Names
 from merge_pipeline.dagster.pins import ACTIVE_RUNS, pin, stale_pins, unpin
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.store.listing import published

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster.config import LauncherConfig
+from merge_pipeline.dagster.run_config import LauncherConfig
 from merge_pipeline.dagster.torchrun_weights import ERROR_MESSAGE, REPORT_MESSAGE
 from merge_pipeline.errors import MergeError, first_line
 from merge_pipeline.workers import workers_for

@@ -62,9 +62,9 @@ from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.hub.card_metadata import card_metadata
 from merge_pipeline.hub.model_card import CARD, readme_to_publish, render_card
 from merge_pipeline.settings import HUB_TIMEOUT
+from merge_pipeline.store.object_upload import sha256_uploaded_with
 from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.sources import SourceRange
-from merge_pipeline.store.upload import sha256_uploaded_with
 from merge_pipeline.store.view import byte_source, store_object
 
 log = logging.getLogger("merge_pipeline")

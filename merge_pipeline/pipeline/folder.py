@@ -18,7 +18,7 @@ from merge_pipeline.engine.publish import published_locked
 from merge_pipeline.engine.resume import ResumeLog, keep_finished
 from merge_pipeline.errors import naming, shown_path
 from merge_pipeline.formats import checkpoint_name
-from merge_pipeline.hf.evaluation import record_in_manifest
+from merge_pipeline.hf.evaluation_result import record_in_manifest
 from merge_pipeline.hf.manifest import write_manifest
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan, check_unchanged, dtype_name
@@ -141,7 +141,7 @@ def _dtype_decisions(outputs: OutputPlan) -> dict[str, int]:
 
 
 def record_evaluation(folder: Path, command: str, metrics: dict[str, float], evaluated: dict) -> None:
-    """An evaluation's metrics in the published ``folder``'s manifest (``hf.evaluation.record_in_manifest``),
+    """An evaluation's metrics in the published ``folder``'s manifest (``hf.evaluation_result.record_in_manifest``),
     under the folder's lock: no merge replaces the folder while its manifest is rewritten."""
     with published_locked(folder):
         record_in_manifest(folder, command, metrics, evaluated)

@@ -25,9 +25,9 @@ from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.incomplete_uploads import abort_incomplete_uploads
 from merge_pipeline.store.lock import StoreTargetLock, locked_store_target
-from merge_pipeline.store.publish import invalidate_target, publish_folder
+from merge_pipeline.store.object_upload import local_twin
+from merge_pipeline.store.published_prefix import invalidate_target, publish_folder
 from merge_pipeline.store.target_rules import check_store_target, refuse_overlap
-from merge_pipeline.store.upload import local_twin
 from merge_pipeline.store.url import as_location, store_prefix
 from merge_pipeline.workers.in_process import IN_PROCESS, Workers
 from merge_pipeline.workers.writing import Prepared, WeightJob, Written
@@ -76,7 +76,7 @@ def merge(
     started = time.monotonic()
     options = options or MergeOptions()
     # A target in a store is built in a folder of this machine named by its URL (the same lock, staging,
-    # resume and checks as a local target), then uploaded with the manifest last (``store.publish.publish_folder``).
+    # resume and checks as a local target), then uploaded with the manifest last (``store.published_prefix.publish_folder``).
     store_target = store_prefix(target_dir)
     target = local_twin(store_target) if store_target else Path(target_dir).absolute()
     overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked

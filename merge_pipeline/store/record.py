@@ -2,7 +2,7 @@
 (the commit marker of a published folder) and the record of a merge publishing there.
 
 A prefix's objects are ours if our manifest names them or the record ``.merge_publishing`` of a merge that
-has not finished publishing does; only those are ever replaced or deleted (``target_rules``, ``publish``).
+has not finished publishing does; only those are ever replaced or deleted (``target_rules``, ``published_prefix``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from merge_pipeline.errors import MergeError
 from merge_pipeline.store.asking import asking
-from merge_pipeline.store.publish import complete_target
+from merge_pipeline.store.published_prefix import complete_target
 from merge_pipeline.store.record import MANIFEST, written_names
 from merge_pipeline.store.url import is_store_url, location
 from merge_pipeline.store.view import listed

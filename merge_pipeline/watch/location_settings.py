@@ -4,7 +4,7 @@ attribute and the resource field), its environment variable, its default, its he
 Each is of a ``Kind`` of ``merge_pipeline.settings`` (where the engine's own variables are declared). From
 this one list come the component's attributes (``component.py``; the Hub's under its ``hub:``),
 the fields of the ``settings``, ``alert_webhook`` and ``hub`` resources (``resources.py``, ``alerts.py``,
-``hub.py``), the ``defs.yaml`` the scaffolder writes, and the table in docs/DAGSTER.md ("Configuration":
+``hub_model.py``), the ``defs.yaml`` the scaffolder writes, and the table in docs/DAGSTER.md ("Configuration":
 ``python -m merge_pipeline.watch.location_settings`` prints it; a test holds the two equal).
 
 An attribute left out is read from its variable, when a run or a sensor tick uses it, or for the
@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, create_model
 
-from merge_pipeline.hf.evaluation import BestBy, Threshold
+from merge_pipeline.hf.evaluation_result import BestBy, Threshold
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
 from merge_pipeline.hub.upload import DEFAULT_ENDPOINT
 from merge_pipeline.settings import (
@@ -197,7 +197,7 @@ PROMOTE_BEST_BY: Setting[str | None] = Setting(
     unset="no automatic promotion",
     name="promote_best_by",
 )
-# Publishing to a Hugging Face Hub (dagster/hub.py): the `hub` resource, the component's `hub:` section;
+# Publishing to a Hugging Face Hub (dagster/hub_model.py): the `hub` resource, the component's `hub:` section;
 # its timeout, which the CLI's upload reads too, is settings.HUB_TIMEOUT.
 HUB_ORG: Setting[str] = Setting(
     "MERGE_PIPELINE_HUB_ORG",

@@ -27,7 +27,7 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.plan import CheckpointPlan
 from merge_pipeline.progress import ByteProgress
 from merge_pipeline.store.lock import LockGuard
-from merge_pipeline.store.publish import UploadSink, unguarded
+from merge_pipeline.store.published_prefix import UploadSink, unguarded
 from merge_pipeline.store.url import as_location
 
 

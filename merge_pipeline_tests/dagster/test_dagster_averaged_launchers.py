@@ -8,9 +8,9 @@ import dagster as dg
 import pytest
 
 from local_servers.ray_cluster import local_cluster
-from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition
+from merge_pipeline.dagster.averaged_model import Averaging, averaged_model_definition
 from merge_pipeline.dagster.component import MergeCheckpoints
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.dagster.averaged_steps import publish_merged_steps
 from merge_pipeline_tests.helpers import tree_digest

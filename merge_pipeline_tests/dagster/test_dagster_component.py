@@ -83,7 +83,7 @@ def test_the_scaffolder_writes_the_instance_settings_a_new_project_lacks(project
 def test_the_scaffolded_yaml_the_docs_table_and_the_resources_come_from_one_schema(project):
     from merge_pipeline.dagster.alerts import AlertWebhook
     from merge_pipeline.dagster.component import HubPublishing, MergeCheckpoints
-    from merge_pipeline.dagster.hub import HuggingFaceHub
+    from merge_pipeline.dagster.hub_model import HuggingFaceHub
     from merge_pipeline.dagster.resources import MergeSettings
     from merge_pipeline.watch.location_settings import SETTINGS, attributes, docs_table, of_resource
 

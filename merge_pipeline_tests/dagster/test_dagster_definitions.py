@@ -104,7 +104,7 @@ def test_every_job_runs_in_one_process_and_the_merge_job_is_hf_model_with_its_bl
 @pytest.mark.parametrize("prefix", ["", "cluster_a"])
 def test_job_descriptions_name_sensors_that_exist(prefix):
     from merge_pipeline.dagster.component import MergeCheckpoints
-    from merge_pipeline.dagster.names import Names
+    from merge_pipeline.dagster.instance_names import Names
 
     built = MergeCheckpoints(prefix=prefix).definitions(Names(prefix))
     sensors = {s.name for s in built.sensors}

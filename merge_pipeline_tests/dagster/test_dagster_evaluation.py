@@ -12,9 +12,9 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.evaluation import THRESHOLD_CHECK, evaluation_definitions
-from merge_pipeline.dagster.hub import HuggingFaceHub, hub_definitions
-from merge_pipeline.dagster.names import Names
-from merge_pipeline.hf.evaluation import Threshold
+from merge_pipeline.dagster.hub_model import HuggingFaceHub, hub_definitions
+from merge_pipeline.dagster.instance_names import Names
+from merge_pipeline.hf.evaluation_result import Threshold
 from merge_pipeline.hf.manifest import MANIFEST, read_manifest, sha256_file
 from merge_pipeline.hub.model_card import CARD
 from merge_pipeline.watch.keys import HUB_CRON, SMOKE_LOSS, THRESHOLD_MET

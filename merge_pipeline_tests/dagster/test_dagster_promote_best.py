@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.component import HubPublishing, MergeCheckpoints
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.errors import MergeError
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.dagster.helpers import ACTOR

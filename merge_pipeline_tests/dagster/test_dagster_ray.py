@@ -12,7 +12,7 @@ import pytest
 
 from local_servers.ray_cluster import local_cluster
 from merge_pipeline.dagster.component import MergeCheckpoints
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.engine.publish import lock_path, staging_path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.manifest import MANIFEST

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dagster as dg
 
 from merge_pipeline.dagster.component import MergeCheckpoints
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline_tests.dagster.helpers import ACTOR
 

@@ -314,7 +314,7 @@ def test_the_components_sensors_keep_one_merge_or_report_in_flight(fsdp_checkpoi
     (the oldest step) and holds back the other complete steps while a merge or a step report of the
     instance is queued or running; its report automation waits while a merge is."""
     from merge_pipeline.dagster.component import MergeCheckpoints
-    from merge_pipeline.dagster.names import Names
+    from merge_pipeline.dagster.instance_names import Names
 
     sample = fsdp_checkpoint(ACTOR)
     for step in (3, 1, 2):

@@ -7,7 +7,7 @@ import dagster as dg
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from merge_pipeline.dagster.hub import HuggingFaceHub
+from merge_pipeline.dagster.hub_model import HuggingFaceHub
 from merge_pipeline.hf.smoke_test import FIXED_TEXT, NEW_TOKENS
 from merge_pipeline_tests.dagster.helpers import ACTOR, CHAIN, asset, materialize
 from merge_pipeline_tests.hub.conftest import WRITER, hub  # noqa: F401 (the fake Hub fixture)

@@ -6,7 +6,7 @@ import dagster as dg
 import pytest
 
 from merge_pipeline.dagster.component import MergeCheckpoints
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.hf.manifest import MANIFEST
 from merge_pipeline_tests.dagster.helpers import ACTOR, materialize
 from merge_pipeline_tests.helpers import tree_digest

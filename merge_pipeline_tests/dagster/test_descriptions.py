@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.dagster.averaging import Averaging
+from merge_pipeline.dagster.averaged_model import Averaging
 from merge_pipeline.dagster.component import HubPublishing, MergeCheckpoints
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.formats import step_folders
 from merge_pipeline_tests.dagster.helpers import LOCATION
 

@@ -12,8 +12,8 @@ import dagster as dg
 import pytest
 
 from local_servers.ray_cluster import local_cluster
-from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.averaged_model import Averaging, averaged_model_definition
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline_tests.dagster.averaged_steps import publish_merged_steps
 from merge_pipeline_tests.dagster.helpers import materialize
 from merge_pipeline_tests.helpers import merge, run_cli, torchrun, tree_digest

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from merge_pipeline.dagster.config import MergeConfig
+from merge_pipeline.dagster.run_config import MergeConfig
 from merge_pipeline.engine.publish import staging_path
 from merge_pipeline.formats.step_folders import TRACKER
 from merge_pipeline.hf.blocking_checks import CHECK_NAMES

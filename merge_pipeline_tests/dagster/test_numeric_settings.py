@@ -147,7 +147,7 @@ def test_a_huge_setting_fails_the_load_in_one_line(monkeypatch, variable):
 @pytest.mark.parametrize("last_k", [100_000_000, 1e12])
 def test_averaging_more_steps_than_can_exist_is_one_line_at_once(last_k):
     """Before: last_k 100000000 built 840 MB of weights at load, 1e12 a MemoryError."""
-    from merge_pipeline.dagster.averaging import Averaging
+    from merge_pipeline.dagster.averaged_model import Averaging
 
     tracemalloc.start()
     started = time.monotonic()

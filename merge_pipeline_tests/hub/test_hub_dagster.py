@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from merge_pipeline import __version__
-from merge_pipeline.dagster.hub import HuggingFaceHub
+from merge_pipeline.dagster.hub_model import HuggingFaceHub
 from merge_pipeline.errors import MergeError
 from merge_pipeline.pipeline.merge import merge
 from merge_pipeline.watch.partitions import checkpoint_key

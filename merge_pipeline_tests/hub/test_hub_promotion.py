@@ -8,10 +8,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from merge_pipeline.dagster.hub import HuggingFaceHub
+from merge_pipeline.dagster.hub_model import HuggingFaceHub
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.hf.manifest import MANIFEST, read_manifest
-from merge_pipeline.store.publish import publish_folder
+from merge_pipeline.store.published_prefix import publish_folder
 from merge_pipeline_tests.dagster.helpers import ACTOR, asset, materialize
 from merge_pipeline_tests.hub.conftest import WRITER
 from merge_pipeline_tests.object_store import bucket, s3_server  # noqa: F401 (the S3 server's fixtures)

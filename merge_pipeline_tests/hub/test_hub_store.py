@@ -11,9 +11,9 @@ import hashlib
 import dagster as dg
 import pytest
 
-from merge_pipeline.dagster.averaging import Averaging, averaged_model_definition
-from merge_pipeline.dagster.hub import HuggingFaceHub, hub_averaged_definition
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.averaged_model import Averaging, averaged_model_definition
+from merge_pipeline.dagster.hub_model import HuggingFaceHub, hub_averaged_definition
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline_tests.dagster.averaged_steps import publish_merged_steps
 from merge_pipeline_tests.dagster.helpers import ACTOR, asset, materialize

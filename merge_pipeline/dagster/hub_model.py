@@ -15,11 +15,11 @@ from pathlib import Path
 import dagster as dg
 
 from merge_pipeline.checkpoint_name import CheckpointName
-from merge_pipeline.dagster.averaging import RunKey, averaged_dir, averaged_partitions
+from merge_pipeline.dagster.averaged_model import RunKey, averaged_dir, averaged_partitions
 from merge_pipeline.dagster.checks import passed_every_check
 from merge_pipeline.dagster.evaluation import evaluation_passed
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError

@@ -4,7 +4,7 @@ Materializing it for a partition (job ``promote_step``, from the UI's partition 
 - on the Hub (with ``hub: organization:``): ``main`` of the step's repo made to hold the files of the commit
   ``hub_model`` published and verified for it, copied server-side (``hub.promotion``: no weight byte sent);
 - in a store (an ``output_root`` of ``s3://...``): the step's prefix copied server-side to
-  ``<output_root>/promoted/<run>/<role>``, manifest last (``store.publish.copy_published_in_store``).
+  ``<output_root>/promoted/<run>/<role>``, manifest last (``store.published_prefix.copy_published_in_store``).
 What was promoted where is this asset's metadata for the step's partition; the latest materialization of a
 run's partitions names the step served. With ``promote_best_by`` set, ``promotion_sensor`` launches the job
 for each run's best evaluated step.
@@ -14,7 +14,7 @@ import dagster as dg
 
 from merge_pipeline.checkpoint_name import STEP_ROLE, CheckpointName
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.records import latest_materialization
 from merge_pipeline.dagster.resources import MergeSettings
 from merge_pipeline.errors import MergeError
@@ -47,7 +47,7 @@ def promotion_definitions(names: Names) -> "tuple[dg.AssetsDefinition, dg.Unreso
 
         Materialize it for one partition to promote that step (server-side copies, nothing uploaded again)."""
         settings: MergeSettings = getattr(context.resources, names("settings"))
-        hub = getattr(context.resources, names("hub"))  # dagster.hub's HuggingFaceHub
+        hub = getattr(context.resources, names("hub"))  # dagster.hub_model's HuggingFaceHub
         with one_line_failure():
             return dg.MaterializeResult(metadata=_promote(context, settings, hub, names))
 
@@ -62,7 +62,7 @@ def promotion_definitions(names: Names) -> "tuple[dg.AssetsDefinition, dg.Unreso
 def _promote(context: dg.AssetExecutionContext, settings: MergeSettings, hub, names: Names) -> dict:
     from merge_pipeline.hub.promotion import promote_to_main  # huggingface_hub: by the run, not the location's load
     from merge_pipeline.store.lock import locked_store_target
-    from merge_pipeline.store.publish import copy_published_in_store, unguarded
+    from merge_pipeline.store.published_prefix import copy_published_in_store, unguarded
     from merge_pipeline.store.target_rules import check_store_target
 
     key = checkpoint_key(context.partition_key)

@@ -19,8 +19,8 @@ from pathlib import Path
 from merge_pipeline.errors import MergeError
 from merge_pipeline.settings import PARALLEL_UPLOADS, PART_BYTES, PARTS_IN_FLIGHT
 from merge_pipeline.store.asking import asking
+from merge_pipeline.store.object_upload import free_tensor_bytes, upload_file
 from merge_pipeline.store.record import MANIFEST, delete_stale, record_publishing
-from merge_pipeline.store.upload import free_tensor_bytes, upload_file
 from merge_pipeline.store.url import location
 from merge_pipeline.store.view import listed
 

@@ -26,10 +26,10 @@ from pydantic import Field, create_model, model_validator
 
 from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.dagster.checks import checks_metadata
-from merge_pipeline.dagster.config import LauncherConfig, config_field, writer_fields
 from merge_pipeline.dagster.failures import one_line_failure
-from merge_pipeline.dagster.names import Names
+from merge_pipeline.dagster.instance_names import Names
 from merge_pipeline.dagster.resources import MergeSettings
+from merge_pipeline.dagster.run_config import LauncherConfig, config_field, writer_fields
 from merge_pipeline.dagster.sensors import heavy_runs_in_flight
 from merge_pipeline.errors import MergeError
 from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
