@@ -204,7 +204,7 @@ def test_a_format_package_is_entered_only_from_itself() -> None:
 # The Dagster side's rooms: the location is this project's definitions folder, which names the
 # component by its type in defs.yaml; the component (dagster/component.py) is the one module that puts the
 # definition modules together; what several of them share sits below them (keys, settings, names).
-DEFINITION_MODULES = {f"merge_pipeline.dagster.{m}" for m in ("assets", "report", "hub")}
+DEFINITION_MODULES = {f"merge_pipeline.dagster.{m}" for m in ("assets", "report", "hub_model")}
 SHARED_BELOW = {
     "merge_pipeline.watch.keys",
     "merge_pipeline.watch.location_settings",
