@@ -9,15 +9,13 @@ skipped by the client. ``main``'s tree is then compared with the step's, file by
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from huggingface_hub import CommitOperationCopy, CommitOperationDelete, HfApi, constants, get_token
+from huggingface_hub import CommitOperationCopy, CommitOperationDelete, HfApi, constants
 from huggingface_hub.hf_api import RepoFile
 
-from merge_pipeline import __version__
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hub.upload import _HUB_ERRORS, DEFAULT_ENDPOINT, _describe, _redact, _timeout_s, _use_timeout
+from merge_pipeline.hub.client import HUB_ERRORS, connect, describe
 
 MAIN = constants.DEFAULT_REVISION
 
@@ -35,12 +33,8 @@ def promote_to_main(
     repo_id: str, source: str, *, endpoint: str | None = None, token: str | None = None, timeout_s: float | None = None
 ) -> Promoted:
     """``source``: the step's commit (or branch) in ``repo_id``; ``main`` ends holding its files, checked."""
-    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
-    token = token or get_token()
-    if not token:
-        raise MergeError(None, f"no Hugging Face token for {endpoint}: set HF_TOKEN or run `hf auth login`")
-    _use_timeout(_timeout_s(timeout_s))
-    api = HfApi(endpoint=endpoint, token=token, library_name="merge_pipeline", library_version=__version__)
+    hub = connect(endpoint, token, timeout_s)
+    api = hub.api
     try:
         step, main = _tree(api, repo_id, source), _tree(api, repo_id, MAIN)
         deleted = tuple(sorted(set(main) - set(step)))
@@ -59,16 +53,16 @@ def promote_to_main(
         else:
             head = api.repo_info(repo_id, revision=MAIN).sha
         promoted = _tree(api, repo_id, head)
-    except _HUB_ERRORS as exc:
-        problem = f"promoting {source[:12]} to {MAIN} failed at {endpoint} ({_describe(exc)})"
+    except HUB_ERRORS as exc:
+        problem = f"promoting {source[:12]} to {MAIN} failed at {hub.endpoint} ({describe(exc)})"
         # launched again, it copies only what main still lacks
-        raise MergeError(None, _redact(f"{repo_id}: {problem}: launch the promotion again", token)) from None
+        raise MergeError(None, hub.redact(f"{repo_id}: {problem}: launch the promotion again")) from None
     differing = sorted(p for p in {*step, *promoted} if _differs(step, promoted, p))
     if differing:
         raise MergeError(
             None, f"{repo_id}@{MAIN} (commit {head[:12]}) does not hold {source[:12]}'s files: {', '.join(differing)}"
         )
-    return Promoted(repo_id, source, f"{endpoint}/{repo_id}/commit/{head}", len(step), deleted)
+    return Promoted(repo_id, source, f"{hub.endpoint}/{repo_id}/commit/{head}", len(step), deleted)
 
 
 def _tree(api: HfApi, repo_id: str, revision: str) -> dict[str, RepoFile]:

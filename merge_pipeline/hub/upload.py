@@ -16,9 +16,8 @@ resumes where the last one stopped:
    one that carries our markers gets only its marked part replaced (``model_card.readme_to_publish``);
 5. list the tree of the resulting head commit and compare every file with the manifest.
 
-The endpoint comes from ``HF_ENDPOINT`` (read at call time), the token from ``HF_TOKEN`` or the
-stored login. Every request has a timeout (connect, read, write: ``timeout_s``, else
-``MERGE_PIPELINE_HUB_TIMEOUT``, else 60 s). Transient failures (timeouts, 5xx, 408, 429, dropped
+The endpoint, token and timeouts follow ``client``'s rules (``HF_ENDPOINT``, ``HF_TOKEN`` or the stored
+login, ``MERGE_PIPELINE_HUB_TIMEOUT``). Transient failures (timeouts, 5xx, 408, 429, dropped
 connections) are retried with backoff, per request by huggingface_hub and per attempt here (the
 client never retries a commit POST: a lost answer could duplicate it; step 3 of the next attempt
 sees whether it landed). Everything a user must fix becomes a one-line MergeError; the token is
@@ -47,9 +46,6 @@ from huggingface_hub import (
     CommitOperationDelete,
     HfApi,
     constants,
-    get_session,
-    get_token,
-    set_client_factory,
 )
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile
@@ -60,8 +56,8 @@ from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.hub.card_metadata import card_metadata
+from merge_pipeline.hub.client import DEFAULT_ENDPOINT, HUB_ERRORS, Hub, connect, describe, hub_timeout_s
 from merge_pipeline.hub.model_card import CARD, readme_to_publish, render_card
-from merge_pipeline.settings import HUB_TIMEOUT
 from merge_pipeline.store.object_upload import sha256_uploaded_with
 from merge_pipeline.store.record import MANIFEST
 from merge_pipeline.store.sources import SourceRange
@@ -69,22 +65,17 @@ from merge_pipeline.store.view import byte_source, store_object
 
 log = logging.getLogger("merge_pipeline")
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
 _REGULAR_MAX = 10 << 20  # the Hub keeps larger files in LFS, so only smaller ones need a git blob id
 _HUB_FILES = {".gitattributes"}  # written by the Hub itself when it creates a repo
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _WEIGHTS = re.compile(r"[^/]+\.safetensors(\.index\.json)?")  # what loaders read from a repo's root
-_READ_MAX = 16 << 20  # a manifest or README on the Hub larger than this is not one of ours
+_READ_MAX = 16 << 20  # a manifest or README on the Hub larger than this is not one of ours (client caps any answer)
 _STORE_READ = 8 << 20  # each ranged GET of a weight file uploaded from a store
-# Any one answer of the Hub (a page of a tree listing, a small file, a commit's result): a server that
-# streams without end must cost bounded memory. The files we read are at most _READ_MAX.
-MAX_RESPONSE_BYTES = 64 << 20
 # A branch name as git (and so the Hub) takes it: no "..", no component starting with "." or ending in
 # ".lock", no control characters or ~^:?*[\ or space, no "@{", not ending in "/" or ".".
 _BAD_REVISION = re.compile(r"\.\.|//|@\{|(^|/)\.|\.lock(/|$)|[/.]$|^/|^@$|[\x00-\x20\x7f~^:?*\[\\]")
 _CLIENT_LOGGERS = ("httpx2", "httpcore2", "huggingface_hub")
-_HUB_ERRORS = (HfHubHTTPError, httpx2.TransportError, HFValidationError)  # what a user can act on
 
 
 @dataclass(frozen=True)
@@ -143,11 +134,7 @@ def upload_folder_verified(
 
     ``smoke``: the smoke test's prompt, text and loss, for the card (``model_card.render_card``)."""
     folder = Path(folder).absolute()
-    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
-    token = token or get_token()
-    timeout_s = check_upload_settings(repo_id, revision, timeout_s)
-    if not token:
-        raise MergeError(None, f"no Hugging Face token for {endpoint}: set HF_TOKEN or run `hf auth login`")
+    hub = connect(endpoint, token, check_upload_settings(repo_id, revision, timeout_s))
     if not (folder / MANIFEST).is_file():
         raise MergeError(folder, f"has no {MANIFEST}: only folders written by `merge-pipeline merge` can be uploaded")
     manifest = _our_manifest(folder)
@@ -163,7 +150,7 @@ def upload_folder_verified(
     except (KeyError, TypeError, ValueError, AttributeError):
         raise _not_our_manifest(folder) from None
     upload = _Upload(
-        api=HfApi(endpoint=endpoint, token=token, library_name="merge_pipeline", library_version=__version__),
+        api=hub.api,
         repo_id=repo_id,
         revision=revision or constants.DEFAULT_REVISION,
         private=private,
@@ -171,23 +158,22 @@ def upload_folder_verified(
         folder_files=_local_files(folder, manifest),
         card=card,
     )
-    _use_timeout(timeout_s)
-    with _xet_only_where_spoken(endpoint), _client_output_quiet():
+    with _xet_only_where_spoken(hub.endpoint), _client_output_quiet():
         try:
-            files, sent, head = _retrying(upload.attempt, retry, token)
+            files, sent, head = _retrying(upload.attempt, retry, hub)
         except Exception as exc:
             cause = _hub_cause(exc)
-            if not isinstance(cause, _HUB_ERRORS):
+            if not isinstance(cause, HUB_ERRORS):
                 raise
             # from None: the client's exception may quote a server's echo of the request headers.
-            raise MergeError(None, _redact(_explain(cause, repo_id, endpoint, folder), token)) from None
-    page = f"{endpoint}/{repo_id}" + (
+            raise MergeError(None, hub.redact(_explain(cause, repo_id, hub.endpoint, folder))) from None
+    page = f"{hub.endpoint}/{repo_id}" + (
         "" if upload.revision == constants.DEFAULT_REVISION else f"/tree/{upload.revision}"
     )
     total = sum(f.size for f in files.values())
     log.info("hub: %s@%s verified: %d files (%d bytes) match %s", repo_id, upload.revision, len(files), total, MANIFEST)
     return UploadResult(
-        repo_id, upload.revision, page, f"{endpoint}/{repo_id}/commit/{head}", len(files), total, tuple(sent)
+        repo_id, upload.revision, page, f"{hub.endpoint}/{repo_id}/commit/{head}", len(files), total, tuple(sent)
     )
 
 
@@ -322,7 +308,7 @@ def check_upload_settings(repo_id: str, revision: str | None, timeout_s: float |
         raise MergeError(None, f"{repo_id!r} is not a Hub repo id: expected ORG/NAME")
     if revision is not None and _BAD_REVISION.search(revision):
         raise MergeError(None, f"--revision {revision!r}: not a branch name the Hub accepts (git's rules)")
-    return _timeout_s(timeout_s)
+    return hub_timeout_s(timeout_s)
 
 
 def _our_manifest(folder: Path) -> dict:
@@ -348,30 +334,6 @@ def _our_manifest(folder: Path) -> dict:
 
 def _not_our_manifest(folder: Path) -> MergeError:
     return MergeError(folder / MANIFEST, "is not a manifest written by merge_pipeline (edited or foreign): merge again")
-
-
-def _cap_response(response: httpx2.Response) -> None:
-    """An event hook: the body of every Hub answer is read through ``_CappedBody``."""
-    response.stream = _CappedBody(response.stream, f"{response.request.method} {response.request.url.path}")
-
-
-class _CappedBody(httpx2.SyncByteStream):
-    def __init__(self, inner: httpx2.SyncByteStream, what: str):
-        self.inner, self.what = inner, what
-
-    def __iter__(self):
-        received = 0
-        for chunk in self.inner:
-            received += len(chunk)
-            if received > MAX_RESPONSE_BYTES:
-                raise MergeError(
-                    None,
-                    f"the Hub's answer to {self.what} passed {MAX_RESPONSE_BYTES >> 20} MB: not a Hub answer, refused",
-                )
-            yield chunk
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _difference(local: _Local, remote: RepoFile | None) -> str:
@@ -467,7 +429,7 @@ def _client_source(source: Path | bytes) -> Path | bytes | io.BufferedReader:
     return io.BufferedReader(SourceRange(stored, 0, stored.size), _STORE_READ)
 
 
-def _retrying(attempt, policy: RetryPolicy, token: str):
+def _retrying(attempt, policy: RetryPolicy, hub: Hub):
     for number in range(1, policy.attempts):
         try:
             return attempt()
@@ -480,7 +442,7 @@ def _retrying(attempt, policy: RetryPolicy, token: str):
                 "hub: attempt %d of %d failed (%s); retrying in %.3g s",
                 number,
                 policy.attempts,
-                _redact(_describe(cause), token),
+                hub.redact(describe(cause)),
                 wait,
             )
             time.sleep(wait)
@@ -491,7 +453,7 @@ def _hub_cause(exc: BaseException) -> BaseException:
     """The Hub's answer or the network failure behind ``exc`` (huggingface_hub wraps some of them)."""
     seen = exc
     while seen is not None:
-        if isinstance(seen, _HUB_ERRORS):
+        if isinstance(seen, HUB_ERRORS):
             return seen
         seen = seen.__cause__
     return exc
@@ -503,20 +465,6 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, httpx2.TransportError)
 
 
-def _describe(exc: BaseException) -> str:
-    request = _request_of(exc)
-    where = f" on {request.method} {request.url.path}" if request is not None else ""
-    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
-        return f"HTTP {exc.response.status_code}{where}"
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def _request_of(exc: BaseException):
-    with contextlib.suppress(AttributeError, RuntimeError):  # httpx raises RuntimeError when unset
-        return exc.response.request if isinstance(exc, HfHubHTTPError) else exc.request
-    return None
-
-
 def _explain(exc: BaseException, repo_id: str, endpoint: str, folder: Path) -> str:
     """One line a user can act on, for an error the retries could not (or must not) get past."""
     resume = f"resume with `merge-pipeline upload {folder} {repo_id}` (files already on the Hub are not sent again)"
@@ -524,35 +472,15 @@ def _explain(exc: BaseException, repo_id: str, endpoint: str, folder: Path) -> s
         return f"{repo_id!r} is not a valid Hub repo id: {exc}"
     status = exc.response.status_code if isinstance(exc, HfHubHTTPError) and exc.response is not None else None
     if isinstance(exc, RepositoryNotFoundError) or status == 404:
-        return f"{repo_id}: not found at {endpoint} ({_describe(exc)}): check HF_ENDPOINT, the repo name, and that the token can see it"
+        return f"{repo_id}: not found at {endpoint} ({describe(exc)}): check HF_ENDPOINT, the repo name, and that the token can see it"
     if status == 401:
         return f"{endpoint} rejected the token (401 Unauthorized): set HF_TOKEN to a valid token or run `hf auth login`"
     if status == 403:
         server = f": {exc.server_message}" if exc.server_message else ""
         return f"{repo_id}: the token may not write there (403 Forbidden{server}): use a token with write access to {repo_id.split('/')[0]}"
     if status is None:
-        return f"{repo_id}: cannot reach {endpoint} ({_describe(exc)}): {resume}"
-    return f"{repo_id}: the Hub at {endpoint} failed ({_describe(exc)}): {resume}"
-
-
-def _redact(message: str, token: str) -> str:
-    return message.replace(token, "hf_***")
-
-
-def _timeout_s(given: float | None) -> float:
-    return HUB_TIMEOUT.value(given, "--hub-timeout")
-
-
-def _use_timeout(seconds: float) -> None:
-    """Give huggingface_hub's shared HTTP client connect, read and write timeouts.
-
-    Its default client waits forever (timeout=None), and a Hub that accepts a connection and never
-    answers would hang the upload. The factory stays for the rest of the process (a client the
-    library recreates after a failure must keep the timeout); it keeps the library's own hooks.
-    """
-    hooks = get_session().event_hooks  # huggingface_hub's: offline mode, request ids, debug log
-    hooks = {**hooks, "response": [*hooks.get("response", []), _cap_response]}  # and a cap on every answer's size
-    set_client_factory(lambda: httpx2.Client(event_hooks=hooks, follow_redirects=True, timeout=httpx2.Timeout(seconds)))
+        return f"{repo_id}: cannot reach {endpoint} ({describe(exc)}): {resume}"
+    return f"{repo_id}: the Hub at {endpoint} failed ({describe(exc)}): {resume}"
 
 
 @contextlib.contextmanager
