@@ -10,7 +10,7 @@ timed in a fresh process (wall time, peak RSS of the process tree's largest memb
 - the store -> store merge (``merge --local_dir s3://... --target_dir s3://...``);
 - the same merge on local disk;
 - ``upload`` of the merged folder from the store to a Hub-compatible server started here on 127.0.0.1 (the
-  tests' ``FakeHub``), against reading its weight files once from the store (s3fs ``cat``).
+  tests' ``local_servers.fake_hub.FakeHub``), against reading its weight files once from the store (s3fs ``cat``).
 """
 
 from __future__ import annotations
