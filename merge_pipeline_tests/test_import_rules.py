@@ -216,7 +216,7 @@ def private_imports() -> set[tuple[str, str]]:
 
 
 # A module's private names are its own: what two modules share is public in one of them (the Hub's
-# endpoint, token, timeout and error rules: hub/client.py). These are left to be made public.
+# endpoint, token, timeout and error rules: hub/connection.py). These are left to be made public.
 PRIVATE_IMPORTS_LEFT = {
     ("merge_pipeline.engine.averaging", "merge_pipeline.engine.outputs._split_shards"),
     ("merge_pipeline.hf.quantization", "merge_pipeline.hf.fp8._KEPT_NAMES"),

@@ -15,7 +15,7 @@ from huggingface_hub import CommitOperationCopy, CommitOperationDelete, HfApi, c
 from huggingface_hub.hf_api import RepoFile
 
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hub.client import HUB_ERRORS, connect, describe
+from merge_pipeline.hub.connection import HUB_ERRORS, connect, describe
 
 MAIN = constants.DEFAULT_REVISION
 

@@ -16,7 +16,7 @@ resumes where the last one stopped:
    one that carries our markers gets only its marked part replaced (``model_card.readme_to_publish``);
 5. list the tree of the resulting head commit and compare every file with the manifest.
 
-The endpoint, token and timeouts follow ``client``'s rules (``HF_ENDPOINT``, ``HF_TOKEN`` or the stored
+The endpoint, token and timeouts follow ``connection``'s rules (``HF_ENDPOINT``, ``HF_TOKEN`` or the stored
 login, ``MERGE_PIPELINE_HUB_TIMEOUT``). Transient failures (timeouts, 5xx, 408, 429, dropped
 connections) are retried with backoff, per request by huggingface_hub and per attempt here (the
 client never retries a commit POST: a lost answer could duplicate it; step 3 of the next attempt
@@ -56,7 +56,7 @@ from merge_pipeline.checkpoint_name import CheckpointName
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.hub.card_metadata import card_metadata
-from merge_pipeline.hub.client import DEFAULT_ENDPOINT, HUB_ERRORS, Hub, connect, describe, hub_timeout_s
+from merge_pipeline.hub.connection import DEFAULT_ENDPOINT, HUB_ERRORS, Hub, connect, describe, hub_timeout_s
 from merge_pipeline.hub.model_card import CARD, readme_to_publish, render_card
 from merge_pipeline.store.object_upload import sha256_uploaded_with
 from merge_pipeline.store.record import MANIFEST

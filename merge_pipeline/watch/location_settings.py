@@ -27,7 +27,7 @@ from pydantic import BaseModel, create_model
 
 from merge_pipeline.hf.evaluation_result import BestBy, Threshold
 from merge_pipeline.hf.smoke_test import DEFAULT_PROMPT
-from merge_pipeline.hub.client import DEFAULT_ENDPOINT
+from merge_pipeline.hub.connection import DEFAULT_ENDPOINT
 from merge_pipeline.settings import (
     DAY_SECONDS,
     HUB_TIMEOUT,
