@@ -76,16 +76,16 @@ def merge(
     options = options or MergeOptions()
     # A store target is uploaded from its local twin with the manifest last (``store.publish.publish_folder``).
     target = MergeTarget.of(target_dir, overwrite=options.overwrite)
-    source = as_location(local_dir)
-    inputs = (source, *options.average_inputs, *([options.hf_model_path] if options.hf_model_path else []))
+    local_dir = as_location(local_dir)  # a store URL kept as written
+    inputs = (local_dir, *options.average_inputs, *([options.hf_model_path] if options.hf_model_path else []))
 
     def checked_and_prepared() -> Prepared:
         target.check(inputs)
-        return prepare(source, options)
+        return prepare(local_dir, options)
 
     prepared = workers.everywhere(checked_and_prepared)
     merged_from = _merged_from(prepared, options)  # while a store's view is open: its URL
-    job = WeightJob(source, staging_path(target.folder), options, upload_to=target.store)
+    job = WeightJob(local_dir, staging_path(target.folder), options, upload_to=target.store)
     store_lock: list[StoreTargetLock | None] = []  # the lead's, once taken
     with prepared, contextlib.ExitStack() as store_locked, contextlib.ExitStack() as publishing:
 
@@ -95,7 +95,7 @@ def merge(
                 abort_incomplete_uploads(target.store)  # a killed merge's: no live merge holds the lock
             token = store_lock[0].guard.token if store_lock and store_lock[0] else None
             publishing.enter_context(
-                staged_output(target.folder, source=source, overwrite=target.folder_replaced, keep_killed=True)
+                staged_output(target.folder, source=local_dir, overwrite=target.folder_replaced, keep_killed=True)
             )
             kept = resume_killed(prepared, job.staging, options).finished
             if target.store:  # before the first upload
