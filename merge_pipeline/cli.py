@@ -262,17 +262,23 @@ def _workers(args: argparse.Namespace):
     return workers_for(launcher, ray=ray, dist_timeout=args.dist_timeout)
 
 
-def _run_merge(args: argparse.Namespace) -> int:
+def _merged(args: argparse.Namespace, local_dir: str, options: MergeOptions):
+    """The merge sequence into ``--target_dir``, by the workers the flags name; ``None`` on a torchrun rank
+    other than 0 (its shards are written, rank 0 reports)."""
     from merge_pipeline.pipeline.merge import merge
 
+    with _workers(args) as workers:
+        return merge(local_dir, args.target_dir, options, workers=workers, show_progress=not args.no_progress)
+
+
+def _run_merge(args: argparse.Namespace) -> int:
     options = _options(args)
     if args.hf_upload_path:  # a bad repo id, branch or timeout is refused now, not after the merge is published
         from merge_pipeline.hub.upload import check_upload_settings
 
         check_upload_settings(args.hf_upload_path, args.revision, args.hub_timeout)
-    with _workers(args) as workers:
-        result = merge(args.local_dir, args.target_dir, options, workers=workers, show_progress=not args.no_progress)
-    if result is None:  # a torchrun rank other than 0: its shards are written, rank 0 reports
+    result = _merged(args, args.local_dir, options)
+    if result is None:
         return 0
     fp8 = result.manifest["decisions"].get("fp8")
     quantization = result.manifest["decisions"].get("quantization")
@@ -298,8 +304,6 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 def _run_average(args: argparse.Namespace) -> int:
     """The merge sequence on the average of ``--inputs``: under torchrun or on Ray too, as ``merge``."""
-    from merge_pipeline.pipeline.merge import merge
-
     inputs = tuple(str(absolute(path)) for path in args.inputs)
     options = dataclasses.replace(
         _options(args),
@@ -307,9 +311,8 @@ def _run_average(args: argparse.Namespace) -> int:
         average_weights=average_weights(len(inputs), weights=args.weights, ema=args.ema),
         average_accumulate=args.accumulate,
     )
-    with _workers(args) as workers:
-        result = merge(inputs[-1], args.target_dir, options, workers=workers, show_progress=not args.no_progress)
-    if result is None:  # a torchrun rank other than 0
+    result = _merged(args, inputs[-1], options)
+    if result is None:
         return 0
     weights = ", ".join(f"{w:.4g}" for w in options.average_weights)
     print(

@@ -15,9 +15,7 @@ import functools
 from dataclasses import replace
 from pathlib import Path
 
-from merge_pipeline.engine.mxfp4_quantize import mxfp4_outputs
-from merge_pipeline.engine.outputs import OutputPlan
-from merge_pipeline.engine.quantize import BAND_ROWS, quantized_outputs
+from merge_pipeline.engine.quantize import BAND_ROWS
 from merge_pipeline.errors import MergeError
 from merge_pipeline.files.json_files import read_json_object
 from merge_pipeline.hf.config import ModelConfig
@@ -32,7 +30,7 @@ _WEIGHT_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "actor
 
 def following_base(options: MergeOptions, config: ModelConfig) -> MergeOptions:
     """``options`` with an FP8-block base's ``--quantize as-base`` as ``--dtype fp8`` with its block; any other
-    base checked now (refused before any work) and left ``as-base``, for ``base_outputs``."""
+    base checked now (refused before any work) and left ``as-base``, for ``weight_format.formatted_outputs``."""
     if not follows_base(options):
         return options
     path, base = base_quantization(options, config)
@@ -40,7 +38,7 @@ def following_base(options: MergeOptions, config: ModelConfig) -> MergeOptions:
     if method == "fp8":
         return replace(options, quantize=None, quantize_ignore=(), dtype="fp8", fp8_block_size=_fp8_block(base, path))
     if method == "compressed-tensors":
-        _base_scheme(base, path)
+        base_scheme(base, path)
         return options
     if method == "mxfp4":
         return options
@@ -53,16 +51,6 @@ def following_base(options: MergeOptions, config: ModelConfig) -> MergeOptions:
 
 def follows_base(options: MergeOptions) -> bool:
     return options.quantize is not None and options.quantize.lower() == AS_BASE
-
-
-def base_outputs(outputs: OutputPlan, options: MergeOptions, config: ModelConfig, where: Path) -> OutputPlan:
-    """``outputs`` in the base's compressed-tensors or MXFP4 format (``following_base`` took fp8)."""
-    path, base = base_quantization(options, config)
-    if base.get("quant_method") == "mxfp4":
-        return mxfp4_outputs(outputs, base, options.max_shard_size, where)
-    name, scheme = _base_scheme(base, path)
-    ignore = options.quantize_ignore or tuple(base.get("ignore") or ())
-    return quantized_outputs(outputs, name, ignore, options.max_shard_size, where, scheme)
 
 
 def base_quantization(options: MergeOptions, config: ModelConfig) -> tuple[Path, dict]:
@@ -96,7 +84,7 @@ def _fp8_block(base: dict, path: Path) -> int:
     return int(block[0])
 
 
-def _base_scheme(base: dict, path: Path):
+def base_scheme(base: dict, path: Path):
     """The base's one config group (its name and QuantizationScheme), when it quantizes weights as a preset
     does; else one line naming the nearest preset and each field that differs."""
     from compressed_tensors.quantization import QuantizationScheme

@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from merge_pipeline.engine.as_base import following_base
-from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.outputs import config_dtype_for, plan_outputs
 from merge_pipeline.engine.verify import Comparison, compare_with_reference
+from merge_pipeline.engine.weight_format import formatted_outputs
 from merge_pipeline.errors import MergeError, shown_path
 from merge_pipeline.formats import checkpoint_name, open_checkpoint, weight_suffixes
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
 from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.hf.lora import has_lora_tensors
 from merge_pipeline.options import MergeOptions
-from merge_pipeline.pipeline.prepare import prepare, quantized
+from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.plan import CheckpointPlan, dtype_name
 from merge_pipeline.store.view import viewed
 
@@ -72,29 +72,20 @@ def checkpoint_facts(
 
 
 def _output_plans(plan: CheckpointPlan, config: ModelConfig | None, options: MergeOptions) -> dict:
-    if config is not None:
-        options = following_base(options, config)
-    return {
-        **({"fp8": _fp8_plan(plan, config, options)} if options.dtype == "fp8" and config else {}),
-        **({"quantization": _quantization_plan(plan, config, options)} if options.quantize and config else {}),
-    }
+    """``inspect --dtype fp8`` / ``--quantize``: what a merge would quantize and keep (after LoRA folding and tying)."""
+    if config is None:
+        return {}
+    options = following_base(options, config)
+    if options.dtype != "fp8" and not options.quantize:
+        return {}
+    outputs = formatted_outputs(plan_outputs(plan, config, options), options, config, plan.role_dir)
+    return (
+        {"fp8": outputs.fp8.summary()} if options.dtype == "fp8" else {"quantization": outputs.quantization.summary()}
+    )
 
 
 def _planned(decisions: dict) -> dict:
     return {name: decisions[name] for name in ("fp8", "quantization") if name in decisions}
-
-
-def _quantization_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
-    """``inspect --quantize``: what a merge would quantize and keep (after LoRA folding and tying)."""
-    return quantized(plan_outputs(plan, config, options), options, config, plan.role_dir).quantization.summary()
-
-
-def _fp8_plan(plan: CheckpointPlan, config: ModelConfig, options: MergeOptions) -> dict:
-    """``inspect --dtype fp8``: what a merge would quantize and keep (after LoRA folding and tying)."""
-    outputs = fp8_outputs(
-        plan_outputs(plan, config, options), options.fp8_block_size, options.max_shard_size, plan.role_dir
-    )
-    return outputs.fp8.summary()
 
 
 def compare(

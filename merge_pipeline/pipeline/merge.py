@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from merge_pipeline.engine.publish import check_target, staged_output, staging_path
+from merge_pipeline.engine.publish import staged_output, staging_path
 from merge_pipeline.engine.resume import forget as forget_finished
+from merge_pipeline.engine.target import MergeTarget
 from merge_pipeline.errors import printable, shown_path
 from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.folder import check_before_publishing, finish_folder, resume_killed, write_side_files
@@ -25,10 +26,8 @@ from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.progress import human_bytes
 from merge_pipeline.store.incomplete_uploads import abort_incomplete_uploads
 from merge_pipeline.store.lock import StoreTargetLock, locked_store_target
-from merge_pipeline.store.object_upload import local_twin
 from merge_pipeline.store.published_prefix import invalidate_target, publish_folder
-from merge_pipeline.store.target_rules import check_store_target, refuse_overlap
-from merge_pipeline.store.url import as_location, store_prefix
+from merge_pipeline.store.url import as_location
 from merge_pipeline.workers.in_process import IN_PROCESS, Workers
 from merge_pipeline.workers.writing import Prepared, WeightJob, Written
 
@@ -75,37 +74,33 @@ def merge(
     Every worker runs the same steps in the same order (the collectives of a distributed ``workers``)."""
     started = time.monotonic()
     options = options or MergeOptions()
-    # A target in a store is built in a folder of this machine named by its URL (the same lock, staging,
-    # resume and checks as a local target), then uploaded with the manifest last (``store.published_prefix.publish_folder``).
-    store_target = store_prefix(target_dir)
-    target = local_twin(store_target) if store_target else Path(target_dir).absolute()
-    overwrite = options.overwrite or store_target is not None  # the twin is ours; the store's target is checked
-    source = as_location(local_dir)
-    inputs = (source, *options.average_inputs, *([options.hf_model_path] if options.hf_model_path else []))
+    # A store target is uploaded from its local twin with the manifest last (``store.published_prefix.publish_folder``).
+    target = MergeTarget.of(target_dir, overwrite=options.overwrite)
+    local_dir = as_location(local_dir)  # a store URL kept as written
+    inputs = (local_dir, *options.average_inputs, *([options.hf_model_path] if options.hf_model_path else []))
 
-    def checked_and_prepared() -> Prepared:  # the target rules (``target_rules``), before any work
-        refuse_overlap(store_target or target, inputs)
-        if store_target:
-            check_store_target(store_target, overwrite=options.overwrite)
-        check_target(target, source=source, overwrite=overwrite)  # a store target's: its local twin
-        return prepare(source, options)
+    def checked_and_prepared() -> Prepared:
+        target.check(inputs)
+        return prepare(local_dir, options)
 
     prepared = workers.everywhere(checked_and_prepared)
     merged_from = _merged_from(prepared, options)  # while a store's view is open: its URL
-    job = WeightJob(source, staging_path(target), options, upload_to=store_target)
+    job = WeightJob(local_dir, staging_path(target.folder), options, upload_to=target.store)
     store_lock: list[StoreTargetLock | None] = []  # the lead's, once taken
     with prepared, contextlib.ExitStack() as store_locked, contextlib.ExitStack() as publishing:
 
         def open_staging() -> tuple[dict[str, dict], str | None]:
-            if store_target:  # held until the upload ends: the local twin's lock keeps out this machine only
-                store_lock.append(store_locked.enter_context(locked_store_target(store_target)))
-                abort_incomplete_uploads(store_target)  # a killed merge's: no live merge holds the lock
+            if target.store:  # held until the upload ends: the local twin's lock keeps out this machine only
+                store_lock.append(store_locked.enter_context(locked_store_target(target.store)))
+                abort_incomplete_uploads(target.store)  # a killed merge's: no live merge holds the lock
             token = store_lock[0].guard.token if store_lock and store_lock[0] else None
-            publishing.enter_context(staged_output(target, source=source, overwrite=overwrite, keep_killed=True))
+            publishing.enter_context(
+                staged_output(target.folder, source=local_dir, overwrite=target.folder_replaced, keep_killed=True)
+            )
             kept = resume_killed(prepared, job.staging, options).finished
-            if store_target:  # before the first upload
+            if target.store:  # before the first upload
                 names = {f.filename for f in prepared.outputs.files}
-                invalidate_target(store_target, names, replace(job, lock_token=token).guard())
+                invalidate_target(target.store, names, replace(job, lock_token=token).guard())
             write_side_files(prepared, job.staging, options)
             return kept, token
 
@@ -116,18 +111,18 @@ def merge(
         def finish_and_publish() -> tuple[dict, list[CheckOutcome]]:
             forget_finished(job.staging)
             manifest = finish_folder(prepared, job.staging, options, written.report)
-            checks = check_before_publishing(job.staging, target, written.report)
+            checks = check_before_publishing(job.staging, target.folder, written.report)
             publishing.close()  # leaves staged_output cleanly: the rename into place happens here
-            if store_target:
-                publish_folder(target, store_target, manifest, guard=job.guard())
-                shutil.rmtree(target)  # the twin: uploaded, no longer needed
+            if target.store:
+                publish_folder(target.folder, target.store, manifest, guard=job.guard())
+                shutil.rmtree(target.folder)  # the twin: uploaded, no longer needed
             return manifest, checks
 
         finished = workers.on_lead(finish_and_publish)
     if not workers.lead:
         return None
     manifest, checks = finished
-    result = MergeResult(store_target or target, prepared, written, manifest, checks, time.monotonic() - started)
+    result = MergeResult(target.named, prepared, written, manifest, checks, time.monotonic() - started)
     log.info(
         "%s -> %s: %d tensors, %s of safetensors files in %.1f s",
         merged_from,

@@ -11,12 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from merge_pipeline.engine.as_base import base_outputs, following_base, follows_base
+from merge_pipeline.engine.as_base import following_base
 from merge_pipeline.engine.averaging import AveragedInput, average_plan
-from merge_pipeline.engine.fp8_quantize import fp8_outputs
 from merge_pipeline.engine.lora_merge import model_tensors
 from merge_pipeline.engine.outputs import DTYPES, OutputPlan, plan_outputs
-from merge_pipeline.engine.quantize import quantized_outputs
+from merge_pipeline.engine.weight_format import formatted_outputs
 from merge_pipeline.formats import open_checkpoint, weight_suffixes
 from merge_pipeline.formats.base_model import with_base_weights
 from merge_pipeline.hf.config import CheckpointConfig, ModelConfig
@@ -72,10 +71,7 @@ def _prepare_one(local_dir: str | Path, options: MergeOptions, *, merged: bool =
         outputs = plan_outputs(plan, config, options)
         if expected is not None:
             _check_against_architecture(outputs, expected, config)
-        if options.dtype == "fp8":
-            outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, plan.role_dir)
-        if options.quantize:
-            outputs = quantized(outputs, options, config, plan.role_dir)
+        outputs = formatted_outputs(outputs, options, config, plan.role_dir)
     except BaseException:
         plan.close()
         raise
@@ -106,10 +102,7 @@ def _prepare_average(local_dir: str | Path, options: MergeOptions) -> Prepared:
             max_shard_size=options.max_shard_size,
         )
         options = following_base(options, configs[reference])
-        if options.dtype == "fp8":  # the average, quantized
-            outputs = fp8_outputs(outputs, options.fp8_block_size, options.max_shard_size, reference)
-        if options.quantize:  # the average, quantized
-            outputs = quantized(outputs, options, configs[reference], reference)
+        outputs = formatted_outputs(outputs, options, configs[reference], reference)  # the average, quantized
     except BaseException:
         for one in inputs:
             one.plan.close()
@@ -146,11 +139,3 @@ def _check_against_architecture(outputs: OutputPlan, expected: ExpectedTensors, 
     from merge_pipeline.hf.architecture import check_plan_against_architecture
 
     check_plan_against_architecture(outputs.planned_tensors, expected, config.path)
-
-
-def quantized(outputs: OutputPlan, options: MergeOptions, config: ModelConfig, where: Path) -> OutputPlan:
-    """``outputs`` quantized as ``options`` (resolved by ``following_base``) ask: for the merge, and for
-    ``inspect --quantize``. Still ``as-base``: the base's compressed-tensors group or MXFP4."""
-    if follows_base(options):
-        return base_outputs(outputs, options, config, where)
-    return quantized_outputs(outputs, options.quantize, options.quantize_ignore, options.max_shard_size, where)

@@ -35,8 +35,6 @@ def refuse_overlap(target: str | Path, inputs: Iterable[str | Path]) -> None:
 
 
 def _overlap(target: str | Path, source: str | Path) -> str | None:
-    if is_store_url(target) != is_store_url(source):
-        return None
     a, b = _parts(target), _parts(source)
     if a == b:
         return "is the input checkpoint"
@@ -49,12 +47,13 @@ def _overlap(target: str | Path, source: str | Path) -> str | None:
 
 def within(inner: str | Path, outer: str | Path) -> bool:
     """Whether ``inner`` is ``outer`` or lies inside it, compared as the overlap rule compares."""
-    return is_store_url(inner) == is_store_url(outer) and _parts(inner)[: len(_parts(outer))] == _parts(outer)
+    return _parts(inner)[: len(_parts(outer))] == _parts(outer)
 
 
 def _parts(location: str | Path) -> tuple[str, ...]:
     """A folder's parts, symlinks and ``..`` resolved; a URL's protocol and non-empty key parts
-    (``s3://b//p/`` and ``s3://b/p`` name one prefix)."""
+    (``s3://b//p/`` and ``s3://b/p`` name one prefix). A folder's start with ``/``, a URL's with its
+    protocol: a folder never overlaps a prefix."""
     if not is_store_url(location):
         return Path(os.path.realpath(location)).parts
     protocol, _, rest = str(location).partition("://")
