@@ -10,7 +10,7 @@ its Triton kernels use on GPUs): the library's ``quantize`` and compressors call
 - ``cast_to_fp4`` of float32 values (NVFP4's, divided by a float32 scale): its thresholds lie on the bfloat16
   grid and it rounds to the nearest FP4 value (monotone), so its output depends only on a value's upper 16 bits
   and on whether its lower 16 are zero: one entry for each pair (2 x 65,536), the library's output on the
-  pair's smallest value.
+  pair's smallest value; values with a NaN (whose payload passes through) go to the library's own.
 - ``pack_fp4_to_uint8`` of bfloat16 FP4 values (what ``cast_to_fp4`` returns, the only input it is defined for), two a
   byte: one entry for each pair of the 16 values (256); any other input goes to the library's own.
 
@@ -50,6 +50,8 @@ def cast_to_fp4_by_table(x: torch.Tensor) -> torch.Tensor:
     """``cast_to_fp4`` of ``x`` (float32 or bfloat16), looked up."""
     if x.dtype == torch.bfloat16:
         return cast_table(torch.bfloat16).index_select(0, _bits(x).view(-1)).view(x.shape)
+    if bool(x.isnan().any()):
+        return library("cast_to_fp4")(x)  # a NaN's payload is its own: the library's answer
     bits = x.contiguous().view(torch.int32)
     keys = (bits >> (_HALF - 1)) & ~1  # the upper half, shifted left by one
     keys += (bits & 0xFFFF) != 0
