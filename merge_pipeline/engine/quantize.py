@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -242,20 +243,35 @@ class _Bands:
         global_scale = self._global_scale()
         kept: dict[str, list[torch.Tensor]] = {}
         done = 0
-        for band in _row_groups(self.weight, per_group):
-            try:
-                with _one_torch_thread():
-                    state = quantize_band(band, self.scheme, global_scale)
-            except ValueError as exc:
-                raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized") from None
-            lead = "weight_packed" if "weight_packed" in state else "weight"
-            yield state.pop(lead)
-            for key, value in state.items():
-                kept.setdefault(key, []).append(value)
-            done += len(band)
+        # Each group is quantized on a thread of its own while the next one is read and the last one written:
+        # torch lets go of the GIL in both, and the bf16 merge leaves a core idle. One group ahead, no more.
+        with ThreadPoolExecutor(1, thread_name_prefix="merge-quantize") as worker:
+            ahead = None
+            for band in _row_groups(self.weight, per_group):
+                quantizing = worker.submit(self._quantized_band, band, global_scale)
+                if ahead is not None:
+                    yield self._lead(ahead.result(), kept)
+                ahead, done = quantizing, done + len(band)
+            if ahead is not None:
+                yield self._lead(ahead.result(), kept)
         if done != rows:
             raise RuntimeError(f"{self.weight.name}: source gave {done} of {rows} rows")
         self.kept = {key: self._whole(key, values) for key, values in kept.items()}
+
+    def _quantized_band(self, band: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        try:
+            with _one_torch_thread():
+                return quantize_band(band, self.scheme, global_scale)
+        except ValueError as exc:
+            raise MergeError(None, f"{self.weight.name} {exc}: it cannot be quantized") from None
+
+    @staticmethod
+    def _lead(state: dict[str, torch.Tensor], kept: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """The band's leading output; its followers added to ``kept``."""
+        lead = state.pop("weight_packed" if "weight_packed" in state else "weight")
+        for key, value in state.items():
+            kept.setdefault(key, []).append(value)
+        return lead
 
     def take(self, key: str) -> torch.Tensor | None:
         """The follower ``key`` the last pass kept, once (``None`` before a pass)."""
@@ -276,12 +292,14 @@ class _Bands:
             return None
         key = tuple(member.name for member in self.global_set)
         if key not in self.scales:
+            # The largest magnitude in bfloat16, from the pieces as they come: rounding to bfloat16 is monotone, so
+            # the rounded extremes are the extremes of the rounded values, and negation is exact (no copy of a piece).
             absmax = torch.zeros((), dtype=QUANTIZED_FROM)
             for member in self.global_set:
-                for band in _row_groups(member, max(1, READ_PIECE_BYTES // (member.shape[1] * 2))):
+                for piece in member.source.pieces():
                     with _one_torch_thread():
-                        low, high = torch.aminmax(band)  # |x|'s max without a copy of the band: negation is exact
-                    absmax = torch.maximum(absmax, torch.maximum(high, -low))
+                        low, high = torch.aminmax(piece.reshape(-1)) if piece.numel() else (absmax, absmax)
+                    absmax = torch.maximum(absmax, torch.maximum(high.to(QUANTIZED_FROM), -low.to(QUANTIZED_FROM)))
             self.scales[key] = global_scale_of(absmax)
         return self.scales[key]
 
