@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -243,17 +242,9 @@ class _Bands:
         global_scale = self._global_scale()
         kept: dict[str, list[torch.Tensor]] = {}
         done = 0
-        # Each group is quantized on a thread of its own while the next one is read and the last one written:
-        # torch lets go of the GIL in both, and the bf16 merge leaves a core idle. One group ahead, no more.
-        with ThreadPoolExecutor(1, thread_name_prefix="merge-quantize") as worker:
-            ahead = None
-            for band in _row_groups(self.weight, per_group):
-                quantizing = worker.submit(self._quantized_band, band, global_scale)
-                if ahead is not None:
-                    yield self._lead(ahead.result(), kept)
-                ahead, done = quantizing, done + len(band)
-            if ahead is not None:
-                yield self._lead(ahead.result(), kept)
+        for band in _row_groups(self.weight, per_group):
+            yield self._lead(self._quantized_band(band, global_scale), kept)
+            done += len(band)
         if done != rows:
             raise RuntimeError(f"{self.weight.name}: source gave {done} of {rows} rows")
         self.kept = {key: self._whole(key, values) for key, values in kept.items()}
