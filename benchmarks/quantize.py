@@ -5,8 +5,9 @@ same checkpoint, and against what it replaces (the bf16 merge, then llm-compress
 
 Per repeat, in the same minutes of the machine, each a fresh child process (warm page cache): ``merge --dtype
 bfloat16``; ``merge --quantize SCHEME``; ``model_free_ptq`` on the bf16 folder (``.venv-llmcompressor``, CPU,
-the ignore list the quantized merge wrote). Wall from spawn to exit and peak RSS from ``wait4``; the table
-keeps the fastest run of each. Prints a Markdown table.
+the ignore list the quantized merge wrote). Wall from spawn to exit, CPU time (user + system) and peak RSS from
+``wait4``; the table keeps the fastest run of each, and each repeat's line says its walls and the load average.
+Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     checkpoint = ensure_checkpoint(args.size, args.cache_dir)
     source = ["--local_dir", str(checkpoint.role_dir)]
-    best: dict[str, tuple[float, int]] = {}
+    best: dict[str, tuple[float, float, int]] = {}
     with tempfile.TemporaryDirectory(dir=args.cache_dir) as scratch:
         out = Path(scratch)
         for _ in range(args.repeat):
@@ -50,14 +51,16 @@ def main(argv: list[str] | None = None) -> None:
             for name, run in runs.items():
                 run.check(name)
                 if name not in best or run.wall_s < best[name][0]:
-                    best[name] = (run.wall_s, run.peak_rss_bytes)
+                    best[name] = (run.wall_s, run.cpu_s, run.peak_rss_bytes)
+            walls = ", ".join(f"{name} {run.wall_s:.1f} s (CPU {run.cpu_s:.1f} s)" for name, run in runs.items())
+            print(f"repeat: {walls}; load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     bf16_wall = best["bf16 merge"][0]
     both = bf16_wall + best["model_free_ptq of the bf16 merge"][0]
-    print(f"| {args.size} FSDP checkpoint, {args.scheme} | wall (s) | vs bf16 merge | peak RSS (GB) |")
-    print("|---|---|---|---|")
-    for name, (wall, rss) in best.items():
-        print(f"| {name} | {wall:.1f} | {wall / bf16_wall:.2f}x | {rss / 1e9:.2f} |")
-    print(f"| bf16 merge + model_free_ptq | {both:.1f} | {both / bf16_wall:.2f}x | |")
+    print(f"| {args.size} FSDP checkpoint, {args.scheme} | wall (s) | vs bf16 merge | CPU (s) | peak RSS (GB) |")
+    print("|---|---|---|---|---|")
+    for name, (wall, cpu, rss) in best.items():
+        print(f"| {name} | {wall:.1f} | {wall / bf16_wall:.2f}x | {cpu:.1f} | {rss / 1e9:.2f} |")
+    print(f"| bf16 merge + model_free_ptq | {both:.1f} | {both / bf16_wall:.2f}x | | |")
 
 
 if __name__ == "__main__":
