@@ -82,9 +82,11 @@ def drop_and_wait_for_the_sensors_merge(dagster: Dagster, settings: MergeSetting
     assert sensor_run["status"] == "SUCCESS", dagster.log_tail()
 
 
-@pytest.mark.parametrize("launcher", [{"launcher": "inprocess"}, {"launcher": "torchrun", "nproc_per_node": 2}])
-def test_a_killed_run_is_retried_and_resumes_from_the_finished_files(served, launcher):
+def test_a_killed_torchrun_run_is_retried_and_resumes_from_the_finished_files(served):
+    """The run's worker and its torchrun ranks killed; an in-process run's worker killed the same way:
+    test_dagster_production.py (its instance also retries through the run queue)."""
     dagster, settings, written, reference = served
+    launcher = {"launcher": "torchrun", "nproc_per_node": 2}
     key = checkpoint_key(f"resume_{launcher['launcher']}/global_step_1/actor")
     drop_and_wait_for_the_sensors_merge(dagster, settings, written, key)
     # The merge killed below is a re-merge in 6 files.
