@@ -48,9 +48,13 @@ def assert_same_as_one_process(target: Path, local_dir: Path, options: MergeOpti
 
 
 def samples(request, name: str) -> tuple[Path, MergeOptions]:
-    """The checkpoint folder and its options: FSDP, Megatron-Core (verl's v2 layout), torchtitan's DCP."""
+    """The checkpoint folder and its options: FSDP (also quantized to NVFP4A16: a global scale each fused set's
+    members share across tasks), Megatron-Core (verl's v2 layout), torchtitan's DCP."""
     if name == "fsdp":
         return request.getfixturevalue("fsdp_checkpoint")(FsdpSpec()).role_dir, MergeOptions(max_shard_size=SHARDS)
+    if name == "fsdp_nvfp4":
+        role_dir = request.getfixturevalue("fsdp_checkpoint")(FsdpSpec()).role_dir
+        return role_dir, MergeOptions(max_shard_size=SHARDS, quantize="NVFP4A16")
     if name == "megatron":
         sample = request.getfixturevalue("megatron_v2_sample")
         return sample.role_dir, MergeOptions(max_shard_size=SHARDS, hf_model_path=str(sample.original_dir))
@@ -59,7 +63,7 @@ def samples(request, name: str) -> tuple[Path, MergeOptions]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp", "megatron", "dcp"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_nvfp4", "megatron", "dcp"])
 def test_tasks_on_several_nodes_write_what_one_process_writes(request, cluster, tmp_path, name):
     local_dir, options = samples(request, name)
     before = {t.task_id for t in write_tasks(cluster)}

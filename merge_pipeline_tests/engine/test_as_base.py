@@ -15,7 +15,15 @@ import transformers
 from merge_pipeline.cli import main
 from merge_pipeline.hub.model_card import render_card
 from merge_pipeline_tests.engine.test_fp8 import LLAMA, TOKENS
-from merge_pipeline_tests.helpers import load_safetensors_dir, merge_error, merge_ok, same_bits, write_with_release
+from merge_pipeline_tests.helpers import (
+    load_safetensors_dir,
+    merge_error,
+    merge_ok,
+    same_bits,
+    torchrun,
+    tree_digest,
+    write_with_release,
+)
 
 W4A16_GROUP = {
     "targets": ["Linear"],
@@ -183,3 +191,17 @@ def test_a_gpt_oss_mxfp4_base_round_trips_through_transformers_dequantizer(capsy
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     card = render_card(json.loads((tmp_path / "mxfp4" / "merge_manifest.json").read_text()), "org/model")
     assert "| weights | 4 linear weights in MXFP4 (quant_method mxfp4: experts' blocks and scales) |" in card
+
+
+@pytest.mark.torchrun
+def test_torchrun_ranks_write_the_mxfp4_base_byte_identically(capsys, tmp_path, gpt_oss):
+    """Each rank writes its own shards of gpt-oss's MXFP4 experts (blocks and scales beside the kept weights):
+    the same folder, byte for byte, as one process writes."""
+    role_dir, base = gpt_oss
+    flags = ("--backend", "hf", "--quantize", "as-base", "--hf_model_path", base, "--max-shard-size", "100KB")
+    merge_ok(capsys, role_dir, tmp_path / "single", *flags)
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", *flags) as run:
+        _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
+    assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
