@@ -20,31 +20,24 @@ tensor, e.g. a LoRA merge).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import KeptFromPass, OutputPlan, quantized_shards
+from merge_pipeline.engine.outputs import KeptFromPass, Quantized
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.fp8 import FP8, FP8_MAX, KEPT_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, Fp8Decisions, decide_fp8
+from merge_pipeline.hf.fp8 import FP8, FP8_MAX, SCALE_DTYPE, SCALE_SUFFIX, Fp8Decisions, decide_fp8
 from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor
 
 
-def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, where: Path) -> OutputPlan:
-    """The output plan with linear weights quantized (each followed by its scales) and the rest in bfloat16."""
-    if outputs.adapter is not None:
-        raise MergeError(
-            where,
-            "--dtype fp8 quantizes base weights that a separate LoRA adapter cannot be applied to: add --merge-lora",
-        )
-    model = [t for shard in outputs.shards for t in shard.tensors]
-    decisions = decide_fp8([t.planned for t in model], block, where)
+def fp8_quantizer(model: list[PlannedTensor], block: int, where: Path) -> tuple[Fp8Decisions, Quantized]:
+    """What ``model`` quantizes to FP8, and the writer of each such weight and its scales."""
+    decisions = decide_fp8(model, block, where)
     if not decisions.quantized:
-        raise MergeError(where, nothing_to_quantize(decisions, {t.planned.name: t.planned.shape for t in model}))
+        raise MergeError(where, nothing_to_quantize(decisions, {t.name: t.shape for t in model}))
     quantized = set(decisions.quantized)
 
     def pair(weight: PlannedTensor):
@@ -53,12 +46,7 @@ def fp8_outputs(outputs: OutputPlan, block: int, max_shard_size: str | int, wher
         weight, scales = quantized_pair(weight, block)
         return weight, (scales,)
 
-    return dataclasses.replace(
-        outputs,
-        shards=quantized_shards(model, pair, KEPT_DTYPE, max_shard_size),
-        config_dtype=KEPT_DTYPE,
-        fp8=decisions,
-    )
+    return decisions, pair
 
 
 def nothing_to_quantize(decisions: Fp8Decisions, shapes: dict[str, tuple[int, ...]]) -> str:

@@ -11,7 +11,6 @@ packed alike), one expert at a time: memory holds one expert, never the tensor.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from merge_pipeline.engine.outputs import KeptFromPass, OutputPlan, quantized_shards
+from merge_pipeline.engine.outputs import KeptFromPass, Quantized
 from merge_pipeline.engine.quantize import QUANTIZED_FROM, quantize_band
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.fp8 import KEPT_DTYPE
 from merge_pipeline.hf.quantization import preset
 from merge_pipeline.plan import PlannedTensor
 
@@ -61,16 +59,10 @@ class Mxfp4Decisions:
         }
 
 
-def mxfp4_outputs(outputs: OutputPlan, base_config: dict, max_shard_size: str | int, where: Path) -> OutputPlan:
-    """The output plan with gpt-oss's experts in MXFP4 blocks and scales, the rest bfloat16."""
-    if outputs.adapter is not None:
-        raise MergeError(
-            where,
-            "--quantize quantizes base weights that a separate LoRA adapter cannot be applied to: add --merge-lora",
-        )
-    model = [t for shard in outputs.shards for t in shard.tensors]
+def mxfp4_quantizer(model: list[PlannedTensor], base_config: dict, where: Path) -> tuple[Mxfp4Decisions, Quantized]:
+    """gpt-oss's experts in ``model``, and the writer of each one's MXFP4 blocks and scales."""
     decisions = Mxfp4Decisions(base_config)
-    for t in (t.planned for t in model):
+    for t in model:
         if not _EXPERTS.search(t.name):
             continue
         if len(t.shape) != 3 or t.shape[1] % _GROUP:
@@ -93,12 +85,7 @@ def mxfp4_outputs(outputs: OutputPlan, base_config: dict, max_shard_size: str | 
             (OutputTensor(PlannedTensor(f"{weight.name}_scales", (experts, outer, inner // _GROUP), CODES, KeptFromPass(blocks, blocks.take_scales)), CODES),),
         )  # fmt: skip
 
-    return dataclasses.replace(
-        outputs,
-        shards=quantized_shards(model, pair, KEPT_DTYPE, max_shard_size),
-        config_dtype=KEPT_DTYPE,
-        quantization=decisions,
-    )
+    return decisions, pair
 
 
 def quantize_expert(expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,8 @@ from merge_pipeline.settings import parse_size
 DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name not in ("auto", "fp8")}
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 ADAPTER_WEIGHTS = f"{OUTPUT_ADAPTER_DIR}/{ADAPTER_FILE}"
+# A quantized format's writer: a weight's leading output and the followers written right after it, else None.
+Quantized = Callable[[PlannedTensor], "tuple[OutputTensor, tuple[OutputTensor, ...]] | None"]
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,7 @@ class KeptFromPass:
 
 def quantized_shards(
     model: list[OutputTensor],
-    quantized: Callable[[PlannedTensor], tuple[OutputTensor, tuple[OutputTensor, ...]] | None],
+    quantized: Quantized,
     kept_dtype: torch.dtype,
     max_shard_size: str | int,
 ) -> list[ShardFile]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import re
 from collections.abc import Iterator
@@ -26,10 +25,9 @@ from pathlib import Path
 import torch
 
 from merge_pipeline.engine import fp4_tables
-from merge_pipeline.engine.outputs import KeptFromPass, OutputPlan, quantized_shards
+from merge_pipeline.engine.outputs import KeptFromPass, Quantized
 from merge_pipeline.engine.safetensors_writer import OutputTensor
 from merge_pipeline.errors import MergeError
-from merge_pipeline.hf.fp8 import KEPT_DTYPE
 from merge_pipeline.hf.quantization import QuantDecisions, decide
 from merge_pipeline.plan import READ_PIECE_BYTES, PlannedTensor
 
@@ -50,25 +48,19 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _GROUPS_A_PIECE = 8
 
 
-def quantized_outputs(
-    outputs: OutputPlan, scheme: str, ignore: tuple[str, ...], max_shard_size: str | int, where: Path, args=None
-) -> OutputPlan:
-    """The output plan with the scheme's weights quantized (each followed by its parameters), the rest bfloat16;
+def scheme_quantizer(
+    model: list[PlannedTensor], scheme: str, ignore: tuple[str, ...], where: Path, args=None
+) -> tuple[QuantDecisions, Quantized]:
+    """What ``model`` quantizes with the scheme, and the writer of each such weight and its parameters;
     ``args``: the QuantizationScheme of a config group named ``scheme`` (the base's), instead of a preset."""
-    if outputs.adapter is not None:
-        raise MergeError(
-            where,
-            "--quantize quantizes base weights that a separate LoRA adapter cannot be applied to: add --merge-lora",
-        )
-    model = [t for shard in outputs.shards for t in shard.tensors]
-    decisions = decide([t.planned for t in model], scheme, ignore, where, args)
+    decisions = decide(model, scheme, ignore, where, args)
     if not decisions.quantized:
         raise MergeError(
             where,
             f"--quantize {decisions.scheme_name} would quantize nothing (ignored: {', '.join(decisions.ignore) or 'none'};"
             f" off the scheme's groups: {len(decisions.off_grid)}): the folder would claim a format no weight is in",
         )
-    by_name = {t.planned.name: t.planned for t in model}
+    by_name = {t.name: t for t in model}
     global_sets = _global_scale_sets(decisions, by_name)
     layouts: dict[tuple[int, ...], list] = {}  # by shape: a model repeats a few shapes in every layer
     scales: dict[tuple[str, ...], torch.Tensor | None] = {}  # by fused set: its members' passes share one read
@@ -78,12 +70,7 @@ def quantized_outputs(
             return None
         return _quantized(weight, decisions, global_sets[weight.name], layouts, scales)
 
-    return dataclasses.replace(
-        outputs,
-        shards=quantized_shards(model, quantized, KEPT_DTYPE, max_shard_size),
-        config_dtype=KEPT_DTYPE,
-        quantization=decisions,
-    )
+    return decisions, quantized
 
 
 def _global_scale_sets(decisions: QuantDecisions, by_name: dict[str, PlannedTensor]) -> dict[str, list[PlannedTensor]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from merge_pipeline.engine.as_base import following_base
 from merge_pipeline.engine.outputs import config_dtype_for, plan_outputs
@@ -21,9 +20,6 @@ from merge_pipeline.options import MergeOptions
 from merge_pipeline.pipeline.prepare import prepare
 from merge_pipeline.plan import CheckpointPlan, dtype_name
 from merge_pipeline.store.view import viewed
-
-if TYPE_CHECKING:
-    pass
 
 
 def describe(local_dir: str | Path, options: MergeOptions) -> dict:

@@ -266,7 +266,12 @@ def test_lora_fp8_needs_merge_lora(capsys, tmp_path, fsdp_checkpoint):
     code, _, err = run_cli(
         capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--dtype", "fp8"
     )
-    assert code == 1 and "add --merge-lora" in err and not (tmp_path / "out").exists()
+    assert code == 1 and "--dtype fp8 quantizes base weights" in err and "add --merge-lora" in err
+    assert not (tmp_path / "out").exists()
+    code, _, err = run_cli(
+        capsys, "merge", "--local_dir", sample.role_dir, "--target_dir", tmp_path / "out", "--quantize", "W8A16"
+    )
+    assert code == 1 and "--quantize quantizes base weights" in err and not (tmp_path / "out").exists()
     flags = ("--fp8-block-size", "32", "--merge-lora")
     out = merge_ok(capsys, sample.role_dir, tmp_path / "out", "--dtype", "fp8", *flags)
     assert "fp8: 14 weights quantized in 32x32 blocks" in out
