@@ -240,6 +240,17 @@ def torchrun(nproc: int, *args, command: str = "merge") -> Iterator[subprocess.P
         run.communicate()
 
 
+def assert_torchrun_writes_what_one_process_writes(capsys, role_dir: Path, out: Path, *flags) -> None:
+    """Two torchrun ranks, each writing its own shards, publish the folder one process publishes, byte for byte
+    (more than two weight files, so that both ranks write)."""
+    merge_ok(capsys, role_dir, out / "single", *flags)
+    with torchrun(2, "--local_dir", role_dir, "--target_dir", out / "multi", *flags) as run:
+        _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert tree_digest(out / "multi") == tree_digest(out / "single")
+    assert len(list((out / "single").glob("model-*.safetensors"))) > 2
+
+
 _HOLD_LOCK = """
 import sys
 from merge_pipeline.engine.publish import locked_target

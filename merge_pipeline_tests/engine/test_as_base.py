@@ -16,12 +16,11 @@ from merge_pipeline.cli import main
 from merge_pipeline.hub.model_card import render_card
 from merge_pipeline_tests.engine.test_fp8 import LLAMA, TOKENS
 from merge_pipeline_tests.helpers import (
+    assert_torchrun_writes_what_one_process_writes,
     load_safetensors_dir,
     merge_error,
     merge_ok,
     same_bits,
-    torchrun,
-    tree_digest,
     write_with_release,
 )
 
@@ -199,9 +198,4 @@ def test_torchrun_ranks_write_the_mxfp4_base_byte_identically(capsys, tmp_path, 
     the same folder, byte for byte, as one process writes."""
     role_dir, base = gpt_oss
     flags = ("--backend", "hf", "--quantize", "as-base", "--hf_model_path", base, "--max-shard-size", "100KB")
-    merge_ok(capsys, role_dir, tmp_path / "single", *flags)
-    with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", *flags) as run:
-        _, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err
-    assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
-    assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
+    assert_torchrun_writes_what_one_process_writes(capsys, role_dir, tmp_path, *flags)

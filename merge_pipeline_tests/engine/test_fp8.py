@@ -29,14 +29,13 @@ from merge_pipeline_samples.fsdp import FsdpSpec
 from merge_pipeline_tests.conftest import copy_checkpoint
 from merge_pipeline_tests.helpers import (
     TensorInPieces,
+    assert_torchrun_writes_what_one_process_writes,
     error_lines,
     load_safetensors_dir,
     merge_error,
     merge_ok,
     run_cli,
     same_bits,
-    torchrun,
-    tree_digest,
 )
 
 LLAMA = FsdpSpec(
@@ -252,13 +251,9 @@ def test_fp8_that_would_quantize_nothing_is_refused_in_one_line(
 @pytest.mark.torchrun
 def test_torchrun_ranks_quantize_their_own_shards_byte_identically(capsys, tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(LLAMA).role_dir
-    flags = ("--max-shard-size", "200KB", "--dtype", "fp8")
-    merge_ok(capsys, role_dir, tmp_path / "single", *flags)
-    with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", *flags) as run:
-        _, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err
-    assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
-    assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
+    assert_torchrun_writes_what_one_process_writes(
+        capsys, role_dir, tmp_path, "--max-shard-size", "200KB", "--dtype", "fp8"
+    )
 
 
 def test_lora_fp8_needs_merge_lora(capsys, tmp_path, fsdp_checkpoint):

@@ -26,14 +26,13 @@ from merge_pipeline_tests.engine.test_resume import SPEC as RESUME_SPEC
 from merge_pipeline_tests.engine.test_resume import killed_and_resumed
 from merge_pipeline_tests.helpers import (
     TensorInPieces,
+    assert_torchrun_writes_what_one_process_writes,
     cli_merge_command,
     error_lines,
     load_safetensors_dir,
     merge_error,
     merge_ok,
     run_cli,
-    torchrun,
-    tree_digest,
     write_with_release,
 )
 
@@ -228,12 +227,7 @@ def test_a_killed_quantized_merge_resumes(tmp_path):
 def test_torchrun_ranks_quantize_their_own_shards_byte_identically(capsys, tmp_path, fsdp_checkpoint):
     role_dir = fsdp_checkpoint(LLAMA).role_dir
     flags = ("--max-shard-size", "200KB", "--quantize", "NVFP4A16")  # a global scale shared across shards too
-    merge_ok(capsys, role_dir, tmp_path / "single", *flags)
-    with torchrun(2, "--local_dir", role_dir, "--target_dir", tmp_path / "multi", *flags) as run:
-        _, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err
-    assert tree_digest(tmp_path / "multi") == tree_digest(tmp_path / "single")
-    assert len(list((tmp_path / "single").glob("model-*.safetensors"))) > 2
+    assert_torchrun_writes_what_one_process_writes(capsys, role_dir, tmp_path, *flags)
 
 
 def _planned(name: str, weight: torch.Tensor) -> PlannedTensor:
