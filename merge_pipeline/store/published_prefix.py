@@ -21,7 +21,7 @@ from merge_pipeline.settings import PARALLEL_UPLOADS, PART_BYTES, PARTS_IN_FLIGH
 from merge_pipeline.store.asking import asking
 from merge_pipeline.store.object_upload import free_tensor_bytes, upload_file
 from merge_pipeline.store.record import MANIFEST, delete_stale, record_publishing
-from merge_pipeline.store.url import location
+from merge_pipeline.store.url import StoreLocation, location
 from merge_pipeline.store.view import listed
 
 log = logging.getLogger("merge_pipeline")
@@ -66,11 +66,7 @@ def publish_folder(folder: Path, url: str, manifest: dict, *, guard: Callable[[]
     weights = [r for r in local if r.endswith(".safetensors")]
     others = [r for r in local if r not in weights and r != MANIFEST]
     with asking(url):
-        ours = record_publishing(store, {*local, MANIFEST}, guard)
-        before = set(listed(store)) if store.fs.exists(store.path) else set()
-        if MANIFEST in before:
-            guard()
-            store.fs.rm_file(store.key(MANIFEST))
+        ours, before = _opened(store, {*local, MANIFEST}, guard)
         with ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload") as pool:
             list(pool.map(lambda r: upload_file(store, folder, r, digests.get(r), guard, streamed=True), weights))
         with ThreadPoolExecutor(PARALLEL_UPLOADS.value(), thread_name_prefix="merge-upload") as pool:
@@ -94,11 +90,7 @@ def copy_published_in_store(source: str, target: str, *, guard: Callable[[], Non
         raise MergeError(None, f"{source}: incomplete: no {MANIFEST}; a merge is still publishing or failed")
     names = set(manifest["files"])
     with asking(target):
-        ours = record_publishing(dst, {*names, MANIFEST}, guard)
-        before = set(listed(dst)) if dst.fs.exists(dst.path) else set()
-        if MANIFEST in before:
-            guard()
-            dst.fs.rm_file(dst.key(MANIFEST))
+        ours, before = _opened(dst, {*names, MANIFEST}, guard)
         for name in sorted(names):  # a copy keeps the object's metadata: the sha256 recorded at upload
             guard()
             src.fs.copy(src.key(name), dst.key(name))
@@ -107,6 +99,18 @@ def copy_published_in_store(source: str, target: str, *, guard: Callable[[], Non
         delete_stale(dst, before & ours, names, guard)
     log.info("copied %d files from %s to %s (%s last)", len(names), source, target, MANIFEST)
     return manifest
+
+
+def _opened(store: StoreLocation, names: set[str], guard: Callable[[], None]) -> tuple[set[str], set[str]]:
+    """The start of a publish into ``store``: ``names`` recorded as ours, then the old manifest deleted, so no
+    reader takes the prefix for complete from here on. The names recorded as ours (earlier merges' too) and the
+    objects listed before."""
+    ours = record_publishing(store, names, guard)
+    before = set(listed(store)) if store.fs.exists(store.path) else set()
+    if MANIFEST in before:
+        guard()
+        store.fs.rm_file(store.key(MANIFEST))
+    return ours, before
 
 
 def invalidate_target(url: str, names: set[str], guard: Callable[[], None] = unguarded) -> None:
