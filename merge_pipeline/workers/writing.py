@@ -7,6 +7,7 @@ lead's process or another, write weight files with the same code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ from typing import NamedTuple
 
 from merge_pipeline import __version__
 from merge_pipeline.engine.outputs import OutputPlan, ShardFile
+from merge_pipeline.engine.quantize import quantizing_pass
 from merge_pipeline.engine.resume import RECORDS, ResumeLog, merge_key, seal
 from merge_pipeline.engine.safetensors_writer import build_header, write_safetensors
 from merge_pipeline.hf.config import ModelConfig
@@ -152,31 +154,33 @@ def write_weights(
     progress = ByteProgress(total, description, done=kept, enabled=show_progress)
     report = WriteReport()
     try:
-        for shard in files:
-            if shard.filename in reused:
-                report.files.append({**resume.finished[shard.filename], "kept": True})
-                continue
-            path = out_dir / shard.filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
-            size = write_safetensors(path, shard.tensors, progress, digest=digest)
-            seal(path, digest.hexdigest())  # before the identity: a resume trusts the digest only with both
-            entry = {
-                "filename": shard.filename,
-                "bytes": size,
-                "tensors": len(shard.tensors),
-                "sha256": digest.hexdigest(),
-                "identity": stat_identity(os.stat(path)),  # right after the fsync
-            }
-            report.files.append(entry)
-            if resume:
-                resume.record(entry)
+        # a quantizing pass: torch on one intra-op thread, the bands quantized on workers (engine.quantize)
+        with quantizing_pass() if outputs.quantization else contextlib.nullcontext():
+            for shard in files:
+                if shard.filename in reused:
+                    report.files.append({**resume.finished[shard.filename], "kept": True})
+                    continue
+                path = out_dir / shard.filename
+                path.parent.mkdir(parents=True, exist_ok=True)
+                digest = hashlib.sha256()  # fed while the file is written: the manifest reads nothing back
+                size = write_safetensors(path, shard.tensors, progress, digest=digest)
+                seal(path, digest.hexdigest())  # before the identity: a resume trusts the digest only with both
+                entry = {
+                    "filename": shard.filename,
+                    "bytes": size,
+                    "tensors": len(shard.tensors),
+                    "sha256": digest.hexdigest(),
+                    "identity": stat_identity(os.stat(path)),  # right after the fsync
+                }
+                report.files.append(entry)
+                if resume:
+                    resume.record(entry)
+                if sink:
+                    sink.add(out_dir, shard.filename, entry["sha256"])
             if sink:
-                sink.add(out_dir, shard.filename, entry["sha256"])
-        if sink:
-            sink.close()
-            for entry in report.files:  # a hole was punched in each: the checks trust its sha256 as it is now
-                entry["identity"] = stat_identity(os.stat(out_dir / entry["filename"]))
+                sink.close()
+                for entry in report.files:  # a hole was punched in each: the checks trust its sha256 as it is now
+                    entry["identity"] = stat_identity(os.stat(out_dir / entry["filename"]))
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
