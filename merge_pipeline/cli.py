@@ -18,6 +18,8 @@ from pathlib import Path
 from merge_pipeline.errors import MergeError, os_error, printable
 from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.options import (
+    EMA_WEIGHTS,
+    GIVEN_WEIGHTS,
     OPTION_FIELDS,
     MergeOptions,
     average_weights,
@@ -146,13 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=float,
         metavar="W",
-        help="one weight per input, scaled to sum to 1 (default: equal)",
+        help=f"{GIVEN_WEIGHTS} (default: equal weights)",
     )
     scheme.add_argument(
         "--ema",
         type=float,
         metavar="DECAY",
-        help="exponential moving average over the inputs, oldest first: the newest weighs 1 - DECAY",
+        help=f"{EMA_WEIGHTS} (DECAY)",
     )
     accumulate = option_field("average_accumulate")
     average.add_argument(

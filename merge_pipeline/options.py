@@ -137,6 +137,9 @@ def _check_average(inputs: tuple[str, ...], weights: tuple[float, ...], accumula
 
 
 MAX_AVERAGED = 10_000  # checkpoints averaged at once: far more steps than a run keeps, weights a small tuple
+# How ``average_weights`` weighs the inputs, in the words of the CLI's flags and of Dagster's averaging setting.
+GIVEN_WEIGHTS = "one weight per input, oldest first, scaled to sum to 1"
+EMA_WEIGHTS = "exponential moving average started at the oldest input: the newest weighs 1 - the decay"
 
 
 def average_weights(

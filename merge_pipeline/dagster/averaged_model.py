@@ -36,6 +36,8 @@ from merge_pipeline.hf.file_names import WEIGHT_SUFFIXES
 from merge_pipeline.options import (
     ACCUMULATE_CHOICES,
     DTYPE_CHOICES,
+    EMA_WEIGHTS,
+    GIVEN_WEIGHTS,
     MAX_AVERAGED,
     MergeOptions,
     average_weights,
@@ -58,11 +60,11 @@ class Averaging(dg.Model):
     last_k: int = Field(default=3, description="average the newest K (at least 2) merged steps of each run and role")
     scheme: Literal["uniform", "ema", "weighted"] = Field(
         default="uniform",
-        description="uniform: equal weights; ema: exponential moving average from the oldest of the K (the newest weighs 1 - ema_decay); weighted: `weights`",
+        description=f"uniform: equal weights; ema: {EMA_WEIGHTS} (`ema_decay`); weighted: `weights`",
     )
     ema_decay: float = Field(default=0.9, description="scheme ema: the decay, between 0 and 1")
     weights: list[float] | None = Field(
-        default=None, description="scheme weighted: one weight per step, oldest first, scaled to sum to 1"
+        default=None, description=f"scheme weighted: {GIVEN_WEIGHTS} (an input is a step)"
     )
     # the merge options', with their defaults and choices
     dtype: Literal[DTYPE_CHOICES] = config_field(
