@@ -159,8 +159,8 @@ def quantize_band(band: torch.Tensor, scheme, global_scale: torch.Tensor | None)
 def quantizing_pass() -> Iterator[None]:
     """What a pass that writes quantized outputs runs under: torch on one intra-op thread in this thread, as on
     the band workers. The quantizer's work is many short ops: with two intra-op threads each wakes a pool that
-    then spins beside the band workers, the reader and the writer (measured on the 248M NVFP4A16 merge: 11.2 s
-    of CPU against 8.6 s on one thread, the same wall on an idle machine)."""
+    then spins beside the band workers, the reader and the writer (measured on the 248M NVFP4A16 merge: 10.7 s
+    of CPU against 8.0 s on one thread, the same wall on an idle machine)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
