@@ -177,10 +177,10 @@ def write_weights(
                     resume.record(entry)
                 if sink:
                     sink.add(out_dir, shard.filename, entry["sha256"])
-            if sink:
-                sink.close()
-                for entry in report.files:  # a hole was punched in each: the checks trust its sha256 as it is now
-                    entry["identity"] = stat_identity(os.stat(out_dir / entry["filename"]))
+        if sink:
+            sink.close()
+            for entry in report.files:  # a hole was punched in each: the checks trust its sha256 as it is now
+                entry["identity"] = stat_identity(os.stat(out_dir / entry["filename"]))
     finally:
         progress.close()
     report.seconds = time.monotonic() - progress.started
