@@ -138,7 +138,6 @@ def test_a_queued_merge_whose_worker_is_killed_is_retried_and_resumes(production
     key = checkpoint_key("prod_resume/global_step_1/actor")
     drop_and_wait_for_the_sensors_merge(dagster, settings, written, key)
     config = {"ops": {"hf_model": {"config": {"overwrite": True, **SHARDS}}}}
-    launched_runs = []
 
     def launch() -> str:
         run_id = str(uuid.uuid4())
@@ -165,10 +164,9 @@ def test_a_queued_merge_whose_worker_is_killed_is_retried_and_resumes(production
             timeout=300,
         )
         assert launched.returncode == 0, launched.stderr[-3000:]
-        launched_runs.append(run_id)
         return run_id
 
-    kill_the_worker_and_check_the_retry_resumes(dagster, launch, settings.target_dir(key), reference)
-    happened = dagster.event_types(launched_runs[-1])  # it went through the run queue, as docs/DAGSTER.md says
+    killed_run = kill_the_worker_and_check_the_retry_resumes(dagster, launch, settings.target_dir(key), reference)
+    happened = dagster.event_types(killed_run)  # it went through the run queue, as docs/DAGSTER.md says
     queue = [t for t in happened if t in ("RunEnqueuedEvent", "RunStartingEvent")]
     assert queue == ["RunEnqueuedEvent", "RunStartingEvent"], happened

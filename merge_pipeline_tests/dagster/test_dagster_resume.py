@@ -103,15 +103,17 @@ def test_a_killed_torchrun_run_is_retried_and_resumes_from_the_finished_files(se
 
 def kill_the_worker_and_check_the_retry_resumes(
     dagster: Dagster, launch: Callable[[], str], target: Path, reference: Path
-):
+) -> str:
     """SIGKILL the worker of the run ``launch`` starts once it finished a weight file: run monitoring marks the
     run failed, the instance retries it, and the retry resumes from the finished files, publishing
     ``reference``'s bytes. A kill that lands after the last file (the others were written before it struck)
-    leaves nothing to resume: the retry publishes, and the run is launched again, at most three times."""
+    leaves nothing to resume: the retry publishes, and the run is launched again, at most three times. The
+    id of the run whose kill was resumed."""
     staging = staging_path(target)
     files = len(list(reference.glob("*.safetensors")))
     for _ in range(3):
-        if (killed := _killed_once(dagster, launch(), staging, files)) is not None:
+        killed_run = launch()
+        if (killed := _killed_once(dagster, killed_run, staging, files)) is not None:
             break
     else:
         pytest.fail(f"three kills all landed after the last of {files} weight files")
@@ -132,6 +134,7 @@ def kill_the_worker_and_check_the_retry_resumes(
     for weights in reference.glob("*.safetensors"):
         assert (target / weights.name).read_bytes() == weights.read_bytes(), weights.name
     assert not staging.exists() and not (target / RECORDS).exists()
+    return killed_run
 
 
 def _killed_once(dagster: Dagster, killed_run: str, staging: Path, files: int) -> tuple[list[str], dict, str] | None:
