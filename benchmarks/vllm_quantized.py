@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from benchmarks.checkpoints import DEFAULT_CACHE, REPO_ROOT, SIZES, ensure_checkpoint
+from merge_pipeline.hf.quantization import SCHEMES
 
-SCHEMES = ("W4A16", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP8A16")
 PROMPT = "The capital of France is"
 MERGE = [sys.executable, "-m", "merge_pipeline", "merge", "--no-progress"]
 

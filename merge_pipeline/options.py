@@ -57,7 +57,7 @@ class MergeOptions:
     quantize: str | None = _option(
         None,
         "write the linear weights in a compressed-tensors format that needs no calibration data, byte for byte what"
-        " llm-compressor's model_free_ptq writes: W4A16, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16,"
+        " llm-compressor's model_free_ptq writes: W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, MXFP4A16,"
         " MXFP8A16 (the rest bfloat16; needs the [quant] extra; see docs/LAYOUTS.md); as-base: the format the base"
         " model's quantization_config states (--hf_model_path's, else the checkpoint's config.json): its"
         " compressed-tensors group, fp8 blocks or gpt-oss's mxfp4 experts",

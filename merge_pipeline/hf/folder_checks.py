@@ -50,22 +50,52 @@ def meta_load_problems(folder: Path) -> list[str]:
         # PreTrainedModel's loader: what a class's own from_pretrained adds after it is no weight (Qwen2.5-Omni's
         # speakers), and Qwen2.5-Omni's breaks on output_loading_info ('tuple' object has no attribute 'load_speakers').
         with _one_process(config):
-            model, info = load_with_info(model_type, folder, device_map="meta", dtype="auto", use_kernels=False)
+            model, info = load_with_info(
+                model_type, folder, device_map="meta", dtype="auto", use_kernels=False, ignore_mismatched_sizes=True
+            )
     expected = model.state_dict()
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none
     problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"]) if not k.startswith(mtp)]
-    problems += [f"shape differs from {architecture}'s: {k}" for k in sorted(str(m) for m in info["mismatched_keys"])]
+    packing = _zero_point_packing(config)
+    packed = {k for k, stored, built in info["mismatched_keys"] if _packed(k, built, packing) == tuple(stored)}
+    problems += [
+        f"{key}: stored as {list(stored)}, {architecture} has {list(built)}"
+        for key, stored, built in sorted(info["mismatched_keys"])
+        if key not in packed
+    ]
     stored = {n: e for tensors in weight_files(folder).values() for n, e in tensors.items()}
     for name, entry in sorted(stored.items()):
         quantized = name + SCALE_SUFFIX in stored  # an FP8 weight with its scales: loads dequantized without a GPU
         if (
             name in expected
             and not quantized
+            and name not in packed
             and not _loads_unaltered(TORCH_DTYPES[entry["dtype"]], expected[name].dtype)
         ):
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
+
+
+def _zero_point_packing(config) -> int | None:
+    """How many zero points compressed-tensors packs into one int32 row-wise, for an asymmetric ``pack-quantized``
+    config: vLLM and SGLang read them so, while transformers 5.25 builds them unpacked (one per row), which is
+    the only shape it may build differently from a stored one."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "compressed-tensors":
+        return None
+    for group in quantization.get("config_groups", {}).values():
+        weights = group.get("weights") or {}
+        if group.get("format", quantization.get("format")) == "pack-quantized" and weights.get("symmetric") is False:
+            return 32 // weights["num_bits"]
+    return None
+
+
+def _packed(key: str, shape: tuple[int, ...], packing: int | None) -> tuple[int, ...] | None:
+    """The shape of zero points ``key`` as compressed-tensors packs them (rows rounded up to a whole int32)."""
+    if packing is None or not key.endswith(".weight_zero_point"):
+        return None
+    return (-(-shape[0] // packing), *shape[1:])
 
 
 def _one_process(config) -> contextlib.AbstractContextManager:

@@ -23,12 +23,7 @@ from merge_pipeline.hf.fp8 import _KEPT_NAMES, _tower
 from merge_pipeline.plan import PlannedTensor
 
 # The data-free presets written byte for byte as model_free_ptq writes them (checked by the tests).
-SCHEMES = ("W4A16", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP8A16")
-# Written byte for byte too, but no folder of theirs loads in transformers 5.25 (llm-compressor's own neither).
-_UNLOADABLE = {
-    "W4A16_ASYM": "transformers 5.25 with compressed-tensors 0.19 cannot load its packed zero points"
-    " (a folder llm-compressor writes fails the same way)",
-}
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP8A16")
 # Calibrated presets and the data-free preset of the same weight format.
 _DATA_FREE_INSTEAD = {"NVFP4": "NVFP4A16", "FP8": "FP8_DYNAMIC", "MXFP4": "MXFP4A16", "MXFP8": "MXFP8A16"}
 _INSTALL = "pip install 'merge-pipeline[quant]'"
@@ -53,8 +48,6 @@ def preset(name: str, where: Path | None = None):
             f"--quantize {name} quantizes activations with scales calibrated on data, which a merge has none of:"
             f" use {instead} (its weights, activations left in 16 bits)",
         )
-    if name in _UNLOADABLE:
-        raise MergeError(where, f"--quantize {name} is not yet supported: {_UNLOADABLE[name]}; use W4A16")
     if name not in SCHEMES:
         raise MergeError(where, f"--quantize {name} is not yet supported: one of {', '.join(SCHEMES)}")
     scheme = preset_name_to_scheme(name, ["Linear"])  # model_free_ptq's target when a preset names none
