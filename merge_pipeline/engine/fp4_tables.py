@@ -12,7 +12,9 @@ its Triton kernels use on GPUs): the library's ``quantize`` and compressors call
   and on whether its lower 16 are zero: one entry for each pair (2 x 65,536), the library's output on the
   pair's smallest value; values with a NaN (whose payload passes through) go to the library's own.
 - ``pack_fp4_to_uint8`` of bfloat16 FP4 values (what ``cast_to_fp4`` returns, the only input it is defined for), two a
-  byte: one entry for each pair of the 16 values (256); any other input goes to the library's own.
+  byte: the library's byte of each pair of the 16 values (256) is the sum of what each value puts in its own nibble,
+  so two tables over the bfloat16 patterns give each value's share, first and second; any other input (a pattern
+  that is no FP4 value) goes to the library's own.
 
 merge_pipeline_tests/engine/test_fp4_tables.py checks each table against the library on its domain (the float32
 one at both ends of every upper half; it was also compared once on all 2^32 patterns but NaNs: equal).
@@ -25,6 +27,7 @@ import functools
 import torch
 
 _HALF = 16  # bits in each half of a float32; a bfloat16 is its upper half
+_NOT_FP4 = -1024  # below minus any byte
 
 
 @functools.cache
@@ -53,21 +56,23 @@ def cast_to_fp4_by_table(x: torch.Tensor) -> torch.Tensor:
         return cast_table(torch.bfloat16).index_select(0, _bits(x).view(-1)).view(x.shape)
     if not bool(torch.isfinite(x.sum())) and bool(x.isnan().any()):  # a finite sum: no NaN (one cheap pass)
         return library("cast_to_fp4")(x)  # a NaN's payload is its own: the library's answer
-    bits = x.contiguous().view(torch.int32)
-    keys = (bits >> (_HALF - 1)) & ~1  # the upper half, shifted left by one
-    keys += (bits & 0xFFFF) != 0
-    keys &= (1 << (_HALF + 1)) - 1
-    return cast_table(torch.float32).index_select(0, keys.view(-1)).view(x.shape)
+    # Each value's (lower, upper) halves: torch's CPUs are little-endian.
+    halves = x.reshape(-1).view(torch.int16).view(-1, 2)
+    keys = torch.add(halves[:, 0] != 0, halves[:, 1].view(torch.uint16).to(torch.int32), alpha=2)
+    return cast_table(torch.float32).index_select(0, keys).view(x.shape)
 
 
 def pack_fp4_to_uint8_by_table(x: torch.Tensor) -> torch.Tensor:
     """``pack_fp4_to_uint8`` of bfloat16 FP4 values ``x`` (``[rows, cols]``), looked up."""
-    codes, pairs = pack_tables()
+    first, second = pack_tables()
     rows, cols = x.shape
-    code = codes.index_select(0, _bits(x).view(-1)).view(-1, 2) if cols % 2 == 0 else None
-    if code is None or bool((code < 0).any()):
-        return library("pack_fp4_to_uint8")(x)  # not FP4 values, or an odd width: the library's answer
-    return pairs.view(-1).index_select(0, code[:, 0] * len(pairs) + code[:, 1]).view(rows, cols // 2)
+    if cols % 2:
+        return library("pack_fp4_to_uint8")(x)  # the library's answer (an error) to an odd width
+    bits = _bits(x).view(-1, 2)
+    packed = first.index_select(0, bits[:, 0]) + second.index_select(0, bits[:, 1])
+    if bool(packed.min() < 0):
+        return library("pack_fp4_to_uint8")(x)  # not FP4 values: the library's answer
+    return packed.to(torch.uint8).view(rows, cols // 2)
 
 
 @functools.cache
@@ -84,14 +89,18 @@ def cast_table(dtype: torch.dtype) -> torch.Tensor:
 
 @functools.cache
 def pack_tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """Each bfloat16 pattern's index in the list of FP4 values (-1: not one), and the library's packed byte of
-    each pair of them (``[first, second]``)."""
+    """What each bfloat16 pattern adds to the library's packed byte as the first and as the second value of a pair
+    (``_NOT_FP4`` for a pattern that is no FP4 value: any sum with it is negative). Checked on every pair."""
     values = fp4_values()
-    codes = torch.full((1 << _HALF,), -1, dtype=torch.int32)
-    codes[_bits(values).long()] = torch.arange(len(values), dtype=torch.int32)
     first, second = torch.meshgrid(values, values, indexing="ij")
     pairs = library("pack_fp4_to_uint8")(torch.stack([first.reshape(-1), second.reshape(-1)], dim=1))
-    return codes, pairs.view(len(values), len(values))
+    pairs = pairs.view(len(values), len(values)).to(torch.int16)
+    as_first, as_second = pairs[:, 0], pairs[0, :] - pairs[0, 0]
+    if not torch.equal(pairs, as_first[:, None] + as_second[None, :]):
+        raise RuntimeError("compressed-tensors' pack_fp4_to_uint8 no longer packs each value on its own")
+    tables = torch.full((2, 1 << _HALF), _NOT_FP4, dtype=torch.int16)
+    tables[0, _bits(values)], tables[1, _bits(values)] = as_first, as_second
+    return tables[0], tables[1]
 
 
 def fp4_values() -> torch.Tensor:
