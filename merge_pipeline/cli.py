@@ -295,6 +295,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         + (
             f"; {quantization['scheme']}: {quantization['quantized_weights']} weights quantized ({quantization['format']}),"
             f" {len(quantization['ignore'])} modules kept in bfloat16 ({len(quantization['off_grid'])} off the scheme's groups)"
+            + (f"; not loaded by {quantization['not_loaded_by']}" if "not_loaded_by" in quantization else "")
             if quantization
             else ""
         )

@@ -27,6 +27,9 @@ SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16
 # Calibrated presets and the data-free preset of the same weight format.
 _DATA_FREE_INSTEAD = {"NVFP4": "NVFP4A16", "FP8": "FP8_DYNAMIC", "MXFP4": "MXFP4A16", "MXFP8": "MXFP8A16"}
 _INSTALL = "pip install 'merge-pipeline[quant]'"
+# Said of a folder whose zero points are packed (the closing line, the model card, the step report): llm-compressor's
+# own folders of these schemes fail in transformers the same way.
+_PACKED_ZERO_POINTS = "transformers 5.25, which builds the packed zero points unpacked (vLLM and SGLang load them)"
 
 
 def preset(name: str, where: Path | None = None):
@@ -100,7 +103,13 @@ class QuantDecisions:
             "quantized_weights": len(self.quantized),
             "ignore": self.ignore,
             "off_grid": self.off_grid,
+            **({"not_loaded_by": _PACKED_ZERO_POINTS} if self._packs_zero_points else {}),
         }
+
+    @property
+    def _packs_zero_points(self) -> bool:
+        """An asymmetric ``pack-quantized`` scheme (``W4A16_ASYM``, or a base's own): its zero points are packed."""
+        return self.format == "pack-quantized" and self.scheme.weights.symmetric is False
 
 
 def decide(

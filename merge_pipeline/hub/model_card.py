@@ -99,6 +99,7 @@ def quantization_rows(quantization: dict | None) -> list[tuple[str, str]]:
             "kept in bfloat16",
             f"{kept} (and every norm and bias)" + (f"; {off_grid} of them off the scheme's groups" if off_grid else ""),
         ),
+        *([("not loaded by", quantization["not_loaded_by"])] if "not_loaded_by" in quantization else []),
     ]
 
 
