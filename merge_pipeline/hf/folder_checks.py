@@ -19,6 +19,7 @@ from merge_pipeline.hf.file_names import INDEX, SINGLE_FILE
 from merge_pipeline.hf.fp8 import SCALE_SUFFIX
 from merge_pipeline.hf.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from merge_pipeline.hf.manifest import digests_still_valid, file_sums, read_manifest
+from merge_pipeline.hf.quantization import zero_point_packing
 from merge_pipeline.hf.safetensors import TORCH_DTYPES, exact_common_dtype, read_header
 
 _ADAPTER_TENSOR = re.compile(rf"^{re.escape(PEFT_PREFIX)}.+\.(?P<module>[^.]+)\.lora_(?P<which>[AB])\.weight$")
@@ -57,7 +58,9 @@ def meta_load_problems(folder: Path) -> list[str]:
     problems = [f"missing from the weights: {k}" for k in sorted(info["missing_keys"])]
     mtp = multi_token_prediction_prefixes(config)  # kept for vLLM / SGLang; transformers builds none
     problems += [f"not in {architecture}: {k}" for k in sorted(info["unexpected_keys"]) if not k.startswith(mtp)]
-    packing = _zero_point_packing(config)
+    # The one shape transformers may build differently from a stored one: packed zero points (built unpacked).
+    quantization = getattr(config, "quantization_config", None)
+    packing = zero_point_packing(quantization) if isinstance(quantization, dict) else None
     packed = {k for k, stored, built in info["mismatched_keys"] if _packed(k, built, packing) == tuple(stored)}
     problems += [
         f"{key}: stored as {list(stored)}, {architecture} has {list(built)}"
@@ -75,20 +78,6 @@ def meta_load_problems(folder: Path) -> list[str]:
         ):
             problems.append(f"{name}: stored as {entry['dtype']}, loads as {expected[name].dtype}")
     return problems
-
-
-def _zero_point_packing(config) -> int | None:
-    """How many zero points compressed-tensors packs into one int32 row-wise, for an asymmetric ``pack-quantized``
-    config: vLLM and SGLang read them so, while transformers 5.25 builds them unpacked (one per row), which is
-    the only shape it may build differently from a stored one."""
-    quantization = getattr(config, "quantization_config", None) or {}
-    if not isinstance(quantization, dict) or quantization.get("quant_method") != "compressed-tensors":
-        return None
-    for group in quantization.get("config_groups", {}).values():
-        weights = group.get("weights") or {}
-        if group.get("format", quantization.get("format")) == "pack-quantized" and weights.get("symmetric") is False:
-            return 32 // weights["num_bits"]
-    return None
 
 
 def _packed(key: str, shape: tuple[int, ...], packing: int | None) -> tuple[int, ...] | None:

@@ -103,13 +103,22 @@ class QuantDecisions:
             "quantized_weights": len(self.quantized),
             "ignore": self.ignore,
             "off_grid": self.off_grid,
-            **({"not_loaded_by": _PACKED_ZERO_POINTS} if self._packs_zero_points else {}),
+            **({"not_loaded_by": _PACKED_ZERO_POINTS} if zero_point_packing(self.quantization_config) else {}),
         }
 
-    @property
-    def _packs_zero_points(self) -> bool:
-        """An asymmetric ``pack-quantized`` scheme (``W4A16_ASYM``, or a base's own): its zero points are packed."""
-        return self.format == "pack-quantized" and self.scheme.weights.symmetric is False
+
+def zero_point_packing(quantization_config: dict) -> int | None:
+    """How many zero points compressed-tensors packs into one int32 down the rows, for a config with an asymmetric
+    ``pack-quantized`` group (``W4A16_ASYM``, or a base's own); None for any other. vLLM and SGLang read them
+    packed; transformers 5.25 builds them unpacked, one per row."""
+    if quantization_config.get("quant_method") != "compressed-tensors":
+        return None
+    for group in quantization_config.get("config_groups", {}).values():
+        weights = group.get("weights") or {}
+        packed = (group.get("format") or quantization_config.get("format")) == "pack-quantized"
+        if packed and weights.get("symmetric") is False:
+            return 32 // weights["num_bits"]
+    return None
 
 
 def decide(
